@@ -1,0 +1,209 @@
+"""Load MiniMax-M3 checkpoints from a local directory (config.json + safetensors shards).
+
+Two key layouts are accepted and mapped onto m3eagle's parameter names (transformers' text-model names
+without the `model.` prefix):
+
+- the public MiniMax-M3 layout: `language_model.model.layers.{i}.block_sparse_moe.experts.{j}.w1/w2/w3`,
+  `block_sparse_moe.gate` (fp32), `block_sparse_moe.e_score_correction_bias`, `shared_experts.*`,
+  `self_attn.index_{q,k}_{proj,norm}`, `mlp.{gate,up,down}_proj` on dense layers;
+- what transformers 5.17 `save_pretrained` writes for MiniMaxM3VL models (`model.language_model.*` or
+  `model.*`, stacked `experts.gate_up_proj`, fused `gate_up_proj`).
+
+Vision weights are skipped with one log line. A missing or mis-shaped tensor raises `CheckpointError`
+naming the tensor and the expected shape.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..config import M3Config
+from ..models.minimax_m3 import MiniMaxM3
+
+log = logging.getLogger("m3eagle")
+
+_VISION = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector|patch_merge_mlp|visual)\.")
+_MTP = re.compile(r"(^|\.)mtp\.")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def read_config(path: str | Path) -> dict:
+    p = Path(path) / "config.json"
+    if not p.is_file():
+        raise CheckpointError(f"no config.json in {path}: pass model= a directory holding config.json and "
+                              "*.safetensors")
+    return json.loads(p.read_text())
+
+
+def iter_tensors(path: str | Path):
+    """Yield (name, tensor) over every safetensors shard (the index json when there is one)."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {path}")
+    for f in files:
+        with safe_open(str(path / f), framework="pt") as fh:
+            for name in fh.keys():
+                yield name, fh.get_tensor(name)
+
+
+def _canonical(name: str) -> str | None:
+    """Checkpoint key -> m3eagle key (experts/gate_proj merging is handled by the caller)."""
+    if _VISION.match(name) or _MTP.search(name):
+        return None
+    for pre in ("language_model.model.", "model.language_model.", "language_model.", "model."):
+        if name.startswith(pre):
+            name = name[len(pre):]
+            break
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    name = re.sub(r"\.mlp\.e_score_correction_bias$", ".mlp.gate.e_score_correction_bias", name)
+    name = re.sub(r"\.self_attn\.index_(q|k)_(proj|norm)\.", r".self_attn.indexer.\1_\2.", name)
+    return name
+
+
+def load_state_dict(path: str | Path, cfg: M3Config) -> dict[str, torch.Tensor]:
+    sd: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, int, str], torch.Tensor] = {}
+    halves: dict[tuple[str, str], torch.Tensor] = {}
+    skipped = 0
+    for raw, t in iter_tensors(path):
+        name = _canonical(raw)
+        if name is None:
+            skipped += 1
+            continue
+        m = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$", name)
+        if m:
+            experts[(m.group(1), int(m.group(2)), m.group(3))] = t
+            continue
+        m = re.match(r"(.*)\.(gate_proj|up_proj)\.weight$", name)
+        if m:
+            halves[(m.group(1), m.group(2))] = t
+            continue
+        sd[name] = t
+    if skipped:
+        log.info("ignored %d vision/MTP tensors (m3eagle serves the text backbone)", skipped)
+    for prefix in sorted({k[0] for k in experts}):
+        n = cfg.num_local_experts
+        try:
+            w1 = [experts[(prefix, j, "w1")] for j in range(n)]
+            w3 = [experts[(prefix, j, "w3")] for j in range(n)]
+            w2 = [experts[(prefix, j, "w2")] for j in range(n)]
+        except KeyError as e:
+            raise CheckpointError(f"missing tensor {e.args[0][0]}.{e.args[0][1]}.{e.args[0][2]}.weight "
+                                  f"(config says num_local_experts={n})") from None
+        sd[prefix + ".gate_up_proj"] = torch.stack([torch.cat([a, b], 0) for a, b in zip(w1, w3)])
+        sd[prefix + ".down_proj"] = torch.stack(w2)
+    for prefix in sorted({k[0] for k in halves}):
+        if (prefix, "gate_proj") not in halves or (prefix, "up_proj") not in halves:
+            raise CheckpointError(f"{prefix} has only one of gate_proj/up_proj")
+        sd[prefix + ".gate_up_proj.weight"] = torch.cat([halves[(prefix, "gate_proj")],
+                                                         halves[(prefix, "up_proj")]], 0)
+    return sd
+
+
+def load_into(model: torch.nn.Module, sd: dict[str, torch.Tensor], what: str,
+              optional: tuple[str, ...] = ()) -> None:
+    """Copy sd into the model's parameters/buffers, checking presence and shape of every tensor."""
+    own = dict(model.named_parameters())
+    own.update(dict(model.named_buffers()))
+    for name, p in own.items():
+        t = sd.get(name)
+        if t is None:
+            if any(re.fullmatch(o, name) for o in optional):
+                continue
+            raise CheckpointError(f"{what}: missing tensor {name!r}, expected shape {tuple(p.shape)}")
+        if tuple(t.shape) != tuple(p.shape):
+            raise CheckpointError(f"{what}: tensor {name!r} has shape {tuple(t.shape)}, expected "
+                                  f"{tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(t.to(p.dtype))
+    extra = sorted(set(sd) - set(own))
+    if extra:
+        log.warning("%s: %d unused tensors, e.g. %s", what, len(extra), extra[:3])
+
+
+def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> MiniMaxM3:
+    cfg = M3Config.from_dict(read_config(path))
+    model = MiniMaxM3(cfg)
+    sd = load_state_dict(path, cfg)
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in sd and "embed_tokens.weight" in sd:
+        raise CheckpointError(f"missing tensor 'lm_head.weight', expected shape "
+                              f"{(cfg.vocab_size, cfg.hidden_size)} (or set tie_word_embeddings)")
+    optional = (r".*e_score_correction_bias",) + ((r"lm_head\.weight",) if cfg.tie_word_embeddings else ())
+    load_into(model, sd, "target checkpoint", optional)
+    return cast_model(model, dtype, device)
+
+
+def cast_model(model: MiniMaxM3, dtype: torch.dtype, device: str | torch.device) -> MiniMaxM3:
+    """Move to device/dtype; the router (weight and bias) stays fp32 as in the public checkpoint."""
+    routers = {n: (m.weight.data.float(), m.e_score_correction_bias.float())
+               for n, m in model.named_modules() if n.endswith("mlp.gate")}
+    model.to(device=device, dtype=dtype)
+    for n, m in model.named_modules():
+        if n in routers:
+            m.weight.data = routers[n][0].to(device)
+            m.e_score_correction_bias = routers[n][1].to(device)
+    return model.eval().requires_grad_(False)
+
+
+def save_target(model: MiniMaxM3, path: str | Path, layout: str = "hf") -> None:
+    """Write config.json + model.safetensors. layout='hf' writes transformers' MiniMaxM3VLForCausalLM
+    names; layout='public' writes the MiniMax-M3 release layout (per-expert w1/w2/w3)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.cfg
+    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    out: dict[str, torch.Tensor] = {}
+    if layout == "hf":
+        for k, v in sd.items():
+            out[k if k == "lm_head.weight" else "model." + k] = v
+        conf = cfg.to_hf_text_dict()
+    elif layout == "public":
+        for k, v in sd.items():
+            if k == "lm_head.weight":
+                out["language_model.lm_head.weight"] = v
+                continue
+            moe = re.search(r"\.mlp\.(gate\.|experts\.|shared_experts\.)", k) is not None
+            base = "language_model.model." + (k.replace(".mlp.", ".block_sparse_moe.") if moe else k)
+            base = base.replace(".block_sparse_moe.gate.e_score_correction_bias",
+                                ".block_sparse_moe.e_score_correction_bias")
+            base = re.sub(r"\.self_attn\.indexer\.(q|k)_(proj|norm)\.", r".self_attn.index_\1_\2.", base)
+            if base.endswith("experts.gate_up_proj"):
+                inter = v.shape[1] // 2
+                for j in range(v.shape[0]):
+                    out[base[: -len("gate_up_proj")] + f"{j}.w1.weight"] = v[j, :inter].clone()
+                    out[base[: -len("gate_up_proj")] + f"{j}.w3.weight"] = v[j, inter:].clone()
+            elif base.endswith("experts.down_proj"):
+                for j in range(v.shape[0]):
+                    out[base[: -len("down_proj")] + f"{j}.w2.weight"] = v[j].clone()
+            elif base.endswith("gate_up_proj.weight"):
+                inter = v.shape[0] // 2
+                out[base.replace("gate_up_proj", "gate_proj")] = v[:inter].clone()
+                out[base.replace("gate_up_proj", "up_proj")] = v[inter:].clone()
+            else:
+                out[base] = v
+        conf = {"model_type": "minimax_m3_vl", "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
+                "text_config": cfg.to_hf_text_dict()}
+    else:
+        raise ValueError(f"layout={layout!r}: choose 'hf' or 'public'")
+    save_file(out, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(conf, indent=2))

@@ -1,0 +1,147 @@
+"""Building blocks shared by the target and the draft head: norms, RoPE, SwiGLU-OAI, MoE."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class GemmaRMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and scaled by (1 + w); the checkpoint stores w (zero-initialised)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).type_as(x)
+
+
+class LlamaRMSNorm(nn.Module):
+    """Plain RMSNorm (scale w), as Llama-style Eagle3 heads use."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX RoPE tables: positions [...] -> cos, sin [..., rotary_dim], computed in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32,
+                                             device=positions.device) / rotary_dim))
+    freqs = positions.float()[..., None] * inv_freq  # [..., rotary_dim/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Partial NeoX RoPE over the first cos.shape[-1] channels. x [T, H, D], cos/sin [T, R]."""
+    r = cos.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    half = r // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """(up + 1) * gate * sigmoid(alpha * gate); gate clamped above only, up on both sides.
+    gate_up [..., 2I] holds gate then up (not interleaved)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1.0) * (gate * torch.sigmoid(gate * alpha))
+
+
+class SwigluOaiMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, alpha: float, limit: float):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu_oai(self.gate_up_proj(x), self.alpha, self.limit))
+
+
+class SiluMLP(nn.Module):
+    """Llama MLP (gate/up/down), used by the Eagle3 head."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """fp32 sigmoid router. `e_score_correction_bias` steers selection only; the combine weights are
+    the plain sigmoid scores of the chosen experts, renormalised."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] fp32, experts [T, k] int64)."""
+        scores = torch.sigmoid(F.linear(x.to(self.weight.dtype), self.weight).float())  # [T, E]
+        _, idx = torch.topk(scores + self.e_score_correction_bias.float(), self.top_k, dim=-1, sorted=False)
+        w = scores.gather(1, idx)
+        return w / w.sum(-1, keepdim=True), idx
+
+
+class Experts(nn.Module):
+    """Routed experts as stacked weights: gate_up_proj [E, 2I, H] (gate rows then up rows), down_proj
+    [E, H, I] -- the layout transformers uses, so its save_pretrained output loads as is."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, alpha: float, limit: float):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """x [T, H], weights/idx [T, k] -> [T, H].
+
+        Every expert runs on every token and the results are combined with a dense [T, E] weight
+        matrix (zero for unchosen experts). That is E/k times the routed FLOPs, but it needs no
+        host-device sync and no data-dependent shapes, so it is graph-capturable; m3eagle's target
+        models are small enough that the step is launch-bound, not FLOP-bound."""
+        e = self.gate_up_proj.shape[0]
+        combine = torch.zeros(x.shape[0], e, dtype=torch.float32, device=x.device)
+        combine.scatter_(1, idx, weights)  # [T, E]
+        h = torch.einsum("th,eih->eti", x, self.gate_up_proj)  # [E, T, 2I]
+        h = swiglu_oai(h, self.alpha, self.limit)
+        out = torch.einsum("eti,ehi->eth", h, self.down_proj)  # [E, T, H]
+        return torch.einsum("eth,te->th", out.float(), combine).to(x.dtype)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden: int, inter: int, shared_inter: int, num_experts: int, top_k: int,
+                 scaling: float, alpha: float, limit: float):
+        super().__init__()
+        self.routed_scaling_factor = scaling
+        self.gate = Router(hidden, num_experts, top_k)
+        self.experts = Experts(num_experts, hidden, inter, alpha, limit)
+        self.shared_experts = SwigluOaiMLP(hidden, shared_inter, alpha, limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, idx = self.gate(x)
+        # Routed output is scaled; the shared expert is not.
+        return self.experts(x, w, idx) * self.routed_scaling_factor + self.shared_experts(x)

@@ -1,0 +1,186 @@
+"""MiniMax-M3 text backbone: dense layers then MoE, full attention then MiniMax Sparse Attention.
+
+The module holds weights only. `forward` is a pure function of (tokens, positions, metadata, caches):
+the engine owns the KV pools and passes them in. Parameter names follow transformers'
+`MiniMaxM3VLForCausalLM` with the `model.` prefix dropped, so its `save_pretrained` output maps 1:1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..attention import backend, reference
+from ..attention.metadata import AttnMetadata
+from ..config import M3Config
+from .layers import GemmaRMSNorm, SparseMoE, SwigluOaiMLP, apply_rope, rope_cos_sin
+
+
+@dataclass
+class LayerCache:
+    """One attention layer's pools, all indexed by the same cache slots."""
+
+    k: torch.Tensor  # [S, Hkv, D]
+    v: torch.Tensor  # [S, Hkv, D]
+    idx_k: torch.Tensor | None = None  # [S, Di] on sparse layers
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: M3Config):
+        super().__init__()
+        self.cfg = cfg
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads * cfg.index_head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.index_head_dim, bias=False)
+        self.q_norm = GemmaRMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> iq [T, Hi, Di], ik [T, Di]."""
+        t = x.shape[0]
+        r = self.cfg.index_rope_dim
+        iq = self.q_norm(self.q_proj(x).view(t, self.cfg.index_n_heads, self.cfg.index_head_dim))
+        ik = self.k_norm(self.k_proj(x).view(t, 1, self.cfg.index_head_dim))
+        return apply_rope(iq, cos[:, :r], sin[:, :r]), apply_rope(ik, cos[:, :r], sin[:, :r])[:, 0]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: M3Config, layer: int):
+        super().__init__()
+        self.cfg = cfg
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
+        self.q_norm = GemmaRMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(d, cfg.rms_norm_eps)
+        self.indexer = Indexer(cfg) if cfg.is_sparse(layer) else None
+        self.scale = d ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
+                cache: LayerCache) -> torch.Tensor:
+        t, c = x.shape[0], self.cfg
+        q = apply_rope(self.q_norm(self.q_proj(x).view(t, c.num_attention_heads, c.head_dim)), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(x).view(t, c.num_key_value_heads, c.head_dim)), cos, sin)
+        v = self.v_proj(x).view(t, c.num_key_value_heads, c.head_dim)
+        cache.k.index_copy_(0, meta.slot_mapping, k.to(cache.k.dtype))
+        cache.v.index_copy_(0, meta.slot_mapping, v.to(cache.v.dtype))
+        if self.indexer is None:
+            o = backend.get().attention(q, cache.k, cache.v, meta, self.scale)
+        else:
+            iq, ik = self.indexer(x, cos, sin)
+            cache.idx_k.index_copy_(0, meta.slot_mapping, ik.to(cache.idx_k.dtype))
+            o = backend.get().sparse_attention(q, cache.k, cache.v, meta, self.scale, iq, cache.idx_k,
+                                               c.index_block_size, c.index_topk_blocks, c.index_local_blocks)
+        return self.o_proj(o.reshape(t, -1))
+
+    def forward_seq(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Contiguous (training / oracle) path: x [B, S, H], cos/sin [S, R] -> [B, S, H]. Same math as
+        the paged path with no cache: row b's keys are its own tokens 0..S-1."""
+        b, s, c = x.shape[0], x.shape[1], self.cfg
+        flat = x.reshape(b * s, -1)
+        cos_f, sin_f = cos.repeat(b, 1), sin.repeat(b, 1)
+        q = apply_rope(self.q_norm(self.q_proj(flat).view(b * s, c.num_attention_heads, c.head_dim)), cos_f, sin_f)
+        k = apply_rope(self.k_norm(self.k_proj(flat).view(b * s, c.num_key_value_heads, c.head_dim)), cos_f, sin_f)
+        v = self.v_proj(flat).view(b, s, c.num_key_value_heads, c.head_dim)
+        pos = torch.arange(s, device=x.device).expand(b, s)
+        keep = None
+        if self.indexer is not None:
+            iq, ik = self.indexer(flat, cos_f, sin_f)
+            sel = reference.select_blocks(iq.view(b, s, c.index_n_heads, -1), ik.view(b, s, -1), pos,
+                                          c.index_block_size, c.index_topk_blocks, c.index_local_blocks)
+            keep = reference.block_keep_mask(sel, s, c.index_block_size, c.num_attention_heads)
+        o = reference.attend(q.view(b, s, c.num_attention_heads, c.head_dim),
+                             k.view(b, s, c.num_key_value_heads, c.head_dim), v, pos, self.scale, keep)
+        return self.o_proj(o.reshape(b, s, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: M3Config, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        if cfg.is_moe(layer):
+            self.mlp: nn.Module = SparseMoE(cfg.hidden_size, cfg.intermediate_size, cfg.shared_intermediate_size,
+                                            cfg.num_local_experts, cfg.num_experts_per_tok,
+                                            cfg.routed_scaling_factor, cfg.swiglu_alpha, cfg.swiglu_limit)
+        else:
+            self.mlp = SwigluOaiMLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.swiglu_alpha,
+                                    cfg.swiglu_limit)
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, meta, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_seq(self, x, cos, sin):
+        x = x + self.self_attn.forward_seq(self.input_layernorm(x), cos, sin)
+        b, s, h = x.shape
+        return x + self.mlp(self.post_attention_layernorm(x).reshape(b * s, h)).view(b, s, h)
+
+
+class MiniMaxM3(nn.Module):
+    """forward(input_ids [T], positions [T], meta, caches) -> hidden [T, H] (after the final norm).
+
+    aux_layer_ids: capture the residual stream after L layers (L in 1..N) into `aux_out`
+    [T, len(ids) * H], a preallocated buffer, in the order given -- the Eagle3 convention."""
+
+    def __init__(self, cfg: M3Config):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                caches: list[LayerCache], aux_layer_ids: tuple[int, ...] = (),
+                aux_out: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, H]
+        cos, sin = rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
+        h = self.cfg.hidden_size
+        if aux_out is not None and 0 in aux_layer_ids:
+            j = aux_layer_ids.index(0)
+            aux_out[: x.shape[0], j * h:(j + 1) * h].copy_(x)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, meta, caches[i])
+            if aux_out is not None and (i + 1) in aux_layer_ids:
+                j = aux_layer_ids.index(i + 1)
+                aux_out[: x.shape[0], j * h:(j + 1) * h].copy_(x)
+        return self.norm(x)
+
+    def forward_seq(self, input_ids: torch.Tensor, aux_layer_ids: tuple[int, ...] = (),
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Training / oracle path without a cache: input_ids [B, S] -> (hidden [B, S, H] after the
+        final norm, aux [B, S, len(ids) * H] or None). Differentiable."""
+        x = self.embed_tokens(input_ids)
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        cos, sin = rope_cos_sin(pos, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
+        aux = [x] if 0 in aux_layer_ids else []
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_seq(x, cos, sin)
+            if (i + 1) in aux_layer_ids:
+                aux.append(x)
+        order = sorted(set(aux_layer_ids))
+        aux_t = torch.cat([aux[order.index(i)] for i in aux_layer_ids], -1) if aux_layer_ids else None
+        return self.norm(x), aux_t
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] in fp32."""
+        return self.lm_head(hidden).float()
+
+    def new_caches(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> list[LayerCache]:
+        c = self.cfg
+        out = []
+        for i in range(c.num_hidden_layers):
+            kv = lambda: torch.zeros(num_slots, c.num_key_value_heads, c.head_dim, dtype=dtype,  # noqa: E731
+                                     device=device)
+            idx = (torch.zeros(num_slots, c.index_head_dim, dtype=dtype, device=device)
+                   if c.is_sparse(i) else None)
+            out.append(LayerCache(kv(), kv(), idx))
+        return out
