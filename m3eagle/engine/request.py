@@ -1,0 +1,98 @@
+"""Request state (host side) and the RequestOutput users get back."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ..sampling.params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    logprobs: list[float] | None = None
+    num_drafted: int = 0  # draft tokens proposed to the target
+    num_accepted: int = 0  # of those, accepted
+    num_verify_steps: int = 0  # steps in which this request verified drafts
+    accepted_per_position: list[int] = field(default_factory=list)  # accepted count at draft position i
+    drafted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: int
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    # KV bookkeeping (host truth as of the last processed step)
+    num_computed: int = 0
+    pages: list[int] = field(default_factory=list)
+    slot: int = -1  # persistent device-buffer index while running
+    # Projection while a step is in flight: the host assumes every draft is accepted.
+    proj_computed: int = 0
+    proj_known: int = 0
+    inflight_rows: list = field(default_factory=list)  # rows launched, outputs not yet processed
+    slot_valid: bool = False  # device slot buffers hold this request's latest sampled token + drafts
+    pending_free: bool = False
+    text: str = ""
+    # speculative metrics
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_verify_steps: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def inflight(self) -> int:
+        return len(self.inflight_rows)
+
+    def reproject(self) -> None:
+        """Projected lengths = host truth + the effect of every row still in flight, assuming all of
+        its drafts are accepted (an upper bound the device corrects)."""
+        c, k = self.num_computed, self.num_known
+        for row in self.inflight_rows:
+            c = (c if row.gather else row.start) + row.num_tokens
+            if row.samples:
+                k += 1 + row.num_drafts
+        self.proj_computed, self.proj_known = c, k
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_known(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), list(self.output_token_ids),
+                             self.text, self.finish_reason,
+                             list(self.logprobs) if self.params.logprobs else None, self.num_drafted,
+                             self.num_accepted, self.num_verify_steps, list(self.accepted_per_position),
+                             list(self.drafted_per_position))

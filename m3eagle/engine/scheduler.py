@@ -1,0 +1,188 @@
+"""Token-budget scheduler (vLLM v1's model): no prefill or decode phase, only runs of new tokens.
+
+Each request wants its KV to catch up with its known tokens, plus K drafts once it is caught up. A prompt
+chunk, a decode row (1 token) and a verify row (1 + K tokens) are all rows of new tokens on a cached
+prefix. Running requests go first (FCFS); waiting requests are admitted while budget and pages last.
+When pages run out, the newest running request is preempted by recompute: its pages are freed and it
+re-enters the waiting queue with its tokens so far.
+
+While a step is in flight (overlap), the scheduler plans on projected lengths (every draft accepted),
+which are upper bounds; the device corrects them. A plan that would have to preempt a request still in
+flight is refused (`NeedSync`): the engine drains the pipeline and plans again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ..kvcache.page_pool import PagePool
+from .request import Request, Status
+
+
+class NeedSync(Exception):
+    """The plan needs the in-flight step's results first (e.g. to preempt a request it holds)."""
+
+
+@dataclass
+class ScheduledRow:
+    req: Request
+    start: int  # first position (host-projected)
+    tokens: list[int]  # host-known ids (placeholders where `gather` is set)
+    num_drafts: int  # drafts appended to this row (0 or K)
+    samples: bool  # the row reaches the end of the known tokens -> sample / verify
+    gather: bool  # first token + drafts come from the device slot buffers
+    correct: bool  # the previous sampling step is still in flight -> correct kv_len on device
+    next_token: int  # for non-sampling rows: the known token after the chunk (draft step 0 shift)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def kv_len(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    rows: list[ScheduledRow]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, max_num_tokens: int, max_num_seqs: int, num_draft_tokens: int,
+                 max_pages_per_seq: int):
+        self.pool = pool
+        self.max_num_tokens = max_num_tokens
+        self.max_num_seqs = max_num_seqs
+        self.k = num_draft_tokens
+        self.max_pages_per_seq = max_pages_per_seq
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_slots = list(range(max_num_seqs))[::-1]
+
+    # ---- queue management --------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(not r.finished for r in self.running)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Mark finished; pages go back now, or once the step in flight that uses them completes."""
+        req.status, req.finish_reason = Status.FINISHED, reason
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req.inflight:
+            req.pending_free = True
+        else:
+            self.release(req)
+
+    def release(self, req: Request) -> None:
+        if req.pages:
+            self.pool.free(req.request_id, req.pages)
+            req.pages = []
+        if req.slot >= 0:
+            self.free_slots.append(req.slot)
+            req.slot = -1
+        req.pending_free = False
+        if req in self.running:
+            self.running.remove(req)
+
+    def _preempt(self, req: Request) -> None:
+        self.pool.free(req.request_id, req.pages)
+        req.pages = []
+        self.free_slots.append(req.slot)
+        req.slot = -1
+        req.status = Status.WAITING
+        req.num_computed = req.proj_computed = 0
+        req.proj_known = req.num_known
+        req.slot_valid = False
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    # ---- planning ----------------------------------------------------------------------------
+    def _pages_needed(self, req: Request, kv_len: int, num_drafts: int) -> int:
+        # Draft steps 1..K-1 write K-1 positions past the row; reserve them too.
+        want = self.pool.pages_for(kv_len + max(self.k - 1, 0)) if self.k else self.pool.pages_for(kv_len)
+        return max(0, min(want, self.max_pages_per_seq) - len(req.pages))
+
+    def _plan_row(self, req: Request, budget: int) -> ScheduledRow | None:
+        known = req.proj_known
+        start = req.proj_computed
+        n_known = known - start
+        n = min(n_known, budget)
+        if n <= 0:
+            return None
+        samples = n == n_known
+        nd = self.k if (samples and self.k and req.slot_valid and n_known == 1 and budget >= 1 + self.k) else 0
+        gather = samples and req.slot_valid and n_known == 1
+        correct = gather and req.inflight > 0
+        if gather:
+            tokens = [0] * (1 + nd)
+        else:
+            tokens = req.all_token_ids[start:start + n] + [0] * nd
+        nxt = req.all_token_ids[start + n] if not samples else 0
+        return ScheduledRow(req, start, tokens, nd, samples, gather, correct, nxt)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_tokens
+        rows: list[ScheduledRow] = []
+        preempted: list[Request] = []
+        for req in list(self.running):
+            if req.finished or req not in self.running:
+                continue
+            row = self._plan_row(req, budget)
+            if row is None:
+                continue
+            need = self._pages_needed(req, row.kv_len, row.num_drafts)
+            while need > self.pool.num_free:
+                victim = next((r for r in reversed(self.running) if not r.finished), None)
+                if victim is None:
+                    break
+                if victim.inflight:
+                    raise NeedSync()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req not in self.running:
+                continue
+            req.pages += self.pool.allocate(req.request_id, need)
+            rows.append(row)
+            budget -= row.num_tokens
+            if budget <= 0:
+                break
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            req.proj_known = req.num_known
+            row = self._plan_row(req, budget)
+            if row is None:
+                break
+            need = self._pages_needed(req, row.kv_len, row.num_drafts)
+            if need > self.pool.num_free:
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            req.slot = self.free_slots.pop()
+            req.pages = self.pool.allocate(req.request_id, need)
+            self.running.append(req)
+            rows.append(row)
+            budget -= row.num_tokens
+        return ScheduledBatch(rows, preempted)
+
+    def commit(self, batch: ScheduledBatch) -> None:
+        """The batch was launched: project every row's effect (all drafts accepted)."""
+        for row in batch.rows:
+            row.req.inflight_rows.append(row)
+            row.req.reproject()
+            if row.samples:
+                row.req.slot_valid = True
+
+    def table_snapshot(self) -> dict[str, list[int]]:
+        return {r.request_id: list(r.pages) for r in self.running if r.pages}

@@ -1,0 +1,72 @@
+"""Page allocator shared by every KV pool (target layers, index-K, draft layer).
+
+All pools are indexed by the same slots (`slot = page * page_size + offset`), so one allocator and one
+page table per request serve them all. Page 0 is the trash page (see attention/metadata.py).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from ..attention.metadata import TRASH_PAGE
+
+
+class OutOfPages(RuntimeError):
+    pass
+
+
+class PagePool:
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 2:
+            raise ValueError(f"num_pages={num_pages}: need at least 2 (page 0 is reserved as trash)")
+        self.num_pages, self.page_size = num_pages, page_size
+        self._free: deque[int] = deque(range(1, num_pages))
+        self._owner: dict[int, str] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_usable(self) -> int:
+        return self.num_pages - 1
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def allocate(self, owner: str, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"need {n} pages, {len(self._free)} free")
+        pages = [self._free.popleft() for _ in range(n)]
+        for p in pages:
+            self._owner[p] = owner
+        return pages
+
+    def free(self, owner: str, pages: list[int]) -> None:
+        for p in pages:
+            if self._owner.get(p) != owner:
+                raise RuntimeError(f"page {p} freed by {owner!r} but owned by {self._owner.get(p)!r}")
+            del self._owner[p]
+            self._free.append(p)
+
+    def check_integrity(self, tables: dict[str, list[int]]) -> None:
+        """No page leaked, none owned twice, none both free and owned, trash never handed out.
+        `tables` maps every live request id to the pages its table holds."""
+        seen: dict[int, str] = {}
+        for rid, pages in tables.items():
+            for p in pages:
+                if p in seen:
+                    raise AssertionError(f"page {p} owned by both {seen[p]!r} and {rid!r}")
+                if self._owner.get(p) != rid:
+                    raise AssertionError(f"page {p} in {rid!r}'s table but allocator says {self._owner.get(p)!r}")
+                seen[p] = rid
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError("a page is on the free list twice")
+        if TRASH_PAGE in free or TRASH_PAGE in seen:
+            raise AssertionError("the trash page was handed out")
+        leaked = set(range(1, self.num_pages)) - free - set(seen)
+        if leaked:
+            raise AssertionError(f"leaked pages {sorted(leaked)[:10]} (owners {[self._owner.get(p) for p in leaked][:5]})")
+        if free & set(seen):
+            raise AssertionError(f"pages both free and owned: {sorted(free & set(seen))[:10]}")

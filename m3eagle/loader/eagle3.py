@@ -1,0 +1,164 @@
+"""Load and save Eagle3 draft heads (config.json + safetensors, the EAGLE / SpecForge layout).
+
+Accepted key spellings, mapped onto `Eagle3Head`'s names: `midlayer.*` or `layers.0.*` (speculators,
+some SpecForge exports), each with or without a `model.` prefix; `fc`, `fc_norm.{i}` (Eagle3.1), `norm`,
+`lm_head`, `d2t`, `t2d`, and an optional `embed_tokens.weight` -- without it the head borrows the
+target's table (`head.cfg.has_embed` is False and the caller runs `head.set_embedding(...)`).
+
+Everything that would make the head disagree with its target fails at load time with a `ValueError`
+(`CheckpointError` for tensors) naming both values: widths, vocabulary sizes, aux layer ids, the draft
+vocabulary mapping, missing or mis-shaped tensors.
+
+NOTE: `eagle_config.eagle_aux_hidden_state_layer_ids` are read in m3eagle's convention, "the residual
+stream after L layers" (vLLM's). SpecForge's HF backend and sglang's explicit-id path read the same
+field as "the output of 0-based layer L" (one layer deeper). Such a head still loads and drafts
+losslessly, only with lower acceptance; rewrite its ids (+1) in config.json to match.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..config import M3Config
+from ..models.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
+from .checkpoint import CheckpointError, iter_tensors, load_into, read_config
+
+log = logging.getLogger("m3eagle")
+
+LAYOUTS = ("midlayer", "layers.0")
+
+
+def canonical_name(name: str) -> str:
+    """Checkpoint key -> Eagle3Head key."""
+    if name.startswith("model."):
+        name = name[len("model."):]
+    if name.startswith("layers.0."):
+        name = "midlayer." + name[len("layers.0."):]
+    return name
+
+
+def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    sd: dict[str, torch.Tensor] = {}
+    for raw, t in iter_tensors(path):
+        name = canonical_name(raw)
+        if name in sd:
+            raise CheckpointError(f"Eagle3 checkpoint {path} holds {name!r} twice (as {raw!r} and another "
+                                  "spelling); keep one of midlayer.* / layers.0.*")
+        sd[name] = t
+    return sd
+
+
+def load_eagle3(path: str | Path, target_cfg: M3Config, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> Eagle3Head:
+    """Build the Eagle3 head stored at `path` for the target described by `target_cfg`.
+
+    Returns the head in eval mode with gradients off (trainers call `.train().requires_grad_(True)`).
+    When `head.cfg.has_embed` is False, call `head.set_embedding(target.embed_tokens.weight)`."""
+    raw = read_config(path)
+    cfg = Eagle3Config.from_dict(raw)
+    sd = load_state_dict(path)
+    cfg = replace(cfg, has_embed="embed_tokens.weight" in sd,
+                  aux_layer_ids=cfg.aux_layer_ids or default_aux_layer_ids(target_cfg.num_hidden_layers))
+    validate_against_target(cfg, target_cfg, explicit_target_hidden="target_hidden_size" in raw)
+    _check_fc(cfg, sd)
+    _fill_vocab_mapping(cfg, sd)
+    head = Eagle3Head(cfg)
+    load_into(head, sd, f"Eagle3 checkpoint {path}")
+    return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def validate_against_target(cfg: Eagle3Config, target: M3Config, explicit_target_hidden: bool = True) -> None:
+    """Raise ValueError, naming both values, wherever the head cannot consume this target."""
+    if cfg.vocab_size != target.vocab_size:
+        raise ValueError(f"Eagle3 head vocab_size={cfg.vocab_size} does not match the target's "
+                         f"vocab_size={target.vocab_size}; the head was trained for another tokenizer")
+    if not explicit_target_hidden and cfg.hidden_size != target.hidden_size:
+        raise ValueError(f"Eagle3 head hidden_size={cfg.hidden_size} does not match the target's "
+                         f"hidden_size={target.hidden_size}; a head of another width must say "
+                         "target_hidden_size in its config.json")
+    if cfg.target_hidden_size != target.hidden_size:
+        raise ValueError(f"Eagle3 head target_hidden_size={cfg.target_hidden_size} does not match the "
+                         f"target's hidden_size={target.hidden_size}")
+    n = target.num_hidden_layers
+    for i in cfg.aux_layer_ids or ():
+        if not 0 <= i <= n:
+            raise ValueError(f"Eagle3 eagle_aux_hidden_state_layer_ids={list(cfg.aux_layer_ids)} holds {i}, "
+                             f"outside [0, {n}] for the target's num_hidden_layers={n}")
+    if not cfg.has_embed and cfg.hidden_size != target.hidden_size:
+        raise ValueError(f"Eagle3 checkpoint has no embed_tokens.weight and its hidden_size="
+                         f"{cfg.hidden_size} differs from the target's hidden_size={target.hidden_size}, so "
+                         "the target's embedding table cannot be shared; ship embed_tokens.weight")
+
+
+def _check_fc(cfg: Eagle3Config, sd: dict[str, torch.Tensor]) -> None:
+    # load_into would catch it too; this message says *why* the width is what it is.
+    fc = sd.get("fc.weight")
+    if fc is not None and fc.dim() == 2 and fc.shape[1] != cfg.aux_hidden_size:
+        raise CheckpointError(f"Eagle3 fc.weight takes {fc.shape[1]} inputs, but {cfg.num_aux} aux layers x "
+                              f"target_hidden_size={cfg.target_hidden_size} = {cfg.aux_hidden_size}; check "
+                              "eagle_aux_hidden_state_layer_ids and target_hidden_size")
+
+
+def _fill_vocab_mapping(cfg: Eagle3Config, sd: dict[str, torch.Tensor]) -> None:
+    """Complete d2t / t2d in `sd` (either implies the other; neither means the full vocabulary) and check
+    them against draft_vocab_size / vocab_size."""
+    vd, v = cfg.draft_vocab_size, cfg.vocab_size
+    d2t, t2d = sd.get("d2t"), sd.get("t2d")
+    if d2t is not None and tuple(d2t.shape) != (vd,):
+        raise ValueError(f"Eagle3 d2t has shape {tuple(d2t.shape)} but draft_vocab_size={vd} (expected "
+                         f"({vd},)); config.json and weights disagree")
+    if t2d is not None and tuple(t2d.shape) != (v,):
+        raise ValueError(f"Eagle3 t2d has shape {tuple(t2d.shape)} but vocab_size={v} (expected ({v},))")
+    if d2t is None and t2d is None:
+        if vd != v:
+            raise ValueError(f"Eagle3 checkpoint has no d2t/t2d, which means the full vocabulary, but "
+                             f"draft_vocab_size={vd} != vocab_size={v}")
+        sd["d2t"] = torch.zeros(vd, dtype=torch.int64)
+        sd["t2d"] = torch.ones(v, dtype=torch.bool)
+        return
+    if d2t is None:
+        ids = t2d.bool().nonzero().flatten()  # draft ids are the kept target ids, in order
+        if ids.numel() != vd:
+            raise ValueError(f"Eagle3 t2d marks {ids.numel()} target ids but draft_vocab_size={vd}")
+        sd["d2t"] = ids - torch.arange(vd)
+        return
+    target_ids = d2t.long() + torch.arange(vd)
+    lo, hi = int(target_ids.min()), int(target_ids.max())
+    if lo < 0 or hi >= v:
+        raise ValueError(f"Eagle3 d2t maps draft ids to target ids in [{lo}, {hi}], outside [0, {v}) for "
+                         f"vocab_size={v}")
+    if t2d is None:
+        t2d = torch.zeros(v, dtype=torch.bool)
+        t2d[target_ids] = True
+        sd["t2d"] = t2d
+
+
+def save_eagle3(head: Eagle3Head, path: str | Path, layout: str = "midlayer",
+                dtype: torch.dtype | None = None) -> None:
+    """Write config.json (LlamaForCausalLMEagle3 style) + model.safetensors.
+
+    layout 'midlayer' (EAGLE / SpecForge) or 'layers.0' (speculators); dtype casts the floating tensors
+    (e.g. torch.bfloat16) while d2t / t2d keep int64 / bool. A head with cfg.has_embed False writes no
+    embed_tokens.weight even when it currently shares the target's table."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: choose one of {LAYOUTS}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in head.state_dict().items():
+        if name == "embed_tokens.weight" and not head.cfg.has_embed:
+            continue
+        if layout == "layers.0" and name.startswith("midlayer."):
+            name = "layers.0." + name[len("midlayer."):]
+        t = t.detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        out[name] = t.contiguous().cpu()
+    save_file(out, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(head.cfg.to_dict(), indent=2))

@@ -1,0 +1,67 @@
+"""Speculative verification: greedy and rejection sampling, both lossless.
+
+Row b carries k_b drafts d_1..d_k (k_b is 0 for rows that only sample, K for verify rows) and the target
+scored K+1 positions: position j predicts the token after d_j (j = 0: after the last accepted token).
+
+Greedy:  accept d_{j+1} while it equals argmax p_j; then emit argmax p_a.  Output = greedy decoding.
+Sampled: (Leviathan et al. / Chen et al.) for j = 0..k-1 with target p_j and draft q_j:
+    q_j(d) <= p_j(d): always accept
+    q_j(d) >  p_j(d): accept with probability p_j(d) / q_j(d)
+    first rejection at j: emit a sample of norm(max(0, p_j - q_j)) and stop
+    all accepted:        emit a bonus sample of p_k
+  Each emitted token is distributed exactly as the target's (processed) distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sampler import SALT_ACCEPT, SALT_SAMPLE, SamplingTensors, probs_from_logits, sample_from_probs, uniform
+
+
+def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, st: SamplingTensors,
+           positions: torch.Tensor, draft_probs: torch.Tensor | None,
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, K+1, V] fp32, drafts [B, K] (target ids), num_drafts [B] (0..K), positions [B, K+1]
+    (position of the query that predicts each token), draft_probs [B, K, V] or None (all-greedy batch)
+    -> (new_tokens [B, K+1], num_new [B]). new_tokens[b, :num_new[b]] are the emitted tokens."""
+    b, kp1, v = logits.shape
+    k = kp1 - 1
+    j = torch.arange(k, device=logits.device)
+    in_row = j[None, :] < num_drafts[:, None]  # [B, K]
+    greedy_tok = logits.argmax(-1)  # [B, K+1]
+    g_match = (drafts == greedy_tok[:, :k]) & in_row
+    if draft_probs is None:
+        accepted = g_match.long().cumprod(-1).sum(-1)  # [B]
+        return greedy_tok, accepted + 1
+
+    rep = st.repeat(kp1)
+    p = probs_from_logits(logits.reshape(b * kp1, v), rep).view(b, kp1, v)
+    q = draft_probs
+    p_d = p[:, :k].gather(-1, drafts[..., None])[..., 0]  # [B, K]
+    q_d = q.gather(-1, drafts[..., None])[..., 0].clamp_min(1e-20)
+    u = uniform(st.seed[:, None].expand(b, k).reshape(-1), positions[:, :k].reshape(-1),
+                SALT_ACCEPT).view(b, k)
+    s_match = (u * q_d <= p_d) & in_row  # accept with probability min(1, p/q)
+    match = torch.where(st.greedy[:, None], g_match, s_match)
+    accepted = match.long().cumprod(-1).sum(-1)  # [B] index of the first rejection (or k_b)
+
+    # The emitted distribution at position a: residual if a draft was rejected there, else p_a.
+    a_idx = accepted[:, None, None].expand(b, 1, v)
+    p_a = p.gather(1, a_idx)[:, 0]  # [B, V]
+    rejected = accepted < num_drafts
+    q_a = q.gather(1, a_idx.clamp(max=max(k - 1, 0)))[:, 0] if k else torch.zeros_like(p_a)
+    resid = (p_a - q_a).clamp_min(0.0)
+    # If p == q exactly (residual all zero) a rejection has probability 0; fall back to p_a for safety.
+    resid_ok = resid.sum(-1, keepdim=True) > 0
+    dist = torch.where(rejected[:, None] & resid_ok, resid, p_a)
+    pos_a = positions.gather(1, accepted[:, None])[:, 0]
+    final_sampled = sample_from_probs(dist, st.seed, pos_a, SALT_SAMPLE)
+    final = torch.where(st.greedy, greedy_tok.gather(1, accepted[:, None])[:, 0], final_sampled)
+
+    new_tokens = torch.cat([drafts, drafts[:, :1]], 1) if k else final[:, None].clone()
+    new_tokens = new_tokens.scatter(1, accepted[:, None], final[:, None])
+    greedy_rows = st.greedy[:, None].expand(b, kp1)
+    new_tokens = torch.where(greedy_rows, greedy_tok, new_tokens)
+    return new_tokens, accepted + 1
+

@@ -1,0 +1,29 @@
+"""Shared fixtures: tiny random MiniMax-M3 checkpoints written by transformers (the oracle)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+torch.set_num_threads(2)
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """(directory, hf_model): 4 layers mixing dense/MoE and full/sparse, block 8, top-2 blocks."""
+    from hf_utils import random_hf_model, tiny_hf_config
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    cfg = tiny_hf_config(seed=0)
+    model = random_hf_model(cfg, seed=0)
+    d = tmp_path_factory.mktemp("tiny_m3")
+    model.save_pretrained(d)
+    return d, model
