@@ -144,14 +144,13 @@ class MiniMaxM3(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, H]
         cos, sin = rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
         h = self.cfg.hidden_size
-        if aux_out is not None and 0 in aux_layer_ids:
-            j = aux_layer_ids.index(0)
-            aux_out[: x.shape[0], j * h:(j + 1) * h].copy_(x)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, meta, caches[i])
-            if aux_out is not None and (i + 1) in aux_layer_ids:
-                j = aux_layer_ids.index(i + 1)
-                aux_out[: x.shape[0], j * h:(j + 1) * h].copy_(x)
+        for i in range(len(self.layers) + 1):
+            if i:
+                x = self.layers[i - 1](x, cos, sin, meta, caches[i - 1])
+            if aux_out is not None:
+                for j, lid in enumerate(aux_layer_ids):  # ids may repeat (e.g. N=4 -> (2, 2, 1))
+                    if lid == i:
+                        aux_out[: x.shape[0], j * h:(j + 1) * h].copy_(x)
         return self.norm(x)
 
     def forward_seq(self, input_ids: torch.Tensor, aux_layer_ids: tuple[int, ...] = (),
