@@ -18,7 +18,6 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 def tiny_model(tmp_path_factory):
     """(directory, hf_model): 4 layers mixing dense/MoE and full/sparse, block 8, top-2 blocks."""
     from hf_utils import random_hf_model, tiny_hf_config
-
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

@@ -24,7 +24,7 @@ def random_head(target_dir: Path, out_dir: Path, seed: int = 0, draft_vocab: int
     torch.manual_seed(seed)
     head = Eagle3Head(cfg)
     with torch.no_grad():
-        for name, p in head.named_parameters():
+        for _, p in head.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.1)
     if draft_vocab and draft_vocab < tc.vocab_size:
