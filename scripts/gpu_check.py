@@ -66,7 +66,7 @@ def parity(tmp: Path) -> dict:
     return res
 
 
-def engine_runs(tmp: Path, model: str | None, draft: str | None) -> dict:
+def engine_runs(tmp: Path, model: str | None, draft: str | None, attn: str = "auto") -> dict:
     from spec_utils import random_head
 
     from m3eagle import LLM, SamplingParams
@@ -81,7 +81,8 @@ def engine_runs(tmp: Path, model: str | None, draft: str | None) -> dict:
         draft = str(random_head(Path(model), tmp / "engine_draft"))
     out: dict = {}
     # (2) sync-free steady state
-    llm = LLM(model, draft=draft, num_draft_tokens=3, device="cuda", overlap=True, max_model_len=1024)
+    llm = LLM(model, draft=draft, num_draft_tokens=3, device="cuda", overlap=True, max_model_len=1024,
+              attention_backend=attn)
     g = torch.Generator().manual_seed(0)
     v = llm.target.cfg.vocab_size
     prompts = [torch.randint(3, v, (int(n),), generator=g).tolist() for n in torch.randint(8, 200, (32,), generator=g)]
@@ -111,7 +112,7 @@ def engine_runs(tmp: Path, model: str | None, draft: str | None) -> dict:
     for k in (0, 3):
         for ov in (False, True):
             llm = LLM(model, draft=draft if k else None, num_draft_tokens=k, device="cuda", overlap=ov,
-                      max_model_len=1024, max_num_tokens=2048)
+                      max_model_len=1024, max_num_tokens=2048, attention_backend=attn)
             for bs in (1, 32):
                 llm.generate(prompts[:bs], sp)
                 llm.reset_stats()
@@ -134,13 +135,15 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--draft", default=None)
     ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument("--attention-backend", default="auto")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if not a.skip_parity:
         res["parity_bf16"] = parity(tmp)
         print(json.dumps(res["parity_bf16"], indent=1), flush=True)
-    res.update(engine_runs(tmp, a.model, a.draft))
+    res["attention_backend"] = a.attention_backend
+    res.update(engine_runs(tmp, a.model, a.draft, a.attention_backend))
     line = json.dumps(res)
     if a.out:
         Path(a.out).write_text(line)

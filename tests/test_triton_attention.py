@@ -1,0 +1,288 @@
+"""The Triton attention backend held equal to the PyTorch reference, on CPU under the Triton interpreter.
+
+Every test draws fresh random inputs (its own seed), poisons what the kernels must overwrite or must not
+read, and compares against `reference.paged_attention` / `reference.select_blocks` in fp32 at ~1e-4.
+Steps mix the row kinds the engine produces: a prompt chunk over a cached prefix, single-token decode
+rows and 1+K spec-verify rows, with page tables that run into TRASH_PAGE past each row's held pages.
+
+NOTE: TRITON_INTERPRET is set before anything imports triton, and it holds for the whole pytest process:
+a CUDA test module collected in the same run would run its Triton kernels interpreted too.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton` (kernels decorate at import)
+
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from m3eagle.attention import backend, reference, triton_kernels  # noqa: E402
+from m3eagle.attention.metadata import TRASH_PAGE, AttnMetadata, build_metadata  # noqa: E402
+from m3eagle.attention.triton_backend import TritonBackend  # noqa: E402
+
+CPU = torch.device("cpu")
+# Keys a kernel must never let through its masks (slots past kv_len, the trash page) hold this: one such
+# key in a softmax moves the output far beyond the tolerance.
+POISON = 1e3
+
+
+@dataclass
+class Step:
+    meta: AttnMetadata
+    q: torch.Tensor  # [T, Hq, D]
+    k: torch.Tensor  # [S, Hkv, D]
+    v: torch.Tensor  # [S, Hkv, D]
+    iq: torch.Tensor  # [T, Hi, Di]
+    ik: torch.Tensor  # [S, Di]
+
+
+def make_step(seed: int, q_lens: list[int], kv_lens: list[int], page_size: int, hq: int = 4, hkv: int = 2,
+              d: int = 16, hi: int = 2, di: int = 8, extra_kv: int = 5, extra_cols: int = 2) -> Step:
+    """Random pools and a shuffled page table: row b holds ceil(kv_lens[b] / page_size) pages, the rest of
+    its table (extra_cols more than max_kv needs) is TRASH_PAGE. max_kv overshoots every kv_len, as the
+    host's optimistic bound does."""
+    gen = torch.Generator().manual_seed(seed)
+    max_kv = max(kv_lens) + extra_kv
+    width = -(-max_kv // page_size) + extra_cols
+    held = [-(-n // page_size) for n in kv_lens]
+    pages = (torch.randperm(sum(held), generator=gen) + 1).tolist()  # page 0 is the trash page
+    table = torch.full((len(q_lens), width), TRASH_PAGE, dtype=torch.int64)
+    for r, n in enumerate(held):
+        table[r, :n] = torch.tensor(pages[:n], dtype=torch.int64)
+        pages = pages[n:]
+    meta = build_metadata(q_lens, torch.tensor(kv_lens), table, page_size, CPU, max_kv=max_kv)
+    slots = (sum(held) + 1) * page_size
+    t = sum(q_lens)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    k, v, ik = rnd(slots, hkv, d), rnd(slots, hkv, d), rnd(slots, di)
+    valid = torch.zeros(slots, dtype=torch.bool)
+    valid[reference.gather_slots(meta, max_kv)[torch.arange(max_kv)[None, :] < meta.kv_lens[:, None]]] = True
+    for pool in (k, v, ik):
+        pool[~valid] = POISON  # trash page and the undefined tail of each row's last page
+    return Step(meta, rnd(t, hq, d), k, v, rnd(t, hi, di), ik)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.isfinite(out).all(), "non-finite output: a slot the kernel never wrote, or a bad mask"
+    err = ((out - ref).abs().max() / ref.abs().max()).item()
+    assert err <= rel, f"max relative error {err:.2e} > {rel:.0e}"
+
+
+def ref_selection(s: Step, block: int, topk: int, local: int) -> torch.Tensor:
+    """reference.select_blocks on padded rows, as flat [T, Hi, k]."""
+    meta = s.meta
+    ik_rows = s.ik[reference.gather_slots(meta, meta.max_kv)]  # [B, L, Di]
+    sel = reference.select_blocks(reference.pad_queries(s.iq, meta), ik_rows, reference.padded_positions(meta),
+                                  block, topk, local)  # [B, Hi, Qmax, k]
+    return sel[meta.tok_row, :, meta.tok_col]
+
+
+# Mixed steps: (q_lens, kv_lens, page_size). Row kinds: prompt chunk over a cached prefix (7 new on 36
+# cached), a fresh prompt (kv == q), decode rows, 1+K verify rows. Page sizes 5 and 8 divide no length.
+MIXED = [([7, 1, 4, 1], [43, 1, 30, 19], 8),
+         ([12, 4, 1], [12, 61, 2], 5)]
+
+
+@pytest.mark.parametrize("q_lens,kv_lens,page_size", MIXED)
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (4, 1, 24), (2, 2, 16)])
+def test_dense_matches_reference(q_lens, kv_lens, page_size, hq, hkv, d):
+    s = make_step(sum(q_lens) * 100 + hq * 10 + d, q_lens, kv_lens, page_size, hq=hq, hkv=hkv, d=d)
+    ref = reference.paged_attention(s.q, s.k, s.v, s.meta, 0.3)
+    for splits, block_n in ((1, 16), (3, 16), (1, 32)):
+        out = torch.full_like(s.q, float("nan"))  # every (token, head) must be written
+        triton_kernels.dense_attention(s.q, s.k, s.v, s.meta, 0.3, num_splits=splits, block_n=block_n, out=out)
+        assert_close(out, ref)
+    assert_close(TritonBackend().attention(s.q, s.k, s.v, s.meta, 0.3), ref)
+
+
+def test_dense_token_causal_inside_a_row():
+    """Each query of a multi-token row has its own extent: a kernel that let the whole row see its last
+    token's keys would pass single-token rows and fail here."""
+    s = make_step(11, [6], [6], 4)
+    out = TritonBackend().attention(s.q, s.k, s.v, s.meta, 0.5)
+    assert_close(out, reference.paged_attention(s.q, s.k, s.v, s.meta, 0.5))
+    first = s.v[reference.gather_slots(s.meta, 1)[0, 0]]  # [Hkv, D]: token 0 sees key 0 alone
+    torch.testing.assert_close(out[0], first.repeat_interleave(2, 0), rtol=1e-5, atol=1e-6)
+
+
+def test_lengths_past_the_table_clamp_like_reference():
+    """An optimistic kv_len can run past the table (overlap scheduling before the correction): key
+    positions past the last column read that column's page, as `slots_for_positions` clamps them."""
+    gen = torch.Generator().manual_seed(12)
+    table = torch.tensor([[3, 1, 4, 2], [5, 6, TRASH_PAGE, TRASH_PAGE]])  # 4 columns of 4 slots
+    meta = build_metadata([3, 2], torch.tensor([22, 13]), table, 4, CPU, max_kv=24)
+    q = torch.randn(5, 4, 16, generator=gen)  # [T, Hq, D]
+    k, v = torch.randn(28, 2, 16, generator=gen), torch.randn(28, 2, 16, generator=gen)  # [S, Hkv, D]
+    iq, ik = torch.randn(5, 2, 8, generator=gen), torch.randn(28, 8, generator=gen)
+    assert_close(TritonBackend().attention(q, k, v, meta, 0.3), reference.paged_attention(q, k, v, meta, 0.3))
+    args = (q, k, v, meta, 0.3, iq, ik, 4, 2, 1)
+    assert_close(TritonBackend().sparse_attention(*args), reference.paged_attention(*args))
+
+
+@pytest.mark.parametrize("block,topk,local,hi", [(4, 2, 1, 2), (8, 3, 0, 2), (6, 2, 2, 4), (4, 3, 1, 1)])
+def test_selection_matches_reference(block, topk, local, hi):
+    """Same selected SET as the oracle (order may differ); contexts several times topk * block."""
+    s = make_step(100 + block * topk + local, [9, 1, 4, 3], [70, 33, 52, 3], 8, hq=4, hi=hi)
+    ref = ref_selection(s, block, topk, local)
+    sel = triton_kernels.select_blocks(s.iq, s.ik, s.meta, block, topk, local)
+    assert sel.shape == ref.shape and sel.dtype == ref.dtype
+    assert torch.equal(sel.sort(-1).values, ref.sort(-1).values)
+    assert (ref >= 0).sum(-1).min() < ref.shape[-1] <= (ref >= 0).sum(-1).max()  # -1 padding exercised
+    # The fallback (fully written scores + torch.topk) selects the same set.
+    full = triton_kernels.index_block_scores(s.iq, s.ik, s.meta, block, local)
+    top, idx = full.topk(ref.shape[-1], dim=-1)
+    assert torch.equal(idx.masked_fill(top == float("-inf"), -1).sort(-1).values, ref.sort(-1).values)
+
+
+def test_topk_kernel_reads_only_causal_blocks():
+    """select_blocks leaves scores past each token's own block unwritten; the top-k kernel must never
+    look there. Poison them with +inf (would win every slot) and compare with torch.topk on clean data."""
+    s = make_step(7, [3, 1], [40, 25], 8)
+    clean = triton_kernels.index_block_scores(s.iq, s.ik, s.meta, 4, 1)  # [T, Hi, NB]
+    own = torch.div(s.meta.positions, 4, rounding_mode="floor")
+    future = torch.arange(clean.shape[-1])[None, :] > own[:, None]  # [T, NB]
+    poisoned = clean.masked_fill(future[:, None, :], float("inf"))
+    sel = triton_kernels.topk_blocks(poisoned, s.meta, 4, 3)
+    top, idx = clean.topk(3, dim=-1)
+    assert torch.equal(sel.sort(-1).values, idx.masked_fill(top == float("-inf"), -1).sort(-1).values)
+
+
+def padded_keep(sel: torch.Tensor, meta: AttnMetadata, block: int, hq: int) -> torch.Tensor:
+    """Flat sel [T, Hi, k] -> the oracle's keep mask [B, Hq, Qmax, L]."""
+    sel_p = sel[meta.q_index].permute(0, 2, 1, 3)  # [B, Hi, Qmax, k]; padding queries copy token 0
+    return reference.block_keep_mask(sel_p, meta.max_kv, block, hq)
+
+
+@pytest.mark.parametrize("block,hi", [(4, 2), (6, 4), (8, 1)])
+def test_sparse_kernel_given_selection(block, hi):
+    """The attention half alone: an arbitrary selection (own block always in it, -1 padding in the
+    middle too) against the oracle's attend() with the same keep mask."""
+    s = make_step(200 + block, [5, 1, 3], [50, 37, 21], 8, hq=4, hi=hi)
+    gen = torch.Generator().manual_seed(block)
+    meta, t = s.meta, s.q.shape[0]
+    nb = -(-meta.max_kv // block)
+    sel = torch.randint(0, nb, (t, hi, 4), generator=gen)
+    sel = torch.where(torch.rand(t, hi, 4, generator=gen) < 0.25, -1, sel)
+    sel[:, :, 0] = torch.div(meta.positions, block, rounding_mode="floor")[:, None]  # every query sees a key
+    sel = torch.stack([_distinct(r) for r in sel.view(-1, 4)]).view(t, hi, 4)
+    slots = reference.gather_slots(meta, meta.max_kv)
+    ref = reference.attend(reference.pad_queries(s.q, meta), s.k[slots], s.v[slots],
+                           reference.padded_positions(meta), 0.3, padded_keep(sel, meta, block, 4))
+    ref = ref[meta.tok_row, meta.tok_col]
+    for splits in (1, 3):
+        out = torch.full_like(s.q, float("nan"))
+        triton_kernels.sparse_attention(s.q, s.k, s.v, meta, 0.3, sel, block, num_splits=splits, out=out)
+        assert_close(out, ref)
+
+
+def _distinct(r: torch.Tensor) -> torch.Tensor:
+    """Selections hold distinct blocks: later repeats of a block become -1."""
+    seen: set[int] = set()
+    out = []
+    for x in r.tolist():
+        out.append(-1 if x in seen else x)
+        if x >= 0:
+            seen.add(x)
+    return torch.tensor(out)
+
+
+SPARSE_BACKENDS = {
+    "per_token": TritonBackend(),
+    "per_token_split": TritonBackend(min_keys_per_split=8, block_n=16),
+    "tiled": TritonBackend(sparse_tile_min_q=1, block_n=16),  # keep mask checked per key (block 4)
+    "tiled_split": TritonBackend(sparse_tile_min_q=1, min_keys_per_split=8, block_n=16),
+    "tiled_per_tile": TritonBackend(sparse_tile_min_q=1, block_n=4),  # one keep flag per tile
+}
+
+
+@pytest.mark.parametrize("name", list(SPARSE_BACKENDS))
+@pytest.mark.parametrize("q_lens,kv_lens,page_size", MIXED)
+def test_sparse_matches_reference(name, q_lens, kv_lens, page_size):
+    block, topk, local = 4, 3, 1
+    s = make_step(300 + len(name) + page_size, q_lens, kv_lens, page_size, hq=4, hkv=2, hi=2)
+    args = (s.q, s.k, s.v, s.meta, 0.3, s.iq, s.ik, block, topk, local)
+    ref = reference.paged_attention(*args)
+    dense = reference.paged_attention(s.q, s.k, s.v, s.meta, 0.3)
+    assert ((ref - dense).abs().max() / ref.abs().max()) > 1e-2, "sparsity is not active in this step"
+    assert_close(SPARSE_BACKENDS[name].sparse_attention(*args), ref)
+
+
+def test_sparse_gqa_index_heads_differ_from_kv_heads():
+    """Hq=8, Hkv=2, Hi=4: each program's heads must share both a KV head and an index head."""
+    s = make_step(401, [6, 1, 4], [48, 30, 44], 8, hq=8, hkv=2, hi=4, d=16)
+    args = (s.q, s.k, s.v, s.meta, 0.25, s.iq, s.ik, 4, 2, 1)
+    ref = reference.paged_attention(*args)
+    for tri in (TritonBackend(), TritonBackend(sparse_tile_min_q=1, block_n=16)):
+        assert_close(tri.sparse_attention(*args), ref)
+
+
+def test_sparse_covering_everything_equals_dense():
+    """topk * block >= context: the sparse layer is dense attention."""
+    s = make_step(402, [5, 1], [20, 14], 8)
+    out = TritonBackend().sparse_attention(s.q, s.k, s.v, s.meta, 0.3, s.iq, s.ik, 4, 16, 1)
+    assert_close(out, reference.paged_attention(s.q, s.k, s.v, s.meta, 0.3))
+
+
+def tiny_model(seed: int):
+    from m3eagle.config import DENSE_MLP, FULL, MOE_MLP, SPARSE, M3Config
+    from m3eagle.models.minimax_m3 import MiniMaxM3
+
+    cfg = M3Config(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, rotary_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6,
+                   intermediate_size=16, dense_intermediate_size=32, shared_intermediate_size=16,
+                   num_local_experts=4, num_experts_per_tok=2, routed_scaling_factor=2.0, swiglu_alpha=1.702,
+                   swiglu_limit=7.0, layer_types=(FULL, SPARSE, SPARSE), mlp_layer_types=(DENSE_MLP, MOE_MLP,
+                                                                                         DENSE_MLP),
+                   index_n_heads=2, index_head_dim=8, index_block_size=4, index_topk_blocks=2,
+                   index_local_blocks=1)
+    torch.manual_seed(seed)
+    model = MiniMaxM3(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.1)
+    return model
+
+
+def run_steps(model, name: str) -> list[torch.Tensor]:
+    """Two engine-like steps on fresh caches with backend `name`: a prefill of two prompts (one in two
+    chunks), then a step with one decode row and one 1+3 verify row. Returns each step's logits."""
+    page, width = 4, 8
+    table = torch.zeros(2, width, dtype=torch.int64)
+    table[0, :6] = torch.tensor([3, 9, 1, 7, 11, 5])  # 24 slots
+    table[1, :5] = torch.tensor([2, 10, 4, 8, 6])  # 20 slots; columns 5.. stay TRASH_PAGE
+    caches = model.new_caches(12 * page, torch.float32, CPU)
+    for c in caches:  # contents the kernels must not read (reserved tails, the trash page)
+        c.k.fill_(POISON), c.v.fill_(POISON)
+        if c.idx_k is not None:
+            c.idx_k.fill_(POISON)
+    gen = torch.Generator().manual_seed(5)
+    steps = [([12, 9], [12, 9]), ([6, 1], [18, 10]), ([1, 4], [19, 14])]  # (q_lens, kv_lens after the step)
+    logits = []
+    backend.set_backend(name)
+    try:
+        with torch.no_grad():
+            for q_lens, kv_lens in steps:
+                meta = build_metadata(q_lens, torch.tensor(kv_lens), table, page, CPU, max_kv=22)
+                ids = torch.randint(0, 64, (sum(q_lens),), generator=gen)
+                logits.append(model.compute_logits(model(ids, meta.positions, meta, caches)))
+    finally:
+        backend.set_backend("reference")
+    return logits
+
+
+def test_model_logits_match_reference_backend():
+    model = tiny_model(0)
+    ref, tri = run_steps(model, "reference"), run_steps(model, "triton")
+    assert backend.get().name == "reference"
+    for r, t in zip(ref, tri):
+        assert_close(t, r)
