@@ -115,7 +115,8 @@ class ModelRunner:
                                                           self.slot_draft_probs is not None) else None
         if inp.any_random and k and q_probs is None:
             q_probs = torch.zeros(len(inp.batch.rows), k, logits.shape[-1], device=self.device)
-        new_tokens, num_new = verify(logits, drafts_in, inp.row_num_drafts, inp.sampling, positions, q_probs)
+        new_tokens, num_new = verify(logits, drafts_in, inp.row_num_drafts, inp.sampling, positions, q_probs,
+                                     inp.any_random)
         num_new = torch.where(inp.row_samples, num_new, 0)
         logprobs = None
         if inp.want_logprobs:

@@ -20,24 +20,26 @@ from .sampler import SALT_ACCEPT, SALT_SAMPLE, SamplingTensors, probs_from_logit
 
 
 def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, st: SamplingTensors,
-           positions: torch.Tensor, draft_probs: torch.Tensor | None,
+           positions: torch.Tensor, draft_probs: torch.Tensor | None, any_random: bool = True,
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, K+1, V] fp32, drafts [B, K] (target ids), num_drafts [B] (0..K), positions [B, K+1]
-    (position of the query that predicts each token), draft_probs [B, K, V] or None (all-greedy batch)
-    -> (new_tokens [B, K+1], num_new [B]). new_tokens[b, :num_new[b]] are the emitted tokens."""
+    (position of the query that predicts each token), draft_probs [B, K, V] (the distributions the drafts
+    were drawn from; None when no draft was sampled), any_random: some row has temperature > 0 (host flag;
+    False takes the all-greedy fast path) -> (new_tokens [B, K+1], num_new [B]).
+    new_tokens[b, :num_new[b]] are the emitted tokens."""
     b, kp1, v = logits.shape
     k = kp1 - 1
     j = torch.arange(k, device=logits.device)
     in_row = j[None, :] < num_drafts[:, None]  # [B, K]
     greedy_tok = logits.argmax(-1)  # [B, K+1]
     g_match = (drafts == greedy_tok[:, :k]) & in_row
-    if draft_probs is None:
+    if not any_random:
         accepted = g_match.long().cumprod(-1).sum(-1)  # [B]
         return greedy_tok, accepted + 1
 
     rep = st.repeat(kp1)
     p = probs_from_logits(logits.reshape(b * kp1, v), rep).view(b, kp1, v)
-    q = draft_probs
+    q = draft_probs if draft_probs is not None else p.new_zeros(b, k, v)
     p_d = p[:, :k].gather(-1, drafts[..., None])[..., 0]  # [B, K]
     q_d = q.gather(-1, drafts[..., None])[..., 0].clamp_min(1e-20)
     u = uniform(st.seed[:, None].expand(b, k).reshape(-1), positions[:, :k].reshape(-1),
