@@ -76,9 +76,11 @@ def _canonical(name: str) -> str | None:
 
 
 def load_state_dict(path: str | Path, cfg: M3Config) -> dict[str, torch.Tensor]:
+    """Read every shard into m3eagle names, merging per-expert w1/w2/w3 and gate/up halves. Those pieces
+    are shape-checked here, before merging, so an error names the checkpoint's own key."""
     sd: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[str, int, str], torch.Tensor] = {}
-    halves: dict[tuple[str, str], torch.Tensor] = {}
+    experts: dict[tuple[str, int, str], tuple[str, torch.Tensor]] = {}
+    halves: dict[tuple[str, str], tuple[str, torch.Tensor]] = {}
     skipped = 0
     for raw, t in iter_tensors(path):
         name = _canonical(raw)
@@ -87,31 +89,42 @@ def load_state_dict(path: str | Path, cfg: M3Config) -> dict[str, torch.Tensor]:
             continue
         m = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$", name)
         if m:
-            experts[(m.group(1), int(m.group(2)), m.group(3))] = t
+            experts[(m.group(1), int(m.group(2)), m.group(3))] = (raw, t)
             continue
         m = re.match(r"(.*)\.(gate_proj|up_proj)\.weight$", name)
         if m:
-            halves[(m.group(1), m.group(2))] = t
+            halves[(m.group(1), m.group(2))] = (raw, t)
             continue
         sd[name] = t
     if skipped:
         log.info("ignored %d vision/MTP tensors (m3eagle serves the text backbone)", skipped)
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    want = {"w1": (inter, h), "w3": (inter, h), "w2": (h, inter)}
     for prefix in sorted({k[0] for k in experts}):
-        n = cfg.num_local_experts
-        try:
-            w1 = [experts[(prefix, j, "w1")] for j in range(n)]
-            w3 = [experts[(prefix, j, "w3")] for j in range(n)]
-            w2 = [experts[(prefix, j, "w2")] for j in range(n)]
-        except KeyError as e:
-            raise CheckpointError(f"missing tensor {e.args[0][0]}.{e.args[0][1]}.{e.args[0][2]}.weight "
-                                  f"(config says num_local_experts={n})") from None
-        sd[prefix + ".gate_up_proj"] = torch.stack([torch.cat([a, b], 0) for a, b in zip(w1, w3)])
-        sd[prefix + ".down_proj"] = torch.stack(w2)
+        parts: dict[str, list[torch.Tensor]] = {"w1": [], "w2": [], "w3": []}
+        for j in range(cfg.num_local_experts):
+            for w in ("w1", "w3", "w2"):
+                key = (prefix, j, w)
+                if key not in experts:
+                    raise CheckpointError(f"missing tensor {prefix}.{j}.{w}.weight, expected shape {want[w]} "
+                                          f"(config says num_local_experts={cfg.num_local_experts})")
+                raw, t = experts[key]
+                if tuple(t.shape) != want[w]:
+                    raise CheckpointError(f"tensor {raw!r} has shape {tuple(t.shape)}, expected {want[w]}")
+                parts[w].append(t)
+        sd[prefix + ".gate_up_proj"] = torch.stack([torch.cat([a, b], 0) for a, b in zip(parts["w1"], parts["w3"])])
+        sd[prefix + ".down_proj"] = torch.stack(parts["w2"])
     for prefix in sorted({k[0] for k in halves}):
-        if (prefix, "gate_proj") not in halves or (prefix, "up_proj") not in halves:
-            raise CheckpointError(f"{prefix} has only one of gate_proj/up_proj")
-        sd[prefix + ".gate_up_proj.weight"] = torch.cat([halves[(prefix, "gate_proj")],
-                                                         halves[(prefix, "up_proj")]], 0)
+        inter = cfg.shared_intermediate_size if prefix.endswith("shared_experts") else cfg.dense_intermediate_size
+        pieces = []
+        for w in ("gate_proj", "up_proj"):
+            if (prefix, w) not in halves:
+                raise CheckpointError(f"missing tensor {prefix}.{w}.weight, expected shape {(inter, h)}")
+            raw, t = halves[(prefix, w)]
+            if tuple(t.shape) != (inter, h):
+                raise CheckpointError(f"tensor {raw!r} has shape {tuple(t.shape)}, expected {(inter, h)}")
+            pieces.append(t)
+        sd[prefix + ".gate_up_proj.weight"] = torch.cat(pieces, 0)
     return sd
 
 
@@ -139,14 +152,14 @@ def load_into(model: torch.nn.Module, sd: dict[str, torch.Tensor], what: str,
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu") -> MiniMaxM3:
     cfg = M3Config.from_dict(read_config(path))
-    model = MiniMaxM3(cfg)
-    sd = load_state_dict(path, cfg)
+    sd = load_state_dict(path, cfg)  # before allocating: a weightless directory fails cheaply
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     elif "lm_head.weight" not in sd and "embed_tokens.weight" in sd:
         raise CheckpointError(f"missing tensor 'lm_head.weight', expected shape "
                               f"{(cfg.vocab_size, cfg.hidden_size)} (or set tie_word_embeddings)")
     optional = (r".*e_score_correction_bias",) + ((r"lm_head\.weight",) if cfg.tie_word_embeddings else ())
+    model = MiniMaxM3(cfg)
     load_into(model, sd, "target checkpoint", optional)
     return cast_model(model, dtype, device)
 
