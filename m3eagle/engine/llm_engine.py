@@ -52,6 +52,9 @@ class EngineConfig:
 
 class LLMEngine:
     def __init__(self, target, draft, tokenizer, cfg: EngineConfig, dtype: torch.dtype, device: torch.device):
+        for name in ("max_num_tokens", "max_num_seqs", "max_model_len", "page_size"):
+            if getattr(cfg, name) < 1:
+                raise ValueError(f"{name}={getattr(cfg, name)} must be >= 1")
         k = cfg.num_draft_tokens if draft is not None else 0
         if k and cfg.max_num_tokens < k + 1:
             raise ValueError(f"max_num_tokens={cfg.max_num_tokens} cannot hold one verify row of 1 + "
@@ -89,6 +92,9 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not isinstance(t, int) or t < 0 or t >= v]
         if bad:
             raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {v})")
+        if params.stop and self.tokenizer is None:
+            raise RequestError(f"stop={params.stop!r} needs a tokenizer to detokenize, and this model directory has "
+                               "no tokenizer.json; add one or use stop_token_ids")
         bad = [t for t in params.stop_token_ids if t >= v]
         if bad:
             raise RequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {v})")

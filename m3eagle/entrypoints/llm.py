@@ -86,7 +86,7 @@ class LLM:
             if not self.draft.cfg.has_embed:
                 self.draft.set_embedding(self.target.embed_tokens.weight)
         self.tokenizer = _load_tokenizer(self.model_path)
-        mml = max_model_len or min(self.target.cfg.max_position_embeddings, 2048)
+        mml = max_model_len if max_model_len is not None else min(self.target.cfg.max_position_embeddings, 2048)
         if mml > self.target.cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={mml} exceeds the model's max_position_embeddings="
                              f"{self.target.cfg.max_position_embeddings}")

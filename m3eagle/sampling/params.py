@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -24,8 +25,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise SamplingParamsError(f"temperature={self.temperature!r} must be >= 0 (0 means greedy)")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise SamplingParamsError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 means greedy)")
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
         if not isinstance(self.top_k, int) or self.top_k < 0:
