@@ -26,3 +26,23 @@ def tiny_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny_m3")
     model.save_pretrained(d)
     return d, model
+
+
+@pytest.fixture
+def make_llm():
+    """LLM factory; at teardown every engine it built must be idle with all pages free."""
+    from engine_utils import assert_clean
+
+    from m3eagle import LLM
+
+    made = []
+
+    def make(model, **kw):
+        kw = {"device": "cpu", "page_size": 4, "max_model_len": 128, **kw}
+        llm = LLM(model, **kw)
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        assert_clean(llm)

@@ -11,49 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_utils import assert_clean, count_preemptions
 
 from m3eagle import LLM, SamplingParams
 
 PROMPT_LENS = (3, 70, 12, 40, 5, 25, 33, 7)
 NEW = 20
 
-
-def assert_clean(llm: LLM) -> None:
-    """Invariant 5: idle engine, every page back in the pool, no page owned twice."""
-    eng = llm.engine
-    eng.check_integrity()
-    assert not eng.has_work()
-    assert eng.pool.num_free == eng.pool.num_usable
-    assert eng.is_idle_and_clean()
-
-
-@pytest.fixture
-def make_llm():
-    """LLM factory; at teardown every engine it built must be idle with all pages free."""
-    made: list[LLM] = []
-
-    def make(model, **kw) -> LLM:
-        kw = {"device": "cpu", "page_size": 4, "max_model_len": 128, **kw}
-        llm = LLM(model, **kw)
-        made.append(llm)
-        return llm
-
-    yield make
-    for llm in made:
-        assert_clean(llm)
-
-
-def count_preemptions(llm: LLM) -> list[int]:
-    n = [0]
-    sched = llm.engine.scheduler
-    orig = sched._preempt
-
-    def counted(req):
-        n[0] += 1
-        orig(req)
-
-    sched._preempt = counted
-    return n
 
 
 def greedy(max_tokens: int = NEW, **kw) -> SamplingParams:

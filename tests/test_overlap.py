@@ -18,6 +18,7 @@ import shutil
 
 import pytest
 import torch
+from engine_utils import assert_clean
 from spec_utils import predictable_target, random_head, trained_head
 
 from m3eagle import LLM, SamplingParams
@@ -29,28 +30,6 @@ from m3eagle.engine.scheduler import NeedSync, ScheduledBatch, ScheduledRow
 MIXED_LENS = (3, 70, 12, 40, 5, 25, 64, 8, 33, 17, 50, 6, 9, 45, 28, 14, 61, 4)
 NEW = 23
 
-
-def assert_clean(llm: LLM) -> None:
-    eng = llm.engine
-    eng.check_integrity()
-    assert not eng.has_work()
-    assert eng.pool.num_free == eng.pool.num_usable and eng.is_idle_and_clean()
-
-
-@pytest.fixture
-def make_llm():
-    """LLM factory; at teardown every engine it built must be idle with all pages free."""
-    made: list[LLM] = []
-
-    def make(model, **kw) -> LLM:
-        kw = {"device": "cpu", "page_size": 4, "max_model_len": 128, **kw}
-        llm = LLM(model, **kw)
-        made.append(llm)
-        return llm
-
-    yield make
-    for llm in made:
-        assert_clean(llm)
 
 
 class Counters:

@@ -13,6 +13,7 @@ import dataclasses
 
 import pytest
 import torch
+from engine_utils import count_preemptions
 from hf_utils import random_hf_model, tiny_hf_config
 
 from m3eagle import LLM, SamplingParams
@@ -157,18 +158,6 @@ def hf_greedy(tiny_model, prompts):
         out[i] = gen[0, ids.shape[1]:].tolist()
     return out
 
-
-def count_preemptions(llm: LLM) -> list[int]:
-    n = [0]
-    sched = llm.engine.scheduler
-    orig = sched._preempt
-
-    def counted(req):
-        n[0] += 1
-        orig(req)
-
-    sched._preempt = counted
-    return n
 
 
 @pytest.fixture(scope="module")
