@@ -9,7 +9,7 @@ implement are rejected here, at load time, with the option named.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 log = logging.getLogger("m3eagle")
@@ -52,7 +52,6 @@ class M3Config:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     max_position_embeddings: int = 524288
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived -------------------------------------------------------------------------------
     @property
@@ -155,7 +154,6 @@ class M3Config:
     def to_hf_text_dict(self) -> dict[str, Any]:
         """A text-only config.json that transformers' MiniMaxM3VLTextConfig and m3eagle both read."""
         d = asdict(self)
-        d.pop("extra")
         eos = d.pop("eos_token_ids")
         d["eos_token_id"] = list(eos) if len(eos) != 1 else eos[0]
         d["layer_types"], d["mlp_layer_types"] = list(self.layer_types), list(self.mlp_layer_types)

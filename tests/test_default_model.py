@@ -13,12 +13,7 @@ ASSETS = Path(__file__).resolve().parent.parent / "m3eagle" / "assets" / "defaul
 TARGET, DRAFT = ASSETS / "target", ASSETS / "draft"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_artefacts_are_present_and_small():

@@ -23,7 +23,7 @@ from ..kvcache.page_pool import PagePool
 from ..sampling.params import SamplingParams
 from .input_builder import build_step_input
 from .model_runner import ModelRunner, StepOutput
-from .request import Request, RequestOutput, Status
+from .request import Request, Status
 from .scheduler import NeedSync, ScheduledBatch, Scheduler
 
 log = logging.getLogger("m3eagle")
@@ -229,7 +229,7 @@ class LLMEngine:
     # ---- checks -------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """No page leaked or owned twice (tests call this after every run)."""
-        tables = {r.request_id: r.pages for r in self.scheduler.running if r.pages}
+        tables = self.scheduler.table_snapshot()
         for r in self.finished:
             if r.pages:
                 tables[r.request_id] = r.pages
@@ -238,7 +238,3 @@ class LLMEngine:
     def is_idle_and_clean(self) -> bool:
         return (not self.has_work() and self.pool.num_free == self.pool.num_usable
                 and all(r.status is Status.FINISHED for r in self.finished))
-
-    @staticmethod
-    def output(req: Request) -> RequestOutput:
-        return req.to_output()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.metadata import AttnMetadata, derive_positions_and_slots
+from ..attention.metadata import AttnMetadata
 from ..models.minimax_m3 import LayerCache, MiniMaxM3
 from ..sampling.sampler import SALT_DRAFT, SamplingTensors, probs_from_logits, sample_from_probs
 from ..sampling.verify import verify
@@ -61,13 +61,15 @@ class ModelRunner:
         slots = num_pages * page_size
         self.caches: list[LayerCache] = target.new_caches(slots, dtype, device)
         self.draft_cache: LayerCache | None = draft.new_cache(slots, dtype, device) if draft is not None else None
-        k1 = self.k + 1
-        self.slot_tokens = torch.zeros(max_num_seqs, k1, dtype=torch.int64, device=device)  # [S, K+1]
-        self.slot_num_new = torch.ones(max_num_seqs, dtype=torch.int64, device=device)  # [S]
-        self.slot_expected = torch.ones(max_num_seqs, dtype=torch.int64, device=device)  # [S]
-        self.slot_drafts = torch.zeros(max_num_seqs, max(self.k, 1), dtype=torch.int64, device=device)
-        self.slot_draft_probs: torch.Tensor | None = None  # [S, K, V] once a sampled request drafts
-        self.max_num_seqs = max_num_seqs
+        # Slot buffers have S + 1 rows: row S is a dump row that rows which must not write (prompt
+        # chunks that did not sample) are pointed at, so every write is one unconditional index_copy_.
+        n, k1 = max_num_seqs + 1, self.k + 1
+        self.slot_tokens = torch.zeros(n, k1, dtype=torch.int64, device=device)  # [S+1, K+1]
+        self.slot_num_new = torch.ones(n, dtype=torch.int64, device=device)  # [S+1]
+        self.slot_expected = torch.ones(n, dtype=torch.int64, device=device)  # [S+1]
+        self.slot_drafts = torch.zeros(n, max(self.k, 1), dtype=torch.int64, device=device)  # [S+1, K]
+        self.slot_draft_probs: torch.Tensor | None = None  # [S+1, K, V] once a sampled request drafts
+        self.dump_slot = max_num_seqs
         cfg = target.cfg
         self.aux_ids: tuple[int, ...] = tuple(draft.cfg.aux_layer_ids) if draft is not None else ()
         self.aux_width = len(self.aux_ids) * cfg.hidden_size
@@ -111,10 +113,8 @@ class ModelRunner:
             drafts_in = torch.where(j[:k] < inp.row_num_drafts[:, None], ids[d_idx], 0)  # [B, K]
         else:
             drafts_in = ids.new_zeros(len(inp.batch.rows), 0)
-        q_probs = self.slot_draft_probs[inp.row_slot] if (inp.any_random and k and
-                                                          self.slot_draft_probs is not None) else None
-        if inp.any_random and k and q_probs is None:
-            q_probs = torch.zeros(len(inp.batch.rows), k, logits.shape[-1], device=self.device)
+        # No stored probabilities yet means no draft was ever sampled: verify treats q as zero.
+        q_probs = self.slot_draft_probs[inp.row_slot] if inp.any_random and self.slot_draft_probs is not None else None
         new_tokens, num_new = verify(logits, drafts_in, inp.row_num_drafts, inp.sampling, positions, q_probs,
                                      inp.any_random)
         num_new = torch.where(inp.row_samples, num_new, 0)
@@ -124,10 +124,10 @@ class ModelRunner:
 
         # Remember each sampling row's outputs for the next step (gathered on device).
         keep = inp.row_samples
-        s = torch.where(keep, inp.row_slot, self.max_num_seqs)  # out-of-range rows go to a dump row
-        self._slot_write(self.slot_tokens, s, new_tokens)
-        self._slot_write(self.slot_num_new, s, num_new)
-        self._slot_write(self.slot_expected, s, inp.row_num_drafts + 1)
+        s = torch.where(keep, inp.row_slot, self.dump_slot)
+        self.slot_tokens.index_copy_(0, s, new_tokens)
+        self.slot_num_new.index_copy_(0, s, num_new)
+        self.slot_expected.index_copy_(0, s, inp.row_num_drafts + 1)
 
         drafts = ids.new_zeros(len(inp.batch.rows), k)
         if self.draft is not None and k:
@@ -135,12 +135,6 @@ class ModelRunner:
         out = StepOutput(new_tokens, num_new, drafts, logprobs)
         out.copy_to_host()
         return out
-
-    @staticmethod
-    def _slot_write(buf: torch.Tensor, s: torch.Tensor, val: torch.Tensor) -> None:
-        ext = torch.cat([buf, buf[:1]])  # a dump row at index S for rows that must not write
-        ext.index_copy_(0, s, val.to(buf.dtype))
-        buf.copy_(ext[:-1])
 
     # ---- drafting -------------------------------------------------------------------------------
     def _draft(self, inp: StepInput, ids: torch.Tensor, meta: AttnMetadata, aux: torch.Tensor,
@@ -174,12 +168,12 @@ class ModelRunner:
             sm = dmeta.with_lengths(p + 1)
             h_out, h_next = self.draft(tok, sm.positions, h_next, sm, self.draft_cache, False)
         drafts = torch.stack(out_tokens, 1)  # [B, K]
-        self._slot_write(self.slot_drafts, s, drafts)
+        self.slot_drafts.index_copy_(0, s, drafts)
         if inp.any_random:
             if self.slot_draft_probs is None:
-                self.slot_draft_probs = torch.zeros(self.max_num_seqs, k, out_probs[0].shape[-1],
+                self.slot_draft_probs = torch.zeros(self.dump_slot + 1, k, out_probs[0].shape[-1],
                                                     device=self.device)
-            self._slot_write(self.slot_draft_probs, s, torch.stack(out_probs, 1))
+            self.slot_draft_probs.index_copy_(0, s, torch.stack(out_probs, 1))
         return drafts
 
     def _draft_sample(self, logits: torch.Tensor, st: SamplingTensors, pos: torch.Tensor, random: bool,
@@ -193,5 +187,3 @@ class ModelRunner:
         drawn = sample_from_probs(q, st.seed, pos, SALT_DRAFT)
         return torch.where(st.greedy, greedy, drawn), q
 
-
-__all__ = ["ModelRunner", "StepOutput", "derive_positions_and_slots"]

@@ -107,9 +107,9 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---- planning ----------------------------------------------------------------------------
-    def _pages_needed(self, req: Request, kv_len: int, num_drafts: int) -> int:
+    def _pages_needed(self, req: Request, kv_len: int) -> int:
         # Draft steps 1..K-1 write K-1 positions past the row; reserve them too.
-        want = self.pool.pages_for(kv_len + max(self.k - 1, 0)) if self.k else self.pool.pages_for(kv_len)
+        want = self.pool.pages_for(kv_len + max(self.k - 1, 0))
         return max(0, min(want, self.max_pages_per_seq) - len(req.pages))
 
     def _plan_row(self, req: Request, budget: int) -> ScheduledRow | None:
@@ -140,7 +140,7 @@ class Scheduler:
             row = self._plan_row(req, budget)
             if row is None:
                 continue
-            need = self._pages_needed(req, row.kv_len, row.num_drafts)
+            need = self._pages_needed(req, row.kv_len)
             while need > self.pool.num_free:
                 victim = next((r for r in reversed(self.running) if not r.finished), None)
                 if victim is None:
@@ -164,7 +164,7 @@ class Scheduler:
             row = self._plan_row(req, budget)
             if row is None:
                 break
-            need = self._pages_needed(req, row.kv_len, row.num_drafts)
+            need = self._pages_needed(req, row.kv_len)
             if need > self.pool.num_free:
                 break
             self.waiting.popleft()
@@ -185,4 +185,5 @@ class Scheduler:
                 row.req.slot_valid = True
 
     def table_snapshot(self) -> dict[str, list[int]]:
+        """Request id -> pages held, for every running request (finished ones awaiting a free included)."""
         return {r.request_id: list(r.pages) for r in self.running if r.pages}

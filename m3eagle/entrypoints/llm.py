@@ -61,8 +61,6 @@ class LLM:
             model, default_draft = default_model_paths()
             if draft is None and num_draft_tokens != 0:
                 draft = default_draft
-            if num_draft_tokens is None:
-                num_draft_tokens = 3 if draft is not None else 0
         if num_draft_tokens is None:
             num_draft_tokens = 3 if draft is not None else 0
         if not isinstance(num_draft_tokens, int) or not 0 <= num_draft_tokens <= 8:
