@@ -20,6 +20,7 @@ from m3eagle.sampling.sampler import (
     sample,
     sample_from_probs,
     uniform,
+    uniform64,
 )
 from m3eagle.sampling.verify import verify
 
@@ -145,7 +146,7 @@ def test_sampling_tensors_repeat():
 
 
 def test_sample_from_probs_follows_probs():
-    """The exponential race draws token i with probability p_i; zero-probability tokens never win."""
+    """Inverse-CDF draws pick token i with probability p_i; zero-probability tokens never come out."""
     n = 20000
     p = torch.tensor([0.05, 0.0, 0.3, 0.15, 0.0, 0.4, 0.1])
     tok = sample_from_probs(p[None].expand(n, -1), torch.arange(n) + 7, torch.full((n,), 3), SALT_SAMPLE)
@@ -198,17 +199,43 @@ def test_uniform_range_determinism_and_variation():
     assert abs(seq.mean().item() - 0.5) < 0.01
     assert abs(torch.corrcoef(torch.stack([seq[:-1], seq[1:]]))[0, 1].item()) < 0.03
     # extreme seeds / positions stay strictly inside (0, 1)
-    big = uniform(torch.tensor([0, 2**31 - 1, 2**62]), torch.tensor([0, 2**31 - 1, 10**9]), SALT_DRAFT, 1000)
-    assert ((big > 0) & (big < 1)).all()
+    for fn in (uniform, uniform64):
+        big = fn(torch.tensor([0, 2**31 - 1, 2**62, 2**63 - 1]), torch.tensor([0, 2**31 - 1, 10**9, 2**40]), SALT_DRAFT)
+        assert ((big > 0) & (big < 1)).all()
 
 
-def test_uniform_width_gives_independent_draws_per_vocab_id():
-    w = uniform(torch.arange(4000, dtype=torch.int64), torch.zeros(4000, dtype=torch.int64), SALT_SAMPLE, 16)
-    assert w.shape == (4000, 16) and ((w > 0) & (w < 1)).all()
-    c = torch.corrcoef(w.T)
-    assert (c - torch.eye(16)).abs().max() < 0.07
-    assert torch.equal(w[:, 0], uniform(torch.arange(4000), torch.zeros(4000, dtype=torch.int64), SALT_SAMPLE,
-                                        16)[:, 0])
+def test_uniform64_has_52_bits_and_looks_uniform():
+    n = 50000
+    u = uniform64(torch.arange(n, dtype=torch.int64), torch.full((n,), 9, dtype=torch.int64), SALT_SAMPLE)
+    assert u.dtype == torch.float64 and ((u > 0) & (u < 1)).all()
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.003
+    # the low bits are random too (a 24-bit uniform times 2^24 would be an integer + 0.5)
+    frac = (u * 2**24) % 1
+    assert abs(frac.mean().item() - 0.5) < 0.01
+
+
+@pytest.mark.parametrize("bits", [0, 2**32 - 1])
+def test_extreme_random_bits_never_reach_0_or_1_nor_a_zero_probability_token(monkeypatch, bits):
+    """Force every hash to all-zeros / all-ones bits (the draws that used to round to u = 1.0, where
+    -log(u) = -0.0 let a p = 0 token win): u stays strictly inside (0, 1) and the draw stays in the
+    support, including a support that ends with a tiny mass right before trailing zeros."""
+    import m3eagle.sampling.sampler as sampler
+
+    monkeypatch.setattr(sampler, "_hash", lambda seed, position, salt: torch.full_like(seed, bits))
+    n = 4
+    seed, pos = torch.arange(n), torch.zeros(n, dtype=torch.int64)
+    for u in (sampler.uniform(seed, pos, SALT_SAMPLE), sampler.uniform64(seed, pos, SALT_SAMPLE)):
+        assert ((u > 0) & (u < 1)).all()
+    v = 200064
+    p = torch.zeros(n, v)
+    p[0, [5, 7]] = torch.tensor([0.999999, 1e-6])  # mass at the front, a tiny last token
+    p[1, -1] = 1.0  # only the very last id
+    p[2, 0] = 1.0  # only the very first id
+    p[3, 1000:1020] = 1.0 / 20
+    tok = sampler.sample_from_probs(p, seed, pos, SALT_SAMPLE)
+    assert (p[torch.arange(n), tok] > 0).all(), tok.tolist()
+    u = sampler.uniform(seed, pos, SALT_ACCEPT)
+    assert not (u * 1.0 <= 0.0).any()  # an accept test u * q <= p never passes for p = 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -322,3 +349,97 @@ def test_rejection_sampling_negative_controls(rejection_run):
     assert not passes_chi_square(wrong, p0)
     # and the real verifier's emitted tokens agree with this hand-made accept decision
     assert torch.equal(r["num_new"] >= 2, accept)
+
+
+# ------------------------------------------------------------------------------------------------
+# zero-probability tokens never come out, at MiniMax-M3's vocab size
+# ------------------------------------------------------------------------------------------------
+
+BIG_V = 200064
+N_DRAWS = 20000
+
+
+def _big_logits(seed: int) -> torch.Tensor:
+    """[BIG_V]: 40 strong ids spread over the vocab (the last id among them), the rest far below."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.full((BIG_V,), -8.0)
+    ids = torch.cat([torch.randperm(BIG_V - 1, generator=g)[:39], torch.tensor([BIG_V - 1])])
+    logits[ids] = torch.randn(40, generator=g) + 4.0
+    return logits
+
+
+def _draws_in_support(probs: torch.Tensor, salt: int, seed0: int) -> torch.Tensor:
+    """N_DRAWS seeded draws from one [V] distribution through the real sampler; asserts none has p = 0."""
+    tok = sample_from_probs(probs[None], torch.arange(N_DRAWS) + seed0, torch.full((N_DRAWS,), 77), salt)
+    outside = int((probs[tok] == 0).sum())
+    assert outside == 0, f"{outside} of {N_DRAWS} draws have probability 0"
+    return tok
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 20, 1.0), (0.8, 0, 0.7), (1.3, 25, 0.9)])
+def test_big_vocab_draws_stay_in_the_top_k_top_p_support(temperature, top_k, top_p):
+    logits = _big_logits(1)
+    st = tensors(1, temperature, top_k, top_p)
+    probs = probs_from_logits(logits[None], st)[0]
+    assert 0 < int((probs > 0).sum()) <= (top_k or BIG_V)
+    tok = _draws_in_support(probs, SALT_SAMPLE, 5000)
+    assert passes_chi_square(tok, reference_probs(logits, temperature, top_k, top_p).float())
+
+
+def test_big_vocab_residual_after_rejection_stays_in_support():
+    """The token emitted after a rejection comes from norm(max(0, p - q)): 20,000 draws at vocab 200,064
+    never land where the residual is 0 (where q >= p, or outside p's top-k), and follow it (chi-square).
+    Then the real verifier, with every draft forced to be rejected (p(d) = 0), emits residual tokens only."""
+    p = probs_from_logits(_big_logits(2)[None], tensors(1, 1.0, top_k=20))[0]
+    q = probs_from_logits(_big_logits(2)[None] + torch.randn(BIG_V, generator=torch.Generator().manual_seed(3)),
+                          tensors(1, 1.0, top_k=20))[0]
+    resid = (p - q).clamp_min(0.0)
+    assert 0 < int((resid > 0).sum()) < int((p > 0).sum())
+    tok = _draws_in_support(resid, SALT_SAMPLE, 9000)
+    assert passes_chi_square(tok, resid / resid.sum())
+
+    n, k = 24, 1
+    st = tensors(n, 1.0, top_k=20, seed0=40)
+    logits = _big_logits(2)[None, None].expand(n, k + 1, BIG_V).contiguous()
+    dead = int((p == 0).nonzero()[0])  # a token the target's top-k excludes: p(d) = 0, reject for sure
+    drafts = torch.full((n, k), dead)
+    q_rows = torch.zeros(n, k, BIG_V)
+    q_rows[..., dead] = 1.0
+    new, num_new = verify(logits, drafts, torch.full((n,), k), st, torch.arange(k + 1).expand(n, -1) + 3, q_rows)
+    assert (num_new == 1).all()
+    assert (p[new[:, 0]] > 0).all() and (new[:, 0] != dead).all()
+
+
+def test_verify_without_draft_probs_treats_drafts_as_deterministic():
+    """draft_probs=None on sampled rows means q = one-hot(d) (vLLM's convention): d is accepted with
+    probability p(d), and after a rejection the emitted token is never d and follows p without d."""
+    n = 20000
+    logits = torch.tensor([[0.5, 1.0, 0.0, 2.0, -1.0, 0.3], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    st = tensors(n, 1.0, seed0=77)
+    d = torch.full((n, 1), 3)
+    new, num_new = verify(logits[None].expand(n, -1, -1), d, torch.ones(n, dtype=torch.int64), st,
+                          torch.tensor([[4, 5]]).expand(n, -1), None)
+    p0 = torch.softmax(logits[0], -1)
+    rate = (num_new == 2).float().mean().item()
+    assert abs(rate - p0[3].item()) < 5 * math.sqrt(p0[3] * (1 - p0[3]) / n)
+    rej = num_new == 1
+    assert (new[rej, 0] != 3).all()
+    without_d = p0.clone()
+    without_d[3] = 0
+    assert passes_chi_square(new[rej, 0], without_d)
+    assert passes_chi_square(new[:, 0], p0)  # and overall the first token is still distributed as p
+
+
+def test_issue_repro_seeded_top_k_draw_stays_in_the_top_k():
+    """The reported case: the embedded model, plain sampling, top_k=20, seed 4000455 emitted a token
+    outside the top 20. Checked against the model's own logits for that prompt."""
+    from m3eagle import LLM
+
+    llm = LLM(num_draft_tokens=0, device="cpu")
+    prompt = "def fibonacci(n):\n    "
+    out = llm.generate(prompt, SamplingParams(max_tokens=1, seed=4000455, temperature=1.0, top_k=20))[0]
+    ids = llm.encode(prompt)
+    with torch.no_grad():
+        hidden, _ = llm.target.forward_seq(torch.tensor([ids]))
+        top20 = llm.target.compute_logits(hidden[0, -1]).topk(20).indices.tolist()
+    assert out.token_ids[0] in top20

@@ -1,6 +1,6 @@
 """Batched sampling on device: temperature, top-k, top-p, greedy, with per-request seeds.
 
-Randomness is counter-based: every draw is a hash of (request seed, token position, purpose, vocab id).
+Randomness is counter-based: every draw is a hash of (request seed, token position, purpose).
 So a seeded request reproduces its output whatever else shares its batch, overlap on or off, and the
 sampler needs no per-request generator objects and no host-device sync.
 """
@@ -42,14 +42,28 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform(seed: torch.Tensor, position: torch.Tensor, salt: int, width: int | None = None) -> torch.Tensor:
-    """U(0,1) in fp32: [N] (width None) or [N, width] (one per vocab id). seed/position [N] int64."""
-    h = _mix(_mix(seed ^ (seed >> 32)) ^ _mix(position * 0x9E3779B1 + salt))
-    if width is not None:
-        ids = torch.arange(width, device=seed.device, dtype=torch.int64)
-        h = _mix(h[:, None] ^ _mix(ids[None, :] + 0x632BE5AB))
-    # 24 random bits -> exactly representable, strictly inside (0, 1)
-    return ((h >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+def _hash(seed: torch.Tensor, position: torch.Tensor, salt: int) -> torch.Tensor:
+    """32 random bits per (seed, position, salt): [N] int64 in [0, 2^32)."""
+    return _mix(_mix(seed ^ (seed >> 32)) ^ _mix(position * 0x9E3779B1 + salt))
+
+
+def uniform(seed: torch.Tensor, position: torch.Tensor, salt: int) -> torch.Tensor:
+    """U(0,1) in fp32, [N] for seed/position [N] int64. Always strictly inside (0, 1).
+
+    NOTE: 23 bits, not 24: ((2^24 - 1) + 0.5) / 2^24 rounds to 1.0 in fp32, and a u of exactly 1 (or 0)
+    breaks every test built on it. (n + 0.5) / 2^23 for n < 2^23 is exact in fp32 and lies in
+    [2^-24, 1 - 2^-24]."""
+    return ((_hash(seed, position, salt) >> 9).to(torch.float32) + 0.5) / float(1 << 23)
+
+
+def uniform64(seed: torch.Tensor, position: torch.Tensor, salt: int) -> torch.Tensor:
+    """U(0,1) in fp64 with 52 random bits, strictly inside (0, 1): [N]. Inverse-CDF sampling needs this
+    resolution: with 24 bits, every token of probability < 2^-24 would be quantised, and at a vocab of
+    200k those errors add up to a visible bias. (52, not 53: n + 0.5 must stay exact in fp64.)"""
+    hi = _hash(seed, position, salt) >> 6  # 26 bits
+    lo = _hash(seed ^ 0x5BD1E995, position, salt + 0x68E31DA4) >> 6  # 26 bits
+    n = (hi << 26) | lo  # 52 bits
+    return (n.to(torch.float64) + 0.5) / float(1 << 52)
 
 
 def probs_from_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
@@ -72,9 +86,22 @@ def probs_from_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor
 
 def sample_from_probs(probs: torch.Tensor, seed: torch.Tensor, position: torch.Tensor, salt: int,
                       ) -> torch.Tensor:
-    """One draw per row by the exponential race: argmax p_i / E_i, E_i ~ Exp(1). [N, V] -> [N]."""
-    e = -torch.log(uniform(seed, position, salt, probs.shape[-1]))
-    return (probs / e).argmax(-1)
+    """One draw per (seed, position) by inverse CDF -> [N] token ids. probs: [N, V], or [1, V] for N draws
+    from one shared distribution; any non-negative scale (it need not sum to 1).
+
+    The cumulative sum runs in fp64 over vocab order; the draw is the first id whose CDF exceeds
+    u * total. That id always has probability > 0: CDF[i] > x >= CDF[i-1] means p_i > 0. x is kept
+    strictly below the total (u * total can round up to it), so some id always qualifies."""
+    cdf = probs.double().cumsum(-1)  # [N or 1, V]
+    total = cdf[:, -1:]  # [N or 1, 1]
+    x = uniform64(seed, position, salt)[:, None] * total  # [N, 1]
+    x = torch.minimum(x, torch.nextafter(total, torch.zeros_like(total)))
+    if cdf.shape[0] == 1 and x.shape[0] != 1:
+        idx = torch.searchsorted(cdf[0], x[:, 0], right=True)
+    else:
+        idx = torch.searchsorted(cdf, x, right=True)[:, 0]
+    # The clamp only matters for NaN probabilities (then no id qualifies); it keeps the index in range.
+    return idx.clamp_(max=probs.shape[-1] - 1)
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors, position: torch.Tensor,

@@ -24,8 +24,9 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, K+1, V] fp32, drafts [B, K] (target ids), num_drafts [B] (0..K), positions [B, K+1]
     (position of the query that predicts each token), draft_probs [B, K, V] (the distributions the drafts
-    were drawn from; None when no draft was sampled), any_random: some row has temperature > 0 (host flag;
-    False takes the all-greedy fast path) -> (new_tokens [B, K+1], num_new [B]).
+    were drawn from; None means every draft was chosen deterministically, i.e. q is one-hot on the draft,
+    vLLM's convention: accept with probability p(d), resample from p without d), any_random: some row has
+    temperature > 0 (host flag; False takes the all-greedy fast path) -> (new_tokens [B, K+1], num_new [B]).
     new_tokens[b, :num_new[b]] are the emitted tokens."""
     b, kp1, v = logits.shape
     k = kp1 - 1
@@ -39,7 +40,9 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
 
     rep = st.repeat(kp1)
     p = probs_from_logits(logits.reshape(b * kp1, v), rep).view(b, kp1, v)
-    q = draft_probs if draft_probs is not None else p.new_zeros(b, k, v)
+    q = draft_probs
+    if q is None:  # deterministic drafts: q = one-hot(d)
+        q = p.new_zeros(b, k, v).scatter_(-1, drafts[..., None], 1.0)
     p_d = p[:, :k].gather(-1, drafts[..., None])[..., 0]  # [B, K]
     q_d = q.gather(-1, drafts[..., None])[..., 0].clamp_min(1e-20)
     u = uniform(st.seed[:, None].expand(b, k).reshape(-1), positions[:, :k].reshape(-1),
