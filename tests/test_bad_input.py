@@ -138,7 +138,7 @@ def test_missing_model_directory(tmp_path):
     ([], None, "empty"),
     ([3, 96], None, r"\[96\].*vocabulary"),
     ([3, -1], None, "vocabulary"),
-    ([3, 4.0], None, "vocabulary"),
+    ([3, 4.0], None, "must be ints.*float"),
     ([5] * 64, None, "max_model_len"),
     ([3, 4], SamplingParams(stop_token_ids=[500]), "stop_token_ids"),
     ([3, 4], "greedy", "SamplingParams"),
@@ -201,7 +201,7 @@ def test_refused_add_request_leaves_running_requests_alone(model_dir):
 
 
 @pytest.mark.parametrize("edit, option", [
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type"),
+    ({"rope_parameters": {"rope_type": "no_such_rope", "rope_theta": 1e4, "factor": 4.0}}, "rope_type"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"scoring_func": "softmax"}, "scoring_func"),
     ({"sparse_score_type": "mean"}, "sparse_score_type"),

@@ -251,7 +251,10 @@ def test_missing_weights_fail_before_the_model_is_allocated(tmp_path, monkeypatc
         raise AssertionError("MiniMaxM3 was allocated before any weights were found")
 
     monkeypatch.setattr(ckpt, "MiniMaxM3", no_alloc)
-    (tmp_path / "config.json").write_text("{}")  # every size at its full MiniMax-M3 default
+    full = {"vocab_size": 200064, "hidden_size": 6144, "num_hidden_layers": 60, "num_attention_heads": 64,
+            "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 3072, "shared_intermediate_size": 3072,
+            "num_local_experts": 128}  # the real MiniMax-M3 sizes
+    (tmp_path / "config.json").write_text(json.dumps(full))
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
         ckpt.load_target(tmp_path)
 
@@ -311,7 +314,8 @@ def test_legacy_config_checkpoint_loads(tiny, tmp_path):
 def test_rotary_width_follows_partial_rotary_factor():
     """transformers rotates head_dim * partial_rotary_factor channels and ignores `rotary_dim`."""
     base = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "head_dim": 16, "vocab_size": 50}
+            "head_dim": 16, "vocab_size": 50, "intermediate_size": 8, "shared_intermediate_size": 8,
+            "num_local_experts": 4}
     assert M3Config.from_dict(dict(base, rotary_dim=4)).rotary_dim == 16
     assert M3Config.from_dict(dict(base, partial_rotary_factor=0.5, rotary_dim=16)).rotary_dim == 8
     rp = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}

@@ -10,7 +10,10 @@ without the `model.` prefix):
   `model.*`, stacked `experts.gate_up_proj`, fused `gate_up_proj`).
 
 Vision weights are skipped with one log line. A missing or mis-shaped tensor raises `CheckpointError`
-naming the tensor and the expected shape.
+naming the tensor and the expected shape; so do NaN / Inf values, integer or FP8 tensors where float
+weights belong (never cast), and an unreadable safetensors file (named). config.json and
+generation_config.json are read as transformers reads them: the EOS ids come from generation_config.json
+when it sets them, else from the config (transformers' default 200020 when it names none).
 """
 
 from __future__ import annotations
@@ -18,13 +21,16 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..config import M3Config
+from ..config import ConfigError, M3Config, eos_ids
 from ..models.minimax_m3 import MiniMaxM3
 
 log = logging.getLogger("m3eagle")
@@ -34,31 +40,84 @@ _MTP = re.compile(r"(^|\.)mtp\.")
 
 
 class CheckpointError(ValueError):
-    pass
+    """A checkpoint file or tensor m3eagle cannot use; the message names the file or the tensor."""
 
 
-def read_config(path: str | Path) -> dict:
+_FP8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+        if hasattr(torch, n)}
+
+
+def read_json(p: Path, error: type[ValueError] = ConfigError) -> dict[str, Any]:
+    """A JSON object from file `p`; `error` naming the file when it is not one."""
+    try:
+        d = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{p} is not valid JSON ({e}); restore the file from the checkpoint") from None
+    if not isinstance(d, dict):
+        raise error(f"{p} holds a JSON {type(d).__name__}, not an object; restore the file from the checkpoint")
+    return d
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
     p = Path(path) / "config.json"
     if not p.is_file():
         raise CheckpointError(f"no config.json in {path}: pass model= a directory holding config.json and "
                               "*.safetensors")
-    return json.loads(p.read_text())
+    return read_json(p)
 
 
-def iter_tensors(path: str | Path):
-    """Yield (name, tensor) over every safetensors shard (the index json when there is one)."""
+def load_config(path: str | Path) -> M3Config:
+    """The target's M3Config from `path`: config.json, with the EOS ids of generation_config.json when
+    that file sets eos_token_id (transformers' generate() reads them there first)."""
     path = Path(path)
+    try:
+        cfg = M3Config.from_dict(read_config(path))
+    except ConfigError as e:
+        raise ConfigError(f"{path / 'config.json'}: {e}") from None
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        eos = read_json(gen).get("eos_token_id")
+        if eos is not None:
+            cfg = replace(cfg, eos_token_ids=eos_ids(eos, f"{gen} eos_token_id"))
+    return cfg
+
+
+def _shards(path: Path) -> list[str]:
     index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not index.is_file():
+        return sorted(p.name for p in path.glob("*.safetensors"))
+    weight_map = read_json(index, CheckpointError).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index} has no weight_map object; restore it or remove it to read every "
+                              "*.safetensors file")
+    files = sorted(set(weight_map.values()))
+    for f in files:
+        if not (path / f).is_file():
+            raise CheckpointError(f"{index} lists {f}, which is not in {path}; the download is incomplete")
+    return files
+
+
+def iter_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) over every safetensors shard (the index json when there is one).
+
+    Every floating tensor is checked for NaN / Inf (one reduction per tensor; the load is I/O-bound), and
+    a truncated or corrupt file raises CheckpointError naming it instead of safetensors' bare error."""
+    path = Path(path)
+    files = _shards(path)
     if not files:
         raise CheckpointError(f"no *.safetensors files in {path}")
     for f in files:
-        with safe_open(str(path / f), framework="pt") as fh:
-            for name in fh.keys():
-                yield name, fh.get_tensor(name)
+        try:
+            with safe_open(str(path / f), framework="pt") as fh:
+                for name in fh.keys():
+                    t = fh.get_tensor(name)
+                    if t.is_floating_point() and t.dtype not in _FP8 and not bool(torch.isfinite(t).all()):
+                        raise CheckpointError(f"tensor {name!r} in {path / f} holds NaN or Inf values; the "
+                                              "checkpoint is corrupt (or was saved after a diverged step)")
+                    yield name, t
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read {path / f} ({e}): the file is truncated or corrupt; "
+                                  "download it again") from None
 
 
 def _canonical(name: str) -> str | None:
@@ -87,6 +146,7 @@ def load_state_dict(path: str | Path, cfg: M3Config) -> dict[str, torch.Tensor]:
         if name is None:
             skipped += 1
             continue
+        _check_float(raw, t)
         m = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$", name)
         if m:
             experts[(m.group(1), int(m.group(2)), m.group(3))] = (raw, t)
@@ -128,6 +188,17 @@ def load_state_dict(path: str | Path, cfg: M3Config) -> dict[str, torch.Tensor]:
     return sd
 
 
+def _check_float(name: str, t: torch.Tensor) -> None:
+    """Target weights are floating point: an integer or FP8 tensor is refused, never cast (a cast would
+    load unscaled quantized values or an index table as weights)."""
+    if t.dtype in _FP8:
+        raise CheckpointError(f"tensor {name!r} is {t.dtype}: FP8 weights (with weight_scale_inv) are not "
+                              "supported yet; use the bf16 checkpoint")
+    if not t.is_floating_point():
+        raise CheckpointError(f"tensor {name!r} has dtype {t.dtype} where floating-point weights belong; "
+                              "the checkpoint is not a MiniMax-M3 bf16/fp32 checkpoint")
+
+
 def load_into(model: torch.nn.Module, sd: dict[str, torch.Tensor], what: str,
               optional: tuple[str, ...] = ()) -> None:
     """Copy sd into the model's parameters/buffers, checking presence and shape of every tensor."""
@@ -142,6 +213,11 @@ def load_into(model: torch.nn.Module, sd: dict[str, torch.Tensor], what: str,
         if tuple(t.shape) != tuple(p.shape):
             raise CheckpointError(f"{what}: tensor {name!r} has shape {tuple(t.shape)}, expected "
                                   f"{tuple(p.shape)}")
+        if p.is_floating_point():
+            try:
+                _check_float(name, t)
+            except CheckpointError as e:
+                raise CheckpointError(f"{what}: {e}") from None
         with torch.no_grad():
             p.copy_(t.to(p.dtype))
     extra = sorted(set(sd) - set(own))
@@ -151,10 +227,10 @@ def load_into(model: torch.nn.Module, sd: dict[str, torch.Tensor], what: str,
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu") -> MiniMaxM3:
-    cfg = M3Config.from_dict(read_config(path))
+    cfg = load_config(path)
     sd = load_state_dict(path, cfg)  # before allocating: a weightless directory fails cheaply
     if cfg.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)
+        cfg = _tie(cfg, sd)
     elif "lm_head.weight" not in sd and "embed_tokens.weight" in sd:
         raise CheckpointError(f"missing tensor 'lm_head.weight', expected shape "
                               f"{(cfg.vocab_size, cfg.hidden_size)} (or set tie_word_embeddings)")
@@ -162,6 +238,22 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
     model = MiniMaxM3(cfg)
     load_into(model, sd, "target checkpoint", optional)
     return cast_model(model, dtype, device)
+
+
+def _tie(cfg: M3Config, sd: dict[str, torch.Tensor]) -> M3Config:
+    """tie_word_embeddings as transformers' from_pretrained applies it: with only one of the two tensors
+    present the other shares it; with both present and different they stay separate (a config that
+    contradicts its checkpoint)."""
+    emb, head = sd.get("embed_tokens.weight"), sd.get("lm_head.weight")
+    if emb is None and head is not None:
+        sd["embed_tokens.weight"] = sd.pop("lm_head.weight")
+    elif emb is not None and head is not None and not torch.equal(emb, head):
+        log.warning("tie_word_embeddings is set but the checkpoint holds a different lm_head.weight; not tying "
+                    "(as transformers); set tie_word_embeddings false to silence this")
+        return replace(cfg, tie_word_embeddings=False)
+    else:
+        sd.pop("lm_head.weight", None)
+    return cfg
 
 
 def cast_model(model: MiniMaxM3, dtype: torch.dtype, device: str | torch.device) -> MiniMaxM3:

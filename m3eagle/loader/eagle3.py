@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..config import M3Config
+from ..config import ConfigError, M3Config
 from ..models.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
 from .checkpoint import CheckpointError, iter_tensors, load_into, read_config
 
@@ -62,6 +62,9 @@ def load_eagle3(path: str | Path, target_cfg: M3Config, dtype: torch.dtype = tor
     When `head.cfg.has_embed` is False, call `head.set_embedding(target.embed_tokens.weight)`."""
     raw = read_config(path)
     cfg = Eagle3Config.from_dict(raw)
+    if not cfg.rms_norm_eps > 0:
+        raise ConfigError(f"{Path(path) / 'config.json'}: Eagle3 rms_norm_eps={cfg.rms_norm_eps} must be positive "
+                          "(the norms divide by sqrt(mean(x^2) + eps))")
     sd = load_state_dict(path)
     cfg = replace(cfg, has_embed="embed_tokens.weight" in sd,
                   aux_layer_ids=cfg.aux_layer_ids or default_aux_layer_ids(target_cfg.num_hidden_layers))

@@ -142,7 +142,8 @@ class MiniMaxM3(nn.Module):
                 caches: list[LayerCache], aux_layer_ids: tuple[int, ...] = (),
                 aux_out: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, H]
-        cos, sin = rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype,
+                                self.cfg.rope_scaling)
         h = self.cfg.hidden_size
         for i in range(len(self.layers) + 1):
             if i:
@@ -159,7 +160,7 @@ class MiniMaxM3(nn.Module):
         final norm, aux [B, S, len(ids) * H] or None). Differentiable."""
         x = self.embed_tokens(input_ids)
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)
-        cos, sin = rope_cos_sin(pos, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(pos, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype, self.cfg.rope_scaling)
         aux = [x] if 0 in aux_layer_ids else []
         for i, layer in enumerate(self.layers):
             x = layer.forward_seq(x, cos, sin)
