@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ..moe import backend as moe_backend
 
 
 class GemmaRMSNorm(nn.Module):
@@ -35,14 +40,59 @@ class LlamaRMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any] | None = None,
+                  device: torch.device | str | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [rotary_dim/2] (fp32) and the cos/sin scale of one RoPE type, with
+    transformers' formulas (modeling_rope_utils) so logits match it. `scaling` is `M3Config.rope_scaling`:
+    None for plain RoPE, else rope_type linear / yarn / llama3 with every parameter resolved by the config."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
+    kind = scaling["rope_type"] if scaling else "default"
+    if kind == "default":
+        return inv_freq, 1.0
+    factor = scaling["factor"]
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    orig = scaling["original_max_position_embeddings"]
+    if kind == "llama3":
+        # wavelengths shorter than orig / high_freq_factor keep their frequency, longer than
+        # orig / low_freq_factor are divided by factor, and the band between is interpolated.
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > orig / low, inv_freq / factor, inv_freq)
+        smooth = (orig / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < orig / high) * ~(wavelen > orig / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        # Dimensions that rotate more than beta_fast times over the original context extrapolate (keep
+        # their frequency), fewer than beta_slow interpolate (divided by factor), a linear ramp between.
+        def correction_dim(rotations: float) -> float:
+            return rotary_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        lo, hi = correction_dim(scaling["beta_fast"]), correction_dim(scaling["beta_slow"])
+        if scaling["truncate"]:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, rotary_dim - 1)
+        if lo == hi:
+            hi += 0.001  # as transformers: avoid a zero-width ramp
+        ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32, device=device) - lo) / (hi - lo)).clamp(0, 1)
+        extrapolate = 1 - ramp
+        pos_freqs = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim)
+        inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+        return inv_freq, scaling["attention_factor"]
+    raise ValueError(f"rope_type={kind!r} is not implemented; choose default, linear, yarn or llama3")
+
+
 def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """NeoX RoPE tables: positions [...] -> cos, sin [..., rotary_dim], computed in fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32,
-                                             device=positions.device) / rotary_dim))
+                 scaling: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX RoPE tables: positions [...] -> cos, sin [..., rotary_dim], computed in fp32 (and scaled by
+    yarn's attention factor, as transformers scales them)."""
+    inv_freq, mscale = rope_inv_freq(rotary_dim, theta, scaling, positions.device)
     freqs = positions.float()[..., None] * inv_freq  # [..., rotary_dim/2]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    if mscale == 1.0:
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * mscale).to(dtype), (emb.sin() * mscale).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -116,20 +166,12 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """x [T, H], weights/idx [T, k] -> [T, H].
-
-        Every expert runs on every token and the results are combined with a dense [T, E] weight
-        matrix (zero for unchosen experts). That is E/k times the routed FLOPs, but it needs no
-        host-device sync and no data-dependent shapes, so it is graph-capturable; m3eagle's target
-        models are small enough that the step is launch-bound, not FLOP-bound."""
-        e = self.gate_up_proj.shape[0]
-        combine = torch.zeros(x.shape[0], e, dtype=torch.float32, device=x.device)
-        combine.scatter_(1, idx, weights)  # [T, E]
-        h = torch.einsum("th,eih->eti", x, self.gate_up_proj)  # [E, T, 2I]
-        h = swiglu_oai(h, self.alpha, self.limit)
-        out = torch.einsum("eti,ehi->eth", h, self.down_proj)  # [E, T, H]
-        return torch.einsum("eth,te->th", out.float(), combine).to(x.dtype)
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                impl: moe_backend.MoEImpl | None = None) -> torch.Tensor:
+        """x [T, H], weights/idx [T, k] -> [T, H]. `impl` (an `m3eagle.moe.backend` object the engine owns)
+        does the work; None means the dense reference, which training and `forward_seq` use."""
+        impl = impl if impl is not None else moe_backend.reference()
+        return impl.experts(x, weights, idx, self.gate_up_proj, self.down_proj, self.alpha, self.limit)
 
 
 class SparseMoE(nn.Module):
@@ -141,7 +183,7 @@ class SparseMoE(nn.Module):
         self.experts = Experts(num_experts, hidden, inter, alpha, limit)
         self.shared_experts = SwigluOaiMLP(hidden, shared_inter, alpha, limit)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, impl: moe_backend.MoEImpl | None = None) -> torch.Tensor:
         w, idx = self.gate(x)
         # Routed output is scaled; the shared expert is not.
-        return self.experts(x, w, idx) * self.routed_scaling_factor + self.shared_experts(x)
+        return self.experts(x, w, idx, impl) * self.routed_scaling_factor + self.shared_experts(x)

@@ -1,0 +1,465 @@
+"""Fused routed-experts kernels (m3eagle/moe/triton_moe.py) on a CUDA GPU in bf16: correctness, CUDA-graph
+capture, timing against the roofline, and block-size tuning.
+
+    python benchmarks/moe_kernel.py --json moe.json                # check + time both shapes, ~1-2 min on an H200
+    python benchmarks/moe_kernel.py --tune --write --json moe.json # sweep configs first, rewrite the table, < 4 min
+    TRITON_INTERPRET=1 python benchmarks/moe_kernel.py --device cpu --tune   # tiny shape: a smoke test
+
+Shapes: m3-mini (hidden 2048, 32 experts, top-4, intermediate 1024, shared 1024) and m3-8b (hidden 4096,
+16 experts, top-4, intermediate 1536, shared 1536), with random weights and a random fp32 router.
+
+1. Correctness: the routed output of TritonMoE and of the dense bf16 reference, both against an fp32 oracle
+   (the reference on fp32 copies of the weights) with the same routing; the whole SparseMoE layer, triton
+   vs reference; two expert subsets summing to the full result.
+2. CUDA graphs: a layer captured with the triton impl, replayed on new inputs (new routing), equals eager
+   bit for bit; one eager call under `torch.cuda.set_sync_debug_mode("error")` shows no host sync.
+3. Timing: medians of CUDA-graph replays, timed with CUDA events. Each timed call runs LAYERS layers with
+   their own weights and routing, so the chosen experts stream from HBM rather than from the 50 MB L2 (as
+   consecutive layers of a model do); times are per layer. Bandwidth counts the weights of the distinct
+   experts the routing actually chose, plus the shared expert (and router) for the whole layer. TFLOP/s
+   counts routed FLOPs (2 * T * k * 3 * I * H). For scale, the same run measures a dense bf16 torch.mm of
+   the same FLOPs ([T*k, H] @ [H, 3I], its own LAYERS weights) and the HBM copy bandwidth of a 4 GiB
+   device-to-device copy.
+4. --tune: per T bucket of the table, time the routed experts for each candidate config (decode candidates
+   with small row blocks up to T = 256, prefill candidates from 256 up), keep the fastest that matches the
+   reference, print the table, and with --write merge it into m3eagle/moe/tuned_configs.json under this
+   GPU's name. The timing pass then uses the tuned configs.
+
+A readable table goes to stderr; one JSON line to stdout (and to --json FILE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+LAYERS = 4
+ALPHA, LIMIT, SCALING = 1.702, 7.0, 2.0
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    hidden: int
+    experts: int
+    top_k: int
+    inter: int
+    shared: int
+    tokens: tuple[int, ...]  # step sizes to check and time
+
+    def expert_bytes(self, itemsize: int) -> int:
+        return 3 * self.inter * self.hidden * itemsize  # gate, up and down rows of one expert
+
+
+SHAPES = [Shape("m3-mini", 2048, 32, 4, 1024, 1024, (1, 4, 32, 256, 2048)),
+          Shape("m3-8b", 4096, 16, 4, 1536, 1536, (1, 32, 2048))]
+TINY = Shape("tiny", 64, 8, 2, 32, 32, (1, 5, 40))
+
+
+def log(msg: str = "") -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12)).item()
+
+
+# ---- model pieces ---------------------------------------------------------------------------------------
+
+
+def make_layer(shape: Shape, dev: torch.device, dtype: torch.dtype, seed: int):
+    """A SparseMoE with random weights made on the device: experts and shared expert in `dtype`, router
+    fp32 (as the checkpoint keeps it). Gate/up weights are scaled so SwiGLU's clamps are sometimes live."""
+    from m3eagle.models.layers import SparseMoE
+
+    g = torch.Generator(device=dev).manual_seed(seed)
+    h, i = shape.hidden, shape.inter
+    with torch.device(dev):
+        moe = SparseMoE(h, i, shape.shared, shape.experts, shape.top_k, SCALING, ALPHA, LIMIT)
+    with torch.no_grad():
+        moe.gate.weight.normal_(0.0, h ** -0.5, generator=g)
+        moe.gate.e_score_correction_bias.normal_(0.0, 0.1, generator=g)
+        moe.experts.gate_up_proj.normal_(0.0, 2.0 * h ** -0.5, generator=g)
+        moe.experts.down_proj.normal_(0.0, i ** -0.5, generator=g)
+        for p in moe.shared_experts.parameters():
+            p.normal_(0.0, p.shape[1] ** -0.5, generator=g)
+    moe.experts.to(dtype)
+    moe.shared_experts.to(dtype)
+    return moe.eval()
+
+
+def make_x(shape: Shape, t: int, dev: torch.device, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=dev).manual_seed(seed)
+    return torch.randn(t, shape.hidden, device=dev, generator=g).to(dtype)  # [T, H], like a normed hidden
+
+
+def routed(impl, layer, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, expert_range=None) -> torch.Tensor:
+    e = layer.experts
+    return impl.experts(x, w, idx, e.gate_up_proj, e.down_proj, ALPHA, LIMIT, expert_range)
+
+
+# ---- timing ---------------------------------------------------------------------------------------------
+
+
+class Timer:
+    """Median seconds per call of fn. CUDA: fn captured in a CUDA graph (after a warm-up that compiles the
+    kernels), replays timed with events. CPU: wall clock."""
+
+    def __init__(self, dev: torch.device, reps: int) -> None:
+        self.dev, self.reps = dev, reps
+
+    def __call__(self, fn: Callable[[], object], calls_per_fn: int = 1) -> float:
+        if self.dev.type != "cuda":
+            fn()
+            ts = []
+            for _ in range(max(1, self.reps // 5)):
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+            return statistics.median(ts) / calls_per_fn
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        ts = []
+        for _ in range(self.reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) * 1e-3)
+        del graph
+        return statistics.median(ts) / calls_per_fn
+
+    def eager(self, fn: Callable[[], object], calls_per_fn: int = 1) -> float:
+        """Plain launches, host overhead included (what a step outside a graph pays)."""
+        fn()
+        if self.dev.type != "cuda":
+            return self(fn, calls_per_fn)
+        ts = []
+        for _ in range(max(3, self.reps // 4)):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts) / calls_per_fn
+
+
+def copy_bandwidth(dev: torch.device, timer: Timer) -> float:
+    """GB/s of a 4 GiB device-to-device copy (2 GiB read + 2 GiB written)."""
+    if dev.type != "cuda":
+        return float("nan")
+    n = 2 << 30
+    bufs = [torch.ones(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev)]
+    sec = timer(lambda: bufs[1].copy_(bufs[0]))
+    bufs.clear()
+    torch.cuda.empty_cache()
+    return 2 * n / sec / 1e9
+
+
+# ---- checks ---------------------------------------------------------------------------------------------
+
+
+def check(shape: Shape, layer, t: int, tri, dev: torch.device, dtype: torch.dtype) -> dict:
+    """Errors of one step: routed triton and routed bf16 reference vs the fp32 oracle, layer vs layer, and
+    two expert subsets vs the full routed output."""
+    from m3eagle.moe import backend, reference
+
+    ref_impl = backend.reference()
+    x = make_x(shape, t, dev, dtype, seed=100 + t)
+    with torch.no_grad():
+        w, idx = layer.gate(x)
+        out = routed(tri, layer, x, w, idx)
+        ref = routed(ref_impl, layer, x, w, idx)
+        e = layer.experts
+        oracle = reference.experts(x.float(), w, idx, e.gate_up_proj.float(), e.down_proj.float(), ALPHA, LIMIT)
+        half = shape.experts // 2
+        parts = routed(tri, layer, x, w, idx, (0, half)).float() + routed(tri, layer, x, w, idx, (half, shape.experts))
+        layer_err = rel_err(layer(x, impl=tri), layer(x))
+    r = {"err_triton_vs_fp32": rel_err(out, oracle), "err_ref_bf16_vs_fp32": rel_err(ref, oracle),
+         "err_triton_vs_ref": rel_err(out, ref), "err_layer_vs_ref": layer_err,
+         "err_subsets_vs_full": rel_err(parts, out), "finite": bool(torch.isfinite(out).all())}
+    # bf16 rounds each expert output and the sum once; allow the kernel twice the reference's own error
+    bound = 2 * r["err_ref_bf16_vs_fp32"] + (1e-5 if dtype == torch.float32 else 2e-3)
+    r["ok"] = r["finite"] and r["err_triton_vs_fp32"] <= bound and r["err_subsets_vs_full"] <= max(bound, 1e-2)
+    return r
+
+
+def check_graph(shape: Shape, layer, tri, dev: torch.device, dtype: torch.dtype) -> dict:
+    """Capture the layer with the triton impl; replay on other inputs (other routing) == eager, bit for bit.
+    Also one eager call with sync debug mode "error": any host sync would raise."""
+    if dev.type != "cuda":
+        return {"graph_equal": None, "no_sync": None}
+    res = {}
+    with torch.no_grad():
+        for t in (1, 37):
+            xs = make_x(shape, t, dev, dtype, seed=7)
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                layer(xs, impl=tri)
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                ys = layer(xs, impl=tri)
+            equal = True
+            for seed in (8, 9):
+                x2 = make_x(shape, t, dev, dtype, seed=seed)
+                xs.copy_(x2)
+                g.replay()
+                equal &= bool(torch.equal(ys, layer(x2, impl=tri)))
+            res[f"graph_equal_T{t}"] = equal
+            del g
+        x = make_x(shape, 5, dev, dtype, seed=10)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            layer(x, impl=tri)
+            res["no_sync"] = True
+        except RuntimeError as err:
+            res["no_sync"] = False
+            log(f"  host sync in the triton MoE path: {err}")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    res["graph_equal"] = all(v for k, v in res.items() if k.startswith("graph_equal_T"))
+    return res
+
+
+# ---- timing of one step size ----------------------------------------------------------------------------
+
+
+def time_step(shape: Shape, layers: list, t: int, tri, timer: Timer, dev: torch.device, dtype: torch.dtype,
+              with_reference: bool = True) -> dict:
+    from m3eagle.moe import backend
+
+    ref_impl = backend.reference()
+    itemsize = torch.finfo(dtype).bits // 8
+    x = make_x(shape, t, dev, dtype, seed=t)
+    with torch.no_grad():
+        routes = [layer.gate(x) for layer in layers]
+        distinct = statistics.mean(int(idx.unique().numel()) for _, idx in routes)
+
+        def routed_all(impl=tri):
+            for layer, (w, idx) in zip(layers, routes):
+                routed(impl, layer, x, w, idx)
+
+        def layer_all(impl=tri):
+            for layer in layers:
+                layer(x, impl=impl)
+
+        n, k3 = t * shape.top_k, 3 * shape.inter
+        mats = [torch.randn(shape.hidden, k3, device=dev).to(dtype) for _ in layers]  # [H, 3I] each
+        a = torch.randn(n, shape.hidden, device=dev).to(dtype)  # [T*k, H]
+
+        def mm_all():
+            for b in mats:
+                torch.mm(a, b)
+
+        r = {"T": t, "distinct_experts": distinct}
+        r["routed_us"] = timer(routed_all, len(layers)) * 1e6
+        r["routed_eager_us"] = timer.eager(routed_all, len(layers)) * 1e6
+        r["layer_us"] = timer(layer_all, len(layers)) * 1e6
+        if with_reference:
+            r["ref_layer_us"] = timer(lambda: layer_all(ref_impl), len(layers)) * 1e6
+        r["mm_us"] = timer(mm_all, len(layers)) * 1e6
+    flops = 2 * n * k3 * shape.hidden
+    routed_bytes = distinct * shape.expert_bytes(itemsize)
+    layer_bytes = (routed_bytes + 3 * shape.shared * shape.hidden * itemsize + shape.experts * shape.hidden * 4
+                   + 2 * t * shape.hidden * itemsize)
+    r["routed_GBps"] = routed_bytes / (r["routed_us"] * 1e-6) / 1e9
+    r["layer_GBps"] = layer_bytes / (r["layer_us"] * 1e-6) / 1e9
+    r["routed_TFLOPs"] = flops / (r["routed_us"] * 1e-6) / 1e12
+    r["mm_TFLOPs"] = flops / (r["mm_us"] * 1e-6) / 1e12
+    if "ref_layer_us" in r:
+        r["speedup_vs_ref"] = r["ref_layer_us"] / r["layer_us"]
+    return r
+
+
+# ---- tuning ---------------------------------------------------------------------------------------------
+
+
+def candidates(bucket: int, dev: torch.device):
+    from m3eagle.moe.tuning import MoEConfig as C
+
+    if dev.type != "cuda":  # interpreter smoke test: two cheap configs
+        return [C(16, 32, 32, 1, 4, 3), C(32, 16, 64, 4, 4, 3)]
+    decode = [C(16, 32, 64, 1, 4, 4), C(16, 32, 128, 1, 4, 4), C(16, 32, 256, 1, 4, 3), C(16, 64, 64, 1, 4, 4),
+              C(16, 64, 128, 1, 4, 3), C(16, 64, 256, 1, 4, 2), C(16, 128, 128, 1, 8, 3),
+              C(32, 64, 128, 8, 4, 3), C(32, 128, 64, 8, 4, 3)]
+    prefill = [C(32, 64, 128, 8, 4, 3), C(32, 128, 64, 8, 4, 3), C(64, 64, 64, 8, 4, 3), C(64, 128, 64, 8, 4, 3),
+               C(64, 128, 64, 8, 8, 3), C(64, 64, 128, 8, 4, 3), C(128, 64, 64, 8, 4, 3),
+               C(128, 128, 64, 8, 8, 3), C(128, 128, 32, 8, 8, 4)]
+    if bucket < 256:
+        return decode
+    if bucket == 256:
+        return decode + [c for c in prefill if c not in decode]
+    return prefill
+
+
+def tune_shape(shape: Shape, layers: list, dev: torch.device, dtype: torch.dtype, timer: Timer,
+               buckets: tuple[int, ...]) -> tuple[dict, list]:
+    """{bucket: best config dict} and the rows of every measurement."""
+    from m3eagle.moe import backend
+
+    best, rows = {}, []
+    for b in buckets:
+        x = make_x(shape, b, dev, dtype, seed=1000 + b)
+        with torch.no_grad():
+            routes = [layer.gate(x) for layer in layers]
+            ref = routed(backend.reference(), layers[0], x, *routes[0])
+        results = []
+        for cfg in candidates(b, dev):
+            impl = backend.create("triton", config=cfg)
+            try:
+                with torch.no_grad():
+                    err = rel_err(routed(impl, layers[0], x, *routes[0]), ref)
+
+                    def run(impl=impl, x=x, routes=routes):
+                        for layer, (w, idx) in zip(layers, routes):
+                            routed(impl, layer, x, w, idx)
+
+                    us = timer(run, len(layers)) * 1e6
+            except Exception as exc:  # a config past the GPU's shared memory or registers: skip it
+                log(f"  {shape.name} T={b} {cfg}: skipped ({type(exc).__name__})")
+                continue
+            ok = err <= (1e-5 if dtype == torch.float32 else 3e-2)
+            results.append((us if ok else math.inf, cfg))
+            rows.append({"shape": shape.name, "T": b, "config": cfg.to_dict(), "us": us, "rel_err": err, "ok": ok})
+        results.sort(key=lambda r: r[0])
+        if results and results[0][0] < math.inf:
+            best[b] = results[0][1]
+            log(f"  {shape.name:<8} T={b:<5} best {results[0][0]:8.1f} us  {results[0][1]}  "
+                f"(of {len(results)}; worst {max(r[0] for r in results):.1f} us)")
+    return best, rows
+
+
+def write_table(dev_name: str, tuned: dict[str, dict[int, object]]) -> Path:
+    from m3eagle.moe import tuning
+
+    raw = json.loads(tuning.TABLE_PATH.read_text()) if tuning.TABLE_PATH.exists() else {}
+    per_dev = raw.setdefault(dev_name, {})
+    for key, per in tuned.items():
+        per_dev[key] = {str(b): cfg.to_dict() for b, cfg in sorted(per.items())}
+    tuning.TABLE_PATH.write_text(tuning.dump_table(raw))
+    tuning.load_table.cache_clear()
+    return tuning.TABLE_PATH
+
+
+# ---- main -----------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", help="cuda (bf16, the real run) or cpu (tiny fp32 smoke test)")
+    ap.add_argument("--tune", action="store_true", help="sweep block configs per T bucket first")
+    ap.add_argument("--write", action="store_true", help="with --tune: merge the winners into tuned_configs.json")
+    ap.add_argument("--shapes", default=None, help="comma list of shape names (default: all)")
+    ap.add_argument("--reps", type=int, default=None, help="timed graph replays per measurement (30; CPU 5)")
+    ap.add_argument("--json", default=None, help="also write the JSON summary to this file")
+    args = ap.parse_args()
+
+    dev = torch.device(args.device)
+    if dev.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first `import triton`
+    elif not torch.cuda.is_available():
+        raise SystemExit("benchmarks/moe_kernel.py needs a CUDA device, or --device cpu for the smoke test")
+    from m3eagle.moe import backend, tuning
+
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    shapes = SHAPES if dev.type == "cuda" else [TINY]
+    if args.shapes:
+        want = set(args.shapes.split(","))
+        shapes = [s for s in shapes if s.name in want]
+    dev_name = tuning.device_name(dev)
+    timer = Timer(dev, args.reps or (30 if dev.type == "cuda" else 5))
+    started = time.perf_counter()
+    summary: dict = {"bench": "moe_kernel", "device": dev_name, "dtype": str(dtype).removeprefix("torch."),
+                     "layers_per_timed_call": LAYERS}
+    if dev.type == "cuda":
+        summary["hbm_copy_GBps"] = copy_bandwidth(dev, timer)
+        log(f"HBM copy bandwidth (4 GiB device-to-device): {summary['hbm_copy_GBps']:.0f} GB/s")
+
+    layers_of = {s.name: [make_layer(s, dev, dtype, seed=j) for j in range(LAYERS)] for s in shapes}
+
+    tuned: dict[str, dict[int, object]] = {}
+    if args.tune:
+        buckets = tuning.BUCKETS if dev.type == "cuda" else (1, 16)
+        log(f"tuning over buckets {buckets} ...")
+        tune_rows = []
+        for s in shapes:
+            best, rows = tune_shape(s, layers_of[s.name], dev, dtype, timer, buckets)
+            tuned[tuning.shape_key(s.experts, s.hidden, s.inter, s.top_k, dtype)] = best
+            tune_rows += rows
+        summary["tuned_table"] = {key: {str(b): c.to_dict() for b, c in per.items()} for key, per in tuned.items()}
+        summary["tune_measurements"] = tune_rows
+        log(json.dumps({dev_name: summary["tuned_table"]}))
+        if args.write and dev.type == "cuda":
+            log(f"wrote {write_table(dev_name, tuned)}")
+        elif args.write:
+            log("--write ignored off the GPU: the table holds measured GPU configs only")
+        log(f"tuning took {time.perf_counter() - started:.0f} s")
+
+    def impl_for(s: Shape, t: int):
+        """The tuned config of this run if there is one, else the table's (TritonMoE's own lookup)."""
+        per = tuned.get(tuning.shape_key(s.experts, s.hidden, s.inter, s.top_k, dtype), {})
+        b = next((b for b in sorted(per) if b >= t), max(per) if per else None)
+        return backend.create("triton", config=per[b] if b is not None else None)
+
+    ok = True
+    summary["shapes"] = []
+    for s in shapes:
+        layers = layers_of[s.name]
+        log(f"\n{s.name}: hidden {s.hidden}, {s.experts} experts, top-{s.top_k}, intermediate {s.inter}, "
+            f"shared {s.shared}, {dtype}")
+        checks = [{"T": t, **check(s, layers[0], t, impl_for(s, t), dev, dtype)} for t in s.tokens]
+        graph = check_graph(s, layers[0], impl_for(s, 37), dev, dtype)
+        for c in checks:
+            log(f"  check T={c['T']:<5} triton vs fp32 {c['err_triton_vs_fp32']:.2e} "
+                f"(bf16 ref {c['err_ref_bf16_vs_fp32']:.2e})  layer vs ref {c['err_layer_vs_ref']:.2e}  "
+                f"subsets {c['err_subsets_vs_full']:.2e}  {'ok' if c['ok'] else 'FAILED'}")
+        log(f"  CUDA graph replay == eager: {graph['graph_equal']}; no host sync: {graph['no_sync']}")
+        ok &= all(c["ok"] for c in checks) and graph["graph_equal"] is not False and graph["no_sync"] is not False
+        log(f"  {'T':>5} {'experts':>7} {'routed us':>10} {'eager us':>9} {'layer us':>9} {'ref us':>9} "
+            f"{'speedup':>8} {'routed GB/s':>11} {'layer GB/s':>10} {'TFLOP/s':>8} {'mm TFLOP/s':>10}")
+        timings = []
+        for t in s.tokens:
+            r = time_step(s, layers, t, impl_for(s, t), timer, dev, dtype)
+            timings.append(r)
+            log(f"  {t:>5} {r['distinct_experts']:>7.1f} {r['routed_us']:>10.1f} {r['routed_eager_us']:>9.1f} "
+                f"{r['layer_us']:>9.1f} {r.get('ref_layer_us', math.nan):>9.1f} {r.get('speedup_vs_ref', math.nan):>7.2f}x "
+                f"{r['routed_GBps']:>11.0f} {r['layer_GBps']:>10.0f} {r['routed_TFLOPs']:>8.1f} {r['mm_TFLOPs']:>10.1f}")
+        summary["shapes"].append({"shape": s.name, "hidden": s.hidden, "experts": s.experts, "top_k": s.top_k,
+                                  "inter": s.inter, "shared": s.shared, "checks": checks, "graph": graph,
+                                  "timings": timings})
+    summary["ok"] = ok
+    summary["wall_s"] = time.perf_counter() - started
+    log(f"\n{'all checks passed' if ok else 'SOME CHECKS FAILED'} in {summary['wall_s']:.0f} s")
+    line = json.dumps(summary, default=float)
+    print(line)
+    if args.json:
+        Path(args.json).write_text(line + "\n")
+    if not ok:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Sort (token, k) pairs by expert on the device, each expert's segment padded to the GEMM row block.
+
+The routed GEMMs in `triton_moe.py` run over row blocks of `block_m` entries that all belong to one
+expert. This step lays the T*k pairs out that way, with two small Triton kernels and no host sync:
+
+    sorted_ids [max_blocks * block_m] int32: pair id p = t * k + j, or `num_pairs` (padding, invalid)
+    block_expert [max_blocks] int32:         local expert of each row block; -1 past the last used block
+    num_blocks [1] int32:                    blocks in use (a device value; GEMM programs past it exit)
+
+    |<- expert 0: c0 pairs, padded ->|<- expert 1 ... ->| ... |<- unused (-1 blocks) ->|
+    [p p p p p . . .][p p . . . . . .][p p p p p p p p][p . .] [. . . ...              ]
+
+Within a segment, pairs keep their order in idx (a stable sort), so the layout is deterministic.
+
+Shapes are static worst cases fixed by host ints (T, k, the number of local experts, block_m): at most
+min(E, T*k) experts get a pair, each wasting at most block_m - 1 rows, so
+
+    max_blocks = ceil((T*k + min(E, T*k) * (block_m - 1)) / block_m)
+
+No blocking CPU operation in this path: it can be captured in a CUDA graph.
+
+Kernel 1 (`_count_kernel`, one program per chunk of pairs): per-chunk expert histogram. Skipped when one
+chunk holds every pair (decode steps): the single place program counts its own pairs.
+Kernel 2 (`_place_kernel`, same grid): every program sums the histograms (so all agree on the segment
+offsets), scatters its own chunk's pairs to offset + pairs of that expert in earlier chunks + rank in the
+chunk, and writes the padding entries and block experts of its share of the padded buffer. The stores of
+the two roles never touch the same entry, so no barrier is needed between them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass
+class Alignment:
+    sorted_ids: torch.Tensor  # [max_blocks * block_m] int32, pair ids or num_pairs (padding)
+    block_expert: torch.Tensor  # [max_blocks] int32, local expert or -1
+    num_blocks: torch.Tensor  # [1] int32, blocks in use
+    block_m: int
+    max_blocks: int  # host int: the static grid bound
+    num_pairs: int
+
+
+def max_blocks(num_pairs: int, num_local: int, block_m: int) -> int:
+    return triton.cdiv(num_pairs + min(num_local, num_pairs) * (block_m - 1), block_m)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "e_start"])
+def _count_kernel(idx_ptr, hist_ptr, num_pairs, e_start, num_local,
+                  E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """hist[c, e] = pairs of chunk c routed to local expert e. Pairs of other ranks' experts count nowhere."""
+    c = tl.program_id(0)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    ok = offs < num_pairs
+    e = tl.load(idx_ptr + offs, mask=ok, other=-1).to(tl.int32) - e_start
+    e = tl.where(ok & (e >= 0) & (e < num_local), e, -1)  # -1 matches no column
+    hit = (e[:, None] == tl.arange(0, E_PAD)[None, :]).to(tl.int32)  # [CHUNK, E_PAD]
+    tl.store(hist_ptr + c * E_PAD + tl.arange(0, E_PAD), tl.sum(hit, 0))
+
+
+@triton.jit(do_not_specialize=["num_pairs", "e_start", "num_chunks", "padded_len", "fill_per_prog"])
+def _place_kernel(idx_ptr, hist_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
+                  num_pairs, e_start, num_local, num_chunks, padded_len, fill_per_prog,
+                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, HIST_ROWS: tl.constexpr,
+                  SINGLE: tl.constexpr):
+    c = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+
+    # This program's pairs: hit[i, e] = 1 iff pair c * CHUNK + i goes to local expert e.
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    ok = offs < num_pairs
+    e = tl.load(idx_ptr + offs, mask=ok, other=-1).to(tl.int32) - e_start
+    mine = ok & (e >= 0) & (e < num_local)
+    e = tl.where(mine, e, -1)
+    hit = (e[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, E_PAD], one 1 per placed pair
+
+    if SINGLE:  # one chunk holds every pair (decode): count here, no histogram kernel
+        count = tl.sum(hit, 0)
+        earlier = tl.zeros([E_PAD], dtype=tl.int32)
+    else:  # every program reduces all histograms: totals per expert, and the pairs of earlier chunks
+        count = tl.zeros([E_PAD], dtype=tl.int32)
+        earlier = tl.zeros([E_PAD], dtype=tl.int32)
+        for r0 in range(0, num_chunks, HIST_ROWS):
+            rows = r0 + tl.arange(0, HIST_ROWS)
+            tile = tl.load(hist_ptr + rows[:, None] * E_PAD + experts[None, :], mask=rows[:, None] < num_chunks,
+                           other=0)  # [HIST_ROWS, E_PAD]
+            count += tl.sum(tile, 0)
+            earlier += tl.sum(tl.where(rows[:, None] < c, tile, 0), 0)
+    padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E_PAD]; 0 for empty experts and pad columns
+    seg_end = tl.cumsum(padded, 0)
+    seg_start = seg_end - padded
+    total = tl.sum(padded, 0)
+    if c == 0:
+        tl.store(num_blocks_ptr, total // BLOCK_M)
+
+    # Role 1: scatter this chunk's pairs. dest = segment start + earlier chunks' pairs + rank in chunk.
+    rank = tl.cumsum(hit, 0) - hit  # pairs of the same expert before this one in the chunk
+    dest = tl.sum(hit * (rank + (seg_start + earlier)[None, :]), 1)  # [CHUNK]
+    tl.store(sorted_ptr + dest, offs, mask=mine)
+
+    # Role 2: positions of this program's share that hold no pair get `num_pairs`; block starts get their
+    # expert. A position p lies in expert e's segment iff seg_start[e] <= p < seg_end[e] (empty segments
+    # match nothing), and holds a pair iff p - seg_start[e] < count[e].
+    lo = c * fill_per_prog
+    hi = tl.minimum(lo + fill_per_prog, padded_len)
+    for p0 in range(lo, hi, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        in_share = p < hi
+        inside = (p[:, None] >= seg_start[None, :]) & (p[:, None] < seg_end[None, :])  # [CHUNK, E_PAD]
+        has_seg = tl.sum(inside.to(tl.int32), 1) > 0
+        seg_e = tl.sum(tl.where(inside, experts[None, :], 0), 1)
+        rel = tl.sum(tl.where(inside, p[:, None] - seg_start[None, :], 0), 1)
+        n_in_seg = tl.sum(tl.where(inside, count[None, :], 0), 1)
+        real = has_seg & (rel < n_in_seg)
+        tl.store(sorted_ptr + p, tl.full([CHUNK], 0, tl.int32) + num_pairs, mask=in_share & ~real)
+        tl.store(block_expert_ptr + p // BLOCK_M, tl.where(has_seg, seg_e, -1),
+                 mask=in_share & (p % BLOCK_M == 0))
+
+
+def align(idx: torch.Tensor, e_start: int, num_local: int, block_m: int, chunk: int | None = None) -> Alignment:
+    """idx [T, k] global expert ids -> the pairs of experts [e_start, e_start + num_local) sorted by expert
+    and padded to block_m (see the module docstring). Launch shapes depend on host ints only. `chunk`
+    (pairs per program, a power of two) is for tests that want many programs on few pairs."""
+    flat = idx.reshape(-1)
+    if flat.dtype not in (torch.int32, torch.int64):
+        flat = flat.to(torch.int64)
+    flat = flat.contiguous()
+    n = flat.numel()
+    nb = max_blocks(n, num_local, block_m)
+    dev = idx.device
+    e_pad = max(16, triton.next_power_of_2(max(1, num_local)))
+    chunk = chunk or max(16, min(1024, 8192 // e_pad))  # a [chunk, e_pad] one-hot tile stays ~8K elements
+    num_chunks = max(1, triton.cdiv(n, chunk))
+    padded_len = nb * block_m
+    fill_per_prog = triton.cdiv(padded_len, num_chunks) if padded_len else 0
+    hist = torch.empty(num_chunks, e_pad, dtype=torch.int32, device=dev)  # [chunks, E_PAD]; unused if single
+    sorted_ids = torch.empty(padded_len, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
+    num_blocks = torch.empty(1, dtype=torch.int32, device=dev)
+    single = num_chunks == 1
+    if not single:
+        _count_kernel[(num_chunks,)](flat, hist, n, e_start, num_local, E_PAD=e_pad, CHUNK=chunk)
+    _place_kernel[(num_chunks,)](flat, hist, sorted_ids, block_expert, num_blocks, n, e_start, num_local,
+                                 num_chunks, padded_len, fill_per_prog, BLOCK_M=block_m, E_PAD=e_pad,
+                                 CHUNK=chunk, HIST_ROWS=64, SINGLE=single)
+    return Alignment(sorted_ids, block_expert, num_blocks, block_m, nb, n)

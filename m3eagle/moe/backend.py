@@ -1,0 +1,84 @@
+"""MoE backends behind one small interface, and a registry of lazy factories.
+
+`reference` is the dense PyTorch oracle (`reference.py`): the CPU path, the training path (autograd) and
+what the tests hold the fast path to. `triton` computes only the chosen experts with fused Triton kernels
+(`triton_moe.py`); triton is imported only when that backend is built.
+
+Backends are objects that an engine owns and hands to the model (`SparseMoE.forward(x, impl)`), never a
+module global, so two engines in one process (or a rank of a group) do not share a choice."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+
+class MoEImpl(Protocol):
+    name: str
+
+    def experts(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
+                down_proj: torch.Tensor, alpha: float, limit: float,
+                expert_range: tuple[int, int] | None = None) -> torch.Tensor:
+        """x [T, H], weights [T, k] fp32, idx [T, k] -> sum_j weights[t, j] * expert_{idx[t, j]}(x[t]) over
+        the pairs whose expert is in expert_range [e0, e1) (all when None): [T, H] in x.dtype."""
+        ...
+
+
+class ReferenceMoE:
+    """Every expert on every token, combined densely. Graph-capturable and differentiable."""
+
+    name = "reference"
+
+    def __init__(self) -> None:
+        # Imported here, not at the top: reference.py imports models.layers, which imports this module.
+        from . import reference
+
+        self._experts = reference.experts
+
+    def experts(self, x, weights, idx, gate_up_proj, down_proj, alpha, limit, expert_range=None):
+        return self._experts(x, weights, idx, gate_up_proj, down_proj, alpha, limit, expert_range)
+
+
+class TritonMoE:
+    """Only the chosen experts, from fused Triton kernels; no host sync, so it can be captured in a CUDA
+    graph. `config` pins one block configuration (tuning, tests); None picks one per step shape from the
+    tuning table (`tuning.py`). Inference only: no autograd."""
+
+    name = "triton"
+
+    def __init__(self, config: Any = None) -> None:
+        from . import triton_moe  # imports triton
+
+        self._mod = triton_moe
+        self.config = config
+
+    def experts(self, x, weights, idx, gate_up_proj, down_proj, alpha, limit, expert_range=None):
+        return self._mod.fused_experts(x, weights, idx, gate_up_proj, down_proj, alpha, limit, expert_range,
+                                       config=self.config)
+
+
+_FACTORIES: dict[str, Callable[..., MoEImpl]] = {"reference": ReferenceMoE, "triton": TritonMoE}
+
+
+def register(name: str, factory: Callable[..., MoEImpl]) -> None:
+    _FACTORIES[name] = factory
+
+
+def names() -> list[str]:
+    return sorted(_FACTORIES)
+
+
+def create(name: str, **kwargs: Any) -> MoEImpl:
+    """A new backend object; kwargs go to its constructor (e.g. `config=` for triton)."""
+    if name not in _FACTORIES:
+        raise ValueError(f"moe_backend={name!r} is unknown; choose one of {names()}")
+    return _FACTORIES[name](**kwargs)
+
+
+@functools.cache
+def reference() -> ReferenceMoE:
+    """The default when a caller passes no impl. It is stateless, so one shared instance is safe."""
+    return ReferenceMoE()

@@ -1,0 +1,221 @@
+"""Fused routed experts from Triton kernels: only the chosen experts are computed.
+
+    idx [T, k] ──align──► sorted_ids / block_expert / num_blocks   (align.py: by expert, padded to block_m)
+    x [T, H] ──_gate_up_kernel──► act [max_blocks * block_m, I]     grouped GEMM, SwiGLU-OAI in the epilogue
+    act ──_down_kernel──► contrib [T * k, H]                         grouped GEMM, times the routing weight
+    contrib ──_combine_kernel──► out [T, H]                          sum over k in fp32, fixed order
+
+`reference.experts` is the oracle; tests/test_moe_kernel.py holds these kernels equal to it.
+
+No blocking CPU operation in this path and no data-dependent shape: every buffer and grid is the static
+worst case fixed by host ints (T, k, E, H, I, block_m); GEMM programs whose row block is past the device
+value `num_blocks` exit at once. So a step can be captured in a CUDA graph and replayed with other routing.
+
+Determinism: every (token, k) contribution is written once to its own row of `contrib` and the k rows are
+summed in order (no float atomics), so equal inputs give bit-equal outputs.
+
+Expert subset (tensor / expert parallelism): with expert_range [e0, e1) only those experts are aligned and
+computed; the combine skips pairs routed elsewhere, so they contribute zero.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import tuning
+from .align import Alignment, align
+from .reference import local_experts
+from .tuning import MoEConfig
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs must not drop to TF32 (the oracle is exact fp32); bf16 products are exact in fp32.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _block_coords(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Program -> (row block, column block), GROUP_M row blocks at a time so that consecutive programs
+    share weight tiles in L2 (the classic grouped ordering)."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
+def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
+                    num_pairs, max_blocks, hidden, inter,
+                    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_am, stride_ai,
+                    alpha, limit,
+                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr, DOT_PREC: tl.constexpr):
+    """act[r, n] = swiglu_oai(x[token(r)] @ [gate_n; up_n]) for the rows r of one block of one expert.
+
+    gate_up_proj [E, 2I, H] holds gate rows 0..I-1 then up rows I..2I-1; a program computes block_n gate
+    columns and the same block_n up columns, so the activation happens in registers."""
+    pid_m, pid_n = _block_coords(tl.program_id(0), max_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    if pid_m >= tl.load(num_blocks_ptr):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs  # padding rows load zeros and are not stored
+    token = (pair // TOP_K).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xh  # [BM, BK]
+    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wh  # [BK, BN]
+    u_ptrs = g_ptrs + inter * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = offs_k < hidden - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        acc_g = tl.dot(a, tl.load(g_ptrs, mask=w_mask, other=0.0), acc_g, input_precision=DOT_PREC)
+        acc_u = tl.dot(a, tl.load(u_ptrs, mask=w_mask, other=0.0), acc_u, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K * stride_xh
+        g_ptrs += BLOCK_K * stride_wh
+        u_ptrs += BLOCK_K * stride_wh
+
+    # SwiGLU-OAI exactly as layers.swiglu_oai: gate clamped above only, up on both sides.
+    gate = tl.minimum(acc_g, limit)
+    up = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    act = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    out_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_n[None, :] * stride_ai
+    tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
+def _down_kernel(act_ptr, w_ptr, contrib_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
+                 num_pairs, max_blocks, hidden, inter,
+                 stride_am, stride_ai, stride_we, stride_wh, stride_wi, stride_cp, stride_ch,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                 DOT_PREC: tl.constexpr):
+    """contrib[pair(r)] = weight(pair(r)) * (act[r] @ down_proj[e]^T) for the rows r of one block.
+
+    The expert output is rounded to the activation dtype before the fp32 weighting, as the reference's
+    per-expert einsum result is. The weighted row is stored in the activation dtype too: half the traffic
+    of fp32 for a [T*k, H] buffer that prefill writes and reads once; in bf16 that is one more rounding
+    per pair, below the reference's own bf16 error."""
+    pid_m, pid_n = _block_coords(tl.program_id(0), max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    if pid_m >= tl.load(num_blocks_ptr):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ai  # [BM, BK]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wh + offs_k[:, None] * stride_wi  # [BK, BN]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_ok = offs_k < inter - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K * stride_ai
+        w_ptrs += BLOCK_K * stride_wi
+
+    route_w = tl.load(weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)  # [BM]
+    out_ty = contrib_ptr.dtype.element_ty
+    y = acc.to(out_ty).to(tl.float32) * route_w[:, None]
+    out_ptrs = contrib_ptr + pair.to(tl.int64)[:, None] * stride_cp + offs_n[None, :] * stride_ch
+    tl.store(out_ptrs, y.to(out_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(contrib_ptr, idx_ptr, out_ptr, hidden, e_start, num_local,
+                    stride_cp, stride_ch, stride_ot, stride_oh,
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum_j contrib[t*k + j] in fp32, j in order, over the pairs whose expert is local. Rows of
+    other ranks' pairs were never written (they hold garbage), so they are masked out, not multiplied."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = offs < hidden
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        e = tl.load(idx_ptr + t * TOP_K + j) - e_start
+        mine = (e >= 0) & (e < num_local)
+        # tl.where, not `ok & mine`: the interpreter turns bool-vector & bool-scalar into an int mask.
+        v = tl.load(contrib_ptr + (t * TOP_K + j) * stride_cp + offs * stride_ch, mask=tl.where(mine, ok, False),
+                    other=0.0)
+        acc += v.to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + offs * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def gate_up(x: torch.Tensor, w13: torch.Tensor, al: Alignment, top_k: int, alpha: float, limit: float,
+            cfg: MoEConfig) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H] -> act [max_blocks * block_m, I] (rows of padding entries unwritten)."""
+    inter = w13.shape[1] // 2
+    act = torch.empty(al.max_blocks * al.block_m, inter, dtype=x.dtype, device=x.device)
+    grid = (al.max_blocks * triton.cdiv(inter, cfg.block_n),)
+    _gate_up_kernel[grid](
+        x, w13, act, al.sorted_ids, al.block_expert, al.num_blocks, al.num_pairs, al.max_blocks,
+        x.shape[1], inter, x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        act.stride(0), act.stride(1), float(alpha), float(limit),
+        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        DOT_PREC=_dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return act
+
+
+def down(act: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, al: Alignment, cfg: MoEConfig,
+         ) -> torch.Tensor:
+    """act [rows, I], w2 [E, H, I], weights [T, k] (or flat [T*k]) -> contrib [T*k, H] in act.dtype (rows
+    of non-local pairs unwritten)."""
+    weights = weights.reshape(-1).float().contiguous()  # [T*k] fp32; no copy when it already is
+    hidden, inter = w2.shape[1], w2.shape[2]
+    contrib = torch.empty(al.num_pairs, hidden, dtype=act.dtype, device=act.device)
+    grid = (al.max_blocks * triton.cdiv(hidden, cfg.block_n),)
+    _down_kernel[grid](
+        act, w2, contrib, weights, al.sorted_ids, al.block_expert, al.num_blocks, al.num_pairs, al.max_blocks,
+        hidden, inter, act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+        contrib.stride(0), contrib.stride(1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        DOT_PREC=_dot_precision(act.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return contrib
+
+
+def combine(contrib: torch.Tensor, idx: torch.Tensor, e_start: int, num_local: int, out_dtype: torch.dtype,
+            ) -> torch.Tensor:
+    """contrib [T*k, H], idx [T, k] -> [T, H]: the local pairs of each token summed in fp32."""
+    t, k = idx.shape
+    idx = idx.contiguous()  # the kernel reads idx[t, j] at t * k + j
+    hidden = contrib.shape[1]
+    out = torch.empty(t, hidden, dtype=out_dtype, device=contrib.device)
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _combine_kernel[(t, triton.cdiv(hidden, block_h))](
+        contrib, idx, out, hidden, e_start, num_local, contrib.stride(0), contrib.stride(1),
+        out.stride(0), out.stride(1), TOP_K=k, BLOCK_H=block_h)
+    return out
+
+
+def fused_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
+                  down_proj: torch.Tensor, alpha: float, limit: float,
+                  expert_range: tuple[int, int] | None = None, config: MoEConfig | None = None) -> torch.Tensor:
+    """Same contract as `reference.experts`: x [T, H], weights [T, k] fp32, idx [T, k] -> [T, H] x.dtype.
+
+    `config` pins the block sizes; None looks them up by (device, shape, T bucket) in the tuning table."""
+    w13, w2, e0 = local_experts(gate_up_proj, down_proj, expert_range)
+    t, k = idx.shape
+    num_local = w13.shape[0]
+    if t == 0 or num_local == 0:
+        return torch.zeros_like(x)
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise TypeError(f"triton MoE needs weights in the activation dtype: x is {x.dtype}, gate_up_proj "
+                        f"{w13.dtype}, down_proj {w2.dtype}")
+    cfg = config or tuning.get_config(t, num_local, x.shape[1], w2.shape[2], k, x.dtype, x.device)
+    al = align(idx, e0, num_local, cfg.block_m)
+    act = gate_up(x, w13, al, k, alpha, limit, cfg)
+    contrib = down(act, w2, weights, al, cfg)
+    return combine(contrib, idx, e0, num_local, x.dtype)

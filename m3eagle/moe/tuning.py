@@ -1,0 +1,117 @@
+"""Block configurations of the fused MoE kernels, per GPU, layer shape and step-size bucket.
+
+`tuned_configs.json` (beside this file) is the table: {device name: {shape key: {bucket T: config}}}, the
+shape key being `shape_key(E, H, I, k, dtype)`. A step of T tokens uses the smallest bucket >= T (the
+largest bucket past the end). Buckets cover decode / spec-verify steps (T = 1..256) and prefill chunks
+(T = 512..8192). `benchmarks/moe_kernel.py --tune --write` measures candidates on the GPU and rewrites
+the table; a shape or device that is not in it falls back to `heuristic_config`.
+
+Why block_m matters most: the alignment pads every expert's token segment to a multiple of block_m, and
+a block of block_m rows reads the expert's whole weight slice once. Decode steps route ~T*k/E tokens to
+each chosen expert, so small block_m (16) wastes the least; prefill wants 64-128 rows to reuse weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+TABLE_PATH = Path(__file__).with_name("tuned_configs.json")
+BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One launch configuration, shared by the gate_up and down GEMMs (the alignment's block_m is theirs).
+
+    block_n counts output columns per program: for gate_up, block_n gate columns *and* the matching
+    block_n up columns (the SwiGLU epilogue needs both), so its weight tile is 2 * block_n rows."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @classmethod
+    def from_dict(cls, d: dict) -> MoEConfig:
+        return cls(**{k: int(v) for k, v in d.items()})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def shape_key(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype) -> str:
+    return f"E={num_experts},H={hidden},I={inter},k={top_k},dtype={str(dtype).removeprefix('torch.')}"
+
+
+def bucket(num_tokens: int) -> int:
+    return next((b for b in BUCKETS if b >= num_tokens), BUCKETS[-1])
+
+
+def heuristic_config(num_tokens: int, num_experts: int, top_k: int) -> MoEConfig:
+    """H200-minded defaults by tokens per expert (close to what vLLM ships for similar shapes): small row
+    blocks and narrow column blocks while the step is weight-bandwidth-bound, so enough programs stream
+    the few chosen experts' weights; 64-row blocks and wide tiles once it is FLOP-bound."""
+    per_expert = num_tokens * top_k / max(1, num_experts)
+    if per_expert <= 4:
+        return MoEConfig(16, 32, 128, 1, 4, 4)
+    if per_expert <= 16:
+        return MoEConfig(16, 64, 128, 1, 4, 3)
+    if per_expert <= 64:
+        return MoEConfig(32, 64, 128, 8, 4, 3)
+    if per_expert <= 256:
+        return MoEConfig(64, 64, 64, 8, 4, 3)
+    return MoEConfig(64, 128, 64, 8, 8, 3)
+
+
+@functools.cache
+def load_table(path: str = str(TABLE_PATH)) -> dict[str, dict[str, dict[int, MoEConfig]]]:
+    p = Path(path)
+    if not p.exists():
+        return {}
+    raw = json.loads(p.read_text())
+    return {dev: {key: {int(b): MoEConfig.from_dict(c) for b, c in per.items()} for key, per in shapes.items()}
+            for dev, shapes in raw.items() if not dev.startswith("_")}
+
+
+@functools.cache
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def get_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
+               device: torch.device) -> MoEConfig:
+    """The tuned config of the nearest bucket >= num_tokens, else the heuristic. Host ints only."""
+    per = load_table().get(device_name(device), {}).get(shape_key(num_experts, hidden, inter, top_k, dtype))
+    if per:
+        b = next((b for b in sorted(per) if b >= num_tokens), max(per))
+        return per[b]
+    return heuristic_config(num_tokens, num_experts, top_k)
+
+
+def dump_table(raw: dict) -> str:
+    """The table as JSON with one config per line (diffs stay readable). raw: {device: {key: {bucket:
+    config dict}}}, plus `_`-prefixed notes."""
+    lines = ["{"]
+    items = list(raw.items())
+    for i, (dev, shapes) in enumerate(items):
+        end = "," if i < len(items) - 1 else ""
+        if dev.startswith("_"):
+            lines.append(f" {json.dumps(dev)}: {json.dumps(shapes)}{end}")
+            continue
+        lines.append(f" {json.dumps(dev)}: {{")
+        for j, (key, per) in enumerate(shapes.items()):
+            lines.append(f"  {json.dumps(key)}: {{")
+            rows = sorted(per.items(), key=lambda kv: int(kv[0]))
+            for m, (b, cfg) in enumerate(rows):
+                lines.append(f"   {json.dumps(str(b))}: {json.dumps(cfg)}{',' if m < len(rows) - 1 else ''}")
+            lines.append("  }" + ("," if j < len(shapes) - 1 else ""))
+        lines.append(" }" + end)
+    lines.append("}")
+    return "\n".join(lines) + "\n"

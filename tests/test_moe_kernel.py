@@ -1,0 +1,254 @@
+"""The Triton routed-experts kernels held equal to the dense PyTorch reference, on CPU under the Triton
+interpreter, in fp32 at 1e-5 relative error.
+
+Covers step sizes of decode (T = 1, 3), a verify-sized step (17) and a prompt chunk (300); experts that get
+no token; every token on one expert (segments spanning several row blocks); router ties; the expert-subset
+mode (disjoint subsets sum to the full result; full weights and rank-local shards agree); the alignment's
+layout invariants; and a whole model's logits with the Triton impl against the reference impl.
+
+NOTE: TRITON_INTERPRET is set before anything imports triton, and it holds for the whole pytest process
+(as in test_triton_attention.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton` (kernels decorate at import)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from m3eagle.models.layers import SparseMoE  # noqa: E402
+from m3eagle.moe import backend, reference, triton_moe, tuning  # noqa: E402
+from m3eagle.moe.align import align, max_blocks  # noqa: E402
+from m3eagle.moe.tuning import MoEConfig  # noqa: E402
+
+H, I, E = 32, 64, 8  # hidden, expert intermediate, experts
+ALPHA, LIMIT = 1.702, 7.0
+SMALL = MoEConfig(block_m=16, block_n=32, block_k=16, group_m=1)  # several K steps over H=32
+WIDE = MoEConfig(block_m=32, block_n=16, block_k=32, group_m=4)  # one K step, narrow N tiles, grouped order
+
+
+def make_weights(seed: int, e: int = E) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [E, 2I, H], down [E, H, I]. Scaled so some gate/up values pass LIMIT: the clamps are live."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(e, 2 * I, H, generator=g) * 0.8, torch.randn(e, H, I, generator=g) * 0.2
+
+
+def make_routing(seed: int, t: int, k: int, e: int = E) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, H], weights [T, k] (renormalised, fp32), idx [T, k] distinct experts per token."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, H, generator=g)
+    idx = torch.argsort(torch.rand(t, e, generator=g), dim=1)[:, :k]
+    w = torch.rand(t, k, generator=g) + 0.05
+    return x, w / w.sum(-1, keepdim=True), idx
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.isfinite(out).all(), "non-finite output: an unwritten row was read"
+    err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+    assert err <= rel, f"max relative error {err:.2e} > {rel:.0e}"
+
+
+def run_both(x, w, idx, w13, w2, cfg: MoEConfig | None, expert_range=None) -> tuple[torch.Tensor, torch.Tensor]:
+    ref = reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT, expert_range)
+    out = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, expert_range, config=cfg)
+    return out, ref
+
+
+@pytest.mark.parametrize("t,k,cfgs", [(1, 2, (SMALL, WIDE)), (3, 4, (SMALL, WIDE)), (17, 2, (SMALL, WIDE)),
+                                      (300, 2, (SMALL,))])
+def test_matches_reference(t, k, cfgs):
+    w13, w2 = make_weights(t)
+    x, w, idx = make_routing(t + 1, t, k)
+    for cfg in cfgs:
+        assert_close(*run_both(x, w, idx, w13, w2, cfg))
+    # the clamps must be exercised, or the epilogue's clamp could be wrong unseen
+    h = torch.einsum("th,eih->eti", x, w13)
+    assert (h[..., :I] > LIMIT).any() and (h[..., I:].abs() > LIMIT).any()
+
+
+def test_default_config_from_the_table():
+    x, w, idx = make_routing(5, 9, 2)
+    assert_close(*run_both(x, w, idx, *make_weights(5), None))
+
+
+def test_experts_without_tokens():
+    """Only experts 1 and 5 are chosen: the other six get empty segments and no row block."""
+    w13, w2 = make_weights(7)
+    x, w, _ = make_routing(8, 21, 2)
+    idx = torch.tensor([[1, 5], [5, 1]] * 10 + [[5, 1]])
+    assert_close(*run_both(x, w, idx, w13, w2, SMALL))
+    al = align(idx, 0, E, 16)
+    assert int(al.num_blocks) == 4  # ceil(21 / 16) blocks for each of the two experts
+
+
+def test_every_token_on_one_expert():
+    """k = 1, all 40 tokens on expert 6: one segment over three row blocks, the last one part padding."""
+    w13, w2 = make_weights(9)
+    x, _, _ = make_routing(10, 40, 1)
+    idx = torch.full((40, 1), 6)
+    w = torch.ones(40, 1)
+    assert_close(*run_both(x, w, idx, w13, w2, SMALL))
+    assert int(align(idx, 0, E, 16).num_blocks) == 3
+
+
+def test_router_ties_give_the_same_layer_output():
+    """A router with zero weights scores every expert alike: top-k breaks the tie, and both impls must
+    consume the same choice (SparseMoE routes once and hands idx to the impl)."""
+    moe = SparseMoE(H, I, 24, E, 2, scaling=2.0, alpha=ALPHA, limit=LIMIT)
+    w13, w2 = make_weights(11)
+    with torch.no_grad():
+        moe.experts.gate_up_proj.copy_(w13)
+        moe.experts.down_proj.copy_(w2)
+        moe.gate.weight.zero_()
+        for p in moe.shared_experts.parameters():
+            p.normal_(0.0, 0.2)
+    x, _, _ = make_routing(12, 17, 2)
+    w, idx = moe.gate(x)
+    assert torch.all(w == 0.5)  # a real tie
+    with torch.no_grad():
+        ref = moe(x)
+        out = moe(x, impl=backend.create("triton", config=SMALL))
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("t", [3, 33])
+def test_expert_subsets_sum_to_the_full_result(t):
+    w13, w2 = make_weights(13)
+    x, w, idx = make_routing(14, t, 2)
+    full = reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT)
+    parts = []
+    for e0, e1 in ((0, 3), (3, 4), (4, 8)):
+        out, ref = run_both(x, w, idx, w13, w2, SMALL, (e0, e1))
+        assert_close(out, ref)
+        shard = triton_moe.fused_experts(x, w, idx, w13[e0:e1].clone(), w2[e0:e1].clone(), ALPHA, LIMIT,
+                                         (e0, e1), config=SMALL)  # a rank holding only its experts
+        torch.testing.assert_close(shard, out, rtol=0, atol=0)
+        parts.append(out)
+    assert_close(sum(parts), full)
+    # an empty subset contributes exactly zero
+    assert not triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (2, 2), config=SMALL).any()
+
+
+def test_unwritten_rows_are_never_read():
+    """act rows of padding entries and contrib rows of other ranks' pairs are left unwritten (no memset):
+    poisoned with NaN, they must not reach the output."""
+    w13, w2 = make_weights(15)
+    x, w, idx = make_routing(16, 19, 2)
+    e0, e1 = 2, 7
+    cfg = SMALL
+    al = align(idx, e0, e1 - e0, cfg.block_m)
+    real = al.sorted_ids < al.num_pairs
+    act = triton_moe.gate_up(x, w13[e0:e1], al, 2, ALPHA, LIMIT, cfg)
+    act[~real] = float("nan")
+    contrib = triton_moe.down(act, w2[e0:e1], w.reshape(-1), al, cfg)
+    local = ((idx >= e0) & (idx < e1)).reshape(-1)
+    contrib[~local] = float("nan")
+    out = triton_moe.combine(contrib, idx, e0, e1 - e0, x.dtype)
+    assert_close(out, reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT, (e0, e1)))
+
+
+# chunk: pairs per alignment program; 16 spreads a few pairs over many programs (histogram path)
+@pytest.mark.parametrize("t,k,e0,e1,bm,chunk", [(1, 2, 0, 8, 16, None), (37, 3, 0, 8, 16, None),
+                                                (37, 3, 0, 8, 16, 16), (300, 4, 2, 7, 32, None),
+                                                (300, 4, 2, 7, 16, 64), (5, 2, 0, 8, 64, None),
+                                                (40, 1, 6, 7, 16, 16)])
+def test_alignment_invariants(t, k, e0, e1, bm, chunk):
+    g = torch.Generator().manual_seed(t * 7 + bm)
+    idx = torch.argsort(torch.rand(t, E, generator=g), dim=1)[:, :k]
+    if t == 40:
+        idx[:] = 6
+    n, num_local = t * k, e1 - e0
+    al = align(idx, e0, num_local, bm, chunk)
+    nb = max_blocks(n, num_local, bm)
+    assert al.sorted_ids.shape == (nb * bm,) and al.block_expert.shape == (nb,) and al.max_blocks == nb
+    ids, blk = al.sorted_ids.tolist(), al.block_expert.tolist()
+    flat = idx.reshape(-1).tolist()
+    used = int(al.num_blocks)
+
+    counts = [sum(1 for e in flat if e == g_e) for g_e in range(e0, e1)]
+    assert used == sum(-(-c // bm) for c in counts)
+    # every local (token, k) pair exactly once; no pair of another rank's expert
+    placed = [p for p in ids if p != n]
+    assert sorted(placed) == [p for p in range(n) if e0 <= flat[p] < e1]
+    # nothing but padding past the used blocks; those blocks have no expert
+    assert all(p == n for p in ids[used * bm:]) and all(b == -1 for b in blk[used:])
+    # each used block: one expert, ascending expert order, real pairs first (in idx order), then padding
+    prev = -1
+    for b in range(used):
+        e = blk[b]
+        assert prev <= e < num_local
+        prev = e
+        rows = ids[b * bm:(b + 1) * bm]
+        real = [p for p in rows if p != n]
+        assert real and rows[:len(real)] == real and real == sorted(real)
+        assert all(flat[p] - e0 == e for p in real)
+    # segments are whole blocks: an expert's pairs fill its blocks in order before any padding
+    for e in range(num_local):
+        seg = [p for b in range(used) if blk[b] == e for p in ids[b * bm:(b + 1) * bm]]
+        real = [p for p in seg if p != n]
+        assert len(seg) == -(-counts[e] // bm) * bm and seg[:len(real)] == real and len(real) == counts[e]
+
+
+def test_model_logits_equal_with_the_triton_impl():
+    """A whole tiny model (3 MoE layers) through forward_seq: logits with every SparseMoE on the Triton
+    impl equal the reference's. The impl is bound per module until the engine threads it through."""
+    from m3eagle.models.minimax_m3 import MiniMaxM3
+    from m3eagle.training.target import init_weights, model_config
+
+    torch.manual_seed(0)
+    model = MiniMaxM3(model_config("tiny", vocab_size=96)).eval()
+    init_weights(model, seed=3, std=0.2)
+    ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = model.compute_logits(model.forward_seq(ids)[0])
+        tri = backend.create("triton", config=SMALL)
+        moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        assert len(moes) == 3
+        for m in moes:
+            m.forward = functools.partial(SparseMoE.forward, m, impl=tri)
+        out = model.compute_logits(model.forward_seq(ids)[0])
+    assert_close(out, ref)
+
+
+def test_registry_and_lazy_triton_import():
+    import subprocess
+    import sys
+
+    # Vacuous (not failing) if something else in the package already imports triton.
+    code = ("import sys, torch; from m3eagle.models import layers; from m3eagle.moe import backend; "
+            "before = 'triton' in sys.modules; m = layers.Experts(4, 8, 16, 1.7, 7.0); "
+            "[torch.nn.init.normal_(p) for p in m.parameters()]; "
+            "m(torch.randn(3, 8), torch.rand(3, 2), torch.tensor([[0, 1], [2, 3], [1, 2]])); "
+            "assert backend.create('reference').name == 'reference'; "
+            "assert ('triton' in sys.modules) == before, 'the reference path imported triton'")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert backend.names() == ["reference", "triton"]
+    assert backend.create("triton").name == "triton"
+    with pytest.raises(ValueError, match="moe_backend"):
+        backend.create("cutlass")
+
+
+def test_tuning_table_is_well_formed():
+    raw = json.loads(tuning.TABLE_PATH.read_text())
+    table = tuning.load_table()
+    assert table, "tuned_configs.json holds no device"
+    for dev, shapes in table.items():
+        assert dev in raw
+        for key, per in shapes.items():
+            assert key.startswith("E=") and set(per) <= set(tuning.BUCKETS), key
+            for cfg in per.values():
+                for v in (cfg.block_m, cfg.block_n, cfg.block_k):
+                    assert v >= 16 and v & (v - 1) == 0, (key, cfg)
+    # no entry for CPU: the heuristic answers, by tokens per expert
+    cpu = torch.device("cpu")
+    assert tuning.get_config(1, 32, 2048, 1024, 4, torch.bfloat16, cpu).block_m == 16
+    assert tuning.get_config(8192, 32, 2048, 1024, 4, torch.bfloat16, cpu).block_m == 64
+    assert tuning.bucket(1) == 1 and tuning.bucket(300) == 512 and tuning.bucket(10 ** 6) == tuning.BUCKETS[-1]
