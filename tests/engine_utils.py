@@ -14,15 +14,40 @@ def assert_clean(llm: LLM) -> None:
     assert eng.is_idle_and_clean()
 
 
-def count_preemptions(llm: LLM) -> list[int]:
-    """Wrap the scheduler's preemption so a test can assert it really happened."""
-    n = [0]
-    sched = llm.engine.scheduler
-    orig = sched._preempt
+class Counters:
+    """Preemptions and NeedSync retries seen by one engine -- and, with `force_every=N`, a preemption
+    forced on every N-th plan, so a test that relies on preemption never depends on luck (how many drafts
+    a trained head gets accepted decides how fast pages run out).
 
-    def counted(req):
-        n[0] += 1
-        orig(req)
+    A forced preemption goes through the scheduler's own path: the newest unfinished running request
+    that holds KV is preempted by recompute; if it has a step in flight, the plan raises NeedSync (the
+    engine drains and plans again), exactly as a natural preemption under overlap would."""
 
-    sched._preempt = counted
-    return n
+    def __init__(self, llm: LLM, force_every: int = 0):
+        from m3eagle.engine.scheduler import NeedSync
+
+        self.preempted = self.needsync = self.plans = 0
+        sched = llm.engine.scheduler
+        preempt, schedule = sched._preempt, sched.schedule
+
+        def counted_preempt(req):
+            self.preempted += 1
+            preempt(req)
+
+        def counted_schedule():
+            self.plans += 1
+            if force_every and self.plans % force_every == 0:
+                victim = next((r for r in reversed(sched.running) if not r.finished and r.num_computed), None)
+                if victim is not None:
+                    if victim.inflight:
+                        self.plans -= 1  # plan again once drained, and force it then
+                        self.needsync += 1
+                        raise NeedSync()
+                    sched._preempt(victim)
+            try:
+                return schedule()
+            except NeedSync:
+                self.needsync += 1
+                raise
+
+        sched._preempt, sched.schedule = counted_preempt, counted_schedule

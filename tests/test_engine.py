@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_utils import assert_clean, count_preemptions
+from engine_utils import Counters, assert_clean
 
 from m3eagle import LLM, SamplingParams
 
@@ -87,10 +87,10 @@ def test_paged_runs_equal_one_shot(make_llm, model_dir, prompts, one_shot, page_
     kw = {"batched": dict(max_num_tokens=1024), "chunked": dict(max_num_tokens=5),
           "preempted": dict(max_num_tokens=48, num_pages=table_pages + 1 + table_pages // 4)}[mode]
     llm = make_llm(model_dir, page_size=page_size, **kw)
-    preempted = count_preemptions(llm)
+    counters = Counters(llm)
     outs = llm.generate(prompts, greedy())
     assert [o.token_ids for o in outs] == one_shot
-    assert (preempted[0] > 0) == (mode == "preempted")
+    assert (counters.preempted > 0) == (mode == "preempted")
 
 
 def test_max_num_seqs_limits_concurrency(make_llm, model_dir, prompts, one_shot):
@@ -244,6 +244,10 @@ def eos_dir(model_dir, one_shot, tmp_path_factory):
     conf = json.loads((d / "config.json").read_text())
     conf["eos_token_id"] = [one_shot[0][5], one_shot[2][7]]
     (d / "config.json").write_text(json.dumps(conf))
+    # transformers' generate takes EOS from generation_config.json when there is one; so does m3eagle
+    gen = json.loads((d / "generation_config.json").read_text())
+    gen["eos_token_id"] = conf["eos_token_id"]
+    (d / "generation_config.json").write_text(json.dumps(gen))
     return d
 
 

@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 import torch
-from engine_utils import count_preemptions
+from engine_utils import Counters
 from hf_utils import random_hf_model, tiny_hf_config
 
 from m3eagle import LLM, SamplingParams
@@ -192,10 +192,10 @@ def test_greedy_generation_matches_transformers(tiny_model, prompts, oracle_gree
     kw = {"batched": dict(max_num_tokens=1024), "chunked": dict(max_num_tokens=7),
           "preempted": dict(max_num_tokens=64, num_pages=40)}[mode]
     llm = LLM(d, device="cpu", page_size=4, max_model_len=128, **kw)
-    preempted = count_preemptions(llm)
+    counters = Counters(llm)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     llm.engine.check_integrity()
     assert llm.engine.pool.num_free == llm.engine.pool.num_usable
-    assert (preempted[0] > 0) == (mode == "preempted")
+    assert (counters.preempted > 0) == (mode == "preempted")
     assert [o.token_ids for o in outs] == oracle_greedy
     assert all(o.finish_reason == "length" for o in outs)

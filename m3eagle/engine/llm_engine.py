@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,14 @@ class EngineConfig:
 
 
 class LLMEngine:
+    """Owns the scheduler, the page pool and the model runner; `step()` is the whole loop body.
+
+    Thread-safety: every public method takes the engine's lock, so calls from several threads are
+    serialised (never interleaved inside a step). Fault tolerance: an exception raised while one
+    request's output is processed (detokenization, say) finishes that request with finish_reason
+    "error"; anything else raised inside `step()` -- KeyboardInterrupt included -- rolls the engine back
+    to host truth (`_recover`) before it propagates, so the next call works."""
+
     def __init__(self, target, draft, tokenizer, cfg: EngineConfig, dtype: torch.dtype, device: torch.device):
         for name in ("max_num_tokens", "max_num_seqs", "max_model_len", "page_size"):
             if getattr(cfg, name) < 1:
@@ -74,7 +83,11 @@ class LLMEngine:
         self.eos_ids = set(target.cfg.eos_token_ids)
         self._ids = itertools.count()
         self._pending: tuple[ScheduledBatch, StepOutput] | None = None
-        self.finished: list[Request] = []
+        # Unfinished requests by id (bounded by what callers submit and have not collected); finished
+        # requests are handed back by step() and forgotten, so nothing grows in a long-lived process.
+        self._live: dict[str, Request] = {}
+        self._lock = threading.RLock()
+        self._done: list[Request] = []  # finished since the last step() returned (aborts included)
         self.num_steps = 0
         self.sync_debug = False  # on CUDA: run execute() under torch.cuda.set_sync_debug_mode("error")
 
@@ -82,6 +95,9 @@ class LLMEngine:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(prompt_ids, list) or any(type(t) is not int for t in prompt_ids):
+            raise RequestError("prompt token ids must be a list of int (use prompt_token_ids() to convert "
+                               f"numpy or torch ids), got {type(prompt_ids).__name__}")
         if len(prompt_ids) == 0:
             raise RequestError("the prompt is empty; give at least one token")
         if len(prompt_ids) >= self.cfg.max_model_len:
@@ -89,7 +105,7 @@ class LLMEngine:
                                f"{self.cfg.max_model_len} leaves no room to generate; shorten the prompt or "
                                "raise max_model_len")
         v = self.target_cfg.vocab_size
-        bad = [t for t in prompt_ids if not isinstance(t, int) or t < 0 or t >= v]
+        bad = [t for t in prompt_ids if t < 0 or t >= v]
         if bad:
             raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {v})")
         if params.stop and self.tokenizer is None:
@@ -101,29 +117,49 @@ class LLMEngine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None) -> Request:
-        self.validate(prompt_ids, params)
-        n = next(self._ids)
-        seed = params.seed if params.seed is not None else random.getrandbits(31)
-        req = Request(request_id or f"req-{n}", list(prompt_ids), params, seed, n, prompt)
-        req.proj_known = req.num_known
-        req.accepted_per_position = [0] * self.k
-        req.drafted_per_position = [0] * self.k
-        self.scheduler.add(req)
-        return req
+        """Validate, then queue. Nothing is admitted before every check has passed."""
+        with self._lock:
+            self.validate(prompt_ids, params)
+            if request_id is not None and not isinstance(request_id, str):
+                raise RequestError(f"request_id={request_id!r} must be a str")
+            if request_id in self._live:
+                raise RequestError(f"request_id={request_id!r} is already in use by an unfinished request; "
+                                   "give a unique id or None")
+            n = next(self._ids)
+            seed = params.seed if params.seed is not None else random.getrandbits(31)
+            req = Request(request_id or f"req-{n}", list(prompt_ids), params, seed, n, prompt)
+            while req.request_id in self._live:  # an auto id taken by a caller's explicit id
+                req.request_id = f"req-{n}-{next(self._ids)}"
+            req.proj_known = req.num_known
+            req.accepted_per_position = [0] * self.k
+            req.drafted_per_position = [0] * self.k
+            self._live[req.request_id] = req
+            self.scheduler.add(req)
+            return req
 
     def abort(self, request_id: str) -> None:
-        for req in list(self.scheduler.waiting) + list(self.scheduler.running):
-            if req.request_id == request_id and not req.finished:
-                self.scheduler.finish(req, "abort")
-                self.finished.append(req)
+        with self._lock:
+            req = self._live.get(request_id)
+            if req is not None and not req.finished:
+                self._finish(req, "abort")
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._pending is not None
+        with self._lock:
+            return self.scheduler.has_work() or self._pending is not None
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """One iteration; returns requests finished by it."""
-        done_before = len(self.finished)
+        """One iteration; returns the requests it finished (each exactly once, then forgotten)."""
+        with self._lock:
+            try:
+                self._step()
+            except BaseException:
+                self._recover()
+                raise
+            done, self._done = self._done, []
+            return done
+
+    def _step(self) -> None:
         try:
             batch = self.scheduler.schedule()
         except NeedSync:
@@ -132,24 +168,23 @@ class LLMEngine:
         if not batch.rows:
             if self._pending is not None:
                 self._drain()
-                return self.finished[done_before:]
-            if self.scheduler.waiting:
+            elif self.scheduler.waiting:
+                # Nothing runs and the oldest waiting request still does not fit: it never will. Fail it
+                # alone; the others keep their turn.
                 req = self.scheduler.waiting[0]
-                raise RuntimeError(f"request {req.request_id} ({req.num_known} tokens) cannot be scheduled: "
-                                   f"the KV pool has {self.pool.num_usable} pages of {self.cfg.page_size}; "
-                                   "raise num_pages")
-            return []
+                self._fail(req, f"request {req.request_id} ({req.num_known} tokens) cannot be scheduled: the KV "
+                           f"pool has {self.pool.num_usable} pages of {self.cfg.page_size}; raise num_pages")
+            return
         inp = build_step_input(batch, self.cfg.page_size, self.table_width, self.device)
         self.scheduler.commit(batch)
         out = self._execute(inp)
         self.num_steps += 1
         if self.cfg.overlap:
-            if self._pending is not None:
-                self._process(*self._pending)
-            self._pending = (batch, out)
+            pending, self._pending = self._pending, (batch, out)
+            if pending is not None:
+                self._process(*pending)
         else:
             self._process(batch, out)
-        return self.finished[done_before:]
 
     def _execute(self, inp) -> StepOutput:
         if self.sync_debug and self.device.type == "cuda":
@@ -165,10 +200,45 @@ class LLMEngine:
             pending, self._pending = self._pending, None
             self._process(*pending)
 
-    def run(self) -> None:
+    def run(self) -> list[Request]:
+        done: list[Request] = []
         while self.has_work():
-            self.step()
-        self._drain()
+            done += self.step()
+        return done
+
+    # ---- fault recovery -------------------------------------------------------------------------
+    def _recover(self) -> None:
+        """Roll back to host truth after a fault anywhere in a step.
+
+        Host truth is each request's accepted tokens (prompt + output_token_ids); everything else -- KV
+        pages, device slots, rows in flight, a half-made plan -- is derived and can be dropped. So every
+        unfinished request goes back to waiting (FCFS by arrival) to be recomputed, exactly as a
+        preemption would, every finished one lets go of what it held, and the pool and slot list start
+        over. A step that was in flight on the device writes only pages that later steps overwrite
+        (one stream, in order), so no device state needs undoing."""
+        sched = self.scheduler
+        reqs = {id(r): r for r in [*self._live.values(), *sched.running, *sched.waiting]}.values()
+        for req in reqs:
+            req.inflight_rows.clear()
+            req.pages, req.slot, req.pending_free, req.slot_valid = [], -1, False, False
+            req.num_computed = req.proj_computed = 0
+            req.proj_known = req.num_known
+            if not req.finished:
+                req.status = Status.WAITING
+        self._live = {r.request_id: r for r in sorted(reqs, key=lambda r: r.arrival) if not r.finished}
+        sched.waiting.clear()
+        sched.waiting.extend(self._live.values())
+        sched.running.clear()
+        sched.free_slots[:] = list(range(self.cfg.max_num_seqs))[::-1]
+        self.pool.reset()
+        self._pending = None
+        log.warning("engine rolled back after a fault: %d unfinished requests will be recomputed", len(self._live))
+
+    def _fail(self, req: Request, error: str) -> None:
+        """Finish one request with finish_reason "error"; the engine and the other requests go on."""
+        log.error("request %s failed: %s", req.request_id, error)
+        req.error = error
+        self._finish(req, "error", keep_text=True)
 
     # ---- processing (host) ----------------------------------------------------------------------
     def _process(self, batch: ScheduledBatch, out: StepOutput) -> None:
@@ -182,59 +252,104 @@ class LLMEngine:
                 if req.pending_free and not req.inflight:
                     self.scheduler.release(req)
                 continue
-            start = req.num_computed
-            if not row.samples:
-                req.num_computed = start + row.num_tokens
-            else:
-                a = num_new[i] - 1
-                req.num_computed = start + row.num_tokens - row.num_drafts + a
-                if row.num_drafts:
-                    req.num_verify_steps += 1
-                    req.num_drafted += row.num_drafts
-                    req.num_accepted += a
-                    for j in range(row.num_drafts):
-                        req.drafted_per_position[j] += 1
-                        req.accepted_per_position[j] += int(j < a)
-                self._append(req, new_tokens[i][: num_new[i]], logprobs[i][: num_new[i]] if logprobs else None)
+            try:
+                self._process_row(req, row, new_tokens[i][: num_new[i]], logprobs[i][: num_new[i]] if logprobs else None)
+            except Exception as e:  # this request's fault (a detokenizer error, say), not the engine's
+                self._fail(req, f"{type(e).__name__}: {e}")
             req.reproject()
 
+    def _process_row(self, req: Request, row, tokens: list[int], lps: list[float] | None) -> None:
+        start = req.num_computed
+        if not row.samples:
+            req.num_computed = start + row.num_tokens
+            return
+        a = len(tokens) - 1
+        if row.num_drafts:
+            req.num_verify_steps += 1
+            req.num_drafted += row.num_drafts
+            req.num_accepted += a
+            for j in range(row.num_drafts):
+                req.drafted_per_position[j] += 1
+                req.accepted_per_position[j] += int(j < a)
+        self._append(req, tokens, lps)
+        req.num_computed = start + row.num_tokens - row.num_drafts + a
+
     def _append(self, req: Request, tokens: list[int], lps: list[float] | None) -> None:
+        """Decide first, then mutate: the kept tokens, the finish reason and the text are computed before
+        the request changes, so an exception here (a tokenizer error) leaves it as it was."""
         p = req.params
-        for n, t in enumerate(tokens):
-            req.output_token_ids.append(t)
-            if lps is not None:
-                req.logprobs.append(lps[n])
-            reason = None
+        out = list(req.output_token_ids)
+        reason, text = None, None
+        for t in tokens:
+            out.append(t)
             if (t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids:
                 reason = "stop"
-            elif len(req.output_token_ids) >= p.max_tokens or req.num_known >= self.cfg.max_model_len:
+            elif len(out) >= p.max_tokens or len(req.prompt_token_ids) + len(out) >= self.cfg.max_model_len:
                 reason = "length"
             if p.stop and self.tokenizer is not None:
-                text = self.tokenizer.decode(req.output_token_ids)
-                hit = [text.find(s) for s in p.stop if s in text]
+                full = self.tokenizer.decode(out)
+                hit = [full.find(s) for s in p.stop if s in full]
                 if hit:
-                    req.text = text[: min(hit)]
-                    self._finish(req, "stop", keep_text=True)
-                    return
+                    reason, text = "stop", full[: min(hit)]
             if reason:
-                self._finish(req, reason)
-                return
+                break
+        if reason and text is None:
+            text = self.tokenizer.decode(out) if self.tokenizer is not None else None
+        n_new = len(out) - len(req.output_token_ids)
+        if lps is not None:
+            req.logprobs += lps[:n_new]
+        req.output_token_ids = out
+        if reason:
+            req.text = text
+            self._finish(req, reason, keep_text=True)
 
     def _finish(self, req: Request, reason: str, keep_text: bool = False) -> None:
         if not keep_text:
             req.text = self.tokenizer.decode(req.output_token_ids) if self.tokenizer is not None else None
         self.scheduler.finish(req, reason)
-        self.finished.append(req)
+        self._live.pop(req.request_id, None)
+        self._done.append(req)
 
     # ---- checks -------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """No page leaked or owned twice (tests call this after every run)."""
-        tables = self.scheduler.table_snapshot()
-        for r in self.finished:
-            if r.pages:
-                tables[r.request_id] = r.pages
-        self.pool.check_integrity(tables)
+        """Every piece of engine state agrees with every other (tests call this after runs and faults):
+        each unfinished request sits in exactly one queue with a status to match; waiting requests hold
+        no pages, slot or rows in flight; slots are each held once or free; no page is leaked or owned
+        twice; rows in flight exist only while a step is pending. Raises AssertionError naming the fault."""
+        with self._lock:
+            sched = self.scheduler
+            waiting, running = list(sched.waiting), list(sched.running)
+            ids = [id(r) for r in waiting + running]
+            if len(ids) != len(set(ids)):
+                raise AssertionError("a request is queued twice (waiting and/or running)")
+            for rid, r in self._live.items():
+                if r.finished or rid != r.request_id:
+                    raise AssertionError(f"live table holds {rid!r} ({r.status}) wrongly")
+                if id(r) not in set(ids):
+                    raise AssertionError(f"request {rid!r} is unfinished but in no queue (lost)")
+            for r in waiting:
+                if r.status is not Status.WAITING or r.pages or r.slot >= 0 or r.inflight_rows:
+                    raise AssertionError(f"waiting request {r.request_id!r} holds state: status={r.status}, "
+                                         f"pages={r.pages}, slot={r.slot}, rows in flight={r.inflight}")
+                if self._live.get(r.request_id) is not r:
+                    raise AssertionError(f"waiting request {r.request_id!r} is not live")
+            for r in running:
+                if r.finished and not (r.pending_free and r.inflight):
+                    raise AssertionError(f"finished request {r.request_id!r} still holds pages/slot with nothing "
+                                         "in flight")
+                if not r.finished and (r.status is not Status.RUNNING or self._live.get(r.request_id) is not r):
+                    raise AssertionError(f"running request {r.request_id!r} has status {r.status} / not live")
+                if r.slot < 0:
+                    raise AssertionError(f"running request {r.request_id!r} has no slot")
+            held = [r.slot for r in running]
+            slots = held + list(sched.free_slots)
+            if sorted(slots) != list(range(self.cfg.max_num_seqs)):
+                raise AssertionError(f"slots held {sorted(held)} + free {sorted(sched.free_slots)} != "
+                                     f"0..{self.cfg.max_num_seqs - 1} (leaked or doubled)")
+            if self._pending is None and any(r.inflight_rows for r in running):
+                raise AssertionError("rows in flight but no step pending")
+            self.pool.check_integrity(sched.table_snapshot())
 
     def is_idle_and_clean(self) -> bool:
-        return (not self.has_work() and self.pool.num_free == self.pool.num_usable
-                and all(r.status is Status.FINISHED for r in self.finished))
+        return (not self.has_work() and not self._live and self.pool.num_free == self.pool.num_usable
+                and len(self.scheduler.free_slots) == self.cfg.max_num_seqs)

@@ -21,13 +21,14 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str | None  # "stop" | "length" | "abort"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     logprobs: list[float] | None = None
     num_drafted: int = 0  # draft tokens proposed to the target
     num_accepted: int = 0  # of those, accepted
     num_verify_steps: int = 0  # steps in which this request verified drafts
     accepted_per_position: list[int] = field(default_factory=list)  # accepted count at draft position i
     drafted_per_position: list[int] = field(default_factory=list)
+    error: str | None = None  # why, when finish_reason is "error"
 
     @property
     def finished(self) -> bool:
@@ -46,6 +47,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    error: str | None = None
     # KV bookkeeping (host truth as of the last processed step)
     num_computed: int = 0
     pages: list[int] = field(default_factory=list)
@@ -95,4 +97,4 @@ class Request:
                              self.text, self.finish_reason,
                              list(self.logprobs) if self.params.logprobs else None, self.num_drafted,
                              self.num_accepted, self.num_verify_steps, list(self.accepted_per_position),
-                             list(self.drafted_per_position))
+                             list(self.drafted_per_position), self.error)

@@ -49,6 +49,11 @@ class PagePool:
             del self._owner[p]
             self._free.append(p)
 
+    def reset(self) -> None:
+        """Every page free again (the engine's fault recovery, once no request holds pages)."""
+        self._free = deque(range(1, self.num_pages))
+        self._owner = {}
+
     def check_integrity(self, tables: dict[str, list[int]]) -> None:
         """No page leaked, none owned twice, none both free and owned, trash never handed out.
         `tables` maps every live request id to the pages its table holds."""

@@ -1,22 +1,44 @@
-"""SamplingParams: what a request asks for, validated when it is made."""
+"""SamplingParams: what a request asks for, validated when it is made.
+
+Every field is checked for its type and range here, before a request can reach the engine: a value
+that would only fail inside a step (an int64 overflow on the device, say) is refused up front with
+a `SamplingParamsError` naming the field.
+"""
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
+
+# Temperatures below this are greedy (vLLM's rule): 1/T overflows fp32 long before T reaches 0, and a
+# temperature of 1e-40 would otherwise turn every logit into inf and the distribution into NaN.
+GREEDY_EPS = 1e-5
+# Seeds feed an int64 hash on the device; a top_k at or above this is "no limit" (no vocab is larger).
+_INT63 = 2**63
+_TOPK_NO_LIMIT = 2**31
 
 
 class SamplingParamsError(ValueError):
     pass
 
 
+def _is_int(x: object) -> bool:
+    """A real integer: int or numpy/torch integer scalars, never bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and type(x).__name__ != "bool_"
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and type(x).__name__ != "bool_"
+
+
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy
-    top_k: int = 0  # 0 or -1: off
+    temperature: float = 1.0  # 0 (or below GREEDY_EPS) means greedy
+    top_k: int = 0  # 0 or -1: off; values >= 2**31 also mean no limit
     top_p: float = 1.0  # in (0, 1]
     max_tokens: int = 16
-    seed: int | None = None  # a per-request seed reproduces the same output
+    seed: int | None = None  # in [0, 2**63); a per-request seed reproduces the same output
     stop: list[str] = field(default_factory=list)  # stop strings (excluded from .text)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -25,23 +47,36 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise SamplingParamsError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 means greedy)")
-        if self.top_k is None or self.top_k == -1:
+        t = self.temperature
+        if not _is_real(t) or not math.isfinite(t) or t < 0:
+            raise SamplingParamsError(f"temperature={t!r} must be a finite number >= 0 (0 means greedy)")
+        self.temperature = float(t)
+        if self.top_k is None or (_is_int(self.top_k) and self.top_k == -1):
             self.top_k = 0
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise SamplingParamsError(f"top_k={self.top_k!r} must be a non-negative int (0 or -1 disables it)")
-        if not (0.0 < self.top_p <= 1.0):
-            raise SamplingParamsError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise SamplingParamsError(f"max_tokens={self.max_tokens!r} must be an int >= 1")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise SamplingParamsError(f"seed={self.seed!r} must be a non-negative int or None")
-        if any((not isinstance(s, str)) or s == "" for s in self.stop):
-            raise SamplingParamsError(f"stop={self.stop!r} must be a list of non-empty strings")
-        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
-            raise SamplingParamsError(f"stop_token_ids={self.stop_token_ids!r} must be non-negative ints")
+        self.top_k = int(self.top_k) if self.top_k < _TOPK_NO_LIMIT else 0
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise SamplingParamsError(f"top_p={self.top_p!r} must be a number in (0, 1]")
+        self.top_p = float(self.top_p)
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens < _INT63:
+            raise SamplingParamsError(f"max_tokens={self.max_tokens!r} must be an int in [1, 2**63)")
+        self.max_tokens = int(self.max_tokens)
+        if self.seed is not None:
+            if not _is_int(self.seed) or not 0 <= self.seed < _INT63:
+                raise SamplingParamsError(f"seed={self.seed!r} must be an int in [0, 2**63) or None")
+            self.seed = int(self.seed)
+        if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise SamplingParamsError(f"stop={self.stop!r} must be a string or a list of non-empty strings")
+        self.stop = list(self.stop)
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or any(not _is_int(t) or not 0 <= t < _INT63 for t in ids):
+            raise SamplingParamsError(f"stop_token_ids={ids!r} must be a list of non-negative ints")
+        self.stop_token_ids = [int(t) for t in ids]
+        for name in ("ignore_eos", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(f"{name}={getattr(self, name)!r} must be True or False")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_EPS
