@@ -1,24 +1,111 @@
-"""Command line: `m3eagle generate`, `m3eagle bench`, and the training / eval stages."""
+"""Command line: `m3eagle generate`, `m3eagle bench`, and the training / eval stages.
+
+Exit status: 0 on success; 2 for a usage error (argparse names the option) or a library error, which is
+printed as one line on stderr (`m3eagle: error: ...`, no traceback; set M3EAGLE_TRACEBACK=1 to see it);
+1 when stdout is closed early (`m3eagle generate ... | head -1`), quietly; 130 on Ctrl-C.
+"""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
+import os
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
+
+INT64_MAX = 2**63 - 1
+MAX_BATCH = 1024
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
-    p.add_argument("--draft", default=None, help="Eagle3 head directory (default: the embedded head when "
-                   "--model is not given)")
-    p.add_argument("--num-draft-tokens", type=int, default=None, help="K drafts per step (0 disables)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-tokens", type=int, default=512, help="token budget per step")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto")
+# ------------------------------------------------------------------------------------------------
+# Option types: each checks its range, so argparse names the option in the error ("argument --seed: ...")
+# ------------------------------------------------------------------------------------------------
+
+
+def int_in(lo: int, hi: int = INT64_MAX) -> Callable[[str], int]:
+    """An argparse type: a base-10 integer in [lo, hi] (hi defaults to the int64 maximum the engine holds)."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not lo <= v <= hi:
+            top = "2**63 - 1" if hi == INT64_MAX else str(hi)
+            raise argparse.ArgumentTypeError(f"{text} is out of range: give an integer from {lo} to {top}")
+        return v
+
+    return parse
+
+
+def float_in(lo: float, hi: float = math.inf, lo_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite float in [lo, hi] ((lo, hi] when lo_open)."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
+            span = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{']' if math.isfinite(hi) else ')'}"
+            raise argparse.ArgumentTypeError(f"{text} is out of range: give a finite number in {span}")
+        return v
+
+    return parse
+
+
+def batch_sizes(text: str) -> list[int]:
+    """An argparse type: comma-separated batch sizes, each 1..MAX_BATCH ("1,8,32")."""
+    parse = int_in(1, MAX_BATCH)
+    parts = [p.strip() for p in text.split(",")]
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated batch sizes such as 1,8,32")
+    return [parse(p) for p in parts]
+
+
+def device(text: str) -> str:
+    """An argparse type: a torch device string that exists here (cpu, cuda, cuda:N)."""
+    import torch
+
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text}: torch sees no CUDA device here; use cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text}: there are {torch.cuda.device_count()} CUDA devices "
+                                             f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
+    elif dev.type != "cpu":
+        raise argparse.ArgumentTypeError(f"{text}: m3eagle runs on cpu or cuda")
+    return text
+
+
+DTYPES = ["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in every option's help; descriptions keep their line breaks."""
+
+
+# ------------------------------------------------------------------------------------------------
+# generate
+# ------------------------------------------------------------------------------------------------
+
+
+def _device_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", type=device, default=None, help="cpu, cuda or cuda:N; none: cuda when available")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="weights and KV dtype; auto: bf16 on CUDA, "
+                   "fp32 on CPU")
+    p.add_argument("--max-num-tokens", type=int_in(1), default=512, help="token budget per step")
+    p.add_argument("--page-size", type=int_in(1), default=16, help="KV page size in tokens")
+    p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
+                   help="overlap scheduler; auto: on for CUDA")
 
 
 def _make_llm(a: argparse.Namespace):
@@ -58,36 +145,101 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(a: argparse.Namespace) -> int:
-    from m3eagle.bench import run_bench
+def _add_generate(sub) -> None:
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    g.add_argument("prompts", nargs="+", help="prompt texts")
+    g.add_argument("--model", default=None, help="checkpoint directory; none: the embedded model")
+    g.add_argument("--draft", default=None, help="Eagle3 head directory; none: the embedded head when --model "
+                   "is not given")
+    g.add_argument("--num-draft-tokens", type=int_in(0, 8), default=None,
+                   help="K drafts per step (0 disables speculation); none: 3 with a draft head")
+    g.add_argument("--max-model-len", type=int_in(1), default=None,
+                   help="longest prompt + output; none: min(model limit, 2048)")
+    _device_args(g)
+    g.add_argument("--max-tokens", type=int_in(1), default=64, help="tokens to generate per prompt")
+    g.add_argument("--temperature", type=float_in(0.0), default=0.0, help="0 is greedy")
+    g.add_argument("--top-p", type=float_in(0.0, 1.0, lo_open=True), default=1.0, help="nucleus mass")
+    g.add_argument("--top-k", type=int_in(-1), default=0, help="keep the k likeliest tokens; 0 or -1: off")
+    g.add_argument("--seed", type=int_in(0), default=None, help="per-request seed; none: random")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    g.add_argument("--json", action="store_true", help="one JSON line per output, then a summary line")
+    g.set_defaults(func=cmd_generate)
 
-    print(json.dumps(run_bench(a)))
+
+# ------------------------------------------------------------------------------------------------
+# bench
+# ------------------------------------------------------------------------------------------------
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from m3eagle.bench.offline import format_table, run_bench
+
+    if a.json and not Path(a.json).resolve().parent.is_dir():
+        raise ValueError(f"--json {a.json}: directory {Path(a.json).resolve().parent} does not exist")
+    doc = run_bench(a)
+    print("\n" + format_table(doc), file=sys.stderr)
+    text = json.dumps(doc, indent=1)
+    if a.json:
+        Path(a.json).write_text(text + "\n")
+        print(f"wrote {a.json}", file=sys.stderr)
+    else:
+        print(text)
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="m3eagle", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="generate text for one or more prompts")
-    g.add_argument("prompts", nargs="+")
-    _engine_args(g)
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--json", action="store_true", help="one JSON line per output, then a summary line")
-    g.set_defaults(func=cmd_generate)
-    b = sub.add_parser("bench", help="tokens/s with and without speculation on the same prompts")
-    _engine_args(b)
-    b.add_argument("--batch-sizes", default="1,8")
-    b.add_argument("--prompt-len", type=int, default=64)
-    b.add_argument("--max-tokens", type=int, default=64)
-    b.add_argument("--num-batches", type=int, default=2, help="batches timed per configuration")
-    b.add_argument("--overlap-compare", action="store_true", help="also time overlap on vs off")
+def _add_bench(sub) -> None:
+    b = sub.add_parser(
+        "bench", help="throughput, per-step cost and the memory roofline, plain and speculative",
+        description="Benchmark one model geometry in one process: HBM copy bandwidth; tok/s plain and with\n"
+                    "speculation per batch size (median of --repeats); the cost of one steady decode step (wall,\n"
+                    "host, GPU busy, kernels); bytes per step, MBU and the roofline; optionally transformers'\n"
+                    "generate on the same weights. Progress and a table go to stderr, the JSON document to\n"
+                    "stdout (or --json FILE).\n\n"
+                    "Geometries: embedded (the trained 9M model + Eagle3 head), m3-mini (2.38B params, 0.62B\n"
+                    "active), m3-8b (~10B, ~4.1B active), tiny (a CPU smoke test), or a checkpoint DIR. Named\n"
+                    "geometries get random seeded weights built on the device; nothing touches the disk.")
+    b.add_argument("--geometry", "--model", default="embedded", metavar="NAME|DIR",
+                   help="embedded | m3-mini | m3-8b | tiny | a checkpoint directory")
+    b.add_argument("--draft", default=None, help="Eagle3 head directory for --geometry DIR")
+    b.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="for embedded / DIR: auto reads the weights, dummy uses random ones (named geometries are "
+                        "always random)")
+    b.add_argument("--num-draft-tokens", type=int_in(0, 8), default=None,
+                   help="K for the speculative runs (0: plain only); none: 3 when there is a head")
+    _device_args(b)
+    b.add_argument("--attention-backend", choices=["auto", "reference", "triton"], default="auto",
+                   help="auto: triton on CUDA, reference on CPU")
+    b.add_argument("--batch-sizes", type=batch_sizes, default="1,8,32", help="comma-separated batch sizes")
+    b.add_argument("--prompt-len", type=int_in(1), default=128, help="prompt tokens per request")
+    b.add_argument("--max-tokens", "--output-len", type=int_in(1), default=32, help="generated tokens per request")
+    b.add_argument("--repeats", "--num-batches", type=int_in(1), default=5,
+                   help="timed batches per configuration, after one warm-up batch")
+    b.add_argument("--decode-steps", type=int_in(1), default=10, help="steady-state steps timed per configuration")
+    b.add_argument("--profile-steps", type=int_in(1), default=3, help="steady-state steps under the profiler")
+    b.add_argument("--compare-hf", action="store_true",
+                   help="also time transformers' generate at batch 1 on the same weights")
+    b.add_argument("--bandwidth-gib", type=float_in(0.0, 64.0, lo_open=True), default=4.0,
+                   help="buffer size of the HBM copy-bandwidth measurement (GiB; capped at 1/16 on CPU)")
+    b.add_argument("--seed", type=int_in(0), default=0, help="prompt sampling seed")
+    b.add_argument("--json", metavar="FILE", default=None, help="write the JSON document here instead of stdout")
     b.set_defaults(func=cmd_bench)
+
+
+# ------------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from m3eagle import __version__
+
+    p = argparse.ArgumentParser(prog="m3eagle", description=__doc__, formatter_class=_Formatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True,
+                           parser_class=functools.partial(argparse.ArgumentParser, formatter_class=_Formatter))
+    _add_generate(sub)
+    _add_bench(sub)
     try:
         from m3eagle.training.cli import add_training_subcommands
 
@@ -97,12 +249,43 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _is_library_error(e: BaseException) -> bool:
+    """Errors a user can cause with input, a file or the machine: shown as one line, not a traceback.
+
+    ValueError covers m3eagle's own (RequestError, SamplingParamsError, ConfigError, CheckpointError);
+    OSError files and pipes; RuntimeError torch's device errors (bad ordinal, out of memory);
+    SafetensorError a damaged shard; a bare Exception is what the tokenizers library raises."""
+    from safetensors import SafetensorError
+
+    return isinstance(e, (ValueError, OSError, RuntimeError, OverflowError, SafetensorError)) or type(e) is Exception
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return a.func(a) or 0
-    except (ValueError, FileNotFoundError) as e:
-        print(f"m3eagle: error: {e}", file=sys.stderr)
+        rc = a.func(a) or 0
+        sys.stdout.flush()  # a closed pipe surfaces here, inside the handler, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        # The reader went away (`| head -1`). As the Python docs recommend: point stdout at devnull so the
+        # interpreter's final flush stays quiet, and exit 1 as Python does on EPIPE.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is not a real file (captured in tests)
+            pass
+        return 1
+    except KeyboardInterrupt:
+        print("m3eagle: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if not _is_library_error(e) or os.environ.get("M3EAGLE_TRACEBACK"):
+            raise
+        msg = " ".join(str(e).split()) or type(e).__name__
+        if not isinstance(e, ValueError):  # m3eagle's own messages stand alone; others get their kind
+            msg = f"{type(e).__name__}: {msg}"
+        print(f"m3eagle: error: {msg}", file=sys.stderr)
         return 2
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import numbers
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -11,9 +13,13 @@ from typing import Any
 import torch
 
 from ..attention import backend
+from ..config import M3Config
 from ..engine.llm_engine import EngineConfig, LLMEngine, RequestError
 from ..engine.request import RequestOutput
 from ..loader.checkpoint import load_target
+from ..loader.dummy import LOAD_FORMATS, dummy_eagle3, dummy_target, eagle3_config, target_config
+from ..loader.tokenizer import load_tokenizer as _load_tokenizer
+from ..models.eagle3 import Eagle3Config
 from ..sampling.params import SamplingParams
 
 log = logging.getLogger("m3eagle")
@@ -45,13 +51,17 @@ class LLM:
 
     model: a checkpoint directory (config.json + safetensors [+ tokenizer.json]); None uses the embedded
     model and its Eagle3 head. draft: an Eagle3 head directory; num_draft_tokens: K (1..8; 0 = off).
-    overlap: None = on for CUDA, off for CPU. attention_backend: 'auto' | 'reference' | 'triton'."""
+    overlap: None = on for CUDA, off for CPU. attention_backend: 'auto' | 'reference' | 'triton'.
+    load_format: 'auto' reads the checkpoints; 'dummy' builds random seeded weights on the device from the
+    configs alone (vLLM's dummy format, for benchmarks) -- then model / draft may also be an M3Config /
+    Eagle3Config or a config.json dict."""
 
-    def __init__(self, model: str | Path | None = None, draft: str | Path | None = None,
+    def __init__(self, model: str | Path | M3Config | dict | None = None,
+                 draft: str | Path | Eagle3Config | dict | None = None,
                  num_draft_tokens: int | None = None, dtype: str | torch.dtype = "auto",
                  device: str | None = None, page_size: int = 16, max_num_tokens: int = 512,
                  max_model_len: int | None = None, max_num_seqs: int = 64, num_pages: int = 0,
-                 overlap: bool | None = None, attention_backend: str = "auto"):
+                 overlap: bool | None = None, attention_backend: str = "auto", load_format: str = "auto"):
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu'")
@@ -71,19 +81,31 @@ class LLM:
                              "(an Eagle3 checkpoint) or num_draft_tokens=0")
         if page_size < 1:
             raise ValueError(f"page_size={page_size} must be >= 1")
-        self.model_path = Path(model)
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={load_format!r}: choose 'auto' (read the checkpoint) or 'dummy' "
+                             "(random weights built on the device)")
+        if load_format == "auto" and not all(isinstance(x, (str, Path)) for x in (model, draft or "")):
+            raise ValueError("model= / draft= given as a config has no weights to read: pass checkpoint "
+                             "directories, or load_format='dummy' for random weights")
+        self.model_path = Path(model) if isinstance(model, (str, Path)) else None
         if attention_backend == "auto":
             attention_backend = "triton" if dev.type == "cuda" else "reference"
         backend.set_backend(attention_backend)
-        self.target = load_target(self.model_path, self.dtype, dev)
+        if load_format == "dummy":
+            self.target = dummy_target(target_config(model), self.dtype, dev)
+        else:
+            self.target = load_target(self.model_path, self.dtype, dev)
         self.draft = None
         if draft is not None and num_draft_tokens > 0:
             from ..loader.eagle3 import load_eagle3
 
-            self.draft = load_eagle3(draft, self.target.cfg, self.dtype, dev)
+            if load_format == "dummy":
+                self.draft = dummy_eagle3(eagle3_config(draft, self.target.cfg), self.dtype, dev)
+            else:
+                self.draft = load_eagle3(draft, self.target.cfg, self.dtype, dev)
             if not self.draft.cfg.has_embed:
                 self.draft.set_embedding(self.target.embed_tokens.weight)
-        self.tokenizer = _load_tokenizer(self.model_path)
+        self.tokenizer = _load_tokenizer(self.model_path) if self.model_path is not None else None
         mml = max_model_len if max_model_len is not None else min(self.target.cfg.max_position_embeddings, 2048)
         if mml > self.target.cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={mml} exceeds the model's max_position_embeddings="
@@ -93,7 +115,8 @@ class LLM:
                                    num_draft_tokens=num_draft_tokens if self.draft is not None else 0,
                                    overlap=(dev.type == "cuda") if overlap is None else overlap)
         self.engine = LLMEngine(self.target, self.draft, self.tokenizer, self.config, self.dtype, dev)
-        self._all_outputs: list[RequestOutput] = []
+        self._stats = SpecStats(self.config.num_draft_tokens)
+        self._lock = threading.RLock()  # one generate() at a time: the engine loop is not re-entrant
 
     # ---- generation -----------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -104,77 +127,124 @@ class LLM:
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt
+        """Generate for one prompt (text, or a list of int token ids -- numpy/torch ints accepted) or a list
+        of prompts. Every prompt and its parameters are validated before any is admitted. Calls from
+        several threads are serialised. If the loop is interrupted (an exception, Ctrl-C), this call's
+        unfinished requests are aborted and the engine stays usable."""
+        prompt_list = _as_prompt_list(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        encoded = []
-        for i, p in enumerate(prompts):  # validate everything before anything runs
-            ids = self.encode(p) if isinstance(p, str) else list(p)
+        plist = params if isinstance(params, list) else [params] * len(prompt_list)
+        if len(plist) != len(prompt_list):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompt_list)} prompts")
+        with self._lock:
+            encoded = []
+            for i, p in enumerate(prompt_list):  # validate everything before anything runs
+                try:
+                    ids = self.encode(p) if isinstance(p, str) else _token_ids(p)
+                    self.engine.validate(ids, plist[i])
+                except RequestError as e:
+                    raise RequestError(f"prompt {i}: {e}") from None
+                encoded.append((ids, p if isinstance(p, str) else None))
+            reqs = [self.engine.add_request(ids, plist[i], text) for i, (ids, text) in enumerate(encoded)]
+            bar = _Progress(len(reqs)) if use_tqdm else None
             try:
-                self.engine.validate(ids, plist[i])
-            except RequestError as e:
-                raise RequestError(f"prompt {i}: {e}") from None
-            encoded.append((ids, p if isinstance(p, str) else None))
-        reqs = [self.engine.add_request(ids, plist[i], text) for i, (ids, text) in enumerate(encoded)]
-        bar = _Progress(len(reqs)) if use_tqdm else None
-        while self.engine.has_work():
-            done = self.engine.step()
-            if bar:
-                bar.update(len(done))
-        if bar:
-            bar.close()
-        outs = [r.to_output() for r in reqs]
-        self._all_outputs += outs
-        return outs
+                while self.engine.has_work():
+                    done = self.engine.step()
+                    if bar:
+                        bar.update(len(done))
+            except BaseException:
+                for r in reqs:
+                    self.engine.abort(r.request_id)
+                raise
+            finally:
+                if bar:
+                    bar.close()
+            outs = [r.to_output() for r in reqs]
+            self._stats.add(outs)
+            return outs
 
     # ---- metrics ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Speculative metrics over every request generated since the last reset_stats()."""
-        return aggregate_stats(self._all_outputs, self.config.num_draft_tokens)
+        return self._stats.as_dict()
 
     def reset_stats(self) -> None:
-        self._all_outputs = []
+        self._stats = SpecStats(self.config.num_draft_tokens)
+
+
+class SpecStats:
+    """Running sums of the per-request speculation counts: constant memory however long the LLM lives."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.num_requests = self.num_generated_tokens = 0
+        self.drafted = self.accepted = self.steps = 0
+        self.drafted_at = [0] * k
+        self.accepted_at = [0] * k
+
+    def add(self, outputs: list[RequestOutput]) -> None:
+        for o in outputs:
+            self.num_requests += 1
+            self.num_generated_tokens += len(o.token_ids)
+            self.drafted += o.num_drafted
+            self.accepted += o.num_accepted
+            self.steps += o.num_verify_steps
+            for j in range(min(self.k, len(o.drafted_per_position))):
+                self.drafted_at[j] += o.drafted_per_position[j]
+                self.accepted_at[j] += o.accepted_per_position[j]
+
+    def as_dict(self) -> dict[str, Any]:
+        d, a, s = self.drafted, self.accepted, self.steps
+        return {"num_requests": self.num_requests, "num_generated_tokens": self.num_generated_tokens,
+                "num_draft_tokens": self.k, "num_drafted": d, "num_accepted": a, "num_verify_steps": s,
+                "acceptance_rate": a / d if d else 0.0, "mean_acceptance_length": 1 + a / s if s else 1.0,
+                "per_position_rates": [x / y if y else 0.0 for x, y in zip(self.accepted_at, self.drafted_at)]}
 
 
 def aggregate_stats(outputs: list[RequestOutput], k: int) -> dict[str, Any]:
-    drafted = sum(o.num_drafted for o in outputs)
-    accepted = sum(o.num_accepted for o in outputs)
-    steps = sum(o.num_verify_steps for o in outputs)
-    per_pos = []
-    for j in range(k):
-        d = sum(o.drafted_per_position[j] for o in outputs if o.drafted_per_position)
-        a = sum(o.accepted_per_position[j] for o in outputs if o.accepted_per_position)
-        per_pos.append(a / d if d else 0.0)
-    return {"num_requests": len(outputs), "num_generated_tokens": sum(len(o.token_ids) for o in outputs),
-            "num_draft_tokens": k, "num_drafted": drafted, "num_accepted": accepted, "num_verify_steps": steps,
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "mean_acceptance_length": 1 + accepted / steps if steps else 1.0,
-            "per_position_rates": per_pos}
+    """Speculation metrics of a list of outputs (as LLM.stats() reports them)."""
+    st = SpecStats(k)
+    st.add(outputs)
+    return st.as_dict()
 
 
-def _load_tokenizer(path: Path):
-    f = path / "tokenizer.json"
-    if not f.is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    return _Tok(Tokenizer.from_file(str(f)))
+def _is_token_id(t: object) -> bool:
+    """An int, a numpy integer or a 0-d integer torch tensor -- never a bool."""
+    if isinstance(t, torch.Tensor):
+        return t.dim() == 0 and not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool) and type(t).__name__ not in ("bool", "bool_")
 
 
-class _Tok:
-    """Thin wrapper: encode(text) -> ids, decode(ids) -> text."""
+def _is_id_array(p: object) -> bool:
+    """A 1-D numpy or torch integer array (one prompt of token ids)."""
+    if isinstance(p, torch.Tensor):
+        return p.dim() == 1 and not p.dtype.is_floating_point and not p.dtype.is_complex and p.dtype != torch.bool
+    return type(p).__module__ == "numpy" and getattr(p, "ndim", None) == 1 and getattr(p.dtype, "kind", "") in "iu"
 
-    def __init__(self, tok):
-        self.tok = tok
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+def _as_prompt_list(prompts: object) -> list:
+    """str | ids | list of those -> a list of prompts; anything else is a RequestError naming its type."""
+    if isinstance(prompts, str) or _is_id_array(prompts):
+        return [prompts]
+    if isinstance(prompts, list):
+        if prompts and not any(isinstance(t, (str, list, tuple)) or _is_id_array(t) for t in prompts):
+            return [prompts]  # one prompt of (what should be) token ids
+        return prompts
+    raise RequestError(f"prompts must be a str, a list of int token ids, or a list of those; got "
+                       f"{type(prompts).__name__}")
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+
+def _token_ids(p: object) -> list[int]:
+    """One prompt of token ids -> list[int]; bools, floats, nesting and other types are refused."""
+    if _is_id_array(p):
+        return [int(t) for t in p.tolist()]
+    if not isinstance(p, list):
+        raise RequestError(f"a prompt must be a str or a list of int token ids, got {type(p).__name__}")
+    bad = [t for t in p if not _is_token_id(t)]
+    if bad:
+        raise RequestError(f"token ids must be ints (numpy/torch integers accepted); got {type(bad[0]).__name__} "
+                           f"{bad[0]!r}")
+    return [int(t) for t in p]
 
 
 class _Progress:

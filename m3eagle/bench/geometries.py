@@ -1,0 +1,112 @@
+"""Named model geometries for `m3eagle bench`: a target config and the Eagle3 head that prices its spec step.
+
+| name     | params (active) | weights                                                                   |
+| -------- | --------------- | ------------------------------------------------------------------------- |
+| embedded | 9M              | the trained model and head shipped in m3eagle/assets (real acceptance)   |
+| m3-mini  | 2.38B (0.62B)   | random, built on the device                                               |
+| m3-8b    | ~10B (~4.1B)    | random, built on the device (~8 GB read per bf16 decode step)            |
+| tiny     | 0.1M            | random; a CPU smoke geometry for tests (sparse attention active at 40+)  |
+| DIR      | -               | a checkpoint directory (`--load-format dummy`: its config, random weights) |
+
+Random Eagle3 heads accept almost nothing, so on m3-mini / m3-8b the bench reports what a speculative
+step costs, not what it saves; the speedup comes from the embedded pair.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import M3Config
+from ..models.eagle3 import Eagle3Config, default_aux_layer_ids
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets" / "default"
+FULL, SPARSE, DENSE, MOE = "full_attention", "minimax_m3_sparse", "dense", "sparse"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What `LLM` is built from: `model` / `draft` are configs (random weights) or directories."""
+
+    name: str
+    model: M3Config | Path
+    draft: Eagle3Config | Path | None
+    load_format: str  # "dummy": random weights on the device; "auto": read the checkpoint
+    description: str
+
+
+def _m3(vocab: int, hidden: int, layers: int, dense_layers: int, heads: int, kv_heads: int, head_dim: int,
+        dense_inter: int, experts: int, top_k: int, inter: int, shared: int, index_heads: int,
+        index_dim: int, block: int, topk_blocks: int, max_pos: int = 524288) -> M3Config:
+    """Dense / full-attention layers first, then MoE / MSA layers (the M3 layout)."""
+    d: dict[str, Any] = dict(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, partial_rotary_factor=0.5,
+        dense_intermediate_size=dense_inter, num_local_experts=experts, num_experts_per_tok=top_k,
+        intermediate_size=inter, shared_intermediate_size=shared, index_n_heads=index_heads,
+        index_head_dim=index_dim, index_block_size=block, index_topk_blocks=topk_blocks, index_local_blocks=1,
+        layer_types=[FULL] * dense_layers + [SPARSE] * (layers - dense_layers),
+        mlp_layer_types=[DENSE] * dense_layers + [MOE] * (layers - dense_layers),
+        max_position_embeddings=max_pos, bos_token_id=1, eos_token_id=0)
+    return M3Config.from_dict(d)
+
+
+def _head(t: M3Config, heads: int, kv_heads: int, head_dim: int, inter: int,
+          draft_vocab: int | None = None) -> Eagle3Config:
+    """An Eagle3 head as wide as its target, sharing the target's embedding table."""
+    return Eagle3Config(hidden_size=t.hidden_size, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                        head_dim=head_dim, intermediate_size=inter, vocab_size=t.vocab_size,
+                        draft_vocab_size=draft_vocab or t.vocab_size,
+                        max_position_embeddings=t.max_position_embeddings,
+                        aux_layer_ids=default_aux_layer_ids(t.num_hidden_layers), target_hidden_size=t.hidden_size,
+                        has_embed=False)
+
+
+def m3_mini() -> tuple[M3Config, Eagle3Config]:
+    t = _m3(vocab=32000, hidden=2048, layers=12, dense_layers=2, heads=16, kv_heads=2, head_dim=128,
+            dense_inter=4096, experts=32, top_k=4, inter=1024, shared=1024, index_heads=2, index_dim=128,
+            block=128, topk_blocks=16)
+    return t, _head(t, heads=16, kv_heads=2, head_dim=128, inter=4096)
+
+
+def m3_8b() -> tuple[M3Config, Eagle3Config]:
+    t = _m3(vocab=32000, hidden=4096, layers=28, dense_layers=2, heads=32, kv_heads=4, head_dim=128,
+            dense_inter=12288, experts=16, top_k=4, inter=1536, shared=1536, index_heads=4, index_dim=128,
+            block=128, topk_blocks=16)
+    return t, _head(t, heads=32, kv_heads=4, head_dim=128, inter=12288)
+
+
+def tiny() -> tuple[M3Config, Eagle3Config]:
+    # Block 8 x top-2 = 16 tokens: any prompt past 16 tokens exercises block selection. The head drafts
+    # over half the vocabulary, so the d2t mapping runs too.
+    t = _m3(vocab=512, hidden=64, layers=4, dense_layers=1, heads=4, kv_heads=2, head_dim=16, dense_inter=128,
+            experts=8, top_k=2, inter=32, shared=32, index_heads=2, index_dim=16, block=8, topk_blocks=2,
+            max_pos=4096)
+    return t, _head(t, heads=4, kv_heads=2, head_dim=16, inter=128, draft_vocab=256)
+
+
+NAMED = {"m3-mini": m3_mini, "m3-8b": m3_8b, "tiny": tiny}
+NAMES = ("embedded", *NAMED)
+
+
+def resolve(name: str, draft: str | Path | None = None, load_format: str = "auto") -> Geometry:
+    """--geometry NAME|DIR (+ --draft DIR, --load-format) -> Geometry; errors name the option."""
+    if name in NAMED:
+        if draft is not None:
+            raise ValueError(f"--draft is for --geometry DIR; the named geometry {name!r} brings its own "
+                             "random Eagle3 head")
+        target, head = NAMED[name]()
+        return Geometry(name, target, head, "dummy", f"{name}: random weights (seed 0) built on the device")
+    if name == "embedded":
+        d = Path(draft) if draft is not None else (ASSETS / "draft")
+        what = "random weights" if load_format == "dummy" else "the trained weights"
+        return Geometry(name, ASSETS / "target", d if (d / "config.json").is_file() else None, load_format,
+                        f"embedded model and Eagle3 head ({what})")
+    path = Path(name)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--geometry {name!r} is neither a named geometry ({', '.join(NAMES)}) nor a "
+                         "directory holding config.json")
+    what = "random weights" if load_format == "dummy" else "checkpoint weights"
+    return Geometry(path.name or str(path), path, Path(draft) if draft is not None else None, load_format,
+                    f"{path} ({what})")

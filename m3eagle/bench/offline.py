@@ -1,0 +1,595 @@
+"""`m3eagle bench`: throughput, per-step cost and the roofline of one geometry, measured in one process.
+
+A run, in order:
+  1. The target and its Eagle3 head: random weights built on the device for named geometries, or a
+     checkpoint. Plain decoding runs a second engine over the same weights (no copy).
+  2. HBM copy bandwidth: a device-to-device copy of a several-GB buffer (the roofline's denominator).
+  3. For each batch size, plain then speculative:
+     a. throughput -- a warm-up batch, then `--repeats` timed batches of fresh prompts (prefill plus
+        `--max-tokens` greedy tokens each); tok/s = generated tokens / wall time; median, min, max;
+     b. a steady decode state (every row decoding or verifying): the router's choices in one step give
+        the experts actually read; `--decode-steps` steps are timed (wall, host); the profiler watches
+        `--profile-steps` more (kernels per step, GPU busy time). Bytes per step, MBU and the roofline
+        follow from the config (roofline.py).
+  4. `--compare-hf`: transformers' `generate` at batch 1 on the very same tensors.
+  5. A table (stderr) and a JSON document (stdout or `--json FILE`); `DEFINITIONS` travels inside it.
+
+Prompts are held-out text when the model has a tokenizer (stdlib modules, which the embedded model never
+trained on), else seeded random token ids. All decoding is greedy with EOS ignored, so every request
+emits exactly `--max-tokens` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import statistics
+import sys
+import sysconfig
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..engine.llm_engine import LLMEngine
+from ..engine.request import Request
+from ..loader.dummy import target_config
+from ..models.layers import Router
+from ..sampling.params import SamplingParams
+from . import geometries, roofline
+
+SCHEMA = "m3eagle.bench/1"
+STEADY_STEPS = 2  # samples every row has taken before a steady-state measurement starts
+
+DEFINITIONS = {
+    "tok_s": "generated tokens / wall time of one whole batch (prefill + decode), one sample per repeat, after "
+             "a warm-up batch; median, min and max over --repeats",
+    "step_ms": "wall time per engine step in a steady decode state (plain: 1 token per row; spec: verify 1+K "
+               "tokens and draft K per row), over --decode-steps steps between device synchronizations",
+    "host_ms": "step_ms minus the time the host thread is blocked waiting for the device (StepOutput.wait): "
+               "scheduling, input building, kernel launches and output processing. host_ms close to step_ms "
+               "means the step is host/launch-bound. On a CPU device the host does all the work",
+    "gpu_busy_ms": "union of GPU kernel and copy intervals per step, from torch.profiler over --profile-steps "
+                   "steps; gpu_busy_frac = gpu_busy_ms / step_ms (null off CUDA)",
+    "kernels_per_step": "GPU kernels per step from the profiler; memcpy/memset counted apart (null off CUDA)",
+    "torch_ops_per_step": "top-level aten ops dispatched per step (profiler; triton launches not included)",
+    "context": "mean KV length per row over the timed steps",
+    "bytes_per_step": "bytes an ideal engine reads per step at this batch and context: every non-expert weight "
+                      "once, the routed experts the router chose (distinct over the step's tokens), full-attention "
+                      "KV, MSA selected-block KV plus all index keys; spec adds the Eagle3 head's K draft passes",
+    "mbu": "bytes_per_step / (step_ms / 1000) / bandwidth.bytes_per_s",
+    "roofline_tok_s": "tokens a step emits (batch; spec: batch x mean acceptance length) / (bytes_per_step / "
+                      "bandwidth)",
+    "bandwidth": "device-to-device copy of a buffer of bandwidth.buffer_bytes: 2 x bytes (read + write) / time",
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# The run
+# ------------------------------------------------------------------------------------------------
+
+
+def run_bench(a: argparse.Namespace) -> dict[str, Any]:
+    """Run the whole benchmark described by the parsed `m3eagle bench` arguments; return the JSON document."""
+    from ..entrypoints.llm import LLM
+
+    say = Progress()
+    geo = geometries.resolve(a.geometry, a.draft, a.load_format)
+    dev = _device(a.device)
+    k = a.num_draft_tokens if a.num_draft_tokens is not None else (3 if geo.draft is not None else 0)
+    if k and geo.draft is None:
+        raise ValueError(f"--num-draft-tokens {k} needs an Eagle3 head: give --draft DIR, or --num-draft-tokens 0")
+    tcfg = target_config(geo.model)
+    max_b = max(a.batch_sizes)
+    # The steady-state measurement keeps every row alive through all its steps (K+1 tokens a step at most).
+    step_len = (STEADY_STEPS + 2 + a.decode_steps + a.profile_steps + 2) * (k + 1)
+    mml = a.prompt_len + max(a.max_tokens, step_len) + 2 * (k + 1) + 1
+    if mml > tcfg.max_position_embeddings:
+        raise ValueError(f"--prompt-len {a.prompt_len} + --max-tokens {a.max_tokens} (and {step_len} tokens of "
+                         f"steady-state steps) exceed the model's max_position_embeddings="
+                         f"{tcfg.max_position_embeddings}; lower --prompt-len or --max-tokens")
+    pages_per_seq = -(-(mml + 2 * (k + 1)) // a.page_size) + 1
+    overlap = None if a.overlap == "auto" else a.overlap == "on"
+
+    say(f"building {geo.description}")
+    t0 = time.perf_counter()
+    llm = LLM(geo.model, geo.draft if k else None, num_draft_tokens=k, dtype=a.dtype, device=str(dev),
+              page_size=a.page_size, max_num_tokens=a.max_num_tokens, max_model_len=mml, max_num_seqs=max_b,
+              num_pages=1 + max_b * pages_per_seq, overlap=overlap, attention_backend=a.attention_backend,
+              load_format=geo.load_format)
+    _sync(dev)
+    build_s = time.perf_counter() - t0
+    say(f"  built in {build_s:.1f}s")
+    engines = {"plain": _plain_engine(llm) if k else llm.engine}
+    if k:
+        engines["spec"] = llm.engine
+    prompts, prompt_source = make_prompts(llm.tokenizer, tcfg.vocab_size, max_b * (a.repeats + 1), a.prompt_len,
+                                          a.seed)
+    say(f"HBM copy bandwidth: {a.bandwidth_gib:g} GiB buffer on {dev}")
+    bw = roofline.measure_copy_bandwidth(dev, int(a.bandwidth_gib * roofline.GiB))
+    say(f"  {bw['bytes_per_s'] / 1e12:.3f} TB/s")
+    dtype_bytes = torch.empty((), dtype=llm.dtype).element_size()
+
+    rows: list[dict[str, Any]] = []
+    first_tokens: dict[int, list[int]] = {}
+    for b in a.batch_sizes:
+        for mode, eng in engines.items():
+            km = k if mode == "spec" else 0
+            say(f"batch {b} {mode}: throughput, {a.repeats} repeats of {a.max_tokens} tokens")
+            thr = throughput(eng, prompts, b, a.max_tokens, a.repeats, km, dev)
+            say(f"batch {b} {mode}: {thr['tok_s']['median']:.1f} tok/s; steady-state steps")
+            st = step_profile(eng, llm.target, prompts[:b], km, a.decode_steps, a.profile_steps, dev)
+            rows.append(_row(b, mode, km, thr, st, llm, dtype_bytes, bw["bytes_per_s"]))
+            if mode == "plain":
+                first_tokens[b] = thr["first_tokens"]
+            say(f"batch {b} {mode}: step {st['step_ms']:.2f} ms, host {st['host_ms']:.2f} ms")
+
+    hf = None
+    if a.compare_hf:
+        if 1 not in first_tokens:
+            say("batch 1 plain (for --compare-hf)")
+            thr = throughput(engines["plain"], prompts, 1, a.max_tokens, a.repeats, 0, dev)
+            first_tokens[1], m3_b1 = thr["first_tokens"], thr["tok_s"]["median"]
+        else:
+            m3_b1 = next(r["tok_s"]["median"] for r in rows if r["batch"] == 1 and r["mode"] == "plain")
+        say("transformers generate, batch 1, same weights")
+        hf = compare_hf(llm, prompts, a.max_tokens, a.repeats, m3_b1, first_tokens[1], dev, say)
+
+    spec = {r["batch"]: r for r in rows if r["mode"] == "spec"}
+    speedup = [{"batch": r["batch"], "spec_over_plain": spec[r["batch"]]["tok_s"]["median"] / r["tok_s"]["median"]}
+               for r in rows if r["mode"] == "plain" and r["batch"] in spec]
+    counts = roofline.param_counts(llm.target.cfg)
+    return {
+        "schema": SCHEMA,
+        "command": "m3eagle " + " ".join(getattr(a, "argv", None) or ["bench"]),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(time.time() - say.elapsed())),
+        "geometry": {"name": geo.name, "description": geo.description, "load_format": geo.load_format,
+                     **counts, "draft_params": _own_numel(llm.draft, llm.target) if llm.draft is not None else None,
+                     "target": llm.target.cfg.to_hf_text_dict(),
+                     "draft": llm.draft.cfg.to_dict() if llm.draft is not None else None},
+        "env": _env(llm, dev),
+        "settings": {"batch_sizes": list(a.batch_sizes), "prompt_len": a.prompt_len, "max_tokens": a.max_tokens,
+                     "repeats": a.repeats, "decode_steps": a.decode_steps, "profile_steps": a.profile_steps,
+                     "num_draft_tokens": k, "prompts": prompt_source, "seed": a.seed},
+        "bandwidth": bw,
+        "build_s": build_s,
+        "results": rows,
+        "speedup": speedup,
+        "compare_hf": hf,
+        "definitions": DEFINITIONS,
+        "wall_s": say.elapsed(),
+    }
+
+
+def _plain_engine(llm) -> LLMEngine:
+    """A second engine over the same target weights, speculation off (its own KV pool, sized alike)."""
+    return LLMEngine(llm.target, None, llm.tokenizer, replace(llm.config, num_draft_tokens=0), llm.dtype,
+                     llm.device)
+
+
+def _row(b: int, mode: str, k: int, thr: dict, st: dict, llm, dtype_bytes: int, bw: float) -> dict[str, Any]:
+    cfg = llm.target.cfg
+    experts = st["experts_per_moe_layer"]
+    target = roofline.decode_step_bytes(cfg, b, st["context"], dtype_bytes, tokens=st["tokens"], experts=experts)
+    draft = roofline.draft_step_bytes(llm.draft.cfg, b, st["context"], k, dtype_bytes) if k else None
+    total = target["total"] + (draft["total"] if draft else 0.0)
+    acc = thr["acceptance"]
+    emitted = b * (acc["mean_acceptance_length"] if acc else 1.0)
+    return {
+        "batch": b, "mode": mode, "num_draft_tokens": k, "tok_s": thr["tok_s"],
+        "acceptance": ({key: acc[key] for key in ("mean_acceptance_length", "acceptance_rate", "per_position_rates")}
+                       if acc else None),
+        "step": {key: v for key, v in st.items() if key != "experts_per_moe_layer"},
+        "roofline": {
+            "bytes_per_step": total, "bytes": target, "draft_bytes": draft,
+            "experts_per_moe_layer": experts,
+            "experts_source": "measured" if experts is not None else "expected",
+            "expected_experts": roofline.expected_distinct_experts(cfg.num_local_experts, cfg.num_experts_per_tok,
+                                                                   st["tokens"]),
+            "mbu": total / (st["step_ms"] / 1e3) / bw,
+            "roofline_tok_s": emitted / (total / bw),
+        },
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# Prompts
+# ------------------------------------------------------------------------------------------------
+
+
+def held_out_files() -> list[Path]:
+    """Text the embedded model never trained on: the stdlib's top-level modules."""
+    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+
+
+def make_prompts(tokenizer, vocab: int, n: int, length: int, seed: int) -> tuple[list[list[int]], str]:
+    """n prompts of exactly `length` tokens: windows of held-out text, or random ids without a tokenizer."""
+    rng = random.Random(seed)
+    if tokenizer is None:
+        return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)], "random token ids"
+    # A token covers at least one byte, so smaller files cannot hold a window; skip them untokenized.
+    files = [f for f in held_out_files() if f.stat().st_size >= length + 8]
+    rng.shuffle(files)
+    pool: list[list[int]] = []
+    longest = 0
+    for f in files:
+        if len(pool) >= n:
+            break
+        ids = tokenizer.encode(f.read_text(errors="ignore"))
+        longest = max(longest, len(ids))
+        if len(ids) >= length + 8:
+            pool.append(ids)
+    if not pool:
+        have = f"the longest holds {longest} tokens" if longest else f"none has even {length + 8} bytes"
+        raise ValueError(f"--prompt-len {length} is longer than any held-out text ({len(held_out_files())} stdlib "
+                         f"modules; {have}); lower --prompt-len")
+
+    def window(ids: list[int]) -> list[int]:
+        s = rng.randrange(0, len(ids) - length)
+        return ids[s:s + length]
+
+    out = [window(ids) for ids in pool[:n]]
+    while len(out) < n:  # fewer long-enough modules than prompts: more windows of the same ones
+        out.append(window(rng.choice(pool)))
+    return out, "stdlib text"
+
+
+# ------------------------------------------------------------------------------------------------
+# Throughput
+# ------------------------------------------------------------------------------------------------
+
+
+def throughput(engine: LLMEngine, prompts: list[list[int]], batch: int, max_tokens: int, repeats: int, k: int,
+               dev: torch.device) -> dict[str, Any]:
+    """Warm-up batch, then `repeats` timed batches of fresh prompts. Returns tok/s stats, the speculative
+    acceptance over the timed batches, and the first timed request's tokens (for --compare-hf)."""
+    from ..entrypoints.llm import aggregate_stats
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    _generate(engine, prompts[:batch], sp)  # compilation, autotuning, allocator growth
+    samples, outs = [], []
+    for r in range(repeats):
+        chunk = prompts[(r + 1) * batch:(r + 2) * batch]
+        _sync(dev)
+        t0 = time.perf_counter()
+        reqs = _generate(engine, chunk, sp)
+        _sync(dev)
+        dt = time.perf_counter() - t0
+        samples.append(sum(len(q.output_token_ids) for q in reqs) / dt)
+        outs += [q.to_output() for q in reqs]
+    return {"tok_s": summarize(samples), "acceptance": aggregate_stats(outs, k) if k else None,
+            "first_tokens": list(outs[0].token_ids)}
+
+
+def _generate(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams) -> list[Request]:
+    reqs = [engine.add_request(list(p), sp) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    failed = [q for q in reqs if q.finish_reason not in ("length", "stop")]
+    if failed:
+        q = failed[0]
+        raise RuntimeError(f"bench request {q.request_id} ended with {q.finish_reason!r}: {getattr(q, 'error', '')}")
+    return reqs
+
+
+def summarize(samples: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "samples": samples}
+
+
+# ------------------------------------------------------------------------------------------------
+# One steady decode state: experts, step time, host time, profile
+# ------------------------------------------------------------------------------------------------
+
+
+def step_profile(engine: LLMEngine, target: torch.nn.Module, prompts: list[list[int]], k: int, steps: int,
+                 profile_steps: int, dev: torch.device) -> dict[str, Any]:
+    """Bring `prompts` to a steady decode state, then measure (see DEFINITIONS). Aborts them at the end."""
+    need = (STEADY_STEPS + 2 + steps + profile_steps + 2) * (k + 1)
+    sp = SamplingParams(temperature=0.0, max_tokens=need, ignore_eos=True)
+    reqs = [engine.add_request(list(p), sp) for p in prompts]
+    try:
+        while min(len(q.output_token_ids) for q in reqs) < STEADY_STEPS:  # prefill, first samples
+            if not engine.has_work():
+                raise RuntimeError("bench: requests finished before reaching a steady decode state")
+            engine.step()
+        engine.step()
+        with capture_router_choices(target) as routed:
+            engine.step()
+        experts, tokens = routed.result()  # syncs: outside every timed window
+        ctx0 = _mean_context(reqs)
+        _sync(dev)
+        with device_wait_timer() as waited:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            _sync(dev)
+            wall = time.perf_counter() - t0
+        ctx = (ctx0 + _mean_context(reqs)) / 2
+        prof = profile_window(engine, profile_steps, dev)
+    finally:
+        for q in reqs:
+            engine.abort(q.request_id)
+        engine.run()
+    step_ms = wall / steps * 1e3
+    busy = prof["gpu_busy_ms"]
+    return {"context": ctx, "tokens": tokens if tokens is not None else len(prompts) * (k + 1),
+            "step_ms": step_ms, "host_ms": step_ms - waited[0] / steps * 1e3,
+            "device_wait_ms": waited[0] / steps * 1e3, **prof,
+            "gpu_busy_frac": busy / step_ms if busy is not None else None,
+            "experts_per_moe_layer": experts}
+
+
+def _mean_context(reqs: list[Request]) -> float:
+    return sum(len(q.prompt_token_ids) + len(q.output_token_ids) for q in reqs) / len(reqs)
+
+
+class _RouterChoices:
+    def __init__(self) -> None:
+        self.idx: dict[int, torch.Tensor] = {}  # MoE layer order -> expert ids [T, k] of the last call
+
+    def result(self) -> tuple[list[int] | None, int | None]:
+        """(distinct experts per MoE layer, tokens routed); (None, None) when no router ran as a module."""
+        if not self.idx:
+            return None, None
+        ids = [self.idx[i] for i in sorted(self.idx)]
+        return [int(t.unique().numel()) for t in ids], int(ids[0].shape[0])
+
+
+@contextmanager
+def capture_router_choices(target: torch.nn.Module) -> Iterator[_RouterChoices]:
+    """Record the expert ids every Router module of `target` picks while the block runs (forward hooks)."""
+    out = _RouterChoices()
+    routers = [m for m in target.modules() if isinstance(m, Router)]
+
+    def hook(i: int):
+        def fn(_module, _inputs, result) -> None:
+            out.idx[i] = result[1]  # (weights [T, k], idx [T, k])
+        return fn
+
+    handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(routers)]
+    try:
+        yield out
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
+def device_wait_timer() -> Iterator[list[float]]:
+    """Seconds the host spends blocked in StepOutput.wait() (the engine's only wait on the device) while
+    the block runs, accumulated into the yielded one-element list."""
+    from ..engine import model_runner
+
+    cls = model_runner.StepOutput
+    orig = cls.wait
+    acc = [0.0]
+
+    def wait(self):
+        t = time.perf_counter()
+        try:
+            return orig(self)
+        finally:
+            acc[0] += time.perf_counter() - t
+
+    cls.wait = wait
+    try:
+        yield acc
+    finally:
+        cls.wait = orig
+
+
+def profile_window(engine: LLMEngine, steps: int, dev: torch.device) -> dict[str, float | None]:
+    """Kernels and GPU busy time per step over `steps` engine steps, from torch.profiler."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = dev.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync(dev)
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            engine.step()
+        _sync(dev)
+    events = prof.events()
+    ops = sum(1 for e in events if e.device_type == DeviceType.CPU and e.cpu_parent is None
+              and e.name.startswith("aten::"))
+    res: dict[str, float | None] = {"torch_ops_per_step": ops / steps, "kernels_per_step": None,
+                                    "memcpy_per_step": None, "gpu_busy_ms": None}
+    if cuda:
+        gpu = [e for e in events if e.device_type == DeviceType.CUDA]
+        copies = sum(1 for e in gpu if e.name.startswith(("Memcpy", "Memset")))
+        res.update(kernels_per_step=(len(gpu) - copies) / steps, memcpy_per_step=copies / steps,
+                   gpu_busy_ms=_union_us([(e.time_range.start, e.time_range.end) for e in gpu]) / 1e3 / steps)
+    return res
+
+
+def _union_us(spans: list[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end) intervals (µs): overlapping kernels count once."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(spans):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+# ------------------------------------------------------------------------------------------------
+# transformers on the same weights
+# ------------------------------------------------------------------------------------------------
+
+
+def hf_twin(target: torch.nn.Module) -> torch.nn.Module:
+    """transformers' MiniMaxM3VLForCausalLM holding the very tensors of `target` (no copy, no disk).
+
+    Names map as `save_target(layout="hf")` writes them: m3eagle's names under `model.`, lm_head as is. The
+    module is built on the meta device and its parameters are then assigned, so nothing is allocated
+    twice; the rotary tables (non-persistent buffers) are rebuilt on the device."""
+    from transformers import MiniMaxM3VLForCausalLM, MiniMaxM3VLTextConfig
+
+    p = next(target.parameters())
+    cfg = MiniMaxM3VLTextConfig(**target.cfg.to_hf_text_dict())
+    with torch.device("meta"):
+        hf = MiniMaxM3VLForCausalLM(cfg)
+    sd = {k if k == "lm_head.weight" else "model." + k: v for k, v in target.state_dict().items()}
+    hf.load_state_dict(sd, strict=True, assign=True)
+    if target.cfg.tie_word_embeddings:
+        hf.lm_head.weight = hf.model.embed_tokens.weight
+    with torch.device(p.device):
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(config=cfg)
+    left = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"hf_twin: tensors left on the meta device: {left[:3]}")
+    return hf.eval()
+
+
+def compare_hf(llm, prompts: list[list[int]], max_tokens: int, repeats: int, m3_tok_s: float,
+               m3_tokens: list[int], dev: torch.device, say: Progress) -> dict[str, Any]:
+    """transformers' greedy `generate` at batch 1 on the same prompts (warm-up, then `repeats` timed)."""
+    from transformers import GenerationConfig
+
+    hf = hf_twin(llm.target)
+    gc = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    def run(p: list[int]) -> tuple[list[int], float]:
+        ids = torch.tensor([p], device=dev)
+        _sync(dev)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
+        _sync(dev)
+        return out[0, len(p):].tolist(), time.perf_counter() - t0
+
+    run(prompts[0])
+    samples, tokens = [], []
+    for r in range(repeats):
+        toks, dt = run(prompts[r + 1])  # the prompts m3eagle's batch-1 repeats used, in order
+        samples.append(len(toks) / dt)
+        tokens = tokens or toks
+        say(f"  transformers repeat {r + 1}/{repeats}: {samples[-1]:.2f} tok/s")
+    match = next((i for i, (x, y) in enumerate(zip(tokens, m3_tokens)) if x != y), min(len(tokens), len(m3_tokens)))
+    tok_s = summarize(samples)
+    res = {"batch": 1, "tok_s": tok_s, "m3eagle_tok_s": m3_tok_s, "ratio": m3_tok_s / tok_s["median"],
+           "greedy_prefix_match": match, "max_tokens": max_tokens,
+           "experts_implementation": getattr(hf.config, "_experts_implementation", None),
+           "attn_implementation": getattr(hf.config, "_attn_implementation", None)}
+    return res  # the twin owns no weights of its own: dropping it frees only its caches
+
+
+# ------------------------------------------------------------------------------------------------
+# Output
+# ------------------------------------------------------------------------------------------------
+
+
+def format_table(doc: dict[str, Any]) -> str:
+    """The human-readable summary of a bench document."""
+    g, env, s, bw = doc["geometry"], doc["env"], doc["settings"], doc["bandwidth"]
+    head = f"{_si(g['params'])} params ({_si(g['active_params'])} active)"
+    if s["num_draft_tokens"]:
+        head += f", Eagle3 head {_si(g['draft_params'])} params, K={s['num_draft_tokens']}"
+    lines = [
+        f"m3eagle bench: {g['description']}",
+        f"  {head}",
+        f"  {env['device_name']}, {env['dtype']}, {env['attention_backend']} attention, overlap "
+        f"{'on' if env['overlap'] else 'off'}; copy bandwidth {bw['bytes_per_s'] / 1e12:.3f} TB/s "
+        f"({bw['buffer_bytes'] / roofline.GiB:g} GiB buffer)",
+        f"  prompts: {s['prompt_len']} tokens of {s['prompts']}, {s['max_tokens']} new tokens, greedy; "
+        f"{s['repeats']} repeats (median [min, max])",
+        "",
+        f"{'batch':>5} {'mode':<5} {'tok/s [min, max]':>26} {'step ms':>8} {'host ms':>8} {'GPU busy ms':>14} "
+        f"{'kernels':>8} {'context':>7} {'GB/step':>8} {'MBU':>7} {'roofline tok/s':>14} {'accept':>6}",
+    ]
+    for r in doc["results"]:
+        t, st, rf = r["tok_s"], r["step"], r["roofline"]
+        busy = (f"{st['gpu_busy_ms']:.2f} ({st['gpu_busy_frac']:.0%})" if st["gpu_busy_ms"] is not None else "-")
+        kern = f"{st['kernels_per_step']:.0f}" if st["kernels_per_step"] is not None else "-"
+        acc = f"{r['acceptance']['mean_acceptance_length']:.2f}" if r["acceptance"] else "-"
+        rng = f"{_num(t['median'])} [{_num(t['min'])}, {_num(t['max'])}]"
+        lines.append(f"{r['batch']:>5} {r['mode']:<5} {rng:>26} {st['step_ms']:>8.2f} {st['host_ms']:>8.2f} "
+                     f"{busy:>14} {kern:>8} {st['context']:>7.0f} {rf['bytes_per_step'] / 1e9:>8.3f} "
+                     f"{rf['mbu']:>7.2%} {rf['roofline_tok_s']:>14,.0f} {acc:>6}")
+    if doc["speedup"]:
+        lines.append("")
+        lines.append("spec / plain tok/s: " + ", ".join(f"batch {x['batch']} {x['spec_over_plain']:.2f}x"
+                                                        for x in doc["speedup"]))
+    hf = doc["compare_hf"]
+    if hf:
+        t = hf["tok_s"]
+        lines.append(f"transformers generate, batch 1: {_num(t['median'])} tok/s [{_num(t['min'])}, {_num(t['max'])}]; "
+                     f"m3eagle plain batch 1 is {hf['ratio']:.2f}x (greedy tokens agree on the first "
+                     f"{hf['greedy_prefix_match']} of {hf['max_tokens']})")
+    lines.append("host ms: step time minus time blocked on the device; GPU busy: profiler kernel time per step; "
+                 "MBU: bytes/step over step time and copy bandwidth (JSON 'definitions')")
+    return "\n".join(lines)
+
+
+def _env(llm, dev: torch.device) -> dict[str, Any]:
+    from .. import __version__
+    from ..attention import backend
+
+    env: dict[str, Any] = {
+        "device": str(dev), "dtype": str(llm.dtype).replace("torch.", ""),
+        "device_name": (torch.cuda.get_device_name(dev) if dev.type == "cuda"
+                        else f"cpu ({platform.processor() or platform.machine()})"),
+        "m3eagle": __version__, "torch": torch.__version__, "python": platform.python_version(),
+        "attention_backend": backend.get().name, "overlap": llm.config.overlap,
+        "engine_config": asdict(llm.config),
+    }
+    for mod in ("transformers", "triton"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except ImportError:
+            env[mod] = None
+    return env
+
+
+def _num(x: float) -> str:
+    """Three significant figures or so, without scientific notation: 1234, 56.7, 0.0216."""
+    return f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}" if x >= 0.1 else f"{x:.3g}"
+
+
+def _si(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def _own_numel(m: torch.nn.Module, shared_with: torch.nn.Module) -> int:
+    """Parameters of m that are not storage shared with `shared_with` (a head's borrowed embedding)."""
+    theirs = {p.data_ptr() for p in shared_with.parameters()}
+    return sum(p.numel() for p in {p.data_ptr(): p for p in m.parameters()}.values() if p.data_ptr() not in theirs)
+
+
+def _device(name: str | None) -> torch.device:
+    dev = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device; use --device cpu")
+    return dev
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+class Progress:
+    """Timestamped progress lines on stderr (stdout carries only the JSON)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __call__(self, msg: str) -> None:
+        print(f"[{self.elapsed():7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0

@@ -1,0 +1,143 @@
+"""The command line's contract (issue 17, section 6): library errors are one line on stderr and exit 2,
+out-of-range options name themselves, a closed stdout pipe exits quietly, --version, defaults in --help."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from m3eagle.entrypoints.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET = ROOT / "m3eagle" / "assets" / "default" / "target"
+
+
+def _usage_error(capsys, argv: list[str]) -> str:
+    """argparse refuses argv: exit 2, the message on stderr."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def _one_line_error(capsys, argv: list[str]) -> str:
+    """The command fails with exit 2 and the error as one line on stderr (after any progress lines), no
+    traceback."""
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err and lines[-1].startswith("m3eagle: error: "), err
+    assert sum("error" in line for line in lines) == 1, err
+    return lines[-1]
+
+
+# ---- --version, defaults in help -------------------------------------------------------------------
+
+
+def test_version(capsys):
+    from m3eagle import __version__
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"m3eagle {__version__}"
+
+
+def test_help_shows_defaults(capsys):
+    for cmd, shown in (("generate", "(default: 64)"), ("bench", "(default: 1,8,32)")):
+        with pytest.raises(SystemExit):
+            main([cmd, "--help"])
+        assert shown in capsys.readouterr().out
+
+
+# ---- out-of-range values name their option -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["--seed", "--max-tokens", "--top-k"])
+def test_values_over_int64_name_the_option(capsys, flag):
+    err = _usage_error(capsys, ["generate", "hi", flag, "99999999999999999999", "--device", "cpu"])
+    assert f"argument {flag}" in err and "2**63 - 1" in err
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["generate", "hi", "--max-tokens", "0"], "--max-tokens"),
+    (["generate", "hi", "--top-p", "0"], "--top-p"),
+    (["generate", "hi", "--temperature", "nan"], "--temperature"),
+    (["generate", "hi", "--num-draft-tokens", "9"], "--num-draft-tokens"),
+    (["bench", "--batch-sizes", "0"], "--batch-sizes"),
+    (["bench", "--batch-sizes", "1,,8"], "--batch-sizes"),
+    (["bench", "--num-batches", "0"], "--num-batches"),
+    (["bench", "--repeats", "0"], "--repeats"),
+    (["bench", "--prompt-len", "0"], "--prompt-len"),
+])
+def test_bad_values_name_the_option(capsys, argv, flag):
+    last = _usage_error(capsys, argv).strip().splitlines()[-1]
+    assert last.startswith("m3eagle ") and "error: argument " in last and flag in last, last
+
+
+def test_bad_device_names_the_option(capsys):
+    assert "argument --device" in _usage_error(capsys, ["generate", "hi", "--device", "tpu:0"])
+    assert "argument --device" in _usage_error(capsys, ["bench", "--device", "cuda:99"])
+
+
+# ---- library errors: one line, exit 2 -----------------------------------------------------------------
+
+
+def test_missing_model_dir(capsys, tmp_path):
+    line = _one_line_error(capsys, ["generate", "hi", "--device", "cpu", "--model", str(tmp_path / "nope")])
+    assert "config.json" in line
+
+
+def test_damaged_safetensors(capsys, tmp_path):
+    (tmp_path / "config.json").write_bytes((TARGET / "config.json").read_bytes())
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
+    _one_line_error(capsys, ["generate", "hi", "--device", "cpu", "--model", str(tmp_path)])
+
+
+def test_damaged_tokenizer(capsys, tmp_path):
+    for f in ("config.json", "model.safetensors"):
+        (tmp_path / f).symlink_to(TARGET / f)
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    _one_line_error(capsys, ["generate", "hi", "--device", "cpu", "--model", str(tmp_path), "--max-tokens", "2"])
+
+
+def test_bench_prompt_longer_than_the_text(capsys, monkeypatch, tmp_path):
+    from m3eagle.bench import offline
+
+    short = tmp_path / "short.py"
+    short.write_text("x = 1\n" * 4)
+    monkeypatch.setattr(offline, "held_out_files", lambda: [short])
+    line = _one_line_error(capsys, ["bench", "--device", "cpu", "--prompt-len", "64", "--batch-sizes", "1",
+                                    "--repeats", "1", "--num-draft-tokens", "0"])
+    assert "--prompt-len 64" in line
+
+
+def test_bench_prompt_beyond_the_model(capsys):
+    line = _one_line_error(capsys, ["bench", "--geometry", "tiny", "--device", "cpu", "--prompt-len", "5000"])
+    assert "--prompt-len 5000" in line and "max_position_embeddings" in line
+
+
+def test_bench_json_dir_missing(capsys, tmp_path):
+    line = _one_line_error(capsys, ["bench", "--geometry", "tiny", "--json", str(tmp_path / "no" / "b.json")])
+    assert "--json" in line
+
+
+# ---- a closed stdout pipe ---------------------------------------------------------------------------
+
+
+def test_closed_stdout_pipe_exits_quietly():
+    """`m3eagle generate ... | head -1`: the reader is gone before the first write; no traceback, no
+    'Exception ignored' at interpreter exit."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.Popen([sys.executable, "-m", "m3eagle", "generate", "def f", "import os", "--max-tokens", "2",
+                          "--device", "cpu"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env)
+    p.stdout.close()  # nobody will ever read stdout
+    err = p.stderr.read().decode()
+    p.wait(timeout=300)
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
+    assert p.returncode == 1
