@@ -12,7 +12,6 @@ NOTE: TRITON_INTERPRET is set before anything imports triton, and it holds for t
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 
@@ -198,24 +197,31 @@ def test_alignment_invariants(t, k, e0, e1, bm, chunk):
 
 
 def test_model_logits_equal_with_the_triton_impl():
-    """A whole tiny model (3 MoE layers) through forward_seq: logits with every SparseMoE on the Triton
-    impl equal the reference's. The impl is bound per module until the engine threads it through."""
+    """A whole tiny model (3 MoE layers) through the paged forward: logits with the engine's ops carrying
+    the Triton MoE equal those with the reference ops (the contiguous forward_seq always runs the reference)."""
+    from m3eagle.attention.metadata import build_metadata
     from m3eagle.models.minimax_m3 import MiniMaxM3
+    from m3eagle.ops import REFERENCE, Ops
     from m3eagle.training.target import init_weights, model_config
 
     torch.manual_seed(0)
     model = MiniMaxM3(model_config("tiny", vocab_size=96)).eval()
     init_weights(model, seed=3, std=0.2)
+    assert len([m for m in model.modules() if isinstance(m, SparseMoE)]) == 3
     ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(4))
+    cpu = torch.device("cpu")
+    table = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    fast = Ops(attention=REFERENCE.attention, moe=backend.create("triton", config=SMALL))
+    outs = []
     with torch.no_grad():
-        ref = model.compute_logits(model.forward_seq(ids)[0])
-        tri = backend.create("triton", config=SMALL)
-        moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
-        assert len(moes) == 3
-        for m in moes:
-            m.forward = functools.partial(SparseMoE.forward, m, impl=tri)
-        out = model.compute_logits(model.forward_seq(ids)[0])
-    assert_close(out, ref)
+        for ops in (REFERENCE, fast):
+            meta = build_metadata([13, 13], torch.tensor([13, 13]), table, 4, cpu, 13)
+            meta.ops = ops
+            caches = model.new_caches(9 * 4, torch.float32, cpu)
+            outs.append(model.compute_logits(model(ids.reshape(-1), meta.positions, meta, caches)))
+        seq = model.compute_logits(model.forward_seq(ids)[0]).reshape(26, -1)
+    assert_close(outs[1], outs[0])
+    assert_close(outs[0], seq)
 
 
 def test_registry_and_lazy_triton_import():

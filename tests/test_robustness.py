@@ -152,12 +152,11 @@ class Once:
 
 def _inject(monkeypatch, llm: LLM, where: str, n: int, exc: BaseException) -> Once:
     """Make the n-th call of one stage of the step raise `exc`."""
-    import m3eagle.engine.llm_engine as le
 
     eng = llm.engine
     owner, name, after = {
         "schedule": (eng.scheduler, "schedule", True),  # after the plan allocated pages, admitted requests
-        "build": (le, "build_step_input", False),
+        "build": (eng.graphs, "build", False),
         "execute": (eng.runner, "execute", False),
         "execute_after": (eng.runner, "execute", True),  # launched, its outputs never processed
         "process": (eng, "_process", False),

@@ -440,7 +440,8 @@ def test_step_input_table_keeps_a_trash_column_for_a_full_request():
     rows = [ScheduledRow(reqs[0], 13, [0, 0, 0, 0], 3, True, True, True, 0),  # kv_len 17: one slot over
             ScheduledRow(reqs[1], 12, [0, 0, 0, 0], 3, True, True, True, 0)]  # kv_len 16: exact
     inp = build_step_input(ScheduledBatch(rows, []), ps, width, CPU)
-    pages = (inp.meta.slot_mapping // ps).tolist()
+    meta = inp.meta.with_lengths(inp.meta.kv_lens)  # what execute() derives on the device
+    pages = (meta.slot_mapping // ps).tolist()
     assert pages[:4] == [4, 4, 4, TRASH_PAGE]
     assert pages[4:] == [8, 8, 8, 8]
     assert inp.meta.page_table[:, -1].tolist() == [TRASH_PAGE, TRASH_PAGE]

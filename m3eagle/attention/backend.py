@@ -1,10 +1,12 @@
 """Attention backends behind one small interface, and a registry to pick one.
 
 `reference` is plain PyTorch (the oracle, and the CPU path). `triton` holds the fused kernels for CUDA;
-tests hold it equal to `reference`. The model calls `backend.get()`, so switching is one call."""
+tests hold it equal to `reference`. `create(name)` builds a backend object; the engine owns it (see
+`m3eagle/ops.py`), so two engines in one process never share a choice."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -35,28 +37,22 @@ class ReferenceBackend:
                                          local_blocks)
 
 
-_REGISTRY: dict[str, type] = {"reference": ReferenceBackend}
-_current: AttentionBackend = ReferenceBackend()
+def _triton() -> AttentionBackend:
+    from .triton_backend import TritonBackend  # imports triton; only when asked for
+
+    return TritonBackend()
 
 
-def register(name: str, cls: type) -> None:
-    _REGISTRY[name] = cls
+# Lazy factories: nothing here imports triton, and no module global remembers a choice. Each engine
+# creates its own backend object and hands it to the models with the step's metadata (`meta.ops`).
+_FACTORIES: dict[str, Callable[[], AttentionBackend]] = {"reference": ReferenceBackend, "triton": _triton}
 
 
 def names() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(_FACTORIES)
 
 
-def set_backend(name: str) -> AttentionBackend:
-    global _current
-    if name not in _REGISTRY:
-        if name == "triton":
-            from . import triton_backend  # noqa: F401  (registers itself)
-        if name not in _REGISTRY:
-            raise ValueError(f"attention_backend={name!r} is unknown; choose one of {names()}")
-    _current = _REGISTRY[name]()
-    return _current
-
-
-def get() -> AttentionBackend:
-    return _current
+def create(name: str) -> AttentionBackend:
+    if name not in _FACTORIES:
+        raise ValueError(f"attention_backend={name!r} is unknown; choose one of {names()} or 'auto'")
+    return _FACTORIES[name]()

@@ -16,6 +16,7 @@ Row layout of one step (row b owns the flat tokens cu_q[b] .. cu_q[b+1]):
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -42,6 +43,8 @@ class AttnMetadata:
     q_valid: torch.Tensor  # [B, Qmax] bool
     positions: torch.Tensor  # [T] int64 derived
     slot_mapping: torch.Tensor  # [T] int64 derived
+    # the engine's fast paths (m3eagle.ops.Ops) that the models run this step with; None = reference
+    ops: Any = None
 
     @property
     def num_tokens(self) -> int:

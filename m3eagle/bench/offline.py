@@ -101,7 +101,7 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(geo.model, geo.draft if k else None, num_draft_tokens=k, dtype=a.dtype, device=str(dev),
               page_size=a.page_size, max_num_tokens=a.max_num_tokens, max_model_len=mml, max_num_seqs=max_b,
               num_pages=1 + max_b * pages_per_seq, overlap=overlap, attention_backend=a.attention_backend,
-              load_format=geo.load_format)
+              moe_backend=a.moe_backend, enforce_eager=a.enforce_eager, load_format=geo.load_format)
     _sync(dev)
     build_s = time.perf_counter() - t0
     say(f"  built in {build_s:.1f}s")
@@ -169,7 +169,7 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
 def _plain_engine(llm) -> LLMEngine:
     """A second engine over the same target weights, speculation off (its own KV pool, sized alike)."""
     return LLMEngine(llm.target, None, llm.tokenizer, replace(llm.config, num_draft_tokens=0), llm.dtype,
-                     llm.device)
+                     llm.device, llm.ops)
 
 
 def _row(b: int, mode: str, k: int, thr: dict, st: dict, llm, dtype_bytes: int, bw: float) -> dict[str, Any]:
@@ -532,14 +532,14 @@ def format_table(doc: dict[str, Any]) -> str:
 
 def _env(llm, dev: torch.device) -> dict[str, Any]:
     from .. import __version__
-    from ..attention import backend
 
     env: dict[str, Any] = {
         "device": str(dev), "dtype": str(llm.dtype).replace("torch.", ""),
         "device_name": (torch.cuda.get_device_name(dev) if dev.type == "cuda"
                         else f"cpu ({platform.processor() or platform.machine()})"),
         "m3eagle": __version__, "torch": torch.__version__, "python": platform.python_version(),
-        "attention_backend": backend.get().name, "overlap": llm.config.overlap,
+        "attention_backend": llm.engine.ops.attention.name, "moe_backend": llm.engine.ops.moe.name,
+        "cuda_graphs": llm.engine.graphs.use_graphs, "overlap": llm.config.overlap,
         "engine_config": asdict(llm.config),
     }
     for mod in ("transformers", "triton"):

@@ -21,8 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from ..kvcache.page_pool import PagePool
+from ..ops import Ops, make_ops
 from ..sampling.params import SamplingParams
-from .input_builder import build_step_input
+from .graph_runner import GraphRunner
+from .input_builder import StepBuffers
 from .model_runner import ModelRunner, StepOutput
 from .request import Request, Status
 from .scheduler import NeedSync, ScheduledBatch, Scheduler
@@ -43,6 +45,10 @@ class EngineConfig:
     max_model_len: int = 2048
     num_draft_tokens: int = 0
     overlap: bool = False
+    enforce_eager: bool = False  # never capture CUDA graphs (vLLM's option)
+    # Pad steady decode / verify steps to graph buckets with a fixed KV bound (graph_runner.py). None: on
+    # for CUDA, where replay and eager must launch identical shapes; tests turn it on for CPU.
+    graph_shapes: bool | None = None
 
     def resolved_num_pages(self) -> int:
         if self.num_pages:
@@ -60,7 +66,8 @@ class LLMEngine:
     "error"; anything else raised inside `step()` -- KeyboardInterrupt included -- rolls the engine back
     to host truth (`_recover`) before it propagates, so the next call works."""
 
-    def __init__(self, target, draft, tokenizer, cfg: EngineConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, target, draft, tokenizer, cfg: EngineConfig, dtype: torch.dtype, device: torch.device,
+                 ops: Ops | None = None):
         for name in ("max_num_tokens", "max_num_seqs", "max_model_len", "page_size"):
             if getattr(cfg, name) < 1:
                 raise ValueError(f"{name}={getattr(cfg, name)} must be >= 1")
@@ -79,7 +86,17 @@ class LLMEngine:
                              f"{cfg.max_model_len} (needs {self.table_width - 1} pages of {cfg.page_size}); "
                              "raise num_pages or lower max_model_len")
         self.scheduler = Scheduler(self.pool, cfg.max_num_tokens, cfg.max_num_seqs, k, self.table_width - 1)
-        self.runner = ModelRunner(target, draft, k, num_pages, cfg.page_size, cfg.max_num_seqs, dtype, device)
+        self.ops = ops if ops is not None else make_ops("auto", "auto", device)
+        # Step buffers hold the widest step: the token budget, or every sequence padded to 1 + K tokens.
+        max_tokens = max(cfg.max_num_tokens, cfg.max_num_seqs * (k + 1))
+        self.runner = ModelRunner(target, draft, k, num_pages, cfg.page_size, cfg.max_num_seqs, dtype, device,
+                                  max_num_tokens=max_tokens)
+        self.buffers = StepBuffers(max_tokens, cfg.max_num_seqs, self.table_width, device)
+        graph_shapes = cfg.graph_shapes if cfg.graph_shapes is not None else device.type == "cuda"
+        self.graphs = GraphRunner(self.runner, self.buffers, k, cfg.max_num_seqs, cfg.page_size, self.table_width,
+                                  graphs=not cfg.enforce_eager, ops=self.ops)
+        self.graph_shapes = graph_shapes
+        self.graphs.capture_startup()
         self.eos_ids = set(target.cfg.eos_token_ids)
         self._ids = itertools.count()
         self._pending: tuple[ScheduledBatch, StepOutput] | None = None
@@ -175,9 +192,11 @@ class LLMEngine:
                 self._fail(req, f"request {req.request_id} ({req.num_known} tokens) cannot be scheduled: the KV "
                            f"pool has {self.pool.num_usable} pages of {self.cfg.page_size}; raise num_pages")
             return
-        inp = build_step_input(batch, self.cfg.page_size, self.table_width, self.device)
+        bucket = self.graphs.bucket(batch) if self.graph_shapes else None
+        self.graphs.ensure(batch, bucket)
+        inp = self.graphs.build(batch, bucket)
         self.scheduler.commit(batch)
-        out = self._execute(inp)
+        out = self.runner.to_host(self._execute(inp, bucket))
         self.num_steps += 1
         if self.cfg.overlap:
             pending, self._pending = self._pending, (batch, out)
@@ -186,14 +205,14 @@ class LLMEngine:
         else:
             self._process(batch, out)
 
-    def _execute(self, inp) -> StepOutput:
+    def _execute(self, inp, bucket: int | None) -> StepOutput:
         if self.sync_debug and self.device.type == "cuda":
             torch.cuda.set_sync_debug_mode("error")
             try:
-                return self.runner.execute(inp)
+                return self.graphs.run(inp, bucket)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
-        return self.runner.execute(inp)
+        return self.graphs.run(inp, bucket)
 
     def _drain(self) -> None:
         if self._pending is not None:

@@ -31,15 +31,16 @@ class StepOutput:
     host: dict | None = None
     event: torch.cuda.Event | None = None
 
-    def copy_to_host(self) -> None:
-        """Start the non-blocking device->host copy of what the host needs; `wait()` before use."""
+    def copy_to_host(self, bufs: dict[str, torch.Tensor]) -> None:
+        """Start the non-blocking device->host copy into preallocated (pinned on CUDA) buffers;
+        `wait()` before use. Only the first B rows of each buffer are written."""
         pin = self.new_tokens.is_cuda
         self.host = {}
         for name in ("new_tokens", "num_new", "logprobs"):
             t = getattr(self, name)
             if t is None:
                 continue
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            buf = bufs[name][: t.shape[0]]
             buf.copy_(t, non_blocking=pin)
             self.host[name] = buf
         if pin:
@@ -54,7 +55,8 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, target: MiniMaxM3, draft, num_draft_tokens: int, num_pages: int, page_size: int,
-                 max_num_seqs: int, dtype: torch.dtype, device: torch.device):
+                 max_num_seqs: int, dtype: torch.dtype, device: torch.device, max_num_tokens: int = 512,
+                 max_rows: int | None = None):
         self.target, self.draft = target, draft
         self.k = num_draft_tokens if draft is not None else 0
         self.page_size, self.device, self.dtype = page_size, device, dtype
@@ -68,11 +70,29 @@ class ModelRunner:
         self.slot_num_new = torch.ones(n, dtype=torch.int64, device=device)  # [S+1]
         self.slot_expected = torch.ones(n, dtype=torch.int64, device=device)  # [S+1]
         self.slot_drafts = torch.zeros(n, max(self.k, 1), dtype=torch.int64, device=device)  # [S+1, K]
-        self.slot_draft_probs: torch.Tensor | None = None  # [S+1, K, V] once a sampled request drafts
         self.dump_slot = max_num_seqs
         cfg = target.cfg
         self.aux_ids: tuple[int, ...] = tuple(draft.cfg.aux_layer_ids) if draft is not None else ()
         self.aux_width = len(self.aux_ids) * cfg.hidden_size
+        # Everything a step writes besides the model's own intermediates is allocated here, once: the
+        # aux-hidden buffer, the draft probabilities of sampled rows, and the pinned host outputs (two
+        # sets, alternated per step, since under overlap the host reads step N while N+1 copies).
+        self.aux_buf = (torch.zeros(max_num_tokens, self.aux_width, dtype=dtype, device=device)
+                        if self.k else None)  # [T_max, 3H]
+        self.slot_draft_probs = (torch.zeros(n, self.k, cfg.vocab_size, device=device)
+                                 if self.k else None)  # [S+1, K, V] fp32
+        rows = max_rows or max_num_seqs
+        pin = device.type == "cuda"
+        self.host_bufs = [{"new_tokens": torch.zeros(rows, k1, dtype=torch.int64, pin_memory=pin),
+                           "num_new": torch.zeros(rows, dtype=torch.int64, pin_memory=pin),
+                           "logprobs": torch.zeros(rows, k1, dtype=torch.float32, pin_memory=pin)} for _ in range(2)]
+        self._host_parity = 0
+
+    def to_host(self, out: StepOutput) -> StepOutput:
+        """Launch the step's device->host copy (after execute, or after a graph replay)."""
+        out.copy_to_host(self.host_bufs[self._host_parity])
+        self._host_parity ^= 1
+        return out
 
     # ---- overlap correction ---------------------------------------------------------------------
     def _apply_overlap_correction(self, inp: StepInput) -> tuple[torch.Tensor, AttnMetadata]:
@@ -97,8 +117,7 @@ class ModelRunner:
     def execute(self, inp: StepInput) -> StepOutput:
         k = self.k
         ids, meta = self._apply_overlap_correction(inp)
-        aux = (torch.empty(ids.shape[0], self.aux_width, dtype=self.dtype, device=self.device)
-               if self.draft is not None and k else None)
+        aux = self.aux_buf[: inp.num_tokens] if self.aux_buf is not None else None  # [T, 3H]
         hidden = self.target(ids, meta.positions, meta, self.caches, self.aux_ids, aux)  # [T, H]
 
         # Sampled positions: the last (num_drafts + 1) tokens of each row.
@@ -106,14 +125,14 @@ class ModelRunner:
         row_last = inp.row_first + inp.row_qlen - 1
         base = row_last - inp.row_num_drafts
         sample_idx = torch.minimum(base[:, None] + j, row_last[:, None])  # [B, K+1]
-        logits = self.target.compute_logits(hidden[sample_idx.reshape(-1)]).view(len(inp.batch.rows), k + 1, -1)
+        logits = self.target.compute_logits(hidden[sample_idx.reshape(-1)]).view(inp.num_rows, k + 1, -1)
         positions = meta.positions[sample_idx]  # [B, K+1]
         if k:
             d_idx = torch.minimum(inp.row_first[:, None] + 1 + j[:k], row_last[:, None])
             drafts_in = torch.where(j[:k] < inp.row_num_drafts[:, None], ids[d_idx], 0)  # [B, K]
         else:
-            drafts_in = ids.new_zeros(len(inp.batch.rows), 0)
-        # No stored probabilities yet means no draft was ever sampled: verify treats q as zero.
+            drafts_in = ids.new_zeros(inp.num_rows, 0)
+        # Draft probabilities exist for rows whose drafts were sampled; greedy rows never read them.
         q_probs = self.slot_draft_probs[inp.row_slot] if inp.any_random and self.slot_draft_probs is not None else None
         new_tokens, num_new = verify(logits, drafts_in, inp.row_num_drafts, inp.sampling, positions, q_probs,
                                      inp.any_random)
@@ -129,18 +148,16 @@ class ModelRunner:
         self.slot_num_new.index_copy_(0, s, num_new)
         self.slot_expected.index_copy_(0, s, inp.row_num_drafts + 1)
 
-        drafts = ids.new_zeros(len(inp.batch.rows), k)
+        drafts = ids.new_zeros(inp.num_rows, k)
         if self.draft is not None and k:
             drafts = self._draft(inp, ids, meta, aux, new_tokens, num_new, s)
-        out = StepOutput(new_tokens, num_new, drafts, logprobs)
-        out.copy_to_host()
-        return out
+        return StepOutput(new_tokens, num_new, drafts, logprobs)
 
     # ---- drafting -------------------------------------------------------------------------------
     def _draft(self, inp: StepInput, ids: torch.Tensor, meta: AttnMetadata, aux: torch.Tensor,
                new_tokens: torch.Tensor, num_new: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """Draft step 0 over every target token (inputs shifted by one), then K-1 one-token steps."""
-        k, b = self.k, len(inp.batch.rows)
+        k, b = self.k, inp.num_rows
         st: SamplingTensors = inp.sampling
         # Index of the last accepted token of each row; its successor is the bonus token.
         last_idx = inp.row_first + inp.row_qlen - 1 - inp.row_num_drafts + (num_new - 1).clamp(min=0)
@@ -155,7 +172,7 @@ class ModelRunner:
                              q_lens=torch.ones_like(rows), kv_lens=pos + 1, page_table=meta.page_table,
                              tok_row=rows, tok_col=torch.zeros_like(rows), q_index=rows[:, None],
                              q_valid=torch.ones(b, 1, dtype=torch.bool, device=self.device),
-                             positions=pos, slot_mapping=pos)
+                             positions=pos, slot_mapping=pos, ops=meta.ops)
         out_tokens, out_probs = [], []
         for step in range(k):
             logits = self.draft.compute_logits(h_out)  # [B, Vd]
@@ -170,9 +187,6 @@ class ModelRunner:
         drafts = torch.stack(out_tokens, 1)  # [B, K]
         self.slot_drafts.index_copy_(0, s, drafts)
         if inp.any_random:
-            if self.slot_draft_probs is None:
-                self.slot_draft_probs = torch.zeros(self.dump_slot + 1, k, out_probs[0].shape[-1],
-                                                    device=self.device)
             self.slot_draft_probs.index_copy_(0, s, torch.stack(out_probs, 1))
         return drafts
 

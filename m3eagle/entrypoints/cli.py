@@ -106,6 +106,11 @@ def _device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int_in(1), default=16, help="KV page size in tokens")
     p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                    help="overlap scheduler; auto: on for CUDA")
+    p.add_argument("--attention-backend", choices=["auto", "reference", "triton"], default="auto",
+                   help="auto: triton on CUDA, reference on CPU")
+    p.add_argument("--moe-backend", choices=["auto", "reference", "triton"], default="auto",
+                   help="routed experts; auto: triton (chosen experts only) on CUDA, the dense reference on CPU")
+    p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
 
 
 def _make_llm(a: argparse.Namespace):
@@ -114,7 +119,8 @@ def _make_llm(a: argparse.Namespace):
     overlap = None if a.overlap == "auto" else a.overlap == "on"
     return LLM(model=a.model, draft=a.draft, num_draft_tokens=a.num_draft_tokens, device=a.device,
                dtype=a.dtype, max_model_len=a.max_model_len, max_num_tokens=a.max_num_tokens,
-               page_size=a.page_size, overlap=overlap)
+               page_size=a.page_size, overlap=overlap, attention_backend=a.attention_backend,
+               moe_backend=a.moe_backend, enforce_eager=a.enforce_eager)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -208,8 +214,6 @@ def _add_bench(sub) -> None:
     b.add_argument("--num-draft-tokens", type=int_in(0, 8), default=None,
                    help="K for the speculative runs (0: plain only); none: 3 when there is a head")
     _device_args(b)
-    b.add_argument("--attention-backend", choices=["auto", "reference", "triton"], default="auto",
-                   help="auto: triton on CUDA, reference on CPU")
     b.add_argument("--batch-sizes", type=batch_sizes, default="1,8,32", help="comma-separated batch sizes")
     b.add_argument("--prompt-len", type=int_in(1), default=128, help="prompt tokens per request")
     b.add_argument("--max-tokens", "--output-len", type=int_in(1), default=32, help="generated tokens per request")

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from ..attention import backend
 from ..config import M3Config
 from ..engine.llm_engine import EngineConfig, LLMEngine, RequestError
 from ..engine.request import RequestOutput
@@ -20,6 +19,7 @@ from ..loader.checkpoint import load_target
 from ..loader.dummy import LOAD_FORMATS, dummy_eagle3, dummy_target, eagle3_config, target_config
 from ..loader.tokenizer import load_tokenizer as _load_tokenizer
 from ..models.eagle3 import Eagle3Config
+from ..ops import make_ops
 from ..sampling.params import SamplingParams
 
 log = logging.getLogger("m3eagle")
@@ -51,7 +51,9 @@ class LLM:
 
     model: a checkpoint directory (config.json + safetensors [+ tokenizer.json]); None uses the embedded
     model and its Eagle3 head. draft: an Eagle3 head directory; num_draft_tokens: K (1..8; 0 = off).
-    overlap: None = on for CUDA, off for CPU. attention_backend: 'auto' | 'reference' | 'triton'.
+    overlap: None = on for CUDA, off for CPU. attention_backend / moe_backend: 'auto' (triton on CUDA, reference
+    on CPU) | 'reference' | 'triton'. enforce_eager: never capture CUDA graphs (they are on by default on CUDA).
+    graph_shapes: pad steady decode steps to graph buckets (None: on for CUDA; True on CPU for tests).
     load_format: 'auto' reads the checkpoints; 'dummy' builds random seeded weights on the device from the
     configs alone (vLLM's dummy format, for benchmarks) -- then model / draft may also be an M3Config /
     Eagle3Config or a config.json dict."""
@@ -61,7 +63,8 @@ class LLM:
                  num_draft_tokens: int | None = None, dtype: str | torch.dtype = "auto",
                  device: str | None = None, page_size: int = 16, max_num_tokens: int = 512,
                  max_model_len: int | None = None, max_num_seqs: int = 64, num_pages: int = 0,
-                 overlap: bool | None = None, attention_backend: str = "auto", load_format: str = "auto"):
+                 overlap: bool | None = None, attention_backend: str = "auto", load_format: str = "auto",
+                 moe_backend: str = "auto", enforce_eager: bool = False, graph_shapes: bool | None = None):
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu'")
@@ -88,9 +91,8 @@ class LLM:
             raise ValueError("model= / draft= given as a config has no weights to read: pass checkpoint "
                              "directories, or load_format='dummy' for random weights")
         self.model_path = Path(model) if isinstance(model, (str, Path)) else None
-        if attention_backend == "auto":
-            attention_backend = "triton" if dev.type == "cuda" else "reference"
-        backend.set_backend(attention_backend)
+        # This LLM's own fast paths (no module global): built before the weights so a bad name fails fast.
+        self.ops = make_ops(attention_backend, moe_backend, dev)
         if load_format == "dummy":
             self.target = dummy_target(target_config(model), self.dtype, dev)
         else:
@@ -113,8 +115,9 @@ class LLM:
         self.config = EngineConfig(page_size=page_size, num_pages=num_pages, max_num_tokens=max_num_tokens,
                                    max_num_seqs=max_num_seqs, max_model_len=mml,
                                    num_draft_tokens=num_draft_tokens if self.draft is not None else 0,
-                                   overlap=(dev.type == "cuda") if overlap is None else overlap)
-        self.engine = LLMEngine(self.target, self.draft, self.tokenizer, self.config, self.dtype, dev)
+                                   overlap=(dev.type == "cuda") if overlap is None else overlap,
+                                   enforce_eager=enforce_eager, graph_shapes=graph_shapes)
+        self.engine = LLMEngine(self.target, self.draft, self.tokenizer, self.config, self.dtype, dev, self.ops)
         self._stats = SpecStats(self.config.num_draft_tokens)
         self._lock = threading.RLock()  # one generate() at a time: the engine loop is not re-entrant
 

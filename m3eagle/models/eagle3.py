@@ -40,8 +40,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..attention import backend, reference
+from ..attention import reference
 from ..attention.metadata import AttnMetadata
+from ..ops import REFERENCE
 from .layers import LlamaRMSNorm, SiluMLP, apply_rope, rope_cos_sin
 from .minimax_m3 import LayerCache
 
@@ -219,7 +220,7 @@ class Eagle3Attention(nn.Module):
         q, k, v = self.qkv(x, positions)
         cache.k.index_copy_(0, meta.slot_mapping, k.to(cache.k.dtype))
         cache.v.index_copy_(0, meta.slot_mapping, v.to(cache.v.dtype))
-        o = backend.get().attention(q, cache.k, cache.v, meta, self.scale)  # [T, Hq, D]
+        o = (meta.ops or REFERENCE).attention.attention(q, cache.k, cache.v, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(x.shape[0], -1))
 
     def forward_seq(self, x: torch.Tensor, cache_kv: list[tuple[torch.Tensor, torch.Tensor]] | None,

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..attention import backend, reference
+from ..attention import reference
 from ..attention.metadata import AttnMetadata
 from ..config import M3Config
+from ..ops import REFERENCE
 from .layers import GemmaRMSNorm, SparseMoE, SwigluOaiMLP, apply_rope, rope_cos_sin
 
 
@@ -68,13 +69,14 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, c.num_key_value_heads, c.head_dim)
         cache.k.index_copy_(0, meta.slot_mapping, k.to(cache.k.dtype))
         cache.v.index_copy_(0, meta.slot_mapping, v.to(cache.v.dtype))
+        attn = (meta.ops or REFERENCE).attention
         if self.indexer is None:
-            o = backend.get().attention(q, cache.k, cache.v, meta, self.scale)
+            o = attn.attention(q, cache.k, cache.v, meta, self.scale)
         else:
             iq, ik = self.indexer(x, cos, sin)
             cache.idx_k.index_copy_(0, meta.slot_mapping, ik.to(cache.idx_k.dtype))
-            o = backend.get().sparse_attention(q, cache.k, cache.v, meta, self.scale, iq, cache.idx_k,
-                                               c.index_block_size, c.index_topk_blocks, c.index_local_blocks)
+            o = attn.sparse_attention(q, cache.k, cache.v, meta, self.scale, iq, cache.idx_k,
+                                      c.index_block_size, c.index_topk_blocks, c.index_local_blocks)
         return self.o_proj(o.reshape(t, -1))
 
     def forward_seq(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -114,12 +116,16 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, meta, cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, (meta.ops or REFERENCE).moe) if isinstance(self.mlp, SparseMoE) else self.mlp(h))
 
     def forward_seq(self, x, cos, sin):
         x = x + self.self_attn.forward_seq(self.input_layernorm(x), cos, sin)
         b, s, h = x.shape
-        return x + self.mlp(self.post_attention_layernorm(x).reshape(b * s, h)).view(b, s, h)
+        hn = self.post_attention_layernorm(x).reshape(b * s, h)
+        # the contiguous (training / oracle) path always runs the dense, differentiable reference MoE
+        out = self.mlp(hn, REFERENCE.moe) if isinstance(self.mlp, SparseMoE) else self.mlp(hn)
+        return x + out.view(b, s, h)
 
 
 class MiniMaxM3(nn.Module):

@@ -1,0 +1,146 @@
+"""CUDA graphs over whole decode / verify steps: bucketing, padding, capture and replay.
+
+A step is *graph-shaped* when every row continues a running request with exactly 1 + K tokens (the last
+sampled token and K drafts, both gathered on the device from the slot buffers): the steady state of
+decoding. Such a step is padded to the next bucket of rows (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, ...
+up to max_num_seqs) with rows that read and write only the trash page and the dump slot, and its
+metadata carries a fixed KV bound (the page table's width), so every kernel's launch shape depends only
+on (bucket, K) -- never on a length of this step. Lengths reach the kernels as device tensors.
+
+What one graph holds: the overlap correction, the target forward with aux capture, the logits of the
+sampled positions, verification, the K draft steps with their sampling and the slot-buffer writes --
+`ModelRunner.execute` whole. The device->host copy of the outputs runs right after the replay, into
+the runner's alternating pinned buffers (a copy captured into the graph would always land in the same
+buffer, which the host may still be reading under overlap).
+
+Graphs are keyed by (bucket, mode), mode = (any row samples, any row wants logprobs); K is fixed per
+engine. All share one memory pool; the greedy graphs are captured at startup, largest bucket first, and
+the others on first use. Steps that are not graph-shaped (prompt chunks, mixed steps) run eagerly.
+Graph-shaped steps get the same padding and KV bound when they run eagerly (enforce_eager), so eager and
+replay launch the same kernels on the same shapes and agree token for token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .input_builder import StepBuffers, StepInput, build_step_input
+from .model_runner import ModelRunner, StepOutput
+from .scheduler import ScheduledBatch
+
+log = logging.getLogger("m3eagle")
+
+
+def bucket_sizes(max_rows: int) -> list[int]:
+    """1, 2, 4, 8, then powers of two and the midpoints between them (16, 24, 32, 48, 64, 96, 128, 192, ...),
+    so padding wastes at most a third of a step; capped by and ending at max_rows."""
+    out, b = [], 1
+    while b < max_rows:
+        out.append(b)
+        if b < 16:
+            b *= 2
+        else:
+            b = b + b // 2 if b & (b - 1) == 0 else b // 3 * 4  # 16 -> 24 -> 32 -> 48 -> 64 ...
+    return out + [max_rows]
+
+
+def bucket_for(n: int, buckets: list[int]) -> int | None:
+    """The smallest bucket that holds n rows, or None when n is larger than every bucket."""
+    return next((b for b in buckets if b >= n), None)
+
+
+def is_graph_shaped(batch: ScheduledBatch, k: int) -> bool:
+    """Every row continues a running request with its last token + K drafts, all from the slot buffers."""
+    return bool(batch.rows) and all(r.samples and r.gather and r.num_drafts == k and r.num_tokens == k + 1
+                                    for r in batch.rows)
+
+
+def mode_of(batch: ScheduledBatch) -> tuple[bool, bool]:
+    """(any row samples with temperature > 0, any row wants logprobs): what build_step_input computes."""
+    params = [r.req.params for r in batch.rows]
+    return any(not p.greedy for p in params), any(p.logprobs for p in params)
+
+
+class GraphRunner:
+    """Captures and replays `runner.execute` for graph-shaped steps. `graphs=False` keeps the bucketing
+    and padding (so enforce_eager computes exactly what a replay computes) but never captures."""
+
+    def __init__(self, runner: ModelRunner, bufs: StepBuffers, k: int, max_rows: int, page_size: int,
+                 table_width: int, graphs: bool, ops=None):
+        self.runner, self.bufs, self.k = runner, bufs, k
+        self.page_size, self.table_width, self.ops = page_size, table_width, ops
+        self.max_kv = table_width * page_size  # the fixed KV bound of every graph-shaped step
+        # A bucket must fit the step buffers once padded: rows x (1 + K) tokens.
+        self.buckets = [b for b in bucket_sizes(max_rows) if b * (k + 1) <= bufs.max_tokens]
+        self.use_graphs = graphs and runner.device.type == "cuda"
+        self.graphs: dict[tuple[int, tuple[bool, bool]], tuple[torch.cuda.CUDAGraph, StepOutput]] = {}
+        self.pool = None
+        self.capture_seconds = 0.0
+        self.num_replays = 0
+
+    # ---- planning -------------------------------------------------------------------------------
+    def bucket(self, batch: ScheduledBatch) -> int | None:
+        if not is_graph_shaped(batch, self.k):
+            return None
+        return bucket_for(len(batch.rows), self.buckets)
+
+    def build(self, batch: ScheduledBatch, bucket: int | None) -> StepInput:
+        """The step's inputs: padded to its bucket with the fixed KV bound, or as they are."""
+        if bucket is None:
+            return build_step_input(batch, self.page_size, self.table_width, self.runner.device, self.bufs,
+                                    dump_slot=self.runner.dump_slot, ops=self.ops)
+        return build_step_input(batch, self.page_size, self.table_width, self.runner.device, self.bufs,
+                                pad_rows_to=bucket, max_kv=self.max_kv, dump_slot=self.runner.dump_slot,
+                                pad_q=self.k + 1, ops=self.ops)
+
+    # ---- running --------------------------------------------------------------------------------
+    def ensure(self, batch: ScheduledBatch, bucket: int | None) -> None:
+        """Capture the step's graph if it is missing -- before its inputs are built, since capturing fills
+        the same buffers with padding rows."""
+        if bucket is not None and self.use_graphs and (bucket, mode_of(batch)) not in self.graphs:
+            self._capture(bucket, mode_of(batch))
+
+    def run(self, inp: StepInput, bucket: int | None) -> StepOutput:
+        """Execute one step: replay its graph, or run eagerly. The outputs are not yet copied to the host."""
+        if bucket is None or not self.use_graphs:
+            return self.runner.execute(inp)
+        graph, static = self.graphs[(bucket, inp.mode)]
+        graph.replay()
+        self.num_replays += 1
+        return StepOutput(static.new_tokens, static.num_new, static.draft_tokens, static.logprobs)
+
+    def capture_startup(self) -> None:
+        """Capture the greedy graph of every bucket, largest first (the smaller ones reuse its pool)."""
+        if not self.use_graphs:
+            return
+        free0 = torch.cuda.mem_get_info(self.runner.device)[0]
+        for b in sorted(self.buckets, reverse=True):
+            self._capture(b, (False, False))
+        used = (free0 - torch.cuda.mem_get_info(self.runner.device)[0]) / 2**20
+        log.info("captured %d CUDA graphs (buckets %s, K=%d) in %.1f s; graph memory %.0f MiB",
+                 len(self.graphs), self.buckets, self.k, self.capture_seconds, used)
+
+    def _capture(self, bucket: int, mode: tuple[bool, bool]) -> None:
+        """Capture `execute` on padding rows only (they touch nothing but the trash page and the dump
+        slot), so capturing in the middle of serving changes no request's state."""
+        t0 = time.perf_counter()
+        inp = build_step_input(ScheduledBatch([], []), self.page_size, self.table_width, self.runner.device,
+                               self.bufs, pad_rows_to=bucket, max_kv=self.max_kv, dump_slot=self.runner.dump_slot,
+                               pad_q=self.k + 1, ops=self.ops, mode=mode)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.runner.device)
+        side.wait_stream(torch.cuda.current_stream(self.runner.device))
+        with torch.cuda.stream(side):  # warm-up: triton compiles, cuBLAS picks its kernels
+            for _ in range(2):
+                self.runner.execute(inp)
+        torch.cuda.current_stream(self.runner.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            static = self.runner.execute(inp)
+        self.graphs[(bucket, mode)] = (graph, static)
+        self.capture_seconds += time.perf_counter() - t0
+        log.debug("captured graph bucket=%d mode=%s in %.2f s", bucket, mode, time.perf_counter() - t0)

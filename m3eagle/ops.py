@@ -1,0 +1,39 @@
+"""The fast paths one engine runs with: its attention backend and its MoE implementation.
+
+An `Ops` is built once per engine (`make_ops`) from per-concern registries of lazy factories
+(`attention.backend`, `moe.backend`) and reaches the models with each step's metadata (`meta.ops`). Nothing
+is a module global: two LLMs in one process can run different backends side by side, and a failed
+construction leaves every other engine as it was. Paths that have no step metadata -- training and the
+contiguous `forward_seq` oracle -- use `REFERENCE`, the plain PyTorch ops, explicitly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .attention import backend as attention_backend
+from .moe import backend as moe_backend
+
+
+@dataclass(frozen=True)
+class Ops:
+    attention: Any  # attention.backend.AttentionBackend
+    moe: Any  # moe.backend.MoEImpl
+
+    @property
+    def names(self) -> dict[str, str]:
+        return {"attention": self.attention.name, "moe": self.moe.name}
+
+
+def make_ops(attention: str = "auto", moe: str = "auto", device: torch.device | str = "cpu") -> Ops:
+    """'auto' picks triton on CUDA and the reference on CPU, for each concern."""
+    dev = torch.device(device)
+    fast = "triton" if dev.type == "cuda" else "reference"
+    return Ops(attention=attention_backend.create(fast if attention == "auto" else attention),
+               moe=moe_backend.create(fast if moe == "auto" else moe))
+
+
+REFERENCE = Ops(attention=attention_backend.ReferenceBackend(), moe=moe_backend.ReferenceMoE())

@@ -1,0 +1,166 @@
+"""The graph-ready engine on CPU (issue 9, part 1): per-engine ops, plain-tensor step inputs in
+preallocated buffers, and the bucketing / padding that CUDA-graph steps use.
+
+- two LLMs with different attention and MoE backends live side by side in one process, and a failed
+  construction leaves a working LLM alone (the backend used to be a module global);
+- bucket sizes, the bucket of a step, which steps are graph-shaped;
+- padding rows read and write only the trash page and the dump slot, and a padded, fixed-KV-bound step
+  gives the real rows exactly the tokens of an unpadded one (greedy and seeded sampling, K = 0 and 3,
+  overlap on and off) -- graph_shapes=True forces on CPU what CUDA does;
+- step inputs are views of the engine's buffers: two steps of one shape read the same addresses.
+GPU capture and replay are tested in test_cuda_graphs.py (marker gpu).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton` (see test_triton_attention.py)
+
+import pytest  # noqa: E402
+from engine_utils import assert_clean  # noqa: E402
+
+from m3eagle import LLM, SamplingParams  # noqa: E402
+from m3eagle.attention.metadata import TRASH_PAGE  # noqa: E402
+from m3eagle.engine.graph_runner import bucket_for, bucket_sizes, is_graph_shaped  # noqa: E402
+from m3eagle.engine.scheduler import ScheduledBatch, ScheduledRow  # noqa: E402
+
+PROMPTS = [[9, 21, 33, 4], [50, 51, 52, 53, 54, 55, 56, 57, 58, 59], [7, 8], [60, 61, 62, 63, 64, 65, 66],
+           [12, 13, 14]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model):
+    return tiny_model[0]
+
+
+@pytest.fixture(scope="module")
+def head_dir(model_dir, tmp_path_factory):
+    from spec_utils import random_head
+
+    return random_head(model_dir, tmp_path_factory.mktemp("graph_head"))
+
+
+def llm_for(model_dir, head_dir, k: int, **kw) -> LLM:
+    kw = {"device": "cpu", "page_size": 4, "max_model_len": 64, "max_num_tokens": 64, "max_num_seqs": 8, **kw}
+    return LLM(model_dir, draft=head_dir if k else None, num_draft_tokens=k, **kw)
+
+
+# ------------------------------------------------------------------------------------------------
+# ops belong to an engine
+# ------------------------------------------------------------------------------------------------
+
+
+def test_two_llms_with_different_backends_coexist(model_dir):
+    pytest.importorskip("triton")
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    ref = llm_for(model_dir, None, 0, attention_backend="reference", moe_backend="reference")
+    fast = llm_for(model_dir, None, 0, attention_backend="triton", moe_backend="triton")
+    assert ref.engine.ops.names == {"attention": "reference", "moe": "reference"}
+    assert fast.engine.ops.names == {"attention": "triton", "moe": "triton"}
+    a = [o.token_ids for o in ref.generate(PROMPTS[:2], sp)]
+    b = [o.token_ids for o in fast.generate(PROMPTS[:2], sp)]
+    assert a == b
+    # the first LLM still runs its own backends after the second was built and used
+    assert ref.engine.ops.names == {"attention": "reference", "moe": "reference"}
+    used = []
+    orig = ref.engine.ops.attention.attention
+
+    def spy(*args, **kw):
+        used.append(True)
+        return orig(*args, **kw)
+
+    object.__setattr__(ref.engine.ops.attention, "attention", spy)
+    assert [o.token_ids for o in ref.generate(PROMPTS[:2], sp)] == a and used
+    with pytest.raises(ValueError, match="attention_backend='nope'"):
+        llm_for(model_dir, None, 0, attention_backend="nope")
+    assert [o.token_ids for o in fast.generate(PROMPTS[:2], sp)] == b  # a failed construction broke nothing
+    assert_clean(ref)
+    assert_clean(fast)
+
+
+# ------------------------------------------------------------------------------------------------
+# buckets
+# ------------------------------------------------------------------------------------------------
+
+
+def test_bucket_sizes():
+    assert bucket_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert bucket_sizes(256) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+    assert bucket_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert bucket_sizes(1) == [1]
+    b = bucket_sizes(64)
+    assert [bucket_for(n, b) for n in (1, 3, 5, 9, 17, 25, 33, 49, 64)] == [1, 4, 8, 16, 24, 32, 48, 64, 64]
+    assert bucket_for(65, b) is None
+
+
+class _Req:
+    def __init__(self, slot: int, pages: list[int], params=None):
+        self.slot, self.pages, self.seed = slot, pages, 0
+        self.params = params or SamplingParams(temperature=0)
+
+
+def _row(k: int, gather=True, samples=True, num_drafts=None, tokens=None) -> ScheduledRow:
+    nd = k if num_drafts is None else num_drafts
+    return ScheduledRow(_Req(0, [3]), 5, [0] * (tokens or (1 + nd)), nd, samples, gather, False, 0)
+
+
+def test_which_steps_are_graph_shaped():
+    k = 3
+    assert is_graph_shaped(ScheduledBatch([_row(k), _row(k)], []), k)
+    assert not is_graph_shaped(ScheduledBatch([], []), k)
+    assert not is_graph_shaped(ScheduledBatch([_row(k), _row(k, gather=False)], []), k)  # a prompt's last chunk
+    assert not is_graph_shaped(ScheduledBatch([_row(k), _row(k, num_drafts=0)], []), k)  # budget took drafts
+    assert not is_graph_shaped(ScheduledBatch([_row(k, samples=False, gather=False, tokens=4)], []), k)
+    assert is_graph_shaped(ScheduledBatch([_row(0)], []), 0)
+
+
+def test_padding_rows_touch_only_trash_and_dump(model_dir, head_dir):
+    llm = llm_for(model_dir, head_dir, 3, graph_shapes=True)
+    eng = llm.engine
+    rows = [ScheduledRow(_Req(i, [2 + i]), 2, [0] * 4, 3, True, True, False, 0) for i in range(3)]
+    batch = ScheduledBatch(rows, [])
+    bucket = eng.graphs.bucket(batch)
+    assert bucket == 4
+    inp = eng.graphs.build(batch, bucket)
+    assert inp.num_rows == 4 and inp.num_tokens == 16 and inp.meta.max_kv == eng.table_width * 4
+    assert inp.row_slot.tolist() == [0, 1, 2, eng.runner.dump_slot]
+    assert inp.meta.page_table[3].tolist() == [TRASH_PAGE] * eng.table_width
+    assert inp.row_samples.tolist() == [True, True, True, False]
+    assert inp.sampling.greedy[3] and not inp.row_gather[3] and not inp.row_correct[3]
+    meta = inp.meta.with_lengths(inp.meta.kv_lens)
+    assert (meta.slot_mapping[12:] // 4 == TRASH_PAGE).all()
+    # inputs are views of the engine's buffers, at the same addresses for every step of this shape
+    again = eng.graphs.build(batch, bucket)
+    assert again.input_ids.data_ptr() == inp.input_ids.data_ptr()
+    assert again.meta.page_table.data_ptr() == inp.meta.page_table.data_ptr()
+    assert again.sampling.temperature.data_ptr() == inp.sampling.temperature.data_ptr()
+    assert inp.input_ids.untyped_storage().data_ptr() == eng.buffers.d_int.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("k, overlap", [(0, False), (3, False), (3, True)])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_graph_shaped_steps_give_the_same_tokens(model_dir, head_dir, k, overlap, sampled):
+    """Padding to buckets and the fixed KV bound (what every CUDA step does) change no real row's tokens,
+    with requests of different lengths joining and leaving (so buckets change between steps)."""
+    if sampled:
+        params = [SamplingParams(temperature=0.9, top_k=20, max_tokens=6 + 3 * i, seed=100 + i, ignore_eos=True)
+                  for i in range(len(PROMPTS))]
+    else:
+        params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+    plain = llm_for(model_dir, head_dir, k, overlap=overlap)
+    padded = llm_for(model_dir, head_dir, k, overlap=overlap, graph_shapes=True)
+    want = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    seen = []
+    build = padded.engine.graphs.build
+
+    def spy(batch, bucket):
+        seen.append((len(batch.rows), bucket))
+        return build(batch, bucket)
+
+    padded.engine.graphs.build = spy
+    assert [o.token_ids for o in padded.generate(PROMPTS, params)] == want
+    padded_steps = [(n, b) for n, b in seen if b is not None]
+    assert any(b > n for n, b in padded_steps)  # some step really ran with padding rows
+    assert len({b for _, b in padded_steps}) >= 2  # and the bucket changed as requests finished
+    assert_clean(padded)
