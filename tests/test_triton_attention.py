@@ -22,7 +22,8 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from m3eagle.attention import backend, reference, triton_kernels  # noqa: E402
+from m3eagle.attention import reference, triton_kernels  # noqa: E402
+from m3eagle.ops import make_ops  # noqa: E402
 from m3eagle.attention.metadata import TRASH_PAGE, AttnMetadata, build_metadata  # noqa: E402
 from m3eagle.attention.triton_backend import TritonBackend  # noqa: E402
 
@@ -268,21 +269,18 @@ def run_steps(model, name: str) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(5)
     steps = [([12, 9], [12, 9]), ([6, 1], [18, 10]), ([1, 4], [19, 14])]  # (q_lens, kv_lens after the step)
     logits = []
-    backend.set_backend(name)
-    try:
-        with torch.no_grad():
-            for q_lens, kv_lens in steps:
-                meta = build_metadata(q_lens, torch.tensor(kv_lens), table, page, CPU, max_kv=22)
-                ids = torch.randint(0, 64, (sum(q_lens),), generator=gen)
-                logits.append(model.compute_logits(model(ids, meta.positions, meta, caches)))
-    finally:
-        backend.set_backend("reference")
+    ops = make_ops(name, "reference", CPU)
+    with torch.no_grad():
+        for q_lens, kv_lens in steps:
+            meta = build_metadata(q_lens, torch.tensor(kv_lens), table, page, CPU, max_kv=22)
+            meta.ops = ops
+            ids = torch.randint(0, 64, (sum(q_lens),), generator=gen)
+            logits.append(model.compute_logits(model(ids, meta.positions, meta, caches)))
     return logits
 
 
 def test_model_logits_match_reference_backend():
     model = tiny_model(0)
     ref, tri = run_steps(model, "reference"), run_steps(model, "triton")
-    assert backend.get().name == "reference"
     for r, t in zip(ref, tri):
         assert_close(t, r)

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from . import backend, triton_kernels
+from . import triton_kernels
 from .metadata import AttnMetadata
 
 
@@ -85,4 +85,3 @@ class TritonBackend:
                                                num_splits=min(splits, num_sel))
 
 
-backend.register("triton", TritonBackend)
