@@ -24,7 +24,7 @@ class NeedSync(Exception):
     """The plan needs the in-flight step's results first (e.g. to preempt a request it holds)."""
 
 
-@dataclass
+@dataclass(eq=False)  # identity: rows are removed from a request's in-flight list by `is`, not by value
 class ScheduledRow:
     req: Request
     start: int  # first position (host-projected)
