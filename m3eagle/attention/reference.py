@@ -11,6 +11,15 @@ picks, per query token and per index head (one per KV group), the key blocks it 
 
 and attention then sees only the tokens of the selected blocks (still token-causal). With
 topk * block_size >= context this equals dense attention.
+
+Ties are broken toward the lower block id: the top-k is a stable descending sort, so `sel` lists blocks by
+(score desc, block id asc). `torch.topk` leaves ties unspecified (CPU and CUDA pick differently), and a
+selection that depends on the device cannot be an oracle. The fast paths reproduce this order exactly.
+
+Memory: `paged_attention` works through the padded queries in chunks, so its [B, H, queries, L]
+temporaries (scores, masks, attention weights) stay near `QUERY_CHUNK_ELEMS` elements whatever the
+context (a chunked prefill at 8k+ context fits on a CPU); the math per query is unchanged (queries are
+independent). What remains O(L) per row is the gathered K/V/index-K, [B, L, ...].
 """
 
 from __future__ import annotations
@@ -19,6 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from .metadata import AttnMetadata, gather_slots
+
+# Elements of one [B, H, queries, L] temporary that `paged_attention` allows itself per query chunk
+# (256 MB in fp32). Steps under the bound run in one chunk, exactly as an unchunked oracle would.
+QUERY_CHUNK_ELEMS = 1 << 26
 
 
 def pad_queries(x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
@@ -36,7 +49,7 @@ def select_blocks(iq: torch.Tensor, ik: torch.Tensor, pos: torch.Tensor, block_s
     """Lightning-indexer block selection on padded rows.
 
     iq [B, Qmax, Hi, Di], ik [B, L, Di], pos [B, Qmax] -> sel [B, Hi, Qmax, k] int64, -1 padded,
-    where k = min(topk, ceil(L / block_size))."""
+    where k = min(topk, ceil(L / block_size)), ordered by (score desc, block id asc)."""
     b, lq, hi, _ = iq.shape
     length = ik.shape[1]
     nb = -(-length // block_size)
@@ -54,7 +67,9 @@ def select_blocks(iq: torch.Tensor, ik: torch.Tensor, pos: torch.Tensor, block_s
         local = local[:, None].expand(-1, hi, -1, -1)  # [B, Hi, Qmax, local]
         block_scores = block_scores.scatter(-1, local, float("inf"))
     k = min(topk, nb)
-    top_scores, top_idx = block_scores.topk(k, dim=-1)
+    # A stable sort keeps equal scores in block order: ties go to the lower block id.
+    top_scores, top_idx = block_scores.sort(dim=-1, descending=True, stable=True)
+    top_scores, top_idx = top_scores[..., :k], top_idx[..., :k]
     return top_idx.masked_fill(top_scores == float("-inf"), -1)
 
 
@@ -93,10 +108,18 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     the layer is sparse. The current step's K/V must already be written at meta.slot_mapping."""
     slots = gather_slots(meta, meta.max_kv)  # [B, L]
     k, v = k_pool[slots], v_pool[slots]  # [B, L, Hkv, D]
-    pos = padded_positions(meta)
-    keep = None
-    if iq is not None:
-        sel = select_blocks(pad_queries(iq, meta), ik_pool[slots], pos, block_size, topk, local_blocks)
-        keep = block_keep_mask(sel, meta.max_kv, block_size, q.shape[1])
-    out = attend(pad_queries(q, meta), k, v, pos, scale, keep)  # [B, Qmax, Hq, D]
+    ik = ik_pool[slots] if iq is not None else None  # [B, L, Di]
+    pos = padded_positions(meta)  # [B, Qmax]
+    qp = pad_queries(q, meta)  # [B, Qmax, Hq, D]
+    iqp = pad_queries(iq, meta) if iq is not None else None  # [B, Qmax, Hi, Di]
+    chunk = max(1, QUERY_CHUNK_ELEMS // max(1, meta.num_rows * q.shape[1] * meta.max_kv))
+    outs = []
+    for c0 in range(0, meta.max_q, chunk):
+        c = slice(c0, c0 + chunk)
+        keep = None
+        if iqp is not None:
+            sel = select_blocks(iqp[:, c], ik, pos[:, c], block_size, topk, local_blocks)  # [B, Hi, C, k]
+            keep = block_keep_mask(sel, meta.max_kv, block_size, q.shape[1])  # [B, Hq, C, L]
+        outs.append(attend(qp[:, c], k, v, pos[:, c], scale, keep))  # [B, C, Hq, D]
+    out = torch.cat(outs, 1) if len(outs) > 1 else outs[0]  # [B, Qmax, Hq, D]
     return out[meta.tok_row, meta.tok_col]

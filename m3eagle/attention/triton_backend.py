@@ -1,8 +1,14 @@
 """The `triton` attention backend: paged extend attention and MiniMax Sparse Attention from Triton kernels.
 
 Same interface and results as `backend.ReferenceBackend` (the tests hold them equal); the kernels live in
-`triton_kernels.py`. This file only decides launch shapes -- in particular how many split-KV pieces a step
-needs to fill the GPU -- from host ints of the metadata. No blocking CPU operation in this path.
+`triton_kernels.py`. This file only decides launch shapes -- in particular how many split pieces a step
+needs to fill the GPU -- from host ints of the metadata (num_rows, max_q, max_kv, num_tokens), which a
+captured CUDA graph fixes. No blocking CPU operation in this path.
+
+One sparse layer on this backend, per step:
+
+    indexer   _indexer_kernel (+ _index_merge_kernel when split)   iq, index-K  -> sel [T, Hi, k]
+    attention _sparse_attn_kernel (+ _combine_kernel when split)   q, K/V, sel  -> out [T, Hq, D]
 """
 
 from __future__ import annotations
@@ -25,11 +31,18 @@ def _num_sms(device: torch.device) -> int:
 class TritonBackend:
     """Paged attention from Triton kernels.
 
-    Split-KV policy: a step whose grid has fewer than `waves * SMs` programs (typically small-batch
-    decode) cuts every row's keys (dense) or its selected blocks (sparse) into pieces of at least
-    `min_keys_per_split` keys, enough pieces to reach that program count, at most `max_splits`.
+    Split policy: a launch whose grid has fewer than `waves * SMs` programs (typically small-batch decode)
+    is split until it reaches that count: the dense kernel cuts every row's keys into pieces of at least
+    `min_keys_per_split` keys (at most `max_splits`), the sparse kernel cuts each token's selected blocks,
+    and the indexer cuts each row's index-K into runs of at least `min_index_keys_per_split` keys (at most
+    `max_index_splits`). The split count comes from max_kv; each row's real length, read on the device,
+    decides what each piece holds.
 
-    Sparse layers run per query token: each token gathers its own selected blocks. With
+    Sparse layers whose every block fits in the top-k (ceil(max_kv / block) <= topk) select every visible
+    block whatever the scores, which is dense attention exactly: they run the dense kernel and skip the
+    indexer. A graph captured with max_kv = max_model_len never takes that shortcut.
+
+    Sparse attention runs per query token: each token gathers its own selected blocks. With
     `sparse_tile_min_q` set, steps whose widest row has at least that many tokens (prompt chunks) run the
     dense kernel over query tiles with the selection as a block mask instead, reading the union of a
     tile's selections once rather than each token's selection separately. That wins only when nearby
@@ -39,12 +52,16 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self, waves: int = 2, min_keys_per_split: int = 128, max_splits: int = 64,
-                 block_n: int | None = None, sparse_tile_min_q: int | None = None) -> None:
+                 block_n: int | None = None, sparse_tile_min_q: int | None = None,
+                 min_index_keys_per_split: int = 512, max_index_splits: int = 512, index_num_warps: int = 4) -> None:
         self.waves = waves
         self.min_keys_per_split = min_keys_per_split
         self.max_splits = max_splits
         self.block_n = block_n  # keys per tile of the dense kernel; None = by step shape
         self.sparse_tile_min_q = sparse_tile_min_q
+        self.min_index_keys_per_split = min_index_keys_per_split
+        self.max_index_splits = max_index_splits
+        self.index_num_warps = index_num_warps
 
     def _block_n(self, meta: AttnMetadata) -> int:
         # Measured on an H200 (D=64): 128-key tiles win for decode / verify (few query rows per tile, so
@@ -53,35 +70,54 @@ class TritonBackend:
             return self.block_n
         return 128 if meta.max_q <= 16 else 64
 
-    def _splits(self, programs: int, keys: int, device: torch.device) -> int:
+    def _splits(self, programs: int, keys: int, device: torch.device, min_keys: int, most: int) -> int:
         want = -(-self.waves * _num_sms(device) // max(1, programs))
-        most = max(1, keys // max(1, self.min_keys_per_split))
-        return max(1, min(want, most, self.max_splits))
+        fit = max(1, keys // max(1, min_keys))
+        return max(1, min(want, fit, most))
 
     def attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttnMetadata,
                   scale: float) -> torch.Tensor:
         """q [T, Hq, D] over paged K/V [S, Hkv, D] -> [T, Hq, D] in q's dtype."""
         programs = triton_kernels.dense_programs(meta, q.shape[1], k_pool.shape[1])
-        splits = self._splits(programs, meta.max_kv, q.device)
+        splits = self._splits(programs, meta.max_kv, q.device, self.min_keys_per_split, self.max_splits)
         return triton_kernels.dense_attention(q, k_pool, v_pool, meta, scale, num_splits=splits,
                                               block_n=self._block_n(meta))
+
+    def select_blocks(self, iq: torch.Tensor, ik_pool: torch.Tensor, meta: AttnMetadata, block_size: int,
+                      topk: int, local_blocks: int) -> torch.Tensor:
+        """The lightning indexer alone: iq [T, Hi, Di], ik_pool [S, Di] -> sel [T, Hi, min(topk, NB)] int64,
+        equal to `reference.select_blocks` (same blocks, same order)."""
+        min_blocks = max(1, self.min_index_keys_per_split // block_size)
+        programs = triton_kernels.index_programs(meta, iq.shape[1])
+        splits = self._splits(programs, -(-meta.max_kv // block_size), iq.device, min_blocks,
+                              self.max_index_splits)
+        return triton_kernels.select_blocks(iq, ik_pool, meta, block_size, topk, local_blocks, num_splits=splits,
+                                            min_blocks_per_split=min_blocks, num_warps=self.index_num_warps)
 
     def sparse_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                          meta: AttnMetadata, scale: float, iq: torch.Tensor, ik_pool: torch.Tensor,
                          block_size: int, topk: int, local_blocks: int) -> torch.Tensor:
         """As `attention`, but each token sees only the key blocks its indexer head selects.
         iq [T, Hi, Di], ik_pool [S, Di]."""
-        sel = triton_kernels.select_blocks(iq, ik_pool, meta, block_size, topk, local_blocks)  # [T, Hi, k]
+        num_blocks = -(-meta.max_kv // block_size)
+        if num_blocks <= topk:
+            # Every block that holds a visible key is selected (its score is finite), the others hold
+            # none: exactly dense attention, with no indexer to run.
+            return self.attention(q, k_pool, v_pool, meta, scale)
+        sel = self.select_blocks(iq, ik_pool, meta, block_size, topk, local_blocks)  # [T, Hi, k]
+        return self.attend_selected(q, k_pool, v_pool, meta, scale, sel, block_size)
+
+    def attend_selected(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttnMetadata,
+                        scale: float, sel: torch.Tensor, block_size: int) -> torch.Tensor:
+        """The attention half of a sparse layer: q [T, Hq, D] over the blocks sel [T, Hi, k] (-1 = none)."""
         if self.sparse_tile_min_q is not None and meta.max_q >= self.sparse_tile_min_q:
             keep = triton_kernels.selection_mask(sel, -(-meta.max_kv // block_size))  # [T, Hi, NB]
             programs = triton_kernels.dense_programs(meta, q.shape[1], k_pool.shape[1])
-            splits = self._splits(programs, meta.max_kv, q.device)
+            splits = self._splits(programs, meta.max_kv, q.device, self.min_keys_per_split, self.max_splits)
             return triton_kernels.dense_attention(q, k_pool, v_pool, meta, scale, num_splits=splits,
                                                   block_n=self._block_n(meta), keep=keep, keep_block=block_size)
-        programs = triton_kernels.sparse_programs(meta, q.shape[1], k_pool.shape[1], iq.shape[1])
+        programs = triton_kernels.sparse_programs(meta, q.shape[1], k_pool.shape[1], sel.shape[1])
         num_sel = sel.shape[-1]
-        splits = self._splits(programs, num_sel * block_size, q.device)
+        splits = self._splits(programs, num_sel * block_size, q.device, self.min_keys_per_split, self.max_splits)
         return triton_kernels.sparse_attention(q, k_pool, v_pool, meta, scale, sel, block_size,
                                                num_splits=min(splits, num_sel))
-
-

@@ -1,6 +1,6 @@
-"""Triton kernels for paged attention: dense extend, block-sparse extend, the lightning indexer's block
-scores and top-k, and the split-KV combine. `reference.py` is the oracle; `tests/test_triton_attention.py`
-holds these equal to it.
+"""Triton kernels for paged attention: dense extend, block-sparse extend, the lightning indexer (block
+scores, max-pool and top-k fused in one pass), and the split-KV combine. `reference.py` is the oracle;
+`tests/test_triton_attention.py` holds these equal to it.
 
 All kernels read K/V straight from the paged pools: key position j of row b lives at slot
 
@@ -10,13 +10,21 @@ All kernels read K/V straight from the paged pools: key position j of row b live
 token t attends to keys 0..positions[t] of its row (token-causal), so prompt chunks, decode rows and
 spec-verify rows of 1+K tokens are one code path.
 
-Launchers size their grids from host ints of the metadata only (num_rows, max_q, max_kv, num_tokens) and
-never read a device value back: no blocking CPU operation in this path, so it can be captured in a CUDA
-graph.
+CUDA graphs: launchers size their grids from host ints of the metadata only (num_rows, max_q, max_kv,
+num_tokens) and never read a device value back -- no blocking CPU operation in this path. Where the work
+depends on the lengths, the kernels read them from the device (q_lens, kv_lens, positions): a program
+past its row's tokens or keys exits at once, and split ranges are cut from the row's real kv_len. So a
+graph captured with max_kv = max_model_len replays correctly (and cheaply) for any shorter context.
 
 Split-KV (flash-decoding): when the grid is too small to fill the GPU (batch-1 decode over a long context),
 the key range (dense) or the selected-block list (sparse) is cut into `num_splits` pieces; each piece writes
-a normalized fp32 partial and its log2-sum-exp, and `_combine_kernel` merges them.
+a normalized fp32 partial and its log2-sum-exp, and `_combine_kernel` merges them in split order (the same
+sum every replay: deterministic).
+
+Indexer: one program scores a tile of one row's query tokens (times the index heads) against a run of the
+row's index-K blocks, max-pools each block and streams it into a running top-k list held in registers;
+neither [tokens x context] scores nor block scores reach memory. Few rows (decode) split the blocks over
+programs; each keeps its own top-k and `_index_merge_kernel` picks the final k from those lists.
 """
 
 from __future__ import annotations
@@ -112,10 +120,10 @@ def _write_result(acc, m_i, l_i, tok, head, row_ok, offs_d, d_ok, split,
 @triton.jit
 def _dense_attn_kernel(
     Q, K, V, Out, PartO, PartLse,
-    PageTable, QStart, QLens, Positions, Keep,
+    PageTable, QIndex, QLens, KvLens, Positions, Keep,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
-    stride_pb, stride_pos, stride_pot, stride_poh, stride_pls, stride_plt, stride_keep_t, stride_keep_h,
-    qk_scale, page_size, num_page_cols, max_kv, keys_per_split, keep_block, n_qtiles,
+    stride_pb, stride_qi, stride_pos, stride_pot, stride_poh, stride_pls, stride_plt, stride_keep_t, stride_keep_h,
+    qk_scale, page_size, num_page_cols, max_kv, num_splits, keep_block, n_qtiles,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_IDX: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_KEEP: tl.constexpr, KEEP_PER_TILE: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -128,7 +136,11 @@ def _dense_attn_kernel(
     keys) each token's index head selected; head h reads index head h // GROUP_IDX. A key tile that no
     row of the program selected is skipped without loading K/V, so the tile reads the union of its
     tokens' selections once instead of once per token. KEEP_PER_TILE: every key tile lies inside one
-    keep block (BLOCK_N divides keep_block, tiles start on multiples of BLOCK_N)."""
+    keep block (BLOCK_N divides keep_block, tiles start on multiples of BLOCK_N).
+
+    Split s covers keys [s * kps, (s + 1) * kps) with kps = cdiv(kv_len, splits) rounded up to whole
+    key tiles, from the row's device kv_len: a grid sized for max_kv spreads a short row over as many
+    programs as it can use, and the rest find an empty range and write an empty partial."""
     pid = tl.program_id(0)
     row = pid // n_qtiles
     qtile = pid % n_qtiles
@@ -141,7 +153,7 @@ def _dense_attn_kernel(
     g = offs_m % BLOCK_G
     q_len = tl.load(QLens + row)
     row_ok = (qi < q_len) & (g < GROUP)
-    tok = tl.load(QStart + row) + qi  # [M] flat token
+    tok = tl.load(QIndex + row * stride_qi) + qi  # [M] flat token (q_index[row, 0] is the row's first)
     head = kvh * GROUP + g
     ih = head // GROUP_IDX  # [M] index head (HAS_KEEP only)
     # Masked-off rows get position -1: they see no key and are never stored.
@@ -154,8 +166,10 @@ def _dense_attn_kernel(
 
     # Keys this program visits: its split's range, cut at the tile's last visible key and at max_kv
     # (the oracle only looks at keys < max_kv).
-    lo = split * keys_per_split
-    hi = tl.minimum(tl.minimum(lo + keys_per_split, tl.max(pos, 0) + 1), max_kv)
+    kv = tl.minimum(tl.load(KvLens + row), max_kv)
+    kps = tl.maximum(tl.cdiv(tl.cdiv(kv, num_splits), BLOCK_N), 1) * BLOCK_N
+    lo = split * kps
+    hi = tl.minimum(tl.minimum(lo + kps, tl.max(pos, 0) + 1), max_kv)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -273,87 +287,186 @@ def _combine_kernel(
     tl.store(Out + tok * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
+# ---- lightning indexer ---------------------------------------------------------------------------------
+#
+# Order of blocks, as the oracle's stable sort defines it: block a beats block b iff
+#     score[a] > score[b], or score[a] == score[b] and a < b.
+# A top-k list is kept unordered in registers ([M, BLOCK_K] scores and ids, one list per query row) and
+# ordered only when it is written out.
+
+INT32_MAX = tl.constexpr(2147483647)
+
+
 @triton.jit
-def _index_scores_kernel(
-    IQ, IK, Scores, PageTable, QStart, QLens, Positions,
-    stride_qt, stride_qh, stride_ks, stride_st, stride_sh, stride_pb,
-    page_size, num_page_cols, max_kv, block_size, num_blocks, blocks_per_prog, local_blocks, n_qtiles,
-    INDEX_DIM: tl.constexpr, N_HEADS: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_BS: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+def _topk_insert(list_s, list_id, cand, cand_id, BLOCK_K: tl.constexpr):
+    """Offer block `cand_id` (score cand [M]) to every row's running list [M, BLOCK_K].
+
+    Blocks arrive in increasing id, so the candidate loses every tie: it enters iff its score is strictly
+    above the list's worst, and evicts the worst entry -- the lowest score, and among equal lowest scores
+    the highest id. Empty slots hold (-inf, -1) and so never beat a -inf candidate: a block with no
+    visible key stays out, as the oracle turns it into -1. Slots past the list's capacity hold +inf and
+    are never the worst."""
+    offs_k = tl.arange(0, BLOCK_K)
+    worst = tl.min(list_s, 1)  # [M]
+    at_worst = list_s == worst[:, None]
+    evict_id = tl.max(tl.where(at_worst, list_id, -2), 1)  # [M]
+    slot = tl.min(tl.where(at_worst & (list_id == evict_id[:, None]), offs_k[None, :], BLOCK_K), 1)  # [M]
+    hit = (cand > worst)[:, None] & (offs_k[None, :] == slot[:, None])
+    return tl.where(hit, cand[:, None], list_s), tl.where(hit, cand_id, list_id)
+
+
+@triton.jit
+def _topk_emit(list_s, list_id, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr):
+    """Unordered lists [M, C] (ids distinct among entries above -inf) -> [M, BLOCK_O] int32: the TOPK best
+    entries best first, -1 once only -inf is left (the oracle's order and padding)."""
+    offs_o = tl.arange(0, BLOCK_O)
+    out = tl.full([BLOCK_M, BLOCK_O], -1, tl.int32)
+    for i in tl.static_range(TOPK):
+        best = tl.max(list_s, 1)  # [M]
+        bid = tl.min(tl.where(list_s == best[:, None], list_id, INT32_MAX), 1)  # ties: the lower id
+        val = tl.where(best == float("-inf"), -1, bid)
+        out = tl.where(offs_o[None, :] == i, val[:, None], out)
+        list_s = tl.where(list_id == bid[:, None], float("-inf"), list_s)  # taken
+    return out
+
+
+@triton.jit
+def _index_split_range(kv_len, num_blocks, block_size, num_splits, min_blocks_per_split):
+    """Blocks per split of a row: cdiv(row's blocks, splits), at least min_blocks_per_split. The indexer
+    and the merge both derive it from the row's device kv_len, so they agree on which split holds what."""
+    row_blocks = tl.minimum(tl.cdiv(kv_len, block_size), num_blocks)
+    return tl.maximum(tl.cdiv(row_blocks, num_splits), min_blocks_per_split)
+
+
+@triton.jit
+def _indexer_kernel(
+    IQ, IK, PageTable, QIndex, QLens, KvLens, Positions, Sel, PartS, PartId,
+    stride_qt, stride_qh, stride_ks, stride_pb, stride_qi, stride_st, stride_sh, stride_pt, stride_ph,
+    page_size, num_page_cols, max_kv, block_size, num_blocks, local_blocks, n_qtiles, num_splits,
+    min_blocks_per_split,
+    INDEX_DIM: tl.constexpr, N_HEADS: tl.constexpr, TOPK: tl.constexpr, CAP: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_BS: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
+    MIXED: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """Grid (rows * n_qtiles, cdiv(num_blocks, blocks_per_prog)). Block scores of the lightning indexer:
+    """Grid (rows * n_qtiles, splits). One program: BLOCK_Q query tokens of one row times its N_HEADS index
+    heads (M = BLOCK_Q * BLOCK_H query rows) against the row's index-K blocks of this split:
 
-        Scores[t, h, n] = max_{j in block n, j <= pos[t]} <iq[t, h], ik[j]>   (fp32)
-                          +inf for the query's own `local_blocks` blocks
+        score[m, j] = <iq[m], ik[j]>                 fp32, -inf past the token's position (token-causal)
+        block[m, n] = max_{j in block n} score       (max-pool; -inf when the block has no visible key)
+        block[m, n] = +inf for the token's own `local_blocks` blocks (they always win)
 
-    Only blocks up to the tile's last visible key are written: every later block is -inf for every token
-    of the tile, so callers either pre-fill -inf or read each token's blocks only up to its own."""
+    Each block's scores are streamed into a running top-CAP list per query row (`_topk_insert`), so the
+    row's index-K is read once for all its tokens and heads, and nothing of size [tokens x context] is
+    written. SPLIT: the list goes to PartS / PartId [T, Hi, splits, BLOCK_K] for `_index_merge_kernel`;
+    else the TOPK best, ordered, go to Sel [T, Hi, TOPK] (int64, -1 padded)."""
     pid = tl.program_id(0)
     row = pid // n_qtiles
     qtile = pid % n_qtiles
-    chunk = tl.program_id(1)
+    split = tl.program_id(1)
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
+    q_len = tl.load(QLens + row)
+    if qtile * BLOCK_Q >= q_len:  # a tile past the row's tokens (rows narrower than max_q)
+        return
 
     offs_m = tl.arange(0, BLOCK_M)
-    qi = qtile * BLOCK_Q + offs_m // BLOCK_H
-    hh = offs_m % BLOCK_H
-    q_len = tl.load(QLens + row)
+    qi = qtile * BLOCK_Q + offs_m // BLOCK_H  # [M] token index inside the row
+    hh = offs_m % BLOCK_H  # [M] index head
     row_ok = (qi < q_len) & (hh < N_HEADS)
-    tok = tl.load(QStart + row) + qi  # [M]
-    pos = tl.load(Positions + tok, mask=row_ok, other=-1).to(tl.int32)
-    own = tl.where(pos >= 0, pos // block_size, -1)  # [M]; // truncates, so guard the -1 rows
+    tok = tl.load(QIndex + row * stride_qi) + qi  # [M] flat token
+    pos = tl.load(Positions + tok, mask=row_ok, other=-1).to(tl.int32)  # [M]; -1 rows see no key
+    # The token's own block; a position below 0 (no visible key) counts as block -1, whose forced local
+    # blocks the oracle clamps to block 0. (// truncates toward zero, so guard the negative rows.)
+    own = tl.where(pos >= 0, pos // block_size, -1)  # [M]
+
+    # Blocks of this program: its split of the row, cut after the tile's last visible block (block 0 at
+    # least: it is where a token that sees nothing has its forced local block).
+    bps = _index_split_range(tl.load(KvLens + row).to(tl.int32), num_blocks, block_size, num_splits,
+                             min_blocks_per_split)
+    max_pos = tl.max(pos, 0)
+    nb_lo = split * bps
+    nb_hi = tl.minimum(tl.minimum(nb_lo + bps, tl.maximum(max_pos, 0) // block_size + 1), num_blocks)
+    if nb_lo >= nb_hi:  # nothing visible here; the merge never reads this split for these tokens
+        return
 
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < INDEX_DIM
-    iq_ptr = IQ + tok[:, None] * stride_qt + hh[:, None] * stride_qh + offs_d[None, :]
-    iq = tl.load(iq_ptr, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(IK.dtype.element_ty)  # [M, Di]
+    iq = tl.load(IQ + tok[:, None] * stride_qt + hh[:, None] * stride_qh + offs_d[None, :],
+                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, Di]
+    if MIXED:  # iq and ik dtypes differ: score both in fp32, as the oracle does
+        iq = iq.to(tl.float32)
+    else:
+        iq = iq.to(IK.dtype.element_ty)
 
-    max_pos = tl.max(pos, 0)
-    last_block = tl.where(max_pos >= 0, max_pos // block_size + 1, 0)
-    nb_lo = chunk * blocks_per_prog
-    nb_hi = tl.minimum(tl.minimum(nb_lo + blocks_per_prog, last_block), num_blocks)
+    offs_k = tl.arange(0, BLOCK_K)
+    # (-inf, -1): empty; slots past the capacity hold +inf so that they are never evicted into
+    list_s = tl.where(offs_k[None, :] < CAP, float("-inf"), float("inf")) + tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+    list_id = tl.full([BLOCK_M, BLOCK_K], -1, tl.int32)
+
     pt_row = PageTable + row * stride_pb
     BLOCK_N: tl.constexpr = BLOCKS_PER_ITER * BLOCK_BS
     offs_n = tl.arange(0, BLOCK_N)
     within = offs_n % BLOCK_BS  # [N] key offset inside its block
     offs_b = tl.arange(0, BLOCKS_PER_ITER)
-    s_ptr = Scores + tok * stride_st + hh * stride_sh  # [M]
     for nb0 in range(nb_lo, nb_hi, BLOCKS_PER_ITER):
         blk = nb0 + offs_n // BLOCK_BS  # [N]
         keys = blk * block_size + within
-        k_ok = (within < block_size) & (blk < nb_hi) & (keys < max_kv) & (keys <= max_pos)
+        k_ok = (within < block_size) & (blk < nb_hi) & (keys <= max_pos) & (keys < max_kv)
         slots = _page_slots(pt_row, keys, page_size, num_page_cols, k_ok)
         ik = tl.load(IK + slots[:, None] * stride_ks + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :],
                      other=0.0)  # [N, Di]
+        if MIXED:
+            ik = ik.to(tl.float32)
         s = tl.dot(iq, tl.trans(ik), input_precision=DOT_PREC)  # [M, N] fp32
         s = tl.where(k_ok[None, :] & (keys[None, :] <= pos[:, None]), s, float("-inf"))
         best = tl.max(tl.reshape(s, (BLOCK_M, BLOCKS_PER_ITER, BLOCK_BS)), 2)  # [M, B] max-pool per block
         nbs = nb0 + offs_b  # [B]
-        local = (nbs[None, :] <= own[:, None]) & (nbs[None, :] > own[:, None] - local_blocks)
-        best = tl.where(local, float("inf"), best)
-        tl.store(s_ptr[:, None] + nbs[None, :], best, mask=row_ok[:, None] & (nbs < nb_hi)[None, :])
+        # forced: blocks clamp(own - i, 0) for i < local_blocks, as the oracle scatters them
+        local = (nbs[None, :] <= tl.maximum(own, 0)[:, None]) & (nbs[None, :] > own[:, None] - local_blocks)
+        best = tl.where(local & (local_blocks > 0), float("inf"), best)
+        best = tl.where((nbs < nb_hi)[None, :], best, float("-inf"))  # a later split's block: not ours
+        for b in tl.static_range(BLOCKS_PER_ITER):
+            cand = tl.max(tl.where(offs_b[None, :] == b, best, float("-inf")), 1)  # [M] column b
+            list_s, list_id = _topk_insert(list_s, list_id, cand, nb0 + b, BLOCK_K)
+
+    list_s = tl.where(offs_k[None, :] < CAP, list_s, float("-inf"))  # drop the +inf placeholders
+    if SPLIT:
+        off = tok[:, None] * stride_pt + hh[:, None] * stride_ph + split * BLOCK_K + offs_k[None, :]
+        tl.store(PartS + off, list_s, mask=row_ok[:, None])
+        tl.store(PartId + off, list_id, mask=row_ok[:, None])
+    else:
+        out = _topk_emit(list_s, list_id, TOPK, BLOCK_M, BLOCK_O)
+        offs_o = tl.arange(0, BLOCK_O)
+        ptr = Sel + tok[:, None] * stride_st + hh[:, None] * stride_sh + offs_o[None, :]
+        tl.store(ptr, out.to(tl.int64), mask=row_ok[:, None] & (offs_o < TOPK)[None, :])
 
 
 @triton.jit
-def _topk_blocks_kernel(
-    Scores, Sel, Positions, stride_st, stride_sh, stride_selt, stride_selh, block_size, num_blocks,
-    TOPK: tl.constexpr, BLOCK_NB: tl.constexpr,
+def _index_merge_kernel(
+    PartS, PartId, Sel, TokRow, KvLens, Positions,
+    stride_pt, stride_ph, stride_st, stride_sh, block_size, num_blocks, num_splits, min_blocks_per_split,
+    TOPK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_O: tl.constexpr,
 ):
-    """Grid (T, Hi). sel[t, h, :] = the TOPK best blocks of Scores[t, h, :], best first (ties to the lower
-    block id), -1 once only -inf is left. Reads only blocks 0..pos[t] // block_size -- the ones the score
-    kernel wrote for this token (later blocks hold no visible key, so they are -inf by definition)."""
+    """Grid (T, Hi). Sel[t, h] = the TOPK best of the splits' lists, ordered, -1 padded. Only splits that
+    start at or before the token's own block are read: later ones hold nothing it can see, and their
+    programs may have exited without writing. Every list holds its split's best min(TOPK, blocks), so the
+    union holds the global top-TOPK."""
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    last = tl.load(Positions + tok) // block_size
-    offs = tl.arange(0, BLOCK_NB)
-    x = tl.load(Scores + tok * stride_st + h * stride_sh + offs, mask=(offs <= last) & (offs < num_blocks),
-                other=float("-inf"))  # [NB]
-    for i in tl.static_range(TOPK):
-        best = tl.max(x, 0)
-        idx = tl.min(tl.where(x == best, offs, BLOCK_NB), 0)
-        tl.store(Sel + tok * stride_selt + h * stride_selh + i, tl.where(best == float("-inf"), -1, idx))
-        x = tl.where(offs == idx, float("-inf"), x)  # taken: it can only come back as -1
+    row = tl.load(TokRow + tok)
+    bps = _index_split_range(tl.load(KvLens + row).to(tl.int32), num_blocks, block_size, num_splits,
+                             min_blocks_per_split)
+    last = tl.maximum(tl.load(Positions + tok).to(tl.int32), 0) // block_size  # the indexer's clamp
+    offs_c = tl.arange(0, BLOCK_C)
+    part = offs_c // BLOCK_K
+    ok = (part < num_splits) & (part * bps <= last)
+    base = tok * stride_pt + h * stride_ph
+    cs = tl.load(PartS + base + offs_c, mask=ok, other=float("-inf"))  # [C]
+    cid = tl.load(PartId + base + offs_c, mask=ok, other=-1)
+    out = _topk_emit(tl.reshape(cs, (1, BLOCK_C)), tl.reshape(cid, (1, BLOCK_C)), TOPK, 1, BLOCK_O)  # [1, O]
+    offs_o = tl.arange(0, BLOCK_O)
+    tl.store(Sel + tok * stride_st + h * stride_sh + offs_o[None, :], out.to(tl.int64),
+             mask=(offs_o < TOPK)[None, :])
 
 
 # ---- launchers -----------------------------------------------------------------------------------------
@@ -416,12 +529,11 @@ def dense_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         return out
     block_q, block_g = _q_tile(hq // hkv, meta.max_q)
     n_qtiles = -(-meta.max_q // block_q)
-    keys_per_split = block_n * -(-meta.max_kv // (num_splits * block_n))  # a whole number of key tiles
-    splits = max(1, -(-meta.max_kv // keys_per_split))
+    # At most one split per key tile of max_kv; the kernel cuts each row's real kv_len into `splits`.
+    splits = max(1, min(num_splits, -(-meta.max_kv // block_n)))
     part_o, part_lse = _partials(splits, t, hq, d, q.device) if splits > 1 else (out, out)
     pstr = (*part_o.stride()[:3], *part_lse.stride()[:2]) if splits > 1 else (0,) * 5
     page_table = meta.page_table.contiguous()
-    q_start = meta.q_index[:, 0].contiguous()  # [B] flat index of each row's first token
     if keep is not None and (keep.stride(-1) != 1 or hq % keep.shape[1] or keep_block <= 0):
         raise ValueError("keep must be [T, Hi, NB], contiguous in NB, Hq a multiple of Hi, keep_block > 0")
     keep_args = (keep, keep.stride(0), keep.stride(1)) if keep is not None else (q, 0, 0)
@@ -429,11 +541,11 @@ def dense_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     # keep_block keeps each tile inside one keep block.
     per_tile = keep is not None and keep_block % block_n == 0
     _dense_attn_kernel[(meta.num_rows * n_qtiles, hkv, splits)](
-        q, k_pool, v_pool, out, part_o, part_lse, page_table, q_start, meta.q_lens, meta.positions,
-        keep_args[0],
+        q, k_pool, v_pool, out, part_o, part_lse, page_table, meta.q_index, meta.q_lens, meta.kv_lens,
+        meta.positions, keep_args[0],
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        out.stride(0), out.stride(1), page_table.stride(0), *pstr, keep_args[1], keep_args[2],
-        scale * LOG2E, meta.page_size, page_table.shape[1], meta.max_kv, keys_per_split, max(1, keep_block),
+        out.stride(0), out.stride(1), page_table.stride(0), meta.q_index.stride(0), *pstr, keep_args[1],
+        keep_args[2], scale * LOG2E, meta.page_size, page_table.shape[1], meta.max_kv, splits, max(1, keep_block),
         n_qtiles, HEAD_DIM=d, GROUP=hq // hkv,
         GROUP_IDX=hq // keep.shape[1] if keep is not None else 1,
         BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=_pow2(d, 16), HAS_KEEP=keep is not None,
@@ -490,77 +602,70 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     return out
 
 
-def index_block_scores(iq: torch.Tensor, ik_pool: torch.Tensor, meta: AttnMetadata, block_size: int,
-                       local_blocks: int, out: torch.Tensor | None = None, target_programs: int = 256,
-                       max_keys_per_prog: int = 512, keys_per_iter: int = 128) -> torch.Tensor:
-    """iq [T, Hi, Di], ik_pool [S, Di] -> block scores [T, Hi, NB] fp32 (NB = ceil(max_kv / block_size)),
-    -inf where a block has no visible key, +inf on the query's own `local_blocks` blocks.
-
-    With `out` given, only blocks up to each token tile's last visible key are written (the rest of `out`
-    is left as it was, and is -inf by definition); without it the result is complete.
-    Each program scores a run of blocks for a tile of one row's tokens: long runs for big steps, down to
-    one block when the grid would otherwise be too small to fill the GPU (batch-1 decode)."""
-    t, hi, di = iq.shape
-    nb = -(-meta.max_kv // block_size)
-    if out is None:
-        out = torch.full((t, hi, nb), float("-inf"), dtype=torch.float32, device=iq.device)
-    if t == 0:
-        return out
-    # The oracle scores in fp32. Matching bf16/fp16 inputs multiply exactly in fp32 inside tl.dot; anything
-    # else (fp32, or mixed dtypes) is computed in fp32 without TF32.
-    same_half = iq.dtype == ik_pool.dtype and iq.dtype in (torch.bfloat16, torch.float16)
-    ik = ik_pool if same_half or ik_pool.dtype == torch.float32 else ik_pool.float()
-    if ik.stride(-1) != 1 or iq.stride(-1) != 1 or out.stride(-1) != 1:
-        raise ValueError("iq, ik_pool and out must be contiguous in their last dim")
-    block_q, block_h = _q_tile(hi, meta.max_q)
-    n_qtiles = -(-meta.max_q // block_q)
-    tiles = meta.num_rows * n_qtiles
-    per_prog = max(1, min(max_keys_per_prog // block_size, tiles * nb // max(1, target_programs)))
-    # Score ~keys_per_iter keys per iteration (several small blocks at once, max-pooled by a reshape), and
-    # at least 16 (the smallest tl.dot).
-    block_bs = _pow2(block_size)
-    per_iter = min(max(1, keys_per_iter // block_bs), _pow2(per_prog))
-    per_iter = max(per_iter, _pow2(-(-16 // block_bs)))
-    page_table = meta.page_table.contiguous()
-    q_start = meta.q_index[:, 0].contiguous()
-    _index_scores_kernel[(tiles, -(-nb // per_prog))](
-        iq, ik, out, page_table, q_start, meta.q_lens, meta.positions,
-        iq.stride(0), iq.stride(1), ik.stride(0), out.stride(0), out.stride(1), page_table.stride(0),
-        meta.page_size, page_table.shape[1], meta.max_kv, block_size, nb, per_prog, local_blocks, n_qtiles,
-        INDEX_DIM=di, N_HEADS=hi, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_BS=block_bs,
-        BLOCKS_PER_ITER=per_iter, BLOCK_D=_pow2(di, 16), DOT_PREC=_dot_precision(ik.dtype))
-    return out
+def index_programs(meta: AttnMetadata, num_index_heads: int) -> int:
+    """Programs of one indexer launch before splitting: one per (row, query tile)."""
+    block_q, _ = _q_tile(num_index_heads, meta.max_q)
+    return meta.num_rows * -(-meta.max_q // block_q)
 
 
-# Past this many blocks per row the row no longer sits comfortably in one program's registers; the
-# selection then falls back to torch.topk over fully written scores.
-MAX_KERNEL_TOPK_BLOCKS = 8192
+# The merge holds every split's list of one (token, index head) in one program's registers.
+MAX_MERGE_CANDIDATES = 4096
 
 
 def select_blocks(iq: torch.Tensor, ik_pool: torch.Tensor, meta: AttnMetadata, block_size: int, topk: int,
-                  local_blocks: int) -> torch.Tensor:
-    """Lightning-indexer selection on flat tokens: sel [T, Hi, k] int64, k = min(topk, NB), best first,
-    -1 where the slot only found -inf. Same set as `reference.select_blocks` (order may differ on ties)."""
-    t, hi, _ = iq.shape
+                  local_blocks: int, num_splits: int = 1, min_blocks_per_split: int = 1, keys_per_iter: int = 128,
+                  num_warps: int = 4) -> torch.Tensor:
+    """Lightning-indexer selection on flat tokens: iq [T, Hi, Di], ik_pool [S, Di] -> sel [T, Hi, k] int64,
+    k = min(topk, NB), NB = ceil(max_kv / block_size): exactly `reference.select_blocks` -- the same blocks
+    in the same order (score desc, ties to the lower block id), -1 where only -inf was left.
+
+    One launch (`_indexer_kernel`) when num_splits == 1. Otherwise each row's blocks are cut into
+    `num_splits` runs of at least `min_blocks_per_split` blocks (from the row's device kv_len), each run
+    keeps its own top-k, and `_index_merge_kernel` picks the final k: two launches, for steps with too few
+    rows to fill the GPU. Device memory: sel plus, when split, [T, Hi, splits, <=k] lists."""
+    t, hi, di = iq.shape
     nb = -(-meta.max_kv // block_size)
     k = min(topk, nb)
-    if nb > MAX_KERNEL_TOPK_BLOCKS:
-        scores = index_block_scores(iq, ik_pool, meta, block_size, local_blocks)  # [T, Hi, NB]
-        top, idx = scores.topk(k, dim=-1)
-        return idx.masked_fill(top == float("-inf"), -1)
-    # No -inf fill needed: the top-k kernel reads only the blocks the score kernel wrote.
-    scores = torch.empty(t, hi, nb, dtype=torch.float32, device=iq.device)
-    index_block_scores(iq, ik_pool, meta, block_size, local_blocks, out=scores)
-    return topk_blocks(scores, meta, block_size, k)
-
-
-def topk_blocks(scores: torch.Tensor, meta: AttnMetadata, block_size: int, k: int) -> torch.Tensor:
-    """scores [T, Hi, NB] (valid up to each token's own block) -> sel [T, Hi, k] int64, -1 padded."""
-    t, hi, nb = scores.shape
-    sel = torch.empty(t, hi, k, dtype=torch.int64, device=scores.device)
+    sel = torch.empty(t, hi, k, dtype=torch.int64, device=iq.device)
     if t == 0 or k == 0:
         return sel
-    _topk_blocks_kernel[(t, hi)](
-        scores, sel, meta.positions, scores.stride(0), scores.stride(1), sel.stride(0), sel.stride(1),
-        block_size, nb, TOPK=k, BLOCK_NB=_pow2(nb), num_warps=4 if nb <= 2048 else 8)
+    if ik_pool.stride(-1) != 1 or iq.stride(-1) != 1:
+        raise ValueError("iq and ik_pool must be contiguous in their last dim")
+    mixed = iq.dtype != ik_pool.dtype
+    block_q, block_h = _q_tile(hi, meta.max_q)
+    n_qtiles = -(-meta.max_q // block_q)
+    min_bps = max(1, min_blocks_per_split)
+    splits = max(1, min(num_splits, -(-nb // min_bps)))
+    cap = k
+    if splits > 1:
+        # a split holds at most cdiv(NB, splits) blocks, so its list needs no more room than that
+        cap = min(k, max(min_bps, -(-nb // splits)))
+        splits = max(1, min(splits, MAX_MERGE_CANDIDATES // _pow2(cap)))
+        cap = min(k, max(min_bps, -(-nb // splits)))
+    block_k = _pow2(cap)
+    # Score ~keys_per_iter keys per iteration (several small blocks at once, max-pooled by a reshape), at
+    # least 16 (the smallest tl.dot) and at most 8 blocks (each is offered to the list on its own).
+    block_bs = _pow2(block_size)
+    per_iter = max(_pow2(-(-16 // block_bs)), min(8, max(1, keys_per_iter // block_bs)))
+    page_table = meta.page_table.contiguous()
+    if splits > 1:
+        part_s = torch.empty(t, hi, splits * block_k, dtype=torch.float32, device=iq.device)
+        part_id = torch.empty(t, hi, splits * block_k, dtype=torch.int32, device=iq.device)
+    else:
+        part_s, part_id = sel, sel  # unused
+    _indexer_kernel[(meta.num_rows * n_qtiles, splits)](
+        iq, ik_pool, page_table, meta.q_index, meta.q_lens, meta.kv_lens, meta.positions, sel, part_s, part_id,
+        iq.stride(0), iq.stride(1), ik_pool.stride(0), page_table.stride(0), meta.q_index.stride(0),
+        sel.stride(0), sel.stride(1), part_s.stride(0), part_s.stride(1),
+        meta.page_size, page_table.shape[1], meta.max_kv, block_size, nb, local_blocks, n_qtiles, splits, min_bps,
+        INDEX_DIM=di, N_HEADS=hi, TOPK=k, CAP=cap, BLOCK_K=block_k, BLOCK_O=_pow2(k), BLOCK_Q=block_q,
+        BLOCK_H=block_h, BLOCK_BS=block_bs, BLOCKS_PER_ITER=per_iter, BLOCK_D=_pow2(di, 16), SPLIT=splits > 1,
+        MIXED=mixed, DOT_PREC="ieee" if mixed else _dot_precision(ik_pool.dtype), num_warps=num_warps)
+    if splits > 1:
+        block_c = _pow2(splits) * block_k
+        _index_merge_kernel[(t, hi)](
+            part_s, part_id, sel, meta.tok_row, meta.kv_lens, meta.positions,
+            part_s.stride(0), part_s.stride(1), sel.stride(0), sel.stride(1), block_size, nb, splits, min_bps,
+            TOPK=k, BLOCK_K=block_k, BLOCK_C=block_c, BLOCK_O=_pow2(k), num_warps=4 if block_c <= 1024 else 8)
     return sel
+
