@@ -29,7 +29,8 @@ One draft step (`forward`):
 
 Like the target, the module holds weights only: `forward` is a pure function of (tokens, positions,
 hidden, metadata, cache); the engine owns the draft layer's K/V pool, indexed by the same slots as the
-target's. `forward_seq` is the contiguous training path, with the training-time-test (TTT) unrolling.
+target's, and its ops (`meta.ops`) run the paged path's attention and fused norms / RoPE / activations.
+`forward_seq` is the contiguous training path, with the training-time-test (TTT) unrolling.
 """
 
 from __future__ import annotations
@@ -216,12 +217,18 @@ class Eagle3Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 cache: LayerCache) -> torch.Tensor:
-        """Paged path: x [T, 2H] -> [T, H]. Writes this step's K/V at meta.slot_mapping first."""
-        q, k, v = self.qkv(x, positions)
-        cache.k.index_copy_(0, meta.slot_mapping, k.to(cache.k.dtype))
-        cache.v.index_copy_(0, meta.slot_mapping, v.to(cache.v.dtype))
-        o = (meta.ops or REFERENCE).attention.attention(q, cache.k, cache.v, meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(o.reshape(x.shape[0], -1))
+        """Paged path: x [T, 2H] -> [T, H]. Writes this step's K/V at meta.slot_mapping first. Same math as
+        `qkv` + the cache writes, as one fused op of the engine's (`meta.ops.fused`)."""
+        t, c = x.shape[0], self.cfg
+        ops = meta.ops or REFERENCE
+        cos, sin = ops.fused.rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)  # [T, D] each
+        q = ops.fused.qkv_rope_store(
+            self.q_proj(x).view(t, c.num_attention_heads, c.head_dim),
+            self.k_proj(x).view(t, c.num_key_value_heads, c.head_dim),
+            self.v_proj(x).view(t, c.num_key_value_heads, c.head_dim),
+            None, None, 0.0, cos, sin, cache.k, cache.v, meta.slot_mapping)  # no q/k norm in a Llama head
+        o = ops.attention.attention(q, cache.k, cache.v, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, -1))
 
     def forward_seq(self, x: torch.Tensor, cache_kv: list[tuple[torch.Tensor, torch.Tensor]] | None,
                     ) -> torch.Tensor:
@@ -288,10 +295,19 @@ class Eagle3DecoderLayer(nn.Module):
         return torch.cat((self.input_layernorm(emb), self.hidden_norm(h)), dim=-1)
 
     def forward(self, emb: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
-                cache: LayerCache) -> torch.Tensor:
-        # The residual stream starts from the hidden input, not from the embedding (EAGLE-3 reference).
-        h = h + self.self_attn(self.attn_input(emb, h), positions, meta, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+                cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Paged path: (residual [T, H], mlp output [T, H]) -- the layer's output is their sum, which the
+        head's final norm adds in (fused). The residual stream starts from the hidden input, not from the
+        embedding (EAGLE-3 reference)."""
+        f = (meta.ops or REFERENCE).fused
+        n1, n2, n3 = self.input_layernorm, self.hidden_norm, self.post_attention_layernorm
+        width = emb.shape[-1]
+        # attn_input without the cat: each norm writes its half of the [T, 2H] projection input.
+        x = torch.empty(emb.shape[0], 2 * width, dtype=self.self_attn.q_proj.weight.dtype, device=emb.device)
+        f.rms_norm(emb, n1.weight, n1.eps, gemma=False, out=x[:, :width])
+        f.rms_norm(h, n2.weight, n2.eps, gemma=False, out=x[:, width:])
+        hn, h = f.add_rms_norm(self.self_attn(x, positions, meta, cache), h, n3.weight, n3.eps, gemma=False)
+        return h, self.mlp(hn, f)
 
     def forward_seq(self, emb: torch.Tensor, h: torch.Tensor,
                     cache_kv: list[tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
@@ -359,12 +375,20 @@ class Eagle3Head(nn.Module):
                                "head.set_embedding(target.embed_tokens.weight) after loading")
         return self.embed_tokens(input_ids)
 
-    def project_aux(self, aux: torch.Tensor) -> torch.Tensor:
-        """aux [..., n_aux * Ht] (the target's captured residual streams, concatenated) -> [..., H]."""
+    def project_aux(self, aux: torch.Tensor, fused: Any = None) -> torch.Tensor:
+        """aux [..., n_aux * Ht] (the target's captured residual streams, concatenated) -> [..., H].
+        `fused` (the engine's fused ops; the paged path, aux [T, n_aux * Ht]) norms each chunk in place of
+        the split + cat; None = reference."""
         aux = aux.to(self.fc.weight.dtype)
         if self.fc_norm is not None:
             chunks = aux.split(self.cfg.target_hidden_size, dim=-1)
-            aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, chunks)], dim=-1)
+            if fused is None:
+                aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, chunks)], dim=-1)
+            else:
+                out = torch.empty_like(aux)
+                for norm, x, o in zip(self.fc_norm, chunks, out.split(self.cfg.target_hidden_size, dim=-1)):
+                    fused.rms_norm(x, norm.weight, norm.eps, gemma=False, out=o)
+                aux = out
         return self.fc(aux)
 
     def _outputs(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -379,9 +403,11 @@ class Eagle3Head(nn.Module):
         input_ids [T], positions [T], hidden [T, n_aux * Ht] when from_aux (step 0: the target's aux
         states) else [T, H] (the previous step's h_next). Writes K/V at meta.slot_mapping into `cache`.
         Returns (h_out [T, H] for compute_logits, h_next [T, H] for the next draft step)."""
-        h = self.project_aux(hidden) if from_aux else hidden.to(self.fc.weight.dtype)
-        h = self.midlayer(self.embed(input_ids), h, positions, meta, cache)
-        return self._outputs(h)
+        f = (meta.ops or REFERENCE).fused
+        h = self.project_aux(hidden, f) if from_aux else hidden.to(self.fc.weight.dtype)
+        h, mlp_out = self.midlayer(self.embed(input_ids), h, positions, meta, cache)
+        h_out, h = f.add_rms_norm(mlp_out, h, self.norm.weight, self.norm.eps, gemma=False)  # _outputs, fused
+        return h_out, (h_out if self.cfg.norm_output else h)
 
     def forward_seq(self, input_ids: torch.Tensor, hidden: torch.Tensor, from_aux: bool,
                     cache_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,

@@ -1,4 +1,7 @@
-"""Building blocks shared by the target and the draft head: norms, RoPE, SwiGLU-OAI, MoE."""
+"""Building blocks shared by the target and the draft head: norms, RoPE, SwiGLU-OAI, MoE.
+
+The elementwise math lives in `m3eagle.fused.reference` (and is re-exported here): the modules call it, and
+the paged forward paths hand the same ops to the engine's fused backend (`meta.ops.fused`) instead."""
 
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..fused import reference as fused_ref
+from ..fused.reference import apply_rope, swiglu_oai  # noqa: F401  (re-exported: models, training, moe use them)
 from ..moe import backend as moe_backend
 
 
@@ -21,9 +26,7 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).type_as(x)
+        return fused_ref.rms_norm(x, self.weight, self.eps)
 
 
 class LlamaRMSNorm(nn.Module):
@@ -35,9 +38,7 @@ class LlamaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return fused_ref.rms_norm(x, self.weight, self.eps, gemma=False)
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any] | None = None,
@@ -95,25 +96,6 @@ def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: 
     return (emb.cos() * mscale).to(dtype), (emb.sin() * mscale).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Partial NeoX RoPE over the first cos.shape[-1] channels. x [T, H, D], cos/sin [T, R]."""
-    r = cos.shape[-1]
-    x_rot, x_pass = x[..., :r], x[..., r:]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    half = r // 2
-    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
-
-
-def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """(up + 1) * gate * sigmoid(alpha * gate); gate clamped above only, up on both sides.
-    gate_up [..., 2I] holds gate then up (not interleaved)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1.0) * (gate * torch.sigmoid(gate * alpha))
-
-
 class SwigluOaiMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, alpha: float, limit: float):
         super().__init__()
@@ -121,8 +103,10 @@ class SwigluOaiMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu_oai(self.gate_up_proj(x), self.alpha, self.limit))
+    def forward(self, x: torch.Tensor, fused: Any = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]. `fused` (an m3eagle.fused.backend object) runs the activation; None = reference."""
+        act = fused if fused is not None else fused_ref
+        return self.down_proj(act.swiglu_oai(self.gate_up_proj(x), self.alpha, self.limit))
 
 
 class SiluMLP(nn.Module):
@@ -134,8 +118,9 @@ class SiluMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, fused: Any = None) -> torch.Tensor:
+        act = fused if fused is not None else fused_ref
+        return self.down_proj(act.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class Router(nn.Module):
@@ -148,12 +133,11 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (weights [T, k] fp32, experts [T, k] int64)."""
-        scores = torch.sigmoid(F.linear(x.to(self.weight.dtype), self.weight).float())  # [T, E]
-        _, idx = torch.topk(scores + self.e_score_correction_bias.float(), self.top_k, dim=-1, sorted=False)
-        w = scores.gather(1, idx)
-        return w / w.sum(-1, keepdim=True), idx
+    def forward(self, x: torch.Tensor, fused: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] fp32, experts [T, k] int64); ties go to the lowest expert id (see
+        fused.reference.route). `fused` runs everything after the GEMM; None = reference."""
+        logits = F.linear(x.to(self.weight.dtype), self.weight).float()  # [T, E]
+        return (fused if fused is not None else fused_ref).route(logits, self.e_score_correction_bias, self.top_k)
 
 
 class Experts(nn.Module):
@@ -187,3 +171,9 @@ class SparseMoE(nn.Module):
         w, idx = self.gate(x)
         # Routed output is scaled; the shared expert is not.
         return self.experts(x, w, idx, impl) * self.routed_scaling_factor + self.shared_experts(x)
+
+    def forward_parts(self, x: torch.Tensor, ops: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Paged path with the engine's `ops` (m3eagle.ops.Ops): (routed, shared), both [T, H]; the output is
+        routed * routed_scaling_factor + shared, which the caller leaves to the next fused add + norm."""
+        w, idx = self.gate(x, ops.fused)
+        return self.experts(x, w, idx, ops.moe), self.shared_experts(x, ops.fused)

@@ -1,8 +1,10 @@
 """MiniMax-M3 text backbone: dense layers then MoE, full attention then MiniMax Sparse Attention.
 
 The module holds weights only. `forward` is a pure function of (tokens, positions, metadata, caches):
-the engine owns the KV pools and passes them in. Parameter names follow transformers'
-`MiniMaxM3VLForCausalLM` with the `model.` prefix dropped, so its `save_pretrained` output maps 1:1.
+the engine owns the KV pools and passes them in, and its ops (`meta.ops`: attention, MoE and the fused
+elementwise ops) run the paged path. `forward_seq` (training, the oracle) runs the plain reference math.
+Parameter names follow transformers' `MiniMaxM3VLForCausalLM` with the `model.` prefix dropped, so its
+`save_pretrained` output maps 1:1.
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ from ..attention.metadata import AttnMetadata
 from ..config import M3Config
 from ..ops import REFERENCE
 from .layers import GemmaRMSNorm, SparseMoE, SwigluOaiMLP, apply_rope, rope_cos_sin
+
+Delta = tuple[torch.Tensor, torch.Tensor | None, float]
+"""A sub-layer's output not yet added to the residual stream: (x, x2, scale) stands for x * scale + x2 (the
+MoE's routed experts, shared expert and routed_scaling_factor; (x, None, 1.0) for a plain output). The paged
+path hands it to the next norm, whose fused kernel adds it in with the unfused model's roundings, so the
+residual adds cost no launches of their own."""
 
 
 @dataclass
@@ -46,6 +54,16 @@ class Indexer(nn.Module):
         ik = self.k_norm(self.k_proj(x).view(t, 1, self.cfg.index_head_dim))
         return apply_rope(iq, cos[:, :r], sin[:, :r]), apply_rope(ik, cos[:, :r], sin[:, :r])[:, 0]
 
+    def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
+                      pool: torch.Tensor) -> torch.Tensor:
+        """Paged path: x [T, H] -> iq [T, Hi, Di]; ik (normed, roped) goes to the index-K pool [S, Di] at
+        meta.slot_mapping. Same math as `forward`, with the engine's fused ops."""
+        t, c, r = x.shape[0], self.cfg, self.cfg.index_rope_dim
+        return (meta.ops or REFERENCE).fused.qkv_rope_store(
+            self.q_proj(x).view(t, c.index_n_heads, c.index_head_dim), self.k_proj(x).view(t, 1, c.index_head_dim),
+            None, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos[:, :r], sin[:, :r], pool, None,
+            meta.slot_mapping)
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: M3Config, layer: int):
@@ -64,17 +82,18 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
                 cache: LayerCache) -> torch.Tensor:
         t, c = x.shape[0], self.cfg
-        q = apply_rope(self.q_norm(self.q_proj(x).view(t, c.num_attention_heads, c.head_dim)), cos, sin)
-        k = apply_rope(self.k_norm(self.k_proj(x).view(t, c.num_key_value_heads, c.head_dim)), cos, sin)
-        v = self.v_proj(x).view(t, c.num_key_value_heads, c.head_dim)
-        cache.k.index_copy_(0, meta.slot_mapping, k.to(cache.k.dtype))
-        cache.v.index_copy_(0, meta.slot_mapping, v.to(cache.v.dtype))
-        attn = (meta.ops or REFERENCE).attention
+        ops = meta.ops or REFERENCE
+        # q/k norm + RoPE, and this step's K/V into the pools at meta.slot_mapping: one fused op.
+        q = ops.fused.qkv_rope_store(
+            self.q_proj(x).view(t, c.num_attention_heads, c.head_dim),
+            self.k_proj(x).view(t, c.num_key_value_heads, c.head_dim),
+            self.v_proj(x).view(t, c.num_key_value_heads, c.head_dim),
+            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, cache.k, cache.v, meta.slot_mapping)
+        attn = ops.attention
         if self.indexer is None:
             o = attn.attention(q, cache.k, cache.v, meta, self.scale)
         else:
-            iq, ik = self.indexer(x, cos, sin)
-            cache.idx_k.index_copy_(0, meta.slot_mapping, ik.to(cache.idx_k.dtype))
+            iq = self.indexer.forward_paged(x, cos, sin, meta, cache.idx_k)
             o = attn.sparse_attention(q, cache.k, cache.v, meta, self.scale, iq, cache.idx_k,
                                       c.index_block_size, c.index_topk_blocks, c.index_local_blocks)
         return self.o_proj(o.reshape(t, -1))
@@ -114,10 +133,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, meta, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
-        h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, (meta.ops or REFERENCE).moe) if isinstance(self.mlp, SparseMoE) else self.mlp(h))
+    def forward(self, residual: torch.Tensor | None, delta: Delta, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttnMetadata, cache: LayerCache) -> tuple[torch.Tensor, Delta]:
+        """Paged path. The stream entering the layer is residual + delta (residual None: delta alone); so is
+        the one it returns -- the MLP's output is left for the next norm to add (vLLM's fused_add_rms_norm)."""
+        ops = meta.ops or REFERENCE
+        f, ln1, ln2 = ops.fused, self.input_layernorm, self.post_attention_layernorm
+        h, residual = f.add_rms_norm(delta[0], residual, ln1.weight, ln1.eps, delta[1], delta[2])
+        a = self.self_attn(h, cos, sin, meta, cache)
+        h, residual = f.add_rms_norm(a, residual, ln2.weight, ln2.eps)
+        if isinstance(self.mlp, SparseMoE):
+            routed, shared = self.mlp.forward_parts(h, ops)
+            return residual, (routed, shared, self.mlp.routed_scaling_factor)
+        return residual, (self.mlp(h, f), None, 1.0)
 
     def forward_seq(self, x, cos, sin):
         x = x + self.self_attn.forward_seq(self.input_layernorm(x), cos, sin)
@@ -147,18 +175,25 @@ class MiniMaxM3(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 caches: list[LayerCache], aux_layer_ids: tuple[int, ...] = (),
                 aux_out: torch.Tensor | None = None) -> torch.Tensor:
+        f = (meta.ops or REFERENCE).fused
         x = self.embed_tokens(input_ids)  # [T, H]
-        cos, sin = rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype,
-                                self.cfg.rope_scaling)
-        h = self.cfg.hidden_size
+        cos, sin = f.rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype,
+                                  self.cfg.rope_scaling)  # [T, R] each, shared by every layer
+        h, t = self.cfg.hidden_size, x.shape[0]
+        residual, delta = None, (x, None, 1.0)  # the stream is residual + delta (see Delta)
         for i in range(len(self.layers) + 1):
             if i:
-                x = self.layers[i - 1](x, cos, sin, meta, caches[i - 1])
-            if aux_out is not None:
-                for j, lid in enumerate(aux_layer_ids):  # ids may repeat (e.g. N=4 -> (2, 2, 1))
-                    if lid == i:
-                        aux_out[: x.shape[0], j * h:(j + 1) * h].copy_(x)
-        return self.norm(x)
+                residual, delta = self.layers[i - 1](residual, delta, cos, sin, meta, caches[i - 1])
+            cols = [j for j, lid in enumerate(aux_layer_ids) if lid == i] if aux_out is not None else []
+            if cols:  # ids may repeat (e.g. N=4 -> (2, 2, 1)): sum the stream once, into the first column
+                dst = [aux_out[:t, j * h:(j + 1) * h] for j in cols]
+                x = f.add_residual(delta[0], residual, delta[1], delta[2],
+                                   out=dst[0] if dst[0].dtype == x.dtype else None)
+                for d in dst:
+                    if d is not x:
+                        d.copy_(x)
+                residual, delta = None, (x, None, 1.0)
+        return f.add_rms_norm(delta[0], residual, self.norm.weight, self.norm.eps, delta[1], delta[2])[0]
 
     def forward_seq(self, input_ids: torch.Tensor, aux_layer_ids: tuple[int, ...] = (),
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,0 +1,114 @@
+"""Fused elementwise ops behind one small interface, and a registry of lazy factories.
+
+`reference` runs the plain PyTorch ops of `reference.py` -- the math the models are defined by, one
+kernel per torch op (a Gemma RMSNorm alone is ~8 launches). `triton` runs each chain as one Triton kernel
+(`triton_fused.py`); triton is imported only when that backend is built. The engine owns its object and
+hands it to the models in `meta.ops.fused` (see m3eagle/ops.py), like the attention and MoE backends.
+
+Every method takes tensors and Python numbers only, syncs nothing with the host and keeps shapes fixed by
+its inputs, so a step that calls them can be captured in a CUDA graph. Inference only: the Triton ops have
+no autograd (training and `forward_seq` call `reference.py` directly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from . import reference
+
+
+class FusedOps(Protocol):
+    name: str
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, gemma: bool = True,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """reference.rms_norm; `out` ([T, N], any row stride) receives the result when given."""
+        ...
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float,
+                     x2: torch.Tensor | None = None, x_scale: float = 1.0, gemma: bool = True,
+                     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def add_residual(self, x: torch.Tensor, residual: torch.Tensor | None, x2: torch.Tensor | None = None,
+                     x_scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def rope_cos_sin(self, positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype,
+                     scaling: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def qk_norm_rope(self, x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                     sin: torch.Tensor) -> torch.Tensor: ...
+
+    def qkv_rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                       q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                       sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor | None,
+                       slots: torch.Tensor) -> torch.Tensor: ...
+
+    def swiglu_oai(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor: ...
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
+
+    def route(self, logits: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class ReferenceFused:
+    """The plain PyTorch ops: the CPU path and the oracle. Stateless."""
+
+    name = "reference"
+
+    def rms_norm(self, x, w, eps, gemma=True, out=None):
+        y = reference.rms_norm(x, w, eps, gemma)
+        return y if out is None else out.copy_(y)
+
+    def add_rms_norm(self, x, residual, w, eps, x2=None, x_scale=1.0, gemma=True):
+        return reference.add_rms_norm(x, residual, w, eps, x2, x_scale, gemma)
+
+    def add_residual(self, x, residual, x2=None, x_scale=1.0, out=None):
+        r = reference.add_residual(x, residual, x2, x_scale)
+        return r if out is None else out.copy_(r)
+
+    def rope_cos_sin(self, positions, rotary_dim, theta, dtype, scaling=None):
+        from ..models.layers import rope_cos_sin  # models.layers imports this package
+
+        return rope_cos_sin(positions, rotary_dim, theta, dtype, scaling)
+
+    def qk_norm_rope(self, x, w, eps, cos, sin):
+        return reference.qk_norm_rope(x, w, eps, cos, sin)
+
+    def qkv_rope_store(self, q, k, v, q_w, k_w, eps, cos, sin, k_pool, v_pool, slots):
+        return reference.qkv_rope_store(q, k, v, q_w, k_w, eps, cos, sin, k_pool, v_pool, slots)
+
+    def swiglu_oai(self, gate_up, alpha, limit):
+        return reference.swiglu_oai(gate_up, alpha, limit)
+
+    def silu_mul(self, gate, up):
+        return reference.silu_mul(gate, up)
+
+    def route(self, logits, bias, k):
+        return reference.route(logits, bias, k)
+
+
+def _triton() -> FusedOps:
+    from .triton_fused import TritonFused  # imports triton; only when asked for
+
+    return TritonFused()
+
+
+# Lazy factories: nothing here imports triton, and no module global remembers a choice.
+_FACTORIES: dict[str, Callable[[], FusedOps]] = {"reference": ReferenceFused, "triton": _triton}
+
+
+def register(name: str, factory: Callable[[], FusedOps]) -> None:
+    _FACTORIES[name] = factory
+
+
+def names() -> list[str]:
+    return sorted(_FACTORIES)
+
+
+def create(name: str) -> FusedOps:
+    if name not in _FACTORIES:
+        raise ValueError(f"fused_backend={name!r} is unknown; choose one of {names()} or 'auto'")
+    return _FACTORIES[name]()

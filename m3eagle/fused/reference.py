@@ -1,0 +1,122 @@
+"""The plain PyTorch elementwise ops of the models: RMSNorm, RoPE, SwiGLU-OAI, SiLU-mul and the router.
+
+This is the math itself, not a copy of it: `models.layers` builds its modules from these functions
+(GemmaRMSNorm, LlamaRMSNorm, SwigluOaiMLP, SiluMLP, Router), so the training path, the `forward_seq`
+oracle, the reference fused backend and transformers' parity all run exactly this code. The Triton kernels
+in `triton_fused.py` are held to it (tests/test_fused_ops.py).
+
+Every op computes in the order the models always have and rounds where they round: an op on bf16
+tensors rounds its result to bf16 before the next op reads it. The kernels replay those roundings, which
+is what lets them match bit for bit where no reduction is involved.
+
+Nothing here imports the models (models.layers imports this module).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# ---- RMSNorm ------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, gemma: bool = True) -> torch.Tensor:
+    """x [..., N] -> [..., N]. The mean square and the normalisation are fp32.
+
+    gemma=True (the target): scale by (1 + w) in fp32, then cast to x.dtype (the checkpoint stores w,
+    zero-initialised). gemma=False (Llama-style Eagle3 heads): cast to x.dtype first, then scale by w --
+    in the promoted dtype of (w, x), as torch promotes `w * y`."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:
+        return (xf * (1.0 + w.float())).type_as(x)
+    return w * xf.to(x.dtype)
+
+
+def add_residual(x: torch.Tensor, residual: torch.Tensor | None, x2: torch.Tensor | None = None,
+                 x_scale: float = 1.0) -> torch.Tensor:
+    """The residual stream after a layer's update: residual + (x * x_scale + x2), each step in x.dtype as the
+    unfused model computes `residual + (routed * routed_scaling_factor + shared)`. Terms that are absent
+    (residual None, x2 None, x_scale 1) are skipped, not added as zeros, so no extra rounding happens."""
+    d = x * x_scale if x_scale != 1.0 else x
+    if x2 is not None:
+        d = d + x2
+    return d if residual is None else residual + d
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float,
+                 x2: torch.Tensor | None = None, x_scale: float = 1.0, gemma: bool = True,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(r), r) with r = add_residual(x, residual, x2, x_scale): the residual add of the previous
+    sub-layer and the next norm in one op (vLLM's fused_add_rms_norm). r is returned as the new residual."""
+    r = add_residual(x, residual, x2, x_scale)
+    return rms_norm(r, w, eps, gemma), r
+
+
+# ---- RoPE ---------------------------------------------------------------------------------------------
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Partial NeoX RoPE over the first cos.shape[-1] channels. x [T, H, D], cos/sin [T, R]."""
+    r = cos.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    half = r // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+def qk_norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+    """Per-head Gemma RMSNorm (skipped when w is None), then partial NeoX RoPE: x [T, H, D], w [D],
+    cos/sin [T, R] with R <= D -> [T, H, D] in x.dtype."""
+    return apply_rope(rms_norm(x, w, eps) if w is not None else x, cos, sin)
+
+
+def qkv_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, q_w: torch.Tensor | None,
+                   k_w: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                   k_pool: torch.Tensor, v_pool: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+    """An attention layer's inputs after its projections: q [T, Hq, D] -> qk_norm_rope(q) (returned), k
+    [T, Hk, D] -> qk_norm_rope(k) written to k_pool at `slots` [T] ([S, Hk, D], or [S, D] for the
+    indexer's one-head pool), v [T, Hk, D] written to v_pool as is (both absent for the indexer)."""
+    q = qk_norm_rope(q, q_w, eps, cos, sin)
+    k = qk_norm_rope(k, k_w, eps, cos, sin)
+    k_pool.index_copy_(0, slots, k.reshape(k.shape[0], *k_pool.shape[1:]).to(k_pool.dtype))
+    if v is not None:
+        v_pool.index_copy_(0, slots, v.reshape(v.shape[0], *v_pool.shape[1:]).to(v_pool.dtype))
+    return q
+
+
+# ---- MLP activations ----------------------------------------------------------------------------------
+
+
+def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """(up + 1) * gate * sigmoid(alpha * gate); gate clamped above only, up on both sides.
+    gate_up [..., 2I] holds gate then up (not interleaved)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1.0) * (gate * torch.sigmoid(gate * alpha))
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The Llama MLP's activation: silu(gate) * up, gate/up [T, I] -> [T, I]."""
+    return F.silu(gate) * up
+
+
+# ---- router -------------------------------------------------------------------------------------------
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sigmoid router after its GEMM: logits [T, E] (fp32) -> (weights [T, k] fp32, experts [T, k] int64).
+
+    Selection ranks sigmoid(logits) + bias; the weights are the plain sigmoid scores of the chosen experts,
+    renormalised. Experts come in selection order: highest biased score first, and among equal scores the
+    lowest expert id first. NOTE: that tie rule is spelled out (a stable sort) rather than left to
+    torch.topk: CUDA's topk takes the lowest ids among ties too, but CPU's takes whichever its partial sort
+    leaves (all-equal scores over 4 experts pick {2, 3}), so the reference would depend on the device."""
+    scores = torch.sigmoid(logits.float())  # [T, E]
+    biased = scores + bias.float()
+    idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :k]
+    w = scores.gather(1, idx)
+    return w / w.sum(-1, keepdim=True), idx

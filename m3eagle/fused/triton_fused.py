@@ -1,0 +1,498 @@
+"""Triton kernels for the models' elementwise chains, one launch per chain, and the `TritonFused` backend.
+
+    kernel              replaces (reference.py)                        bf16 launches before -> after
+    _add_norm_kernel    residual add(s) + RMSNorm (Gemma or Llama)      10-13 -> 1
+    _rope_table_kernel  rope_cos_sin (positions -> cos, sin)            12 -> 1 (inv_freq cached)
+    _qkv_rope_kernel    q/k norm + partial NeoX RoPE + K/V cache writes 34 -> 1 (indexer: 33 -> 1)
+    _swiglu_kernel      swiglu_oai (clamps, sigmoid, muls)              7 -> 1
+    _silu_mul_kernel    silu(gate) * up                                 2 -> 1
+    _route_kernel       sigmoid, + bias, top-k, gather, renormalise     6 -> 1 (after the router GEMM)
+
+Exactness. Each kernel computes in fp32 and rounds to the activation dtype exactly where the reference's
+torch ops round (an op on bf16 tensors returns bf16), so that elementwise results can be bit-equal to the
+reference on CUDA (benchmarks/fused_ops.py measures the bit-equal fraction): PyTorch's CUDA kernels compute
+exp / cos / sin / rsqrt with CUDA's libm and divide with IEEE division; with PRECISE the kernels call the
+same libdevice functions and `div_rn`, and `enable_fp_fusion=False` keeps the compiler from contracting
+a*b + c into an FMA that the separate torch kernels cannot form. What cannot match bit for bit is a
+reduction's summation order: the RMSNorm mean square (hence rstd) and the router's renormalising sum may
+differ in the last fp32 bit.
+Under the CPU interpreter (PRECISE off) the math runs in numpy, whose exp/cos differ from torch's CPU
+ones by an ulp; NOTE: the interpreter also truncates fp32 -> bf16 instead of rounding to nearest, so the
+CPU tests compare in fp32 and the bf16 check runs on the GPU (benchmarks/fused_ops.py).
+
+Router ties: experts are chosen one at a time, the highest biased score first and, among equal scores,
+the lowest expert id -- `reference.route`'s rule, and the set CUDA's torch.topk picks.
+
+Every launcher reads shapes and strides only (no host sync), so a step using them can be captured in a
+CUDA graph. Inference only: no autograd.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+# ---- precise math helpers -----------------------------------------------------------------------------
+# PRECISE (a constexpr) picks libdevice on the GPU: the functions PyTorch's CUDA kernels call, so results
+# are identical. The interpreter has no libdevice; there tl.* maps to numpy.
+
+
+@triton.jit
+def _exp(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _rsqrt(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.rsqrt(x)
+    else:
+        return tl.rsqrt(x)
+
+
+@triton.jit
+def _cos(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.cos(x)
+    else:
+        return tl.cos(x)
+
+
+@triton.jit
+def _sin(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.sin(x)
+    else:
+        return tl.sin(x)
+
+
+# ---- residual add + RMSNorm ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _add_norm_kernel(x_ptr, x2_ptr, res_ptr, w_ptr, y_ptr, r_ptr, n, x_scale, eps,
+                     stride_x, stride_x2, stride_res, stride_y, stride_r,
+                     HAS_SCALE: tl.constexpr, HAS_X2: tl.constexpr, HAS_RES: tl.constexpr,
+                     WRITE_R: tl.constexpr, NORM: tl.constexpr, GEMMA: tl.constexpr,
+                     PRECISE: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: r = res + (x * x_scale + x2) (absent terms skipped), each step rounded to x's dtype as
+    reference.add_residual rounds; store r (WRITE_R); y = rms_norm(r) (NORM)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    dt = x_ptr.dtype.element_ty
+    r = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        r = (r * x_scale).to(dt).to(tl.float32)  # .to(dt).to(fp32): round where a torch op on dt would
+    if HAS_X2:
+        x2 = tl.load(x2_ptr + row * stride_x2 + offs, mask=m, other=0.0).to(tl.float32)
+        r = (r + x2).to(dt).to(tl.float32)
+    if HAS_RES:
+        res = tl.load(res_ptr + row * stride_res + offs, mask=m, other=0.0).to(tl.float32)
+        r = (res + r).to(dt).to(tl.float32)
+    if WRITE_R:
+        tl.store(r_ptr + row * stride_r + offs, r.to(r_ptr.dtype.element_ty), mask=m)
+    if NORM:
+        # masked lanes load 0, so the sum is over the n real channels
+        y = r * _rsqrt(tl.sum(r * r, axis=0) / n + eps, PRECISE)
+        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        if GEMMA:
+            y = y * (1.0 + w)  # (x * rstd) * (1 + w) in fp32, one rounding at the store
+        else:
+            y = y.to(dt).to(tl.float32) * w  # Llama: round to x's dtype, then scale (w * y in torch)
+        tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+# ---- RoPE tables --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rope_table_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, rdim, mscale,
+                       HAS_MSCALE: tl.constexpr, PRECISE: tl.constexpr, BLOCK_R: tl.constexpr):
+    """cos/sin [T, R] of one token: angle pos * inv_freq[i mod R/2] (NeoX: the halves repeat)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_R)
+    m = offs < rdim
+    half = rdim // 2
+    inv = tl.load(inv_ptr + tl.where(offs < half, offs, offs - half), mask=m, other=0.0)
+    ang = tl.load(pos_ptr + t).to(tl.float32) * inv
+    c = _cos(ang, PRECISE)
+    s = _sin(ang, PRECISE)
+    if HAS_MSCALE:
+        c = c * mscale
+        s = s * mscale
+    tl.store(cos_ptr + t * rdim + offs, c.to(cos_ptr.dtype.element_ty), mask=m)
+    tl.store(sin_ptr + t * rdim + offs, s.to(sin_ptr.dtype.element_ty), mask=m)
+
+
+# ---- per-head norm + partial RoPE + cache writes ------------------------------------------------------
+
+
+@triton.jit
+def _norm_rope_heads(src, stride_sh, dst, stride_dh, w_ptr, cos_row, sin_row, h0, nheads, dim, rdim, eps,
+                     NORM: tl.constexpr, ROPE: tl.constexpr, PRECISE: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Heads h0..h0+BLOCK_H of one token: src/dst point at the token's row. Gemma RMSNorm per head (NORM),
+    then NeoX RoPE on channels [0, rdim) (ROPE), rounded as reference.qk_norm_rope rounds."""
+    hs = h0 + tl.arange(0, BLOCK_H)
+    ds = tl.arange(0, BLOCK_D)
+    hm = hs < nheads
+    m = hm[:, None] & (ds < dim)[None, :]
+    dt = src.dtype.element_ty
+    rows = src + hs.to(tl.int64)[:, None] * stride_sh
+    x = tl.load(rows + ds[None, :], mask=m, other=0.0).to(tl.float32)  # [BH, BD]
+    y = x
+    if NORM:
+        rstd = _rsqrt(tl.sum(x * x, axis=1) / dim + eps, PRECISE)[:, None]  # [BH, 1]
+        w1 = 1.0 + tl.load(w_ptr + ds, mask=ds < dim, other=0.0).to(tl.float32)
+        y = ((x * rstd) * w1[None, :]).to(dt).to(tl.float32)
+    if ROPE:
+        # out[i] = y[i] * cos[i] + rot[i] * sin[i], rot = (-y[half:], y[:half]) over the first rdim channels.
+        # The partner channel is re-loaded and re-normalised (same fp32 ops, so the same value) rather than
+        # permuted in registers.
+        half = rdim // 2
+        rm = ds < rdim
+        first = ds < half
+        partner = tl.where(first, ds + half, ds - half)
+        xp = tl.load(rows + partner[None, :], mask=hm[:, None] & rm[None, :], other=0.0).to(tl.float32)
+        yp = xp
+        if NORM:
+            wp = 1.0 + tl.load(w_ptr + partner, mask=rm, other=0.0).to(tl.float32)
+            yp = ((xp * rstd) * wp[None, :]).to(dt).to(tl.float32)
+        rot = tl.where(first[None, :], -yp, yp)
+        c = tl.load(cos_row + ds, mask=rm, other=0.0).to(tl.float32)
+        s = tl.load(sin_row + ds, mask=rm, other=0.0).to(tl.float32)
+        a = (y * c[None, :]).to(dt).to(tl.float32)
+        b = (rot * s[None, :]).to(dt).to(tl.float32)
+        roped = (a + b).to(dt).to(tl.float32)
+        y = tl.where(rm[None, :], roped, y)
+    tl.store(dst + hs.to(tl.int64)[:, None] * stride_dh + ds[None, :], y.to(dst.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _qkv_rope_kernel(q_ptr, sq_t, sq_h, qo_ptr, sqo_t, sqo_h, qw_ptr, hq,
+                     k_ptr, sk_t, sk_h, kp_ptr, skp_s, skp_h, kw_ptr, hk,
+                     v_ptr, sv_t, sv_h, vp_ptr, svp_s, svp_h, hv,
+                     slots_ptr, cos_ptr, sin_ptr, sc_t, ss_t, dim, rdim, eps, nbq, nbk,
+                     Q_NORM: tl.constexpr, K_NORM: tl.constexpr, PRECISE: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (t, b): head block b of token t, over q's blocks, then k's (written to the K pool at
+    slots[t]), then v's (copied to the V pool at slots[t]). nbk = 0 / hv = 0 when there is no k / v."""
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    cos_row = cos_ptr + t * sc_t
+    sin_row = sin_ptr + t * ss_t
+    if b < nbq:
+        _norm_rope_heads(q_ptr + t * sq_t, sq_h, qo_ptr + t * sqo_t, sqo_h, qw_ptr, cos_row, sin_row,
+                         b * BLOCK_H, hq, dim, rdim, eps, Q_NORM, True, PRECISE, BLOCK_H, BLOCK_D)
+    elif b < nbq + nbk:
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        _norm_rope_heads(k_ptr + t * sk_t, sk_h, kp_ptr + slot * skp_s, skp_h, kw_ptr, cos_row, sin_row,
+                         (b - nbq) * BLOCK_H, hk, dim, rdim, eps, K_NORM, True, PRECISE, BLOCK_H, BLOCK_D)
+    else:
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        _norm_rope_heads(v_ptr + t * sv_t, sv_h, vp_ptr + slot * svp_s, svp_h, kw_ptr, cos_row, sin_row,
+                         (b - nbq - nbk) * BLOCK_H, hv, dim, rdim, eps, False, False, PRECISE, BLOCK_H, BLOCK_D)
+
+
+# ---- MLP activations ----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _swiglu_kernel(gu_ptr, out_ptr, inter, stride_g, stride_o, alpha, limit,
+                   PRECISE: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t, i] = (up + 1) * gate * sigmoid(alpha * gate), gate = gu[t, i], up = gu[t, I + i]; every
+    intermediate rounded where reference.swiglu_oai's bf16 ops round."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < inter
+    dt = gu_ptr.dtype.element_ty
+    g = tl.load(gu_ptr + t * stride_g + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + t * stride_g + inter + offs, mask=m, other=0.0).to(tl.float32)
+    nan = tl.PropagateNan.ALL  # clamp keeps NaN, as torch.clamp does
+    g = tl.minimum(g, limit, propagate_nan=nan).to(dt).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit, propagate_nan=nan), limit, propagate_nan=nan).to(dt).to(tl.float32)
+    ga = (g * alpha).to(dt).to(tl.float32)
+    sig = tl.math.div_rn(1.0, 1.0 + _exp(-ga, PRECISE)).to(dt).to(tl.float32)  # torch: 1 / (1 + exp(-x))
+    out = (u + 1.0).to(dt).to(tl.float32) * (g * sig).to(dt).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, inter, stride_g, stride_u, stride_o,
+                     PRECISE: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < inter
+    dt = g_ptr.dtype.element_ty
+    g = tl.load(g_ptr + t * stride_g + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + t * stride_u + offs, mask=m, other=0.0).to(tl.float32)
+    act = tl.math.div_rn(g, 1.0 + _exp(-g, PRECISE)).to(dt).to(tl.float32)  # torch's silu: x / (1 + exp(-x))
+    tl.store(out_ptr + t * stride_o + offs, (act * u).to(out_ptr.dtype.element_ty), mask=m)
+
+
+# ---- router -------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, n_exp, stride_l,
+                  TOP_K: tl.constexpr, PRECISE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token: k rounds of "take the highest untaken biased score, lowest id among equals"; weights
+    are the plain sigmoid scores of the taken experts over their sum."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    m = offs < n_exp
+    logit = tl.load(logits_ptr + t * stride_l + offs, mask=m, other=0.0).to(tl.float32)
+    score = tl.math.div_rn(1.0, 1.0 + _exp(-logit, PRECISE))  # [E] torch's sigmoid
+    biased = score + tl.load(bias_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    biased = tl.where(biased != biased, float("inf"), biased)  # NaN ranks first, as torch.sort puts it
+    taken = offs >= n_exp  # padding lanes never compete
+    ks = tl.arange(0, BLOCK_K)
+    wv = tl.zeros([BLOCK_K], dtype=tl.float32)
+    iv = tl.zeros([BLOCK_K], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        top = tl.max(tl.where(taken, float("-inf"), biased), axis=0)
+        # `taken` rather than overwriting with -inf: an expert whose score is itself -inf must not be
+        # taken twice. k <= E, so some untaken lane always equals `top`.
+        pick = tl.min(tl.where((biased == top) & ~taken, offs, BLOCK_E), axis=0)
+        hit = offs == pick
+        taken = taken | hit
+        wv = tl.where(ks == j, tl.sum(tl.where(hit, score, 0.0), axis=0), wv)
+        iv = tl.where(ks == j, pick.to(tl.int64), iv)
+    km = ks < TOP_K
+    total = tl.sum(tl.where(km, wv, 0.0), axis=0)
+    tl.store(w_ptr + t * TOP_K + ks, tl.math.div_rn(wv, total), mask=km)
+    tl.store(idx_ptr + t * TOP_K + ks, iv, mask=km)
+
+
+# ---- launchers ----------------------------------------------------------------------------------------
+
+
+def _precise() -> bool:
+    """libdevice on the GPU; numpy math under the CPU interpreter (read per launch: tests set the env)."""
+    return os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+def _opts() -> dict[str, Any]:
+    # No FMA contraction: torch runs a*b and + c as separate kernels, each rounding.
+    return {"enable_fp_fusion": False}
+
+
+def _warps(block: int) -> int:
+    return 1 if block <= 256 else 2 if block <= 1024 else 4 if block <= 4096 else 8
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., N] -> [R, N] with unit channel stride (a view when the layout allows)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def add_norm(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor | None, eps: float,
+             x2: torch.Tensor | None = None, x_scale: float = 1.0, gemma: bool = True,
+             out: torch.Tensor | None = None, r_out: torch.Tensor | None = None,
+             ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(rms_norm(r) or None when w is None, r) with r = reference.add_residual(x, residual, x2, x_scale).
+    x/x2/residual [..., N] in one dtype; `out` / `r_out` ([R, N], any row stride) receive y / r when given.
+    When r would be x itself (nothing to add) it is not copied: x is returned as r."""
+    n = x.shape[-1]
+    xr = _rows(x)
+    if residual is not None and residual.dtype != x.dtype or x2 is not None and x2.dtype != x.dtype:
+        raise TypeError(f"add_rms_norm: x {x.dtype}, residual {getattr(residual, 'dtype', None)} and x2 "
+                        f"{getattr(x2, 'dtype', None)} must share one dtype (the model's)")
+    has_scale, has_x2, has_res = x_scale != 1.0, x2 is not None, residual is not None
+    write_r = has_scale or has_x2 or has_res or r_out is not None
+    r = r_out if r_out is not None else torch.empty_like(xr) if write_r else xr
+    y = None
+    if w is not None:
+        ydt = x.dtype if gemma else torch.promote_types(x.dtype, w.dtype)
+        y = out if out is not None else torch.empty(xr.shape, dtype=ydt, device=x.device)
+    if xr.shape[0]:
+        block = triton.next_power_of_2(n)
+        res = _rows(residual) if has_res else xr
+        x2r = _rows(x2) if has_x2 else xr
+        yy = y if y is not None else xr  # placeholders for absent tensors are never read or written
+        _add_norm_kernel[(xr.shape[0],)](
+            xr, x2r, res, w if w is not None else xr, yy, r, n, float(x_scale), float(eps),
+            xr.stride(0), x2r.stride(0), res.stride(0), yy.stride(0), r.stride(0),
+            HAS_SCALE=has_scale, HAS_X2=has_x2, HAS_RES=has_res, WRITE_R=write_r, NORM=w is not None,
+            GEMMA=gemma, PRECISE=_precise(), BLOCK=block, num_warps=_warps(block), **_opts())
+    if y is not None and out is None:
+        y = y.view(x.shape)
+    if r_out is None:
+        r = r.view(x.shape) if write_r else x
+    return y, r
+
+
+def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, mscale: float, dtype: torch.dtype,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [...] -> cos, sin [..., R] (R = 2 * len(inv_freq)), as layers.rope_cos_sin."""
+    rdim = 2 * inv_freq.shape[0]
+    pos = positions.reshape(-1)
+    cos = torch.empty(pos.shape[0], rdim, dtype=dtype, device=positions.device)
+    sin = torch.empty_like(cos)
+    if pos.shape[0]:
+        block = triton.next_power_of_2(rdim)
+        _rope_table_kernel[(pos.shape[0],)](pos, inv_freq, cos, sin, rdim, float(mscale),
+                                            HAS_MSCALE=mscale != 1.0, PRECISE=_precise(), BLOCK_R=block,
+                                            num_warps=1, **_opts())
+    shape = (*positions.shape, rdim)
+    return cos.view(shape), sin.view(shape)
+
+
+def _heads(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def qkv_rope_store(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, q_w: torch.Tensor | None,
+                   k_w: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                   k_pool: torch.Tensor | None, v_pool: torch.Tensor | None, slots: torch.Tensor | None,
+                   ) -> torch.Tensor:
+    """reference.qkv_rope_store in one launch (k None: reference.qk_norm_rope of q alone). q/k/v [T, H, D]
+    with any token/head strides (views of the projections' outputs); pools [S, H, D] or [S, D]."""
+    t, hq, dim = q.shape
+    rdim = cos.shape[-1]
+    if rdim > dim or rdim % 2:
+        raise ValueError(f"rope dim {rdim} must be even and <= head dim {dim}")
+    for name, tab in (("cos", cos), ("sin", sin)):
+        if tab.dtype != q.dtype or tab.stride(-1) != 1:
+            raise TypeError(f"{name} must be a {q.dtype} table with unit channel stride (rope_cos_sin's), "
+                            f"got {tab.dtype} strides {tab.stride()}")
+    q = _heads(q)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    hk = k.shape[1] if k is not None else 0
+    hv = v.shape[1] if v is not None else 0
+    block_d = triton.next_power_of_2(dim)
+    block_h = max(1, min(triton.next_power_of_2(max(hq, hk, hv, 1)), 4096 // block_d))
+    nbq, nbk, nbv = (triton.cdiv(h, block_h) for h in (hq, hk, hv))
+    if not t:
+        return q_out
+    kk = _heads(k) if k is not None else q
+    kp = k_pool.view(k_pool.shape[0], hk, dim) if k is not None else q_out
+    vv = _heads(v) if v is not None else q
+    vp = v_pool.view(v_pool.shape[0], hv, dim) if v is not None else q_out
+    if k is not None and (kp.stride(-1) != 1 or vp.stride(-1) != 1):
+        raise ValueError("KV pools need unit channel stride")
+    _qkv_rope_kernel[(t, nbq + nbk + nbv)](
+        q, q.stride(0), q.stride(1), q_out, q_out.stride(0), q_out.stride(1), q_w if q_w is not None else q, hq,
+        kk, kk.stride(0), kk.stride(1), kp, kp.stride(0), kp.stride(1), k_w if k_w is not None else q, hk,
+        vv, vv.stride(0), vv.stride(1), vp, vp.stride(0), vp.stride(1), hv,
+        slots if slots is not None else q, cos, sin, cos.stride(0), sin.stride(0), dim, rdim, float(eps), nbq,
+        nbk, Q_NORM=q_w is not None, K_NORM=k_w is not None, PRECISE=_precise(), BLOCK_H=block_h,
+        BLOCK_D=block_d, num_warps=_warps(block_h * block_d), **_opts())
+    return q_out
+
+
+def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gate_up [..., 2I] (gate then up) -> [..., I], as reference.swiglu_oai."""
+    gu = _rows(gate_up)
+    inter = gu.shape[1] // 2
+    out = torch.empty(gu.shape[0], inter, dtype=gu.dtype, device=gu.device)
+    if gu.shape[0] and inter:
+        block = min(1024, triton.next_power_of_2(inter))
+        _swiglu_kernel[(gu.shape[0], triton.cdiv(inter, block))](
+            gu, out, inter, gu.stride(0), out.stride(0), float(alpha), float(limit), PRECISE=_precise(),
+            BLOCK=block, num_warps=_warps(block), **_opts())
+    return out.view(*gate_up.shape[:-1], inter)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up [..., I] -> silu(gate) * up, as reference.silu_mul."""
+    g, u = _rows(gate), _rows(up)
+    inter = g.shape[1]
+    out = torch.empty_like(g)
+    if g.shape[0] and inter:
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_mul_kernel[(g.shape[0], triton.cdiv(inter, block))](
+            g, u, out, inter, g.stride(0), u.stride(0), out.stride(0), PRECISE=_precise(), BLOCK=block,
+            num_warps=_warps(block), **_opts())
+    return out.view(gate.shape)
+
+
+MAX_EXPERTS, MAX_TOP_K = 1024, 16
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights [T, k] fp32, experts [T, k] int64), as reference.route."""
+    t, n_exp = logits.shape
+    if not 1 <= k <= min(n_exp, MAX_TOP_K) or n_exp > MAX_EXPERTS:
+        raise ValueError(f"triton route supports 1 <= top_k <= min(E, {MAX_TOP_K}) and E <= {MAX_EXPERTS}, got "
+                         f"top_k={k}, E={n_exp}; use fused_backend='reference'")
+    lg = logits if logits.stride(-1) == 1 else logits.contiguous()
+    w = torch.empty(t, k, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(t, k, dtype=torch.int64, device=logits.device)
+    if t:
+        block_e = triton.next_power_of_2(n_exp)
+        _route_kernel[(t,)](lg, bias, w, idx, n_exp, lg.stride(0), TOP_K=k, PRECISE=_precise(), BLOCK_E=block_e,
+                            BLOCK_K=triton.next_power_of_2(k), num_warps=_warps(block_e), **_opts())
+    return w, idx
+
+
+# ---- the backend object -------------------------------------------------------------------------------
+
+
+def _freeze(v: Any) -> Any:
+    if isinstance(v, dict):
+        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    if isinstance(v, (list, tuple)):
+        return tuple(_freeze(x) for x in v)
+    return v
+
+
+class TritonFused:
+    """The fused Triton ops. It caches RoPE inverse frequencies per (rope config, device) -- computed by
+    layers.rope_inv_freq on that device, so they are the reference's exact values -- which is the only
+    state it holds; each engine owns its own object."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        self._inv_freq: dict[Any, tuple[torch.Tensor, float]] = {}
+
+    def rms_norm(self, x, w, eps, gemma=True, out=None):
+        return add_norm(x, None, w, eps, gemma=gemma, out=out)[0]
+
+    def add_rms_norm(self, x, residual, w, eps, x2=None, x_scale=1.0, gemma=True):
+        y, r = add_norm(x, residual, w, eps, x2, x_scale, gemma)
+        return y, r
+
+    def add_residual(self, x, residual, x2=None, x_scale=1.0, out=None):
+        if out is None and residual is None and x2 is None and x_scale == 1.0:
+            return x
+        return add_norm(x, residual, None, 0.0, x2, x_scale, r_out=out)[1]
+
+    def rope_cos_sin(self, positions, rotary_dim, theta, dtype, scaling=None):
+        from ..models.layers import rope_inv_freq  # models.layers imports this package
+
+        key = (rotary_dim, float(theta), _freeze(scaling), positions.device)
+        hit = self._inv_freq.get(key)
+        if hit is None:
+            hit = rope_inv_freq(rotary_dim, theta, scaling, positions.device)
+            # Under CUDA-graph capture the table's kernels would only run at replay, so a table first made
+            # there is used but not kept (the engine's eager warm-up steps fill the cache first).
+            if positions.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+                self._inv_freq[key] = hit
+        return rope_table(positions, hit[0], hit[1], dtype)
+
+    def qk_norm_rope(self, x, w, eps, cos, sin):
+        return qkv_rope_store(x, None, None, w, None, eps, cos, sin, None, None, None)
+
+    def qkv_rope_store(self, q, k, v, q_w, k_w, eps, cos, sin, k_pool, v_pool, slots):
+        return qkv_rope_store(q, k, v, q_w, k_w, eps, cos, sin, k_pool, v_pool, slots)
+
+    def swiglu_oai(self, gate_up, alpha, limit):
+        return swiglu_oai(gate_up, alpha, limit)
+
+    def silu_mul(self, gate, up):
+        return silu_mul(gate, up)
+
+    def route(self, logits, bias, k):
+        return route(logits, bias, k)

@@ -1,0 +1,397 @@
+"""The fused Triton ops (m3eagle/fused/triton_fused.py) held equal to their PyTorch reference
+(m3eagle/fused/reference.py), on CPU under the Triton interpreter, in fp32.
+
+Op by op: residual add + Gemma / Llama RMSNorm (strided rows, every optional term), the RoPE tables (plain
+and yarn), per-head norm + partial RoPE with the K/V cache writes (target attention, the indexer's one-head
+pool, the Eagle3 head's norm-free RoPE), SwiGLU-OAI with live clamps, SiLU-mul, and the router with ties.
+Then whole models: the tiny target's logits, caches and aux captures, and an Eagle3.1 head's paged step,
+with the triton fused ops against the reference ones.
+
+Residual sums and cache copies are bit-exact; elementwise chains agree to an fp32 ulp or two (the
+interpreter's numpy exp / cos are not torch's CPU ones); the norms add a reduction-order difference.
+
+NOTE: TRITON_INTERPRET is set before anything imports triton, and it holds for the whole pytest process
+(as in test_triton_attention.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton` (kernels decorate at import)
+
+from dataclasses import replace  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from m3eagle.attention.metadata import build_metadata  # noqa: E402
+from m3eagle.fused import backend, reference  # noqa: E402
+from m3eagle.models.layers import rope_cos_sin, rope_inv_freq  # noqa: E402
+from m3eagle.ops import REFERENCE, make_ops  # noqa: E402
+
+CPU = torch.device("cpu")
+TRITON = replace(REFERENCE, fused=backend.create("triton"))
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+        "beta_slow": 1.0, "truncate": True, "attention_factor": 1.2}
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float = 2e-6) -> None:
+    """Max error relative to the reference's largest magnitude."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape, out.dtype, ref.dtype)
+    assert torch.isfinite(out).all()
+    err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+    assert err <= rel, f"max relative error {err:.2e} > {rel:.0e}"
+
+
+# ---- norms --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gemma", [True, False])
+@pytest.mark.parametrize("n", [32, 100, 256])
+@pytest.mark.parametrize("terms", ["none", "residual", "x2+scale", "all"])
+def test_add_rms_norm(gemma, n, terms):
+    g = gen(n)
+    x, res, x2 = (torch.randn(7, n, generator=g) * 3 for _ in range(3))
+    w = torch.randn(n, generator=g) * 0.3 + (0.0 if gemma else 1.0)
+    res = res if terms in ("residual", "all") else None
+    x2, scale = (x2, 2.5) if terms in ("x2+scale", "all") else (None, 1.0)
+    y, r = TRITON.fused.add_rms_norm(x, res, w, 1e-6, x2, scale, gemma)
+    y_ref, r_ref = reference.add_rms_norm(x, res, w, 1e-6, x2, scale, gemma)
+    assert torch.equal(r, r_ref)  # the residual stream: same adds, same order, bit-exact
+    assert_close(y, y_ref)
+    if terms == "none":
+        assert r is x  # nothing to add: the input is the residual, not a copy
+
+
+def test_rms_norm_strided_rows_and_out():
+    """Rows of a wider buffer in, a slice of another buffer out (the Eagle3 head's fc_norm chunks and
+    attention input), and [T, H, D] inputs (per-head norms)."""
+    g = gen(1)
+    buf = torch.randn(5, 3 * 40, generator=g)
+    w = torch.randn(40, generator=g)
+    out = torch.full((5, 2 * 40), 7.0)
+    got = TRITON.fused.rms_norm(buf[:, 40:80], w, 1e-5, gemma=False, out=out[:, 40:])
+    assert got.data_ptr() == out[:, 40:].data_ptr() and torch.all(out[:, :40] == 7.0)
+    assert_close(out[:, 40:], reference.rms_norm(buf[:, 40:80], w, 1e-5, gemma=False))
+    x3 = torch.randn(4, 3, 16, generator=g)
+    assert_close(TRITON.fused.rms_norm(x3, w[:16], 1e-6), reference.rms_norm(x3, w[:16], 1e-6))
+
+
+def test_add_residual_into_a_strided_slice():
+    g = gen(2)
+    x, res, x2 = (torch.randn(6, 32, generator=g) for _ in range(3))
+    aux = torch.zeros(6, 3 * 32)
+    got = TRITON.fused.add_residual(x, res, x2, 2.0, out=aux[:, 32:64])
+    assert got.data_ptr() == aux[:, 32:64].data_ptr()
+    assert torch.equal(aux[:, 32:64], reference.add_residual(x, res, x2, 2.0))
+    assert not aux[:, :32].any() and not aux[:, 64:].any()
+    assert TRITON.fused.add_residual(x, None) is x
+
+
+# ---- RoPE ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scaling", [None, YARN])
+@pytest.mark.parametrize("rdim", [8, 32])
+def test_rope_tables(scaling, rdim):
+    pos = torch.tensor([0, 1, 2, 17, 63, 64, 500, 4095, 3])
+    cos, sin = TRITON.fused.rope_cos_sin(pos, rdim, 10000.0, torch.float32, scaling)
+    cos_ref, sin_ref = rope_cos_sin(pos, rdim, 10000.0, torch.float32, scaling)
+    # angles up to ~4e3 rad: cos/sin of the same fp32 angle, different libm (numpy vs torch)
+    torch.testing.assert_close(cos, cos_ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin, sin_ref, rtol=0, atol=1e-6)
+    again = TRITON.fused.rope_cos_sin(pos[:2], rdim, 10000.0, torch.float32, scaling)[0]  # cached inv_freq
+    torch.testing.assert_close(again, cos_ref[:2], rtol=0, atol=1e-6)
+    inv, _ = rope_inv_freq(rdim, 10000.0, scaling)
+    assert len(TRITON.fused._inv_freq) >= 1 and any(torch.equal(v[0], inv) for v in TRITON.fused._inv_freq.values())
+
+
+def tables(t: int, rdim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    pos = torch.randint(0, 3000, (t,), generator=gen(seed))
+    cos, sin = rope_cos_sin(pos, rdim, 10000.0, torch.float32)
+    return pos, cos, sin
+
+
+@pytest.mark.parametrize("hq,hk,d,rdim", [(4, 2, 16, 8), (5, 1, 24, 24), (16, 4, 64, 32), (3, 3, 8, 2)])
+def test_qkv_rope_store(hq, hk, d, rdim):
+    """q/k norm + partial RoPE and both pools written at the step's slots; the rest of each pool untouched.
+    q/k/v are views of one fused projection output (token stride > H * D), as a qkv GEMM would give."""
+    t, s = 9, 40
+    g = gen(hq * 100 + d)
+    qkv = torch.randn(t, (hq + 2 * hk) * d + 3, generator=g) * 2
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hk) * d].view(t, hk, d)
+    v = qkv[:, (hq + hk) * d:(hq + 2 * hk) * d].view(t, hk, d)
+    qw, kw = torch.randn(d, generator=g) * 0.2, torch.randn(d, generator=g) * 0.2
+    _, cos, sin = tables(t, rdim, 3)
+    slots = torch.randperm(s, generator=g)[:t]
+    pools = [torch.full((s, hk, d), 5.0) for _ in range(4)]
+    q_out = TRITON.fused.qkv_rope_store(q, k, v, qw, kw, 1e-6, cos, sin, pools[0], pools[1], slots)
+    q_ref = reference.qkv_rope_store(q, k, v, qw, kw, 1e-6, cos, sin, pools[2], pools[3], slots)
+    assert_close(q_out, q_ref)
+    assert_close(pools[0], pools[2])
+    assert torch.equal(pools[1], pools[3])  # V is copied as is
+    untouched = torch.ones(s, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.all(pools[0][untouched] == 5.0)
+    # q alone, with and without the norm (the Eagle3 head's RoPE has none)
+    assert_close(TRITON.fused.qk_norm_rope(q, qw, 1e-6, cos, sin), reference.qk_norm_rope(q, qw, 1e-6, cos, sin))
+    assert_close(TRITON.fused.qk_norm_rope(q, None, 0.0, cos, sin), reference.qk_norm_rope(q, None, 0.0, cos, sin))
+
+
+def test_indexer_shapes_one_head_pool_and_sliced_tables():
+    """The indexer: iq [T, Hi, Di], ik [T, 1, Di] into a [S, Di] pool, no V, and RoPE tables that are the
+    first index_rope_dim columns of the target's (a strided slice: channel i and i + r/2 have different
+    frequencies there, so the kernel must read both from the table)."""
+    t, hi, di, rdim, s = 6, 2, 8, 16, 20
+    g = gen(4)
+    iq, ik = torch.randn(t, hi, di, generator=g), torch.randn(t, 1, di, generator=g)
+    qw, kw = torch.randn(di, generator=g) * 0.2, torch.randn(di, generator=g) * 0.2
+    _, cos, sin = tables(t, rdim, 5)
+    r = min(di, rdim)
+    slots = torch.tensor([19, 0, 7, 8, 2, 11])
+    pool, pool_ref = torch.zeros(s, di), torch.zeros(s, di)
+    got = TRITON.fused.qkv_rope_store(iq, ik, None, qw, kw, 1e-6, cos[:, :r], sin[:, :r], pool, None, slots)
+    ref = reference.qkv_rope_store(iq, ik, None, qw, kw, 1e-6, cos[:, :r], sin[:, :r], pool_ref, None, slots)
+    assert_close(got, ref)
+    assert_close(pool, pool_ref)
+
+
+# ---- activations --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inter", [40, 128, 1500])
+def test_swiglu_oai(inter):
+    gu = torch.randn(5, 2 * inter, generator=gen(inter)) * 6  # |x| > 7 often: both clamps are live
+    assert (gu[:, :inter] > 7).any() and (gu[:, inter:] < -7).any()
+    assert_close(TRITON.fused.swiglu_oai(gu, 1.702, 7.0), reference.swiglu_oai(gu, 1.702, 7.0))
+    x3 = gu.view(5, 1, 2 * inter)  # leading dims are kept
+    assert TRITON.fused.swiglu_oai(x3, 1.702, 7.0).shape == (5, 1, inter)
+
+
+def test_silu_mul():
+    g = gen(6)
+    gate, up = torch.randn(7, 96, generator=g) * 4, torch.randn(7, 96, generator=g)
+    assert_close(TRITON.fused.silu_mul(gate, up), reference.silu_mul(gate, up))
+
+
+# ---- router -------------------------------------------------------------------------------------------
+
+
+def stable_topk(biased: torch.Tensor, k: int) -> torch.Tensor:
+    """The tie rule spelled out: highest first, lowest expert id first among equals."""
+    return torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+@pytest.mark.parametrize("e,k", [(4, 2), (60, 3), (256, 8), (128, 1)])
+def test_route_matches_reference_and_topk(e, k):
+    g = gen(e + k)
+    logits = torch.randn(33, e, generator=g) * 2
+    bias = torch.randn(e, generator=g) * 0.3
+    w, idx = TRITON.fused.route(logits, bias, k)
+    w_ref, idx_ref = reference.route(logits, bias, k)
+    assert idx.dtype == torch.int64 and w.dtype == torch.float32
+    assert torch.equal(idx, idx_ref)  # same experts in the same order
+    assert_close(w, w_ref)
+    # without ties, the chosen set is torch.topk's (what transformers computes)
+    top = torch.topk(torch.sigmoid(logits) + bias, k, dim=-1).indices
+    assert torch.equal(idx.sort(-1).values, top.sort(-1).values)
+    # the weights are the plain sigmoid scores, renormalised
+    s = torch.sigmoid(logits).gather(1, idx)
+    assert_close(w, s / s.sum(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("e,k", [(4, 2), (8, 3), (64, 8), (256, 8)])
+@pytest.mark.parametrize("levels", [1, 3])
+def test_route_ties_take_the_lowest_ids(e, k, levels):
+    """Equal biased scores: the lowest ids win, in id order (a zero router is the extreme case). CPU
+    torch.topk would pick others (see reference.route), so the rule is pinned here, and the GPU check
+    (benchmarks/fused_ops.py) pins it against CUDA torch.topk."""
+    g = gen(e * 10 + levels)
+    logits = torch.randint(0, levels, (17, e), generator=g).float()
+    bias = torch.randint(0, levels, (e,), generator=g).float() * 0.25
+    biased = torch.sigmoid(logits) + bias
+    want = stable_topk(biased, k)
+    for fused in (REFERENCE.fused, TRITON.fused):
+        w, idx = fused.route(logits, bias, k)
+        assert torch.equal(idx, want), fused.name
+    w, idx = TRITON.fused.route(torch.zeros(3, e), torch.zeros(e), k)
+    assert torch.equal(idx, torch.arange(k).expand(3, k)) and torch.all(w == 1.0 / k)
+
+
+def test_route_minus_inf_experts_are_taken_once():
+    """Experts with a -inf biased score still fill the top-k when they must, each once, lowest id first."""
+    logits = torch.randn(4, 6, generator=gen(7))
+    bias = torch.tensor([float("-inf"), 0.0, float("-inf"), float("-inf"), float("-inf"), float("-inf")])
+    for fused in (REFERENCE.fused, TRITON.fused):
+        _, idx = fused.route(logits, bias, 3)
+        assert idx.tolist() == [[1, 0, 2]] * 4, fused.name
+
+
+def test_route_rejects_what_it_cannot_do():
+    with pytest.raises(ValueError, match="fused_backend='reference'"):
+        TRITON.fused.route(torch.zeros(2, 4), torch.zeros(4), 5)
+
+
+# ---- registry -----------------------------------------------------------------------------------------
+
+
+def test_registry_and_make_ops():
+    assert backend.names() == ["reference", "triton"]
+    assert make_ops(device="cpu").fused.name == "reference"  # auto on CPU
+    assert make_ops(device="cpu", fused="triton").fused.name == "triton"
+    assert REFERENCE.fused.name == "reference"
+    with pytest.raises(ValueError, match="fused_backend"):
+        backend.create("cuda-graphs")
+    a, b = backend.create("triton"), backend.create("triton")
+    assert a is not b  # per engine: no shared cache
+
+
+def test_reference_path_does_not_import_triton():
+    import subprocess
+    import sys
+
+    # Vacuous (not failing) if something else in the package already imports triton.
+    code = ("import sys, torch; from m3eagle.ops import REFERENCE, make_ops; before = 'triton' in sys.modules; "
+            "f = make_ops(device='cpu').fused; x = torch.randn(3, 8); f.add_rms_norm(x, x, torch.zeros(8), 1e-6); "
+            "f.route(torch.randn(3, 4), torch.zeros(4), 2); "
+            "assert ('triton' in sys.modules) == before, 'the reference fused path imported triton'")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "TRITON_INTERPRET": "1"})
+
+
+# ---- whole models -------------------------------------------------------------------------------------
+
+
+def tiny_target(seed: int, scaling: dict | None = None):
+    from m3eagle.config import DENSE_MLP, FULL, MOE_MLP, SPARSE, M3Config
+    from m3eagle.models.minimax_m3 import MiniMaxM3
+
+    # index_head_dim 4 < rotary_dim 8: the indexer's RoPE reads a sliced table
+    cfg = M3Config(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, rotary_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6,
+                   intermediate_size=16, dense_intermediate_size=32, shared_intermediate_size=16,
+                   num_local_experts=8, num_experts_per_tok=3, routed_scaling_factor=2.5, swiglu_alpha=1.702,
+                   swiglu_limit=7.0, layer_types=(FULL, SPARSE, SPARSE),
+                   mlp_layer_types=(DENSE_MLP, MOE_MLP, MOE_MLP), index_n_heads=2, index_head_dim=4,
+                   index_block_size=4, index_topk_blocks=2, index_local_blocks=1, rope_scaling=scaling)
+    torch.manual_seed(seed)
+    model = MiniMaxM3(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.3)  # norm weights too: (1 + w) and w both matter
+        for m in model.modules():
+            if hasattr(m, "e_score_correction_bias"):
+                m.e_score_correction_bias.normal_(0.0, 0.1)
+    return model
+
+
+def page_table() -> torch.Tensor:
+    table = torch.zeros(2, 8, dtype=torch.int64)
+    table[0, :6] = torch.tensor([3, 9, 1, 7, 11, 5])
+    table[1, :5] = torch.tensor([2, 10, 4, 8, 6])
+    return table
+
+
+STEPS = [([12, 9], [12, 9]), ([6, 1], [18, 10]), ([1, 4], [19, 14])]  # (q_lens, kv_lens after the step)
+AUX_IDS = (2, 2, 0, 3)  # repeated, the embedding (0) and the last layer's output (3)
+
+
+def run_target(model, ops) -> tuple[list[torch.Tensor], list[torch.Tensor], list]:
+    """Three engine-like steps (two prompts, one chunked; then a decode row and a 1+3 verify row) with
+    `ops` reaching the model as the engine hands it: meta.ops. Returns logits, aux captures, caches."""
+    caches = model.new_caches(12 * 4, torch.float32, CPU)
+    ids_gen = gen(5)
+    logits, aux = [], []
+    with torch.no_grad():
+        for q_lens, kv_lens in STEPS:
+            meta = replace(build_metadata(q_lens, torch.tensor(kv_lens), page_table(), 4, CPU, max_kv=24), ops=ops)
+            ids = torch.randint(0, 64, (sum(q_lens),), generator=ids_gen)
+            out = torch.full((sum(q_lens) + 2, len(AUX_IDS) * 32), 9.0)  # padded rows stay untouched
+            hidden = model(ids, meta.positions, meta, caches, AUX_IDS, out)
+            logits.append(model.compute_logits(hidden))
+            aux.append(out)
+    return logits, aux, caches
+
+
+@pytest.mark.parametrize("scaling", [None, YARN])
+def test_target_logits_equal_with_triton_fused_ops(scaling):
+    model = tiny_target(0, scaling)
+    ref_logits, ref_aux, ref_caches = run_target(model, REFERENCE)
+    logits, aux, caches = run_target(model, TRITON)
+    for out, ref in zip(logits, ref_logits):
+        assert_close(out, ref, rel=1e-5)
+    for out, ref in zip(aux, ref_aux):
+        assert_close(out, ref, rel=1e-5)
+        assert torch.all(out[-2:] == 9.0)
+    for c, r in zip(caches, ref_caches):
+        assert_close(c.k, r.k, rel=1e-5)
+        assert torch.equal(c.v, r.v) or (c.v - r.v).abs().max() < 1e-5
+        if r.idx_k is not None:
+            assert_close(c.idx_k, r.idx_k, rel=1e-5)
+
+
+def test_target_reference_ops_equal_the_oracle():
+    """The restructured paged path (residual adds deferred into the next norm) with the reference ops is the
+    contiguous oracle's math: one prompt through both."""
+    model = tiny_target(1)
+    ids = torch.randint(0, 64, (1, 12), generator=gen(8))
+    with torch.no_grad():
+        seq, seq_aux = model.forward_seq(ids, AUX_IDS)
+        caches = model.new_caches(12 * 4, torch.float32, CPU)
+        meta = build_metadata([12], torch.tensor([12]), page_table()[:1], 4, CPU, max_kv=24)
+        aux = torch.zeros(12, len(AUX_IDS) * 32)
+        for ops in (REFERENCE, TRITON):
+            hidden = model(ids[0], meta.positions, replace(meta, ops=ops), caches, AUX_IDS, aux)
+            assert_close(hidden, seq[0], rel=1e-5)
+            assert_close(aux, seq_aux[0], rel=1e-5)
+
+
+@pytest.mark.parametrize("norm_output", [False, True])
+def test_eagle3_head_paged_step_equal_with_triton_fused_ops(norm_output):
+    from m3eagle.models.eagle3 import Eagle3Config, Eagle3Head
+
+    cfg = Eagle3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                       vocab_size=64, draft_vocab_size=64, aux_layer_ids=(1, 2, 3), target_hidden_size=32,
+                       fc_norm=True, norm_output=norm_output)
+    torch.manual_seed(2)
+    head = Eagle3Head(cfg).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+    q_lens, kv_lens = [5, 3], torch.tensor([9, 3])
+    meta = build_metadata(q_lens, kv_lens, page_table(), 4, CPU, max_kv=24)
+    g = gen(9)
+    ids = torch.randint(0, 64, (8,), generator=g)
+    aux = torch.randn(8, 3 * 32, generator=g)
+    outs = []
+    with torch.no_grad():
+        for ops in (REFERENCE, TRITON):
+            cache = head.new_cache(12 * 4, torch.float32, CPU)
+            m = replace(meta, ops=ops)
+            h_out, h_next = head(ids, m.positions, aux, m, cache, from_aux=True)
+            h_out2, _ = head(ids, m.positions, h_next, m, cache, from_aux=False)  # a later draft step
+            outs.append((h_out, h_next, h_out2, cache.k, cache.v))
+    for out, ref in zip(*outs):
+        assert_close(out, ref, rel=1e-5)
+
+
+def test_engine_tokens_equal_with_triton_fused_ops(make_llm):
+    """Through the engine: the embedded model and its Eagle3 head (K=3), greedy, on CPU in fp32. The tokens
+    and the draft acceptance with fused_backend='triton' equal those with 'reference'."""
+    from m3eagle import SamplingParams
+
+    prompts = [[5, 17, 301, 42, 7], [12, 13]]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = {}
+    for name in ("reference", "triton"):
+        llm = make_llm(None, fused_backend=name, num_draft_tokens=3, page_size=16)
+        assert llm.ops.fused.name == name
+        outs[name] = [(o.token_ids, o.num_accepted) for o in llm.generate(prompts, params)]
+    assert outs["triton"] == outs["reference"]
