@@ -217,9 +217,10 @@ def _swiglu_kernel(gu_ptr, out_ptr, inter, stride_g, stride_o, alpha, limit,
     dt = gu_ptr.dtype.element_ty
     g = tl.load(gu_ptr + t * stride_g + offs, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + t * stride_g + inter + offs, mask=m, other=0.0).to(tl.float32)
-    nan = tl.PropagateNan.ALL  # clamp keeps NaN, as torch.clamp does
-    g = tl.minimum(g, limit, propagate_nan=nan).to(dt).to(tl.float32)
-    u = tl.minimum(tl.maximum(u, -limit, propagate_nan=nan), limit, propagate_nan=nan).to(dt).to(tl.float32)
+    # clamp keeps NaN, as torch.clamp does (the enum is spelled inline: triton 3.6 cannot bind it to a name)
+    g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL).to(dt).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                   propagate_nan=tl.PropagateNan.ALL).to(dt).to(tl.float32)
     ga = (g * alpha).to(dt).to(tl.float32)
     sig = tl.math.div_rn(1.0, 1.0 + _exp(-ga, PRECISE)).to(dt).to(tl.float32)  # torch: 1 / (1 + exp(-x))
     out = (u + 1.0).to(dt).to(tl.float32) * (g * sig).to(dt).to(tl.float32)
