@@ -166,7 +166,6 @@ class Timer:
 
     def __init__(self, device: torch.device, reps: int) -> None:
         self.device, self.reps = device, reps
-        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
 
     def __call__(self, fn: Callable[[], object], calls: int = 1) -> float:
         if self.device.type != "cuda":
@@ -183,7 +182,8 @@ class Timer:
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # a private pool per capture: a pool shared with graphs already deleted trips an allocator assert
+        with torch.cuda.graph(graph):
             for _ in range(calls):
                 fn()
         graph.replay()
