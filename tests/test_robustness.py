@@ -220,30 +220,30 @@ def default_llm():
     return LLM(device="cpu", num_draft_tokens=3, max_num_seqs=4, max_num_tokens=32)
 
 
-@pytest.mark.parametrize("stop", [[], ["\n\n\n\n"]], ids=["final-decode", "stop-string-decode"])
-def test_detokenizer_exception_fails_only_its_request(default_llm, stop):
-    """One exception in tokenizer.decode made the next generate() spin forever. Now the request being
+@pytest.mark.parametrize("stop", [[], ["\n\n\n\n"]], ids=["no-stop-string", "stop-string"])
+def test_detokenizer_exception_fails_only_its_request(monkeypatch, default_llm, stop):
+    """One exception in detokenization made the next generate() spin forever. Now the request being
     detokenized finishes with finish_reason "error" (and the error), the others are untouched, and the
-    engine serves the next call."""
+    engine serves the next call. The fault is injected where every token is detokenized (the incremental
+    detokenizer: there is no per-token full decode any more)."""
+    from m3eagle.engine.detokenizer import IncrementalDetokenizer
+
     llm = default_llm
     prompts = ["def add(a, b):", "import os\n", "class Foo:"]
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=stop)
     ref = llm.generate(prompts, sp)
-    tok = llm.engine.tokenizer
-    orig = tok.decode
+    orig = IncrementalDetokenizer.add
     calls = [0]
 
-    def bad_decode(ids):
+    def bad_add(self, token_id):
         calls[0] += 1
         if calls[0] == 1:
             raise ValueError("broken detokenizer")
-        return orig(ids)
+        return orig(self, token_id)
 
-    tok.decode = bad_decode
-    try:
-        outs = llm.generate(prompts, sp)
-    finally:
-        tok.decode = orig
+    monkeypatch.setattr(IncrementalDetokenizer, "add", bad_add)
+    outs = llm.generate(prompts, sp)
+    monkeypatch.undo()
     reasons = [o.finish_reason for o in outs]
     assert reasons.count("error") == 1, reasons
     bad = reasons.index("error")

@@ -5,9 +5,14 @@ With overlap:     schedule N+1 (projected lengths) -> execute N+1 -> process N (
                   the device running N+1)
 
 Processing a step appends tokens, checks stops (EOS, stop ids, stop strings, max_tokens,
-max_model_len), detokenizes, records speculative metrics, and finishes requests. A request finished
-while a later step that includes it is in flight keeps its pages until that step is processed; that
-step's tokens for it are dropped, so nothing past a stop is ever returned.
+max_model_len), detokenizes incrementally (detokenizer.py), records speculative metrics, and finishes
+requests. A request finished while a later step that includes it is in flight keeps its pages until that
+step is processed; that step's tokens for it are dropped, so nothing past a stop is ever returned.
+
+Serving: `add_request` and `abort` may be called from any thread while another thread runs `step()`.
+New requests wait in an intake queue that the top of `step()` drains into the scheduler; an abort that
+finds a step running is queued and applied by that step. `step()` returns one RequestDelta per request it
+changed (new tokens, new text, finished or not); streaming and `LLM.generate()` are both built on them.
 """
 
 from __future__ import annotations
@@ -16,17 +21,19 @@ import itertools
 import logging
 import random
 import threading
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
 from ..kvcache.page_pool import PagePool
 from ..ops import Ops, make_ops
 from ..sampling.params import SamplingParams
+from .detokenizer import IncrementalDetokenizer
 from .graph_runner import GraphRunner
 from .input_builder import StepBuffers
 from .model_runner import ModelRunner, StepOutput
-from .request import Request, Status
+from .request import Request, RequestDelta, RequestOutput, Status
 from .scheduler import NeedSync, ScheduledBatch, Scheduler
 
 log = logging.getLogger("m3eagle")
@@ -57,14 +64,40 @@ class EngineConfig:
         return 1 + per_seq * min(self.max_num_seqs, 16)
 
 
+@dataclass
+class SpecCounters:
+    """Running totals of speculation since the engine started (vLLM's spec_decode_* meanings): a verify
+    row is one draft; its K tokens are draft tokens; accepted ones count overall and per position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def snapshot(self) -> SpecCounters:
+        return SpecCounters(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                            list(self.accepted_per_pos))
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """Gauges as of the end of the last step (or abort): read from any thread without the engine lock."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of usable KV pages held (0..1)
+
+
 class LLMEngine:
     """Owns the scheduler, the page pool and the model runner; `step()` is the whole loop body.
 
-    Thread-safety: every public method takes the engine's lock, so calls from several threads are
-    serialised (never interleaved inside a step). Fault tolerance: an exception raised while one
-    request's output is processed (detokenization, say) finishes that request with finish_reason
-    "error"; anything else raised inside `step()` -- KeyboardInterrupt included -- rolls the engine back
-    to host truth (`_recover`) before it propagates, so the next call works."""
+    Thread-safety: `step()` and the other state-changing methods take the engine's lock, so they never
+    interleave. `add_request` does not wait for a running step: it validates, then queues the request in
+    the intake (its own short lock). `abort` finishes the request at once when no step is running, else the
+    running step applies it before returning. Fault tolerance: an exception raised while one request's
+    output is processed (detokenization, say) finishes that request with finish_reason "error"; anything
+    else raised inside `step()` -- KeyboardInterrupt included -- rolls the engine back to host truth
+    (`_recover`) before it propagates, so the next call works."""
 
     def __init__(self, target, draft, tokenizer, cfg: EngineConfig, dtype: torch.dtype, device: torch.device,
                  ops: Ops | None = None):
@@ -100,11 +133,20 @@ class LLMEngine:
         self.eos_ids = set(target.cfg.eos_token_ids)
         self._ids = itertools.count()
         self._pending: tuple[ScheduledBatch, StepOutput] | None = None
-        # Unfinished requests by id (bounded by what callers submit and have not collected); finished
-        # requests are handed back by step() and forgotten, so nothing grows in a long-lived process.
+        self._lock = threading.RLock()  # the step lock
+        # Intake, guarded by its own lock so that adding or aborting never waits for a step:
+        # - _live: every unfinished request by id (intake, waiting or running); finished requests are
+        #   handed back by one delta of step() and forgotten, so nothing grows in a long-lived process;
+        # - _intake: added, not yet seen by the scheduler (drained at the top of step());
+        # - _aborts: aborts that arrived while a step was running (applied before that step returns).
+        self._intake_lock = threading.Lock()
         self._live: dict[str, Request] = {}
-        self._lock = threading.RLock()
-        self._done: list[Request] = []  # finished since the last step() returned (aborts included)
+        self._intake: deque[Request] = deque()
+        self._aborts: list[tuple[Request, str | None]] = []
+        # Requests changed since the last step() returned (each gets one delta), in order of change.
+        self._touched: dict[str, Request] = {}
+        self.counters = SpecCounters(accepted_per_pos=[0] * k)
+        self._load = EngineLoad()
         self.num_steps = 0
         self.sync_debug = False  # on CUDA: run execute() under torch.cuda.set_sync_debug_mode("error")
 
@@ -134,11 +176,12 @@ class LLMEngine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None) -> Request:
-        """Validate, then queue. Nothing is admitted before every check has passed."""
-        with self._lock:
-            self.validate(prompt_ids, params)
-            if request_id is not None and not isinstance(request_id, str):
-                raise RequestError(f"request_id={request_id!r} must be a str")
+        """Validate, then queue in the intake. Nothing is admitted before every check has passed. Safe from
+        any thread; it never waits for a running step."""
+        self.validate(prompt_ids, params)
+        if request_id is not None and not isinstance(request_id, str):
+            raise RequestError(f"request_id={request_id!r} must be a str")
+        with self._intake_lock:
             if request_id in self._live:
                 raise RequestError(f"request_id={request_id!r} is already in use by an unfinished request; "
                                    "give a unique id or None")
@@ -150,31 +193,110 @@ class LLMEngine:
             req.proj_known = req.num_known
             req.accepted_per_position = [0] * self.k
             req.drafted_per_position = [0] * self.k
+            if self.tokenizer is not None:
+                req.detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+            else:
+                req.text = None
             self._live[req.request_id] = req
-            self.scheduler.add(req)
+            self._intake.append(req)
             return req
 
-    def abort(self, request_id: str) -> None:
-        with self._lock:
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        """Finish an unfinished request ("abort", or "error" with `error`); unknown or finished ids are
+        ignored. Safe from any thread: with no step running it happens now (its pages are free when this
+        returns); otherwise the running step applies it before it returns. Its last delta comes from the
+        next step()."""
+        with self._intake_lock:
             req = self._live.get(request_id)
-            if req is not None and not req.finished:
-                self._finish(req, "abort")
+            if req is None:
+                return
+            if not self._lock.acquire(blocking=False):
+                self._aborts.append((req, error))
+                return
+        try:
+            self._abort(req, error)
+            self._publish_load()
+        finally:
+            self._lock.release()
+
+    def _abort(self, req: Request, error: str | None) -> None:
+        if req.finished:
+            return
+        if error is not None:
+            self._fail(req, error)
+        else:
+            self._finish(req, "abort")
 
     def has_work(self) -> bool:
+        """Requests to run, or a step in flight."""
         with self._lock:
-            return self.scheduler.has_work() or self._pending is not None
+            return bool(self._intake) or self.scheduler.has_work() or self._pending is not None
+
+    def request_ids(self) -> list[str]:
+        """Ids of every unfinished request (intake, waiting, running); from any thread."""
+        with self._intake_lock:
+            return list(self._live)
+
+    def has_output(self) -> bool:
+        """Deltas waiting for the next step() to hand them out (an abort made between steps, say)."""
+        return bool(self._touched)
+
+    def load(self) -> EngineLoad:
+        """Running / waiting counts and KV usage, from any thread (no lock): the last step's snapshot, with
+        requests still in the intake counted as waiting."""
+        ld = self._load
+        return EngineLoad(ld.num_running, ld.num_waiting + len(self._intake), ld.kv_cache_usage)
 
     # ---- the loop -----------------------------------------------------------------------------
-    def step(self) -> list[Request]:
-        """One iteration; returns the requests it finished (each exactly once, then forgotten)."""
+    def step(self) -> list[RequestDelta]:
+        """One iteration; returns a delta for every request that changed since the last step() returned
+        (new tokens or text, or finished). A finished request gets its last delta exactly once and is then
+        forgotten."""
         with self._lock:
             try:
+                self._admit()
                 self._step()
+                self._admit()  # aborts that arrived during the step free their pages before it returns
             except BaseException:
                 self._recover()
                 raise
-            done, self._done = self._done, []
-            return done
+            return self._collect()
+
+    def _admit(self) -> None:
+        """Drain the intake into the scheduler (FCFS) and apply the aborts queued during a step."""
+        with self._intake_lock:
+            new, self._intake = list(self._intake), deque()
+            aborts, self._aborts = self._aborts, []
+        for req in new:
+            if not req.finished:  # aborted while in the intake
+                self.scheduler.add(req)
+        for req, error in aborts:
+            self._abort(req, error)
+
+    def _collect(self) -> list[RequestDelta]:
+        touched, self._touched = self._touched, {}
+        self._publish_load()
+        return [self._delta(r) for r in touched.values()]
+
+    def _delta(self, req: Request) -> RequestDelta:
+        """Everything new since the request's previous delta; text only up to what no stop can still cut."""
+        n0, done = req.num_tokens_sent, req.finished
+        lps = req.logprobs[n0:] if req.params.logprobs else None
+        text = ""
+        if req.detok is not None:  # req.text is req.detok.text: they are committed together
+            end = req.detok.safe_length(done)
+            if end > req.num_text_sent:
+                text, req.num_text_sent = req.detok.text[req.num_text_sent:end], end
+        req.num_tokens_sent = len(req.output_token_ids)
+        return RequestDelta(req.request_id, req.output_token_ids[n0:], text, lps, req.finish_reason,
+                            len(req.prompt_token_ids), len(req.output_token_ids), req.error,
+                            req.to_output() if done else None)
+
+    def _publish_load(self) -> None:
+        sched = self.scheduler
+        running = sum(1 for r in sched.running if not r.finished)
+        used = 1.0 - self.pool.num_free / self.pool.num_usable if self.pool.num_usable else 0.0
+        self._load = EngineLoad(running, len(sched.waiting), max(0.0, used))
 
     def _step(self) -> None:
         try:
@@ -219,10 +341,11 @@ class LLMEngine:
             pending, self._pending = self._pending, None
             self._process(*pending)
 
-    def run(self) -> list[Request]:
-        done: list[Request] = []
-        while self.has_work():
-            done += self.step()
+    def run(self) -> list[RequestOutput]:
+        """Step until idle; returns the outputs of the requests that finished meanwhile."""
+        done: list[RequestOutput] = []
+        while self.has_work() or self.has_output():
+            done += [d.output for d in self.step() if d.output is not None]
         return done
 
     # ---- fault recovery -------------------------------------------------------------------------
@@ -236,7 +359,10 @@ class LLMEngine:
         over. A step that was in flight on the device writes only pages that later steps overwrite
         (one stream, in order), so no device state needs undoing."""
         sched = self.scheduler
-        reqs = {id(r): r for r in [*self._live.values(), *sched.running, *sched.waiting]}.values()
+        with self._intake_lock:  # the intake is untouched by a step: its requests stay there
+            queued = {id(r) for r in self._intake}
+            live = [r for r in self._live.values() if id(r) not in queued]
+        reqs = {id(r): r for r in [*live, *sched.running, *sched.waiting]}.values()
         for req in reqs:
             req.inflight_rows.clear()
             req.pages, req.slot, req.pending_free, req.slot_valid = [], -1, False, False
@@ -244,20 +370,28 @@ class LLMEngine:
             req.proj_known = req.num_known
             if not req.finished:
                 req.status = Status.WAITING
-        self._live = {r.request_id: r for r in sorted(reqs, key=lambda r: r.arrival) if not r.finished}
+        unfinished = sorted((r for r in reqs if not r.finished), key=lambda r: r.arrival)
+        with self._intake_lock:  # repair the live table too: exactly the unfinished requests
+            for r in reqs:
+                if r.finished and self._live.get(r.request_id) is r:
+                    del self._live[r.request_id]
+            for r in unfinished:
+                self._live.setdefault(r.request_id, r)
         sched.waiting.clear()
-        sched.waiting.extend(self._live.values())
+        sched.waiting.extend(unfinished)
         sched.running.clear()
         sched.free_slots[:] = list(range(self.cfg.max_num_seqs))[::-1]
         self.pool.reset()
         self._pending = None
-        log.warning("engine rolled back after a fault: %d unfinished requests will be recomputed", len(self._live))
+        self._publish_load()
+        log.warning("engine rolled back after a fault: %d unfinished requests will be recomputed", len(unfinished))
 
     def _fail(self, req: Request, error: str) -> None:
-        """Finish one request with finish_reason "error"; the engine and the other requests go on."""
+        """Finish one request with finish_reason "error"; the engine and the other requests go on. Its text
+        stays what was committed (no final flush: the detokenizer may be what failed)."""
         log.error("request %s failed: %s", req.request_id, error)
         req.error = error
-        self._finish(req, "error", keep_text=True)
+        self._finish(req, "error")
 
     # ---- processing (host) ----------------------------------------------------------------------
     def _process(self, batch: ScheduledBatch, out: StepOutput) -> None:
@@ -287,47 +421,59 @@ class LLMEngine:
             req.num_verify_steps += 1
             req.num_drafted += row.num_drafts
             req.num_accepted += a
+            c = self.counters
+            c.num_drafts += 1
+            c.num_draft_tokens += row.num_drafts
+            c.num_accepted_tokens += a
             for j in range(row.num_drafts):
                 req.drafted_per_position[j] += 1
                 req.accepted_per_position[j] += int(j < a)
+                c.accepted_per_pos[j] += int(j < a)
         self._append(req, tokens, lps)
         req.num_computed = start + row.num_tokens - row.num_drafts + a
 
     def _append(self, req: Request, tokens: list[int], lps: list[float] | None) -> None:
-        """Decide first, then mutate: the kept tokens, the finish reason and the text are computed before
-        the request changes, so an exception here (a tokenizer error) leaves it as it was."""
+        """Decide first, then mutate: the kept tokens, the finish reason and the text are computed on a fork
+        of the request's detokenizer, and adopted together only once all of it succeeded. An exception here
+        (a tokenizer error) leaves the request exactly as it was."""
         p = req.params
         out = list(req.output_token_ids)
-        reason, text = None, None
+        det = req.detok.fork() if req.detok is not None else None
+        reason = None
         for t in tokens:
             out.append(t)
             if (t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids:
                 reason = "stop"
             elif len(out) >= p.max_tokens or len(req.prompt_token_ids) + len(out) >= self.cfg.max_model_len:
                 reason = "length"
-            if p.stop and self.tokenizer is not None:
-                full = self.tokenizer.decode(out)
-                hit = [full.find(s) for s in p.stop if s in full]
-                if hit:
-                    reason, text = "stop", full[: min(hit)]
+            if det is not None and det.add(t):  # a stop string completed: it wins, its text is cut
+                reason = "stop"
             if reason:
                 break
-        if reason and text is None:
-            text = self.tokenizer.decode(out) if self.tokenizer is not None else None
+        if reason and det is not None:
+            det.finish(out)
         n_new = len(out) - len(req.output_token_ids)
         if lps is not None:
             req.logprobs += lps[:n_new]
         req.output_token_ids = out
+        if det is not None:
+            req.detok, req.text = det, det.text
+        self._touched[req.request_id] = req
         if reason:
-            req.text = text
-            self._finish(req, reason, keep_text=True)
+            self._finish(req, reason)
 
-    def _finish(self, req: Request, reason: str, keep_text: bool = False) -> None:
-        if not keep_text:
-            req.text = self.tokenizer.decode(req.output_token_ids) if self.tokenizer is not None else None
+    def _finish(self, req: Request, reason: str) -> None:
+        if reason == "abort" and req.detok is not None and req.detok.pending:
+            try:  # flush a held-back partial character, as a finish by stop or length does
+                det = req.detok.fork()
+                det.finish(req.output_token_ids)
+                req.detok, req.text = det, det.text
+            except Exception as e:  # the request is over anyway: keep the text committed so far
+                log.warning("request %s: final detokenization failed on abort: %s", req.request_id, e)
         self.scheduler.finish(req, reason)
-        self._live.pop(req.request_id, None)
-        self._done.append(req)
+        with self._intake_lock:
+            self._live.pop(req.request_id, None)
+        self._touched[req.request_id] = req
 
     # ---- checks -------------------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -337,11 +483,13 @@ class LLMEngine:
         twice; rows in flight exist only while a step is pending. Raises AssertionError naming the fault."""
         with self._lock:
             sched = self.scheduler
-            waiting, running = list(sched.waiting), list(sched.running)
+            with self._intake_lock:
+                intake, live = list(self._intake), dict(self._live)
+            waiting, running = intake + list(sched.waiting), list(sched.running)
             ids = [id(r) for r in waiting + running]
             if len(ids) != len(set(ids)):
-                raise AssertionError("a request is queued twice (waiting and/or running)")
-            for rid, r in self._live.items():
+                raise AssertionError("a request is queued twice (intake, waiting and/or running)")
+            for rid, r in live.items():
                 if r.finished or rid != r.request_id:
                     raise AssertionError(f"live table holds {rid!r} ({r.status}) wrongly")
                 if id(r) not in set(ids):
@@ -350,13 +498,13 @@ class LLMEngine:
                 if r.status is not Status.WAITING or r.pages or r.slot >= 0 or r.inflight_rows:
                     raise AssertionError(f"waiting request {r.request_id!r} holds state: status={r.status}, "
                                          f"pages={r.pages}, slot={r.slot}, rows in flight={r.inflight}")
-                if self._live.get(r.request_id) is not r:
+                if live.get(r.request_id) is not r:
                     raise AssertionError(f"waiting request {r.request_id!r} is not live")
             for r in running:
                 if r.finished and not (r.pending_free and r.inflight):
                     raise AssertionError(f"finished request {r.request_id!r} still holds pages/slot with nothing "
                                          "in flight")
-                if not r.finished and (r.status is not Status.RUNNING or self._live.get(r.request_id) is not r):
+                if not r.finished and (r.status is not Status.RUNNING or live.get(r.request_id) is not r):
                     raise AssertionError(f"running request {r.request_id!r} has status {r.status} / not live")
                 if r.slot < 0:
                     raise AssertionError(f"running request {r.request_id!r} has no slot")

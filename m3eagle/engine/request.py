@@ -1,9 +1,12 @@
-"""Request state (host side) and the RequestOutput users get back."""
+"""Request state (host side), the per-step RequestDelta the engine hands out, and the RequestOutput users get
+back. A delta is the streaming unit: `LLM.generate()` and the HTTP server both consume the deltas of
+`LLMEngine.step()`; the finishing delta carries the whole RequestOutput."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..sampling.params import SamplingParams
 
@@ -35,6 +38,29 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+@dataclass
+class RequestDelta:
+    """What one step changed for one request: tokens and text new since the request's previous delta.
+
+    Text is held back while a stop string could still cut it (see detokenizer.py), so the concatenated
+    `text` of a request's deltas is exactly its final text. Every request gets exactly one delta with
+    `finish_reason` set, and that one carries `output`."""
+
+    request_id: str
+    token_ids: list[int]  # new tokens
+    text: str  # new text ("" without a tokenizer, or while held back)
+    logprobs: list[float] | None  # one per new token when the request asked for logprobs
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" on the last delta
+    num_prompt_tokens: int
+    num_output_tokens: int  # output tokens so far, these included
+    error: str | None = None
+    output: RequestOutput | None = None  # the whole result, on the finishing delta only
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
 # eq=False: a request is its identity. The generated __eq__ compares every field (token lists included),
 # and queues test membership with it: that was half of the host's time per step at batch 32.
 @dataclass(eq=False)
@@ -60,7 +86,12 @@ class Request:
     inflight_rows: list = field(default_factory=list)  # rows launched, outputs not yet processed
     slot_valid: bool = False  # device slot buffers hold this request's latest sampled token + drafts
     pending_free: bool = False
-    text: str = ""
+    # Output text: committed together with output_token_ids (None when the model has no tokenizer).
+    text: str | None = ""
+    detok: Any = None  # IncrementalDetokenizer (detokenizer.py) of the committed tokens; None without tokenizer
+    # What the deltas have handed out so far.
+    num_tokens_sent: int = 0
+    num_text_sent: int = 0
     # speculative metrics
     num_drafted: int = 0
     num_accepted: int = 0

@@ -1,4 +1,5 @@
-"""Command line: `m3eagle generate`, `m3eagle bench`, and the training / eval stages.
+"""Command line: `m3eagle generate`, `m3eagle serve`, `m3eagle bench`, `m3eagle bench-serve`, and the training /
+eval stages.
 
 Exit status: 0 on success; 2 for a usage error (argparse names the option) or a library error, which is
 printed as one line on stderr (`m3eagle: error: ...`, no traceback; set M3EAGLE_TRACEBACK=1 to see it);
@@ -117,10 +118,21 @@ def _make_llm(a: argparse.Namespace):
     from m3eagle import LLM
 
     overlap = None if a.overlap == "auto" else a.overlap == "on"
+    extra = {k: getattr(a, k) for k in ("max_num_seqs", "num_pages") if getattr(a, k, None) is not None}
     return LLM(model=a.model, draft=a.draft, num_draft_tokens=a.num_draft_tokens, device=a.device,
                dtype=a.dtype, max_model_len=a.max_model_len, max_num_tokens=a.max_num_tokens,
                page_size=a.page_size, overlap=overlap, attention_backend=a.attention_backend,
-               moe_backend=a.moe_backend, enforce_eager=a.enforce_eager)
+               moe_backend=a.moe_backend, enforce_eager=a.enforce_eager, **extra)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory; none: the embedded model")
+    p.add_argument("--draft", default=None, help="Eagle3 head directory; none: the embedded head when --model "
+                   "is not given")
+    p.add_argument("--num-draft-tokens", type=int_in(0, 8), default=None,
+                   help="K drafts per step (0 disables speculation); none: 3 with a draft head")
+    p.add_argument("--max-model-len", type=int_in(1), default=None,
+                   help="longest prompt + output; none: min(model limit, 2048)")
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -154,13 +166,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generate text for one or more prompts")
     g.add_argument("prompts", nargs="+", help="prompt texts")
-    g.add_argument("--model", default=None, help="checkpoint directory; none: the embedded model")
-    g.add_argument("--draft", default=None, help="Eagle3 head directory; none: the embedded head when --model "
-                   "is not given")
-    g.add_argument("--num-draft-tokens", type=int_in(0, 8), default=None,
-                   help="K drafts per step (0 disables speculation); none: 3 with a draft head")
-    g.add_argument("--max-model-len", type=int_in(1), default=None,
-                   help="longest prompt + output; none: min(model limit, 2048)")
+    _model_args(g)
     _device_args(g)
     g.add_argument("--max-tokens", type=int_in(1), default=64, help="tokens to generate per prompt")
     g.add_argument("--temperature", type=float_in(0.0), default=0.0, help="0 is greedy")
@@ -231,6 +237,89 @@ def _add_bench(sub) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
+# serve
+# ------------------------------------------------------------------------------------------------
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    import logging
+
+    from m3eagle.entrypoints.server import OpenAIServer, run_server
+    from m3eagle.entrypoints.server.app import bind_socket
+
+    bind_socket(a.host, a.port).close()  # a taken port fails now, in one line, not after the model loads
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    llm = _make_llm(a)
+    server = OpenAIServer(llm, served_model_name=a.served_model_name, log_interval=a.log_interval)
+    run_server(server, a.host, a.port, shutdown_timeout=a.shutdown_timeout, log_level=a.uvicorn_log_level,
+               access_log=a.access_log, switch_interval=a.switch_interval)
+    return 0
+
+
+def _add_serve(sub) -> None:
+    s = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)",
+        description="Serve one model over HTTP: GET /health, GET /v1/models, POST /v1/completions, POST\n"
+                    "/v1/chat/completions (stream: true for server-sent events), GET /metrics (Prometheus).\n"
+                    "SIGTERM drains: in-flight requests finish (up to --shutdown-timeout), then the process exits.")
+    _model_args(s)
+    _device_args(s)
+    s.add_argument("--max-num-seqs", type=int_in(1, MAX_BATCH), default=64, help="requests in the running batch")
+    s.add_argument("--num-pages", type=int_in(0), default=0,
+                   help="KV pages; 0: sized from --max-num-seqs and --max-model-len")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int_in(0, 65535), default=8000, help="port to listen on (0: a free one)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients send; none: --model as given, or m3eagle-default")
+    s.add_argument("--log-interval", type=float_in(0.0), default=10.0,
+                   help="seconds between stats log lines (throughput, queue, KV usage, acceptance); 0: off")
+    s.add_argument("--shutdown-timeout", type=float_in(0.0), default=30.0,
+                   help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+    s.add_argument("--uvicorn-log-level", choices=["critical", "error", "warning", "info", "debug"],
+                   default="info", help="uvicorn's own log level")
+    s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    s.add_argument("--switch-interval", type=float_in(0.0, 0.1), default=0.001,
+                   help="GIL switch interval in seconds (HTTP and the engine thread share one process); 0: "
+                        "Python's default (5 ms)")
+    s.set_defaults(func=cmd_serve)
+
+
+# ------------------------------------------------------------------------------------------------
+# bench-serve
+# ------------------------------------------------------------------------------------------------
+
+
+def cmd_bench_serve(a: argparse.Namespace) -> int:
+    from m3eagle.bench.serve import format_table, run_bench_serve
+
+    if a.json and not Path(a.json).resolve().parent.is_dir():
+        raise ValueError(f"--json {a.json}: directory {Path(a.json).resolve().parent} does not exist")
+    doc = run_bench_serve(a)
+    print("\n" + format_table(doc), file=sys.stderr)
+    text = json.dumps(doc, indent=1)
+    if a.json:
+        Path(a.json).write_text(text + "\n")
+        print(f"wrote {a.json}", file=sys.stderr)
+    else:
+        print(text)
+    return 0
+
+
+def _add_bench_serve(sub) -> None:
+    from m3eagle.bench.serve import add_arguments
+
+    b = sub.add_parser(
+        "bench-serve", help="load-test an OpenAI-compatible server (m3eagle, vLLM, SGLang): TTFT, TPOT, ITL",
+        description="Send --num-prompts streaming requests to an OpenAI-compatible server, Poisson at\n"
+                    "--request-rate or at most --max-concurrency at a time, with set input and output lengths\n"
+                    "(random token ids or held-out stdlib code). Reports TTFT, TPOT and ITL (mean, p50, p90,\n"
+                    "p99), request and token throughput, and the server's speculative acceptance read from its\n"
+                    "/metrics. A table goes to stderr, the JSON document to stdout (or --json FILE).")
+    add_arguments(b)
+    b.set_defaults(func=cmd_bench_serve)
+
+
+# ------------------------------------------------------------------------------------------------
 # main
 # ------------------------------------------------------------------------------------------------
 
@@ -243,7 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True,
                            parser_class=functools.partial(argparse.ArgumentParser, formatter_class=_Formatter))
     _add_generate(sub)
+    _add_serve(sub)
     _add_bench(sub)
+    _add_bench_serve(sub)
     try:
         from m3eagle.training.cli import add_training_subcommands
 

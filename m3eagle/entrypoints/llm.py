@@ -6,11 +6,11 @@ import logging
 import numbers
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from ..config import M3Config
 from ..engine.llm_engine import EngineConfig, LLMEngine, RequestError
@@ -51,8 +51,9 @@ class LLM:
 
     model: a checkpoint directory (config.json + safetensors [+ tokenizer.json]); None uses the embedded
     model and its Eagle3 head. draft: an Eagle3 head directory; num_draft_tokens: K (1..8; 0 = off).
-    overlap: None = on for CUDA, off for CPU. attention_backend / moe_backend: 'auto' (triton on CUDA, reference
-    on CPU) | 'reference' | 'triton'. enforce_eager: never capture CUDA graphs (they are on by default on CUDA).
+    overlap: None = on for CUDA, off for CPU. attention_backend / moe_backend / fused_backend (norms, RoPE,
+    activations, router): 'auto' (triton on CUDA, reference on CPU) | 'reference' | 'triton'.
+    enforce_eager: never capture CUDA graphs (they are on by default on CUDA).
     graph_shapes: pad steady decode steps to graph buckets (None: on for CUDA; True on CPU for tests).
     load_format: 'auto' reads the checkpoints; 'dummy' builds random seeded weights on the device from the
     configs alone (vLLM's dummy format, for benchmarks) -- then model / draft may also be an M3Config /
@@ -64,7 +65,8 @@ class LLM:
                  device: str | None = None, page_size: int = 16, max_num_tokens: int = 512,
                  max_model_len: int | None = None, max_num_seqs: int = 64, num_pages: int = 0,
                  overlap: bool | None = None, attention_backend: str = "auto", load_format: str = "auto",
-                 moe_backend: str = "auto", enforce_eager: bool = False, graph_shapes: bool | None = None):
+                 moe_backend: str = "auto", enforce_eager: bool = False, graph_shapes: bool | None = None,
+                 fused_backend: str = "auto"):
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu'")
@@ -92,7 +94,7 @@ class LLM:
                              "directories, or load_format='dummy' for random weights")
         self.model_path = Path(model) if isinstance(model, (str, Path)) else None
         # This LLM's own fast paths (no module global): built before the weights so a bad name fails fast.
-        self.ops = make_ops(attention_backend, moe_backend, dev)
+        self.ops = make_ops(attention_backend, moe_backend, dev, fused_backend)
         if load_format == "dummy":
             self.target = dummy_target(target_config(model), self.dtype, dev)
         else:
@@ -149,22 +151,33 @@ class LLM:
                     raise RequestError(f"prompt {i}: {e}") from None
                 encoded.append((ids, p if isinstance(p, str) else None))
             reqs = [self.engine.add_request(ids, plist[i], text) for i, (ids, text) in enumerate(encoded)]
-            bar = _Progress(len(reqs)) if use_tqdm else None
             try:
-                while self.engine.has_work():
-                    done = self.engine.step()
-                    if bar:
-                        bar.update(len(done))
+                outs = self._collect(reqs, use_tqdm)
             except BaseException:
                 for r in reqs:
                     self.engine.abort(r.request_id)
                 raise
-            finally:
-                if bar:
-                    bar.close()
-            outs = [r.to_output() for r in reqs]
             self._stats.add(outs)
             return outs
+
+    def _collect(self, reqs: list, use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine until every one of `reqs` has handed back its finishing delta (the same deltas
+        the server streams) and the engine is idle (under overlap a last step may still be in flight, holding
+        pages of finished requests); outputs in the order of `reqs`."""
+        index = {r.request_id: i for i, r in enumerate(reqs)}
+        outs: list[RequestOutput | None] = [None] * len(reqs)
+        left = len(reqs)
+        with tqdm(total=len(reqs), desc="generate", unit="req", disable=not use_tqdm, file=sys.stderr) as bar:
+            while left or self.engine.has_work():
+                if left and not (self.engine.has_work() or self.engine.has_output()):
+                    raise RuntimeError(f"the engine went idle with {left} requests of this call unfinished")
+                for d in self.engine.step():
+                    i = index.get(d.request_id)
+                    if i is not None and d.output is not None and outs[i] is None:
+                        outs[i] = d.output
+                        left -= 1
+                        bar.update(1)
+        return outs  # type: ignore[return-value]
 
     # ---- metrics ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -248,22 +261,3 @@ def _token_ids(p: object) -> list[int]:
         raise RequestError(f"token ids must be ints (numpy/torch integers accepted); got {type(bad[0]).__name__} "
                            f"{bad[0]!r}")
     return [int(t) for t in p]
-
-
-class _Progress:
-    """A minimal progress bar on stderr (no extra dependency)."""
-
-    def __init__(self, total: int):
-        self.total, self.n, self.t0 = total, 0, time.perf_counter()
-
-    def update(self, k: int) -> None:
-        self.n += k
-        if k:
-            w = 30
-            f = int(w * self.n / max(self.total, 1))
-            sys.stderr.write(f"\r[{'#' * f}{'.' * (w - f)}] {self.n}/{self.total} "
-                             f"{time.perf_counter() - self.t0:.1f}s")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        sys.stderr.write("\n")

@@ -1,0 +1,105 @@
+"""Incremental detokenization and stop strings: the text of one request's output, a token at a time.
+
+`tokenizers.decoders.DecodeStream` decodes only a short window around each new token, so a request's text
+costs O(1) per token instead of re-decoding the whole output every step (O(n^2)). The stream holds a token
+back while its bytes do not yet form a whole UTF-8 character; `finish()` flushes such a tail once, so the
+final text equals `tokenizer.decode(output_token_ids)`.
+
+Stop strings are matched on the incremental text, across token boundaries: after each token only the
+window where a new match can start is searched (the last `max(len(stop)) - 1` characters before the new
+piece, plus the piece). The first token whose text completes a stop string is the last token of the
+output, and the text is cut before the stop string.
+
+Streaming must never hand out characters that a later stop string would cut, so `safe_length` keeps the
+last `max(len(stop)) - 1` characters back until the request finishes (vLLM's rule for
+include_stop_str_in_output=False).
+
+Transactions: the engine forks a detokenizer, feeds a step's tokens to the fork and adopts it only once
+every decision for that step succeeded (`LLMEngine._append`), so a fault in the middle of a step never
+leaves a request's text ahead of its tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+from tokenizers.decoders import DecodeStream
+
+log = logging.getLogger("m3eagle")
+
+# What tokenizers raises when a window's decode no longer starts with the text already emitted (a decoder
+# that is not prefix-stable on some odd byte sequences); the stream can start over from the next token.
+_INVALID_PREFIX = "Invalid prefix"
+
+
+class IncrementalDetokenizer:
+    """Text of one output. `tokenizer` is m3eagle's Tokenizer (loader/tokenizer.py): its `.tok` is the
+    `tokenizers.Tokenizer` the stream decodes with, its `decode` the full decode used once by `finish`."""
+
+    __slots__ = ("tokenizer", "stop", "hold", "text", "pending", "stopped", "_stream")
+
+    def __init__(self, tokenizer: Any, stop: list[str] | tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        # Characters a stop string can still complete from: they stay out of streamed text until the end.
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""  # decoded output so far (cut before the stop string once one completed)
+        self.pending = 0  # tokens fed since the stream last produced text (a partial character, a special token)
+        self.stopped = False
+        self._stream = DecodeStream(skip_special_tokens=True)
+
+    def fork(self) -> IncrementalDetokenizer:
+        """An independent copy (the stream's small window is copied; the text is an immutable str)."""
+        new = object.__new__(IncrementalDetokenizer)
+        for name in ("tokenizer", "stop", "hold", "text", "pending", "stopped"):
+            setattr(new, name, getattr(self, name))
+        new._stream = copy.copy(self._stream)
+        return new
+
+    def add(self, token_id: int) -> bool:
+        """Feed one token. Returns True when it completed a stop string (the text is then cut before it)."""
+        if self.stopped:
+            raise RuntimeError("a stopped detokenizer takes no more tokens")
+        piece = self._step(token_id)
+        if piece is None:
+            self.pending += 1
+            return False
+        self.pending = 0
+        start = max(0, len(self.text) - self.hold)  # a new match must end inside `piece`
+        self.text += piece
+        if self.stop:
+            window = self.text[start:]
+            hits = [i for i in (window.find(s) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[: start + min(hits)]
+                self.stopped = True
+                return True
+        return False
+
+    def finish(self, token_ids: list[int]) -> None:
+        """The output ended: flush text the stream still holds back (a trailing partial character decodes
+        to U+FFFD, as a full decode gives). One full decode, and only when something is held back."""
+        if self.pending and not self.stopped:
+            full = self.tokenizer.decode(token_ids)
+            if full.startswith(self.text):
+                self.text = full
+            else:  # never seen with byte-level BPE; keep the streamed text rather than rewrite what was sent
+                log.debug("full decode diverges from the incremental text; keeping the incremental text")
+        self.pending = 0
+
+    def safe_length(self, finished: bool) -> int:
+        """How much of `text` may be streamed now: all of it once finished, else all but the held tail."""
+        return len(self.text) if finished or not self.stop else max(0, len(self.text) - self.hold)
+
+    def _step(self, token_id: int) -> str | None:
+        try:
+            return self._stream.step(self.tokenizer.tok, token_id)
+        except Exception as e:  # tokenizers raises a bare Exception
+            if not str(e).startswith(_INVALID_PREFIX):
+                raise
+            # The window stopped being prefix-stable: restart the stream at this token (vLLM does the same).
+            log.warning("detokenizer: %s; restarting the decode stream", e)
+            self._stream = DecodeStream(skip_special_tokens=True)
+            return self._stream.step(self.tokenizer.tok, token_id)

@@ -1,0 +1,7 @@
+"""The OpenAI-compatible HTTP server: app.py (routes, SSE, shutdown), protocol.py (request bodies, errors),
+async_engine.py (the engine thread and its hand-off to asyncio), metrics.py (Prometheus), chat.py (chat
+templates)."""
+
+from .app import OpenAIServer, ServerThread, run_server
+
+__all__ = ["OpenAIServer", "ServerThread", "run_server"]

@@ -1,0 +1,149 @@
+"""The engine loop in one background thread, handing results to asyncio.
+
+Threading model:
+- the engine thread is the only caller of `LLMEngine.step()`. It sleeps on an event while the engine
+  has nothing to do and wakes when a request is added or aborted;
+- the asyncio thread (uvicorn's event loop) adds requests (`LLMEngine.add_request` only queues them in
+  the engine's intake, it never waits for a step) and aborts them (`LLMEngine.abort` is immediate when
+  no step runs, else applied by the running step before it returns, so pages are freed at once);
+- after each step the engine thread hands the step's deltas to the asyncio thread in one
+  `call_soon_threadsafe`; there each delta goes to its request's asyncio.Queue and to the metrics. All
+  bookkeeping of requests in flight (`_streams`) lives on the asyncio thread: no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from ...engine.llm_engine import LLMEngine, SpecCounters
+from ...engine.request import RequestDelta
+from ...sampling.params import SamplingParams
+from .metrics import RequestTimes, ServerMetrics
+
+log = logging.getLogger("m3eagle")
+
+MAX_CONSECUTIVE_FAULTS = 3  # a step that keeps failing after rollback fails its requests instead of spinning
+
+
+@dataclass
+class RequestStream:
+    """One request in flight, as the HTTP side sees it."""
+
+    request_id: str
+    num_prompt_tokens: int
+    queue: asyncio.Queue[RequestDelta] = field(default_factory=asyncio.Queue)
+    times: RequestTimes = field(default_factory=lambda: RequestTimes(time.monotonic()))
+    detached: bool = False  # the client went away: deltas are dropped (metrics still count them)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics):
+        self.engine, self.metrics = engine, metrics
+        self._streams: dict[str, RequestStream] = {}  # asyncio thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; results go to the running event loop (call from it)."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="m3eagle-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Abort whatever is still in flight, let the engine thread free its pages, and stop it."""
+        for rid in list(self._streams):
+            self.abort(rid)
+        for rid in self.engine.request_ids():  # anything added around the HTTP side
+            self.engine.abort(rid)
+        self._wake.set()
+        t_end = time.monotonic() + timeout
+        while self._streams and time.monotonic() < t_end and self.alive:  # the abort deltas come back
+            await asyncio.sleep(0.01)
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, max(0.0, t_end - time.monotonic()))
+
+    # ---- requests (asyncio thread) ------------------------------------------------------------
+    def add(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None, prefix: str) -> RequestStream:
+        """Queue a request; raises RequestError (the engine's validation) before anything is queued."""
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        stream = RequestStream(rid, len(prompt_ids))
+        self._streams[rid] = stream  # before the engine can produce a delta for it
+        try:
+            self.engine.add_request(prompt_ids, params, prompt, request_id=rid)
+        except BaseException:
+            del self._streams[rid]
+            raise
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """The client is gone: stop queueing its deltas and abort it in the engine (pages freed at once, or
+        by the step running now)."""
+        s = self._streams.get(request_id)
+        if s is not None:
+            s.detached = True
+        self.engine.abort(request_id)
+        self._wake.set()
+
+    def _dispatch(self, deltas: list[RequestDelta], spec: SpecCounters, now: float) -> None:
+        """On the asyncio thread: one step's deltas to their queues and to the metrics."""
+        self.metrics.observe_spec(spec)
+        for d in deltas:
+            s = self._streams.get(d.request_id)
+            if s is None:
+                continue
+            self.metrics.observe(s.times, d, now)
+            if d.finished:
+                del self._streams[d.request_id]
+            if not s.detached:
+                s.queue.put_nowait(d)
+
+    # ---- the engine thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        eng, faults = self.engine, 0
+        if eng.device.type == "cuda" and eng.device.index is not None:  # the current device is per thread
+            torch.cuda.set_device(eng.device)
+        while not self._stop.is_set():
+            if not (eng.has_work() or eng.has_output()):
+                # No wake-up is lost: add/abort set the event after queueing, and the loop re-checks
+                # has_work() after clearing it.
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                deltas = eng.step()
+                faults = 0
+            except Exception as e:  # the engine rolled back to host truth; its requests will be recomputed
+                faults += 1
+                log.exception("engine step failed (%d in a row)", faults)
+                if faults >= MAX_CONSECUTIVE_FAULTS:
+                    for rid in eng.request_ids():
+                        eng.abort(rid, error=f"the engine failed {faults} steps in a row: {type(e).__name__}: {e}")
+                    faults = 0
+                continue
+            now = time.monotonic()
+            if self._loop is not None and not self._loop.is_closed():
+                try:
+                    self._loop.call_soon_threadsafe(self._dispatch, deltas, eng.counters.snapshot(), now)
+                except RuntimeError:  # the event loop closed under us (shutdown)
+                    break

@@ -1,0 +1,521 @@
+"""`m3eagle serve` end to end on CPU (issue 11): each test module's server runs the embedded model on a free
+localhost port (in-process on a background thread; the shutdown test runs the real command).
+
+- the official openai client: streamed and non-streamed completions equal offline LLM.generate greedy
+  text; chat renders the model's template and returns content; token-id prompts; /v1/models;
+- bad requests (negative temperature, top_p > 1, over-long prompts, unknown model, malformed JSON, wrong
+  types, unsupported fields, unknown routes) each get the right 4xx and an OpenAI-shaped JSON error, never
+  reach the engine, and the server serves on;
+- a client that disconnects mid-stream, or before a non-streamed answer, is aborted at once: its pages are
+  freed (kv_cache_usage_perc back to 0);
+- /metrics carries vLLM's metrics under m3eagle: with sensible values; 503 while draining;
+- soak: 500 streaming requests, 64 at a time, 10% dropped at random points: no server error, every kept
+  stream equals offline, KV usage back to 0, /health 200;
+- SIGTERM lets an in-flight stream finish and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai  # a test extra
+import pytest
+
+from m3eagle import LLM, SamplingParams
+from m3eagle.bench.serve import Server, request
+from m3eagle.entrypoints.server import OpenAIServer, ServerThread
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "m3eagle-default"
+PROMPTS = ["def add(a, b):", "import os\n", "class Stack:", "for i in range(10):", "def fib(n):\n    if n",
+           "while True:", "x = [1, 2, 3]\n", "def main():\n    args ="]
+MAX_TOKENS = 8
+
+
+def greedy(max_tokens: int = MAX_TOKENS, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+@pytest.fixture(scope="module")
+def served(one_thread):
+    """(ServerThread, reference): the offline greedy outputs are computed on the same LLM before it serves."""
+    llm = LLM(device="cpu", max_num_seqs=64, max_model_len=256)
+    ref = {p: o for p, o in zip(PROMPTS, llm.generate(PROMPTS, greedy()))}
+    with ServerThread(OpenAIServer(llm, log_interval=0)) as st:
+        yield st, ref
+    assert llm.engine.is_idle_and_clean()
+
+
+def client(st: ServerThread):
+    return openai.OpenAI(base_url=st.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def http(st: ServerThread, method: str, path: str, body: bytes | str | dict | None = None) -> tuple[int, dict | str]:
+    """A raw request (stdlib): (status, JSON body or text)."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body.encode() if isinstance(body, str) else body
+    req = urllib.request.Request(st.url + path, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode()
+
+
+def metric(st: ServerThread, name: str, **labels: str) -> float:
+    """One sample of GET /metrics (summed over label sets that match `labels`)."""
+    _, text = http(st, "GET", "/metrics")
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            head, value = line.rsplit(" ", 1)
+            if all(f'{k}="{v}"' in head for k, v in labels.items()):
+                total, found = total + float(value), True
+    assert found, f"{name}{labels} not in /metrics"
+    return total
+
+
+def wait_idle(st: ServerThread, timeout: float = 30.0) -> None:
+    """KV usage and running/waiting counts back to 0 (pages freed after aborts and finishes)."""
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        if (metric(st, "m3eagle:kv_cache_usage_perc") == 0 and metric(st, "m3eagle:num_requests_running") == 0
+                and metric(st, "m3eagle:num_requests_waiting") == 0):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"server not idle after {timeout}s: kv={metric(st, 'm3eagle:kv_cache_usage_perc')}")
+
+
+# ------------------------------------------------------------------------------------------------
+# the official client
+# ------------------------------------------------------------------------------------------------
+
+
+def test_official_client_matches_offline(served):
+    st, ref = served
+    c = client(st)
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    for p in PROMPTS[:4]:
+        r = c.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0)
+        assert r.choices[0].text == ref[p].text and r.choices[0].finish_reason == ref[p].finish_reason
+        assert r.usage.completion_tokens == len(ref[p].token_ids) and r.usage.prompt_tokens == len(ref[p].prompt_token_ids)
+        chunks = list(c.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref[p].text
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == ref[p].finish_reason
+        assert chunks[-1].usage.completion_tokens == len(ref[p].token_ids)
+    p = PROMPTS[4]  # a prompt of token ids
+    r = c.completions.create(model=MODEL, prompt=ref[p].prompt_token_ids, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == ref[p].text
+
+
+def test_chat_returns_content(served):
+    st, _ = served
+    c = client(st)
+    msgs = [{"role": "system", "content": "Solve it."},
+            {"role": "user", "content": "Ava has 12 marbles. She buys 3 bags with 5 marbles in each bag. How many "
+                                        "marbles does she have now?"}]
+    r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0)
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and msg.content.strip() and r.choices[0].finish_reason in ("stop", "length")
+    chunks = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == msg.content
+    # content as a list of text parts renders the same
+    parts = [{**msgs[0]}, {"role": "user", "content": [{"type": "text", "text": msgs[1]["content"]}]}]
+    r2 = c.chat.completions.create(model=MODEL, messages=parts, max_tokens=40, temperature=0)
+    assert r2.choices[0].message.content == msg.content
+
+
+def test_stop_strings_and_logprobs(served):
+    st, ref = served
+    c = client(st)
+    p = PROMPTS[0]
+    stop = ref[p].text[3:5]
+    llm_text = ref[p].text
+    r = c.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0, stop=[stop], logprobs=0)
+    assert r.choices[0].text == llm_text[: llm_text.find(stop)] and r.choices[0].finish_reason == "stop"
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens and all(x <= 0 for x in lp.token_logprobs)
+    chunks = list(c.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0, stop=stop,
+                                       stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == r.choices[0].text
+
+
+# ------------------------------------------------------------------------------------------------
+# the engine's intake: adding and aborting from other threads while a step runs
+# ------------------------------------------------------------------------------------------------
+
+
+def test_add_and_abort_from_other_threads_during_a_step(one_thread, monkeypatch):
+    """add_request never waits for a running step (it queues in the intake); an abort that finds a step
+    running is applied by that step before it returns, so the request's pages are free when step() returns."""
+    llm = LLM(device="cpu", num_draft_tokens=3, max_num_seqs=4, max_model_len=128)
+    ref = llm.generate(["class A:"], greedy(6))[0]
+    eng = llm.engine
+    a = eng.add_request(llm.encode("def f(x):"), greedy(60, ignore_eos=True))
+    eng.step()
+    added: list = []
+    orig = eng.runner.execute
+
+    def execute(*args, **kw):
+        if not added:  # from other threads, while this step holds the engine
+            for target in (lambda: added.append(eng.add_request(llm.encode("class A:"), greedy(6), "class A:")),
+                           lambda: eng.abort(a.request_id)):
+                t = threading.Thread(target=target)
+                t.start()
+                t.join(10)
+                assert not t.is_alive(), "a call from another thread waited for the step"
+            assert not a.finished
+        return orig(*args, **kw)
+
+    monkeypatch.setattr(eng.runner, "execute", execute)
+    deltas = eng.step()
+    assert a.finish_reason == "abort" and not a.pages and a.slot < 0
+    assert [d.finish_reason for d in deltas if d.request_id == a.request_id] == ["abort"]
+    outs = {o.request_id: o for o in eng.run()}
+    assert outs[added[0].request_id].text == ref.text and eng.is_idle_and_clean()
+    eng.check_integrity()
+
+
+# ------------------------------------------------------------------------------------------------
+# bad requests
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": True}, 400, "max_tokens"),
+    ({"prompt": [3] * 256}, 400, "prompt"),  # max_model_len=256: no room to generate
+    ({"prompt": [3] * 200, "max_tokens": 100}, 400, "max_tokens"),  # prompt + output over the limit
+    ({"prompt": [10**6]}, 400, "prompt"),  # outside the vocabulary
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": "x", "echo": True}, 400, "echo"),
+    ({"prompt": "x", "logprobs": 5}, 400, "logprobs"),
+    ({"prompt": "x", "stop": [""]}, 400, "stop"),
+    ({"prompt": "x", "seed": -1}, 400, "seed"),
+    ({"temperature": 0}, 400, "prompt"),  # missing prompt
+    ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+])
+def test_bad_completion_requests(served, body, status, param):
+    st, _ = served
+    code, err = http(st, "POST", "/v1/completions", body)
+    assert code == status, err
+    e = err["error"]
+    assert set(e) == {"message", "type", "param", "code"} and e["code"] == status and e["param"] == param
+    assert e["type"] == {400: "BadRequestError", 404: "NotFoundError"}[status] and e["message"]
+
+
+@pytest.mark.parametrize("raw, path", [
+    ('{"prompt": "x", "max_tokens": ', "/v1/completions"),
+    ("not json", "/v1/completions"),
+    ('["a list"]', "/v1/completions"),
+    ('{"messages": []}', "/v1/chat/completions"),
+    ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}', "/v1/chat/completions"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3, "logprobs": true}', "/v1/chat/completions"),
+])
+def test_malformed_bodies(served, raw, path):
+    st, _ = served
+    code, err = http(st, "POST", path, raw)
+    assert code == 400 and err["error"]["type"] == "BadRequestError" and err["error"]["code"] == 400, err
+
+
+def test_errors_never_reach_the_engine_and_the_server_serves_on(served):
+    st, ref = served
+    eng = st.server.engine
+    before = eng.num_steps
+    with pytest.raises(openai.BadRequestError):
+        client(st).completions.create(model=MODEL, prompt="x", temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client(st).completions.create(model="nope", prompt="x")
+    assert http(st, "POST", "/v1/completions", "{")[0] == 400
+    code, err = http(st, "GET", "/v1/nothing")
+    assert code == 404 and err["error"]["code"] == 404
+    assert eng.num_steps == before and eng.is_idle_and_clean()
+    p = PROMPTS[1]
+    assert client(st).completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text \
+        == ref[p].text
+    assert http(st, "GET", "/health")[0] == 200
+
+
+def test_503_while_draining(served):
+    st, _ = served
+    st.server.draining = True
+    try:
+        assert http(st, "GET", "/health")[0] == 503
+        code, err = http(st, "POST", "/v1/completions", {"prompt": "x"})
+        assert code == 503 and err["error"]["type"] == "ServiceUnavailableError"
+    finally:
+        st.server.draining = False
+    assert http(st, "GET", "/health")[0] == 200
+
+
+# ------------------------------------------------------------------------------------------------
+# disconnects and metrics
+# ------------------------------------------------------------------------------------------------
+
+
+async def _stream(st: ServerThread, body: dict, drop_after: int | None = None) -> tuple[int, str, bool]:
+    """POST a streaming request; read events (closing the connection after `drop_after` text events).
+    Returns (status, text, saw [DONE])."""
+    r = await request(Server.parse(st.url), "POST", "/v1/completions", body)
+    text, events, done, buf = "", 0, False, b""
+    try:
+        if r.status != 200:
+            return r.status, (await r.read()).decode(), False
+        async for chunk in r.chunks():
+            buf += chunk
+            while b"\n\n" in buf:
+                ev, buf = buf.split(b"\n\n", 1)
+                data = ev.removeprefix(b"data: ")
+                if data == b"[DONE]":
+                    done = True
+                    continue
+                obj = json.loads(data)
+                if "error" in obj:
+                    return 500, obj["error"]["message"], False
+                for ch in obj["choices"]:
+                    text += ch["text"]
+                    events += 1
+                if drop_after is not None and events >= drop_after:
+                    return r.status, text, False
+    finally:
+        r.close()
+    return r.status, text, done
+
+
+def test_disconnect_mid_stream_frees_pages(served):
+    st, _ = served
+    aborted = metric(st, "m3eagle:request_success_total", finished_reason="abort")
+    body = {"prompt": PROMPTS[2], "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    status, text, done = asyncio.run(_stream(st, body, drop_after=2))
+    assert status == 200 and text and not done
+    wait_idle(st, timeout=10)
+    assert metric(st, "m3eagle:request_success_total", finished_reason="abort") == aborted + 1
+    assert st.server.engine.is_idle_and_clean()
+
+
+def test_disconnect_before_a_non_streamed_answer_frees_pages(served):
+    st, _ = served
+    aborted = metric(st, "m3eagle:request_success_total", finished_reason="abort")
+
+    body = json.dumps({"prompt": PROMPTS[3], "max_tokens": 200, "temperature": 0, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", st.port)) as s:  # send, then leave without reading
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        t0 = time.monotonic()
+        while metric(st, "m3eagle:num_requests_running") == 0:  # it reached the engine
+            assert time.monotonic() - t0 < 20
+            time.sleep(0.02)
+    while metric(st, "m3eagle:request_success_total", finished_reason="abort") == aborted:
+        assert time.monotonic() - t0 < 20, "the abandoned request was never aborted"
+        time.sleep(0.05)
+    wait_idle(st, timeout=10)
+
+
+def test_metrics(served):
+    st, _ = served
+    c = client(st)
+    c.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=MAX_TOKENS, temperature=0)
+    _, text = http(st, "GET", "/metrics")
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+                 "generation_tokens_total", "request_success_total", "spec_decode_num_drafts_total",
+                 "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
+                 "spec_decode_num_accepted_tokens_per_pos_total", "time_to_first_token_seconds_bucket",
+                 "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
+                 "request_prompt_tokens_bucket", "request_generation_tokens_bucket"):
+        assert f"m3eagle:{name}" in text, name
+    drafts = metric(st, "m3eagle:spec_decode_num_drafts_total")
+    drafted = metric(st, "m3eagle:spec_decode_num_draft_tokens_total")
+    accepted = metric(st, "m3eagle:spec_decode_num_accepted_tokens_total")
+    per_pos = [metric(st, "m3eagle:spec_decode_num_accepted_tokens_per_pos_total", position=str(j)) for j in range(3)]
+    assert drafts > 0 and drafted == 3 * drafts and 0 < accepted <= drafted and sum(per_pos) == accepted
+    assert per_pos[0] >= per_pos[1] >= per_pos[2]  # a position is accepted only if the ones before it are
+    assert metric(st, "m3eagle:generation_tokens_total") >= metric(st, "m3eagle:request_generation_tokens_sum") > 0
+    assert metric(st, "m3eagle:time_to_first_token_seconds_count") > 0
+    assert metric(st, "m3eagle:kv_cache_usage_perc") == 0
+    # a second server in the same process has its own registry
+    other = OpenAIServer(st.server.llm, served_model_name="other", log_interval=0)
+    assert b"other" in other.metrics.render() and b"other" not in st.server.metrics.render()
+
+
+# ------------------------------------------------------------------------------------------------
+# soak
+# ------------------------------------------------------------------------------------------------
+
+
+def test_soak(served):
+    """500 streaming requests, 64 at a time, 10% dropped after a random number of events."""
+    st, ref = served
+    rng = random.Random(0)
+    plan = [(rng.choice(PROMPTS), rng.randint(0, 3) if rng.random() < 0.1 else None) for _ in range(500)]
+
+    async def main() -> list[tuple[int, str, bool]]:
+        sem = asyncio.Semaphore(64)
+
+        async def one(prompt: str, drop: int | None):
+            async with sem:
+                return await _stream(st, {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                          "stream": True}, drop)
+
+        return await asyncio.gather(*(one(p, d) for p, d in plan))
+
+    t0 = time.monotonic()
+    results = asyncio.run(main())
+    assert all(status == 200 for status, _, _ in results), [r for r in results if r[0] != 200][:3]
+    kept = [(p, text, done) for (p, drop), (_, text, done) in zip(plan, results) if drop is None]
+    assert len(kept) >= 430 and all(done for _, _, done in kept)
+    assert all(text == ref[p].text for p, text, _ in kept)
+    wait_idle(st, timeout=30)
+    assert http(st, "GET", "/health")[0] == 200 and st.server.engine.is_idle_and_clean()
+    print(f"soak: 500 requests in {time.monotonic() - t0:.1f}s")
+
+
+# ------------------------------------------------------------------------------------------------
+# the real command: SIGTERM
+# ------------------------------------------------------------------------------------------------
+
+
+def test_sigterm_drains_and_exits_cleanly():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "m3eagle", "serve", "--device", "cpu", "--port", str(port),
+                             "--max-model-len", "256", "--log-interval", "0", "--uvicorn-log-level", "warning"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        t_end = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < t_end, "the server never became ready"
+            time.sleep(0.2)
+
+        class _St:  # what _stream needs
+            pass
+
+        st = _St()
+        st.url = url
+        result: list = []
+        body = {"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+        t = threading.Thread(target=lambda: result.append((asyncio.run(_stream(st, body)), time.monotonic())))
+        t.start()
+        while metric(st, "m3eagle:num_requests_running") == 0:  # the stream is under way
+            assert t.is_alive() and time.monotonic() < t_end
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        t_term = time.monotonic()
+        t.join(120)
+        assert proc.wait(60) == 0
+        (status, text, done), t_done = result[0]
+        assert status == 200 and done and text and t_done > t_term  # it finished after the signal, then the exit
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# ------------------------------------------------------------------------------------------------
+# a request that fails in the engine, the stats line, bench-serve, the command's errors
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_request_failing_in_the_engine_fails_alone(served, monkeypatch):
+    """A fault that belongs to one request (here its detokenizer) fails it alone: a 500 OpenAI error for a
+    non-streamed request, an error event (then [DONE]) for a streamed one; the server serves on."""
+    from m3eagle.engine.detokenizer import IncrementalDetokenizer
+
+    st, ref = served
+    orig, calls = IncrementalDetokenizer.add, [0]
+
+    def bad_add(self, token_id):
+        calls[0] += 1
+        if calls[0] in (1, 2):
+            raise ValueError("broken detokenizer")
+        return orig(self, token_id)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "add", bad_add)
+    code, err = http(st, "POST", "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+    assert code == 500 and "broken detokenizer" in err["error"]["message"]
+    status, message, done = asyncio.run(_stream(st, {"prompt": PROMPTS[0], "max_tokens": 4, "stream": True}))
+    assert status == 500 and "broken detokenizer" in message
+    monkeypatch.undo()
+    p = PROMPTS[6]
+    assert client(st).completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text \
+        == ref[p].text
+    assert metric(st, "m3eagle:request_success_total", finished_reason="error") >= 2
+    wait_idle(st)
+
+
+def test_stats_log_line(served):
+    st, _ = served
+    m = st.server.metrics
+    m.log_line()  # start a fresh window
+    client(st).completions.create(model=MODEL, prompt=PROMPTS[7], max_tokens=MAX_TOKENS, temperature=0)
+    line = m.log_line()
+    assert line and "generation throughput" in line and "Running: 0 reqs" in line and "KV cache usage: 0.0%" in line
+    assert "mean acceptance length" in line and "per-position acceptance rate" in line
+    assert m.log_line() is None  # idle: quiet
+
+
+def test_bench_serve_against_the_server(served, tmp_path, capsys):
+    from m3eagle.entrypoints.cli import main
+
+    st, _ = served
+    out = tmp_path / "bs.json"
+    rc = main(["bench-serve", "--base-url", st.url, "--num-prompts", "12", "--max-concurrency", "4", "--input-len",
+               "16", "--output-len", "6", "--warmup", "1", "--dataset", "random", "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    r = doc["results"]
+    assert r["completed"] == 12 and r["failed"] == 0 and r["output_tokens"] == 12 * 6 and r["input_tokens"] == 12 * 16
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert set(r[key]) == {"mean", "p50", "p90", "p99"} and r[key]["p50"] > 0, key
+    assert r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"] and r["request_throughput"] > 0
+    acc = doc["acceptance"]
+    assert acc and 1 <= acc["mean_acceptance_length"] <= 4 and len(acc["per_position"]) == 3
+    err = capsys.readouterr().err
+    assert "TTFT ms" in err and "acceptance: mean length" in err
+    wait_idle(st)
+
+
+def test_serve_errors_are_one_line(capsys):
+    """A taken port fails before the model loads, in one line naming the option; bench-serve against no
+    server says so."""
+    from m3eagle.entrypoints.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["serve", "--device", "cpu", "--port", str(port)]) == 2  # fails before loading the model
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"127.0.0.1:{port}" in err[0] and "--port" in err[0]
+    assert main(["bench-serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1"]) == 2
+    assert "is the server running" in capsys.readouterr().err
