@@ -164,24 +164,3 @@ def test_graph_shaped_steps_give_the_same_tokens(model_dir, head_dir, k, overlap
     assert any(b > n for n, b in padded_steps)  # some step really ran with padding rows
     assert len({b for _, b in padded_steps}) >= 2  # and the bucket changed as requests finished
     assert_clean(padded)
-
-
-def test_startup_warmup_touches_no_request_state(model_dir, head_dir):
-    """The warm-up's eager steps (Triton compiles at startup on CUDA) run on padding rows only: forced
-    on CPU in the middle of a run, between steps, the requests still get exactly their tokens."""
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    want = [o.token_ids for o in llm_for(model_dir, head_dir, 3).generate(PROMPTS, sp)]
-    llm = llm_for(model_dir, head_dir, 3)
-    eng = llm.engine
-    reqs = [eng.add_request(p, sp) for p in PROMPTS]
-    for _ in range(3):
-        eng.step()
-    calls = []
-    execute = eng.runner.execute
-    eng.runner.execute = lambda inp: calls.append(inp.num_rows) or execute(inp)
-    eng.graphs.warmup(64, force=True)
-    eng.runner.execute = execute
-    assert len(calls) > 10
-    eng.run()
-    assert [r.output_token_ids for r in reqs] == want
-    assert_clean(llm)

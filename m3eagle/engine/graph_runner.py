@@ -123,30 +123,6 @@ class GraphRunner:
         log.info("captured %d CUDA graphs (buckets %s, K=%d) in %.1f s; graph memory %.0f MiB",
                  len(self.graphs), self.buckets, self.k, self.capture_seconds, used)
 
-    def warmup(self, max_tokens: int, force: bool = False) -> None:
-        """Run eager steps of assorted shapes on padding rows (trash page, dump slot) at startup.
-
-        Triton compiles a kernel once per specialisation of its integer arguments (== 1, divisible by 16),
-        so the first prompt chunks of a new size used to stall a serving engine for the compile (a p90
-        TTFT of 3 s at concurrency 8 on the H200). Compiling them here moves that cost to startup."""
-        if self.runner.device.type != "cuda" and not force:  # nothing to compile for the CPU reference path
-            return
-        t0 = time.perf_counter()
-        k1 = self.k + 1
-        shapes = [(1, q) for q in (1, 2, 3, 16, 17, 31, 32, 33, 64, 100, 128, 255, 256, 512)]
-        shapes += [(r, q) for r in (2, 3, 5) for q in (1, k1, 7, 16, 17, 64)]
-        for rows, q in shapes:
-            if rows * q > min(max_tokens, self.bufs.max_tokens) or rows > self.bufs.max_rows:
-                continue
-            for mode in ((False, False), (True, False)):
-                inp = build_step_input(ScheduledBatch([], []), self.page_size, self.table_width, self.runner.device,
-                                       self.bufs, pad_rows_to=rows, dump_slot=self.runner.dump_slot, pad_q=q,
-                                       ops=self.ops, mode=mode)
-                self.runner.execute(inp)
-        if self.runner.device.type == "cuda":
-            torch.cuda.synchronize(self.runner.device)
-        log.info("warmed up %d eager step shapes in %.1f s", len(shapes), time.perf_counter() - t0)
-
     def _capture(self, bucket: int, mode: tuple[bool, bool]) -> None:
         """Capture `execute` on padding rows only (they touch nothing but the trash page and the dump
         slot), so capturing in the middle of serving changes no request's state."""

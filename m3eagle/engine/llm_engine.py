@@ -129,7 +129,6 @@ class LLMEngine:
         self.graphs = GraphRunner(self.runner, self.buffers, k, cfg.max_num_seqs, cfg.page_size, self.table_width,
                                   graphs=not cfg.enforce_eager, ops=self.ops)
         self.graph_shapes = graph_shapes
-        self.graphs.warmup(cfg.max_num_tokens)
         self.graphs.capture_startup()
         self.eos_ids = set(target.cfg.eos_token_ids)
         self._ids = itertools.count()
