@@ -296,7 +296,7 @@ class LLMEngine:
         sched = self.scheduler
         running = sum(1 for r in sched.running if not r.finished)
         used = 1.0 - self.pool.num_free / self.pool.num_usable if self.pool.num_usable else 0.0
-        self._load = EngineLoad(running, len(sched.waiting), max(0.0, used))
+        self._load = EngineLoad(running, sched.num_waiting, max(0.0, used))
 
     def _step(self) -> None:
         try:
@@ -307,10 +307,9 @@ class LLMEngine:
         if not batch.rows:
             if self._pending is not None:
                 self._drain()
-            elif self.scheduler.waiting:
+            elif (req := self.scheduler.head()) is not None:
                 # Nothing runs and the oldest waiting request still does not fit: it never will. Fail it
                 # alone; the others keep their turn.
-                req = self.scheduler.waiting[0]
                 self._fail(req, f"request {req.request_id} ({req.num_known} tokens) cannot be scheduled: the KV "
                            f"pool has {self.pool.num_usable} pages of {self.cfg.page_size}; raise num_pages")
             return
@@ -362,7 +361,7 @@ class LLMEngine:
         with self._intake_lock:  # the intake is untouched by a step: its requests stay there
             queued = {id(r) for r in self._intake}
             live = [r for r in self._live.values() if id(r) not in queued]
-        reqs = {id(r): r for r in [*live, *sched.running, *sched.waiting]}.values()
+        reqs = {id(r): r for r in [*live, *sched.queued()]}.values()
         for req in reqs:
             req.inflight_rows.clear()
             req.pages, req.slot, req.pending_free, req.slot_valid = [], -1, False, False
@@ -377,10 +376,7 @@ class LLMEngine:
                     del self._live[r.request_id]
             for r in unfinished:
                 self._live.setdefault(r.request_id, r)
-        sched.waiting.clear()
-        sched.waiting.extend(unfinished)
-        sched.running.clear()
-        sched.free_slots[:] = list(range(self.cfg.max_num_seqs))[::-1]
+        sched.reset(unfinished)
         self.pool.reset()
         self._pending = None
         self._publish_load()

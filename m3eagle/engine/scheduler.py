@@ -70,6 +70,26 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def head(self) -> Request | None:
+        """The oldest waiting request (the next to be admitted), or None."""
+        return self.waiting[0] if self.waiting else None
+
+    def queued(self) -> list[Request]:
+        """Every request the scheduler holds: waiting, then running (finished ones awaiting a free too)."""
+        return [*self.waiting, *self.running]
+
+    def reset(self, waiting: list[Request]) -> None:
+        """Forget all running state and queue exactly `waiting`, in that order (the engine's rollback after
+        a fault: every request holds nothing now and is recomputed from its accepted tokens)."""
+        self.waiting.clear()
+        self.waiting.extend(waiting)
+        self.running.clear()
+        self.free_slots[:] = list(range(self.max_num_seqs))[::-1]
+
     def has_work(self) -> bool:
         return bool(self.waiting) or any(not r.finished for r in self.running)
 
