@@ -33,22 +33,11 @@ MSA/dense <= 1.05 at 1k b1; <= 0.8 / 0.6 / 0.5 at 16k / 64k / 128k (b1 and 8x4);
 
 from __future__ import annotations
 
-import os
 import sys
 
+from _interpreter import use_interpreter_for_cpu  # noqa: E402  (the script's own folder)
 
-def _device_arg(argv: list[str]) -> str:
-    for i, a in enumerate(argv):
-        if a == "--device" and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith("--device="):
-            return a.split("=", 1)[1]
-    return "cuda"
-
-
-# Kernels are decorated at import: the interpreter must be chosen before anything imports triton.
-if _device_arg(sys.argv) == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+use_interpreter_for_cpu(sys.argv)  # before anything imports triton
 
 import argparse  # noqa: E402
 import json  # noqa: E402
