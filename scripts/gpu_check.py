@@ -87,7 +87,7 @@ def engine_runs(tmp: Path, model: str | None, draft: str | None, attn: str = "au
     v = llm.target.cfg.vocab_size
     prompts = [torch.randint(3, v, (int(n),), generator=g).tolist() for n in torch.randint(8, 200, (32,), generator=g)]
     sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    llm.generate(prompts[:4], sp)  # warm-up
+    llm.generate(prompts[:4], sp, use_tqdm=False)  # warm-up
     eng = llm.engine
     for p in prompts[:8]:
         eng.add_request(p, SamplingParams(temperature=0.7, top_p=0.9, max_tokens=48, ignore_eos=True, seed=1))
@@ -114,14 +114,14 @@ def engine_runs(tmp: Path, model: str | None, draft: str | None, attn: str = "au
             llm = LLM(model, draft=draft if k else None, num_draft_tokens=k, device="cuda", overlap=ov,
                       max_model_len=1024, max_num_tokens=2048, attention_backend=attn)
             for bs in (1, 32):
-                llm.generate(prompts[:bs], sp)
+                llm.generate(prompts[:bs], sp, use_tqdm=False)
                 llm.reset_stats()
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                outs = llm.generate(prompts[:bs], sp)
+                outs = llm.generate(prompts[:bs], sp, use_tqdm=False)
                 torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
-                n = sum(len(o.token_ids) for o in outs)
+                n = sum(len(o.outputs[0].token_ids) for o in outs)
                 rows.append({"K": k, "overlap": ov, "batch": bs, "tok_s": round(n / dt, 1),
                              "mal": round(llm.stats()["mean_acceptance_length"], 3)})
                 print(rows[-1], flush=True)

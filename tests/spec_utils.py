@@ -51,7 +51,7 @@ def trained_head(target_dir: Path, out_dir: Path, steps: int = 150, unroll: int 
     prompts = [torch.randint(3, vocab, (6,), generator=g).tolist() for _ in range(48)]
     llm = LLM(target_dir, device="cpu", max_model_len=128, page_size=8, max_num_tokens=512)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    seqs = torch.tensor([o.prompt_token_ids + o.token_ids for o in outs])  # [N, 46]
+    seqs = torch.tensor([o.prompt_token_ids + o.outputs[0].token_ids for o in outs])  # [N, 46]
     with torch.no_grad():
         hidden, aux = target.forward_seq(seqs, head.cfg.aux_layer_ids)
         labels = target.compute_logits(hidden).argmax(-1)  # [N, S] target's next-token choice

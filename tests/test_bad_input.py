@@ -151,7 +151,7 @@ def test_bad_requests_are_refused_and_nothing_runs(llm, prompt, params, match):
         llm.generate([[7, 8, 9], prompt], [good, good if params is None else params])
     assert "prompt 1" in str(err.value)
     assert_clean(llm)
-    assert len(llm.generate([7, 8, 9], good)[0].token_ids) == 3
+    assert len(llm.generate([7, 8, 9], good)[0].outputs[0].token_ids) == 3
     assert_clean(llm)
 
 
@@ -181,7 +181,7 @@ def test_refused_add_request_leaves_running_requests_alone(model_dir):
     llm = LLM(model_dir, device="cpu", page_size=4, max_model_len=64, max_num_tokens=8)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     prompts = [[9, 21, 33, 4], [50, 51, 52, 53, 54, 55, 56, 57, 58, 59]]
-    ref = [o.token_ids for o in llm.generate(prompts, params)]
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     eng = llm.engine
     reqs = [eng.add_request(p, params) for p in prompts]
     eng.step()

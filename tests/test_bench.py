@@ -235,7 +235,7 @@ def test_llm_load_format(one_thread):
     assert llm.tokenizer is None and llm.config.num_draft_tokens == 3
     assert llm.draft.embed_tokens.weight.data_ptr() == llm.target.embed_tokens.weight.data_ptr()
     out = llm.generate([list(range(3, 30))], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    assert len(out[0].token_ids) == 4
+    assert len(out[0].outputs[0].token_ids) == 4
     emb = LLM(geometries.ASSETS / "target", device="cpu", num_draft_tokens=0, load_format="dummy")
     assert emb.tokenizer is not None  # config and tokenizer from the directory, weights random
 

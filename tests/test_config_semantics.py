@@ -175,8 +175,8 @@ def public_greedy(public):
     prompt = torch.randint(0, REAL_VOCAB, (12,), generator=torch.Generator().manual_seed(1)).tolist()
     llm = LLM(public[0], device="cpu", page_size=4, max_model_len=64)
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
-    assert DEFAULT_EOS_TOKEN_ID not in out.token_ids
-    return prompt, out.token_ids
+    assert DEFAULT_EOS_TOKEN_ID not in out.outputs[0].token_ids
+    return prompt, out.outputs[0].token_ids
 
 
 def test_engine_stops_at_default_eos(public, public_greedy, tmp_path, make_llm):
@@ -189,8 +189,8 @@ def test_engine_stops_at_default_eos(public, public_greedy, tmp_path, make_llm):
     sd[LM_HEAD][DEFAULT_EOS_TOKEN_ID] = 2 * sd[LM_HEAD][ref[2]]
     save_file(sd, str(d / "model.safetensors"))
     out = make_llm(d, max_model_len=64).generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0]
-    assert out.finish_reason == "stop" and out.token_ids[-1] == DEFAULT_EOS_TOKEN_ID
-    assert len(out.token_ids) <= 3 and out.token_ids[:-1] == ref[: len(out.token_ids) - 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].token_ids[-1] == DEFAULT_EOS_TOKEN_ID
+    assert len(out.outputs[0].token_ids) <= 3 and out.outputs[0].token_ids[:-1] == ref[: len(out.outputs[0].token_ids) - 1]
 
 
 def test_engine_stops_at_generation_config_eos_list(public, public_greedy, tmp_path, make_llm):
@@ -203,7 +203,7 @@ def test_engine_stops_at_generation_config_eos_list(public, public_greedy, tmp_p
     write_json(d / "generation_config.json", {"bos_token_id": 200034, "eos_token_id": [other, ref[4]]})
     out = make_llm(d, max_model_len=64).generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0]
     stop = ref.index(ref[4])
-    assert out.finish_reason == "stop" and out.token_ids == ref[: stop + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].token_ids == ref[: stop + 1]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ def test_graph_replay_under_preemption_churn(k):
     llm = make(k, True, False)
     c = Counters(llm, force_every=5)
     got = llm.generate(TEXTS, sps)
-    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     assert c.preempted > 0 and llm.engine.graphs.num_replays > 0
     assert_clean(llm)
 

@@ -93,7 +93,7 @@ def test_default_llm_speculates_losslessly_above_an_acceptance_floor():
     assert llm.draft is not None and llm.config.num_draft_tokens == 3
     spec = llm.generate(prompts, sp)
     base = LLM(device="cpu", num_draft_tokens=0).generate(prompts, sp)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in base]
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
     stats = llm.stats()
     # Measured 2.55 on these 16 prompts (2.69 on `m3eagle eval`'s 128, 2.70 on all 336 eligible stdlib
     # files of Python 3.11); the floor
@@ -108,5 +108,5 @@ def test_default_model_solves_some_heldout_arithmetic():
 
     probs = arithmetic.heldout_problems(8, seed=1235, train_seed=0, train_n=40_000)
     outs = LLM(device="cpu").generate([p.prompt for p in probs], SamplingParams(temperature=0.0, max_tokens=128))
-    correct = sum(arithmetic.parse_answer(o.text or "") == p.answer for p, o in zip(probs, outs))
+    correct = sum(arithmetic.parse_answer(o.outputs[0].text or "") == p.answer for p, o in zip(probs, outs))
     assert correct >= 4  # measured 86% on 100 held-out problems

@@ -134,9 +134,9 @@ def test_engine_deltas_add_up_to_the_output(llm):
                 final[d.request_id] = d.output
     for r, o in zip(reqs, ref):
         out = final[r.request_id]
-        assert toks[r.request_id] == out.token_ids == o.token_ids
-        assert text[r.request_id] == out.text == o.text
-        assert out.finish_reason == o.finish_reason
+        assert toks[r.request_id] == out.outputs[0].token_ids == o.outputs[0].token_ids
+        assert text[r.request_id] == out.outputs[0].text == o.outputs[0].text
+        assert out.outputs[0].finish_reason == o.outputs[0].finish_reason
     assert eng.is_idle_and_clean()
 
 
@@ -153,5 +153,5 @@ def test_no_full_decode_per_token(monkeypatch, llm):
     monkeypatch.setattr(llm.tokenizer, "decode", counted)
     outs = llm.generate(["def add(a, b):", "class Foo:"],
                         SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop=["\x00never"]))
-    assert all(len(o.token_ids) == 32 for o in outs)
+    assert all(len(o.outputs[0].token_ids) == 32 for o in outs)
     assert calls[0] <= len(outs)

@@ -39,7 +39,7 @@ def prompts():
 def one_shot(model_dir, prompts):
     """Reference: each prompt alone, prefilled in one step, big pages."""
     llm = LLM(model_dir, device="cpu", page_size=16, max_model_len=128, max_num_tokens=1024)
-    out = [llm.generate([p], greedy())[0].token_ids for p in prompts]
+    out = [llm.generate([p], greedy())[0].outputs[0].token_ids for p in prompts]
     assert_clean(llm)
     return out
 
@@ -89,7 +89,7 @@ def test_paged_runs_equal_one_shot(make_llm, model_dir, prompts, one_shot, page_
     llm = make_llm(model_dir, page_size=page_size, **kw)
     counters = Counters(llm)
     outs = llm.generate(prompts, greedy())
-    assert [o.token_ids for o in outs] == one_shot
+    assert [o.outputs[0].token_ids for o in outs] == one_shot
     assert (counters.preempted > 0) == (mode == "preempted")
 
 
@@ -103,15 +103,15 @@ def test_max_num_seqs_limits_concurrency(make_llm, model_dir, prompts, one_shot)
         return orig()
 
     llm.engine.step = step
-    assert [o.token_ids for o in llm.generate(prompts, greedy())] == one_shot
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy())] == one_shot
     assert peak[0] <= 2
 
 
 def test_repeated_generate_calls_reuse_the_engine(make_llm, model_dir, prompts, one_shot):
     llm = make_llm(model_dir, max_num_tokens=16, num_pages=60)
     for _ in range(2):
-        assert [o.token_ids for o in llm.generate(prompts[:4], greedy())] == one_shot[:4]
-    assert [o.token_ids for o in llm.generate(prompts[4:], greedy())] == one_shot[4:]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts[:4], greedy())] == one_shot[:4]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[4:], greedy())] == one_shot[4:]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -127,25 +127,25 @@ def sampled(i: int, **kw) -> SamplingParams:
 def test_seeded_sampling_reproduces_across_batches(make_llm, model_dir, prompts):
     """Same seed -> same tokens, whatever else is in the batch, in what order, under what budget."""
     params = [sampled(i) for i in range(len(prompts))]
-    a = [o.token_ids for o in make_llm(model_dir, max_num_tokens=1024).generate(prompts, params)]
-    b = [o.token_ids for o in make_llm(model_dir, page_size=3, max_num_tokens=7).generate(
+    a = [o.outputs[0].token_ids for o in make_llm(model_dir, max_num_tokens=1024).generate(prompts, params)]
+    b = [o.outputs[0].token_ids for o in make_llm(model_dir, page_size=3, max_num_tokens=7).generate(
         prompts[::-1], params[::-1])][::-1]
     assert a == b
     solo = make_llm(model_dir, page_size=16, max_num_tokens=64)
     for i in (1, 4):
-        assert solo.generate([prompts[i]], params[i])[0].token_ids == a[i]
+        assert solo.generate([prompts[i]], params[i])[0].outputs[0].token_ids == a[i]
     mixed = [prompts[0], prompts[3], prompts[5]]
     c = make_llm(model_dir, max_num_tokens=9, num_pages=45).generate(
         mixed + prompts[:1], [params[0], greedy(), params[5], sampled(0)])
-    assert c[0].token_ids == a[0] and c[2].token_ids == a[5] and c[3].token_ids == a[0]
+    assert c[0].outputs[0].token_ids == a[0] and c[2].outputs[0].token_ids == a[5] and c[3].outputs[0].token_ids == a[0]
 
 
 def test_different_or_no_seed_changes_the_sample(make_llm, model_dir, prompts):
     llm = make_llm(model_dir, max_num_tokens=256)
-    a = [o.token_ids for o in llm.generate(prompts, [sampled(i) for i in range(len(prompts))])]
-    b = [o.token_ids for o in llm.generate(prompts, [sampled(i + 50) for i in range(len(prompts))])]
-    c = [o.token_ids for o in llm.generate(prompts, sampled(0, seed=None))]
-    d = [o.token_ids for o in llm.generate(prompts, sampled(0, seed=None))]
+    a = [o.outputs[0].token_ids for o in llm.generate(prompts, [sampled(i) for i in range(len(prompts))])]
+    b = [o.outputs[0].token_ids for o in llm.generate(prompts, [sampled(i + 50) for i in range(len(prompts))])]
+    c = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled(0, seed=None))]
+    d = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled(0, seed=None))]
     assert a != b and c != d
 
 
@@ -191,7 +191,7 @@ def sample_continuations(llm: LLM, prompt: list[int], n: int, depth: int, top_k:
               for s in range(n)]
     counts: dict[tuple[int, ...], int] = {}
     for o in llm.generate([prompt] * n, params):
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+        counts[tuple(o.outputs[0].token_ids)] = counts.get(tuple(o.outputs[0].token_ids), 0) + 1
     return counts
 
 
@@ -207,7 +207,7 @@ def test_sampling_follows_the_model_distribution(make_llm, model_dir, prompts):
 
 def test_top_k_1_sampling_equals_greedy(make_llm, model_dir, prompts, one_shot):
     llm = make_llm(model_dir, max_num_tokens=32)
-    assert [o.token_ids for o in llm.generate(prompts, sampled(0, top_k=1))] == one_shot
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sampled(0, top_k=1))] == one_shot
 
 
 # ------------------------------------------------------------------------------------------------
@@ -219,7 +219,7 @@ def test_max_tokens(make_llm, model_dir, prompts, one_shot):
     llm = make_llm(model_dir, max_num_tokens=32)
     outs = llm.generate(prompts, [greedy(max_tokens=1 + i) for i in range(len(prompts))])
     for i, o in enumerate(outs):
-        assert o.token_ids == one_shot[i][: 1 + i] and o.finish_reason == "length"
+        assert o.outputs[0].token_ids == one_shot[i][: 1 + i] and o.outputs[0].finish_reason == "length"
 
 
 def test_stop_token_ids(make_llm, model_dir, prompts, one_shot):
@@ -229,11 +229,11 @@ def test_stop_token_ids(make_llm, model_dir, prompts, one_shot):
     outs = llm.generate(prompts, [greedy(stop_token_ids=[s]) for s in stops])
     for o, ref, s in zip(outs, one_shot, stops):
         cut = ref.index(s) + 1
-        assert o.token_ids == ref[:cut] and o.finish_reason == "stop"
+        assert o.outputs[0].token_ids == ref[:cut] and o.outputs[0].finish_reason == "stop"
     # a stop id that never appears changes nothing
     never = next(t for t in range(3, 96) if all(t not in ref for ref in one_shot))
     outs = llm.generate(prompts, greedy(stop_token_ids=[never]))
-    assert [o.token_ids for o in outs] == one_shot
+    assert [o.outputs[0].token_ids for o in outs] == one_shot
 
 
 @pytest.fixture(scope="module")
@@ -258,19 +258,19 @@ def test_eos_and_ignore_eos(make_llm, eos_dir, prompts, one_shot):
     for o, ref in zip(outs, one_shot):
         hits = [i for i, t in enumerate(ref) if t in eos]
         if hits:
-            assert o.token_ids == ref[: hits[0] + 1] and o.finish_reason == "stop"
+            assert o.outputs[0].token_ids == ref[: hits[0] + 1] and o.outputs[0].finish_reason == "stop"
         else:
-            assert o.token_ids == ref and o.finish_reason == "length"
+            assert o.outputs[0].token_ids == ref and o.outputs[0].finish_reason == "length"
     outs = llm.generate(prompts, greedy())
-    assert [o.token_ids for o in outs] == one_shot
+    assert [o.outputs[0].token_ids for o in outs] == one_shot
 
 
 def test_max_model_len_ends_with_length(make_llm, model_dir, prompts, one_shot):
     """Prompt + output never exceed max_model_len."""
     llm = make_llm(model_dir, max_model_len=40, max_num_tokens=16)
     outs = llm.generate([prompts[3][:30], prompts[0]], greedy(max_tokens=100))
-    assert len(outs[0].token_ids) == 10 and outs[0].finish_reason == "length"
-    assert len(outs[1].token_ids) == 40 - len(prompts[0]) and outs[1].token_ids[:NEW] == one_shot[0]
+    assert len(outs[0].outputs[0].token_ids) == 10 and outs[0].outputs[0].finish_reason == "length"
+    assert len(outs[1].outputs[0].token_ids) == 40 - len(prompts[0]) and outs[1].outputs[0].token_ids[:NEW] == one_shot[0]
 
 
 def test_abort_frees_pages_and_spares_the_others(make_llm, model_dir, prompts, one_shot):
@@ -302,21 +302,21 @@ def test_logprobs_match_transformers(make_llm, tiny_model, prompts, one_shot):
     llm = make_llm(d, max_num_tokens=16)
     outs = llm.generate(prompts, greedy(logprobs=True))
     for o, ref in zip(outs, one_shot):
-        assert o.token_ids == ref
-        assert len(o.logprobs) == len(o.token_ids) and all(lp <= 0 for lp in o.logprobs)
-        seq = torch.tensor([o.prompt_token_ids + o.token_ids])
+        assert o.outputs[0].token_ids == ref
+        assert len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids) and all(lp <= 0 for lp in o.outputs[0].logprobs)
+        seq = torch.tensor([o.prompt_token_ids + o.outputs[0].token_ids])
         with torch.no_grad():
             lp = torch.log_softmax(hf(seq).logits[0].float(), -1)
         n = len(o.prompt_token_ids)
-        want = lp[torch.arange(n - 1, seq.shape[1] - 1), torch.tensor(o.token_ids)]
-        torch.testing.assert_close(torch.tensor(o.logprobs), want, atol=1e-4, rtol=0)
-    assert all(o.logprobs is None for o in llm.generate(prompts[:2], greedy()))
+        want = lp[torch.arange(n - 1, seq.shape[1] - 1), torch.tensor(o.outputs[0].token_ids)]
+        torch.testing.assert_close(torch.tensor(o.outputs[0].logprobs), want, atol=1e-4, rtol=0)
+    assert all(o.outputs[0].logprobs is None for o in llm.generate(prompts[:2], greedy()))
 
 
 def test_logprobs_stop_with_the_tokens(make_llm, model_dir, prompts, one_shot):
     llm = make_llm(model_dir, max_num_tokens=16)
     outs = llm.generate(prompts, [greedy(logprobs=True, stop_token_ids=[r[3]]) for r in one_shot])
-    assert all(len(o.logprobs) == len(o.token_ids) for o in outs)
+    assert all(len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids) for o in outs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -339,10 +339,10 @@ def test_text_is_the_detokenized_output(make_llm, tok_dir, prompts, one_shot):
     llm = make_llm(tok_dir, max_num_tokens=32)
     outs = llm.generate(prompts, greedy())
     for o, ref in zip(outs, one_shot):
-        assert o.token_ids == ref and o.text == decode(tok_dir, ref)
+        assert o.outputs[0].token_ids == ref and o.outputs[0].text == decode(tok_dir, ref)
     text = decode(tok_dir, prompts[2])
     by_text = llm.generate(text, greedy())[0]
-    assert by_text.prompt_token_ids == prompts[2] and by_text.token_ids == one_shot[2]
+    assert by_text.prompt_token_ids == prompts[2] and by_text.outputs[0].token_ids == one_shot[2]
     assert by_text.prompt == text
 
 
@@ -356,7 +356,7 @@ def test_stop_strings(make_llm, tok_dir, prompts, one_shot, budget):
     outs = llm.generate(prompts, [greedy(stop=s) for s in stops])
     for o, ref, s in zip(outs, one_shot, stops):
         want_ids, want_text = first_stop(tok_dir, ref, s)
-        assert o.token_ids == want_ids
-        assert o.text == want_text and not any(x in o.text for x in s)
-        assert o.finish_reason == ("stop" if any(x in decode(tok_dir, ref) for x in s) else "length")
-    assert outs[-1].finish_reason == "length" and outs[-1].text == full[-1]
+        assert o.outputs[0].token_ids == want_ids
+        assert o.outputs[0].text == want_text and not any(x in o.outputs[0].text for x in s)
+        assert o.outputs[0].finish_reason == ("stop" if any(x in decode(tok_dir, ref) for x in s) else "length")
+    assert outs[-1].outputs[0].finish_reason == "length" and outs[-1].outputs[0].text == full[-1]

@@ -393,5 +393,5 @@ def test_engine_tokens_equal_with_triton_fused_ops(make_llm):
     for name in ("reference", "triton"):
         llm = make_llm(None, fused_backend=name, num_draft_tokens=3, page_size=16)
         assert llm.ops.fused.name == name
-        outs[name] = [(o.token_ids, o.num_accepted) for o in llm.generate(prompts, params)]
+        outs[name] = [(o.outputs[0].token_ids, o.metrics.num_accepted) for o in llm.generate(prompts, params)]
     assert outs["triton"] == outs["reference"]

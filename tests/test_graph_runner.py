@@ -58,8 +58,8 @@ def test_two_llms_with_different_backends_coexist(model_dir):
     fast = llm_for(model_dir, None, 0, attention_backend="triton", moe_backend="triton")
     assert ref.engine.ops.names == {"attention": "reference", "moe": "reference"}
     assert fast.engine.ops.names == {"attention": "triton", "moe": "triton"}
-    a = [o.token_ids for o in ref.generate(PROMPTS[:2], sp)]
-    b = [o.token_ids for o in fast.generate(PROMPTS[:2], sp)]
+    a = [o.outputs[0].token_ids for o in ref.generate(PROMPTS[:2], sp)]
+    b = [o.outputs[0].token_ids for o in fast.generate(PROMPTS[:2], sp)]
     assert a == b
     # the first LLM still runs its own backends after the second was built and used
     assert ref.engine.ops.names == {"attention": "reference", "moe": "reference"}
@@ -71,10 +71,10 @@ def test_two_llms_with_different_backends_coexist(model_dir):
         return orig(*args, **kw)
 
     object.__setattr__(ref.engine.ops.attention, "attention", spy)
-    assert [o.token_ids for o in ref.generate(PROMPTS[:2], sp)] == a and used
+    assert [o.outputs[0].token_ids for o in ref.generate(PROMPTS[:2], sp)] == a and used
     with pytest.raises(ValueError, match="attention_backend='nope'"):
         llm_for(model_dir, None, 0, attention_backend="nope")
-    assert [o.token_ids for o in fast.generate(PROMPTS[:2], sp)] == b  # a failed construction broke nothing
+    assert [o.outputs[0].token_ids for o in fast.generate(PROMPTS[:2], sp)] == b  # a failed construction broke nothing
     assert_clean(ref)
     assert_clean(fast)
 
@@ -150,7 +150,7 @@ def test_graph_shaped_steps_give_the_same_tokens(model_dir, head_dir, k, overlap
         params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
     plain = llm_for(model_dir, head_dir, k, overlap=overlap)
     padded = llm_for(model_dir, head_dir, k, overlap=overlap, graph_shapes=True)
-    want = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
     seen = []
     build = padded.engine.graphs.build
 
@@ -159,7 +159,7 @@ def test_graph_shaped_steps_give_the_same_tokens(model_dir, head_dir, k, overlap
         return build(batch, bucket)
 
     padded.engine.graphs.build = spy
-    assert [o.token_ids for o in padded.generate(PROMPTS, params)] == want
+    assert [o.outputs[0].token_ids for o in padded.generate(PROMPTS, params)] == want
     padded_steps = [(n, b) for n, b in seen if b is not None]
     assert any(b > n for n, b in padded_steps)  # some step really ran with padding rows
     assert len({b for _, b in padded_steps}) >= 2  # and the bucket changed as requests finished

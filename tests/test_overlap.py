@@ -59,7 +59,7 @@ def baseline(setups, prompts):
     out = {}
     for name, (target, _) in setups.items():
         llm = LLM(target, device="cpu", page_size=16, max_model_len=128, max_num_tokens=2048)
-        out[name] = [o.token_ids for o in llm.generate(prompts, greedy())]
+        out[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy())]
         assert_clean(llm)
     return out
 
@@ -88,7 +88,7 @@ def test_greedy_speculation_is_lossless(make_llm, setups, baseline, prompts, nam
                    num_pages=pages_for_one_seq(k) + 14)
     c = Counters(llm, force_every=7)
     outs = llm.generate(prompts, greedy())
-    assert [o.token_ids for o in outs] == baseline[name]
+    assert [o.outputs[0].token_ids for o in outs] == baseline[name]
     assert c.preempted > 0
     stats = llm.stats()
     assert stats["num_drafted"] > 0 and stats["num_generated_tokens"] == NEW * len(prompts)
@@ -126,8 +126,9 @@ def on_off(make_llm, setups, name, k, prompts, params, **kw):
 @pytest.mark.parametrize("name", ["random", "trained"])
 def test_overlap_on_off_identical_greedy(make_llm, setups, baseline, prompts, name, k):
     off, on = on_off(make_llm, setups, name, k, prompts, greedy(), max_num_tokens=24)
-    assert [o.token_ids for o in off] == [o.token_ids for o in on] == baseline[name]
-    assert [(o.num_drafted, o.num_accepted) for o in off] == [(o.num_drafted, o.num_accepted) for o in on]
+    assert [o.outputs[0].token_ids for o in off] == [o.outputs[0].token_ids for o in on] == baseline[name]
+    counts = [[(o.metrics.num_drafted, o.metrics.num_accepted) for o in x] for x in (off, on)]
+    assert counts[0] == counts[1]
 
 
 def seeded(n: int) -> list[SamplingParams]:
@@ -140,10 +141,10 @@ def test_overlap_on_off_identical_seeded_sampling(make_llm, setups, prompts, k):
     in another batch order (same drafting pattern: the budget never truncates a verify row)."""
     params = seeded(8)
     off, on = on_off(make_llm, setups, "trained", k, prompts[:8], params, max_num_tokens=24)
-    assert [o.token_ids for o in off] == [o.token_ids for o in on]
+    assert [o.outputs[0].token_ids for o in off] == [o.outputs[0].token_ids for o in on]
     other = spec_llm(make_llm, setups, "trained", k, True, max_num_tokens=512).generate(
         prompts[:8][::-1], params[::-1])[::-1]
-    assert [o.token_ids for o in other] == [o.token_ids for o in on]
+    assert [o.outputs[0].token_ids for o in other] == [o.outputs[0].token_ids for o in on]
 
 
 _NOT_PATHWISE = pytest.mark.xfail(strict=True, reason=(
@@ -175,13 +176,13 @@ def test_seeded_sampling_independent_of_batch_mates(make_llm, setups, prompts, k
     got = crowded.generate([prompts[0], prompts[1]], [long_runner, params[1]])[1]
     if k:
         assert got.request_id in undrafted  # the budget really took drafts away from it
-    assert got.token_ids == ref.token_ids
+    assert got.outputs[0].token_ids == ref.outputs[0].token_ids
     small = spec_llm(make_llm, setups, "trained", k, True, max_num_tokens=24,
                      num_pages=pages_for_one_seq(k) + 8)
     c = Counters(small, force_every=5)
     outs = small.generate(prompts[:8], params)
     assert c.preempted > 0
-    assert outs[1].token_ids == ref.token_ids
+    assert outs[1].outputs[0].token_ids == ref.outputs[0].token_ids
 
 
 @pytest.mark.parametrize("name", ["random", "trained"])
@@ -192,7 +193,7 @@ def test_overlap_preemption_needsync(make_llm, setups, baseline, prompts, name):
     kw = dict(max_num_tokens=32, num_pages=pages_for_one_seq(k) + 4)
     llms = [spec_llm(make_llm, setups, name, k, ov, **kw) for ov in (False, True)]
     counters = [Counters(x, force_every=6) for x in llms]
-    outs = [[o.token_ids for o in x.generate(prompts, greedy())] for x in llms]
+    outs = [[o.outputs[0].token_ids for o in x.generate(prompts, greedy())] for x in llms]
     assert outs[0] == outs[1] == baseline[name]
     assert counters[1].needsync > 0 and counters[1].preempted > 0
 
@@ -232,7 +233,7 @@ def test_max_tokens_inside_a_verify_row(make_llm, setups, baseline, prompts):
             return append(req, tokens, lps)
 
         eng._append = spy
-        results.append([o.token_ids for o in llm.generate(prompts, params)])
+        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert results[0] == results[1]
     assert results[0] == [ref[: p.max_tokens] for ref, p in zip(baseline["trained"], params)]
     assert any(cuts)
@@ -269,15 +270,17 @@ def test_stop_strings_and_ids_with_overlap(make_llm, setups, baseline, prompts, 
     for overlap in (False, True):
         llm = make_llm(d, draft=head if k else None, num_draft_tokens=k, overlap=overlap, max_num_tokens=24)
         outs.append(llm.generate(prompts, params))
-    for a, b in zip(*outs):
-        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+    for x, y in zip(*outs):
+        a, b = x.outputs[0], y.outputs[0]
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (b.token_ids, b.text, b.finish_reason,
+                                                                          b.stop_reason)
     for o, r, p in zip(outs[1], ref, params):
-        assert o.finish_reason == "stop" and r[: len(o.token_ids)] == o.token_ids
+        assert o.outputs[0].finish_reason == "stop" and r[: len(o.outputs[0].token_ids)] == o.outputs[0].token_ids
         if p.stop:
             n = next(n for n in range(1, len(r) + 1) if p.stop[0] in tok.decode(r[:n], skip_special_tokens=True))
-            assert len(o.token_ids) == n and p.stop[0] not in o.text
+            assert len(o.outputs[0].token_ids) == n and p.stop[0] not in o.outputs[0].text
         else:
-            assert o.token_ids == r[: r.index(p.stop_token_ids[0]) + 1]
+            assert o.outputs[0].token_ids == r[: r.index(p.stop_token_ids[0]) + 1]
 
 
 def test_abort_under_overlap_frees_pages(make_llm, setups, baseline, prompts):
@@ -392,7 +395,7 @@ def test_speculative_sampling_keeps_the_target_distribution(make_llm, setups):
     params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, seed=s, ignore_eos=True) for s in range(n)]
     counts: dict[tuple[int, ...], int] = {}
     for o in llm.generate([prompt] * n, params):
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+        counts[tuple(o.outputs[0].token_ids)] = counts.get(tuple(o.outputs[0].token_ids), 0) + 1
     assert llm.stats()["num_accepted"] > 0.05 * n  # drafts really were accepted
     assert set(counts) <= set(probs)
     x = sum((counts.get(t, 0) - n * p) ** 2 / (n * p) for t, p in probs.items())

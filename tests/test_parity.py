@@ -170,14 +170,14 @@ def oracle_greedy(tiny_model, prompts, hf_greedy):
     outs = [llm.generate([p], SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))[0]
             for p in prompts]  # one request at a time, one-shot prefill
     for i, ref in hf_greedy.items():
-        assert outs[i].token_ids == ref
+        assert outs[i].outputs[0].token_ids == ref
     for o in outs:
-        seq = torch.tensor([o.prompt_token_ids + o.token_ids])
+        seq = torch.tensor([o.prompt_token_ids + o.outputs[0].token_ids])
         with torch.no_grad():
             logits = hf(seq).logits[0]
         n = len(o.prompt_token_ids)
-        assert logits[n - 1:-1].argmax(-1).tolist() == o.token_ids
-    return [o.token_ids for o in outs]
+        assert logits[n - 1:-1].argmax(-1).tolist() == o.outputs[0].token_ids
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def test_one_request_greedy_matches_transformers(oracle_greedy):
@@ -197,5 +197,5 @@ def test_greedy_generation_matches_transformers(tiny_model, prompts, oracle_gree
     llm.engine.check_integrity()
     assert llm.engine.pool.num_free == llm.engine.pool.num_usable
     assert (counters.preempted > 0) == (mode == "preempted")
-    assert [o.token_ids for o in outs] == oracle_greedy
-    assert all(o.finish_reason == "length" for o in outs)
+    assert [o.outputs[0].token_ids for o in outs] == oracle_greedy
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)

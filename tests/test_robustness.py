@@ -47,7 +47,7 @@ def head_dir(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(model_dir):
     llm = LLM(model_dir, device="cpu", page_size=4, max_model_len=64)
-    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
 def small_llm(model_dir, head_dir=None, k: int = 0, overlap: bool = False, **kw) -> LLM:
@@ -79,7 +79,7 @@ def test_huge_top_k_means_no_limit_and_runs(model_dir):
     sp = SamplingParams(top_k=2**63 + 5, seed=2**63 - 1, temperature=1.0, max_tokens=4)
     assert sp.top_k == 0
     llm = small_llm(model_dir)
-    assert len(llm.generate(PROMPTS[0], sp)[0].token_ids) == 4
+    assert len(llm.generate(PROMPTS[0], sp)[0].outputs[0].token_ids) == 4
     assert_clean(llm)
 
 
@@ -89,7 +89,7 @@ def test_temperature_below_eps_is_greedy(model_dir, reference):
     for t in (1e-40, 1e-6):
         sp = SamplingParams(temperature=t, max_tokens=12, ignore_eos=True, seed=3)
         assert sp.greedy
-        assert [o.token_ids for o in llm.generate(PROMPTS, sp)] == reference
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)] == reference
     assert not SamplingParams(temperature=1e-4).greedy
 
 
@@ -113,7 +113,7 @@ def test_numpy_and_torch_integer_ids_are_accepted(model_dir, reference):
     variants = [[np.int64(t) for t in p], [np.int32(t) for t in p], [torch.tensor(t) for t in p],
                 np.array(p), torch.tensor(p), [np.array(p)], [torch.tensor(p, dtype=torch.int32)]]
     for v in variants:
-        assert llm.generate(v, GREEDY)[0].token_ids == reference[1], type(v)
+        assert llm.generate(v, GREEDY)[0].outputs[0].token_ids == reference[1], type(v)
     assert_clean(llm)
 
 
@@ -179,7 +179,7 @@ def test_a_fault_anywhere_in_a_step_leaves_the_engine_consistent(monkeypatch, mo
         monkeypatch.undo()
         assert once.calls >= n
         assert_clean(llm)
-        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
         assert_clean(llm)
 
 
@@ -193,7 +193,7 @@ def test_repeated_interrupts_never_stop_admission(monkeypatch, model_dir, head_d
             llm.generate(PROMPTS, GREEDY)
         monkeypatch.undo()
         assert_clean(llm)
-    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
 
 
 def test_an_interrupted_engine_resumes_its_requests_exactly(monkeypatch, model_dir, head_dir, reference):
@@ -244,15 +244,16 @@ def test_detokenizer_exception_fails_only_its_request(monkeypatch, default_llm, 
     monkeypatch.setattr(IncrementalDetokenizer, "add", bad_add)
     outs = llm.generate(prompts, sp)
     monkeypatch.undo()
-    reasons = [o.finish_reason for o in outs]
+    reasons = [o.outputs[0].finish_reason for o in outs]
     assert reasons.count("error") == 1, reasons
     bad = reasons.index("error")
-    assert "broken detokenizer" in outs[bad].error
+    assert "broken detokenizer" in outs[bad].outputs[0].error
     for i, (o, r) in enumerate(zip(outs, ref)):
         if i != bad:
-            assert o.token_ids == r.token_ids and o.text == r.text and o.error is None
+            a, b = o.outputs[0], r.outputs[0]
+            assert a.token_ids == b.token_ids and a.text == b.text and a.error is None
     assert_clean(llm)
-    assert [o.token_ids for o in llm.generate(prompts, sp)] == [r.token_ids for r in ref]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == [r.outputs[0].token_ids for r in ref]
 
 
 def test_unschedulable_request_fails_alone(model_dir, reference):
@@ -317,7 +318,7 @@ def test_two_threads_share_one_llm(model_dir, reference):
         try:
             start.wait()
             for _ in range(3):
-                results.setdefault(i, []).append([o.token_ids for o in llm.generate(PROMPTS[i::2], GREEDY)])
+                results.setdefault(i, []).append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[i::2], GREEDY)])
         except BaseException as e:  # surfaced below
             errors.append(e)
 

@@ -442,4 +442,4 @@ def test_issue_repro_seeded_top_k_draw_stays_in_the_top_k():
     with torch.no_grad():
         hidden, _ = llm.target.forward_seq(torch.tensor([ids]))
         top20 = llm.target.compute_logits(hidden[0, -1]).topk(20).indices.tolist()
-    assert out.token_ids[0] in top20
+    assert out.outputs[0].token_ids[0] in top20

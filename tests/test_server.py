@@ -112,16 +112,17 @@ def test_official_client_matches_offline(served):
     assert [m.id for m in c.models.list().data] == [MODEL]
     for p in PROMPTS[:4]:
         r = c.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0)
-        assert r.choices[0].text == ref[p].text and r.choices[0].finish_reason == ref[p].finish_reason
-        assert r.usage.completion_tokens == len(ref[p].token_ids) and r.usage.prompt_tokens == len(ref[p].prompt_token_ids)
+        assert r.choices[0].text == ref[p].outputs[0].text and r.choices[0].finish_reason == ref[p].outputs[0].finish_reason
+        assert r.usage.completion_tokens == len(ref[p].outputs[0].token_ids)
+        assert r.usage.prompt_tokens == len(ref[p].prompt_token_ids)
         chunks = list(c.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0, stream=True,
                                            stream_options={"include_usage": True}))
-        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref[p].text
-        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == ref[p].finish_reason
-        assert chunks[-1].usage.completion_tokens == len(ref[p].token_ids)
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref[p].outputs[0].text
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == ref[p].outputs[0].finish_reason
+        assert chunks[-1].usage.completion_tokens == len(ref[p].outputs[0].token_ids)
     p = PROMPTS[4]  # a prompt of token ids
     r = c.completions.create(model=MODEL, prompt=ref[p].prompt_token_ids, max_tokens=MAX_TOKENS, temperature=0)
-    assert r.choices[0].text == ref[p].text
+    assert r.choices[0].text == ref[p].outputs[0].text
 
 
 def test_chat_returns_content(served):
@@ -146,8 +147,8 @@ def test_stop_strings_and_logprobs(served):
     st, ref = served
     c = client(st)
     p = PROMPTS[0]
-    stop = ref[p].text[3:5]
-    llm_text = ref[p].text
+    stop = ref[p].outputs[0].text[3:5]
+    llm_text = ref[p].outputs[0].text
     r = c.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0, stop=[stop], logprobs=0)
     assert r.choices[0].text == llm_text[: llm_text.find(stop)] and r.choices[0].finish_reason == "stop"
     lp = r.choices[0].logprobs
@@ -189,7 +190,7 @@ def test_add_and_abort_from_other_threads_during_a_step(one_thread, monkeypatch)
     assert a.finish_reason == "abort" and not a.pages and a.slot < 0
     assert [d.finish_reason for d in deltas if d.request_id == a.request_id] == ["abort"]
     outs = {o.request_id: o for o in eng.run()}
-    assert outs[added[0].request_id].text == ref.text and eng.is_idle_and_clean()
+    assert outs[added[0].request_id].outputs[0].text == ref.outputs[0].text and eng.is_idle_and_clean()
     eng.check_integrity()
 
 
@@ -254,7 +255,7 @@ def test_errors_never_reach_the_engine_and_the_server_serves_on(served):
     assert eng.num_steps == before and eng.is_idle_and_clean()
     p = PROMPTS[1]
     assert client(st).completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text \
-        == ref[p].text
+        == ref[p].outputs[0].text
     assert http(st, "GET", "/health")[0] == 200
 
 
@@ -385,7 +386,7 @@ def test_soak(served):
     assert all(status == 200 for status, _, _ in results), [r for r in results if r[0] != 200][:3]
     kept = [(p, text, done) for (p, drop), (_, text, done) in zip(plan, results) if drop is None]
     assert len(kept) >= 430 and all(done for _, _, done in kept)
-    assert all(text == ref[p].text for p, text, _ in kept)
+    assert all(text == ref[p].outputs[0].text for p, text, _ in kept)
     wait_idle(st, timeout=30)
     assert http(st, "GET", "/health")[0] == 200 and st.server.engine.is_idle_and_clean()
     print(f"soak: 500 requests in {time.monotonic() - t0:.1f}s")
@@ -468,7 +469,7 @@ def test_a_request_failing_in_the_engine_fails_alone(served, monkeypatch):
     monkeypatch.undo()
     p = PROMPTS[6]
     assert client(st).completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text \
-        == ref[p].text
+        == ref[p].outputs[0].text
     assert metric(st, "m3eagle:request_success_total", finished_reason="error") >= 2
     wait_idle(st)
 

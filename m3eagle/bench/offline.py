@@ -263,7 +263,7 @@ def throughput(engine: LLMEngine, prompts: list[list[int]], batch: int, max_toke
         samples.append(sum(len(q.output_token_ids) for q in reqs) / dt)
         outs += [q.to_output() for q in reqs]
     return {"tok_s": summarize(samples), "acceptance": aggregate_stats(outs, k) if k else None,
-            "first_tokens": list(outs[0].token_ids)}
+            "first_tokens": list(outs[0].outputs[0].token_ids)}
 
 
 def _generate(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams) -> list[Request]:

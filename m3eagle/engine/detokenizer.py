@@ -38,7 +38,7 @@ class IncrementalDetokenizer:
     """Text of one output. `tokenizer` is m3eagle's Tokenizer (loader/tokenizer.py): its `.tok` is the
     `tokenizers.Tokenizer` the stream decodes with, its `decode` the full decode used once by `finish`."""
 
-    __slots__ = ("tokenizer", "stop", "hold", "text", "pending", "stopped", "_stream")
+    __slots__ = ("tokenizer", "stop", "hold", "text", "pending", "stopped", "stop_str", "_stream")
 
     def __init__(self, tokenizer: Any, stop: list[str] | tuple[str, ...] = ()):
         self.tokenizer = tokenizer
@@ -48,12 +48,13 @@ class IncrementalDetokenizer:
         self.text = ""  # decoded output so far (cut before the stop string once one completed)
         self.pending = 0  # tokens fed since the stream last produced text (a partial character, a special token)
         self.stopped = False
+        self.stop_str: str | None = None  # the stop string that completed (the first to start, on a tie of ends)
         self._stream = DecodeStream(skip_special_tokens=True)
 
     def fork(self) -> IncrementalDetokenizer:
         """An independent copy (the stream's small window is copied; the text is an immutable str)."""
         new = object.__new__(IncrementalDetokenizer)
-        for name in ("tokenizer", "stop", "hold", "text", "pending", "stopped"):
+        for name in ("tokenizer", "stop", "hold", "text", "pending", "stopped", "stop_str"):
             setattr(new, name, getattr(self, name))
         new._stream = copy.copy(self._stream)
         return new
@@ -71,9 +72,10 @@ class IncrementalDetokenizer:
         self.text += piece
         if self.stop:
             window = self.text[start:]
-            hits = [i for i in (window.find(s) for s in self.stop) if i >= 0]
+            hits = [(i, s) for i, s in ((window.find(s), s) for s in self.stop) if i >= 0]
             if hits:
-                self.text = self.text[: start + min(hits)]
+                first, self.stop_str = min(hits, key=lambda h: h[0])
+                self.text = self.text[: start + first]
                 self.stopped = True
                 return True
         return False

@@ -435,15 +435,17 @@ class LLMEngine:
         p = req.params
         out = list(req.output_token_ids)
         det = req.detok.fork() if req.detok is not None else None
-        reason = None
+        reason, stop_reason = None, None
         for t in tokens:
             out.append(t)
-            if (t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids:
+            if t in p.stop_token_ids:  # vLLM's stop_reason: the stop token id (EOS leaves it None)
+                reason, stop_reason = "stop", t
+            elif t in self.eos_ids and not p.ignore_eos:
                 reason = "stop"
             elif len(out) >= p.max_tokens or len(req.prompt_token_ids) + len(out) >= self.cfg.max_model_len:
                 reason = "length"
             if det is not None and det.add(t):  # a stop string completed: it wins, its text is cut
-                reason = "stop"
+                reason, stop_reason = "stop", det.stop_str
             if reason:
                 break
         if reason and det is not None:
@@ -456,6 +458,7 @@ class LLMEngine:
             req.detok, req.text = det, det.text
         self._touched[req.request_id] = req
         if reason:
+            req.stop_reason = stop_reason
             self._finish(req, reason)
 
     def _finish(self, req: Request, reason: str) -> None:

@@ -18,24 +18,46 @@ class Status(enum.Enum):
 
 
 @dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
+class CompletionOutput:
+    """One completion of a request (vLLM's CompletionOutput). `index` is its place among the request's
+    completions (always 0: one completion per request for now)."""
+
+    index: int
+    text: str | None  # None when the model has no tokenizer
     token_ids: list[int]
-    text: str | None
+    cumulative_logprob: float | None  # sum of `logprobs`; None unless logprobs were requested
+    logprobs: list[float] | None  # the chosen token's logprob, one per token; None unless requested
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
-    logprobs: list[float] | None = None
-    num_drafted: int = 0  # draft tokens proposed to the target
-    num_accepted: int = 0  # of those, accepted
-    num_verify_steps: int = 0  # steps in which this request verified drafts
-    accepted_per_position: list[int] = field(default_factory=list)  # accepted count at draft position i
-    drafted_per_position: list[int] = field(default_factory=list)
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it; None for EOS
     error: str | None = None  # why, when finish_reason is "error"
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request speculation counts: what the draft proposed and what the target kept."""
+
+    num_drafted: int = 0  # draft tokens proposed to the target
+    num_accepted: int = 0  # of those, accepted
+    num_verify_steps: int = 0  # steps in which this request verified drafts
+    accepted_per_position: list[int] = field(default_factory=list)  # accepted count at draft position i
+    drafted_per_position: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced, shaped like vLLM's RequestOutput."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: None  # not computed (yet); kept for vLLM's shape
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
 
 @dataclass
@@ -75,6 +97,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that finished it
     error: str | None = None
     # KV bookkeeping (host truth as of the last processed step)
     num_computed: int = 0
@@ -126,8 +149,10 @@ class Request:
         return self.status is Status.FINISHED
 
     def to_output(self) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), list(self.output_token_ids),
-                             self.text, self.finish_reason,
-                             list(self.logprobs) if self.params.logprobs else None, self.num_drafted,
-                             self.num_accepted, self.num_verify_steps, list(self.accepted_per_position),
-                             list(self.drafted_per_position), self.error)
+        lps = list(self.logprobs) if self.params.logprobs else None
+        out = CompletionOutput(0, self.text, list(self.output_token_ids), sum(lps) if lps is not None else None,
+                               lps, self.finish_reason, self.stop_reason, self.error)
+        metrics = RequestMetrics(self.num_drafted, self.num_accepted, self.num_verify_steps,
+                                 list(self.accepted_per_position), list(self.drafted_per_position))
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), None, [out], self.finished,
+                             metrics)

@@ -136,24 +136,32 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
+    import logging
+
     from m3eagle import SamplingParams
 
     llm = _make_llm(a)
+    if a.max_tokens > llm.config.max_model_len:
+        # Not an error: each prompt simply ends at max_model_len ("length"); say so once rather than surprise.
+        logging.getLogger("m3eagle").warning(
+            "--max-tokens %d exceeds max_model_len=%d: outputs stop at max_model_len - prompt length tokens",
+            a.max_tokens, llm.config.max_model_len)
     sp = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
                         seed=a.seed, stop=a.stop or [], ignore_eos=a.ignore_eos)
     t0 = time.perf_counter()
     outs = llm.generate(list(a.prompts), sp, use_tqdm=len(a.prompts) > 4 and not a.json)
     dt = time.perf_counter() - t0
-    n = sum(len(o.token_ids) for o in outs)
+    n = sum(len(c.token_ids) for o in outs for c in o.outputs)
     stats = llm.stats()
     if a.json:
         for o in outs:
-            print(json.dumps({"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids,
-                              "finish_reason": o.finish_reason}))
+            c = o.outputs[0]
+            print(json.dumps({"prompt": o.prompt, "text": c.text, "token_ids": c.token_ids,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}))
         print(json.dumps({"tokens": n, "seconds": round(dt, 4), "tokens_per_s": round(n / dt, 2), **stats}))
         return 0
     for o in outs:
-        print(f"{o.prompt}{o.text}")
+        print(f"{o.prompt}{o.outputs[0].text}")
         print("-" * 40)
     print(f"{n} tokens in {dt:.2f}s: {n / dt:.1f} tokens/s", file=sys.stderr)
     if llm.config.num_draft_tokens:
@@ -242,13 +250,10 @@ def _add_bench(sub) -> None:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    import logging
-
     from m3eagle.entrypoints.server import OpenAIServer, run_server
     from m3eagle.entrypoints.server.app import bind_socket
 
     bind_socket(a.host, a.port).close()  # a taken port fails now, in one line, not after the model loads
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = _make_llm(a)
     server = OpenAIServer(llm, served_model_name=a.served_model_name, log_interval=a.log_interval)
     run_server(server, a.host, a.port, shutdown_timeout=a.shutdown_timeout, log_level=a.uvicorn_log_level,
@@ -326,9 +331,12 @@ def _add_bench_serve(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from m3eagle import __version__
+    from m3eagle.logging_utils import ENV_LEVEL, LEVELS
 
     p = argparse.ArgumentParser(prog="m3eagle", description=__doc__, formatter_class=_Formatter)
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    p.add_argument("--log-level", type=str.upper, choices=LEVELS, default=None,
+                   help=f"the m3eagle logger's level; none: ${ENV_LEVEL} or INFO")
     sub = p.add_subparsers(dest="cmd", required=True,
                            parser_class=functools.partial(argparse.ArgumentParser, formatter_class=_Formatter))
     _add_generate(sub)
@@ -357,6 +365,10 @@ def _is_library_error(e: BaseException) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    if a.log_level is not None:
+        from m3eagle.logging_utils import set_level
+
+        set_level(a.log_level)
     a.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         rc = a.func(a) or 0

@@ -1,4 +1,5 @@
-"""The offline API, shaped like vLLM's: LLM(model=...).generate(prompts, SamplingParams(...))."""
+"""The offline API, shaped like vLLM's: LLM(model=...).generate(prompts, SamplingParams(...)) and
+LLM.chat(messages) (the model's chat template, rendered as the server renders it)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ..loader.tokenizer import load_tokenizer as _load_tokenizer
 from ..models.eagle3 import Eagle3Config
 from ..ops import make_ops
 from ..sampling.params import SamplingParams
+from .chat import ChatTemplate
 
 log = logging.getLogger("m3eagle")
 
@@ -120,8 +122,32 @@ class LLM:
                                    overlap=(dev.type == "cuda") if overlap is None else overlap,
                                    enforce_eager=enforce_eager, graph_shapes=graph_shapes)
         self.engine = LLMEngine(self.target, self.draft, self.tokenizer, self.config, self.dtype, dev, self.ops)
+        self._log_loaded(model, draft, load_format)
+        self._chat_template: ChatTemplate | None = None
         self._stats = SpecStats(self.config.num_draft_tokens)
         self._lock = threading.RLock()  # one generate() at a time: the engine loop is not re-entrant
+
+    def _log_loaded(self, model: object, draft: object, load_format: str) -> None:
+        """What was loaded and what the KV pool holds: the first lines to read when memory or speed surprise."""
+        def n_params(m: torch.nn.Module | None) -> int:
+            return sum(p.numel() for p in m.parameters()) if m is not None else 0
+
+        where = str(model) if isinstance(model, (str, Path)) else f"a {type(model).__name__} config"
+        log.info("loaded target %s (%s weights): %.2fM parameters, %s on %s", where, load_format,
+                 n_params(self.target) / 1e6, str(self.dtype).removeprefix("torch."), self.device)
+        if self.draft is not None:
+            dwhere = str(draft) if isinstance(draft, (str, Path)) else f"a {type(draft).__name__} config"
+            log.info("loaded Eagle3 draft %s: %.2fM parameters, K=%d", dwhere, n_params(self.draft) / 1e6,
+                     self.config.num_draft_tokens)
+        runner = self.engine.runner
+        caches = list(runner.caches) + ([runner.draft_cache] if runner.draft_cache is not None else [])
+        kv_bytes = sum(t.numel() * t.element_size() for c in caches for t in (c.k, c.v, c.idx_k) if t is not None)
+        pool = self.engine.pool
+        log.info("KV pool: %d pages of %d tokens = %d tokens, %.1f MiB", pool.num_usable, pool.page_size,
+                 pool.num_usable * pool.page_size, kv_bytes / 2**20)
+        if self.device.type == "cuda":
+            log.info("device memory: %.2f GiB allocated, %.2f GiB reserved",
+                     torch.cuda.memory_allocated(self.device) / 2**30, torch.cuda.memory_reserved(self.device) / 2**30)
 
     # ---- generation -----------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -131,10 +157,11 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt (text, or a list of int token ids -- numpy/torch ints accepted) or a list
         of prompts. Every prompt and its parameters are validated before any is admitted. Calls from
-        several threads are serialised. If the loop is interrupted (an exception, Ctrl-C), this call's
+        several threads are serialised. use_tqdm: a progress bar on stderr (requests, output tok/s, ETA),
+        shown only when stderr is a terminal. If the loop is interrupted (an exception, Ctrl-C), this call's
         unfinished requests are aborted and the engine stays usable."""
         prompt_list = _as_prompt_list(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -167,17 +194,46 @@ class LLM:
         index = {r.request_id: i for i, r in enumerate(reqs)}
         outs: list[RequestOutput | None] = [None] * len(reqs)
         left = len(reqs)
-        with tqdm(total=len(reqs), desc="generate", unit="req", disable=not use_tqdm, file=sys.stderr) as bar:
+        # disable=None: tqdm turns itself off when stderr is not a terminal (a log file, a pipe, CI).
+        with tqdm(total=len(reqs), desc="generate", unit="req", disable=None if use_tqdm else True,
+                  file=sys.stderr, dynamic_ncols=True) as bar:
+            n_out = 0
             while left or self.engine.has_work():
                 if left and not (self.engine.has_work() or self.engine.has_output()):
                     raise RuntimeError(f"the engine went idle with {left} requests of this call unfinished")
                 for d in self.engine.step():
                     i = index.get(d.request_id)
-                    if i is not None and d.output is not None and outs[i] is None:
+                    if i is None:
+                        continue
+                    n_out += len(d.token_ids)
+                    if d.output is not None and outs[i] is None:
                         outs[i] = d.output
                         left -= 1
                         bar.update(1)
+                if not bar.disable:
+                    elapsed = bar.format_dict["elapsed"]
+                    bar.set_postfix_str(f"output {n_out / elapsed if elapsed else 0.0:.1f} tok/s", refresh=False)
         return outs  # type: ignore[return-value]
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, **template_kwargs: Any) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list of them.
+        Each is rendered with the model's chat_template (tokenizer_config.json) exactly as the server's
+        /v1/chat/completions renders it, then generated like a text prompt."""
+        if self.model_path is None:
+            raise ValueError("chat needs a model directory with a tokenizer_config.json chat_template; this LLM "
+                             "was built from a config")
+        if self._chat_template is None:
+            self._chat_template = ChatTemplate.from_model_dir(self.model_path)
+        if self._chat_template is None:
+            raise ValueError(f"{self.model_path / 'tokenizer_config.json'} has no chat_template (nor is there a "
+                             "chat_template.jinja beside it): add one, or call generate() with plain prompts")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of those")
+        conversations = messages if isinstance(messages[0], list) else [messages]
+        prompts = [self._chat_template.render(c, add_generation_prompt, **template_kwargs) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # ---- metrics ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -200,14 +256,15 @@ class SpecStats:
 
     def add(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:
+            m = o.metrics
             self.num_requests += 1
-            self.num_generated_tokens += len(o.token_ids)
-            self.drafted += o.num_drafted
-            self.accepted += o.num_accepted
-            self.steps += o.num_verify_steps
-            for j in range(min(self.k, len(o.drafted_per_position))):
-                self.drafted_at[j] += o.drafted_per_position[j]
-                self.accepted_at[j] += o.accepted_per_position[j]
+            self.num_generated_tokens += sum(len(c.token_ids) for c in o.outputs)
+            self.drafted += m.num_drafted
+            self.accepted += m.num_accepted
+            self.steps += m.num_verify_steps
+            for j in range(min(self.k, len(m.drafted_per_position))):
+                self.drafted_at[j] += m.drafted_per_position[j]
+                self.accepted_at[j] += m.accepted_per_position[j]
 
     def as_dict(self) -> dict[str, Any]:
         d, a, s = self.drafted, self.accepted, self.steps

@@ -32,16 +32,16 @@ def _add_budget(p: argparse.ArgumentParser) -> None:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per optimizer step (default: the preset's)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per training sequence (default: the preset's)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
+    p.add_argument("--seed", type=int, default=None, help="RNG seed for init and data order (default: the preset's)")
     p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
     p.add_argument("--amp", choices=["auto", "bf16", "none"], default=None,
                    help="auto: bf16 autocast on CUDA, fp32 on CPU")
-    p.add_argument("--log-every", type=int, default=None)
-    p.add_argument("--eval-every", type=int, default=None)
-    p.add_argument("--save-every", type=int, default=None)
+    p.add_argument("--log-every", type=int, default=None, help="optimizer steps between log lines")
+    p.add_argument("--eval-every", type=int, default=None, help="optimizer steps between held-out evaluations")
+    p.add_argument("--save-every", type=int, default=None, help="optimizer steps between checkpoints")
 
 
 def _override(cfg, args: argparse.Namespace):
@@ -52,34 +52,35 @@ def _override(cfg, args: argparse.Namespace):
 
 def add_training_subcommands(subparsers) -> None:
     p = subparsers.add_parser("corpus", help="build the training corpus (site-packages code + arithmetic)")
-    p.add_argument("--out", default="runs/data/corpus")
+    p.add_argument("--out", default="runs/data/corpus", help="output directory for the corpus shards")
     p.add_argument("--max-code-mb", type=float, default=None, help="cap on code bytes (MB)")
-    p.add_argument("--arith-problems", type=int, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--arith-problems", type=int, default=None,
+                   help="arithmetic problems to add to the corpus (default: the config's)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the config's)")
     p.set_defaults(func=cmd_corpus)
 
     p = subparsers.add_parser("tokenizer", help="train the byte-level BPE and tokenize the corpus")
-    p.add_argument("--corpus", default="runs/data/corpus")
-    p.add_argument("--out", default="runs/data/tok")
-    p.add_argument("--vocab-size", type=int, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--corpus", default="runs/data/corpus", help="the corpus stage's output directory")
+    p.add_argument("--out", default="runs/data/tok", help="output directory for the tokenizer and token shards")
+    p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size (default: the config's)")
+    p.add_argument("--seed", type=int, default=None, help="seed for tokenizer training (default: the config's)")
     p.set_defaults(func=cmd_tokenizer)
 
     p = subparsers.add_parser("train-target", help="pretrain the tiny MiniMax-M3 target")
     p.add_argument("--data", default="runs/data/tok", help="the tokenizer stage's output directory")
-    p.add_argument("--out", default="runs/target")
-    p.add_argument("--preset", choices=["default", "tiny"], default=None)
+    p.add_argument("--out", default="runs/target", help="output directory for the target's checkpoints")
+    p.add_argument("--preset", choices=["default", "tiny"], default=None, help="model size preset (default: default)")
     _add_budget(p)
     _add_common(p)
     p.set_defaults(func=cmd_train_target)
 
     p = subparsers.add_parser("train-draft", help="train the Eagle3 head against the frozen target")
-    p.add_argument("--data", default="runs/data/tok")
-    p.add_argument("--target", default="runs/target/final")
-    p.add_argument("--out", default="runs/draft")
-    p.add_argument("--ttt-steps", type=int, default=None)
-    p.add_argument("--draft-vocab-size", type=int, default=None)
-    p.add_argument("--intermediate-size", type=int, default=None)
+    p.add_argument("--data", default="runs/data/tok", help="the tokenizer stage's output directory")
+    p.add_argument("--target", default="runs/target/final", help="the trained target checkpoint the head drafts for")
+    p.add_argument("--out", default="runs/draft", help="output directory for the head's checkpoints")
+    p.add_argument("--ttt-steps", type=int, default=None, help="training-time-test unroll steps (default: the config's)")
+    p.add_argument("--draft-vocab-size", type=int, default=None, help="draft vocabulary size (default: the config's)")
+    p.add_argument("--intermediate-size", type=int, default=None, help="the head's MLP width (default: the config's)")
     p.add_argument("--init-from", default=None, help="continue from this Eagle3 checkpoint directory")
     p.add_argument("--self-distill-rows", type=int, default=None,
                    help="rows of target-generated greedy text to mix into every step (0: off)")
@@ -95,30 +96,34 @@ def add_training_subcommands(subparsers) -> None:
     p.set_defaults(func=cmd_eval)
 
     p = subparsers.add_parser("train-all", help="corpus -> tokenizer -> target -> draft -> eval")
-    p.add_argument("--out", default="runs/default")
-    p.add_argument("--preset", choices=["default", "tiny"], default="default")
-    p.add_argument("--target-steps", type=int, default=None)
+    p.add_argument("--out", default="runs/default", help="output root of every stage")
+    p.add_argument("--preset", choices=["default", "tiny"], default="default", help="model size preset")
+    p.add_argument("--target-steps", type=int, default=None,
+                   help="target optimizer steps (default: train for --target-time)")
     p.add_argument("--target-time", type=float, default=260.0, help="seconds (ignored with --target-steps)")
-    p.add_argument("--draft-steps", type=int, default=None)
+    p.add_argument("--draft-steps", type=int, default=None, help="draft optimizer steps (default: train for --draft-time)")
     p.add_argument("--draft-time", type=float, default=150.0, help="seconds (ignored with --draft-steps)")
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
     p.add_argument("--install", action="store_true",
                    help=f"copy the trained model and head into {ASSETS} (the embedded default)")
-    p.add_argument("--skip-eval", action="store_true")
+    p.add_argument("--skip-eval", action="store_true", help="skip the final evaluation")
     p.set_defaults(func=cmd_train_all)
 
 
 def _add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="target directory (default: the embedded model)")
     p.add_argument("--draft", default=None, help="Eagle3 head directory (default: the embedded head)")
-    p.add_argument("--code-prompts", type=int, default=None)
-    p.add_argument("--code-max-tokens", type=int, default=None)
-    p.add_argument("--arith-problems", type=int, default=None)
-    p.add_argument("--arith-max-tokens", type=int, default=None)
-    p.add_argument("--ppl-tokens", type=int, default=None)
+    p.add_argument("--code-prompts", type=int, default=None,
+                   help="code prompts for acceptance and losslessness (default: the config's)")
+    p.add_argument("--code-max-tokens", type=int, default=None,
+                   help="tokens generated per code prompt (default: the config's)")
+    p.add_argument("--arith-problems", type=int, default=None, help="held-out arithmetic problems (default: the config's)")
+    p.add_argument("--arith-max-tokens", type=int, default=None,
+                   help="tokens generated per arithmetic problem (default: the config's)")
+    p.add_argument("--ppl-tokens", type=int, default=None, help="stdlib tokens for perplexity (default: the config's)")
     p.add_argument("--ks", default=None, help="comma-separated draft lengths, e.g. 1,2,3,4,5")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--device", default=None)
+    p.add_argument("--seed", type=int, default=None, help="prompt sampling seed (default: the config's)")
+    p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16")
     p.add_argument("--offline", action="store_true",
                    help="engine-free acceptance estimate instead of the engine run (see simulate_acceptance)")

@@ -281,11 +281,11 @@ def run_eval(model_dir: str | Path | None, draft_dir: str | Path | None, cfg: Ev
     arith_sp = SamplingParams(temperature=0.0, max_tokens=cfg.arith_max_tokens)
 
     def texts(outs) -> list[str]:
-        return [tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
+        return [tok.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in outs]
 
     base = _llm(model_dir, None, 0, cfg)
-    code_ref = [o.token_ids for o in base.generate([p.ids for p in prompts], code_sp)]
-    arith_ref = base.generate(arith_ids, arith_sp)
+    code_ref = [o.outputs[0].token_ids for o in base.generate([p.ids for p in prompts], code_sp, use_tqdm=False)]
+    arith_ref = base.generate(arith_ids, arith_sp, use_tqdm=False)
     result: dict[str, Any] = {
         "model": str(model_dir), "draft": str(draft_dir) if draft_dir else None,
         "device": str(base.device), "dtype": str(base.dtype).replace("torch.", ""),
@@ -302,17 +302,17 @@ def run_eval(model_dir: str | Path | None, draft_dir: str | Path | None, cfg: Ev
     if draft_dir is not None:
         for k in cfg.ks:
             llm = _llm(model_dir, draft_dir, k, cfg)
-            outs = llm.generate([p.ids for p in prompts], code_sp)
+            outs = llm.generate([p.ids for p in prompts], code_sp, use_tqdm=False)
             code["acceptance"][f"K={k}"] = _acceptance(llm.stats())
-            code["lossless"][f"K={k}"] = equal_fraction([o.token_ids for o in outs], code_ref)
+            code["lossless"][f"K={k}"] = equal_fraction([o.outputs[0].token_ids for o in outs], code_ref)
             if k == cfg.spec_k_arith:
                 llm.reset_stats()
-                spec = llm.generate(arith_ids, arith_sp)
+                spec = llm.generate(arith_ids, arith_sp, use_tqdm=False)
                 arith["spec_k"] = k
                 arith["accuracy_spec"] = accuracy(problems, texts(spec))
                 arith["acceptance"] = _acceptance(llm.stats())
-                arith["lossless"] = equal_fraction([o.token_ids for o in spec],
-                                                   [o.token_ids for o in arith_ref])
+                arith["lossless"] = equal_fraction([o.outputs[0].token_ids for o in spec],
+                                                   [o.outputs[0].token_ids for o in arith_ref])
                 arith["accuracy_equal"] = arith["accuracy_spec"] == arith["accuracy_no_spec"]
     result["code"], result["arithmetic"] = code, arith
     return result

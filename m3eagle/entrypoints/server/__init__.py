@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: app.py (routes, SSE, shutdown), protocol.py (request bodies, errors),
-async_engine.py (the engine thread and its hand-off to asyncio), metrics.py (Prometheus), chat.py (chat
-templates)."""
+async_engine.py (the engine thread and its hand-off to asyncio), metrics.py (Prometheus). Chat
+templates live in ../chat.py, shared with LLM.chat()."""
 
 from .app import OpenAIServer, ServerThread, run_server
 

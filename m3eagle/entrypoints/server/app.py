@@ -41,11 +41,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...engine.llm_engine import RequestError
-from ...engine.request import RequestDelta
+from ...engine.request import CompletionOutput, RequestDelta
 from ...sampling.params import SamplingParams, SamplingParamsError
+from ..chat import ChatTemplate, ChatTemplateError
 from ..llm import LLM
 from .async_engine import AsyncEngine, RequestStream
-from .chat import ChatTemplate, ChatTemplateError
 from .metrics import ServerMetrics
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, error_body, refuse_unsupported
 
@@ -57,6 +57,18 @@ DISCONNECT_POLL_S = 0.5  # how often a non-streamed request looks for its client
 
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _completion(last: RequestDelta) -> CompletionOutput:
+    """The finished request's one completion: a non-streamed response is built from the RequestOutput that
+    the finishing delta carries, as LLM.generate() returns it."""
+    assert last.output is not None, "the finishing delta carries the RequestOutput"
+    return last.output.outputs[0]
+
+
+def _delta_logprobs(deltas: list[RequestDelta]) -> tuple[list[int], list[float]]:
+    """The new token ids and their logprobs across a run of streamed deltas."""
+    return [t for d in deltas for t in d.token_ids], [x for d in deltas for x in (d.logprobs or [])]
 
 
 async def _next_deltas(queue: asyncio.Queue[RequestDelta]) -> list[RequestDelta]:
@@ -305,21 +317,20 @@ class OpenAIServer:
         last = deltas[-1]
         if last.finish_reason not in ("stop", "length"):
             raise self._final_error(last)
-        choice = {"index": 0, "text": "".join(d.text for d in deltas), "finish_reason": last.finish_reason,
-                  "logprobs": self._completion_logprobs(deltas, 0) if want_lp else None}
+        out = _completion(last)
+        choice = {"index": out.index, "text": out.text or "", "finish_reason": out.finish_reason,
+                  "logprobs": self._completion_logprobs(out.token_ids, out.logprobs, 0) if want_lp else None}
         return JSONResponse({"id": stream.request_id, "object": "text_completion", "created": int(time.time()),
                              "model": self.model_name, "choices": [choice],
-                             "usage": self._usage(len(ids), last.num_output_tokens)})
+                             "usage": self._usage(len(ids), len(out.token_ids))})
 
-    def _completion_logprobs(self, deltas: list[RequestDelta], offset: int) -> dict[str, Any]:
-        ids = [t for d in deltas for t in d.token_ids]
-        lps = [x for d in deltas for x in (d.logprobs or [])]
+    def _completion_logprobs(self, ids: list[int], lps: list[float] | None, offset: int) -> dict[str, Any]:
         tokens = self._token_texts(ids)
         offsets = []
         for t in tokens:
             offsets.append(offset)
             offset += len(t)
-        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": list(lps or []), "top_logprobs": None, "text_offset": offsets}
 
     async def _completion_events(self, stream: RequestStream, include_usage: bool, want_lp: bool) -> AsyncIterator[str]:
         created, done, offset, n_out = int(time.time()), False, 0, 0
@@ -335,7 +346,7 @@ class OpenAIServer:
                     break
                 if not (text or done or (want_lp and any(d.token_ids for d in ds))):
                     continue  # nothing a client can see yet (text held back for a stop string)
-                lp = self._completion_logprobs(ds, offset) if want_lp else None
+                lp = self._completion_logprobs(*_delta_logprobs(ds), offset) if want_lp else None
                 if lp:
                     offset += sum(len(t) for t in lp["tokens"])
                 yield _sse({**head, "choices": [{"index": 0, "text": text, "logprobs": lp,
@@ -387,18 +398,17 @@ class OpenAIServer:
         last = deltas[-1]
         if last.finish_reason not in ("stop", "length"):
             raise self._final_error(last)
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
-                  "logprobs": self._chat_logprobs(deltas) if body.logprobs else None,
-                  "finish_reason": last.finish_reason}
+        out = _completion(last)
+        choice = {"index": out.index, "message": {"role": "assistant", "content": out.text or ""},
+                  "logprobs": self._chat_logprobs(out.token_ids, out.logprobs) if body.logprobs else None,
+                  "finish_reason": out.finish_reason}
         return JSONResponse({"id": stream.request_id, "object": "chat.completion", "created": int(time.time()),
                              "model": self.model_name, "choices": [choice],
-                             "usage": self._usage(len(ids), last.num_output_tokens)})
+                             "usage": self._usage(len(ids), len(out.token_ids))})
 
-    def _chat_logprobs(self, deltas: list[RequestDelta]) -> dict[str, Any]:
-        ids = [t for d in deltas for t in d.token_ids]
-        lps = [x for d in deltas for x in (d.logprobs or [])]
+    def _chat_logprobs(self, ids: list[int], lps: list[float] | None) -> dict[str, Any]:
         return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                            for t, lp in zip(self._token_texts(ids), lps)]}
+                            for t, lp in zip(self._token_texts(ids), lps or [])]}
 
     async def _chat_events(self, stream: RequestStream, include_usage: bool, want_lp: bool) -> AsyncIterator[str]:
         created, done, n_out = int(time.time()), False, 0
@@ -418,7 +428,7 @@ class OpenAIServer:
                 if not (text or done or (want_lp and any(d.token_ids for d in ds))):
                     continue
                 yield _sse({**head, "choices": [{"index": 0, "delta": {"content": text} if text else {},
-                                                 "logprobs": self._chat_logprobs(ds) if want_lp else None,
+                                                 "logprobs": self._chat_logprobs(*_delta_logprobs(ds)) if want_lp else None,
                                                  "finish_reason": last.finish_reason}]})
             if include_usage and done:
                 yield _sse({**head, "choices": [], "usage": self._usage(stream.num_prompt_tokens, n_out)})

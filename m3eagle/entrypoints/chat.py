@@ -2,6 +2,7 @@
 rendered with jinja2 the way transformers' `apply_chat_template` renders it: a sandboxed environment with
 trim_blocks / lstrip_blocks and loop controls, `raise_exception`, a `tojson` that keeps non-ASCII text,
 `strftime_now`, and the tokenizer's special tokens (bos_token, eos_token, ...) as variables.
+One implementation for both users: `LLM.chat()` and the server's /v1/chat/completions.
 """
 
 from __future__ import annotations
