@@ -192,12 +192,11 @@ def _add_generate(sub) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def cmd_bench(a: argparse.Namespace) -> int:
-    from m3eagle.bench.offline import format_table, run_bench
-
+def _report(a: argparse.Namespace, run, format_table) -> int:
+    """The benchmarks' output contract: a table on stderr, the JSON document on stdout or in --json FILE."""
     if a.json and not Path(a.json).resolve().parent.is_dir():
         raise ValueError(f"--json {a.json}: directory {Path(a.json).resolve().parent} does not exist")
-    doc = run_bench(a)
+    doc = run(a)
     print("\n" + format_table(doc), file=sys.stderr)
     text = json.dumps(doc, indent=1)
     if a.json:
@@ -206,6 +205,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
     else:
         print(text)
     return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from m3eagle.bench.offline import format_table, run_bench
+
+    return _report(a, run_bench, format_table)
 
 
 def _add_bench(sub) -> None:
@@ -297,17 +302,7 @@ def _add_serve(sub) -> None:
 def cmd_bench_serve(a: argparse.Namespace) -> int:
     from m3eagle.bench.serve import format_table, run_bench_serve
 
-    if a.json and not Path(a.json).resolve().parent.is_dir():
-        raise ValueError(f"--json {a.json}: directory {Path(a.json).resolve().parent} does not exist")
-    doc = run_bench_serve(a)
-    print("\n" + format_table(doc), file=sys.stderr)
-    text = json.dumps(doc, indent=1)
-    if a.json:
-        Path(a.json).write_text(text + "\n")
-        print(f"wrote {a.json}", file=sys.stderr)
-    else:
-        print(text)
-    return 0
+    return _report(a, run_bench_serve, format_table)
 
 
 def _add_bench_serve(sub) -> None:
