@@ -332,10 +332,29 @@ class OpenAIServer:
             offset += len(t)
         return {"tokens": tokens, "token_logprobs": list(lps or []), "top_logprobs": None, "text_offset": offsets}
 
-    async def _completion_events(self, stream: RequestStream, include_usage: bool, want_lp: bool) -> AsyncIterator[str]:
-        created, done, offset, n_out = int(time.time()), False, 0, 0
-        head = {"id": stream.request_id, "object": "text_completion", "created": created, "model": self.model_name}
+    def _completion_events(self, stream: RequestStream, include_usage: bool, want_lp: bool) -> AsyncIterator[str]:
+        head = {"id": stream.request_id, "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name}
+        offset = 0  # characters streamed so far: the logprobs' text_offset
+
+        def chunk(ds: list, text: str, last) -> dict[str, Any]:
+            nonlocal offset
+            lp = self._completion_logprobs(*_delta_logprobs(ds), offset) if want_lp else None
+            if lp:
+                offset += sum(len(t) for t in lp["tokens"])
+            return {"index": 0, "text": text, "logprobs": lp, "finish_reason": last.finish_reason}
+
+        return self._stream_events(stream, include_usage, want_lp, head, chunk)
+
+    async def _stream_events(self, stream: RequestStream, include_usage: bool, want_lp: bool, head: dict[str, Any],
+                             chunk, opening: dict[str, Any] | None = None) -> AsyncIterator[str]:
+        """The SSE loop both endpoints share: each batch of deltas becomes one chunk (`chunk(deltas, text,
+        last)` builds its choice); a failed request ends with an error event; then the usage chunk when
+        asked for, and [DONE]. A stream that ends early (client gone, cancelled) aborts its request."""
+        done, n_out = False, 0
         try:
+            if opening is not None:
+                yield _sse({**head, "choices": [opening]})
             while not done:
                 ds = await _next_deltas(stream.queue)
                 last, text = ds[-1], "".join(d.text for d in ds)
@@ -346,11 +365,7 @@ class OpenAIServer:
                     break
                 if not (text or done or (want_lp and any(d.token_ids for d in ds))):
                     continue  # nothing a client can see yet (text held back for a stop string)
-                lp = self._completion_logprobs(*_delta_logprobs(ds), offset) if want_lp else None
-                if lp:
-                    offset += sum(len(t) for t in lp["tokens"])
-                yield _sse({**head, "choices": [{"index": 0, "text": text, "logprobs": lp,
-                                                 "finish_reason": last.finish_reason}]})
+                yield _sse({**head, "choices": [chunk(ds, text, last)]})
             if include_usage and done:
                 yield _sse({**head, "choices": [], "usage": self._usage(stream.num_prompt_tokens, n_out)})
             yield "data: [DONE]\n\n"
@@ -410,32 +425,17 @@ class OpenAIServer:
         return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
                             for t, lp in zip(self._token_texts(ids), lps or [])]}
 
-    async def _chat_events(self, stream: RequestStream, include_usage: bool, want_lp: bool) -> AsyncIterator[str]:
-        created, done, n_out = int(time.time()), False, 0
-        head = {"id": stream.request_id, "object": "chat.completion.chunk", "created": created,
+    def _chat_events(self, stream: RequestStream, include_usage: bool, want_lp: bool) -> AsyncIterator[str]:
+        head = {"id": stream.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model_name}
-        try:
-            yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}]})
-            while not done:
-                ds = await _next_deltas(stream.queue)
-                last, text = ds[-1], "".join(d.text for d in ds)
-                done, n_out = last.finished, last.num_output_tokens
-                if last.finish_reason == "error":
-                    yield _sse(self._final_error(last).body())
-                    include_usage = False
-                    break
-                if not (text or done or (want_lp and any(d.token_ids for d in ds))):
-                    continue
-                yield _sse({**head, "choices": [{"index": 0, "delta": {"content": text} if text else {},
-                                                 "logprobs": self._chat_logprobs(*_delta_logprobs(ds)) if want_lp else None,
-                                                 "finish_reason": last.finish_reason}]})
-            if include_usage and done:
-                yield _sse({**head, "choices": [], "usage": self._usage(stream.num_prompt_tokens, n_out)})
-            yield "data: [DONE]\n\n"
-        finally:
-            if not done:
-                self.engine_loop.abort(stream.request_id)
+
+        def chunk(ds: list, text: str, last) -> dict[str, Any]:
+            return {"index": 0, "delta": {"content": text} if text else {},
+                    "logprobs": self._chat_logprobs(*_delta_logprobs(ds)) if want_lp else None,
+                    "finish_reason": last.finish_reason}
+
+        opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return self._stream_events(stream, include_usage, want_lp, head, chunk, opening)
 
 
 def _is_embedded(llm: LLM) -> bool:
