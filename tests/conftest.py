@@ -28,6 +28,20 @@ def tiny_model(tmp_path_factory):
     return d, model
 
 
+@pytest.fixture(scope="session")
+def model_dir(tiny_model):
+    """The tiny checkpoint's directory."""
+    return tiny_model[0]
+
+
+@pytest.fixture(scope="session")
+def head_dir(model_dir, tmp_path_factory):
+    """A random Eagle3 head (seed 0) on the tiny target: acceptance near zero, drafting path exercised."""
+    from spec_utils import random_head
+
+    return random_head(model_dir, tmp_path_factory.mktemp("random_head"))
+
+
 @pytest.fixture
 def make_llm():
     """LLM factory; at teardown every engine it built must be idle with all pages free."""

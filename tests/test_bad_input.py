@@ -18,18 +18,6 @@ from m3eagle.sampling.params import SamplingParamsError
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model):
-    return tiny_model[0]
-
-
-@pytest.fixture(scope="module")
-def head_dir(model_dir, tmp_path_factory):
-    from spec_utils import random_head
-
-    return random_head(model_dir, tmp_path_factory.mktemp("bad_input_head"))
-
-
-@pytest.fixture(scope="module")
 def llm(model_dir):
     return LLM(model_dir, device="cpu", page_size=4, max_model_len=64, max_num_tokens=64)
 

@@ -25,11 +25,6 @@ def greedy(max_tokens: int = NEW, **kw) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model):
-    return tiny_model[0]
-
-
-@pytest.fixture(scope="module")
 def prompts():
     g = torch.Generator().manual_seed(11)
     return [torch.randint(3, 96, (n,), generator=g).tolist() for n in PROMPT_LENS]

@@ -29,18 +29,6 @@ PROMPTS = [[9, 21, 33, 4], [50, 51, 52, 53, 54, 55, 56, 57, 58, 59], [7, 8], [60
            [12, 13, 14]]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model):
-    return tiny_model[0]
-
-
-@pytest.fixture(scope="module")
-def head_dir(model_dir, tmp_path_factory):
-    from spec_utils import random_head
-
-    return random_head(model_dir, tmp_path_factory.mktemp("graph_head"))
-
-
 def llm_for(model_dir, head_dir, k: int, **kw) -> LLM:
     kw = {"device": "cpu", "page_size": 4, "max_model_len": 64, "max_num_tokens": 64, "max_num_seqs": 8, **kw}
     return LLM(model_dir, draft=head_dir if k else None, num_draft_tokens=k, **kw)

@@ -33,18 +33,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model):
-    return tiny_model[0]
-
-
-@pytest.fixture(scope="module")
-def head_dir(model_dir, tmp_path_factory):
-    from spec_utils import random_head
-
-    return random_head(model_dir, tmp_path_factory.mktemp("robust_head"))
-
-
-@pytest.fixture(scope="module")
 def reference(model_dir):
     llm = LLM(model_dir, device="cpu", page_size=4, max_model_len=64)
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]

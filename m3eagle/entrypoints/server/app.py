@@ -297,6 +297,18 @@ class OpenAIServer:
             return self.llm.encode(p), p
         return list(p), None
 
+    async def _finished(self, stream: RequestStream, request: Request):
+        """A non-streamed request's CompletionOutput once it has finished; a 499 Response if the client
+        left first; the request's failure as an ApiError."""
+        try:
+            deltas = await self._collect(stream, request)
+        except _ClientGone:
+            return Response(status_code=499)
+        last = deltas[-1]
+        if last.finish_reason not in ("stop", "length"):
+            raise self._final_error(last)
+        return _completion(last)
+
     async def _completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_ready()
         self._check_model(body.model)
@@ -310,14 +322,9 @@ class OpenAIServer:
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return SSEResponse(self._completion_events(stream, usage, want_lp))
-        try:
-            deltas = await self._collect(stream, request)
-        except _ClientGone:
-            return Response(status_code=499)
-        last = deltas[-1]
-        if last.finish_reason not in ("stop", "length"):
-            raise self._final_error(last)
-        out = _completion(last)
+        out = await self._finished(stream, request)
+        if isinstance(out, Response):
+            return out
         choice = {"index": out.index, "text": out.text or "", "finish_reason": out.finish_reason,
                   "logprobs": self._completion_logprobs(out.token_ids, out.logprobs, 0) if want_lp else None}
         return JSONResponse({"id": stream.request_id, "object": "text_completion", "created": int(time.time()),
@@ -406,14 +413,9 @@ class OpenAIServer:
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return SSEResponse(self._chat_events(stream, usage, body.logprobs))
-        try:
-            deltas = await self._collect(stream, request)
-        except _ClientGone:
-            return Response(status_code=499)
-        last = deltas[-1]
-        if last.finish_reason not in ("stop", "length"):
-            raise self._final_error(last)
-        out = _completion(last)
+        out = await self._finished(stream, request)
+        if isinstance(out, Response):
+            return out
         choice = {"index": out.index, "message": {"role": "assistant", "content": out.text or ""},
                   "logprobs": self._chat_logprobs(out.token_ids, out.logprobs) if body.logprobs else None,
                   "finish_reason": out.finish_reason}
