@@ -277,3 +277,16 @@ def test_union_of_intervals():
 
     assert _union_us([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
     assert _union_us([]) == 0
+
+
+def test_top_kernels_groups_by_short_name_per_step():
+    from m3eagle.bench.offline import top_kernels
+
+    spans = [("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>"
+              "(cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8::Params)", 10.0),
+             ("void cutlass::Kernel2<other_config>(Params)", 20.0),
+             ("_fused_moe_kernel", 5.0), ("_fused_moe_kernel", 7.0), ("Memcpy DtoH (Device -> Pinned)", 1.0)]
+    rows = top_kernels(spans, steps=2)
+    assert rows[0] == {"name": "cutlass::Kernel2", "calls_per_step": 1.0, "us_per_step": 15.0}
+    assert rows[1] == {"name": "_fused_moe_kernel", "calls_per_step": 1.0, "us_per_step": 6.0}
+    assert rows[2]["name"] == "Memcpy DtoH" and rows[2]["us_per_step"] == 0.5

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import platform
 import random
+import re
 import statistics
 import sys
 import sysconfig
@@ -155,6 +156,7 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
         "env": _env(llm, dev),
         "settings": {"batch_sizes": list(a.batch_sizes), "prompt_len": a.prompt_len, "max_tokens": a.max_tokens,
                      "repeats": a.repeats, "decode_steps": a.decode_steps, "profile_steps": a.profile_steps,
+                     "kernel_table": getattr(a, "kernel_table", 0),
                      "num_draft_tokens": k, "prompts": prompt_source, "seed": a.seed},
         "bandwidth": bw,
         "build_s": build_s,
@@ -404,8 +406,34 @@ def profile_window(engine: LLMEngine, steps: int, dev: torch.device) -> dict[str
         gpu = [e for e in events if e.device_type == DeviceType.CUDA]
         copies = sum(1 for e in gpu if e.name.startswith(("Memcpy", "Memset")))
         res.update(kernels_per_step=(len(gpu) - copies) / steps, memcpy_per_step=copies / steps,
-                   gpu_busy_ms=_union_us([(e.time_range.start, e.time_range.end) for e in gpu]) / 1e3 / steps)
+                   gpu_busy_ms=_union_us([(e.time_range.start, e.time_range.end) for e in gpu]) / 1e3 / steps,
+                   top_kernels=top_kernels([(e.name, e.time_range.end - e.time_range.start) for e in gpu], steps))
     return res
+
+
+def top_kernels(spans: list[tuple[str, float]], steps: int, n: int = 40) -> list[dict[str, Any]]:
+    """GPU time per step grouped by kernel name, largest first: where a step's device time goes (the
+    profile to read before optimising). `spans` are (name, µs) of single kernel or copy executions."""
+    acc: dict[str, list[float]] = {}
+    for name, us in spans:
+        a = acc.setdefault(_short_kernel_name(name), [0, 0.0])
+        a[0] += 1
+        a[1] += us
+    rows = [{"name": k, "calls_per_step": c / steps, "us_per_step": t / steps} for k, (c, t) in acc.items()]
+    return sorted(rows, key=lambda r: -r["us_per_step"])[:n]
+
+
+def _short_kernel_name(name: str) -> str:
+    """A kernel's name without template arguments and parameter lists (cuBLAS/CUTLASS names run to
+    hundreds of characters)."""
+    name = re.sub(r"\(.*", "", name)
+    depth, out = 0, []
+    for ch in name:
+        depth += ch == "<"
+        if depth == 0:
+            out.append(ch)
+        depth -= ch == ">" and depth > 0
+    return "".join(out).replace("void ", "").strip()[:90]
 
 
 def _union_us(spans: list[tuple[float, float]]) -> float:
@@ -525,6 +553,13 @@ def format_table(doc: dict[str, Any]) -> str:
         lines.append(f"transformers generate, batch 1: {_num(t['median'])} tok/s [{_num(t['min'])}, {_num(t['max'])}]; "
                      f"m3eagle plain batch 1 is {hf['ratio']:.2f}x (greedy tokens agree on the first "
                      f"{hf['greedy_prefix_match']} of {hf['max_tokens']})")
+    if s.get("kernel_table"):
+        for r in doc["results"]:
+            top = r["step"].get("top_kernels") or []
+            lines.append("")
+            lines.append(f"batch {r['batch']} {r['mode']}: GPU time per step by kernel (top {s['kernel_table']})")
+            for kr in top[: s["kernel_table"]]:
+                lines.append(f"  {kr['us_per_step']:>9.1f} us {kr['calls_per_step']:>6.1f}x  {kr['name']}")
     lines.append("host ms: step time minus time blocked on the device; GPU busy: profiler kernel time per step; "
                  "MBU: bytes/step over step time and copy bandwidth (JSON 'definitions')")
     return "\n".join(lines)

@@ -240,6 +240,8 @@ def _add_bench(sub) -> None:
                    help="timed batches per configuration, after one warm-up batch")
     b.add_argument("--decode-steps", type=int_in(1), default=10, help="steady-state steps timed per configuration")
     b.add_argument("--profile-steps", type=int_in(1), default=3, help="steady-state steps under the profiler")
+    b.add_argument("--kernel-table", type=int_in(0), default=0, metavar="N",
+                   help="print the N kernels with the most GPU time per steady step (the JSON always holds 40)")
     b.add_argument("--compare-hf", action="store_true",
                    help="also time transformers' generate at batch 1 on the same weights")
     b.add_argument("--bandwidth-gib", type=float_in(0.0, 64.0, lo_open=True), default=4.0,
