@@ -92,3 +92,41 @@ def test_steady_state_makes_no_host_sync():
     assert eng.graphs.num_replays >= replays + 8
     eng.run()
     assert_clean(llm)
+
+
+def _compiled_variants() -> dict[str, int]:
+    """Compiled variants per Triton kernel of the engine (attention, fused ops, MoE), from the JIT caches."""
+    import triton
+
+    from m3eagle.attention import triton_kernels
+    from m3eagle.fused import triton_fused
+    from m3eagle.moe import align, triton_moe
+
+    out = {}
+    for mod in (triton_kernels, triton_fused, triton_moe, align):
+        for name, fn in vars(mod).items():
+            if isinstance(fn, triton.runtime.jit.JITFunction):
+                caches = getattr(fn, "device_caches", None)
+                out[f"{mod.__name__}.{name}"] = (sum(len(c[0]) for c in caches.values()) if caches is not None
+                                                 else sum(len(c) for c in fn.cache.values()))
+    return out
+
+
+def test_new_prompt_shapes_compile_no_new_kernel_variants():
+    """Prompt chunks of lengths never seen before must not JIT-compile a new variant of any kernel (a
+    compile stalls serving for hundreds of ms): ints that change per step are not specialized on. The
+    warm-up covers every tile size (powers of two of the chunk length) the step shapes can pick."""
+    llm = make(3, True, False, max_num_tokens=512)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    rng = torch.Generator().manual_seed(0)
+
+    def prompts(lengths):
+        return [torch.randint(3, 4000, (n,), generator=rng).tolist() for n in lengths]
+
+    for batch in ([1], [2], [4], [8], [16], [32], [64], [128], [256], [3, 100], [40, 41, 300]):
+        llm.generate(prompts(batch), sp, use_tqdm=False)
+    before = _compiled_variants()
+    for batch in ([6], [11], [23], [47], [90], [200], [7, 13, 130], [77, 260], [33, 34, 35, 36]):
+        llm.generate(prompts(batch), sp, use_tqdm=False)
+    grown = {k: (before.get(k, 0), v) for k, v in _compiled_variants().items() if v != before.get(k, 0)}
+    assert not grown, f"new kernel variants compiled for new prompt shapes: {grown}"

@@ -53,6 +53,19 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # ---- shared device helpers -----------------------------------------------------------------------------
 
 
+# NOTE: Triton compiles one variant of a kernel per combination of "this int argument is 1" and "is a
+# multiple of 16". Arguments that change from step to step -- the KV bound, split and tile counts, the
+# strides of per-step scratch buffers -- are kept out of that key, or a new prompt-chunk shape would
+# compile a new variant (hundreds of ms) in the middle of serving. Strides of the pools, of q and of the
+# page table are fixed per engine and stay specialized.
+_PARTIALS = ["stride_pos", "stride_pot", "stride_pls", "stride_plt"]  # [splits, T, ...] scratch: T varies
+_DENSE_PER_STEP = _PARTIALS + ["stride_keep_t", "max_kv", "num_splits", "n_qtiles"]
+_SPARSE_PER_STEP = _PARTIALS + ["max_kv", "sel_per_split"]
+_COMBINE_PER_STEP = _PARTIALS + ["num_splits"]
+_INDEX_PER_STEP = ["stride_pt", "stride_ph", "max_kv", "num_blocks", "n_qtiles", "num_splits"]
+_MERGE_PER_STEP = ["stride_pt", "stride_ph", "num_blocks", "num_splits"]
+
+
 @triton.jit
 def _page_slots(page_table_row, keys, page_size, num_page_cols, mask):
     """Cache slots [N] (int64) of key positions `keys` [N] of one row; TRASH_PAGE past the held pages."""
@@ -117,7 +130,7 @@ def _write_result(acc, m_i, l_i, tok, head, row_ok, offs_d, d_ok, split,
 # ---- kernels -------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_DENSE_PER_STEP)
 def _dense_attn_kernel(
     Q, K, V, Out, PartO, PartLse,
     PageTable, QIndex, QLens, KvLens, Positions, Keep,
@@ -203,7 +216,7 @@ def _dense_attn_kernel(
                   PartO, PartLse, stride_pos, stride_pot, stride_poh, stride_pls, stride_plt, SPLIT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SPARSE_PER_STEP)
 def _sparse_attn_kernel(
     Q, K, V, Out, PartO, PartLse,
     PageTable, TokRow, Positions, Sel,
@@ -263,7 +276,7 @@ def _sparse_attn_kernel(
                   PartO, PartLse, stride_pos, stride_pot, stride_poh, stride_pls, stride_plt, SPLIT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_COMBINE_PER_STEP)
 def _combine_kernel(
     PartO, PartLse, Out,
     stride_pos, stride_pot, stride_poh, stride_pls, stride_plt, stride_ot, stride_oh, num_splits,
@@ -338,7 +351,7 @@ def _index_split_range(kv_len, num_blocks, block_size, num_splits, min_blocks_pe
     return tl.maximum(tl.cdiv(row_blocks, num_splits), min_blocks_per_split)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_INDEX_PER_STEP)
 def _indexer_kernel(
     IQ, IK, PageTable, QIndex, QLens, KvLens, Positions, Sel, PartS, PartId,
     stride_qt, stride_qh, stride_ks, stride_pb, stride_qi, stride_st, stride_sh, stride_pt, stride_ph,
@@ -441,7 +454,7 @@ def _indexer_kernel(
         tl.store(ptr, out.to(tl.int64), mask=row_ok[:, None] & (offs_o < TOPK)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_MERGE_PER_STEP)
 def _index_merge_kernel(
     PartS, PartId, Sel, TokRow, KvLens, Positions,
     stride_pt, stride_ph, stride_st, stride_sh, block_size, num_blocks, num_splits, min_blocks_per_split,

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kvcache.page_pool import PagePool
+from ..models.layers import pack_projections
 from ..ops import Ops, make_ops
 from ..sampling.params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
@@ -47,7 +48,7 @@ class RequestError(ValueError):
 class EngineConfig:
     page_size: int = 16
     num_pages: int = 0  # 0: sized from max_num_seqs and max_model_len
-    max_num_tokens: int = 512  # token budget per step
+    max_num_tokens: int = 2048  # token budget per step (prompt chunk size)
     max_num_seqs: int = 64
     max_model_len: int = 2048
     num_draft_tokens: int = 0
@@ -120,6 +121,11 @@ class LLMEngine:
                              "raise num_pages or lower max_model_len")
         self.scheduler = Scheduler(self.pool, cfg.max_num_tokens, cfg.max_num_seqs, k, self.table_width - 1)
         self.ops = ops if ops is not None else make_ops("auto", "auto", device)
+        # Projections that read the same input become one GEMM each (fewer launches per step); the weights
+        # become views of the packed tensors, so nothing else changes.
+        for model in (target, draft):
+            if model is not None:
+                pack_projections(model)
         # Step buffers hold the widest step: the token budget, or every sequence padded to 1 + K tokens.
         max_tokens = max(cfg.max_num_tokens, cfg.max_num_seqs * (k + 1))
         self.runner = ModelRunner(target, draft, k, num_pages, cfg.page_size, cfg.max_num_seqs, dtype, device,

@@ -103,7 +103,8 @@ def _device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=device, default=None, help="cpu, cuda or cuda:N; none: cuda when available")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="weights and KV dtype; auto: bf16 on CUDA, "
                    "fp32 on CPU")
-    p.add_argument("--max-num-tokens", type=int_in(1), default=512, help="token budget per step")
+    p.add_argument("--max-num-tokens", type=int_in(1), default=2048,
+                   help="token budget per step: the prompt chunk size of chunked prefill")
     p.add_argument("--page-size", type=int_in(1), default=16, help="KV page size in tokens")
     p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                    help="overlap scheduler; auto: on for CUDA")

@@ -64,7 +64,7 @@ class LLM:
     def __init__(self, model: str | Path | M3Config | dict | None = None,
                  draft: str | Path | Eagle3Config | dict | None = None,
                  num_draft_tokens: int | None = None, dtype: str | torch.dtype = "auto",
-                 device: str | None = None, page_size: int = 16, max_num_tokens: int = 512,
+                 device: str | None = None, page_size: int = 16, max_num_tokens: int = 2048,
                  max_model_len: int | None = None, max_num_seqs: int = 64, num_pages: int = 0,
                  overlap: bool | None = None, attention_backend: str = "auto", load_format: str = "auto",
                  moe_backend: str = "auto", enforce_eager: bool = False, graph_shapes: bool | None = None,

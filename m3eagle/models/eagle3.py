@@ -44,7 +44,7 @@ import torch.nn as nn
 from ..attention import reference
 from ..attention.metadata import AttnMetadata
 from ..ops import REFERENCE
-from .layers import LlamaRMSNorm, SiluMLP, apply_rope, rope_cos_sin
+from .layers import LlamaRMSNorm, PackedLinears, SiluMLP, apply_rope, rope_cos_sin
 from .minimax_m3 import LayerCache
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -204,6 +204,7 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * h, cfg.num_key_value_heads * d, bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
         self.scale = d ** -0.5
+        self.proj = PackedLinears([self.q_proj, self.k_proj, self.v_proj])  # one GEMM once packed
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor,
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -222,10 +223,10 @@ class Eagle3Attention(nn.Module):
         t, c = x.shape[0], self.cfg
         ops = meta.ops or REFERENCE
         cos, sin = ops.fused.rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)  # [T, D] each
+        pq, pk, pv = self.proj(x)
         q = ops.fused.qkv_rope_store(
-            self.q_proj(x).view(t, c.num_attention_heads, c.head_dim),
-            self.k_proj(x).view(t, c.num_key_value_heads, c.head_dim),
-            self.v_proj(x).view(t, c.num_key_value_heads, c.head_dim),
+            pq.view(t, c.num_attention_heads, c.head_dim), pk.view(t, c.num_key_value_heads, c.head_dim),
+            pv.view(t, c.num_key_value_heads, c.head_dim),
             None, None, 0.0, cos, sin, cache.k, cache.v, meta.slot_mapping)  # no q/k norm in a Llama head
         o = ops.attention.attention(q, cache.k, cache.v, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, -1))

@@ -96,6 +96,61 @@ def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: 
     return (emb.cos() * mscale).to(dtype), (emb.sin() * mscale).to(dtype)
 
 
+class PackedLinears:
+    """Bias-free Linears that read the same input, run as one GEMM on the fast path.
+
+    `pack()` moves their weights back to back into one [sum(out), in] tensor and makes each module's
+    weight a view of its rows: the values, state_dict names and the reference path stay as they were, and
+    no memory is duplicated. `__call__` falls back to the separate modules when a weight was replaced
+    after packing (a reload), so a stale pack can never be used. Pack after the model reached its final
+    device and dtype (`.to()` makes new tensors)."""
+
+    def __init__(self, mods: list[nn.Linear]):
+        self.mods = mods
+        self.sizes = [m.weight.shape[0] for m in mods]
+        self.weight: torch.Tensor | None = None  # [sum(sizes), in]
+
+    def pack(self) -> None:
+        if self.is_packed():
+            return
+        w = torch.cat([m.weight.detach() for m in self.mods], 0)
+        off = 0
+        for m, n in zip(self.mods, self.sizes):
+            m.weight.data = w[off:off + n]
+            off += n
+        self.weight = w
+
+    def is_packed(self) -> bool:
+        w = self.weight
+        if w is None:
+            return False
+        row = w.stride(0) * w.element_size()
+        return all(m.weight.data_ptr() == w.data_ptr() + off * row and m.weight.shape[0] == n
+                   for m, n, off in zip(self.mods, self.sizes, _offsets(self.sizes)))
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [T, in] -> one [T, n_i] output per module (column views of one GEMM's output when packed)."""
+        if self.is_packed():
+            return list(F.linear(x, self.weight).split(self.sizes, -1))
+        return [m(x) for m in self.mods]
+
+
+def pack_projections(model: nn.Module) -> int:
+    """Pack every PackedLinears group of `model` (see there); returns how many groups are packed."""
+    groups = [v for m in model.modules() for v in vars(m).values() if isinstance(v, PackedLinears)]
+    for g in groups:
+        g.pack()
+    return len(groups)
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    out, off = [], 0
+    for n in sizes:
+        out.append(off)
+        off += n
+    return out
+
+
 class SwigluOaiMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, alpha: float, limit: float):
         super().__init__()
@@ -117,10 +172,11 @@ class SiluMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_up = PackedLinears([self.gate_proj, self.up_proj])  # one GEMM once packed
 
     def forward(self, x: torch.Tensor, fused: Any = None) -> torch.Tensor:
         act = fused if fused is not None else fused_ref
-        return self.down_proj(act.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(act.silu_mul(*self.gate_up(x)))
 
 
 class Router(nn.Module):

@@ -18,7 +18,7 @@ from ..attention import reference
 from ..attention.metadata import AttnMetadata
 from ..config import M3Config
 from ..ops import REFERENCE
-from .layers import GemmaRMSNorm, SparseMoE, SwigluOaiMLP, apply_rope, rope_cos_sin
+from .layers import GemmaRMSNorm, PackedLinears, SparseMoE, SwigluOaiMLP, apply_rope, rope_cos_sin
 
 Delta = tuple[torch.Tensor, torch.Tensor | None, float]
 """A sub-layer's output not yet added to the residual stream: (x, x2, scale) stands for x * scale + x2 (the
@@ -54,13 +54,14 @@ class Indexer(nn.Module):
         ik = self.k_norm(self.k_proj(x).view(t, 1, self.cfg.index_head_dim))
         return apply_rope(iq, cos[:, :r], sin[:, :r]), apply_rope(ik, cos[:, :r], sin[:, :r])[:, 0]
 
-    def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
-                      pool: torch.Tensor) -> torch.Tensor:
-        """Paged path: x [T, H] -> iq [T, Hi, Di]; ik (normed, roped) goes to the index-K pool [S, Di] at
-        meta.slot_mapping. Same math as `forward`, with the engine's fused ops."""
-        t, c, r = x.shape[0], self.cfg, self.cfg.index_rope_dim
+    def forward_paged(self, q_raw: torch.Tensor, k_raw: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      meta: AttnMetadata, pool: torch.Tensor) -> torch.Tensor:
+        """Paged path on the projections q_proj(x) [T, Hi * Di], k_proj(x) [T, Di] (the attention layer
+        runs them in its packed GEMM) -> iq [T, Hi, Di]; ik (normed, roped) goes to the index-K pool
+        [S, Di] at meta.slot_mapping. Same math as `forward`, with the engine's fused ops."""
+        t, c, r = q_raw.shape[0], self.cfg, self.cfg.index_rope_dim
         return (meta.ops or REFERENCE).fused.qkv_rope_store(
-            self.q_proj(x).view(t, c.index_n_heads, c.index_head_dim), self.k_proj(x).view(t, 1, c.index_head_dim),
+            q_raw.view(t, c.index_n_heads, c.index_head_dim), k_raw.view(t, 1, c.index_head_dim),
             None, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos[:, :r], sin[:, :r], pool, None,
             meta.slot_mapping)
 
@@ -78,22 +79,26 @@ class Attention(nn.Module):
         self.k_norm = GemmaRMSNorm(d, cfg.rms_norm_eps)
         self.indexer = Indexer(cfg) if cfg.is_sparse(layer) else None
         self.scale = d ** -0.5
+        # q, k, v and the indexer's q, k all read x: one GEMM on the paged path once packed (the engine
+        # packs after loading; see PackedLinears).
+        idx = [self.indexer.q_proj, self.indexer.k_proj] if self.indexer is not None else []
+        self.proj = PackedLinears([self.q_proj, self.k_proj, self.v_proj, *idx])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
                 cache: LayerCache) -> torch.Tensor:
         t, c = x.shape[0], self.cfg
         ops = meta.ops or REFERENCE
         # q/k norm + RoPE, and this step's K/V into the pools at meta.slot_mapping: one fused op.
+        pq, pk, pv, *pidx = self.proj(x)  # [T, Hq * D], [T, Hkv * D] x 2, (+ [T, Hi * Di], [T, Di])
         q = ops.fused.qkv_rope_store(
-            self.q_proj(x).view(t, c.num_attention_heads, c.head_dim),
-            self.k_proj(x).view(t, c.num_key_value_heads, c.head_dim),
-            self.v_proj(x).view(t, c.num_key_value_heads, c.head_dim),
+            pq.view(t, c.num_attention_heads, c.head_dim), pk.view(t, c.num_key_value_heads, c.head_dim),
+            pv.view(t, c.num_key_value_heads, c.head_dim),
             self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, cache.k, cache.v, meta.slot_mapping)
         attn = ops.attention
         if self.indexer is None:
             o = attn.attention(q, cache.k, cache.v, meta, self.scale)
         else:
-            iq = self.indexer.forward_paged(x, cos, sin, meta, cache.idx_k)
+            iq = self.indexer.forward_paged(*pidx, cos, sin, meta, cache.idx_k)
             o = attn.sparse_attention(q, cache.k, cache.v, meta, self.scale, iq, cache.idx_k,
                                       c.index_block_size, c.index_topk_blocks, c.index_local_blocks)
         return self.o_proj(o.reshape(t, -1))
