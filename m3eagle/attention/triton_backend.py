@@ -51,9 +51,16 @@ class TritonBackend:
 
     name = "triton"
 
-    def __init__(self, waves: int = 2, min_keys_per_split: int = 128, max_splits: int = 64,
+    def __init__(self, waves: int = 2, min_keys_per_split: int | None = None, max_splits: int = 64,
                  block_n: int | None = None, sparse_tile_min_q: int | None = None,
-                 min_index_keys_per_split: int = 512, max_index_splits: int = 512, index_num_warps: int = 4) -> None:
+                 min_index_keys_per_split: int | None = None, max_index_splits: int = 512,
+                 index_num_warps: int | None = None) -> None:
+        # None = the measured policy (benchmarks/decode_sweep.py on an H200, bench head shapes):
+        # decode / verify steps of <= 8 rows are latency-bound, one program walking a row's keys serially,
+        # so they take 32-key tiles and splits of >= 64 keys (m3-mini b1, 137 keys: 9.6 -> 5.9 us; 4k keys:
+        # 10.6 -> 9.1 us); wider steps keep 64-key tiles and 128-key splits. The indexer splits at two
+        # blocks (m3-mini 4k keys: 17.8 -> 12.8 us; embedded 19.2 -> 7.4 us) with 2 warps on small
+        # (block x index dim < 8K) tiles.
         self.waves = waves
         self.min_keys_per_split = min_keys_per_split
         self.max_splits = max_splits
@@ -68,7 +75,12 @@ class TritonBackend:
         # the load is the cost), 64-key tiles for prompt chunks (big M, registers are the cost).
         if self.block_n is not None:
             return self.block_n
-        return 128 if meta.max_q <= 16 else 64
+        return (32 if meta.num_rows <= 8 else 64) if meta.max_q <= 16 else 64
+
+    def _min_keys(self, meta: AttnMetadata) -> int:
+        if self.min_keys_per_split is not None:
+            return self.min_keys_per_split
+        return 64 if meta.max_q <= 16 and meta.num_rows <= 8 else 128
 
     def _splits(self, programs: int, keys: int, device: torch.device, min_keys: int, most: int) -> int:
         want = -(-self.waves * _num_sms(device) // max(1, programs))
@@ -79,7 +91,7 @@ class TritonBackend:
                   scale: float) -> torch.Tensor:
         """q [T, Hq, D] over paged K/V [S, Hkv, D] -> [T, Hq, D] in q's dtype."""
         programs = triton_kernels.dense_programs(meta, q.shape[1], k_pool.shape[1])
-        splits = self._splits(programs, meta.max_kv, q.device, self.min_keys_per_split, self.max_splits)
+        splits = self._splits(programs, meta.max_kv, q.device, self._min_keys(meta), self.max_splits)
         return triton_kernels.dense_attention(q, k_pool, v_pool, meta, scale, num_splits=splits,
                                               block_n=self._block_n(meta))
 
@@ -87,12 +99,14 @@ class TritonBackend:
                       topk: int, local_blocks: int) -> torch.Tensor:
         """The lightning indexer alone: iq [T, Hi, Di], ik_pool [S, Di] -> sel [T, Hi, min(topk, NB)] int64,
         equal to `reference.select_blocks` (same blocks, same order)."""
-        min_blocks = max(1, self.min_index_keys_per_split // block_size)
+        keys = self.min_index_keys_per_split
+        min_blocks = max(1, keys // block_size) if keys is not None else 2
+        warps = self.index_num_warps or (4 if block_size * iq.shape[-1] >= 8192 else 2)
         programs = triton_kernels.index_programs(meta, iq.shape[1])
         splits = self._splits(programs, -(-meta.max_kv // block_size), iq.device, min_blocks,
                               self.max_index_splits)
         return triton_kernels.select_blocks(iq, ik_pool, meta, block_size, topk, local_blocks, num_splits=splits,
-                                            min_blocks_per_split=min_blocks, num_warps=self.index_num_warps)
+                                            min_blocks_per_split=min_blocks, num_warps=warps)
 
     def sparse_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                          meta: AttnMetadata, scale: float, iq: torch.Tensor, ik_pool: torch.Tensor,
@@ -113,11 +127,12 @@ class TritonBackend:
         if self.sparse_tile_min_q is not None and meta.max_q >= self.sparse_tile_min_q:
             keep = triton_kernels.selection_mask(sel, -(-meta.max_kv // block_size))  # [T, Hi, NB]
             programs = triton_kernels.dense_programs(meta, q.shape[1], k_pool.shape[1])
-            splits = self._splits(programs, meta.max_kv, q.device, self.min_keys_per_split, self.max_splits)
+            splits = self._splits(programs, meta.max_kv, q.device, self._min_keys(meta), self.max_splits)
             return triton_kernels.dense_attention(q, k_pool, v_pool, meta, scale, num_splits=splits,
                                                   block_n=self._block_n(meta), keep=keep, keep_block=block_size)
         programs = triton_kernels.sparse_programs(meta, q.shape[1], k_pool.shape[1], sel.shape[1])
         num_sel = sel.shape[-1]
-        splits = self._splits(programs, num_sel * block_size, q.device, self.min_keys_per_split, self.max_splits)
+        splits = self._splits(programs, num_sel * block_size, q.device, self.min_keys_per_split or 128,
+                              self.max_splits)
         return triton_kernels.sparse_attention(q, k_pool, v_pool, meta, scale, sel, block_size,
                                                num_splits=min(splits, num_sel))

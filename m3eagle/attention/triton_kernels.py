@@ -55,14 +55,14 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 # NOTE: Triton compiles one variant of a kernel per combination of "this int argument is 1" and "is a
 # multiple of 16". Arguments that change from step to step -- the KV bound, split and tile counts, the
-# strides of per-step scratch buffers -- are kept out of that key, or a new prompt-chunk shape would
+# strides of per-step buffers (q_index is [rows, widest row]) -- are kept out of that key, or a new prompt-chunk shape would
 # compile a new variant (hundreds of ms) in the middle of serving. Strides of the pools, of q and of the
 # page table are fixed per engine and stay specialized.
 _PARTIALS = ["stride_pos", "stride_pot", "stride_pls", "stride_plt"]  # [splits, T, ...] scratch: T varies
-_DENSE_PER_STEP = _PARTIALS + ["stride_keep_t", "max_kv", "num_splits", "n_qtiles"]
+_DENSE_PER_STEP = _PARTIALS + ["stride_qi", "stride_keep_t", "stride_keep_h", "max_kv", "num_splits", "n_qtiles"]
 _SPARSE_PER_STEP = _PARTIALS + ["max_kv", "sel_per_split"]
 _COMBINE_PER_STEP = _PARTIALS + ["num_splits"]
-_INDEX_PER_STEP = ["stride_pt", "stride_ph", "max_kv", "num_blocks", "n_qtiles", "num_splits"]
+_INDEX_PER_STEP = ["stride_qi", "stride_pt", "stride_ph", "max_kv", "num_blocks", "n_qtiles", "num_splits"]
 _MERGE_PER_STEP = ["stride_pt", "stride_ph", "num_blocks", "num_splits"]
 
 
