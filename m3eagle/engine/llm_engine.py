@@ -439,27 +439,32 @@ class LLMEngine:
         of the request's detokenizer, and adopted together only once all of it succeeded. An exception here
         (a tokenizer error) leaves the request exactly as it was."""
         p = req.params
-        out = list(req.output_token_ids)
+        out = req.output_token_ids  # appended in place (a copy per step made long outputs quadratic) ...
+        n0 = len(out)
         det = req.detok.fork() if req.detok is not None else None
         reason, stop_reason = None, None
-        for t in tokens:
-            out.append(t)
-            if t in p.stop_token_ids:  # vLLM's stop_reason: the stop token id (EOS leaves it None)
-                reason, stop_reason = "stop", t
-            elif t in self.eos_ids and not p.ignore_eos:
-                reason = "stop"
-            elif len(out) >= p.max_tokens or len(req.prompt_token_ids) + len(out) >= self.cfg.max_model_len:
-                reason = "length"
-            if det is not None and det.add(t):  # a stop string completed: it wins, its text is cut
-                reason, stop_reason = "stop", det.stop_str
-            if reason:
-                break
-        if reason and det is not None:
-            det.finish(out)
-        n_new = len(out) - len(req.output_token_ids)
+        limit = min(p.max_tokens, self.cfg.max_model_len - len(req.prompt_token_ids))
+        try:
+            for t in tokens:
+                out.append(t)
+                if t in p.stop_token_ids:  # vLLM's stop_reason: the stop token id (EOS leaves it None)
+                    reason, stop_reason = "stop", t
+                elif t in self.eos_ids and not p.ignore_eos:
+                    reason = "stop"
+                elif len(out) >= limit:
+                    reason = "length"
+                if det is not None and det.add(t):  # a stop string completed: it wins, its text is cut
+                    reason, stop_reason = "stop", det.stop_str
+                if reason:
+                    break
+            if reason and det is not None:
+                det.finish(out)
+        except BaseException:
+            del out[n0:]  # ... and cut back if anything failed, so the request is exactly as it was
+            raise
+        n_new = len(out) - n0
         if lps is not None:
             req.logprobs += lps[:n_new]
-        req.output_token_ids = out
         if det is not None:
             req.detok, req.text = det, det.text
         self._touched[req.request_id] = req
