@@ -210,9 +210,14 @@ def test_add_and_abort_from_other_threads_during_a_step(one_thread, monkeypatch)
     ({"prompt": [10**6]}, 400, "prompt"),  # outside the vocabulary
     ({"prompt": []}, 400, "prompt"),
     ({"prompt": ["a", "b"]}, 400, "prompt"),
-    ({"prompt": "x", "n": 2}, 400, "n"),
-    ({"prompt": "x", "echo": True}, 400, "echo"),
-    ({"prompt": "x", "logprobs": 5}, 400, "logprobs"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400, "echo"),
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
     ({"prompt": "x", "seed": -1}, 400, "seed"),
     ({"temperature": 0}, 400, "prompt"),  # missing prompt
@@ -233,7 +238,7 @@ def test_bad_completion_requests(served, body, status, param):
     ('["a list"]', "/v1/completions"),
     ('{"messages": []}', "/v1/chat/completions"),
     ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}', "/v1/chat/completions"),
-    ('{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3, "logprobs": true}', "/v1/chat/completions"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}', "/v1/chat/completions"),
 ])
 def test_malformed_bodies(served, raw, path):
     st, _ = served

@@ -14,8 +14,8 @@ the runner's alternating pinned buffers (a copy captured into the graph would al
 buffer, which the host may still be reading under overlap).
 
 Graphs are keyed by (bucket, mode), mode = (any row samples, any row wants logprobs, any row has
-penalties); K is fixed per engine. All share one memory pool; the greedy graphs are captured at startup, largest bucket first, and
-the others on first use. Steps that are not graph-shaped (prompt chunks, mixed steps) run eagerly.
+penalties); K is fixed per engine. All share one memory pool; the greedy graphs are captured at startup,
+largest bucket first, and the others on first use. Steps that are not graph-shaped (prompt chunks, mixed steps) run eagerly.
 Graph-shaped steps get the same padding and KV bound when they run eagerly (enforce_eager), so eager and
 replay launch the same kernels on the same shapes and agree token for token.
 """

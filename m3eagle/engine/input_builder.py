@@ -62,7 +62,8 @@ class StepBuffers:
 
     def __init__(self, max_tokens: int, max_rows: int, table_width: int, device: torch.device):
         self.max_tokens, self.max_rows, self.table_width, self.device = max_tokens, max_rows, table_width, device
-        # ints: ids, tok_row, tok_col (T each); 16 per-row ints (4 of them stop ids); the page table; q_index (B x Qmax <= T + B*... )
+        # ints: ids, tok_row, tok_col (T each); 16 per-row ints (4 of them stop ids); the page table;
+        # q_index (B x Qmax <= T + B*... )
         self.n_int = 3 * max_tokens + 16 * max_rows + max_rows * table_width + max_rows * max_tokens
         self.n_float, self.n_bool = 6 * max_rows, 6 * max_rows + max_rows * max_tokens
         pin = device.type == "cuda"
