@@ -460,11 +460,11 @@ def test_a_request_failing_in_the_engine_fails_alone(served, monkeypatch):
     st, ref = served
     orig, calls = IncrementalDetokenizer.add, [0]
 
-    def bad_add(self, token_id):
+    def bad_add(self, token_id, *args):
         calls[0] += 1
         if calls[0] in (1, 2):
             raise ValueError("broken detokenizer")
-        return orig(self, token_id)
+        return orig(self, token_id, *args)
 
     monkeypatch.setattr(IncrementalDetokenizer, "add", bad_add)
     code, err = http(st, "POST", "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
