@@ -51,20 +51,23 @@ class PagePool:
         has freed it."""
         for p in pages:
             if not self._owners.get(p) or owner in self._owners[p]:
-                raise RuntimeError(f"page {p} shared with {owner!r} but owned by {self._owners.get(p)!r}")
+                raise RuntimeError(f"page {p} shared with {owner!r} but owned by {self._who(p)}")
         for p in pages:
             self._owners[p].append(owner)
 
     def free(self, owner: str, pages: list[int]) -> None:
         for p in pages:
             if owner not in self._owners.get(p, ()):
-                raise RuntimeError(f"page {p} freed by {owner!r} but owned by {self._owners.get(p)!r}")
+                raise RuntimeError(f"page {p} freed by {owner!r} but owned by {self._who(p)}")
         for p in pages:
             owners = self._owners[p]
             owners.remove(owner)
             if not owners:
                 del self._owners[p]
                 self._free.append(p)
+
+    def _who(self, page: int) -> str:
+        return " and ".join(map(repr, self._owners.get(page, []))) or "nobody"
 
     def reset(self) -> None:
         """Every page free again (the engine's fault recovery, once no request holds pages)."""
@@ -79,11 +82,11 @@ class PagePool:
         for rid, pages in tables.items():
             for p in pages:
                 if rid not in self._owners.get(p, ()):
-                    raise AssertionError(f"page {p} in {rid!r}'s table but allocator says {self._owners.get(p)!r}")
+                    raise AssertionError(f"page {p} in {rid!r}'s table but allocator says {self._who(p)}")
                 seen.setdefault(p, []).append(rid)
         for p, rids in seen.items():
             if sorted(rids) != sorted(self._owners[p]):
-                raise AssertionError(f"page {p} owned by {self._owners[p]!r} but in the tables of {rids!r}")
+                raise AssertionError(f"page {p} owned by {self._who(p)} but in the tables of {rids!r}")
         free = set(self._free)
         if len(free) != len(self._free):
             raise AssertionError("a page is on the free list twice")
