@@ -304,12 +304,14 @@ def test_n_samples_share_the_prompt_and_are_reproducible(spec, plain, monkeypatc
     assert spec.engine.is_idle_and_clean() and plain.engine.is_idle_and_clean()
 
 
-def test_n_samples_with_penalties_and_preemption(model_dir, make_llm):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_n_samples_with_penalties_and_preemption(model_dir, make_llm, overlap):
     """Samples that share prompt pages copy the parent's prompt mask (repetition penalty covers the whole
-    prompt), also through preemptions in a tiny pool; greedy samples of one prompt are then identical."""
+    prompt), also through preemptions in a tiny pool and under overlap; greedy samples of one prompt are
+    then identical."""
     from engine_utils import Counters
 
-    llm = make_llm(model_dir, max_num_tokens=16, num_pages=24, max_num_seqs=4, max_model_len=64)
+    llm = make_llm(model_dir, max_num_tokens=16, num_pages=24, max_num_seqs=4, max_model_len=64, overlap=overlap)
     prompt = list(range(3, 30))
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.5)
     one = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
@@ -334,6 +336,10 @@ def test_include_stop_str_in_output(plain):
     kept = plain.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop],
                                                      include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
     assert kept.text == text[: text.find(stop) + len(stop)] and kept.stop_reason == stop
+    # min_tokens: a stop string does not end the output before min_tokens tokens (vLLM)
+    held = plain.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop],
+                                                     min_tokens=12), use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) >= 12 and len(held.token_ids) > len(kept.token_ids)
 
 
 @pytest.mark.parametrize("kw, field", [

@@ -129,7 +129,7 @@ def _add_eval_args(p: argparse.ArgumentParser) -> None:
                    help="engine-free acceptance estimate instead of the engine run (see simulate_acceptance)")
     p.add_argument("--output", default=None, help="also write the JSON here")
     p.add_argument("--quick", action="store_true",
-                   help="a smoke-sized run (8 code prompts x 32 tokens, 8 problems, 4k perplexity tokens, K=1,3; "
+                   help="a smoke-sized run (6 code prompts x 32 tokens, 6 problems, 2k perplexity tokens, K=1,3; "
                         "under 2 minutes on 2 CPU cores); other flags still override it")
     p.add_argument("--plot", metavar="FILE.png", default=None,
                    help="also draw acceptance by draft position for each K (needs matplotlib: pip install "

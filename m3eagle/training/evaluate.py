@@ -13,7 +13,7 @@ Held-out data, built deterministically from seeds:
 The engine-facing part (`run_eval`) uses the offline API: `LLM(...).generate` with greedy sampling,
 once without speculation (the reference) and once per K with it; each stage is logged (the `m3eagle`
 logger) with its elapsed time, and generate's tqdm bars show on a terminal. `QUICK` is a smoke-sized
-configuration (`m3eagle eval --quick`: 8 code prompts x 32 tokens, 8 problems, 4k perplexity tokens,
+configuration (`m3eagle eval --quick`: 6 code prompts x 32 tokens, 6 problems, 2k perplexity tokens,
 K in {1, 3}; under 2 minutes on 2 CPU cores); `plot_acceptance` draws acceptance by draft position for
 each K (matplotlib, the `plot` extra). `simulate_acceptance` is an
 engine-free estimate (greedy generation by recomputation, then the TTT-unrolled head on those tokens,
@@ -257,13 +257,14 @@ class EvalConfig:
     seed: int = 1234
     device: str | None = None
     dtype: str = "auto"
+    max_model_len: int | None = None  # None: the LLM's default (a smaller KV pool starts faster)
     corpus_arith_problems: int = CorpusConfig.arith_problems  # to exclude training questions
     corpus_arith_seed: int = CorpusConfig.arith_seed
 
 
 # `m3eagle eval --quick`: every stage runs, on a smoke-test budget (under 2 minutes on 2 CPU cores).
-QUICK = EvalConfig(code_prompts=8, code_max_tokens=32, arith_problems=8, arith_max_tokens=48, ppl_tokens=4096,
-                   ppl_seq_len=512, ks=(1, 3))
+QUICK = EvalConfig(code_prompts=6, code_max_tokens=32, arith_problems=6, arith_max_tokens=40, ppl_tokens=2048,
+                   ppl_seq_len=512, ks=(1, 3), max_model_len=512)
 
 
 class _Progress:
@@ -281,7 +282,7 @@ def _llm(model: Path, draft: Path | None, k: int, cfg: EvalConfig):
     from .. import LLM
 
     return LLM(model=str(model), draft=str(draft) if draft is not None and k > 0 else None,
-               num_draft_tokens=k, device=cfg.device, dtype=cfg.dtype)
+               num_draft_tokens=k, device=cfg.device, dtype=cfg.dtype, max_model_len=cfg.max_model_len)
 
 
 def run_eval(model_dir: str | Path | None, draft_dir: str | Path | None, cfg: EvalConfig = EvalConfig(),
