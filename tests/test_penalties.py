@@ -103,14 +103,16 @@ def test_min_tokens_holds_back_stops_like_min_new_tokens(spec, plain, hf, k):
     stop = free[1]
     early = ids_of(llm, [prompt], SamplingParams(temperature=0, max_tokens=NEW, stop_token_ids=[stop]))[0]
     assert early == free[:2]
-    sp = SamplingParams(temperature=0, max_tokens=NEW, stop_token_ids=[stop], min_tokens=6)
+    # plus 40 more stop ids nothing emits: the whole list travels in the step's packed buffers
+    stops = [stop] + [t for t in range(4000, 4100) if t not in free][:40]
+    sp = SamplingParams(temperature=0, max_tokens=NEW, stop_token_ids=stops, min_tokens=6)
     out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
     eos = list(llm.target.cfg.eos_token_ids)
-    want = hf_generate(hf, llm.encode(prompt), max_new_tokens=NEW, min_new_tokens=6, eos_token_id=[stop, *eos])
+    want = hf_generate(hf, llm.encode(prompt), max_new_tokens=NEW, min_new_tokens=6, eos_token_id=[*stops, *eos])
     assert out.token_ids == want and len(out.token_ids) > 6
     assert stop not in out.token_ids[:6]
     if out.finish_reason == "stop":
-        assert out.token_ids[-1] == stop
+        assert out.token_ids[-1] in stops
 
 
 # ------------------------------------------------------------------------------------------------
@@ -348,7 +350,8 @@ def test_include_stop_str_in_output(plain):
     ({"frequency_penalty": -2.01}, "frequency_penalty"), ({"frequency_penalty": "1"}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": float("inf")}, "repetition_penalty"),
     ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 17, "max_tokens": 16}, "min_tokens"),
-    ({"min_tokens": 1.0}, "min_tokens"), ({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"),
+    ({"min_tokens": 1.0}, "min_tokens"), ({"min_tokens": 1, "stop_token_ids": list(range(65))}, "min_tokens"),
+    ({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"),
     ({"logprobs": True}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"logprobs": 21}, "logprobs"),
     ({"prompt_logprobs": 30}, "prompt_logprobs"), ({"prompt_logprobs": 2.0}, "prompt_logprobs"),
     ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),

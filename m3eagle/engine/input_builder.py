@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..attention.metadata import TRASH_PAGE, AttnMetadata
+from ..sampling.params import MAX_MIN_TOKENS_STOP_IDS
 from ..sampling.penalties import PenaltyTensors
 from ..sampling.sampler import SamplingTensors
 from .scheduler import ScheduledBatch
@@ -62,9 +63,10 @@ class StepBuffers:
 
     def __init__(self, max_tokens: int, max_rows: int, table_width: int, device: torch.device):
         self.max_tokens, self.max_rows, self.table_width, self.device = max_tokens, max_rows, table_width, device
-        # ints: ids, tok_row, tok_col (T each); 16 per-row ints (4 of them stop ids); the page table;
-        # q_index (B x Qmax <= T + B*... )
-        self.n_int = 3 * max_tokens + 16 * max_rows + max_rows * table_width + max_rows * max_tokens
+        # ints: ids, tok_row, tok_col (T each); 12 per-row ints; min_tokens stop ids and their rows; the page
+        # table; q_index (B x Qmax <= T + B*... )
+        self.n_int = (3 * max_tokens + (12 + 2 * MAX_MIN_TOKENS_STOP_IDS) * max_rows + max_rows * table_width
+                      + max_rows * max_tokens)
         self.n_float, self.n_bool = 6 * max_rows, 6 * max_rows + max_rows * max_tokens
         pin = device.type == "cuda"
         self.d_int = torch.zeros(self.n_int, dtype=torch.int64, device=device)
@@ -164,7 +166,7 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
     q_valid_t = bools.put(q_valid, (n_rows, max_q))
     any_random, want_logprobs, any_penalty = mode or step_mode(params)
     min_p = floats.put([p.min_p for p in params] + [0.0] * pad)
-    pen = _penalty_tensors(rows, pad, dump_slot, ints, floats, bools, device) if any_penalty else None
+    pen = _penalty_tensors(rows, pad, dump_slot, ints, floats, bools) if any_penalty else None
     for p in (ints, floats, bools):
         p.copy()
 
@@ -183,11 +185,12 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
 
 
 def _penalty_tensors(rows: list, pad: int, dump_slot: int, ints: _Packer, floats: _Packer, bools: _Packer,
-                     device: torch.device) -> PenaltyTensors:
+                     ) -> PenaltyTensors:
     """Per-row penalty parameters. A row starts its request's history (reset) when it is the first chunk:
     position 0, or the first position a sample of n computes itself after sharing its parent's prompt pages
-    (then it copies the parent's prompt mask). The stop ids of resetting rows travel as a flat list, which
-    only prompt steps have (never graph-shaped ones, so graph shapes stay fixed)."""
+    (then it copies the parent's prompt mask). The stop ids of resetting rows travel as a flat list (at most
+    MAX_MIN_TOKENS_STOP_IDS per row, in the packed buffers), which only prompt steps have -- never
+    graph-shaped ones, so graph shapes stay fixed."""
     params = [r.req.params for r in rows]
     reset = [not r.gather and r.start == r.req.fork_len for r in rows]
     src = [r.req.fork_src.slot if (x and r.req.fork_src is not None) else dump_slot for r, x in zip(rows, reset)]
@@ -196,13 +199,6 @@ def _penalty_tensors(rows: list, pad: int, dump_slot: int, ints: _Packer, floats
         if x and r.req.params.min_tokens:
             stop_ids += r.req.params.stop_token_ids
             stop_rows += [i] * len(r.req.params.stop_token_ids)
-    if len(stop_ids) <= 2 * len(rows):  # the usual case fits the packed buffers
-        ids_t, rows_t = ints.put(stop_ids), ints.put(stop_rows)
-    else:  # many stop ids: their own (pinned, non-blocking) copy
-        pin = device.type == "cuda"
-        both = torch.tensor([stop_ids, stop_rows], dtype=torch.int64)
-        both = (both.pin_memory() if pin else both).to(device, non_blocking=pin)
-        ids_t, rows_t = both[0], both[1]
     return PenaltyTensors(
         presence=floats.put([p.presence_penalty for p in params] + [0.0] * pad),
         frequency=floats.put([p.frequency_penalty for p in params] + [0.0] * pad),
@@ -212,4 +208,4 @@ def _penalty_tensors(rows: list, pad: int, dump_slot: int, ints: _Packer, floats
         ignore_eos=bools.put([p.ignore_eos for p in params] + [True] * pad),
         reset=bools.put(reset + [False] * pad),
         src_slot=ints.put(src + [dump_slot] * pad),
-        stop_ids=ids_t, stop_rows=rows_t)
+        stop_ids=ints.put(stop_ids), stop_rows=ints.put(stop_rows))

@@ -20,6 +20,9 @@ _TOPK_NO_LIMIT = 2**31
 # The engine computes this many top candidates per sampled position whenever some row wants logprobs (a fixed
 # width keeps the step's shapes static for CUDA graphs); vLLM's default max_logprobs is the same 20.
 MAX_LOGPROBS = 20
+# min_tokens holds stop_token_ids back on the device; their ids travel in the step's fixed-size packed input
+# buffers (what a CUDA graph or another rank reads), which hold this many per request.
+MAX_MIN_TOKENS_STOP_IDS = 64
 
 
 class SamplingParamsError(ValueError):
@@ -113,6 +116,9 @@ class SamplingParams:
             raise SamplingParamsError(f"min_tokens={self.min_tokens!r} must be an int in [0, max_tokens="
                                       f"{self.max_tokens}]")
         self.min_tokens = int(self.min_tokens)
+        if self.min_tokens and len(self.stop_token_ids) > MAX_MIN_TOKENS_STOP_IDS:
+            raise SamplingParamsError(f"min_tokens={self.min_tokens} with {len(self.stop_token_ids)} stop_token_ids: "
+                                      f"at most {MAX_MIN_TOKENS_STOP_IDS} stop ids can be held back")
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise SamplingParamsError(f"min_p={self.min_p!r} must be a number in [0, 1] (0 disables it)")
         self.min_p = float(self.min_p)
