@@ -5,9 +5,9 @@ from .logging_utils import init_logging
 
 init_logging()  # before anything logs: one handler, level from M3EAGLE_LOGGING_LEVEL
 
-from .engine.request import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
+from .engine.request import CompletionOutput, Logprob, RequestMetrics, RequestOutput  # noqa: E402
 from .entrypoints.llm import LLM  # noqa: E402
 from .sampling.params import SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob"]
 __version__ = "0.1.0"

@@ -291,26 +291,28 @@ def test_abort_frees_pages_and_spares_the_others(make_llm, model_dir, prompts, o
 
 
 def test_logprobs_match_transformers(make_llm, tiny_model, prompts, one_shot):
-    """One logprob per returned token, each <= 0 and equal to log_softmax of transformers' logits at
-    that position (raw logits, greedy) within 1e-4."""
+    """One logprob per returned token (logprobs=0: the sampled token's alone, rank 1 under greedy), each <= 0
+    and equal to log_softmax of transformers' logits at that position (raw logits, greedy) within 1e-4."""
     d, hf = tiny_model
     llm = make_llm(d, max_num_tokens=16)
-    outs = llm.generate(prompts, greedy(logprobs=True))
+    outs = llm.generate(prompts, greedy(logprobs=0))
     for o, ref in zip(outs, one_shot):
-        assert o.outputs[0].token_ids == ref
-        assert len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids) and all(lp <= 0 for lp in o.outputs[0].logprobs)
+        c = o.outputs[0]
+        assert c.token_ids == ref and len(c.logprobs) == len(c.token_ids)
+        assert all(list(d) == [t] and d[t].rank == 1 and d[t].logprob <= 0 for t, d in zip(c.token_ids, c.logprobs))
         seq = torch.tensor([o.prompt_token_ids + o.outputs[0].token_ids])
         with torch.no_grad():
             lp = torch.log_softmax(hf(seq).logits[0].float(), -1)
         n = len(o.prompt_token_ids)
         want = lp[torch.arange(n - 1, seq.shape[1] - 1), torch.tensor(o.outputs[0].token_ids)]
-        torch.testing.assert_close(torch.tensor(o.outputs[0].logprobs), want, atol=1e-4, rtol=0)
+        got = [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]
+        torch.testing.assert_close(torch.tensor(got), want, atol=1e-4, rtol=0)
     assert all(o.outputs[0].logprobs is None for o in llm.generate(prompts[:2], greedy()))
 
 
 def test_logprobs_stop_with_the_tokens(make_llm, model_dir, prompts, one_shot):
     llm = make_llm(model_dir, max_num_tokens=16)
-    outs = llm.generate(prompts, [greedy(logprobs=True, stop_token_ids=[r[3]]) for r in one_shot])
+    outs = llm.generate(prompts, [greedy(logprobs=0, stop_token_ids=[r[3]]) for r in one_shot])
     assert all(len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids) for o in outs)
 
 

@@ -52,7 +52,7 @@ def small_llm(model_dir, head_dir=None, k: int = 0, overlap: bool = False, **kw)
     ({"seed": 2**63}, "seed"), ({"seed": 2**70}, "seed"), ({"seed": True}, "seed"),
     ({"max_tokens": 2**63}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
     ({"top_k": True}, "top_k"), ({"temperature": True}, "temperature"), ({"top_p": False}, "top_p"),
-    ({"logprobs": 5}, "logprobs"), ({"logprobs": "yes"}, "logprobs"), ({"ignore_eos": 1}, "ignore_eos"),
+    ({"logprobs": 21}, "logprobs"), ({"logprobs": "yes"}, "logprobs"), ({"ignore_eos": 1}, "ignore_eos"),
     ({"stop_token_ids": [True]}, "stop_token_ids"), ({"stop_token_ids": [2**64]}, "stop_token_ids"),
     ({"stop": [3]}, "stop"), ({"stop": 3}, "stop"),
 ])
@@ -223,11 +223,11 @@ def test_detokenizer_exception_fails_only_its_request(monkeypatch, default_llm, 
     orig = IncrementalDetokenizer.add
     calls = [0]
 
-    def bad_add(self, token_id):
+    def bad_add(self, token_id, *args):
         calls[0] += 1
         if calls[0] == 1:
             raise ValueError("broken detokenizer")
-        return orig(self, token_id)
+        return orig(self, token_id, *args)
 
     monkeypatch.setattr(IncrementalDetokenizer, "add", bad_add)
     outs = llm.generate(prompts, sp)

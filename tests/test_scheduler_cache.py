@@ -70,11 +70,28 @@ def test_pool_integrity_detects_a_leaked_page():
 
 
 def test_pool_integrity_detects_a_double_owned_page():
+    """A page in two tables that the allocator did not share between them."""
     pool = PagePool(6, 4)
     a = pool.allocate("a", 2)
     b = pool.allocate("b", 1)
-    with pytest.raises(AssertionError, match="owned by both"):
+    with pytest.raises(AssertionError, match="in 'b''s table but allocator says 'a'"):
         pool.check_integrity({"a": a, "b": b + [a[0]]})
+
+
+def test_pool_shared_pages_are_reference_counted():
+    """n samples share their prompt's pages: a shared page stays allocated until its last owner frees it."""
+    pool = PagePool(6, 4)
+    a = pool.allocate("a", 2)
+    pool.share("b", a[:1])
+    pool.check_integrity({"a": a, "b": a[:1]})
+    with pytest.raises(AssertionError, match="owned by 'a' and 'b'"):
+        pool.check_integrity({"a": a, "b": []})
+    pool.free("a", a)
+    assert pool.num_free == 4
+    pool.check_integrity({"b": a[:1]})
+    pool.free("b", a[:1])
+    assert pool.num_free == 5
+    pool.check_integrity({})
 
 
 def test_pool_integrity_detects_foreign_and_free_pages_in_a_table():

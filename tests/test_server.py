@@ -158,6 +158,39 @@ def test_stop_strings_and_logprobs(served):
     assert "".join(ch.choices[0].text for ch in chunks) == r.choices[0].text
 
 
+def test_n_penalties_and_top_logprobs(served):
+    """n choices (index 0..n-1, seeded: reproducible), penalties as in LLM.generate, top logprobs in both
+    shapes (completions: text -> logprob per position; chat: top_logprobs lists), echo with prompt logprobs."""
+    st, _ = served
+    c = client(st)
+    p = PROMPTS[0]
+    kw = dict(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0.9, seed=5, n=3)
+    r = c.completions.create(**kw)
+    assert sorted(ch.index for ch in r.choices) == [0, 1, 2] and len({ch.text for ch in r.choices}) > 1
+    assert [ch.text for ch in c.completions.create(**kw).choices] == [ch.text for ch in r.choices]
+    assert r.usage.completion_tokens == 3 * MAX_TOKENS or any(ch.finish_reason == "stop" for ch in r.choices)
+    streamed: dict[int, str] = {}
+    for chunk in c.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            streamed[ch.index] = streamed.get(ch.index, "") + ch.text
+    assert streamed == {ch.index: ch.text for ch in r.choices}
+    pen = dict(temperature=0, max_tokens=MAX_TOKENS, repetition_penalty=1.3, presence_penalty=0.5)
+    want = st.server.llm.generate(p, SamplingParams(**pen), use_tqdm=False)[0].outputs[0].text
+    got = c.completions.create(model=MODEL, prompt=p, extra_body={"repetition_penalty": 1.3},
+                               **{k: v for k, v in pen.items() if k != "repetition_penalty"})
+    assert got.choices[0].text == want
+    r = c.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0, logprobs=3, echo=True)
+    lp = r.choices[0].logprobs
+    n_prompt = r.usage.prompt_tokens
+    assert r.choices[0].text.startswith(p) and len(lp.tokens) == n_prompt + 4 and lp.token_logprobs[0] is None
+    assert all(len(t) == 3 for t in lp.top_logprobs[n_prompt:]) and all(x <= 0 for x in lp.token_logprobs[1:])
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                  temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.top_logprobs[0].logprob >= t.logprob for t in content)
+
+
 # ------------------------------------------------------------------------------------------------
 # the engine's intake: adding and aborting from other threads while a step runs
 # ------------------------------------------------------------------------------------------------
@@ -210,9 +243,14 @@ def test_add_and_abort_from_other_threads_during_a_step(one_thread, monkeypatch)
     ({"prompt": [10**6]}, 400, "prompt"),  # outside the vocabulary
     ({"prompt": []}, 400, "prompt"),
     ({"prompt": ["a", "b"]}, 400, "prompt"),
-    ({"prompt": "x", "n": 2}, 400, "n"),
-    ({"prompt": "x", "echo": True}, 400, "echo"),
-    ({"prompt": "x", "logprobs": 5}, 400, "logprobs"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400, "echo"),
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
     ({"prompt": "x", "seed": -1}, 400, "seed"),
     ({"temperature": 0}, 400, "prompt"),  # missing prompt
@@ -233,7 +271,7 @@ def test_bad_completion_requests(served, body, status, param):
     ('["a list"]', "/v1/completions"),
     ('{"messages": []}', "/v1/chat/completions"),
     ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}', "/v1/chat/completions"),
-    ('{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3, "logprobs": true}', "/v1/chat/completions"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}', "/v1/chat/completions"),
 ])
 def test_malformed_bodies(served, raw, path):
     st, _ = served
@@ -455,11 +493,11 @@ def test_a_request_failing_in_the_engine_fails_alone(served, monkeypatch):
     st, ref = served
     orig, calls = IncrementalDetokenizer.add, [0]
 
-    def bad_add(self, token_id):
+    def bad_add(self, token_id, *args):
         calls[0] += 1
         if calls[0] in (1, 2):
             raise ValueError("broken detokenizer")
-        return orig(self, token_id)
+        return orig(self, token_id, *args)
 
     monkeypatch.setattr(IncrementalDetokenizer, "add", bad_add)
     code, err = http(st, "POST", "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})

@@ -38,11 +38,12 @@ class IncrementalDetokenizer:
     """Text of one output. `tokenizer` is m3eagle's Tokenizer (loader/tokenizer.py): its `.tok` is the
     `tokenizers.Tokenizer` the stream decodes with, its `decode` the full decode used once by `finish`."""
 
-    __slots__ = ("tokenizer", "stop", "hold", "text", "pending", "stopped", "stop_str", "_stream")
+    __slots__ = ("tokenizer", "stop", "hold", "text", "pending", "stopped", "stop_str", "include_stop", "_stream")
 
-    def __init__(self, tokenizer: Any, stop: list[str] | tuple[str, ...] = ()):
+    def __init__(self, tokenizer: Any, stop: list[str] | tuple[str, ...] = (), include_stop: bool = False):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.include_stop = include_stop  # vLLM's include_stop_str_in_output: cut after the stop string
         # Characters a stop string can still complete from: they stay out of streamed text until the end.
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""  # decoded output so far (cut before the stop string once one completed)
@@ -54,13 +55,14 @@ class IncrementalDetokenizer:
     def fork(self) -> IncrementalDetokenizer:
         """An independent copy (the stream's small window is copied; the text is an immutable str)."""
         new = object.__new__(IncrementalDetokenizer)
-        for name in ("tokenizer", "stop", "hold", "text", "pending", "stopped", "stop_str"):
+        for name in ("tokenizer", "stop", "hold", "text", "pending", "stopped", "stop_str", "include_stop"):
             setattr(new, name, getattr(self, name))
         new._stream = copy.copy(self._stream)
         return new
 
-    def add(self, token_id: int) -> bool:
-        """Feed one token. Returns True when it completed a stop string (the text is then cut before it)."""
+    def add(self, token_id: int, check_stop: bool = True) -> bool:
+        """Feed one token. Returns True when it completed a stop string (the text is then cut before it, or
+        after it with include_stop). check_stop=False: stop strings may not end the output yet (min_tokens)."""
         if self.stopped:
             raise RuntimeError("a stopped detokenizer takes no more tokens")
         piece = self._step(token_id)
@@ -70,12 +72,12 @@ class IncrementalDetokenizer:
         self.pending = 0
         start = max(0, len(self.text) - self.hold)  # a new match must end inside `piece`
         self.text += piece
-        if self.stop:
+        if self.stop and check_stop:
             window = self.text[start:]
             hits = [(i, s) for i, s in ((window.find(s), s) for s in self.stop) if i >= 0]
             if hits:
                 first, self.stop_str = min(hits, key=lambda h: h[0])
-                self.text = self.text[: start + first]
+                self.text = self.text[: start + first + (len(self.stop_str) if self.include_stop else 0)]
                 self.stopped = True
                 return True
         return False

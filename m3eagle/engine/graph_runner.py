@@ -13,9 +13,9 @@ sampled positions, verification, the K draft steps with their sampling and the s
 the runner's alternating pinned buffers (a copy captured into the graph would always land in the same
 buffer, which the host may still be reading under overlap).
 
-Graphs are keyed by (bucket, mode), mode = (any row samples, any row wants logprobs); K is fixed per
-engine. All share one memory pool; the greedy graphs are captured at startup, largest bucket first, and
-the others on first use. Steps that are not graph-shaped (prompt chunks, mixed steps) run eagerly.
+Graphs are keyed by (bucket, mode), mode = (any row samples, any row wants logprobs, any row has
+penalties); K is fixed per engine. All share one memory pool; the greedy graphs are captured at startup,
+largest bucket first, and the others on first use. Steps that are not graph-shaped (prompt chunks, mixed steps) run eagerly.
 Graph-shaped steps get the same padding and KV bound when they run eagerly (enforce_eager), so eager and
 replay launch the same kernels on the same shapes and agree token for token.
 """
@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from .input_builder import StepBuffers, StepInput, build_step_input
+from .input_builder import StepBuffers, StepInput, build_step_input, step_mode
 from .model_runner import ModelRunner, StepOutput
 from .scheduler import ScheduledBatch
 
@@ -58,10 +58,9 @@ def is_graph_shaped(batch: ScheduledBatch, k: int) -> bool:
                                     for r in batch.rows)
 
 
-def mode_of(batch: ScheduledBatch) -> tuple[bool, bool]:
-    """(any row samples with temperature > 0, any row wants logprobs): what build_step_input computes."""
-    params = [r.req.params for r in batch.rows]
-    return any(not p.greedy for p in params), any(p.logprobs for p in params)
+def mode_of(batch: ScheduledBatch) -> tuple[bool, bool, bool]:
+    """What build_step_input computes as the step's mode (input_builder.step_mode)."""
+    return step_mode([r.req.params for r in batch.rows])
 
 
 class GraphRunner:
@@ -76,7 +75,7 @@ class GraphRunner:
         # A bucket must fit the step buffers once padded: rows x (1 + K) tokens.
         self.buckets = [b for b in bucket_sizes(max_rows) if b * (k + 1) <= bufs.max_tokens]
         self.use_graphs = graphs and runner.device.type == "cuda"
-        self.graphs: dict[tuple[int, tuple[bool, bool]], tuple[torch.cuda.CUDAGraph, StepOutput]] = {}
+        self.graphs: dict[tuple[int, tuple[bool, bool, bool]], tuple[torch.cuda.CUDAGraph, StepOutput]] = {}
         self.pool = None
         self.capture_seconds = 0.0
         self.num_replays = 0
@@ -110,7 +109,7 @@ class GraphRunner:
         graph, static = self.graphs[(bucket, inp.mode)]
         graph.replay()
         self.num_replays += 1
-        return StepOutput(static.new_tokens, static.num_new, static.draft_tokens, static.logprobs)
+        return static.fresh()
 
     def capture_startup(self) -> None:
         """Capture the greedy graph of every bucket, largest first (the smaller ones reuse its pool)."""
@@ -118,12 +117,12 @@ class GraphRunner:
             return
         free0 = torch.cuda.mem_get_info(self.runner.device)[0]
         for b in sorted(self.buckets, reverse=True):
-            self._capture(b, (False, False))
+            self._capture(b, (False, False, False))
         used = (free0 - torch.cuda.mem_get_info(self.runner.device)[0]) / 2**20
         log.info("captured %d CUDA graphs (buckets %s, K=%d) in %.1f s; graph memory %.0f MiB",
                  len(self.graphs), self.buckets, self.k, self.capture_seconds, used)
 
-    def _capture(self, bucket: int, mode: tuple[bool, bool]) -> None:
+    def _capture(self, bucket: int, mode: tuple[bool, bool, bool]) -> None:
         """Capture `execute` on padding rows only (they touch nothing but the trash page and the dump
         slot), so capturing in the middle of serving changes no request's state."""
         t0 = time.perf_counter()

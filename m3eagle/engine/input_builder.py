@@ -22,6 +22,8 @@ import numpy as np
 import torch
 
 from ..attention.metadata import TRASH_PAGE, AttnMetadata
+from ..sampling.params import MAX_MIN_TOKENS_STOP_IDS
+from ..sampling.penalties import PenaltyTensors
 from ..sampling.sampler import SamplingTensors
 from .scheduler import ScheduledBatch
 
@@ -42,12 +44,14 @@ class StepInput:
     row_next_token: torch.Tensor  # [B] token after a non-sampling chunk
     sampling: SamplingTensors
     any_random: bool  # some row samples with temperature > 0 (draft probs are needed)
-    want_logprobs: bool
+    want_logprobs: bool  # some row wants logprobs: the sampled tokens' and the top MAX_LOGPROBS candidates
+    penalties: PenaltyTensors | None = None  # some row's distribution depends on its history (penalties.py)
+    want_prompt_logprobs: bool = False  # some prompt chunk wants prompt_logprobs (never in graph-shaped steps)
 
     @property
-    def mode(self) -> tuple[bool, bool]:
+    def mode(self) -> tuple[bool, bool, bool]:
         """The host choices that change what a step computes (part of a CUDA-graph key)."""
-        return self.any_random, self.want_logprobs
+        return self.any_random, self.want_logprobs, self.penalties is not None
 
 
 class StepBuffers:
@@ -59,9 +63,11 @@ class StepBuffers:
 
     def __init__(self, max_tokens: int, max_rows: int, table_width: int, device: torch.device):
         self.max_tokens, self.max_rows, self.table_width, self.device = max_tokens, max_rows, table_width, device
-        # ints: ids, tok_row, tok_col (T each); 9 per-row ints; the page table; q_index (B x Qmax <= T + B*... )
-        self.n_int = 3 * max_tokens + 9 * max_rows + max_rows * table_width + max_rows * max_tokens
-        self.n_float, self.n_bool = 2 * max_rows, 4 * max_rows + max_rows * max_tokens
+        # ints: ids, tok_row, tok_col (T each); 12 per-row ints; min_tokens stop ids and their rows; the page
+        # table; q_index (B x Qmax <= T + B*... )
+        self.n_int = (3 * max_tokens + (12 + 2 * MAX_MIN_TOKENS_STOP_IDS) * max_rows + max_rows * table_width
+                      + max_rows * max_tokens)
+        self.n_float, self.n_bool = 6 * max_rows, 6 * max_rows + max_rows * max_tokens
         pin = device.type == "cuda"
         self.d_int = torch.zeros(self.n_int, dtype=torch.int64, device=device)
         self.d_float = torch.zeros(self.n_float, dtype=torch.float32, device=device)
@@ -91,14 +97,21 @@ class _Packer:
             self.dev[: self.off].copy_(self.host[: self.off], non_blocking=self.dev.is_cuda)
 
 
+def step_mode(params: list) -> tuple[bool, bool, bool]:
+    """(any row samples with temperature > 0, any row wants logprobs, any row has penalties / min_tokens):
+    the host choices that change what a step computes, hence part of a CUDA-graph key."""
+    return (any(not p.greedy for p in params), any(p.logprobs is not None for p in params),
+            any(p.has_penalties for p in params))
+
+
 def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, device: torch.device,
                      bufs: StepBuffers | None = None, pad_rows_to: int = 0, max_kv: int = 0,
                      dump_slot: int = 0, pad_q: int = 0, ops: Any = None,
-                     mode: tuple[bool, bool] | None = None) -> StepInput:
+                     mode: tuple[bool, bool, bool] | None = None) -> StepInput:
     """Pack one step. `pad_rows_to` appends padding rows (trash page, dump slot, greedy, no sampling) up to
     that many rows, each `pad_q` tokens wide (0: as wide as the first real row); `max_kv` (0: the step's
     own bound) fixes the metadata's kv bound, so that steps of one graph bucket get one launch shape.
-    `mode` overrides (any_random, want_logprobs) -- a graph captured on padding rows alone needs it.
+    `mode` overrides (any_random, want_logprobs, penalties) -- a graph captured on padding rows alone needs it.
     `ops` are the engine's fast paths, handed to the models with the metadata. `bufs` None allocates
     buffers for exactly this step (tests)."""
     rows = batch.rows
@@ -151,6 +164,9 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
     row_correct = bools.put([r.correct for r in rows] + [False] * pad)
     greedy = bools.put([p.greedy for p in params] + [True] * pad)
     q_valid_t = bools.put(q_valid, (n_rows, max_q))
+    any_random, want_logprobs, any_penalty = mode or step_mode(params)
+    min_p = floats.put([p.min_p for p in params] + [0.0] * pad)
+    pen = _penalty_tensors(rows, pad, dump_slot, ints, floats, bools) if any_penalty else None
     for p in (ints, floats, bools):
         p.copy()
 
@@ -158,10 +174,38 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
     meta = AttnMetadata(num_rows=n_rows, max_q=max_q, max_kv=bound, page_size=page_size, q_lens=q_lens_t,
                         kv_lens=kv_lens_t, page_table=page_table, tok_row=tok_row_t, tok_col=tok_col_t,
                         q_index=q_index_t, q_valid=q_valid_t, positions=None, slot_mapping=None, ops=ops)
-    st = SamplingTensors(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, greedy=greedy)
-    any_random, want_logprobs = mode or (any(not p.greedy for p in params), any(p.logprobs for p in params))
+    st = SamplingTensors(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, greedy=greedy, min_p=min_p)
+    want_prompt_lp = any(not r.gather and r.req.params.prompt_logprobs is not None
+                         and r.start + 1 < len(r.req.prompt_token_ids) for r in rows)
     return StepInput(
         num_rows=n_rows, num_tokens=t, input_ids=input_ids, meta=meta, row_slot=row_slot, row_first=row_first,
         row_qlen=q_lens_t, row_num_drafts=row_nd, row_samples=row_samples, row_gather=row_gather,
         row_correct=row_correct, row_next_token=row_next, sampling=st,
-        any_random=any_random, want_logprobs=want_logprobs)
+        any_random=any_random, want_logprobs=want_logprobs, penalties=pen, want_prompt_logprobs=want_prompt_lp)
+
+
+def _penalty_tensors(rows: list, pad: int, dump_slot: int, ints: _Packer, floats: _Packer, bools: _Packer,
+                     ) -> PenaltyTensors:
+    """Per-row penalty parameters. A row starts its request's history (reset) when it is the first chunk:
+    position 0, or the first position a sample of n computes itself after sharing its parent's prompt pages
+    (then it copies the parent's prompt mask). The stop ids of resetting rows travel as a flat list (at most
+    MAX_MIN_TOKENS_STOP_IDS per row, in the packed buffers), which only prompt steps have -- never
+    graph-shaped ones, so graph shapes stay fixed."""
+    params = [r.req.params for r in rows]
+    reset = [not r.gather and r.start == r.req.fork_len for r in rows]
+    src = [r.req.fork_src.slot if (x and r.req.fork_src is not None) else dump_slot for r, x in zip(rows, reset)]
+    stop_ids, stop_rows = [], []
+    for i, (r, x) in enumerate(zip(rows, reset)):
+        if x and r.req.params.min_tokens:
+            stop_ids += r.req.params.stop_token_ids
+            stop_rows += [i] * len(r.req.params.stop_token_ids)
+    return PenaltyTensors(
+        presence=floats.put([p.presence_penalty for p in params] + [0.0] * pad),
+        frequency=floats.put([p.frequency_penalty for p in params] + [0.0] * pad),
+        repetition=floats.put([p.repetition_penalty for p in params] + [1.0] * pad),
+        min_tokens=ints.put([p.min_tokens for p in params] + [0] * pad),
+        prompt_len=ints.put([len(r.req.prompt_token_ids) for r in rows] + [0] * pad),
+        ignore_eos=bools.put([p.ignore_eos for p in params] + [True] * pad),
+        reset=bools.put(reset + [False] * pad),
+        src_slot=ints.put(src + [dump_slot] * pad),
+        stop_ids=ints.put(stop_ids), stop_rows=ints.put(stop_rows))

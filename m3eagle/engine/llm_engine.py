@@ -34,7 +34,7 @@ from .detokenizer import IncrementalDetokenizer
 from .graph_runner import GraphRunner
 from .input_builder import StepBuffers
 from .model_runner import ModelRunner, StepOutput
-from .request import Request, RequestDelta, RequestOutput, Status
+from .request import Logprob, PositionLogprobs, Request, RequestDelta, RequestGroup, RequestOutput, Status
 from .scheduler import NeedSync, ScheduledBatch, Scheduler
 
 log = logging.getLogger("m3eagle")
@@ -42,6 +42,17 @@ log = logging.getLogger("m3eagle")
 
 class RequestError(ValueError):
     """A request the engine refuses; the engine keeps serving the others."""
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of n (splitmix64 of seed and index; sample 0 keeps the request's seed), so
+    every sample has its own reproducible random stream. In [0, 2^63) like every seed."""
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 1
 
 
 @dataclass(frozen=True)
@@ -147,6 +158,7 @@ class LLMEngine:
         # - _aborts: aborts that arrived while a step was running (applied before that step returns).
         self._intake_lock = threading.Lock()
         self._live: dict[str, Request] = {}
+        self._groups: dict[str, RequestGroup] = {}  # unfinished groups of n > 1 samples, by the user's id
         self._intake: deque[Request] = deque()
         self._aborts: list[tuple[Request, str | None]] = []
         # Requests changed since the last step() returned (each gets one delta), in order of change.
@@ -179,6 +191,9 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= v]
         if bad:
             raise RequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {v})")
+        if params.n > self.cfg.max_num_seqs:
+            raise RequestError(f"n={params.n} samples cannot run together with max_num_seqs={self.cfg.max_num_seqs}; "
+                               "lower n or raise max_num_seqs")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None) -> Request:
@@ -188,24 +203,34 @@ class LLMEngine:
         if request_id is not None and not isinstance(request_id, str):
             raise RequestError(f"request_id={request_id!r} must be a str")
         with self._intake_lock:
-            if request_id in self._live:
+            if request_id in self._live or request_id in self._groups:
                 raise RequestError(f"request_id={request_id!r} is already in use by an unfinished request; "
                                    "give a unique id or None")
             n = next(self._ids)
+            rid = request_id or f"req-{n}"
+            while rid in self._live or rid in self._groups:  # an auto id taken by a caller's explicit id
+                rid = f"req-{n}-{next(self._ids)}"
+            group = RequestGroup(rid) if params.n > 1 else None
             seed = params.seed if params.seed is not None else random.getrandbits(31)
-            req = Request(request_id or f"req-{n}", list(prompt_ids), params, seed, n, prompt)
-            while req.request_id in self._live:  # an auto id taken by a caller's explicit id
-                req.request_id = f"req-{n}-{next(self._ids)}"
-            req.proj_known = req.num_known
-            req.accepted_per_position = [0] * self.k
-            req.drafted_per_position = [0] * self.k
-            if self.tokenizer is not None:
-                req.detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-            else:
-                req.text = None
-            self._live[req.request_id] = req
-            self._intake.append(req)
-            return req
+            for i in range(params.n):
+                # Sample i's stream: reproducible from the seed, distinct per sample; sample 0 is what n=1 gives.
+                seed_i = sample_seed(seed, i) if params.seed is not None or i == 0 else random.getrandbits(31)
+                req = Request(rid if i == 0 else f"{rid}#{i}", list(prompt_ids), params, seed_i, n, prompt,
+                              index=i, group=group)
+                req.proj_known = req.num_known
+                req.accepted_per_position = [0] * self.k
+                req.drafted_per_position = [0] * self.k
+                if self.tokenizer is not None:
+                    req.detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+                else:
+                    req.text = None
+                if group is not None:
+                    group.members.append(req)
+                self._live[req.request_id] = req
+                self._intake.append(req)
+            if group is not None:
+                self._groups[rid] = group
+            return group.members[0] if group is not None else req
 
     def abort(self, request_id: str, error: str | None = None) -> None:
         """Finish an unfinished request ("abort", or "error" with `error`); unknown or finished ids are
@@ -213,14 +238,17 @@ class LLMEngine:
         returns); otherwise the running step applies it before it returns. Its last delta comes from the
         next step()."""
         with self._intake_lock:
-            req = self._live.get(request_id)
-            if req is None:
+            group = self._groups.get(request_id)
+            reqs = [r for r in group.members if not r.finished] if group is not None else \
+                [r for r in [self._live.get(request_id)] if r is not None]
+            if not reqs:
                 return
             if not self._lock.acquire(blocking=False):
-                self._aborts.append((req, error))
+                self._aborts += [(r, error) for r in reqs]
                 return
         try:
-            self._abort(req, error)
+            for req in reqs:
+                self._abort(req, error)
             self._publish_load()
         finally:
             self._lock.release()
@@ -280,23 +308,25 @@ class LLMEngine:
             self._abort(req, error)
 
     def _collect(self) -> list[RequestDelta]:
-        touched, self._touched = self._touched, {}
+        touched, self._touched = list(self._touched.values()), {}
         self._publish_load()
-        return [self._delta(r) for r in touched.values()]
+        last = {r.group_id: i for i, r in enumerate(touched)}  # a finished request's output rides on its last delta
+        return [self._delta(r, i == last[r.group_id]) for i, r in enumerate(touched)]
 
-    def _delta(self, req: Request) -> RequestDelta:
-        """Everything new since the request's previous delta; text only up to what no stop can still cut."""
+    def _delta(self, req: Request, last_of_request: bool = True) -> RequestDelta:
+        """Everything new since the completion's previous delta; text only up to what no stop can still cut."""
         n0, done = req.num_tokens_sent, req.finished
-        lps = req.logprobs[n0:] if req.params.logprobs else None
+        all_done = done and (req.group is None or req.group.finished)
+        lps = req.logprobs[n0:] if req.params.logprobs is not None else None
         text = ""
         if req.detok is not None:  # req.text is req.detok.text: they are committed together
             end = req.detok.safe_length(done)
             if end > req.num_text_sent:
                 text, req.num_text_sent = req.detok.text[req.num_text_sent:end], end
         req.num_tokens_sent = len(req.output_token_ids)
-        return RequestDelta(req.request_id, req.output_token_ids[n0:], text, lps, req.finish_reason,
+        return RequestDelta(req.group_id, req.output_token_ids[n0:], text, lps, req.finish_reason,
                             len(req.prompt_token_ids), len(req.output_token_ids), req.error,
-                            req.to_output() if done else None)
+                            req.to_output() if all_done and last_of_request else None, req.index)
 
     def _publish_load(self) -> None:
         sched = self.scheduler
@@ -371,6 +401,7 @@ class LLMEngine:
         for req in reqs:
             req.inflight_rows.clear()
             req.pages, req.slot, req.pending_free, req.slot_valid = [], -1, False, False
+            req.fork_src, req.fork_len = None, 0
             req.num_computed = req.proj_computed = 0
             req.proj_known = req.num_known
             if not req.finished:
@@ -382,6 +413,8 @@ class LLMEngine:
                     del self._live[r.request_id]
             for r in unfinished:
                 self._live.setdefault(r.request_id, r)
+            for gid in [g for g, grp in self._groups.items() if grp.finished]:
+                del self._groups[gid]
         sched.reset(unfinished)
         self.pool.reset()
         self._pending = None
@@ -399,21 +432,60 @@ class LLMEngine:
     def _process(self, batch: ScheduledBatch, out: StepOutput) -> None:
         host = out.wait()
         new_tokens, num_new = host["new_tokens"].tolist(), host["num_new"].tolist()
-        logprobs = host["logprobs"].tolist() if "logprobs" in host else None
+        lp = {name: host[name].tolist() for name in host if name.startswith("lp_")} or None
+        plp = {name: host[name].tolist() for name in host if name.startswith("plp_")} or None
+        first = 0
         for i, row in enumerate(batch.rows):
             req = row.req
             req.inflight_rows.remove(row)
+            first, row_first = first + row.num_tokens, first
             if req.finished:
                 if req.pending_free and not req.inflight:
                     self.scheduler.release(req)
                 continue
             try:
-                self._process_row(req, row, new_tokens[i][: num_new[i]], logprobs[i][: num_new[i]] if logprobs else None)
+                if plp is not None and req.params.prompt_logprobs is not None and not row.gather:
+                    self._record_prompt_logprobs(req, row, plp, row_first)
+                lps = None
+                if lp is not None and req.params.logprobs is not None:
+                    lps = [self._position_logprobs(new_tokens[i][j], lp, (i, j), req.params.logprobs, "lp_")
+                           for j in range(num_new[i])]
+                self._process_row(req, row, new_tokens[i][: num_new[i]], lps)
             except Exception as e:  # this request's fault (a detokenizer error, say), not the engine's
                 self._fail(req, f"{type(e).__name__}: {e}")
             req.reproject()
 
-    def _process_row(self, req: Request, row, tokens: list[int], lps: list[float] | None) -> None:
+    def _decode_token(self, t: int) -> str | None:
+        return self.tokenizer.decode([t]) if self.tokenizer is not None else None
+
+    def _position_logprobs(self, token: int, lp: dict[str, list], at: tuple[int, ...], n: int,
+                           prefix: str) -> PositionLogprobs:
+        """vLLM's shape: the token itself first, then the top n candidates (ranks 1..n)."""
+        def get(name: str):
+            x = lp[prefix + name]
+            for i in at:
+                x = x[i]
+            return x
+
+        out = {token: Logprob(get("logprob"), get("rank"), self._decode_token(token))}
+        for rank, (t, v) in enumerate(zip(get("top_ids")[:n], get("top_logprobs")[:n]), 1):
+            out.setdefault(t, Logprob(v, rank, self._decode_token(t)))
+        return out
+
+    def _record_prompt_logprobs(self, req: Request, row, plp: dict[str, list], row_first: int) -> None:
+        """Entries for prompt tokens this chunk predicted that are not recorded yet (a recompute after a
+        preemption sees them again). Entry p is the logprob of prompt token p given tokens < p."""
+        prompt = req.prompt_token_ids
+        if not req.prompt_logprobs:
+            req.prompt_logprobs.append(None)  # the first prompt token has no context
+        for i in range(row.num_tokens):
+            p = row.start + i + 1  # the token this position predicts
+            if p >= len(prompt) or p != len(req.prompt_logprobs):
+                continue
+            req.prompt_logprobs.append(self._position_logprobs(prompt[p], plp, (row_first + i,),
+                                                               req.params.prompt_logprobs, "plp_"))
+
+    def _process_row(self, req: Request, row, tokens: list[int], lps: list[PositionLogprobs] | None) -> None:
         start = req.num_computed
         if not row.samples:
             req.num_computed = start + row.num_tokens
@@ -434,10 +506,11 @@ class LLMEngine:
         self._append(req, tokens, lps)
         req.num_computed = start + row.num_tokens - row.num_drafts + a
 
-    def _append(self, req: Request, tokens: list[int], lps: list[float] | None) -> None:
+    def _append(self, req: Request, tokens: list[int], lps: list[PositionLogprobs] | None) -> None:
         """Decide first, then mutate: the kept tokens, the finish reason and the text are computed on a fork
         of the request's detokenizer, and adopted together only once all of it succeeded. An exception here
-        (a tokenizer error) leaves the request exactly as it was."""
+        (a tokenizer error) leaves the request exactly as it was. Before min_tokens tokens are out nothing
+        stops the output but its length (vLLM; the sampler already gave EOS and stop ids probability 0)."""
         p = req.params
         out = req.output_token_ids  # appended in place (a copy per step made long outputs quadratic) ...
         n0 = len(out)
@@ -447,13 +520,14 @@ class LLMEngine:
         try:
             for t in tokens:
                 out.append(t)
-                if t in p.stop_token_ids:  # vLLM's stop_reason: the stop token id (EOS leaves it None)
+                may_stop = len(out) >= p.min_tokens  # vLLM: no stop check while fewer are out
+                if may_stop and t in p.stop_token_ids:  # vLLM's stop_reason: the stop token id (EOS: None)
                     reason, stop_reason = "stop", t
-                elif t in self.eos_ids and not p.ignore_eos:
+                elif may_stop and t in self.eos_ids and not p.ignore_eos:
                     reason = "stop"
                 elif len(out) >= limit:
                     reason = "length"
-                if det is not None and det.add(t):  # a stop string completed: it wins, its text is cut
+                if det is not None and det.add(t, may_stop):  # a stop string completed: it wins, text cut
                     reason, stop_reason = "stop", det.stop_str
                 if reason:
                     break
@@ -483,6 +557,8 @@ class LLMEngine:
         self.scheduler.finish(req, reason)
         with self._intake_lock:
             self._live.pop(req.request_id, None)
+            if req.group is not None and req.group.finished:
+                self._groups.pop(req.group.request_id, None)
         self._touched[req.request_id] = req
 
     # ---- checks -------------------------------------------------------------------------------

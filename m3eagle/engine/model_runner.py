@@ -11,15 +11,37 @@ indexing). The only device->host traffic is StepOutput.copy_to_host(), non-block
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from ..attention.metadata import AttnMetadata
 from ..models.minimax_m3 import LayerCache, MiniMaxM3
+from ..sampling.params import MAX_LOGPROBS
+from ..sampling.penalties import PenaltyState
 from ..sampling.sampler import SALT_DRAFT, SamplingTensors, probs_from_logits, sample_from_probs
 from ..sampling.verify import verify
 from .input_builder import StepInput
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of N tokens (one per sampled position, or per prompt token) and their top candidates."""
+
+    logprob: torch.Tensor  # [..., ] fp32 logprob of the token
+    rank: torch.Tensor  # [..., ] int64, 1 = the most likely
+    top_logprobs: torch.Tensor  # [..., MAX_LOGPROBS] fp32, descending
+    top_ids: torch.Tensor  # [..., MAX_LOGPROBS] int64
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n_top: int) -> TokenLogprobs:
+    """logits [..., V], tokens [...] -> the tokens' log_softmax, their rank (vLLM's: 1 + the number of
+    strictly more likely tokens) and the n_top best candidates."""
+    lsm = torch.log_softmax(logits.float(), -1)
+    lp = lsm.gather(-1, tokens[..., None])  # [..., 1]
+    rank = (lsm > lp).sum(-1) + 1
+    top_lp, top_ids = lsm.topk(n_top, -1)
+    return TokenLogprobs(lp[..., 0], rank, top_lp, top_ids)
 
 
 @dataclass
@@ -27,22 +49,33 @@ class StepOutput:
     new_tokens: torch.Tensor  # [B, K+1] emitted tokens; the first num_new[b] are valid
     num_new: torch.Tensor  # [B] 0 for rows that did not sample
     draft_tokens: torch.Tensor  # [B, K] proposals for the next step
-    logprobs: torch.Tensor | None  # [B, K+1]
+    logprobs: TokenLogprobs | None  # of new_tokens: [B, K+1] (+ [B, K+1, MAX_LOGPROBS] candidates)
+    prompt_logprobs: TokenLogprobs | None = None  # of each input token's successor: [T] (+ [T, MAX_LOGPROBS])
     host: dict | None = None
     event: torch.cuda.Event | None = None
 
+    def fresh(self) -> StepOutput:
+        """The same device tensors without host state (a replayed graph's static outputs, per step)."""
+        return StepOutput(self.new_tokens, self.num_new, self.draft_tokens, self.logprobs, self.prompt_logprobs)
+
     def copy_to_host(self, bufs: dict[str, torch.Tensor]) -> None:
         """Start the non-blocking device->host copy into preallocated (pinned on CUDA) buffers;
-        `wait()` before use. Only the first B rows of each buffer are written."""
+        `wait()` before use. Only the first B rows of each buffer are written. Prompt logprobs (prompt
+        steps only, any number of tokens) go to pinned buffers allocated here."""
         pin = self.new_tokens.is_cuda
         self.host = {}
-        for name in ("new_tokens", "num_new", "logprobs"):
-            t = getattr(self, name)
-            if t is None:
-                continue
+        named = {"new_tokens": self.new_tokens, "num_new": self.num_new}
+        if self.logprobs is not None:
+            named.update({f"lp_{f.name}": getattr(self.logprobs, f.name) for f in fields(TokenLogprobs)})
+        for name, t in named.items():
             buf = bufs[name][: t.shape[0]]
             buf.copy_(t, non_blocking=pin)
             self.host[name] = buf
+        if self.prompt_logprobs is not None:
+            for f in fields(TokenLogprobs):
+                t = getattr(self.prompt_logprobs, f.name)
+                self.host[f"plp_{f.name}"] = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(
+                    t, non_blocking=pin)
         if pin:
             self.event = torch.cuda.Event()
             self.event.record()
@@ -72,6 +105,9 @@ class ModelRunner:
         self.slot_drafts = torch.zeros(n, max(self.k, 1), dtype=torch.int64, device=device)  # [S+1, K]
         self.dump_slot = max_num_seqs
         cfg = target.cfg
+        # Token history for penalties / min_tokens ([S+1, V] x 3): used only by steps with such rows.
+        self.penalty = PenaltyState(n, cfg.vocab_size, list(cfg.eos_token_ids), self.dump_slot, device)
+        self.n_top = min(MAX_LOGPROBS, cfg.vocab_size)
         self.aux_ids: tuple[int, ...] = tuple(draft.cfg.aux_layer_ids) if draft is not None else ()
         self.aux_width = len(self.aux_ids) * cfg.hidden_size
         # Everything a step writes besides the model's own intermediates is allocated here, once: the
@@ -83,9 +119,14 @@ class ModelRunner:
                                  if self.k else None)  # [S+1, K, V] fp32
         rows = max_rows or max_num_seqs
         pin = device.type == "cuda"
+        nt = self.n_top
         self.host_bufs = [{"new_tokens": torch.zeros(rows, k1, dtype=torch.int64, pin_memory=pin),
                            "num_new": torch.zeros(rows, dtype=torch.int64, pin_memory=pin),
-                           "logprobs": torch.zeros(rows, k1, dtype=torch.float32, pin_memory=pin)} for _ in range(2)]
+                           "lp_logprob": torch.zeros(rows, k1, dtype=torch.float32, pin_memory=pin),
+                           "lp_rank": torch.zeros(rows, k1, dtype=torch.int64, pin_memory=pin),
+                           "lp_top_logprobs": torch.zeros(rows, k1, nt, dtype=torch.float32, pin_memory=pin),
+                           "lp_top_ids": torch.zeros(rows, k1, nt, dtype=torch.int64, pin_memory=pin)}
+                          for _ in range(2)]
         self._host_parity = 0
 
     def to_host(self, out: StepOutput) -> StepOutput:
@@ -117,8 +158,12 @@ class ModelRunner:
     def execute(self, inp: StepInput) -> StepOutput:
         k = self.k
         ids, meta = self._apply_overlap_correction(inp)
+        pen = inp.penalties
+        if pen is not None:  # history first: a prompt chunk's tokens precede the position it samples
+            self.penalty.record_inputs(pen, inp.row_slot, inp.row_gather, ids, meta.tok_row, meta.positions)
         aux = self.aux_buf[: inp.num_tokens] if self.aux_buf is not None else None  # [T, 3H]
         hidden = self.target(ids, meta.positions, meta, self.caches, self.aux_ids, aux)  # [T, H]
+        prompt_lps = self._prompt_logprobs(inp, ids, hidden) if inp.want_prompt_logprobs else None
 
         # Sampled positions: the last (num_drafts + 1) tokens of each row.
         j = torch.arange(k + 1, device=self.device)
@@ -132,14 +177,15 @@ class ModelRunner:
             drafts_in = torch.where(j[:k] < inp.row_num_drafts[:, None], ids[d_idx], 0)  # [B, K]
         else:
             drafts_in = ids.new_zeros(inp.num_rows, 0)
+        if pen is not None:  # the target distribution of position j given the history and drafts d_1..d_j
+            logits = self.penalty.apply(logits, pen, inp.row_slot, drafts_in, inp.row_num_drafts, positions)
         # Draft probabilities exist for rows whose drafts were sampled; greedy rows never read them.
         q_probs = self.slot_draft_probs[inp.row_slot] if inp.any_random and self.slot_draft_probs is not None else None
         new_tokens, num_new = verify(logits, drafts_in, inp.row_num_drafts, inp.sampling, positions, q_probs,
                                      inp.any_random)
         num_new = torch.where(inp.row_samples, num_new, 0)
-        logprobs = None
-        if inp.want_logprobs:
-            logprobs = torch.log_softmax(logits, -1).gather(-1, new_tokens[..., None])[..., 0]
+        # Logprobs of the (penalised) target distribution, before temperature / top-k / top-p / min-p.
+        logprobs = token_logprobs(logits, new_tokens, self.n_top) if inp.want_logprobs else None
 
         # Remember each sampling row's outputs for the next step (gathered on device).
         keep = inp.row_samples
@@ -147,11 +193,21 @@ class ModelRunner:
         self.slot_tokens.index_copy_(0, s, new_tokens)
         self.slot_num_new.index_copy_(0, s, num_new)
         self.slot_expected.index_copy_(0, s, inp.row_num_drafts + 1)
+        if pen is not None:
+            self.penalty.record_outputs(new_tokens, num_new, s)
 
         drafts = ids.new_zeros(inp.num_rows, k)
         if self.draft is not None and k:
             drafts = self._draft(inp, ids, meta, aux, new_tokens, num_new, s)
-        return StepOutput(new_tokens, num_new, drafts, logprobs)
+        return StepOutput(new_tokens, num_new, drafts, logprobs, prompt_lps)
+
+    def _prompt_logprobs(self, inp: StepInput, ids: torch.Tensor, hidden: torch.Tensor) -> TokenLogprobs:
+        """Logprobs of every input token's successor under the raw target logits ([T] and [T, n_top]): within
+        a row the next input id, after a chunk's last token the row's next known token. The host keeps the
+        entries that fall on prompt tokens (prompt steps are eager, so T may vary)."""
+        nxt = torch.cat([ids[1:], ids[:1]])  # [T]
+        nxt[inp.row_first + inp.row_qlen - 1] = inp.row_next_token
+        return token_logprobs(self.target.compute_logits(hidden), nxt, self.n_top)
 
     # ---- drafting -------------------------------------------------------------------------------
     def _draft(self, inp: StepInput, ids: torch.Tensor, meta: AttnMetadata, aux: torch.Tensor,

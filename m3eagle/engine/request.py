@@ -18,15 +18,28 @@ class Status(enum.Enum):
 
 
 @dataclass
+class Logprob:
+    """vLLM's Logprob: one candidate token at one position."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token at that position
+    decoded_token: str | None = None  # the token's text (None without a tokenizer)
+
+
+# Per position: token id -> Logprob, holding the top-N candidates and the sampled (or prompt) token.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
 class CompletionOutput:
     """One completion of a request (vLLM's CompletionOutput). `index` is its place among the request's
-    completions (always 0: one completion per request for now)."""
+    n completions (SamplingParams.n)."""
 
     index: int
     text: str | None  # None when the model has no tokenizer
     token_ids: list[int]
-    cumulative_logprob: float | None  # sum of `logprobs`; None unless logprobs were requested
-    logprobs: list[float] | None  # the chosen token's logprob, one per token; None unless requested
+    cumulative_logprob: float | None  # sum of the sampled tokens' logprobs; None unless logprobs were requested
+    logprobs: list[PositionLogprobs] | None  # one dict per token; None unless requested
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it; None for EOS
     error: str | None = None  # why, when finish_reason is "error"
@@ -54,7 +67,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    prompt_logprobs: None  # not computed (yet); kept for vLLM's shape
+    prompt_logprobs: list[PositionLogprobs | None] | None  # None for the first prompt token; None unless requested
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
@@ -65,22 +78,25 @@ class RequestDelta:
     """What one step changed for one request: tokens and text new since the request's previous delta.
 
     Text is held back while a stop string could still cut it (see detokenizer.py), so the concatenated
-    `text` of a request's deltas is exactly its final text. Every request gets exactly one delta with
-    `finish_reason` set, and that one carries `output`."""
+    `text` of a completion's deltas is exactly its final text. A delta belongs to completion `index` of the
+    request (0..n-1); each completion gets exactly one delta with `finish_reason` set, and the request's
+    last one (`finished`) carries `output`, with all n completions."""
 
     request_id: str
     token_ids: list[int]  # new tokens
     text: str  # new text ("" without a tokenizer, or while held back)
-    logprobs: list[float] | None  # one per new token when the request asked for logprobs
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error" on the last delta
+    logprobs: list[PositionLogprobs] | None  # one per new token when the request asked for logprobs
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" when this completion ended
     num_prompt_tokens: int
-    num_output_tokens: int  # output tokens so far, these included
+    num_output_tokens: int  # this completion's output tokens so far, these included
     error: str | None = None
-    output: RequestOutput | None = None  # the whole result, on the finishing delta only
+    output: RequestOutput | None = None  # the whole result, on the request's finishing delta only
+    index: int = 0  # which of the request's n completions
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        """The whole request (all n completions) is finished."""
+        return self.output is not None
 
 
 # eq=False: a request is its identity. The generated __eq__ compares every field (token lists included),
@@ -94,7 +110,8 @@ class Request:
     arrival: int
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)  # filled while prefilling
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that finished it
@@ -121,6 +138,13 @@ class Request:
     num_verify_steps: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
+    # n samples: completion `index` of the request `group` (SamplingParams.n); the group's id is the user's.
+    index: int = 0
+    group: RequestGroup | None = None
+    # A sample that shares its parent's prompt pages: the parent, and the first position it computes itself
+    # (0 when it computes everything). Reset by preemption and recovery.
+    fork_src: Request | None = None
+    fork_len: int = 0
 
     @property
     def inflight(self) -> int:
@@ -148,11 +172,37 @@ class Request:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    @property
+    def group_id(self) -> str:
+        """The id the user knows: the group's for a sample of n, else the request's own."""
+        return self.group.request_id if self.group is not None else self.request_id
+
+    def completion(self) -> CompletionOutput:
+        lps = list(self.logprobs) if self.params.logprobs is not None else None
+        cum = sum(d[t].logprob for t, d in zip(self.output_token_ids, lps)) if lps is not None else None
+        return CompletionOutput(self.index, self.text, list(self.output_token_ids), cum, lps, self.finish_reason,
+                                self.stop_reason, self.error)
+
     def to_output(self) -> RequestOutput:
-        lps = list(self.logprobs) if self.params.logprobs else None
-        out = CompletionOutput(0, self.text, list(self.output_token_ids), sum(lps) if lps is not None else None,
-                               lps, self.finish_reason, self.stop_reason, self.error)
-        metrics = RequestMetrics(self.num_drafted, self.num_accepted, self.num_verify_steps,
-                                 list(self.accepted_per_position), list(self.drafted_per_position))
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), None, [out], self.finished,
-                             metrics)
+        members = self.group.members if self.group is not None else [self]
+        metrics = RequestMetrics(sum(r.num_drafted for r in members), sum(r.num_accepted for r in members),
+                                 sum(r.num_verify_steps for r in members),
+                                 [sum(x) for x in zip(*(r.accepted_per_position for r in members))],
+                                 [sum(x) for x in zip(*(r.drafted_per_position for r in members))])
+        first = members[0]
+        plp = list(first.prompt_logprobs) if self.params.prompt_logprobs is not None else None
+        return RequestOutput(self.group_id, self.prompt, list(self.prompt_token_ids), plp,
+                             [r.completion() for r in members], all(r.finished for r in members), metrics)
+
+
+@dataclass(eq=False)
+class RequestGroup:
+    """The n samples of one prompt (SamplingParams.n): member i is completion i; member 0 prefills the prompt
+    and the others share its full prompt pages (Scheduler._fork)."""
+
+    request_id: str
+    members: list[Request] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(r.finished for r in self.members)

@@ -9,6 +9,10 @@ re-enters the waiting queue with its tokens so far.
 While a step is in flight (overlap), the scheduler plans on projected lengths (every draft accepted),
 which are upper bounds; the device corrects them. A plan that would have to preempt a request still in
 flight is refused (`NeedSync`): the engine drains the pipeline and plans again.
+
+Samples of n (SamplingParams.n) wait behind their parent (sample 0) until it has launched the prompt's full
+pages, then share them (`_fork`) and compute only the rest: the last partial page and the last prompt token,
+whose draft KV depends on the token each sample draws.
 """
 
 from __future__ import annotations
@@ -123,8 +127,26 @@ class Scheduler:
         req.num_computed = req.proj_computed = 0
         req.proj_known = req.num_known
         req.slot_valid = False
+        req.fork_src, req.fork_len = None, 0
         self.running.remove(req)
         self.waiting.appendleft(req)
+
+    def _fork(self, req: Request) -> list[int] | None:
+        """The parent's pages a sample of n can share, [] for none, or None to wait a step for the parent.
+
+        Shared: the full pages below the last prompt token. Those hold only prompt positions, written once by
+        the parent in a step launched before this one (so, in stream order, before this sample reads them),
+        and their draft KV was fed prompt tokens only. The last prompt token and what follows differ per
+        sample. A parent that is gone (finished, preempted later) leaves the sample to prefill alone."""
+        if req.group is None or req.index == 0 or req.num_computed:
+            return []
+        parent = req.group.members[0]
+        shared = (len(req.prompt_token_ids) - 1) // self.pool.page_size
+        if shared == 0 or parent.finished or parent.status is not Status.RUNNING:
+            return []
+        if parent.proj_computed < shared * self.pool.page_size:  # not launched yet (or admitted just now)
+            return None
+        return parent.pages[:shared]
 
     # ---- planning ----------------------------------------------------------------------------
     def _pages_needed(self, req: Request, kv_len: int) -> int:
@@ -181,16 +203,25 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             req.proj_known = req.num_known
+            shared = self._fork(req)
+            if shared is None:
+                break  # FCFS: the sample waits for its parent's prompt, and so does everyone behind it
+            if shared:
+                self.pool.share(req.request_id, shared)
+                req.pages, req.fork_src = list(shared), req.group.members[0]
+                req.num_computed = req.proj_computed = req.fork_len = len(shared) * self.pool.page_size
             row = self._plan_row(req, budget)
-            if row is None:
-                break
-            need = self._pages_needed(req, row.kv_len)
-            if need > self.pool.num_free:
+            need = self._pages_needed(req, row.kv_len) if row is not None else 0
+            if row is None or need > self.pool.num_free:
+                if shared:  # not admitted: give the shared pages back
+                    self.pool.free(req.request_id, req.pages)
+                    req.pages, req.fork_src = [], None
+                    req.num_computed = req.proj_computed = req.fork_len = 0
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
             req.slot = self.free_slots.pop()
-            req.pages = self.pool.allocate(req.request_id, need)
+            req.pages = req.pages + self.pool.allocate(req.request_id, need)
             self.running.append(req)
             rows.append(row)
             budget -= row.num_tokens

@@ -148,7 +148,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
             "--max-tokens %d exceeds max_model_len=%d: outputs stop at max_model_len - prompt length tokens",
             a.max_tokens, llm.config.max_model_len)
     sp = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
-                        seed=a.seed, stop=a.stop or [], ignore_eos=a.ignore_eos)
+                        seed=a.seed, stop=a.stop or [], ignore_eos=a.ignore_eos, n=a.n, min_p=a.min_p,
+                        presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
+                        repetition_penalty=a.repetition_penalty, min_tokens=min(a.min_tokens, a.max_tokens))
     t0 = time.perf_counter()
     outs = llm.generate(list(a.prompts), sp, use_tqdm=len(a.prompts) > 4 and not a.json)
     dt = time.perf_counter() - t0
@@ -156,14 +158,15 @@ def cmd_generate(a: argparse.Namespace) -> int:
     stats = llm.stats()
     if a.json:
         for o in outs:
-            c = o.outputs[0]
-            print(json.dumps({"prompt": o.prompt, "text": c.text, "token_ids": c.token_ids,
-                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}))
+            for c in o.outputs:  # one line per completion (n per prompt)
+                print(json.dumps({"prompt": o.prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids,
+                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}))
         print(json.dumps({"tokens": n, "seconds": round(dt, 4), "tokens_per_s": round(n / dt, 2), **stats}))
         return 0
     for o in outs:
-        print(f"{o.prompt}{o.outputs[0].text}")
-        print("-" * 40)
+        for c in o.outputs:
+            print(f"{o.prompt}{c.text}")
+            print("-" * 40)
     print(f"{n} tokens in {dt:.2f}s: {n / dt:.1f} tokens/s", file=sys.stderr)
     if llm.config.num_draft_tokens:
         print(f"speculation K={llm.config.num_draft_tokens}: acceptance rate {stats['acceptance_rate']:.3f}, "
@@ -184,6 +187,16 @@ def _add_generate(sub) -> None:
     g.add_argument("--seed", type=int_in(0), default=None, help="per-request seed; none: random")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    g.add_argument("--n", type=int_in(1, 64), default=1, help="samples per prompt (they share its KV pages)")
+    g.add_argument("--min-p", type=float_in(0.0, 1.0), default=0.0,
+                   help="drop tokens below min_p x the top token's probability; 0: off")
+    g.add_argument("--repetition-penalty", type=float_in(0.0, lo_open=True), default=1.0,
+                   help="divide positive / multiply negative logits of prompt and output tokens; 1: off")
+    g.add_argument("--presence-penalty", type=float_in(-2.0, 2.0), default=0.0,
+                   help="subtract from the logit of every token already output; 0: off")
+    g.add_argument("--frequency-penalty", type=float_in(-2.0, 2.0), default=0.0,
+                   help="subtract per occurrence in the output; 0: off")
+    g.add_argument("--min-tokens", type=int_in(0), default=0, help="hold EOS and stop tokens back this long")
     g.add_argument("--json", action="store_true", help="one JSON line per output, then a summary line")
     g.set_defaults(func=cmd_generate)
 

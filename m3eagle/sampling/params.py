@@ -17,6 +17,12 @@ GREEDY_EPS = 1e-5
 # Seeds feed an int64 hash on the device; a top_k at or above this is "no limit" (no vocab is larger).
 _INT63 = 2**63
 _TOPK_NO_LIMIT = 2**31
+# The engine computes this many top candidates per sampled position whenever some row wants logprobs (a fixed
+# width keeps the step's shapes static for CUDA graphs); vLLM's default max_logprobs is the same 20.
+MAX_LOGPROBS = 20
+# min_tokens holds stop_token_ids back on the device; their ids travel in the step's fixed-size packed input
+# buffers (what a CUDA graph or another rank reads), which hold this many per request.
+MAX_MIN_TOKENS_STOP_IDS = 64
 
 
 class SamplingParamsError(ValueError):
@@ -42,7 +48,17 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings (excluded from .text)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: bool = False  # return the logprob of each chosen token
+    # vLLM's meaning: None = no logprobs; N >= 0 = per output token a dict token_id -> Logprob holding the top N
+    # candidates plus the sampled token (so N = 0 gives the sampled token's alone).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (raw model logits)
+    n: int = 1  # independent samples of the prompt (they share its KV pages)
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from the logit of every token already output
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # > 0: logits of prompt or output tokens: > 0 divided, <= 0 multiplied
+    min_tokens: int = 0  # EOS and stop tokens are held back until this many tokens are out
+    min_p: float = 0.0  # in [0, 1]: drop tokens whose probability is below min_p x the top probability
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the output in .text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,10 +89,46 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)) or any(not _is_int(t) or not 0 <= t < _INT63 for t in ids):
             raise SamplingParamsError(f"stop_token_ids={ids!r} must be a list of non-negative ints")
         self.stop_token_ids = [int(t) for t in ids]
-        for name in ("ignore_eos", "logprobs"):
+        for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(f"{name}={getattr(self, name)!r} must be True or False")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if isinstance(v, bool):  # the old boolean `logprobs` meant the sampled token's logprob only
+                raise SamplingParamsError(f"{name}={v!r}: {name} is an int or None (vLLM's meaning): the number of "
+                                          f"top candidates per token; {name}=0 returns the sampled token's alone")
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise SamplingParamsError(f"{name}={v!r} must be None or an int in [0, {MAX_LOGPROBS}]")
+            setattr(self, name, None if v is None else int(v))
+        if not _is_int(self.n) or not 1 <= self.n <= 1024:
+            raise SamplingParamsError(f"n={self.n!r} must be an int in [1, 1024]")
+        self.n = int(self.n)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -2.0 <= v <= 2.0:
+                raise SamplingParamsError(f"{name}={v!r} must be a number in [-2, 2] (0 disables it)")
+            setattr(self, name, float(v))
+        r = self.repetition_penalty
+        if not _is_real(r) or not math.isfinite(r) or r <= 0:
+            raise SamplingParamsError(f"repetition_penalty={r!r} must be a finite number > 0 (1 disables it)")
+        self.repetition_penalty = float(r)
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise SamplingParamsError(f"min_tokens={self.min_tokens!r} must be an int in [0, max_tokens="
+                                      f"{self.max_tokens}]")
+        self.min_tokens = int(self.min_tokens)
+        if self.min_tokens and len(self.stop_token_ids) > MAX_MIN_TOKENS_STOP_IDS:
+            raise SamplingParamsError(f"min_tokens={self.min_tokens} with {len(self.stop_token_ids)} stop_token_ids: "
+                                      f"at most {MAX_MIN_TOKENS_STOP_IDS} stop ids can be held back")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError(f"min_p={self.min_p!r} must be a number in [0, 1] (0 disables it)")
+        self.min_p = float(self.min_p)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the target distribution depends on the request's token history (sampling/penalties.py)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or self.min_tokens > 0)

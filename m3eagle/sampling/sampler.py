@@ -25,11 +25,12 @@ class SamplingTensors:
     top_p: torch.Tensor  # fp32
     seed: torch.Tensor  # int64
     greedy: torch.Tensor  # bool
+    min_p: torch.Tensor | None = None  # fp32, 0 = off; None: off for every row
 
     def repeat(self, n: int) -> SamplingTensors:
         """Each row's parameters repeated n times (rows of several sampled positions)."""
-        return SamplingTensors(*(t.repeat_interleave(n, 0) for t in
-                                 (self.temperature, self.top_k, self.top_p, self.seed, self.greedy)))
+        return SamplingTensors(*(t.repeat_interleave(n, 0) if t is not None else None for t in
+                                 (self.temperature, self.top_k, self.top_p, self.seed, self.greedy, self.min_p)))
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -67,10 +68,17 @@ def uniform64(seed: torch.Tensor, position: torch.Tensor, salt: int) -> torch.Te
 
 
 def probs_from_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """Apply temperature, top-k and top-p -> probabilities [N, V] fp32. Greedy rows get temperature 1
-    (their probabilities are only used for logprobs-free bookkeeping; greedy picks the argmax)."""
+    """Apply temperature, min-p, top-k and top-p -> probabilities [N, V] fp32. Greedy rows get temperature 1
+    (their probabilities are only used for logprobs-free bookkeeping; greedy picks the argmax).
+
+    min-p keeps tokens with p >= min_p * p_max, i.e. logit >= max_logit + log(min_p) after temperature (vLLM).
+    It is a ratio to the top token, which top-k and top-p renormalisation leave unchanged, so applying it
+    before them or after gives the same support."""
     temp = torch.where(st.greedy, torch.ones_like(st.temperature), st.temperature)
     logits = logits.float() / temp[:, None]
+    if st.min_p is not None:
+        floor = logits.max(-1, keepdim=True).values + torch.log(st.min_p)[:, None]  # log(0) = -inf: off
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     v = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     k = torch.where(st.top_k > 0, st.top_k.clamp(max=v), torch.full_like(st.top_k, v))

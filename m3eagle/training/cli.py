@@ -128,6 +128,12 @@ def _add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offline", action="store_true",
                    help="engine-free acceptance estimate instead of the engine run (see simulate_acceptance)")
     p.add_argument("--output", default=None, help="also write the JSON here")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke-sized run (6 code prompts x 32 tokens, 6 problems, 2k perplexity tokens, K=1,3; "
+                        "under 2 minutes on 2 CPU cores); other flags still override it")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="also draw acceptance by draft position for each K (needs matplotlib: pip install "
+                        "'m3eagle[plot]')")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -196,9 +202,11 @@ def offline_acceptance(target_dir, draft_dir, n_prompts: int, device: str | None
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from .evaluate import EvalConfig, dumps, run_eval
+    from .evaluate import QUICK, EvalConfig, dumps, plot_acceptance, require_matplotlib, run_eval
 
-    cfg = EvalConfig()
+    if args.plot:
+        require_matplotlib()  # fail before the long run, naming the extra
+    cfg = QUICK if args.quick else EvalConfig()
     if args.ks:
         cfg = replace(cfg, ks=tuple(int(k) for k in args.ks.split(",")))
     cfg = _override(cfg, argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "ks"}))
@@ -213,6 +221,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     text = dumps(result)
     if args.output:
         Path(args.output).write_text(text)
+    if args.plot:
+        plot_acceptance(result, args.plot)
     print(text)
 
 

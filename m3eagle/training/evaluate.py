@@ -11,7 +11,11 @@ Held-out data, built deterministically from seeds:
 - perplexity: other stdlib files, in `seq_len` windows.
 
 The engine-facing part (`run_eval`) uses the offline API: `LLM(...).generate` with greedy sampling,
-once without speculation (the reference) and once per K with it. `simulate_acceptance` is an
+once without speculation (the reference) and once per K with it; each stage is logged (the `m3eagle`
+logger) with its elapsed time, and generate's tqdm bars show on a terminal. `QUICK` is a smoke-sized
+configuration (`m3eagle eval --quick`: 6 code prompts x 32 tokens, 6 problems, 2k perplexity tokens,
+K in {1, 3}; under 2 minutes on 2 CPU cores); `plot_acceptance` draws acceptance by draft position for
+each K (matplotlib, the `plot` extra). `simulate_acceptance` is an
 engine-free estimate (greedy generation by recomputation, then the TTT-unrolled head on those tokens,
 walked the way the engine walks a greedy chain); training uses it to report progress.
 """
@@ -20,8 +24,10 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 import math
 import random
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +39,8 @@ import torch.nn.functional as F
 from . import arithmetic
 from .common import autocast
 from .corpus import CorpusConfig, stdlib_dir, stdlib_files
+
+log = logging.getLogger("m3eagle")
 
 EVAL_SKIP = frozenset({"test", "tests", "idlelib", "lib2to3", "distutils", "turtledemo", "tkinter",
                        "ensurepip", "encodings", "pydoc_data", "__phello__", "turtle.py"})
@@ -249,15 +257,32 @@ class EvalConfig:
     seed: int = 1234
     device: str | None = None
     dtype: str = "auto"
+    max_model_len: int | None = None  # None: the LLM's default (a smaller KV pool starts faster)
     corpus_arith_problems: int = CorpusConfig.arith_problems  # to exclude training questions
     corpus_arith_seed: int = CorpusConfig.arith_seed
+
+
+# `m3eagle eval --quick`: every stage runs, on a smoke-test budget (under 2 minutes on 2 CPU cores).
+QUICK = EvalConfig(code_prompts=6, code_max_tokens=32, arith_problems=6, arith_max_tokens=40, ppl_tokens=2048,
+                   ppl_seq_len=512, ks=(1, 3), max_model_len=512)
+
+
+class _Progress:
+    """Stage lines on the m3eagle logger: `[i/n] what (elapsed)`, so a long eval is never silent."""
+
+    def __init__(self, total: int):
+        self.total, self.i, self.t0 = total, 0, time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        self.i += 1
+        log.info("eval [%d/%d] %s (%.0f s elapsed)", self.i, self.total, what, time.perf_counter() - self.t0)
 
 
 def _llm(model: Path, draft: Path | None, k: int, cfg: EvalConfig):
     from .. import LLM
 
     return LLM(model=str(model), draft=str(draft) if draft is not None and k > 0 else None,
-               num_draft_tokens=k, device=cfg.device, dtype=cfg.dtype)
+               num_draft_tokens=k, device=cfg.device, dtype=cfg.dtype, max_model_len=cfg.max_model_len)
 
 
 def run_eval(model_dir: str | Path | None, draft_dir: str | Path | None, cfg: EvalConfig = EvalConfig(),
@@ -283,14 +308,19 @@ def run_eval(model_dir: str | Path | None, draft_dir: str | Path | None, cfg: Ev
     def texts(outs) -> list[str]:
         return [tok.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in outs]
 
+    ks = cfg.ks if draft_dir is not None else ()
+    step = _Progress(3 + len(ks) + (cfg.spec_k_arith in ks))
+    step(f"reference (no speculation): {len(prompts)} code prompts x {cfg.code_max_tokens} tokens")
     base = _llm(model_dir, None, 0, cfg)
-    code_ref = [o.outputs[0].token_ids for o in base.generate([p.ids for p in prompts], code_sp, use_tqdm=False)]
-    arith_ref = base.generate(arith_ids, arith_sp, use_tqdm=False)
+    code_ref = [o.outputs[0].token_ids for o in base.generate([p.ids for p in prompts], code_sp)]
+    step(f"reference: {len(problems)} arithmetic problems x {cfg.arith_max_tokens} tokens")
+    arith_ref = base.generate(arith_ids, arith_sp)
     result: dict[str, Any] = {
         "model": str(model_dir), "draft": str(draft_dir) if draft_dir else None,
         "device": str(base.device), "dtype": str(base.dtype).replace("torch.", ""),
         "config": asdict(cfg),
     }
+    step(f"perplexity over {cfg.ppl_tokens} stdlib tokens")
     ppl_stream = stdlib_ppl_stream(tok, cfg.ppl_tokens + 1)
     result["perplexity_stdlib"] = perplexity(base.target, ppl_stream, cfg.ppl_seq_len, base.device,
                                              amp="none" if base.dtype == torch.float32 else "bf16")
@@ -300,14 +330,18 @@ def run_eval(model_dir: str | Path | None, draft_dir: str | Path | None, cfg: Ev
     arith: dict[str, Any] = {"num_problems": len(problems), "max_tokens": cfg.arith_max_tokens,
                              "accuracy_no_spec": accuracy(problems, texts(arith_ref))}
     if draft_dir is not None:
-        for k in cfg.ks:
+        for k in ks:
+            step(f"speculation K={k}: code prompts")
             llm = _llm(model_dir, draft_dir, k, cfg)
-            outs = llm.generate([p.ids for p in prompts], code_sp, use_tqdm=False)
+            outs = llm.generate([p.ids for p in prompts], code_sp)
             code["acceptance"][f"K={k}"] = _acceptance(llm.stats())
             code["lossless"][f"K={k}"] = equal_fraction([o.outputs[0].token_ids for o in outs], code_ref)
+            log.info("eval K=%d: mean acceptance length %.3f, lossless %.0f%%", k,
+                     code["acceptance"][f"K={k}"]["mean_acceptance_length"], 100 * code["lossless"][f"K={k}"])
             if k == cfg.spec_k_arith:
+                step(f"speculation K={k}: arithmetic problems")
                 llm.reset_stats()
-                spec = llm.generate(arith_ids, arith_sp, use_tqdm=False)
+                spec = llm.generate(arith_ids, arith_sp)
                 arith["spec_k"] = k
                 arith["accuracy_spec"] = accuracy(problems, texts(spec))
                 arith["acceptance"] = _acceptance(llm.stats())
@@ -326,3 +360,42 @@ def _acceptance(stats: dict[str, Any]) -> dict[str, Any]:
 
 def dumps(result: dict[str, Any]) -> str:
     return json.dumps(result, indent=2)
+
+
+def require_matplotlib():
+    """matplotlib.pyplot on the Agg backend, or an ImportError that names the extra to install."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("plotting needs matplotlib, an optional extra: pip install 'm3eagle[plot]' "
+                          "(or pip install matplotlib)") from None
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_acceptance(result: dict[str, Any], path: str | Path) -> Path:
+    """A bar chart of the acceptance rate at each draft position, one bar group per position and one bar
+    per K (from run_eval's code acceptance, or simulate_acceptance's result), written to `path` (PNG)."""
+    plt = require_matplotlib()
+    acc = result.get("code", {}).get("acceptance") or {k: v for k, v in result.items() if k.startswith("K=")}
+    if not acc:
+        raise ValueError("the eval result has no acceptance to plot (was a draft head given?)")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(acc)
+    for i, (name, a) in enumerate(sorted(acc.items(), key=lambda kv: int(kv[0][2:]))):
+        rates = a["per_position_rates"]
+        xs = [j + 1 + (i - (len(acc) - 1) / 2) * width for j in range(len(rates))]
+        ax.bar(xs, rates, width, label=f"{name} (mean acceptance length {a['mean_acceptance_length']:.2f})")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1)
+    ax.set_xticks(range(1, max(len(a["per_position_rates"]) for a in acc.values()) + 1))
+    ax.set_title("Eagle3 acceptance by draft position")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

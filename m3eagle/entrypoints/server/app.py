@@ -41,7 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...engine.llm_engine import RequestError
-from ...engine.request import CompletionOutput, RequestDelta
+from ...engine.request import PositionLogprobs, RequestDelta
 from ...sampling.params import SamplingParams, SamplingParamsError
 from ..chat import ChatTemplate, ChatTemplateError
 from ..llm import LLM
@@ -59,16 +59,25 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def _completion(last: RequestDelta) -> CompletionOutput:
-    """The finished request's one completion: a non-streamed response is built from the RequestOutput that
-    the finishing delta carries, as LLM.generate() returns it."""
-    assert last.output is not None, "the finishing delta carries the RequestOutput"
-    return last.output.outputs[0]
-
-
-def _delta_logprobs(deltas: list[RequestDelta]) -> tuple[list[int], list[float]]:
-    """The new token ids and their logprobs across a run of streamed deltas."""
+def _delta_logprobs(deltas: list[RequestDelta]) -> tuple[list[int], list[PositionLogprobs]]:
+    """The new token ids and their logprobs across a run of streamed deltas (of one completion)."""
     return [t for d in deltas for t in d.token_ids], [x for d in deltas for x in (d.logprobs or [])]
+
+
+def _token_entries(ids: list[int], lps: list[PositionLogprobs | None], n_top: int,
+                   ) -> list[tuple[str, float | None, list[tuple[str, float]]]]:
+    """Per token: (text, logprob, top n_top (text, logprob) by rank) from vLLM-shaped logprob dicts."""
+    out = []
+    for t, d in zip(ids, lps):
+        if d is None:  # the first prompt token (echo)
+            out.append((str(t), None, []))
+            continue
+        top = sorted(((x.rank, x.decoded_token or str(tid), x.logprob) for tid, x in d.items()
+                      if x.rank is not None and x.rank <= n_top), key=lambda e: e[0])
+        own = d[t]
+        out.append((own.decoded_token if own.decoded_token is not None else str(t), own.logprob,
+                    [(txt, lp) for _, txt, lp in top]))
+    return out
 
 
 async def _next_deltas(queue: asyncio.Queue[RequestDelta]) -> list[RequestDelta]:
@@ -219,7 +228,8 @@ class OpenAIServer:
 
     # ---- shared request plumbing ----------------------------------------------------------------
     def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest, prompt_len: int,
-                         max_tokens: int | None, logprobs: bool) -> SamplingParams:
+                         max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         mml = self.max_model_len
         if prompt_len >= mml:
             raise ApiError(400, f"the prompt has {prompt_len} tokens, but this model's maximum context length is "
@@ -236,7 +246,12 @@ class OpenAIServer:
                                   top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
                                   max_tokens=max_tokens, seed=body.seed, stop=stop,
                                   stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
-                                  logprobs=logprobs)
+                                  logprobs=logprobs, n=body.n, presence_penalty=body.presence_penalty,
+                                  frequency_penalty=body.frequency_penalty,
+                                  repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
+                                  min_p=body.min_p, include_stop_str_in_output=body.include_stop_str_in_output,
+                                  prompt_logprobs=prompt_logprobs if prompt_logprobs is not None
+                                  else body.prompt_logprobs)
         except SamplingParamsError as e:
             raise ApiError(400, str(e), str(e).split("=", 1)[0]) from None
 
@@ -270,10 +285,6 @@ class OpenAIServer:
             if not (out and out[-1].finished):
                 self.engine_loop.abort(stream.request_id)
 
-    def _token_texts(self, ids: list[int]) -> list[str]:
-        tok = self.llm.tokenizer
-        return [tok.decode([i]) for i in ids] if tok is not None else [str(i) for i in ids]
-
     @staticmethod
     def _usage(prompt: int, completion: int) -> dict[str, int]:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -298,16 +309,18 @@ class OpenAIServer:
         return list(p), None
 
     async def _finished(self, stream: RequestStream, request: Request):
-        """A non-streamed request's CompletionOutput once it has finished; a 499 Response if the client
-        left first; the request's failure as an ApiError."""
+        """A non-streamed request's RequestOutput (all n completions) once it has finished; a 499 Response if
+        the client left first; a completion's failure as an ApiError."""
         try:
             deltas = await self._collect(stream, request)
         except _ClientGone:
             return Response(status_code=499)
-        last = deltas[-1]
-        if last.finish_reason not in ("stop", "length"):
-            raise self._final_error(last)
-        return _completion(last)
+        out = deltas[-1].output
+        assert out is not None, "the request's finishing delta carries its RequestOutput"
+        for d in deltas:
+            if d.finish_reason is not None and d.finish_reason not in ("stop", "length"):
+                raise self._final_error(d)
+        return out
 
     async def _completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_ready()
@@ -317,62 +330,86 @@ class OpenAIServer:
         if not ids:
             raise ApiError(400, "the prompt is empty; give at least one token", "prompt")
         want_lp = body.logprobs is not None
-        params = self._sampling_params(body, len(ids), 16 if body.max_tokens is None else body.max_tokens, want_lp)
+        # echo with logprobs: the prompt's logprobs come first (vLLM: prompt_logprobs = logprobs)
+        params = self._sampling_params(body, len(ids), 16 if body.max_tokens is None else body.max_tokens,
+                                       body.logprobs, body.logprobs if body.echo and want_lp else None)
         stream = self._add(ids, params, text, "cmpl")
+        echo = (text if text is not None else self.llm.tokenizer.decode(ids) if self.llm.tokenizer else "") \
+            if body.echo else ""
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return SSEResponse(self._completion_events(stream, usage, want_lp))
+            return SSEResponse(self._completion_events(stream, usage, body.logprobs, body.n, echo))
         out = await self._finished(stream, request)
         if isinstance(out, Response):
             return out
-        choice = {"index": out.index, "text": out.text or "", "finish_reason": out.finish_reason,
-                  "logprobs": self._completion_logprobs(out.token_ids, out.logprobs, 0) if want_lp else None}
+        choices = []
+        for c in out.outputs:
+            lp = None
+            if want_lp:
+                p_ids, p_lps = (ids, out.prompt_logprobs or [None] * len(ids)) if body.echo else ([], [])
+                lp = self._completion_logprobs(p_ids + c.token_ids, p_lps + (c.logprobs or []), 0, body.logprobs)
+            choices.append({"index": c.index, "text": echo + (c.text or ""), "finish_reason": c.finish_reason,
+                            "logprobs": lp})
         return JSONResponse({"id": stream.request_id, "object": "text_completion", "created": int(time.time()),
-                             "model": self.model_name, "choices": [choice],
-                             "usage": self._usage(len(ids), len(out.token_ids))})
+                             "model": self.model_name, "choices": choices,
+                             "usage": self._usage(len(ids), sum(len(c.token_ids) for c in out.outputs))})
 
-    def _completion_logprobs(self, ids: list[int], lps: list[float] | None, offset: int) -> dict[str, Any]:
-        tokens = self._token_texts(ids)
+    @staticmethod
+    def _completion_logprobs(ids: list[int], lps: list[PositionLogprobs | None], offset: int,
+                             n_top: int) -> dict[str, Any]:
+        """The legacy completions shape: tokens, token_logprobs, top_logprobs (text -> logprob), text_offset."""
+        entries = _token_entries(ids, lps, n_top)
         offsets = []
-        for t in tokens:
+        for text, _, _ in entries:
             offsets.append(offset)
-            offset += len(t)
-        return {"tokens": tokens, "token_logprobs": list(lps or []), "top_logprobs": None, "text_offset": offsets}
+            offset += len(text)
+        return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
+                "top_logprobs": [dict(e[2]) if e[1] is not None else None for e in entries] if n_top else None,
+                "text_offset": offsets}
 
-    def _completion_events(self, stream: RequestStream, include_usage: bool, want_lp: bool) -> AsyncIterator[str]:
+    def _completion_events(self, stream: RequestStream, include_usage: bool, n_top: int | None, n: int,
+                           echo: str) -> AsyncIterator[str]:
         head = {"id": stream.request_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
-        offset = 0  # characters streamed so far: the logprobs' text_offset
+        offset = [len(echo)] * n  # characters streamed so far per completion: the logprobs' text_offset
 
-        def chunk(ds: list, text: str, last) -> dict[str, Any]:
-            nonlocal offset
-            lp = self._completion_logprobs(*_delta_logprobs(ds), offset) if want_lp else None
+        def chunk(ds: list, text: str, finish_reason: str | None, index: int) -> dict[str, Any]:
+            lp = self._completion_logprobs(*_delta_logprobs(ds), offset[index], n_top) if n_top is not None else None
             if lp:
-                offset += sum(len(t) for t in lp["tokens"])
-            return {"index": 0, "text": text, "logprobs": lp, "finish_reason": last.finish_reason}
+                offset[index] += sum(len(t) for t in lp["tokens"])
+            return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
 
-        return self._stream_events(stream, include_usage, want_lp, head, chunk)
+        opening = [{"index": i, "text": echo, "logprobs": None, "finish_reason": None} for i in range(n)] \
+            if echo else None
+        return self._stream_events(stream, include_usage, n_top is not None, head, chunk, opening)
 
     async def _stream_events(self, stream: RequestStream, include_usage: bool, want_lp: bool, head: dict[str, Any],
-                             chunk, opening: dict[str, Any] | None = None) -> AsyncIterator[str]:
-        """The SSE loop both endpoints share: each batch of deltas becomes one chunk (`chunk(deltas, text,
-        last)` builds its choice); a failed request ends with an error event; then the usage chunk when
-        asked for, and [DONE]. A stream that ends early (client gone, cancelled) aborts its request."""
+                             chunk, opening: list[dict[str, Any]] | None = None) -> AsyncIterator[str]:
+        """The SSE loop both endpoints share: each batch of deltas becomes one chunk with a choice per
+        completion that changed (`chunk(deltas, text, finish_reason, index)` builds it); a failed completion
+        ends the stream with an error event; then the usage chunk when asked for, and [DONE]. A stream that
+        ends early (client gone, cancelled) aborts its request."""
         done, n_out = False, 0
         try:
             if opening is not None:
-                yield _sse({**head, "choices": [opening]})
+                yield _sse({**head, "choices": opening})
             while not done:
                 ds = await _next_deltas(stream.queue)
-                last, text = ds[-1], "".join(d.text for d in ds)
-                done, n_out = last.finished, last.num_output_tokens
-                if last.finish_reason == "error":
-                    yield _sse(self._final_error(last).body())
+                done = ds[-1].finished
+                n_out += sum(len(d.token_ids) for d in ds)
+                failed = next((d for d in ds if d.finish_reason == "error"), None)
+                if failed is not None:
+                    yield _sse(self._final_error(failed).body())
                     include_usage = False
                     break
-                if not (text or done or (want_lp and any(d.token_ids for d in ds))):
-                    continue  # nothing a client can see yet (text held back for a stop string)
-                yield _sse({**head, "choices": [chunk(ds, text, last)]})
+                choices = []
+                for index in sorted({d.index for d in ds}):
+                    di = [d for d in ds if d.index == index]
+                    text, finish = "".join(d.text for d in di), di[-1].finish_reason
+                    if text or finish or (want_lp and any(d.token_ids for d in di)):
+                        choices.append(chunk(di, text, finish, index))
+                if choices:  # else nothing a client can see yet (text held back for a stop string)
+                    yield _sse({**head, "choices": choices})
             if include_usage and done:
                 yield _sse({**head, "choices": [], "usage": self._usage(stream.num_prompt_tokens, n_out)})
             yield "data: [DONE]\n\n"
@@ -408,36 +445,42 @@ class OpenAIServer:
         if not ids:
             raise ApiError(400, "the rendered chat prompt is empty", "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = self._sampling_params(body, len(ids), max_tokens, body.logprobs)
+        n_top = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._sampling_params(body, len(ids), max_tokens, n_top)
         stream = self._add(ids, params, text, "chatcmpl")
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return SSEResponse(self._chat_events(stream, usage, body.logprobs))
+            return SSEResponse(self._chat_events(stream, usage, n_top, body.n))
         out = await self._finished(stream, request)
         if isinstance(out, Response):
             return out
-        choice = {"index": out.index, "message": {"role": "assistant", "content": out.text or ""},
-                  "logprobs": self._chat_logprobs(out.token_ids, out.logprobs) if body.logprobs else None,
-                  "finish_reason": out.finish_reason}
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text or ""},
+                    "logprobs": self._chat_logprobs(c.token_ids, c.logprobs or [], n_top) if n_top is not None
+                    else None, "finish_reason": c.finish_reason} for c in out.outputs]
         return JSONResponse({"id": stream.request_id, "object": "chat.completion", "created": int(time.time()),
-                             "model": self.model_name, "choices": [choice],
-                             "usage": self._usage(len(ids), len(out.token_ids))})
+                             "model": self.model_name, "choices": choices,
+                             "usage": self._usage(len(ids), sum(len(c.token_ids) for c in out.outputs))})
 
-    def _chat_logprobs(self, ids: list[int], lps: list[float] | None) -> dict[str, Any]:
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                            for t, lp in zip(self._token_texts(ids), lps or [])]}
+    @staticmethod
+    def _chat_logprobs(ids: list[int], lps: list[PositionLogprobs], n_top: int) -> dict[str, Any]:
+        """The chat shape: per token {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}."""
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                             "top_logprobs": [{"token": x, "logprob": v, "bytes": list(x.encode())} for x, v in top]}
+                            for t, lp, top in _token_entries(ids, lps, n_top)]}
 
-    def _chat_events(self, stream: RequestStream, include_usage: bool, want_lp: bool) -> AsyncIterator[str]:
+    def _chat_events(self, stream: RequestStream, include_usage: bool, n_top: int | None, n: int,
+                     ) -> AsyncIterator[str]:
         head = {"id": stream.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model_name}
 
-        def chunk(ds: list, text: str, last) -> dict[str, Any]:
-            return {"index": 0, "delta": {"content": text} if text else {},
-                    "logprobs": self._chat_logprobs(*_delta_logprobs(ds)) if want_lp else None,
-                    "finish_reason": last.finish_reason}
+        def chunk(ds: list, text: str, finish_reason: str | None, index: int) -> dict[str, Any]:
+            return {"index": index, "delta": {"content": text} if text else {},
+                    "logprobs": self._chat_logprobs(*_delta_logprobs(ds), n_top) if n_top is not None else None,
+                    "finish_reason": finish_reason}
 
-        opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return self._stream_events(stream, include_usage, want_lp, head, chunk, opening)
+        opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                   for i in range(n)]
+        return self._stream_events(stream, include_usage, n_top is not None, head, chunk, opening)
 
 
 def _is_embedded(llm: LLM) -> bool:

@@ -140,7 +140,7 @@ class ServerMetrics:
             self.success.get(d.finish_reason, self.success["error"]).inc()
             self.e2e.observe(now - times.arrival)
             self.req_prompt.observe(d.num_prompt_tokens)
-            self.req_generation.observe(d.num_output_tokens)
+            self.req_generation.observe(sum(len(c.token_ids) for c in d.output.outputs))  # all n completions
 
     def observe_spec(self, cur: SpecCounters) -> None:
         """The engine's running speculation totals after a step: add what changed since the last call."""

@@ -2,9 +2,10 @@
 
 Bodies are validated strictly (no "1" for a number, no true for an int) before anything reaches the
 engine; ranges that pydantic can check are checked here, the rest by SamplingParams. Fields of the OpenAI
-API that m3eagle does not implement are accepted only at their neutral value (n=1, echo=false, penalties
-0, ...) and refused otherwise, never silently ignored. Unknown fields are ignored, as OpenAI does.
-vLLM's extra sampling fields that the engine supports (top_k, ignore_eos, stop_token_ids) are accepted.
+API that m3eagle does not implement are accepted only at their neutral value (logit_bias empty, best_of 1,
+no suffix or tools) and refused otherwise, never silently ignored. Unknown fields are ignored, as OpenAI
+does. vLLM's extra sampling fields that the engine supports (top_k, min_p, repetition_penalty, min_tokens,
+ignore_eos, stop_token_ids, include_stop_str_in_output, prompt_logprobs) are accepted.
 
 Responses are plain dicts built in app.py: cheaper per streamed chunk than pydantic models.
 """
@@ -59,9 +60,14 @@ class _Sampling(_Body):
     ignore_eos: bool = False  # vLLM's extra (benchmarks use it to fix output lengths)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int = Field(1, ge=1, le=128)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)  # vLLM's extra
+    min_tokens: int = Field(0, ge=0, lt=INT63)  # vLLM's extra
+    min_p: float = Field(0.0, ge=0, le=1)  # vLLM's extra
+    include_stop_str_in_output: bool = False  # vLLM's extra
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's extra
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -99,25 +105,21 @@ class ChatCompletionRequest(_Sampling):
 def refuse_unsupported(body: _Sampling) -> None:
     """Raise ApiError(400) for an OpenAI field set to a value m3eagle does not implement."""
     checks: list[tuple[bool, str, str]] = [
-        (body.n != 1, "n", f"n={body.n}: only n=1 is supported; send n requests"),
-        (body.presence_penalty != 0, "presence_penalty", "presence_penalty is not supported; leave it at 0"),
-        (body.frequency_penalty != 0, "frequency_penalty", "frequency_penalty is not supported; leave it at 0"),
         (bool(body.logit_bias), "logit_bias", "logit_bias is not supported"),
         (body.stream_options is not None and not body.stream, "stream_options",
          "stream_options is only allowed with stream=true"),
     ]
     if isinstance(body, CompletionRequest):
         checks += [
-            (body.echo, "echo", "echo=true is not supported; the prompt is in your request"),
+            (body.echo and body.stream and body.logprobs is not None, "echo",
+             "echo=true with logprobs is only supported without stream"),
             (body.suffix is not None, "suffix", "suffix is not supported"),
             (body.best_of not in (None, 1), "best_of", f"best_of={body.best_of}: only best_of=1 is supported"),
-            (bool(body.logprobs), "logprobs", f"logprobs={body.logprobs}: only the sampled token's logprob is "
-             "returned (logprobs=0); top alternatives are not supported yet"),
         ]
     else:
         checks += [
-            (bool(body.top_logprobs), "top_logprobs", f"top_logprobs={body.top_logprobs}: only the sampled "
-             "token's logprob is returned (top_logprobs=0); top alternatives are not supported yet"),
+            (body.top_logprobs is not None and not body.logprobs, "top_logprobs",
+             "top_logprobs needs logprobs=true"),
             (bool(body.tools), "tools", "tools are not supported"),
         ]
     for bad, param, message in checks:
