@@ -29,7 +29,11 @@ def make(k: int, overlap: bool, eager: bool, **kw) -> LLM:
     return LLM(device="cuda", num_draft_tokens=k, overlap=overlap, enforce_eager=eager, **kw)
 
 
-def params(sampled: bool) -> list[SamplingParams]:
+def params(sampled: bool | str) -> list[SamplingParams]:
+    if sampled == "penalized":  # penalties + min_tokens + min_p: the device-side penalty state in the graph
+        return [SamplingParams(temperature=0.7 if i % 2 else 0.0, max_tokens=12 + 5 * i, seed=3 + i,
+                               repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2,
+                               min_tokens=4, min_p=0.05, ignore_eos=True) for i in range(len(TEXTS))]
     if sampled:
         return [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=12 + 5 * i, seed=7 + i, ignore_eos=True)
                 for i in range(len(TEXTS))]
@@ -49,7 +53,7 @@ def run_with_arrivals(llm: LLM, sps: list[SamplingParams]) -> list[list[int]]:
 
 @pytest.mark.parametrize("k", [0, 1, 3, 5])
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampled", [False, True, "penalized"], ids=["greedy", "seeded", "penalized"])
 def test_graph_replay_equals_eager(k, overlap, sampled):
     sps = params(sampled)
     eager = make(k, overlap, True)
