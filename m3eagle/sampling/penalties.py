@@ -83,6 +83,7 @@ class PenaltyState:
         self.in_prompt = torch.zeros(num_slots, vocab, dtype=torch.bool, device=device)  # [S+1, V]
         self.stop_mask = torch.zeros(num_slots, vocab, dtype=torch.bool, device=device)  # [S+1, V]
         self.eos_mask = torch.zeros(vocab, dtype=torch.bool, device=device)  # [V]
+        self._true = torch.ones((), dtype=torch.bool, device=device)
         self.eos_mask[[t for t in eos_ids if 0 <= t < vocab]] = True
 
     def record_inputs(self, pt: PenaltyTensors, row_slot: torch.Tensor, row_gather: torch.Tensor,
@@ -96,7 +97,8 @@ class PenaltyState:
         self.counts.index_fill_(0, rs, 0)
         self.stop_mask.index_fill_(0, rs, False)
         self.in_prompt.index_copy_(0, rs, copied)
-        self.stop_mask[row_slot[pt.stop_rows], pt.stop_ids] = True
+        # index_put_ with a device value: `mask[idx] = True` would copy a host scalar (not capturable)
+        self.stop_mask.index_put_((row_slot[pt.stop_rows], pt.stop_ids), self._true)
         # Tokens of gathered rows (the last emitted token + drafts) are not history to record here.
         host = ~row_gather[tok_row]  # [T]
         slot = row_slot[tok_row]
