@@ -101,7 +101,8 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(geo.model, geo.draft if k else None, num_draft_tokens=k, dtype=a.dtype, device=str(dev),
               page_size=a.page_size, max_num_tokens=a.max_num_tokens, max_model_len=mml, max_num_seqs=max_b,
               num_pages=1 + max_b * pages_per_seq, overlap=overlap, attention_backend=a.attention_backend,
-              moe_backend=a.moe_backend, enforce_eager=a.enforce_eager, load_format=geo.load_format)
+              moe_backend=a.moe_backend, enforce_eager=a.enforce_eager, load_format=geo.load_format,
+              tensor_parallel_size=getattr(a, "tensor_parallel_size", 1))
     _sync(dev)
     build_s = time.perf_counter() - t0
     say(f"  built in {build_s:.1f}s")

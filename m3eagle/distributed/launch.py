@@ -1,0 +1,269 @@
+"""Tensor-parallel ranks: starting them, the per-step broadcast, faults and shutdown.
+
+    rank 0 (LLM, scheduler)                          ranks 1..N-1 (workers)
+    ScheduledBatch -> StepInput in StepBuffers       waiting for a header
+    header [cmd, host ints]  ──── broadcast ────►    (gloo "control" group: host ints, no device sync)
+    step buffers (int/float/bool) ─ broadcast ─►     the same buffers -> input_builder.carve -> same StepInput
+    execute: all-reduce / all-gather  ◄────────►     execute (same kernels, its own shard)
+
+Each rank derives the same tokens without a broadcast of outputs: logits are all-gathered, and sampling is
+counter-based on (seed, position), so every rank draws the same tokens and fills the same slot buffers.
+
+Two ways to start a group:
+- `LLM(..., tensor_parallel_size=N)`: rank 0 spawns N-1 workers with torch.multiprocessing (rendezvous on
+  a free local TCP port); each builds the same LLM on its own device and serves steps until rank 0 stops it.
+- torchrun (one process per GPU, one host or several): every process runs the user's script; RANK /
+  WORLD_SIZE / MASTER_ADDR / MASTER_PORT come from the environment (env:// rendezvous). Rank 0's `LLM()`
+  returns; the other ranks serve inside their `LLM()` and exit the process when rank 0 shuts down.
+
+Faults: data collectives time out after M3EAGLE_TP_TIMEOUT seconds (default 300). A worker waiting for the
+next step waits on the control group, whose timeout is long (an idle server is not a fault), but it exits
+when rank 0 goes away (the gloo connection closes, and a watchdog sees its parent die). Rank 0 checks its
+workers before every step; a collective that fails because a worker died raises `WorkerError` naming the
+rank and its exit code, and the remaining workers are shut down.
+NOTE: torch.distributed holds one default process group per process, so one tensor-parallel LLM lives in a
+process at a time (`LLM.shutdown()` frees it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .parallel_state import TPGroup
+
+log = logging.getLogger("m3eagle")
+
+STEP, CAPTURE, STOP = 1, 2, 3
+HEADER_LEN = 8  # [cmd, rows, tokens, max_q, max_kv, any_random, want_logprobs, bucket (-1: none)]
+IDLE_TIMEOUT = timedelta(days=365)  # workers wait this long for the next step; their parent's life bounds it
+
+
+def timeout_s() -> float:
+    return float(os.environ.get("M3EAGLE_TP_TIMEOUT", "300"))
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel rank failed; the group is down and this LLM cannot run steps any more."""
+
+
+# ---- starting ---------------------------------------------------------------------------------------
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when this process was started by torchrun (or any env:// launcher)."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    rank = int(os.environ["RANK"])
+    return rank, int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", rank))
+
+
+def rank_device(device: torch.device, local_rank: int, size: int) -> torch.device:
+    """The device of one rank: cuda:<local rank> on GPUs (so `device` must not name an index), the CPU else."""
+    if device.type != "cuda":
+        return device
+    if device.index is not None and size > 1:
+        raise ValueError(f"device={str(device)!r} with tensor_parallel_size={size}: pass device='cuda'; rank r "
+                         "runs on cuda:<local rank r> (use CUDA_VISIBLE_DEVICES to choose the GPUs)")
+    n = torch.cuda.device_count()
+    if local_rank >= n:
+        raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs on this host but torch sees {n}; lower "
+                         "tensor_parallel_size or set CUDA_VISIBLE_DEVICES")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def init_group(rank: int, size: int, init_method: str, device: torch.device) -> TPGroup:
+    """Join the process group: NCCL on GPUs, gloo on the CPU, plus a gloo control group for step headers."""
+    if dist.is_initialized():
+        raise RuntimeError("a tensor-parallel LLM already lives in this process (torch.distributed holds one "
+                           "default process group per process): call its shutdown() first")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    extra = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=timedelta(seconds=timeout_s()), **extra)
+    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    return TPGroup(rank=rank, size=size, group=dist.group.WORLD, control=control)
+
+
+def free_tcp_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+class Workers:
+    """The N-1 worker processes rank 0 spawned (torch.multiprocessing, 'spawn'): each runs `LLM(**kwargs)`
+    as rank r and serves steps until stopped."""
+
+    def __init__(self, size: int, init_method: str, llm_kwargs: dict[str, Any]):
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=_worker_main, args=(r, size, init_method, llm_kwargs, os.getpid()),
+                                  name=f"m3eagle-tp-rank{r}", daemon=True) for r in range(1, size)]
+        for p in self.procs:
+            p.start()
+
+    def dead(self) -> list[tuple[int, int]]:
+        """(rank, exit code) of every worker that has exited."""
+        return [(r, p.exitcode) for r, p in enumerate(self.procs, 1) if p.exitcode is not None]
+
+    def stop(self, wait_s: float) -> None:
+        """Join for up to `wait_s` seconds, then terminate (and finally kill) whatever still runs."""
+        end = time.monotonic() + wait_s
+        for p in self.procs:
+            p.join(max(0.0, end - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def _worker_main(rank: int, size: int, init_method: str, llm_kwargs: dict[str, Any], parent: int) -> None:
+    """A spawned worker: watch the parent, build this rank's LLM, which serves until rank 0 says stop."""
+    _watch_parent(parent)
+    if str(llm_kwargs.get("device") or "").startswith("cpu"):
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))  # the ranks share the host's cores
+    from ..entrypoints.llm import LLM
+
+    try:
+        LLM(**llm_kwargs, _worker=(rank, size, init_method))
+    except BaseException:
+        print(f"m3eagle: tensor-parallel worker rank {rank} failed:\n{traceback.format_exc()}", flush=True)
+        os._exit(1)
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit when the parent process is gone, whatever this rank is blocked in (no rank outlives rank 0)."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="m3eagle-parent-watch", daemon=True).start()
+
+
+# ---- the step broadcast -------------------------------------------------------------------------------
+
+
+def _broadcast_buffers(bufs: Any, rows: int, tokens: int, max_q: int, tp: TPGroup) -> None:
+    """Rank 0's step values, packed in its StepBuffers, into every rank's StepBuffers (in place)."""
+    from ..engine.input_builder import layout_sizes, step_layout
+
+    flat = {"int": bufs.d_int, "float": bufs.d_float, "bool": bufs.d_bool}
+    for kind, n in layout_sizes(step_layout(rows, tokens, max_q, bufs.table_width)).items():
+        if n:
+            dist.broadcast(flat[kind][:n], 0, group=tp.group)
+
+
+class Driver:
+    """Rank 0's side: tells the workers what each step runs, and turns a worker's death into WorkerError."""
+
+    def __init__(self, tp: TPGroup, workers: Workers | None):
+        self.tp, self.workers = tp, workers
+        self.header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        self.error: str | None = None
+
+    def _send(self, cmd: int, *ints: int) -> None:
+        self.check()
+        vals = [cmd, *ints]
+        self.header[: len(vals)] = torch.tensor(vals, dtype=torch.int64)
+        dist.broadcast(self.header, 0, group=self.tp.control)
+
+    def step(self, inp: Any, bucket: int | None, bufs: Any) -> None:
+        """Broadcast the header and the step's buffers; the workers then run it as rank 0 does."""
+        self._send(STEP, inp.num_rows, inp.num_tokens, inp.meta.max_q, inp.meta.max_kv, int(inp.any_random),
+                   int(inp.want_logprobs), -1 if bucket is None else bucket)
+        _broadcast_buffers(bufs, inp.num_rows, inp.num_tokens, inp.meta.max_q, self.tp)
+
+    def capture(self, bucket: int, mode: tuple[bool, bool]) -> None:
+        self._send(CAPTURE, 0, 0, 0, 0, int(mode[0]), int(mode[1]), bucket)
+
+    def check(self) -> None:
+        if self.error is None and self.workers is not None and (dead := self.workers.dead()):
+            self._fail(dead)
+        if self.error is not None:
+            raise WorkerError(self.error)
+
+    def _fail(self, dead: list[tuple[int, int]]) -> None:
+        who = ", ".join(f"rank {r} (exit code {c})" for r, c in dead)
+        self.error = (f"tensor-parallel worker {who} died; the group is shut down and this LLM cannot run "
+                      "any more steps: build a new LLM (the worker's traceback, if any, is on stderr)")
+        log.error(self.error)
+        self.shutdown(send_stop=False)
+
+    @contextmanager
+    def guard(self):
+        """A step's collectives: when one fails because a worker died, raise WorkerError naming it."""
+        try:
+            yield
+        except WorkerError:
+            raise
+        except Exception as e:
+            if self.workers is not None:
+                end = time.monotonic() + 5.0  # a peer's socket closes a moment before its exit code is in
+                while not (dead := self.workers.dead()) and time.monotonic() < end:
+                    time.sleep(0.05)
+                if dead:
+                    self._fail(dead)
+                    raise WorkerError(self.error) from e
+            raise
+
+    def shutdown(self, send_stop: bool = True) -> None:
+        """Stop the workers (a STOP header, then join / terminate) and leave the process group."""
+        if send_stop and self.error is None:
+            try:
+                self.header.zero_()
+                self.header[0] = STOP
+                dist.broadcast(self.header, 0, group=self.tp.control)
+            except Exception as e:  # a worker already gone: terminate below
+                log.warning("tensor-parallel shutdown: stop broadcast failed (%s)", e)
+        if self.workers is not None:
+            self.workers.stop(wait_s=10.0 if send_stop else 1.0)
+        leave_group()
+        self.error = self.error or "this LLM was shut down (LLM.shutdown()); build a new one to generate"
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # a group broken by a dead peer may not tear down cleanly; it is gone either way
+            log.debug("destroy_process_group: %s", e)
+
+
+# ---- the worker loop ----------------------------------------------------------------------------------
+
+
+def serve(engine: Any) -> None:
+    """A worker's life: run what rank 0 broadcasts -- steps (into this rank's buffers, carved into the same
+    StepInput) and CUDA-graph captures -- until STOP. Outputs stay on the device: rank 0 alone reads them."""
+    from ..engine.input_builder import carve
+
+    tp, bufs = engine.tp, engine.buffers
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    while True:
+        dist.broadcast(header, 0, group=tp.control)
+        cmd, rows, tokens, max_q, max_kv, rnd, lp, bucket = header.tolist()
+        mode, bucket = (bool(rnd), bool(lp)), (bucket if bucket >= 0 else None)
+        if cmd == STOP:
+            return
+        if cmd == CAPTURE:
+            engine.graphs.capture(bucket, mode)
+            continue
+        _broadcast_buffers(bufs, rows, tokens, max_q, tp)
+        inp = carve(bufs, rows, tokens, max_q, max_kv, engine.cfg.page_size, engine.ops, *mode)
+        engine.graphs.run(inp, bucket)
