@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
 # torch >= 2.12 renames all_gather_into_tensor (deprecated there) to all_gather_single; same contract.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
