@@ -27,12 +27,14 @@ process at a time (`LLM.shutdown()` frees it).
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import socket
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -45,8 +47,10 @@ from .parallel_state import TPGroup
 
 log = logging.getLogger("m3eagle")
 
-STEP, CAPTURE, STOP = 1, 2, 3
-HEADER_LEN = 8  # [cmd, rows, tokens, max_q, max_kv, any_random, want_logprobs, bucket (-1: none)]
+STEP, CAPTURE, STOP, PLAIN_ENGINE = 1, 2, 3, 4
+# [cmd, engine, rows, tokens, max_q, max_kv, any_random, want_logprobs, bucket (-1: none)]; engine 0 is the LLM's,
+# 1.. the spec-off engines over the same weights that LLM.plain_engine() adds (the bench's baseline).
+HEADER_LEN = 9
 IDLE_TIMEOUT = timedelta(days=365)  # workers wait this long for the next step; their parent's life bounds it
 
 
@@ -170,16 +174,26 @@ def _broadcast_buffers(bufs: Any, rows: int, tokens: int, max_q: int, tp: TPGrou
 
 
 class Driver:
-    """Rank 0's side: tells the workers what each step runs, and turns a worker's death into WorkerError."""
+    """Rank 0's side: tells the workers what each step runs, and turns a worker's death into WorkerError.
+    One Driver per engine (`new_engine`); they share the group's state (workers, error)."""
 
     def __init__(self, tp: TPGroup, workers: Workers | None):
         self.tp, self.workers = tp, workers
         self.header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-        self.error: str | None = None
+        self.engine_id, self._engines = 0, [0]  # _engines: a shared counter (a list, so that copies share it)
+        self._error: list[str | None] = [None]
+
+    @property
+    def error(self) -> str | None:
+        return self._error[0]
+
+    @error.setter
+    def error(self, msg: str | None) -> None:
+        self._error[0] = msg
 
     def _send(self, cmd: int, *ints: int) -> None:
         self.check()
-        vals = [cmd, *ints]
+        vals = [cmd, self.engine_id, *ints]
         self.header[: len(vals)] = torch.tensor(vals, dtype=torch.int64)
         dist.broadcast(self.header, 0, group=self.tp.control)
 
@@ -191,6 +205,15 @@ class Driver:
 
     def capture(self, bucket: int, mode: tuple[bool, bool]) -> None:
         self._send(CAPTURE, 0, 0, 0, 0, int(mode[0]), int(mode[1]), bucket)
+
+    def new_engine(self) -> Driver:
+        """Tell the workers to build a spec-off engine over the same weights; its steps go through the
+        Driver returned."""
+        self._send(PLAIN_ENGINE)
+        self._engines[0] += 1
+        child = copy.copy(self)
+        child.engine_id = self._engines[0]
+        return child
 
     def check(self) -> None:
         if self.error is None and self.workers is not None and (dead := self.workers.dead()):
@@ -248,22 +271,27 @@ def leave_group() -> None:
 # ---- the worker loop ----------------------------------------------------------------------------------
 
 
-def serve(engine: Any) -> None:
+def serve(engine: Any, plain_engine: Callable[[], Any]) -> None:
     """A worker's life: run what rank 0 broadcasts -- steps (into this rank's buffers, carved into the same
-    StepInput) and CUDA-graph captures -- until STOP. Outputs stay on the device: rank 0 alone reads them."""
+    StepInput), CUDA-graph captures, new spec-off engines (`plain_engine()`) -- until STOP. Outputs stay on
+    the device: rank 0 alone reads them."""
     from ..engine.input_builder import carve
 
-    tp, bufs = engine.tp, engine.buffers
+    engines, tp = [engine], engine.tp
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     while True:
         dist.broadcast(header, 0, group=tp.control)
-        cmd, rows, tokens, max_q, max_kv, rnd, lp, bucket = header.tolist()
+        cmd, eid, rows, tokens, max_q, max_kv, rnd, lp, bucket = header.tolist()
         mode, bucket = (bool(rnd), bool(lp)), (bucket if bucket >= 0 else None)
         if cmd == STOP:
             return
-        if cmd == CAPTURE:
-            engine.graphs.capture(bucket, mode)
+        if cmd == PLAIN_ENGINE:
+            engines.append(plain_engine())
             continue
-        _broadcast_buffers(bufs, rows, tokens, max_q, tp)
-        inp = carve(bufs, rows, tokens, max_q, max_kv, engine.cfg.page_size, engine.ops, *mode)
-        engine.graphs.run(inp, bucket)
+        eng = engines[eid]
+        if cmd == CAPTURE:
+            eng.graphs.capture(bucket, mode)
+            continue
+        _broadcast_buffers(eng.buffers, rows, tokens, max_q, tp)
+        inp = carve(eng.buffers, rows, tokens, max_q, max_kv, eng.cfg.page_size, eng.ops, *mode)
+        eng.graphs.run(inp, bucket)

@@ -8,6 +8,7 @@ import numbers
 import sys
 import threading
 import weakref
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +122,7 @@ class LLM:
             raise
         if not self.tp.is_driver:  # a worker rank: serve rank 0's steps until it stops the group
             try:
-                launch.serve(self.engine)
+                launch.serve(self.engine, lambda: self._plain_engine(None))
             finally:
                 launch.leave_group()
             if _worker is None:  # torchrun: this process's whole job was to serve rank 0
@@ -207,6 +208,15 @@ class LLM:
                                    enforce_eager=enforce_eager, graph_shapes=graph_shapes)
         self.engine = LLMEngine(self.target, self.draft, self.tokenizer, self.config, self.dtype, dev, self.ops,
                                 tp=tp, driver=self._driver)
+
+    def plain_engine(self) -> LLMEngine:
+        """A second engine over the same target weights with speculation off (its own KV pool, sized alike):
+        the bench's baseline. Under tensor parallelism every rank builds its own."""
+        return self._plain_engine(self._driver.new_engine() if self._driver is not None else None)
+
+    def _plain_engine(self, driver: launch.Driver | None) -> LLMEngine:
+        return LLMEngine(self.target, None, self.tokenizer, replace(self.config, num_draft_tokens=0), self.dtype,
+                         self.device, self.ops, tp=self.tp, driver=driver)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and leave the process group (nothing to do with one rank). The LLM
