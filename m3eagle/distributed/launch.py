@@ -182,6 +182,27 @@ class Driver:
         self.header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         self.engine_id, self._engines = 0, [0]  # _engines: a shared counter (a list, so that copies share it)
         self._error: list[str | None] = [None]
+        if workers is not None and tp.group is not None and dist.get_backend(tp.group) == "nccl":
+            threading.Thread(target=self._monitor, name="m3eagle-tp-monitor", daemon=True).start()
+
+    def _monitor(self) -> None:
+        """NCCL only: a dead peer does not fail a collective, rank 0 would wait in it for the whole timeout.
+        So watch the workers and abort the communicators on a death; the blocked step then returns and the
+        next one raises WorkerError. (gloo fails the collective itself when the peer's socket closes.)
+        NOTE: not exercised by the CPU tests."""
+        while self.error is None:
+            if dead := self.workers.dead():
+                self.error = self._dead_message(dead)
+                log.error(self.error)
+                abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+                try:
+                    if abort is not None:
+                        abort()
+                except Exception as e:
+                    log.warning("tensor-parallel monitor: aborting the process group failed (%s)", e)
+                self.workers.stop(wait_s=1.0)
+                return
+            time.sleep(1.0)
 
     @property
     def error(self) -> str | None:
@@ -221,10 +242,14 @@ class Driver:
         if self.error is not None:
             raise WorkerError(self.error)
 
-    def _fail(self, dead: list[tuple[int, int]]) -> None:
+    @staticmethod
+    def _dead_message(dead: list[tuple[int, int]]) -> str:
         who = ", ".join(f"rank {r} (exit code {c})" for r, c in dead)
-        self.error = (f"tensor-parallel worker {who} died; the group is shut down and this LLM cannot run "
-                      "any more steps: build a new LLM (the worker's traceback, if any, is on stderr)")
+        return (f"tensor-parallel worker {who} died; the group is shut down and this LLM cannot run any more "
+                "steps: build a new LLM (the worker's traceback, if any, is on stderr)")
+
+    def _fail(self, dead: list[tuple[int, int]]) -> None:
+        self.error = self._dead_message(dead)
         log.error(self.error)
         self.shutdown(send_stop=False)
 

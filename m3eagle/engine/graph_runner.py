@@ -156,7 +156,11 @@ class GraphRunner:
                 self.runner.execute(inp)
         torch.cuda.current_stream(self.runner.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # Tensor parallel: NCCL's watchdog thread queries events while we capture; "thread_local" keeps its
+        # calls from invalidating the capture (only this thread's unsafe calls are errors).
+        tp = getattr(self.runner.target, "tp", None)
+        mode = "thread_local" if tp is not None and tp.size > 1 else "global"
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=mode):
             static = self.runner.execute(inp)
         self.graphs[(bucket, mode)] = (graph, static)
         self.capture_seconds += time.perf_counter() - t0
