@@ -15,6 +15,7 @@ runner derives them on the device (ModelRunner._apply_overlap_correction -> Attn
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,17 +91,25 @@ def step_layout(n_rows: int, n_tokens: int, max_q: int, table_width: int) -> dic
 
 def layout_sizes(layout: dict[str, list[tuple[str, tuple[int, ...]]]]) -> dict[str, int]:
     """Elements used in each flat buffer."""
-    return {kind: sum(int(np.prod(shape)) for _, shape in fields) for kind, fields in layout.items()}
+    return {kind: sum(math.prod(shape) for _, shape in fields) for kind, fields in layout.items()}
 
 
 def _carve_views(flat: dict[str, torch.Tensor], layout: dict[str, list[tuple[str, tuple[int, ...]]]],
+                 values: dict[str, Any] | None = None, host: dict[str, np.ndarray] | None = None,
                  ) -> dict[str, torch.Tensor]:
-    out, off = {}, dict.fromkeys(_KINDS, 0)
+    """Views of the flat buffers at the layout's offsets; with `values` and `host` (numpy staging arrays),
+    each value is first written into the staging at the same offset."""
+    out = {}
     for kind, fields in layout.items():
+        off, dev, stage = 0, flat[kind], host[kind] if host is not None else None
         for name, shape in fields:
-            n = int(np.prod(shape))
-            out[name] = flat[kind][off[kind]:off[kind] + n].reshape(shape)  # a view (contiguous slice)
-            off[kind] += n
+            n = math.prod(shape)
+            if stage is not None:
+                v = values[name]
+                stage[off:off + n] = v.reshape(-1) if isinstance(v, np.ndarray) and v.ndim > 1 else v
+            view = dev[off:off + n]  # a view (contiguous slice)
+            out[name] = view.view(shape) if len(shape) > 1 else view
+            off += n
     return out
 
 
@@ -179,12 +188,11 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
     par = bufs._parity
     bufs._parity ^= 1
     host = {"int": bufs.h_int[par], "float": bufs.h_float[par], "bool": bufs.h_bool[par]}
-    for name, view in _carve_views({k: h.numpy() for k, h in host.items()}, layout).items():
-        view[...] = np.asarray(values[name]).reshape(view.shape)
     dev = {"int": bufs.d_int, "float": bufs.d_float, "bool": bufs.d_bool}
+    views = _carve_views(dev, layout, values, {k: h.numpy() for k, h in host.items()})
     for kind, n in layout_sizes(layout).items():
         if n:
             dev[kind][:n].copy_(host[kind][:n], non_blocking=dev[kind].is_cuda)
     any_random, want_logprobs = mode or (any(not p.greedy for p in params), any(p.logprobs for p in params))
-    return _assemble(_carve_views(dev, layout), n_rows, t, max_q, max_kv or max(kv_lens, default=1), page_size, ops,
-                     any_random, want_logprobs)
+    return _assemble(views, n_rows, t, max_q, max_kv or max(kv_lens, default=1), page_size, ops, any_random,
+                     want_logprobs)
