@@ -272,6 +272,8 @@ class Driver:
 
     def shutdown(self, send_stop: bool = True) -> None:
         """Stop the workers (a STOP header, then join / terminate) and leave the process group."""
+        if self.workers is not None and len(self.workers.dead()) == len(self.workers.procs):
+            send_stop = False  # nobody left to tell (terminated at interpreter exit, say)
         if send_stop and self.error is None:
             try:
                 self.header.zero_()

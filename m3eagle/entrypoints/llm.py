@@ -3,6 +3,7 @@ LLM.chat(messages) (the model's chat template, rendered as the server renders it
 
 from __future__ import annotations
 
+import atexit
 import logging
 import numbers
 import sys
@@ -171,6 +172,9 @@ class LLM:
         if rank == 0:
             self._driver = launch.Driver(self.tp, workers)
             self._finalizer = weakref.finalize(self, self._driver.shutdown)
+            # Also an atexit hook of our own, registered after multiprocessing's (atexit runs last-in first-out):
+            # the workers get their STOP before multiprocessing terminates its daemonic children.
+            atexit.register(self._finalizer)
         return dev
 
     def _build(self, model: Any, draft: Any, num_draft_tokens: int, load_format: str, dev: torch.device,
