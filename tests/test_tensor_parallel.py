@@ -53,19 +53,21 @@ _live: dict[str, LLM] = {}
 def tp_llm(name: str, *args, **kw) -> LLM:
     """The live 2-rank LLM for `name`, built on first use (the previous one is shut down first)."""
     if name not in _live:
-        for other in _live.values():
-            other.shutdown()
-        _live.clear()
+        _release()
         _live[name] = LLM(*args, tensor_parallel_size=2, **KW, **kw)
     return _live[name]
+
+
+def _release() -> None:
+    for llm in _live.values():
+        llm.shutdown()
+    _live.clear()
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _shutdown_at_end():
     yield
-    for llm in _live.values():
-        llm.shutdown()
-    _live.clear()
+    _release()
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +193,29 @@ def test_worker_killed_mid_run_raises(mqa_dir):
     assert time.monotonic() - t0 < 30
     with pytest.raises(WorkerError, match="died"):  # and it stays down, at once
         llm.generate(prompts(), greedy(), use_tqdm=False)
+
+
+# ---- the bench ---------------------------------------------------------------------------------------
+
+
+def test_bench_reports_tp(one_thread):
+    """`m3eagle bench --tensor-parallel-size 2`: plain and spec engines on both ranks (the spec-off engine
+    is built on every rank), the TP size and the time in collectives reported."""
+    import contextlib
+    import io
+
+    from m3eagle.entrypoints.cli import main
+
+    _release()
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["bench", "--geometry", "tiny", "--device", "cpu", "--prompt-len", "24", "--max-tokens", "3",
+                   "--repeats", "1", "--decode-steps", "1", "--profile-steps", "1", "--bandwidth-gib", "0.01",
+                   "--batch-sizes", "2", "--tensor-parallel-size", "2"])
+    assert rc == 0, err.getvalue()
+    doc = json.loads(out.getvalue())
+    assert doc["env"]["tensor_parallel_size"] == 2
+    assert [r["mode"] for r in doc["results"]] == ["plain", "spec"]
+    for r in doc["results"]:
+        assert r["step"]["comm_ms"] > 0 and 0 < r["step"]["comm_frac"] <= 1
+    assert "comm ms (share)" in err.getvalue()

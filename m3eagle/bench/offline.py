@@ -322,12 +322,15 @@ def step_profile(engine: LLMEngine, target: torch.nn.Module, prompts: list[list[
         experts, tokens = routed.result()  # syncs: outside every timed window
         ctx0 = _mean_context(reqs)
         _sync(dev)
+        tp = engine.tp
+        tp.timed, tp.comm_seconds = tp.size > 1 and dev.type != "cuda", 0.0  # CPU: gloo collectives block
         with device_wait_timer() as waited:
             t0 = time.perf_counter()
             for _ in range(steps):
                 engine.step()
             _sync(dev)
             wall = time.perf_counter() - t0
+        tp.timed = False
         ctx = (ctx0 + _mean_context(reqs)) / 2
         prof = profile_window(engine, profile_steps, dev)
     finally:
@@ -336,12 +339,13 @@ def step_profile(engine: LLMEngine, target: torch.nn.Module, prompts: list[list[
         engine.run()
     step_ms = wall / steps * 1e3
     busy = prof["gpu_busy_ms"]
-    comm = prof["comm_ms"]
+    comm = prof["comm_ms"] if prof["comm_ms"] is not None else (
+        tp.comm_seconds * 1e3 / steps if tp.size > 1 else None)
     return {"context": ctx, "tokens": tokens if tokens is not None else len(prompts) * (k + 1),
             "step_ms": step_ms, "host_ms": step_ms - waited[0] / steps * 1e3,
             "device_wait_ms": waited[0] / steps * 1e3, **prof,
             "gpu_busy_frac": busy / step_ms if busy is not None else None,
-            "comm_frac": comm / step_ms if comm is not None else None,
+            "comm_ms": comm, "comm_frac": comm / step_ms if comm is not None else None,
             "experts_per_moe_layer": experts}
 
 
@@ -412,20 +416,16 @@ def profile_window(engine: LLMEngine, steps: int, dev: torch.device) -> dict[str
     cuda, tp = dev.type == "cuda", engine.tp
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     _sync(dev)
-    tp.timed, tp.comm_seconds = tp.size > 1 and not cuda, 0.0  # host time in collectives (CPU: they block)
-    try:
-        with profile(activities=acts) as prof:
-            for _ in range(steps):
-                engine.step()
-            _sync(dev)
-    finally:
-        tp.timed = False
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            engine.step()
+        _sync(dev)
     events = prof.events()
     ops = sum(1 for e in events if e.device_type == DeviceType.CPU and e.cpu_parent is None
               and e.name.startswith("aten::"))
     res: dict[str, float | None] = {"torch_ops_per_step": ops / steps, "kernels_per_step": None,
                                     "memcpy_per_step": None, "gpu_busy_ms": None,
-                                    "comm_ms": tp.comm_seconds * 1e3 / steps if tp.size > 1 else None}
+                                    "comm_ms": None}
     if cuda:
         gpu = [e for e in events if e.device_type == DeviceType.CUDA]
         copies = sum(1 for e in gpu if e.name.startswith(("Memcpy", "Memset")))
