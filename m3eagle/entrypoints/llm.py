@@ -234,8 +234,9 @@ class LLM:
             return sum(p.numel() for p in m.parameters()) if m is not None else 0
 
         where = str(model) if isinstance(model, (str, Path)) else f"a {type(model).__name__} config"
-        log.info("loaded target %s (%s weights): %.2fM parameters, %s on %s", where, load_format,
-                 n_params(self.target) / 1e6, str(self.dtype).removeprefix("torch."), self.device)
+        shard = f" (rank 0's shard of {self.tp.size})" if self.tp.size > 1 else ""
+        log.info("loaded target %s (%s weights): %.2fM parameters%s, %s on %s", where, load_format,
+                 n_params(self.target) / 1e6, shard, str(self.dtype).removeprefix("torch."), self.device)
         if self.draft is not None:
             dwhere = str(draft) if isinstance(draft, (str, Path)) else f"a {type(draft).__name__} config"
             log.info("loaded Eagle3 draft %s: %.2fM parameters, K=%d", dwhere, n_params(self.draft) / 1e6,

@@ -188,6 +188,7 @@ class SparseMoE(nn.Module):
                                            what="shared_intermediate_size")
 
     def forward(self, x: torch.Tensor, impl: moe_backend.MoEImpl | None = None) -> torch.Tensor:
+        """The training / oracle path (one rank: with tensor parallelism the sum would be this rank's part)."""
         w, idx = self.gate(x)
         # Routed output is scaled; the shared expert is not.
         return self.experts(x, w, idx, impl) * self.routed_scaling_factor + self.shared_experts(x)
