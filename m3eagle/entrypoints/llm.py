@@ -138,6 +138,7 @@ class LLM:
                     worker: tuple[int, int, str] | None) -> torch.device:
         """Become one rank of a tensor-parallel group: a spawned worker, a torchrun rank, or rank 0 spawning its
         workers. Returns this rank's device. User errors are raised before anything is spawned."""
+        env = launch.torchrun_env() if worker is None else None
         if worker is not None:
             rank, size, init = worker
             local = rank
@@ -147,22 +148,20 @@ class LLM:
             cfg = target_config(model) if load_format == "dummy" else load_config(self.model_path)
             with torch.device("meta"):
                 MiniMaxM3(cfg, TPGroup(rank=0, size=size))  # raises TPError when size does not divide the model
-            if dev.type == "cuda" and size > torch.cuda.device_count() and launch.torchrun_env() is None:
-                raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs but torch sees "
-                                 f"{torch.cuda.device_count()}; lower tensor_parallel_size")
-            env = launch.torchrun_env()
-            if env is not None:
+            if env is not None:  # torchrun: one process per GPU, maybe several hosts
                 rank, world, local = env
                 if world != size:
                     raise ValueError(f"tensor_parallel_size={size} but torchrun started WORLD_SIZE={world} "
                                      "processes; make them equal (one process per GPU)")
                 init = "env://"
             else:
+                if dev.type == "cuda" and size > torch.cuda.device_count():
+                    raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs but torch sees "
+                                     f"{torch.cuda.device_count()}; lower tensor_parallel_size")
                 rank = local = 0
                 init = launch.free_tcp_address()
         dev = launch.rank_device(dev, local, size)
-        workers = launch.Workers(size, init, spawn_kwargs) if worker is None and rank == 0 and \
-            launch.torchrun_env() is None else None
+        workers = launch.Workers(size, init, spawn_kwargs) if worker is None and env is None else None
         try:
             self.tp = launch.init_group(rank, size, init, dev)
         except BaseException:
