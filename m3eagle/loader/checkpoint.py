@@ -157,7 +157,7 @@ def _shard_reader(cfg: M3Config, shards: dict[str, Shard]) -> Callable[[str, Any
     def read(raw: str, sl: Any) -> torch.Tensor | None:
         name = _canonical(raw)
         if name is None:
-            return sl[:0]  # vision / MTP: not read, counted as ignored by the caller
+            return torch.empty(0)  # vision / MTP: not read, counted as ignored by the caller
         if m := _EXPERT.match(name):
             spec = shards.get(m.group(1) + ".gate_up_proj")
             (e0, n), = spec.pieces if spec is not None else ((0, cfg.num_local_experts),)
