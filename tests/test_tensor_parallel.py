@@ -154,6 +154,22 @@ def test_sampled_equals_one_process(model_dir, head_dir, reference):
     assert tokens(llm, reference["sampled_params"]) == reference["sampled"]
 
 
+def test_fault_on_rank0_stops_the_group(model_dir, head_dir):
+    """An exception inside a step on rank 0 leaves the workers in a collective: the group is shut down and
+    the LLM says so on every later call (it does not hang)."""
+    llm = tp_llm("gqa", model_dir, head_dir, num_draft_tokens=3)
+
+    def boom(inp):
+        raise RuntimeError("boom")
+
+    llm.engine.runner.execute = boom
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate(prompts(), greedy(), use_tqdm=False)
+    with pytest.raises(WorkerError, match="no longer in step"):
+        llm.generate(prompts(), greedy(), use_tqdm=False)
+    assert all(p.exitcode is not None for p in llm._driver.workers.procs)
+
+
 def test_torchrun_style_launch(tmp_path, model_dir, reference):
     """One process per rank, rendezvous through RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (env://), as
     torchrun starts them: rank 0's LLM() returns and generates, rank 1 serves inside LLM() and exits 0.

@@ -255,19 +255,26 @@ class Driver:
 
     @contextmanager
     def guard(self):
-        """A step's collectives: when one fails because a worker died, raise WorkerError naming it."""
+        """Around a step's (or a capture's) collectives. A failure because a worker died raises WorkerError
+        naming it. Any other fault on rank 0 mid-step (an exception, Ctrl-C) leaves the workers inside a
+        collective rank 0 will never join: the ranks are out of step, so the group is shut down too, and the
+        fault propagates (later calls raise WorkerError). Unlike one process, the engine cannot roll back."""
         try:
             yield
         except WorkerError:
             raise
-        except Exception as e:
-            if self.workers is not None:
+        except BaseException as e:
+            if isinstance(e, Exception) and self.workers is not None:
                 end = time.monotonic() + 5.0  # a peer's socket closes a moment before its exit code is in
                 while not (dead := self.workers.dead()) and time.monotonic() < end:
                     time.sleep(0.05)
                 if dead:
                     self._fail(dead)
                     raise WorkerError(self.error) from e
+            self.error = (f"a step failed on rank 0 ({type(e).__name__}: {e}); the ranks are no longer in step, "
+                          "so the tensor-parallel group was shut down: build a new LLM")
+            log.error(self.error)
+            self.shutdown(send_stop=False)
             raise
 
     def shutdown(self, send_stop: bool = True) -> None:
