@@ -265,7 +265,7 @@ class Driver:
             raise
         except BaseException as e:
             if isinstance(e, Exception) and self.workers is not None:
-                end = time.monotonic() + 5.0  # a peer's socket closes a moment before its exit code is in
+                end = time.monotonic() + 2.0  # a peer's socket closes a moment before its exit code is in
                 while not (dead := self.workers.dead()) and time.monotonic() < end:
                     time.sleep(0.05)
                 if dead:
