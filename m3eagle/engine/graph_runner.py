@@ -159,8 +159,8 @@ class GraphRunner:
         # Tensor parallel: NCCL's watchdog thread queries events while we capture; "thread_local" keeps its
         # calls from invalidating the capture (only this thread's unsafe calls are errors).
         tp = getattr(self.runner.target, "tp", None)
-        mode = "thread_local" if tp is not None and tp.size > 1 else "global"
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=mode):
+        errors = "thread_local" if tp is not None and tp.size > 1 else "global"
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=errors):
             static = self.runner.execute(inp)
         self.graphs[(bucket, mode)] = (graph, static)
         self.capture_seconds += time.perf_counter() - t0
