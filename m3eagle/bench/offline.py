@@ -66,10 +66,10 @@ DEFINITIONS = {
            "their shards in parallel, each at the copy bandwidth measured on rank 0's device",
     "roofline_tok_s": "tokens a step emits (batch; spec: batch x mean acceptance length) / (bytes_per_step / "
                       "(bandwidth x tensor_parallel_size))",
-    "comm_ms": "tensor parallel: rank 0's time per step in collectives (all-reduce, logits all-gather, step "
-               "broadcast): NCCL kernel time from the profiler on CUDA; on CPU the host time in the all-reduce and "
-               "all-gather calls (gloo blocks); comm_frac "
-               "= comm_ms / step_ms (null with one rank)",
+    "comm_ms": "tensor parallel: rank 0's time per step in collectives -- on CUDA the union of NCCL kernel "
+               "intervals from the profiler (all-reduces, logits all-gather, step broadcast; waiting for a slower "
+               "peer included), on CPU the host time in the all-reduce / all-gather calls (gloo blocks); "
+               "comm_frac = comm_ms / step_ms; null with one rank",
     "bandwidth": "device-to-device copy of a buffer of bandwidth.buffer_bytes: 2 x bytes (read + write) / time",
 }
 
@@ -324,13 +324,15 @@ def step_profile(engine: LLMEngine, target: torch.nn.Module, prompts: list[list[
         _sync(dev)
         tp = engine.tp
         tp.timed, tp.comm_seconds = tp.size > 1 and dev.type != "cuda", 0.0  # CPU: gloo collectives block
-        with device_wait_timer() as waited:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            _sync(dev)
-            wall = time.perf_counter() - t0
-        tp.timed = False
+        try:
+            with device_wait_timer() as waited:
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    engine.step()
+                _sync(dev)
+                wall = time.perf_counter() - t0
+        finally:
+            tp.timed = False
         ctx = (ctx0 + _mean_context(reqs)) / 2
         prof = profile_window(engine, profile_steps, dev)
     finally:
