@@ -4,4 +4,5 @@ import sys
 
 from .entrypoints.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # a tensor-parallel worker (spawned) imports this module too: it must not run the CLI
+    sys.exit(main())

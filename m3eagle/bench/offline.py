@@ -31,7 +31,7 @@ import sysconfig
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +63,14 @@ DEFINITIONS = {
     "bytes_per_step": "bytes an ideal engine reads per step at this batch and context: every non-expert weight "
                       "once, the routed experts the router chose (distinct over the step's tokens), full-attention "
                       "KV, MSA selected-block KV plus all index keys; spec adds the Eagle3 head's K draft passes",
-    "mbu": "bytes_per_step / (step_ms / 1000) / bandwidth.bytes_per_s",
+    "mbu": "bytes_per_step / (step_ms / 1000) / (bandwidth.bytes_per_s x tensor_parallel_size): the ranks read "
+           "their shards in parallel, each at the copy bandwidth measured on rank 0's device",
     "roofline_tok_s": "tokens a step emits (batch; spec: batch x mean acceptance length) / (bytes_per_step / "
-                      "bandwidth)",
+                      "(bandwidth x tensor_parallel_size))",
+    "comm_ms": "tensor parallel: rank 0's time per step in collectives -- on CUDA the union of NCCL kernel "
+               "intervals from the profiler (all-reduces, logits all-gather, step broadcast; waiting for a slower "
+               "peer included), on CPU the host time in the all-reduce / all-gather calls (gloo blocks); "
+               "comm_frac = comm_ms / step_ms; null with one rank",
     "bandwidth": "device-to-device copy of a buffer of bandwidth.buffer_bytes: 2 x bytes (read + write) / time",
 }
 
@@ -96,13 +101,28 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
                          f"{tcfg.max_position_embeddings}; lower --prompt-len or --max-tokens")
     pages_per_seq = -(-(mml + 2 * (k + 1)) // a.page_size) + 1
     overlap = None if a.overlap == "auto" else a.overlap == "on"
+    tp = getattr(a, "tensor_parallel_size", 1)
+    if a.compare_hf and tp > 1:
+        raise ValueError("--compare-hf runs transformers on rank 0's weights, which are a shard under "
+                         f"--tensor-parallel-size {tp}; compare with --tensor-parallel-size 1")
 
     say(f"building {geo.description}")
     t0 = time.perf_counter()
     llm = LLM(geo.model, geo.draft if k else None, num_draft_tokens=k, dtype=a.dtype, device=str(dev),
               page_size=a.page_size, max_num_tokens=a.max_num_tokens, max_model_len=mml, max_num_seqs=max_b,
               num_pages=1 + max_b * pages_per_seq, overlap=overlap, attention_backend=a.attention_backend,
-              moe_backend=a.moe_backend, enforce_eager=a.enforce_eager, load_format=geo.load_format)
+              moe_backend=a.moe_backend, enforce_eager=a.enforce_eager, load_format=geo.load_format,
+              tensor_parallel_size=tp)
+    try:  # the measurements, then the workers stop (tensor parallel) whatever happened
+        return _measure(a, llm, geo, dev, k, say, t0)
+    finally:
+        llm.shutdown()
+
+
+def _measure(a: argparse.Namespace, llm, geo: geometries.Geometry, dev: torch.device, k: int, say: Progress,
+             t0: float) -> dict[str, Any]:
+    """Steps 2-5 of the module docstring on a built LLM; t0: when its build started."""
+    tcfg, max_b = llm.target.cfg, max(a.batch_sizes)
     _sync(dev)
     build_s = time.perf_counter() - t0
     say(f"  built in {build_s:.1f}s")
@@ -125,7 +145,7 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
             thr = throughput(eng, prompts, b, a.max_tokens, a.repeats, km, dev)
             say(f"batch {b} {mode}: {thr['tok_s']['median']:.1f} tok/s; steady-state steps")
             st = step_profile(eng, llm.target, prompts[:b], km, a.decode_steps, a.profile_steps, dev)
-            rows.append(_row(b, mode, km, thr, st, llm, dtype_bytes, bw["bytes_per_s"]))
+            rows.append(_row(b, mode, km, thr, st, llm, dtype_bytes, bw["bytes_per_s"] * llm.tp.size))
             if mode == "plain":
                 first_tokens[b] = thr["first_tokens"]
             say(f"batch {b} {mode}: step {st['step_ms']:.2f} ms, host {st['host_ms']:.2f} ms")
@@ -170,8 +190,7 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
 
 def _plain_engine(llm) -> LLMEngine:
     """A second engine over the same target weights, speculation off (its own KV pool, sized alike)."""
-    return LLMEngine(llm.target, None, llm.tokenizer, replace(llm.config, num_draft_tokens=0), llm.dtype,
-                     llm.device, llm.ops)
+    return llm.plain_engine()
 
 
 def _row(b: int, mode: str, k: int, thr: dict, st: dict, llm, dtype_bytes: int, bw: float) -> dict[str, Any]:
@@ -305,12 +324,17 @@ def step_profile(engine: LLMEngine, target: torch.nn.Module, prompts: list[list[
         experts, tokens = routed.result()  # syncs: outside every timed window
         ctx0 = _mean_context(reqs)
         _sync(dev)
-        with device_wait_timer() as waited:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            _sync(dev)
-            wall = time.perf_counter() - t0
+        tp = engine.tp
+        tp.timed, tp.comm_seconds = tp.size > 1 and dev.type != "cuda", 0.0  # CPU: gloo collectives block
+        try:
+            with device_wait_timer() as waited:
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    engine.step()
+                _sync(dev)
+                wall = time.perf_counter() - t0
+        finally:
+            tp.timed = False
         ctx = (ctx0 + _mean_context(reqs)) / 2
         prof = profile_window(engine, profile_steps, dev)
     finally:
@@ -319,10 +343,13 @@ def step_profile(engine: LLMEngine, target: torch.nn.Module, prompts: list[list[
         engine.run()
     step_ms = wall / steps * 1e3
     busy = prof["gpu_busy_ms"]
+    comm = prof["comm_ms"] if prof["comm_ms"] is not None else (
+        tp.comm_seconds * 1e3 / steps if tp.size > 1 else None)
     return {"context": ctx, "tokens": tokens if tokens is not None else len(prompts) * (k + 1),
             "step_ms": step_ms, "host_ms": step_ms - waited[0] / steps * 1e3,
             "device_wait_ms": waited[0] / steps * 1e3, **prof,
             "gpu_busy_frac": busy / step_ms if busy is not None else None,
+            "comm_ms": comm, "comm_frac": comm / step_ms if comm is not None else None,
             "experts_per_moe_layer": experts}
 
 
@@ -390,7 +417,7 @@ def profile_window(engine: LLMEngine, steps: int, dev: torch.device) -> dict[str
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = dev.type == "cuda"
+    cuda, tp = dev.type == "cuda", engine.tp
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     _sync(dev)
     with profile(activities=acts) as prof:
@@ -401,13 +428,17 @@ def profile_window(engine: LLMEngine, steps: int, dev: torch.device) -> dict[str
     ops = sum(1 for e in events if e.device_type == DeviceType.CPU and e.cpu_parent is None
               and e.name.startswith("aten::"))
     res: dict[str, float | None] = {"torch_ops_per_step": ops / steps, "kernels_per_step": None,
-                                    "memcpy_per_step": None, "gpu_busy_ms": None}
+                                    "memcpy_per_step": None, "gpu_busy_ms": None,
+                                    "comm_ms": None}
     if cuda:
         gpu = [e for e in events if e.device_type == DeviceType.CUDA]
         copies = sum(1 for e in gpu if e.name.startswith(("Memcpy", "Memset")))
         res.update(kernels_per_step=(len(gpu) - copies) / steps, memcpy_per_step=copies / steps,
                    gpu_busy_ms=_union_us([(e.time_range.start, e.time_range.end) for e in gpu]) / 1e3 / steps,
                    top_kernels=top_kernels([(e.name, e.time_range.end - e.time_range.start) for e in gpu], steps))
+        if tp.size > 1:  # NCCL kernels (all-reduce, all-gather, broadcast): their union per step
+            nccl = [(e.time_range.start, e.time_range.end) for e in gpu if "nccl" in e.name.lower()]
+            res["comm_ms"] = _union_us(nccl) / 1e3 / steps
     return res
 
 
@@ -519,20 +550,23 @@ def compare_hf(llm, prompts: list[list[int]], max_tokens: int, repeats: int, m3_
 def format_table(doc: dict[str, Any]) -> str:
     """The human-readable summary of a bench document."""
     g, env, s, bw = doc["geometry"], doc["env"], doc["settings"], doc["bandwidth"]
+    tp = env.get("tensor_parallel_size", 1)
     head = f"{_si(g['params'])} params ({_si(g['active_params'])} active)"
     if s["num_draft_tokens"]:
         head += f", Eagle3 head {_si(g['draft_params'])} params, K={s['num_draft_tokens']}"
     lines = [
         f"m3eagle bench: {g['description']}",
         f"  {head}",
-        f"  {env['device_name']}, {env['dtype']}, {env['attention_backend']} attention, overlap "
+        f"  {env['device_name']}{f' x {tp} (tensor parallel)' if tp > 1 else ''}, {env['dtype']}, "
+        f"{env['attention_backend']} attention, overlap "
         f"{'on' if env['overlap'] else 'off'}; copy bandwidth {bw['bytes_per_s'] / 1e12:.3f} TB/s "
         f"({bw['buffer_bytes'] / roofline.GiB:g} GiB buffer)",
         f"  prompts: {s['prompt_len']} tokens of {s['prompts']}, {s['max_tokens']} new tokens, greedy; "
         f"{s['repeats']} repeats (median [min, max])",
         "",
         f"{'batch':>5} {'mode':<5} {'tok/s [min, max]':>26} {'step ms':>8} {'host ms':>8} {'GPU busy ms':>14} "
-        f"{'kernels':>8} {'context':>7} {'GB/step':>8} {'MBU':>7} {'roofline tok/s':>14} {'accept':>6}",
+        f"{'kernels':>8} {'context':>7} {'GB/step':>8} {'MBU':>7} {'roofline tok/s':>14} {'accept':>6}"
+        f"{'  comm ms (share)' if tp > 1 else ''}",
     ]
     for r in doc["results"]:
         t, st, rf = r["tok_s"], r["step"], r["roofline"]
@@ -542,7 +576,8 @@ def format_table(doc: dict[str, Any]) -> str:
         rng = f"{_num(t['median'])} [{_num(t['min'])}, {_num(t['max'])}]"
         lines.append(f"{r['batch']:>5} {r['mode']:<5} {rng:>26} {st['step_ms']:>8.2f} {st['host_ms']:>8.2f} "
                      f"{busy:>14} {kern:>8} {st['context']:>7.0f} {rf['bytes_per_step'] / 1e9:>8.3f} "
-                     f"{rf['mbu']:>7.2%} {rf['roofline_tok_s']:>14,.0f} {acc:>6}")
+                     f"{rf['mbu']:>7.2%} {rf['roofline_tok_s']:>14,.0f} {acc:>6}"
+                     + (f"  {st['comm_ms']:.2f} ({st['comm_frac']:.0%})" if st.get("comm_ms") is not None else ""))
     if doc["speedup"]:
         lines.append("")
         lines.append("spec / plain tok/s: " + ", ".join(f"batch {x['batch']} {x['spec_over_plain']:.2f}x"
@@ -575,6 +610,7 @@ def _env(llm, dev: torch.device) -> dict[str, Any]:
         "m3eagle": __version__, "torch": torch.__version__, "python": platform.python_version(),
         "attention_backend": llm.engine.ops.attention.name, "moe_backend": llm.engine.ops.moe.name,
         "cuda_graphs": llm.engine.graphs.use_graphs, "overlap": llm.config.overlap,
+        "tensor_parallel_size": llm.tp.size,
         "engine_config": asdict(llm.config),
     }
     for mod in ("transformers", "triton"):

@@ -18,6 +18,9 @@ penalties); K is fixed per engine. All share one memory pool; the greedy graphs 
 largest bucket first, and the others on first use. Steps that are not graph-shaped (prompt chunks, mixed steps) run eagerly.
 Graph-shaped steps get the same padding and KV bound when they run eagerly (enforce_eager), so eager and
 replay launch the same kernels on the same shapes and agree token for token.
+
+Tensor parallel: on rank 0 a `driver` (distributed/launch.py) broadcasts each step's buffers and each
+capture before it runs here, so every rank captures the same graphs and runs the same steps.
 """
 
 from __future__ import annotations
@@ -68,8 +71,8 @@ class GraphRunner:
     and padding (so enforce_eager computes exactly what a replay computes) but never captures."""
 
     def __init__(self, runner: ModelRunner, bufs: StepBuffers, k: int, max_rows: int, page_size: int,
-                 table_width: int, graphs: bool, ops=None):
-        self.runner, self.bufs, self.k = runner, bufs, k
+                 table_width: int, graphs: bool, ops=None, driver=None):
+        self.runner, self.bufs, self.k, self.driver = runner, bufs, k, driver
         self.page_size, self.table_width, self.ops = page_size, table_width, ops
         self.max_kv = table_width * page_size  # the fixed KV bound of every graph-shaped step
         # A bucket must fit the step buffers once padded: rows x (1 + K) tokens.
@@ -100,10 +103,17 @@ class GraphRunner:
         """Capture the step's graph if it is missing -- before its inputs are built, since capturing fills
         the same buffers with padding rows."""
         if bucket is not None and self.use_graphs and (bucket, mode_of(batch)) not in self.graphs:
-            self._capture(bucket, mode_of(batch))
+            self.capture(bucket, mode_of(batch))
 
     def run(self, inp: StepInput, bucket: int | None) -> StepOutput:
         """Execute one step: replay its graph, or run eagerly. The outputs are not yet copied to the host."""
+        if self.driver is not None:  # tensor parallel, rank 0: the workers run the same step
+            with self.driver.guard():
+                self.driver.step(inp, bucket, self.bufs)
+                return self._run(inp, bucket)
+        return self._run(inp, bucket)
+
+    def _run(self, inp: StepInput, bucket: int | None) -> StepOutput:
         if bucket is None or not self.use_graphs:
             return self.runner.execute(inp)
         graph, static = self.graphs[(bucket, inp.mode)]
@@ -117,14 +127,21 @@ class GraphRunner:
             return
         free0 = torch.cuda.mem_get_info(self.runner.device)[0]
         for b in sorted(self.buckets, reverse=True):
-            self._capture(b, (False, False, False))
+            self.capture(b, (False, False, False))
         used = (free0 - torch.cuda.mem_get_info(self.runner.device)[0]) / 2**20
         log.info("captured %d CUDA graphs (buckets %s, K=%d) in %.1f s; graph memory %.0f MiB",
                  len(self.graphs), self.buckets, self.k, self.capture_seconds, used)
 
-    def _capture(self, bucket: int, mode: tuple[bool, bool, bool]) -> None:
+    def capture(self, bucket: int, mode: tuple[bool, bool, bool]) -> None:
         """Capture `execute` on padding rows only (they touch nothing but the trash page and the dump
         slot), so capturing in the middle of serving changes no request's state."""
+        if self.driver is not None:
+            with self.driver.guard():
+                self.driver.capture(bucket, mode)
+                return self._capture(bucket, mode)
+        self._capture(bucket, mode)
+
+    def _capture(self, bucket: int, mode: tuple[bool, bool, bool]) -> None:
         t0 = time.perf_counter()
         inp = build_step_input(ScheduledBatch([], []), self.page_size, self.table_width, self.runner.device,
                                self.bufs, pad_rows_to=bucket, max_kv=self.max_kv, dump_slot=self.runner.dump_slot,
@@ -138,7 +155,11 @@ class GraphRunner:
                 self.runner.execute(inp)
         torch.cuda.current_stream(self.runner.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # Tensor parallel: NCCL's watchdog thread queries events while we capture; "thread_local" keeps its
+        # calls from invalidating the capture (only this thread's unsafe calls are errors).
+        tp = getattr(self.runner.target, "tp", None)
+        errors = "thread_local" if tp is not None and tp.size > 1 else "global"
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=errors):
             static = self.runner.execute(inp)
         self.graphs[(bucket, mode)] = (graph, static)
         self.capture_seconds += time.perf_counter() - t0

@@ -15,6 +15,7 @@ runner derives them on the device (ModelRunner._apply_overlap_correction -> Attn
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,23 +79,82 @@ class StepBuffers:
         self._parity = 0
 
 
-class _Packer:
-    """Appends named arrays into one flat staging array and hands back device views at the same offsets."""
+_KINDS = ("int", "float", "bool")
 
-    def __init__(self, host: torch.Tensor, dev: torch.Tensor):
-        self.host, self.np, self.dev, self.off = host, host.numpy(), dev, 0
 
-    def put(self, values, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        arr = np.asarray(values).reshape(-1)
-        n = arr.size
-        self.np[self.off:self.off + n] = arr
-        view = self.dev[self.off:self.off + n]
-        self.off += n
-        return view.view(shape) if shape is not None else view
+def step_layout(n_rows: int, n_tokens: int, max_q: int, table_width: int, penalties: bool = False,
+                n_stop: int = 0) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """Where one step's values sit in the flat int / float / bool buffers: (name, shape) in order. It depends
+    only on the step's host shape (and whether it carries penalties, with how many min_tokens stop ids), so
+    a rank that receives the buffers carves the same views (`carve`)."""
+    b, t = n_rows, n_tokens
+    out = {"int": [("input_ids", (t,)), ("q_lens", (b,)), ("kv_lens", (b,)), ("page_table", (b, table_width)),
+                   ("tok_row", (t,)), ("tok_col", (t,)), ("q_index", (b, max_q)), ("row_slot", (b,)),
+                   ("row_first", (b,)), ("row_num_drafts", (b,)), ("row_next_token", (b,)), ("seed", (b,)),
+                   ("top_k", (b,))],
+           "float": [("temperature", (b,)), ("top_p", (b,)), ("min_p", (b,))],
+           "bool": [("row_samples", (b,)), ("row_gather", (b,)), ("row_correct", (b,)), ("greedy", (b,)),
+                    ("q_valid", (b, max_q))]}
+    if penalties:
+        out["int"] += [("min_tokens", (b,)), ("prompt_len", (b,)), ("src_slot", (b,)), ("stop_ids", (n_stop,)),
+                       ("stop_rows", (n_stop,))]
+        out["float"] += [("presence", (b,)), ("frequency", (b,)), ("repetition", (b,))]
+        out["bool"] += [("ignore_eos", (b,)), ("reset", (b,))]
+    return out
 
-    def copy(self) -> None:
-        if self.off:
-            self.dev[: self.off].copy_(self.host[: self.off], non_blocking=self.dev.is_cuda)
+
+def layout_sizes(layout: dict[str, list[tuple[str, tuple[int, ...]]]]) -> dict[str, int]:
+    """Elements used in each flat buffer."""
+    return {kind: sum(math.prod(shape) for _, shape in fields) for kind, fields in layout.items()}
+
+
+def _carve_views(flat: dict[str, torch.Tensor], layout: dict[str, list[tuple[str, tuple[int, ...]]]],
+                 values: dict[str, Any] | None = None, host: dict[str, np.ndarray] | None = None,
+                 ) -> dict[str, torch.Tensor]:
+    """Views of the flat buffers at the layout's offsets; with `values` and `host` (numpy staging arrays),
+    each value is first written into the staging at the same offset."""
+    out = {}
+    for kind, fields in layout.items():
+        off, dev, stage = 0, flat[kind], host[kind] if host is not None else None
+        for name, shape in fields:
+            n = math.prod(shape)
+            if stage is not None:
+                v = values[name]
+                stage[off:off + n] = v.reshape(-1) if isinstance(v, np.ndarray) and v.ndim > 1 else v
+            view = dev[off:off + n]  # a view (contiguous slice)
+            out[name] = view.view(shape) if len(shape) > 1 else view
+            off += n
+    return out
+
+
+def carve(bufs: StepBuffers, n_rows: int, n_tokens: int, max_q: int, max_kv: int, page_size: int, ops: Any,
+          mode: tuple[bool, bool, bool, bool], n_stop: int = 0) -> StepInput:
+    """The StepInput whose values already sit in `bufs`' device buffers (a tensor-parallel worker's, filled by
+    broadcast): the same views `build_step_input` made on the rank that packed them. `mode` is (any_random,
+    want_logprobs, penalties, want_prompt_logprobs)."""
+    v = _carve_views({"int": bufs.d_int, "float": bufs.d_float, "bool": bufs.d_bool},
+                     step_layout(n_rows, n_tokens, max_q, bufs.table_width, mode[2], n_stop))
+    return _assemble(v, n_rows, n_tokens, max_q, max_kv, page_size, ops, mode)
+
+
+def _assemble(v: dict[str, torch.Tensor], n_rows: int, t: int, max_q: int, max_kv: int, page_size: int, ops: Any,
+              mode: tuple[bool, bool, bool, bool]) -> StepInput:
+    any_random, want_logprobs, any_penalty, want_prompt_lp = mode
+    meta = AttnMetadata(num_rows=n_rows, max_q=max_q, max_kv=max_kv, page_size=page_size, q_lens=v["q_lens"],
+                        kv_lens=v["kv_lens"], page_table=v["page_table"], tok_row=v["tok_row"], tok_col=v["tok_col"],
+                        q_index=v["q_index"], q_valid=v["q_valid"], positions=None, slot_mapping=None, ops=ops)
+    st = SamplingTensors(temperature=v["temperature"], top_k=v["top_k"], top_p=v["top_p"], seed=v["seed"],
+                         greedy=v["greedy"], min_p=v["min_p"])
+    pen = (PenaltyTensors(presence=v["presence"], frequency=v["frequency"], repetition=v["repetition"],
+                          min_tokens=v["min_tokens"], prompt_len=v["prompt_len"], ignore_eos=v["ignore_eos"],
+                          reset=v["reset"], src_slot=v["src_slot"], stop_ids=v["stop_ids"], stop_rows=v["stop_rows"])
+           if any_penalty else None)
+    return StepInput(
+        num_rows=n_rows, num_tokens=t, input_ids=v["input_ids"], meta=meta, row_slot=v["row_slot"],
+        row_first=v["row_first"], row_qlen=v["q_lens"], row_num_drafts=v["row_num_drafts"],
+        row_samples=v["row_samples"], row_gather=v["row_gather"], row_correct=v["row_correct"],
+        row_next_token=v["row_next_token"], sampling=st, any_random=any_random, want_logprobs=want_logprobs,
+        penalties=pen, want_prompt_logprobs=want_prompt_lp)
 
 
 def step_mode(params: list) -> tuple[bool, bool, bool]:
@@ -126,10 +186,6 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
         bufs = StepBuffers(max(t, 1), max(n_rows, 1), table_width, device)
     if t > bufs.max_tokens or n_rows > bufs.max_rows:
         raise ValueError(f"step of {n_rows} rows / {t} tokens exceeds the buffers ({bufs.max_rows} / {bufs.max_tokens})")
-    par = bufs._parity
-    bufs._parity ^= 1
-    ints, floats, bools = (_Packer(h[par], d) for h, d in ((bufs.h_int, bufs.d_int), (bufs.h_float, bufs.d_float),
-                                                            (bufs.h_bool, bufs.d_bool)))
     ids: list[int] = []
     for r in rows:
         ids += r.tokens
@@ -145,52 +201,41 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
         table[i, : len(r.req.pages)] = r.req.pages
     pad = n_rows - n_real
     params = [r.req.params for r in rows]
-
-    input_ids = ints.put(ids)
-    q_lens_t, kv_lens_t = ints.put(q_lens), ints.put(kv_lens)
-    page_table = ints.put(table, (n_rows, table_width))
-    tok_row_t, tok_col_t = ints.put(tok_row), ints.put(tok_col)
-    q_index_t = ints.put(q_index, (n_rows, max_q))
-    row_slot = ints.put([r.req.slot for r in rows] + [dump_slot] * pad)
-    row_first = ints.put(first)
-    row_nd = ints.put([r.num_drafts for r in rows] + [max(pad_q - 1, 0)] * pad)
-    row_next = ints.put([r.next_token for r in rows] + [0] * pad)
-    seed = ints.put([r.req.seed for r in rows] + [0] * pad)
-    top_k = ints.put([p.top_k for p in params] + [0] * pad)
-    temperature = floats.put([p.temperature for p in params] + [0.0] * pad)
-    top_p = floats.put([p.top_p for p in params] + [1.0] * pad)
-    row_samples = bools.put([r.samples for r in rows] + [False] * pad)
-    row_gather = bools.put([r.gather for r in rows] + [False] * pad)
-    row_correct = bools.put([r.correct for r in rows] + [False] * pad)
-    greedy = bools.put([p.greedy for p in params] + [True] * pad)
-    q_valid_t = bools.put(q_valid, (n_rows, max_q))
     any_random, want_logprobs, any_penalty = mode or step_mode(params)
-    min_p = floats.put([p.min_p for p in params] + [0.0] * pad)
-    pen = _penalty_tensors(rows, pad, dump_slot, ints, floats, bools) if any_penalty else None
-    for p in (ints, floats, bools):
-        p.copy()
-
-    bound = max_kv or max(kv_lens, default=1)
-    meta = AttnMetadata(num_rows=n_rows, max_q=max_q, max_kv=bound, page_size=page_size, q_lens=q_lens_t,
-                        kv_lens=kv_lens_t, page_table=page_table, tok_row=tok_row_t, tok_col=tok_col_t,
-                        q_index=q_index_t, q_valid=q_valid_t, positions=None, slot_mapping=None, ops=ops)
-    st = SamplingTensors(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, greedy=greedy, min_p=min_p)
     want_prompt_lp = any(not r.gather and r.req.params.prompt_logprobs is not None
                          and r.start + 1 < len(r.req.prompt_token_ids) for r in rows)
-    return StepInput(
-        num_rows=n_rows, num_tokens=t, input_ids=input_ids, meta=meta, row_slot=row_slot, row_first=row_first,
-        row_qlen=q_lens_t, row_num_drafts=row_nd, row_samples=row_samples, row_gather=row_gather,
-        row_correct=row_correct, row_next_token=row_next, sampling=st,
-        any_random=any_random, want_logprobs=want_logprobs, penalties=pen, want_prompt_logprobs=want_prompt_lp)
+    values = {
+        "input_ids": ids, "q_lens": q_lens, "kv_lens": kv_lens, "page_table": table, "tok_row": tok_row,
+        "tok_col": tok_col, "q_index": q_index, "row_slot": [r.req.slot for r in rows] + [dump_slot] * pad,
+        "row_first": first, "row_num_drafts": [r.num_drafts for r in rows] + [max(pad_q - 1, 0)] * pad,
+        "row_next_token": [r.next_token for r in rows] + [0] * pad, "seed": [r.req.seed for r in rows] + [0] * pad,
+        "top_k": [p.top_k for p in params] + [0] * pad,
+        "temperature": [p.temperature for p in params] + [0.0] * pad, "top_p": [p.top_p for p in params] + [1.0] * pad,
+        "min_p": [p.min_p for p in params] + [0.0] * pad,
+        "row_samples": [r.samples for r in rows] + [False] * pad, "row_gather": [r.gather for r in rows] + [False] * pad,
+        "row_correct": [r.correct for r in rows] + [False] * pad, "greedy": [p.greedy for p in params] + [True] * pad,
+        "q_valid": q_valid}
+    n_stop = _penalty_values(rows, pad, dump_slot, values) if any_penalty else 0
+    # Fill the host staging (pinned on CUDA, alternating) at the layout's offsets, then three non-blocking copies.
+    layout = step_layout(n_rows, t, max_q, table_width, any_penalty, n_stop)
+    par = bufs._parity
+    bufs._parity ^= 1
+    host = {"int": bufs.h_int[par], "float": bufs.h_float[par], "bool": bufs.h_bool[par]}
+    dev = {"int": bufs.d_int, "float": bufs.d_float, "bool": bufs.d_bool}
+    views = _carve_views(dev, layout, values, {k: h.numpy() for k, h in host.items()})
+    for kind, n in layout_sizes(layout).items():
+        if n:
+            dev[kind][:n].copy_(host[kind][:n], non_blocking=dev[kind].is_cuda)
+    return _assemble(views, n_rows, t, max_q, max_kv or max(kv_lens, default=1), page_size, ops,
+                     (any_random, want_logprobs, any_penalty, want_prompt_lp))
 
 
-def _penalty_tensors(rows: list, pad: int, dump_slot: int, ints: _Packer, floats: _Packer, bools: _Packer,
-                     ) -> PenaltyTensors:
-    """Per-row penalty parameters. A row starts its request's history (reset) when it is the first chunk:
-    position 0, or the first position a sample of n computes itself after sharing its parent's prompt pages
-    (then it copies the parent's prompt mask). The stop ids of resetting rows travel as a flat list (at most
-    MAX_MIN_TOKENS_STOP_IDS per row, in the packed buffers), which only prompt steps have -- never
-    graph-shaped ones, so graph shapes stay fixed."""
+def _penalty_values(rows: list, pad: int, dump_slot: int, values: dict[str, Any]) -> int:
+    """Per-row penalty parameters into `values`; returns the number of min_tokens stop ids. A row starts its
+    request's history (reset) when it is the first chunk: position 0, or the first position a sample of n
+    computes itself after sharing its parent's prompt pages (then it copies the parent's prompt mask). The
+    stop ids of resetting rows travel as a flat list (at most MAX_MIN_TOKENS_STOP_IDS per row, in the packed
+    buffers), which only prompt steps have -- never graph-shaped ones, so graph shapes stay fixed."""
     params = [r.req.params for r in rows]
     reset = [not r.gather and r.start == r.req.fork_len for r in rows]
     src = [r.req.fork_src.slot if (x and r.req.fork_src is not None) else dump_slot for r, x in zip(rows, reset)]
@@ -199,13 +244,12 @@ def _penalty_tensors(rows: list, pad: int, dump_slot: int, ints: _Packer, floats
         if x and r.req.params.min_tokens:
             stop_ids += r.req.params.stop_token_ids
             stop_rows += [i] * len(r.req.params.stop_token_ids)
-    return PenaltyTensors(
-        presence=floats.put([p.presence_penalty for p in params] + [0.0] * pad),
-        frequency=floats.put([p.frequency_penalty for p in params] + [0.0] * pad),
-        repetition=floats.put([p.repetition_penalty for p in params] + [1.0] * pad),
-        min_tokens=ints.put([p.min_tokens for p in params] + [0] * pad),
-        prompt_len=ints.put([len(r.req.prompt_token_ids) for r in rows] + [0] * pad),
-        ignore_eos=bools.put([p.ignore_eos for p in params] + [True] * pad),
-        reset=bools.put(reset + [False] * pad),
-        src_slot=ints.put(src + [dump_slot] * pad),
-        stop_ids=ints.put(stop_ids), stop_rows=ints.put(stop_rows))
+    values.update(
+        presence=[p.presence_penalty for p in params] + [0.0] * pad,
+        frequency=[p.frequency_penalty for p in params] + [0.0] * pad,
+        repetition=[p.repetition_penalty for p in params] + [1.0] * pad,
+        min_tokens=[p.min_tokens for p in params] + [0] * pad,
+        prompt_len=[len(r.req.prompt_token_ids) for r in rows] + [0] * pad,
+        ignore_eos=[p.ignore_eos for p in params] + [True] * pad,
+        reset=reset + [False] * pad, src_slot=src + [dump_slot] * pad, stop_ids=stop_ids, stop_rows=stop_rows)
+    return len(stop_ids)

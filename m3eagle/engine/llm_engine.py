@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..distributed.parallel_state import SINGLE, TPGroup
 from ..kvcache.page_pool import PagePool
 from ..models.layers import pack_projections
 from ..ops import Ops, make_ops
@@ -112,7 +113,9 @@ class LLMEngine:
     (`_recover`) before it propagates, so the next call works."""
 
     def __init__(self, target, draft, tokenizer, cfg: EngineConfig, dtype: torch.dtype, device: torch.device,
-                 ops: Ops | None = None):
+                 ops: Ops | None = None, tp: TPGroup = SINGLE, driver=None):
+        """`tp` / `driver`: tensor parallel (m3eagle.distributed). Rank 0 steps through `driver`, which
+        broadcasts each step to the workers; a worker's engine only executes what rank 0 sends it."""
         for name in ("max_num_tokens", "max_num_seqs", "max_model_len", "page_size"):
             if getattr(cfg, name) < 1:
                 raise ValueError(f"{name}={getattr(cfg, name)} must be >= 1")
@@ -144,9 +147,11 @@ class LLMEngine:
         self.buffers = StepBuffers(max_tokens, cfg.max_num_seqs, self.table_width, device)
         graph_shapes = cfg.graph_shapes if cfg.graph_shapes is not None else device.type == "cuda"
         self.graphs = GraphRunner(self.runner, self.buffers, k, cfg.max_num_seqs, cfg.page_size, self.table_width,
-                                  graphs=not cfg.enforce_eager, ops=self.ops)
+                                  graphs=not cfg.enforce_eager, ops=self.ops, driver=driver)
         self.graph_shapes = graph_shapes
-        self.graphs.capture_startup()
+        self.tp = tp
+        if tp.is_driver:  # a worker captures when rank 0 tells it to, in rank 0's order
+            self.graphs.capture_startup()
         self.eos_ids = set(target.cfg.eos_token_ids)
         self._ids = itertools.count()
         self._pending: tuple[ScheduledBatch, StepOutput] | None = None

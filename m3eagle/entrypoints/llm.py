@@ -3,10 +3,13 @@ LLM.chat(messages) (the model's chat template, rendered as the server renders it
 
 from __future__ import annotations
 
+import atexit
 import logging
 import numbers
 import sys
 import threading
+import weakref
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +17,15 @@ import torch
 from tqdm import tqdm
 
 from ..config import M3Config
+from ..distributed import launch
+from ..distributed.parallel_state import SINGLE, TPGroup
 from ..engine.llm_engine import EngineConfig, LLMEngine, RequestError
 from ..engine.request import RequestOutput
-from ..loader.checkpoint import load_target
+from ..loader.checkpoint import load_config, load_target
 from ..loader.dummy import LOAD_FORMATS, dummy_eagle3, dummy_target, eagle3_config, target_config
 from ..loader.tokenizer import load_tokenizer as _load_tokenizer
 from ..models.eagle3 import Eagle3Config
+from ..models.minimax_m3 import MiniMaxM3
 from ..ops import make_ops
 from ..sampling.params import SamplingParams
 from .chat import ChatTemplate
@@ -59,7 +65,11 @@ class LLM:
     graph_shapes: pad steady decode steps to graph buckets (None: on for CUDA; True on CPU for tests).
     load_format: 'auto' reads the checkpoints; 'dummy' builds random seeded weights on the device from the
     configs alone (vLLM's dummy format, for benchmarks) -- then model / draft may also be an M3Config /
-    Eagle3Config or a config.json dict."""
+    Eagle3Config or a config.json dict.
+    tensor_parallel_size: N > 1 splits the target over N ranks (attention heads, MLPs, vocabulary; experts
+    expert-parallel; the Eagle3 head replicated). This process is rank 0 and spawns N-1 workers, one per
+    GPU (cuda:0..N-1), or joins a torchrun group when RANK / WORLD_SIZE are set (docs/parallel.md). Call
+    shutdown() to stop the workers (done at exit too)."""
 
     def __init__(self, model: str | Path | M3Config | dict | None = None,
                  draft: str | Path | Eagle3Config | dict | None = None,
@@ -68,7 +78,10 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 64, num_pages: int = 0,
                  overlap: bool | None = None, attention_backend: str = "auto", load_format: str = "auto",
                  moe_backend: str = "auto", enforce_eager: bool = False, graph_shapes: bool | None = None,
-                 fused_backend: str = "auto"):
+                 fused_backend: str = "auto", tensor_parallel_size: int = 1,
+                 _worker: tuple[int, int, str] | None = None):
+        # What a spawned worker needs to build its rank of this same LLM (_worker: its rank, size, rendezvous).
+        spawn_kwargs = {k: v for k, v in locals().items() if k not in ("self", "_worker")}
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu'")
@@ -97,21 +110,96 @@ class LLM:
         self.model_path = Path(model) if isinstance(model, (str, Path)) else None
         # This LLM's own fast paths (no module global): built before the weights so a bad name fails fast.
         self.ops = make_ops(attention_backend, moe_backend, dev, fused_backend)
-        if load_format == "dummy":
-            self.target = dummy_target(target_config(model), self.dtype, dev)
+        self._driver: launch.Driver | None = None
+        self.tp: TPGroup = SINGLE
+        if tensor_parallel_size != 1 or _worker is not None:
+            dev = self._join_group(tensor_parallel_size, model, load_format, dev, spawn_kwargs, _worker)
+            self.device = dev
+        try:
+            self._build(model, draft, num_draft_tokens, load_format, dev, page_size, max_num_tokens, max_model_len,
+                        max_num_seqs, num_pages, overlap, enforce_eager, graph_shapes)
+        except BaseException:
+            self.shutdown()
+            raise
+        if not self.tp.is_driver:  # a worker rank: serve rank 0's steps until it stops the group
+            try:
+                launch.serve(self.engine, lambda: self._plain_engine(None))
+            finally:
+                launch.leave_group()
+            if _worker is None:  # torchrun: this process's whole job was to serve rank 0
+                raise SystemExit(0)
+            return
+        self._log_loaded(model, draft, load_format)
+        self._chat_template: ChatTemplate | None = None
+        self._stats = SpecStats(self.config.num_draft_tokens)
+        self._lock = threading.RLock()  # one generate() at a time: the engine loop is not re-entrant
+
+    def _join_group(self, size: int, model: Any, load_format: str, dev: torch.device, spawn_kwargs: dict[str, Any],
+                    worker: tuple[int, int, str] | None) -> torch.device:
+        """Become one rank of a tensor-parallel group: a spawned worker, a torchrun rank, or rank 0 spawning its
+        workers. Returns this rank's device. User errors are raised before anything is spawned."""
+        env = launch.torchrun_env() if worker is None else None
+        if worker is not None:
+            rank, size, init = worker
+            local = rank
         else:
-            self.target = load_target(self.model_path, self.dtype, dev)
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"tensor_parallel_size={size!r} must be an int >= 1")
+            cfg = target_config(model) if load_format == "dummy" else load_config(self.model_path)
+            with torch.device("meta"):
+                MiniMaxM3(cfg, TPGroup(rank=0, size=size))  # raises TPError when size does not divide the model
+            if env is not None:  # torchrun: one process per GPU, maybe several hosts
+                rank, world, local = env
+                if world != size:
+                    raise ValueError(f"tensor_parallel_size={size} but torchrun started WORLD_SIZE={world} "
+                                     "processes; make them equal (one process per GPU)")
+                init = "env://"
+            else:
+                if dev.type == "cuda" and size > torch.cuda.device_count():
+                    raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs but torch sees "
+                                     f"{torch.cuda.device_count()}; lower tensor_parallel_size")
+                rank = local = 0
+                init = launch.free_tcp_address()
+        dev = launch.rank_device(dev, local, size)
+        workers = launch.Workers(size, init, spawn_kwargs) if worker is None and env is None else None
+        try:
+            self.tp = launch.init_group(rank, size, init, dev)
+        except BaseException:
+            if workers is not None:
+                workers.stop(wait_s=1.0)
+            raise
+        if rank == 0:
+            self._driver = launch.Driver(self.tp, workers)
+            self._finalizer = weakref.finalize(self, self._driver.shutdown)
+            # Also an atexit hook of our own, registered after multiprocessing's (atexit runs last-in first-out):
+            # the workers get their STOP before multiprocessing terminates its daemonic children.
+            atexit.register(self._finalizer)
+        return dev
+
+    def _build(self, model: Any, draft: Any, num_draft_tokens: int, load_format: str, dev: torch.device,
+               page_size: int, max_num_tokens: int, max_model_len: int | None, max_num_seqs: int, num_pages: int,
+               overlap: bool | None, enforce_eager: bool, graph_shapes: bool | None) -> None:
+        """Weights (this rank's shard), tokenizer and engine."""
+        tp = self.tp
+        if load_format == "dummy":
+            self.target = dummy_target(target_config(model), self.dtype, dev, tp=tp)
+        else:
+            self.target = load_target(self.model_path, self.dtype, dev, tp=tp)
         self.draft = None
         if draft is not None and num_draft_tokens > 0:
             from ..loader.eagle3 import load_eagle3
 
+            # The Eagle3 head is small: every rank holds all of it and drafts the same tokens.
             if load_format == "dummy":
                 self.draft = dummy_eagle3(eagle3_config(draft, self.target.cfg), self.dtype, dev)
             else:
                 self.draft = load_eagle3(draft, self.target.cfg, self.dtype, dev)
-            if not self.draft.cfg.has_embed:
+            if not self.draft.cfg.has_embed and tp.size > 1:
+                self.draft.embed_tokens = self.target.embed_tokens  # the vocab-parallel table (all-reduced)
+            elif not self.draft.cfg.has_embed:
                 self.draft.set_embedding(self.target.embed_tokens.weight)
-        self.tokenizer = _load_tokenizer(self.model_path) if self.model_path is not None else None
+        self.tokenizer = (_load_tokenizer(self.model_path) if self.model_path is not None and tp.is_driver
+                          else None)
         mml = max_model_len if max_model_len is not None else min(self.target.cfg.max_position_embeddings, 2048)
         if mml > self.target.cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={mml} exceeds the model's max_position_embeddings="
@@ -121,11 +209,23 @@ class LLM:
                                    num_draft_tokens=num_draft_tokens if self.draft is not None else 0,
                                    overlap=(dev.type == "cuda") if overlap is None else overlap,
                                    enforce_eager=enforce_eager, graph_shapes=graph_shapes)
-        self.engine = LLMEngine(self.target, self.draft, self.tokenizer, self.config, self.dtype, dev, self.ops)
-        self._log_loaded(model, draft, load_format)
-        self._chat_template: ChatTemplate | None = None
-        self._stats = SpecStats(self.config.num_draft_tokens)
-        self._lock = threading.RLock()  # one generate() at a time: the engine loop is not re-entrant
+        self.engine = LLMEngine(self.target, self.draft, self.tokenizer, self.config, self.dtype, dev, self.ops,
+                                tp=tp, driver=self._driver)
+
+    def plain_engine(self) -> LLMEngine:
+        """A second engine over the same target weights with speculation off (its own KV pool, sized alike):
+        the bench's baseline. Under tensor parallelism every rank builds its own."""
+        return self._plain_engine(self._driver.new_engine() if self._driver is not None else None)
+
+    def _plain_engine(self, driver: launch.Driver | None) -> LLMEngine:
+        return LLMEngine(self.target, None, self.tokenizer, replace(self.config, num_draft_tokens=0), self.dtype,
+                         self.device, self.ops, tp=self.tp, driver=driver)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and leave the process group (nothing to do with one rank). The LLM
+        cannot generate afterwards. Runs at interpreter exit too."""
+        if self._driver is not None:
+            self._finalizer()
 
     def _log_loaded(self, model: object, draft: object, load_format: str) -> None:
         """What was loaded and what the KV pool holds: the first lines to read when memory or speed surprise."""
@@ -133,8 +233,9 @@ class LLM:
             return sum(p.numel() for p in m.parameters()) if m is not None else 0
 
         where = str(model) if isinstance(model, (str, Path)) else f"a {type(model).__name__} config"
-        log.info("loaded target %s (%s weights): %.2fM parameters, %s on %s", where, load_format,
-                 n_params(self.target) / 1e6, str(self.dtype).removeprefix("torch."), self.device)
+        shard = f" (rank 0's shard of {self.tp.size})" if self.tp.size > 1 else ""
+        log.info("loaded target %s (%s weights): %.2fM parameters%s, %s on %s", where, load_format,
+                 n_params(self.target) / 1e6, shard, str(self.dtype).removeprefix("torch."), self.device)
         if self.draft is not None:
             dwhere = str(draft) if isinstance(draft, (str, Path)) else f"a {type(draft).__name__} config"
             log.info("loaded Eagle3 draft %s: %.2fM parameters, K=%d", dwhere, n_params(self.draft) / 1e6,

@@ -9,6 +9,10 @@ without the `model.` prefix):
 - what transformers 5.17 `save_pretrained` writes for MiniMaxM3VL models (`model.language_model.*` or
   `model.*`, stacked `experts.gate_up_proj`, fused `gate_up_proj`).
 
+Tensor parallel (`load_target(..., tp=group)`): each rank reads only its slices of each tensor
+(`safe_open(...).get_slice`, the model's `Shard`s in m3eagle.distributed.layers) and only its experts; the
+model is allocated on the device once, in the serving dtype, and filled tensor by tensor.
+
 Vision weights are skipped with one log line. A missing or mis-shaped tensor raises `CheckpointError`
 naming the tensor and the expected shape; so do NaN / Inf values, integer or FP8 tensors where float
 weights belong (never cast), and an unreadable safetensors file (named). config.json and
@@ -21,7 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..config import ConfigError, M3Config, eos_ids
+from ..distributed.layers import Shard, param_shards
+from ..distributed.parallel_state import SINGLE, TPGroup
+from ..models.layers import Router
 from ..models.minimax_m3 import MiniMaxM3
 
 log = logging.getLogger("m3eagle")
@@ -97,8 +104,10 @@ def _shards(path: Path) -> list[str]:
     return files
 
 
-def iter_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) over every safetensors shard (the index json when there is one).
+def iter_tensors(path: str | Path, read: Callable[[str, Any], torch.Tensor | None] | None = None,
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) over every safetensors shard (the index json when there is one). `read(name,
+    safetensors_slice)` reads only part of a tensor (a rank's shard), or returns None to skip it.
 
     Every floating tensor is checked for NaN / Inf (one reduction per tensor; the load is I/O-bound), and
     a truncated or corrupt file raises CheckpointError naming it instead of safetensors' bare error."""
@@ -110,7 +119,9 @@ def iter_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         try:
             with safe_open(str(path / f), framework="pt") as fh:
                 for name in fh.keys():
-                    t = fh.get_tensor(name)
+                    t = fh.get_tensor(name) if read is None else read(name, fh.get_slice(name))
+                    if t is None:
+                        continue
                     if t.is_floating_point() and t.dtype not in _FP8 and not bool(torch.isfinite(t).all()):
                         raise CheckpointError(f"tensor {name!r} in {path / f} holds NaN or Inf values; the "
                                               "checkpoint is corrupt (or was saved after a diverged step)")
@@ -134,24 +145,55 @@ def _canonical(name: str) -> str | None:
     return name
 
 
-def load_state_dict(path: str | Path, cfg: M3Config) -> dict[str, torch.Tensor]:
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+_HALF = re.compile(r"(.*)\.(gate_proj|up_proj)\.weight$")
+
+
+def _shard_reader(cfg: M3Config, shards: dict[str, Shard]) -> Callable[[str, Any], torch.Tensor | None]:
+    """read(raw name, safetensors slice) for `iter_tensors`: this rank's part of each tensor, by the model's
+    shards (m3eagle names): a sharded tensor's pieces, a per-expert tensor only when the expert is this
+    rank's, a gate / up half by the matching half of its fused gate_up shard; anything else whole."""
+
+    def read(raw: str, sl: Any) -> torch.Tensor | None:
+        name = _canonical(raw)
+        if name is None:
+            return torch.empty(0)  # vision / MTP: not read, counted as ignored by the caller
+        if m := _EXPERT.match(name):
+            spec = shards.get(m.group(1) + ".gate_up_proj")
+            (e0, n), = spec.pieces if spec is not None else ((0, cfg.num_local_experts),)
+            return sl[:] if e0 <= int(m.group(2)) < e0 + n else None
+        spec = shards.get(name)
+        if spec is None and (m := _HALF.match(name)):
+            fused = shards.get(m.group(1) + ".gate_up_proj.weight")
+            if fused is not None:
+                inter = sl.get_shape()[0]
+                lo = 0 if m.group(2) == "gate_proj" else inter
+                spec = fused.restrict(lo, lo + inter)
+        return spec.read(sl.__getitem__) if spec is not None else sl[:]
+
+    return read
+
+
+def load_state_dict(path: str | Path, cfg: M3Config, shards: dict[str, Shard] | None = None,
+                    ) -> dict[str, torch.Tensor]:
     """Read every shard into m3eagle names, merging per-expert w1/w2/w3 and gate/up halves. Those pieces
-    are shape-checked here, before merging, so an error names the checkpoint's own key."""
+    are shape-checked here, before merging, so an error names the checkpoint's own key. `shards` (a tensor-
+    parallel rank's, from `param_shards(model)`) reads only this rank's slices and experts."""
     sd: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, int, str], tuple[str, torch.Tensor]] = {}
     halves: dict[tuple[str, str], tuple[str, torch.Tensor]] = {}
     skipped = 0
-    for raw, t in iter_tensors(path):
+    for raw, t in iter_tensors(path, _shard_reader(cfg, shards) if shards else None):
         name = _canonical(raw)
         if name is None:
             skipped += 1
             continue
         _check_float(raw, t)
-        m = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$", name)
+        m = _EXPERT.match(name)
         if m:
             experts[(m.group(1), int(m.group(2)), m.group(3))] = (raw, t)
             continue
-        m = re.match(r"(.*)\.(gate_proj|up_proj)\.weight$", name)
+        m = _HALF.match(name)
         if m:
             halves[(m.group(1), m.group(2))] = (raw, t)
             continue
@@ -162,7 +204,9 @@ def load_state_dict(path: str | Path, cfg: M3Config) -> dict[str, torch.Tensor]:
     want = {"w1": (inter, h), "w3": (inter, h), "w2": (h, inter)}
     for prefix in sorted({k[0] for k in experts}):
         parts: dict[str, list[torch.Tensor]] = {"w1": [], "w2": [], "w3": []}
-        for j in range(cfg.num_local_experts):
+        spec = (shards or {}).get(prefix + ".gate_up_proj")
+        (e0, n), = spec.pieces if spec is not None else ((0, cfg.num_local_experts),)
+        for j in range(e0, e0 + n):
             for w in ("w1", "w3", "w2"):
                 key = (prefix, j, w)
                 if key not in experts:
@@ -176,6 +220,8 @@ def load_state_dict(path: str | Path, cfg: M3Config) -> dict[str, torch.Tensor]:
         sd[prefix + ".down_proj"] = torch.stack(parts["w2"])
     for prefix in sorted({k[0] for k in halves}):
         inter = cfg.shared_intermediate_size if prefix.endswith("shared_experts") else cfg.dense_intermediate_size
+        spec = (shards or {}).get(prefix + ".gate_up_proj.weight")
+        inter = spec.size // 2 if spec is not None else inter  # this rank's rows of each half
         pieces = []
         for w in ("gate_proj", "up_proj"):
             if (prefix, w) not in halves:
@@ -226,18 +272,39 @@ def load_into(model: torch.nn.Module, sd: dict[str, torch.Tensor], what: str,
 
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu") -> MiniMaxM3:
+                device: str | torch.device = "cpu", tp: TPGroup = SINGLE) -> MiniMaxM3:
+    """The target at `path`, allocated once on `device` in `dtype` (routers fp32). With a tensor-parallel
+    group, this rank's shard, read slice by slice."""
     cfg = load_config(path)
-    sd = load_state_dict(path, cfg)  # before allocating: a weightless directory fails cheaply
+    with torch.device("meta"):  # shapes (and shards) before reading: nothing allocated yet
+        shards = param_shards(MiniMaxM3(cfg, tp)) if tp.size > 1 else None
+    sd = load_state_dict(path, cfg, shards)  # before allocating: a weightless directory fails cheaply
     if cfg.tie_word_embeddings:
         cfg = _tie(cfg, sd)
     elif "lm_head.weight" not in sd and "embed_tokens.weight" in sd:
         raise CheckpointError(f"missing tensor 'lm_head.weight', expected shape "
                               f"{(cfg.vocab_size, cfg.hidden_size)} (or set tie_word_embeddings)")
     optional = (r".*e_score_correction_bias",) + ((r"lm_head\.weight",) if cfg.tie_word_embeddings else ())
-    model = MiniMaxM3(cfg)
+    with torch.device("meta"):
+        model = MiniMaxM3(cfg, tp)
+    model = materialize(model, dtype, device)
+    if cfg.tie_word_embeddings:  # to_empty gave each module its own tensor; tie them again
+        model.lm_head.weight = model.embed_tokens.weight
+    with torch.no_grad():  # the optional score-correction bias defaults to zero when absent
+        for m in model.modules():
+            if isinstance(m, Router):
+                m.e_score_correction_bias.zero_()
     load_into(model, sd, "target checkpoint", optional)
-    return cast_model(model, dtype, device)
+    return model.eval().requires_grad_(False)
+
+
+def materialize(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.device) -> torch.nn.Module:
+    """Allocate a meta-device model once on `device`, already in `dtype` (uninitialised); routers stay fp32."""
+    model.to(dtype=dtype)  # on meta this costs nothing
+    for m in model.modules():
+        if isinstance(m, Router):
+            m.float()  # router weight and bias stay fp32 (cast_model does the same)
+    return model.to_empty(device=device)
 
 
 def _tie(cfg: M3Config, sd: dict[str, torch.Tensor]) -> M3Config:

@@ -2,8 +2,13 @@
 
 Benchmarks need real-size geometries without real-size files. `dummy_target` / `dummy_eagle3` build the
 modules on the meta device, allocate them once on the target device in the serving dtype, and fill each
-tensor in place with a seeded device generator -- no fp32 copy, no CPU round trip, nothing read from or
+tensor in place from seeded device generators -- no fp32 copy, no CPU round trip, nothing read from or
 written to disk (a 10B-parameter target is 20 GB of bf16 and fills in about a second on an H200).
+
+Shard by shard, and the same weights whatever the tensor-parallel size: every tensor's values are drawn
+in chunks of whole rows of the *full* tensor (dim 0), each chunk from its own generator seeded by (seed,
+tensor name, chunk index). A rank draws only the chunks its shard touches (all of them when it holds a
+column slice) and keeps its part, so TP=N ranks hold exactly the slices of the TP=1 tensors.
 
 Init scales keep bf16 activations sane through dozens of layers:
 - linear and embedding weights ~ N(0, 0.02) (transformers' `initializer_range`);
@@ -17,6 +22,8 @@ config.json holds, or a directory with a config.json -- into a config.
 
 from __future__ import annotations
 
+import math
+import zlib
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,13 +31,16 @@ from typing import Any
 import torch
 
 from ..config import M3Config
+from ..distributed.layers import Shard, iter_sharded
+from ..distributed.parallel_state import SINGLE, TPGroup
 from ..models.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
 from ..models.layers import GemmaRMSNorm, LlamaRMSNorm, Router
 from ..models.minimax_m3 import MiniMaxM3
-from .checkpoint import read_config
+from .checkpoint import materialize, read_config
 
 LOAD_FORMATS = ("auto", "dummy")
 INIT_STD = 0.02
+CHUNK_ELEMS = 1 << 24  # elements drawn per generator (whole rows of the full tensor): bounds the scratch
 
 
 def target_config(spec: M3Config | dict[str, Any] | str | Path) -> M3Config:
@@ -57,11 +67,13 @@ def eagle3_config(spec: Eagle3Config | dict[str, Any] | str | Path, target: M3Co
     return cfg
 
 
-def dummy_target(cfg: M3Config, dtype: torch.dtype, device: str | torch.device, seed: int = 0) -> MiniMaxM3:
-    """A MiniMaxM3 with random weights, allocated once on `device` in `dtype` (router fp32)."""
+def dummy_target(cfg: M3Config, dtype: torch.dtype, device: str | torch.device, seed: int = 0,
+                 tp: TPGroup = SINGLE) -> MiniMaxM3:
+    """A MiniMaxM3 with random weights, allocated once on `device` in `dtype` (router fp32); with a
+    tensor-parallel group, this rank's shard of the same weights."""
     with torch.device("meta"):
-        model = MiniMaxM3(cfg)
-    model = _materialize(model, dtype, device)
+        model = MiniMaxM3(cfg, tp)
+    model = materialize(model, dtype, device)
     if cfg.tie_word_embeddings:  # to_empty gives each module its own tensor; tie them again
         model.lm_head.weight = model.embed_tokens.weight
     _fill(model, seed)
@@ -73,7 +85,7 @@ def dummy_eagle3(cfg: Eagle3Config, dtype: torch.dtype, device: str | torch.devi
     the caller to share the target's: `head.set_embedding(target.embed_tokens.weight)`."""
     with torch.device("meta"):
         head = Eagle3Head(cfg)
-    head = _materialize(head, dtype, device)
+    head = materialize(head, dtype, device)
     _fill(head, seed)
     if cfg.draft_vocab_size < cfg.vocab_size:
         g = torch.Generator(device="cpu").manual_seed(seed)  # a few KB of ids: the host is fine
@@ -84,34 +96,48 @@ def dummy_eagle3(cfg: Eagle3Config, dtype: torch.dtype, device: str | torch.devi
     return head.eval().requires_grad_(False)
 
 
-def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.device) -> torch.nn.Module:
-    # On meta, .to(dtype) costs nothing; to_empty then allocates each tensor once, already in dtype.
-    model.to(dtype=dtype)
-    for m in model.modules():
-        if isinstance(m, Router):
-            m.float()  # router weight and bias stay fp32 (cast_model does the same for checkpoints)
-    return model.to_empty(device=device)
-
-
 @torch.no_grad()
 def _fill(model: torch.nn.Module, seed: int) -> None:
-    """Fill every floating tensor in place, in a fixed order, from one seeded generator on its device."""
-    dev = next(model.parameters()).device
-    g = torch.Generator(device=dev).manual_seed(seed)
-    done: set[int] = set()
+    """Fill every floating tensor in place: norms by rule, the rest ~ N(0, INIT_STD) from per-tensor,
+    per-chunk generators (see the module docstring), so the values do not depend on how it is sharded."""
+    const: dict[int, float] = {}
     for m in model.modules():
-        if isinstance(m, GemmaRMSNorm):
-            m.weight.zero_()
-        elif isinstance(m, LlamaRMSNorm):
-            m.weight.fill_(1.0)
+        if isinstance(m, (GemmaRMSNorm, LlamaRMSNorm)):
+            const[id(m.weight)] = 0.0 if isinstance(m, GemmaRMSNorm) else 1.0
         elif isinstance(m, Router):
-            m.weight.normal_(0.0, INIT_STD, generator=g)
-            m.e_score_correction_bias.zero_()
+            const[id(m.e_score_correction_bias)] = 0.0
+    for name, t, shard in iter_sharded(model):
+        if not t.is_floating_point():
+            continue
+        if id(t) in const:
+            t.fill_(const[id(t)])
         else:
-            continue
-        done.update(id(t) for t in [*m.parameters(), *m.buffers()])
-    for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) in done or not t.is_floating_point():
-            continue
-        done.add(id(t))  # a tied tensor is filled once
-        t.normal_(0.0, INIT_STD, generator=g)
+            _normal(t, shard, zlib.crc32(f"{seed}:{name}".encode()))
+
+
+def _normal(t: torch.Tensor, shard: Shard | None, key: int) -> None:
+    """t = this rank's part of a full tensor whose rows (dim 0) are drawn in chunks, chunk c from a
+    generator seeded by (key, c)."""
+    full_shape = list(t.shape)
+    if shard is not None:
+        full_shape[shard.dim] = shard.full
+    row = max(1, math.prod(full_shape[1:]))
+    per = max(1, CHUNK_ELEMS // row)  # full rows per chunk: depends on the full shape only
+    need = [(0, full_shape[0])] if shard is None or shard.dim else list(shard.pieces)
+
+    def chunk(c: int) -> torch.Tensor:  # full rows [c * per, (c + 1) * per)
+        n = min(per, full_shape[0] - c * per)
+        g = torch.Generator(device=t.device).manual_seed(key * 1_000_003 + c)
+        return torch.empty([n, *full_shape[1:]], dtype=t.dtype, device=t.device).normal_(0.0, INIT_STD, generator=g)
+
+    parts = []
+    for a, n in need:  # rows [a, a + n) of the full tensor, chunk by chunk
+        for c in range(a // per, -(-(a + n) // per)):
+            lo, hi = max(a, c * per), min(a + n, (c + 1) * per)
+            x = chunk(c)[lo - c * per: hi - c * per]
+            if shard is not None and shard.dim:  # a column slice: keep this rank's columns of the rows
+                x = shard.read(x.__getitem__)
+            parts.append(x)
+    local = torch.cat(parts) if len(parts) > 1 else parts[0]
+    t.zero_()  # vocabulary padding rows stay zero
+    t.narrow(0, 0, local.shape[0]).copy_(local)

@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..distributed.layers import ColumnParallelLinear, RowParallelLinear, rows
+from ..distributed.parallel_state import SINGLE, TPGroup
 from ..fused import reference as fused_ref
 from ..fused.reference import apply_rope, swiglu_oai  # noqa: F401  (re-exported: models, training, moe use them)
 from ..moe import backend as moe_backend
@@ -152,11 +154,17 @@ def _offsets(sizes: list[int]) -> list[int]:
 
 
 class SwigluOaiMLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, alpha: float, limit: float):
+    """gate_up_proj [2I, H] (gate rows then up rows) and down_proj [H, I]. Tensor parallel: each rank holds
+    I / N of the gate rows and the matching up rows (column parallel) and the matching down_proj columns
+    (row parallel); `reduce` all-reduces the output, else the caller folds it into its own all-reduce."""
+
+    def __init__(self, hidden: int, inter: int, alpha: float, limit: float, tp: TPGroup = SINGLE,
+                 reduce: bool = True, what: str = "intermediate_size"):
         super().__init__()
         self.alpha, self.limit = alpha, limit
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        s, n = tp.split(inter, what)
+        self.gate_up_proj = ColumnParallelLinear(hidden, 2 * inter, ((s, n), (inter + s, n)))
+        self.down_proj = RowParallelLinear(inter, hidden, tp, reduce, what)
 
     def forward(self, x: torch.Tensor, fused: Any = None) -> torch.Tensor:
         """x [T, H] -> [T, H]. `fused` (an m3eagle.fused.backend object) runs the activation; None = reference."""
@@ -200,30 +208,43 @@ class Experts(nn.Module):
     """Routed experts as stacked weights: gate_up_proj [E, 2I, H] (gate rows then up rows), down_proj
     [E, H, I] -- the layout transformers uses, so its save_pretrained output loads as is."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, alpha: float, limit: float):
+    def __init__(self, num_experts: int, hidden: int, inter: int, alpha: float, limit: float,
+                 tp: TPGroup = SINGLE):
         super().__init__()
         self.alpha, self.limit = alpha, limit
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        # Expert parallel: this rank owns experts [e0, e0 + n) and runs the MoE's expert-subset mode on every
+        # token; the other ranks' experts contribute zero here and arrive through the layer's all-reduce.
+        e0, n = tp.split(num_experts, "num_local_experts")
+        self.expert_range = (e0, e0 + n) if tp.size > 1 else None
+        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(n, hidden, inter))
+        if tp.size > 1:
+            self.shards = {"gate_up_proj": rows(e0, n, num_experts), "down_proj": rows(e0, n, num_experts)}
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                 impl: moe_backend.MoEImpl | None = None) -> torch.Tensor:
         """x [T, H], weights/idx [T, k] -> [T, H]. `impl` (an `m3eagle.moe.backend` object the engine owns)
         does the work; None means the dense reference, which training and `forward_seq` use."""
         impl = impl if impl is not None else moe_backend.reference()
-        return impl.experts(x, weights, idx, self.gate_up_proj, self.down_proj, self.alpha, self.limit)
+        return impl.experts(x, weights, idx, self.gate_up_proj, self.down_proj, self.alpha, self.limit,
+                            self.expert_range)
 
 
 class SparseMoE(nn.Module):
+    """Router (replicated: every rank routes every token), routed experts (expert parallel) and the shared
+    expert (tensor parallel, not reduced on its own: its partial sum joins the routed one's all-reduce)."""
+
     def __init__(self, hidden: int, inter: int, shared_inter: int, num_experts: int, top_k: int,
-                 scaling: float, alpha: float, limit: float):
+                 scaling: float, alpha: float, limit: float, tp: TPGroup = SINGLE):
         super().__init__()
         self.routed_scaling_factor = scaling
         self.gate = Router(hidden, num_experts, top_k)
-        self.experts = Experts(num_experts, hidden, inter, alpha, limit)
-        self.shared_experts = SwigluOaiMLP(hidden, shared_inter, alpha, limit)
+        self.experts = Experts(num_experts, hidden, inter, alpha, limit, tp)
+        self.shared_experts = SwigluOaiMLP(hidden, shared_inter, alpha, limit, tp, reduce=False,
+                                           what="shared_intermediate_size")
 
     def forward(self, x: torch.Tensor, impl: moe_backend.MoEImpl | None = None) -> torch.Tensor:
+        """The training / oracle path (one rank: with tensor parallelism the sum would be this rank's part)."""
         w, idx = self.gate(x)
         # Routed output is scaled; the shared expert is not.
         return self.experts(x, w, idx, impl) * self.routed_scaling_factor + self.shared_experts(x)

@@ -17,6 +17,8 @@ import torch.nn as nn
 from ..attention import reference
 from ..attention.metadata import AttnMetadata
 from ..config import M3Config
+from ..distributed.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from ..distributed.parallel_state import SINGLE, TPGroup
 from ..ops import REFERENCE
 from .layers import GemmaRMSNorm, PackedLinears, SparseMoE, SwigluOaiMLP, apply_rope, rope_cos_sin
 
@@ -37,10 +39,15 @@ class LayerCache:
 
 
 class Indexer(nn.Module):
-    def __init__(self, cfg: M3Config):
+    """Lightning indexer. Tensor parallel: its query heads follow the KV-head grouping (split, or the one
+    head this rank's query heads read); the single index-K head is replicated, as is its pool."""
+
+    def __init__(self, cfg: M3Config, tp: TPGroup = SINGLE):
         super().__init__()
         self.cfg = cfg
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads * cfg.index_head_dim, bias=False)
+        h0, self.n_heads = tp.head_shard(cfg.index_n_heads, "index_n_heads")
+        di = cfg.index_head_dim
+        self.q_proj = ColumnParallelLinear(cfg.hidden_size, cfg.index_n_heads * di, ((h0 * di, self.n_heads * di),))
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.index_head_dim, bias=False)
         self.q_norm = GemmaRMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
@@ -50,7 +57,7 @@ class Indexer(nn.Module):
         """x [T, H] -> iq [T, Hi, Di], ik [T, Di]."""
         t = x.shape[0]
         r = self.cfg.index_rope_dim
-        iq = self.q_norm(self.q_proj(x).view(t, self.cfg.index_n_heads, self.cfg.index_head_dim))
+        iq = self.q_norm(self.q_proj(x).view(t, self.n_heads, self.cfg.index_head_dim))
         ik = self.k_norm(self.k_proj(x).view(t, 1, self.cfg.index_head_dim))
         return apply_rope(iq, cos[:, :r], sin[:, :r]), apply_rope(ik, cos[:, :r], sin[:, :r])[:, 0]
 
@@ -61,23 +68,29 @@ class Indexer(nn.Module):
         [S, Di] at meta.slot_mapping. Same math as `forward`, with the engine's fused ops."""
         t, c, r = q_raw.shape[0], self.cfg, self.cfg.index_rope_dim
         return (meta.ops or REFERENCE).fused.qkv_rope_store(
-            q_raw.view(t, c.index_n_heads, c.index_head_dim), k_raw.view(t, 1, c.index_head_dim),
+            q_raw.view(t, self.n_heads, c.index_head_dim), k_raw.view(t, 1, c.index_head_dim),
             None, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos[:, :r], sin[:, :r], pool, None,
             meta.slot_mapping)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: M3Config, layer: int):
+    """Tensor parallel: this rank's query heads (q_proj rows), the KV heads they read (split, or replicated
+    when num_key_value_heads < N), and o_proj's matching columns (row parallel, then all-reduce). `n_q` /
+    `n_kv` are the local head counts; with one rank they are the config's."""
+
+    def __init__(self, cfg: M3Config, layer: int, tp: TPGroup = SINGLE):
         super().__init__()
         self.cfg = cfg
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
+        q0, self.n_q = tp.split(cfg.num_attention_heads, "num_attention_heads")
+        k0, self.n_kv = tp.head_shard(cfg.num_key_value_heads, "num_key_value_heads")
+        self.q_proj = ColumnParallelLinear(h, cfg.num_attention_heads * d, ((q0 * d, self.n_q * d),))
+        self.k_proj = ColumnParallelLinear(h, cfg.num_key_value_heads * d, ((k0 * d, self.n_kv * d),))
+        self.v_proj = ColumnParallelLinear(h, cfg.num_key_value_heads * d, ((k0 * d, self.n_kv * d),))
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, h, tp, what="num_attention_heads * head_dim")
         self.q_norm = GemmaRMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(d, cfg.rms_norm_eps)
-        self.indexer = Indexer(cfg) if cfg.is_sparse(layer) else None
+        self.indexer = Indexer(cfg, tp) if cfg.is_sparse(layer) else None
         self.scale = d ** -0.5
         # q, k, v and the indexer's q, k all read x: one GEMM on the paged path once packed (the engine
         # packs after loading; see PackedLinears).
@@ -91,8 +104,7 @@ class Attention(nn.Module):
         # q/k norm + RoPE, and this step's K/V into the pools at meta.slot_mapping: one fused op.
         pq, pk, pv, *pidx = self.proj(x)  # [T, Hq * D], [T, Hkv * D] x 2, (+ [T, Hi * Di], [T, Di])
         q = ops.fused.qkv_rope_store(
-            pq.view(t, c.num_attention_heads, c.head_dim), pk.view(t, c.num_key_value_heads, c.head_dim),
-            pv.view(t, c.num_key_value_heads, c.head_dim),
+            pq.view(t, self.n_q, c.head_dim), pk.view(t, self.n_kv, c.head_dim), pv.view(t, self.n_kv, c.head_dim),
             self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, cache.k, cache.v, meta.slot_mapping)
         attn = ops.attention
         if self.indexer is None:
@@ -109,32 +121,33 @@ class Attention(nn.Module):
         b, s, c = x.shape[0], x.shape[1], self.cfg
         flat = x.reshape(b * s, -1)
         cos_f, sin_f = cos.repeat(b, 1), sin.repeat(b, 1)
-        q = apply_rope(self.q_norm(self.q_proj(flat).view(b * s, c.num_attention_heads, c.head_dim)), cos_f, sin_f)
-        k = apply_rope(self.k_norm(self.k_proj(flat).view(b * s, c.num_key_value_heads, c.head_dim)), cos_f, sin_f)
-        v = self.v_proj(flat).view(b, s, c.num_key_value_heads, c.head_dim)
+        q = apply_rope(self.q_norm(self.q_proj(flat).view(b * s, self.n_q, c.head_dim)), cos_f, sin_f)
+        k = apply_rope(self.k_norm(self.k_proj(flat).view(b * s, self.n_kv, c.head_dim)), cos_f, sin_f)
+        v = self.v_proj(flat).view(b, s, self.n_kv, c.head_dim)
         pos = torch.arange(s, device=x.device).expand(b, s)
         keep = None
         if self.indexer is not None:
             iq, ik = self.indexer(flat, cos_f, sin_f)
-            sel = reference.select_blocks(iq.view(b, s, c.index_n_heads, -1), ik.view(b, s, -1), pos,
+            sel = reference.select_blocks(iq.view(b, s, self.indexer.n_heads, -1), ik.view(b, s, -1), pos,
                                           c.index_block_size, c.index_topk_blocks, c.index_local_blocks)
-            keep = reference.block_keep_mask(sel, s, c.index_block_size, c.num_attention_heads)
-        o = reference.attend(q.view(b, s, c.num_attention_heads, c.head_dim),
-                             k.view(b, s, c.num_key_value_heads, c.head_dim), v, pos, self.scale, keep)
+            keep = reference.block_keep_mask(sel, s, c.index_block_size, self.n_q)
+        o = reference.attend(q.view(b, s, self.n_q, c.head_dim),
+                             k.view(b, s, self.n_kv, c.head_dim), v, pos, self.scale, keep)
         return self.o_proj(o.reshape(b, s, -1))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: M3Config, layer: int):
+    def __init__(self, cfg: M3Config, layer: int, tp: TPGroup = SINGLE):
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
+        self.tp = tp
+        self.self_attn = Attention(cfg, layer, tp)
         if cfg.is_moe(layer):
             self.mlp: nn.Module = SparseMoE(cfg.hidden_size, cfg.intermediate_size, cfg.shared_intermediate_size,
                                             cfg.num_local_experts, cfg.num_experts_per_tok,
-                                            cfg.routed_scaling_factor, cfg.swiglu_alpha, cfg.swiglu_limit)
+                                            cfg.routed_scaling_factor, cfg.swiglu_alpha, cfg.swiglu_limit, tp)
         else:
             self.mlp = SwigluOaiMLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.swiglu_alpha,
-                                    cfg.swiglu_limit)
+                                    cfg.swiglu_limit, tp, what="dense_intermediate_size")
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -149,6 +162,9 @@ class DecoderLayer(nn.Module):
         h, residual = f.add_rms_norm(a, residual, ln2.weight, ln2.eps)
         if isinstance(self.mlp, SparseMoE):
             routed, shared = self.mlp.forward_parts(h, ops)
+            if self.tp.size > 1:  # both are partial sums over the ranks: one all-reduce for the two
+                return residual, (self.tp.all_reduce(torch.add(shared, routed, alpha=self.mlp.routed_scaling_factor)),
+                                  None, 1.0)
             return residual, (routed, shared, self.mlp.routed_scaling_factor)
         return residual, (self.mlp(h, f), None, 1.0)
 
@@ -165,15 +181,18 @@ class MiniMaxM3(nn.Module):
     """forward(input_ids [T], positions [T], meta, caches) -> hidden [T, H] (after the final norm).
 
     aux_layer_ids: capture the residual stream after L layers (L in 1..N) into `aux_out`
-    [T, len(ids) * H], a preallocated buffer, in the order given -- the Eagle3 convention."""
+    [T, len(ids) * H], a preallocated buffer, in the order given -- the Eagle3 convention.
 
-    def __init__(self, cfg: M3Config):
+    `tp`: the tensor-parallel group this rank's shard belongs to (m3eagle.distributed); the hidden states
+    and the logits are whole on every rank, the weights and KV pools only this rank's part."""
+
+    def __init__(self, cfg: M3Config, tp: TPGroup = SINGLE):
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.cfg, self.tp = cfg, tp
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers)])
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -223,10 +242,10 @@ class MiniMaxM3(nn.Module):
     def new_caches(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> list[LayerCache]:
         c = self.cfg
         out = []
-        for i in range(c.num_hidden_layers):
-            kv = lambda: torch.zeros(num_slots, c.num_key_value_heads, c.head_dim, dtype=dtype,  # noqa: E731
-                                     device=device)
+        for i, layer in enumerate(self.layers):
+            shape = (num_slots, layer.self_attn.n_kv, c.head_dim)  # this rank's KV heads only
             idx = (torch.zeros(num_slots, c.index_head_dim, dtype=dtype, device=device)
                    if c.is_sparse(i) else None)
-            out.append(LayerCache(kv(), kv(), idx))
+            out.append(LayerCache(torch.zeros(shape, dtype=dtype, device=device),
+                                  torch.zeros(shape, dtype=dtype, device=device), idx))
         return out
