@@ -31,6 +31,7 @@ import copy
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -148,6 +149,11 @@ def _worker_main(rank: int, size: int, init_method: str, llm_kwargs: dict[str, A
     except BaseException:
         print(f"m3eagle: tensor-parallel worker rank {rank} failed:\n{traceback.format_exc()}", flush=True)
         os._exit(1)
+    # STOP received. Exit now, without interpreter teardown: destructors of live NCCL communicators and CUDA
+    # graphs can block at exit (seen on 2 x H200: rank 0 waited out its join and had to terminate the worker).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _watch_parent(parent: int) -> None:
@@ -188,6 +194,7 @@ class Driver:
         self.header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         self.engine_id, self._engines = 0, [0]  # _engines: a shared counter (a list, so that copies share it)
         self._error: list[str | None] = [None]
+        self._stopping = [False]  # shared by copies: set before a shutdown stops the workers on purpose
         if workers is not None and tp.group is not None and dist.get_backend(tp.group) == "nccl":
             threading.Thread(target=self._monitor, name="m3eagle-tp-monitor", daemon=True).start()
 
@@ -196,8 +203,8 @@ class Driver:
         So watch the workers and abort the communicators on a death; the blocked step then returns and the
         next one raises WorkerError. (gloo fails the collective itself when the peer's socket closes.)
         NOTE: not exercised by the CPU tests."""
-        while self.error is None:
-            if dead := self.workers.dead():
+        while self.error is None and not self._stopping[0]:
+            if (dead := self.workers.dead()) and not self._stopping[0]:
                 self.error = self._dead_message(dead)
                 log.error(self.error)
                 abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
@@ -287,6 +294,7 @@ class Driver:
 
     def shutdown(self, send_stop: bool = True) -> None:
         """Stop the workers (a STOP header, then join / terminate) and leave the process group."""
+        self._stopping[0] = True  # the monitor must not take the workers' exit for a fault (and abort NCCL)
         if self.workers is not None and len(self.workers.dead()) == len(self.workers.procs):
             send_stop = False  # nobody left to tell (terminated at interpreter exit, say)
         if send_stop and self.error is None:
