@@ -22,7 +22,7 @@ import logging
 import random
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -34,6 +34,7 @@ from ..sampling.params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
 from .graph_runner import GraphRunner
 from .input_builder import StepBuffers
+from .kv_budget import resolve_num_pages
 from .model_runner import ModelRunner, StepOutput
 from .request import Logprob, PositionLogprobs, Request, RequestDelta, RequestGroup, RequestOutput, Status
 from .scheduler import NeedSync, ScheduledBatch, Scheduler
@@ -69,12 +70,9 @@ class EngineConfig:
     # Pad steady decode / verify steps to graph buckets with a fixed KV bound (graph_runner.py). None: on
     # for CUDA, where replay and eager must launch identical shapes; tests turn it on for CPU.
     graph_shapes: bool | None = None
-
-    def resolved_num_pages(self) -> int:
-        if self.num_pages:
-            return self.num_pages
-        per_seq = -(-(self.max_model_len + 2 * (self.num_draft_tokens + 1)) // self.page_size)
-        return 1 + per_seq * min(self.max_num_seqs, 16)
+    # The share of the device's memory this process may use; the KV pool gets what weights and the
+    # activation reserve leave of it (kv_budget.py). CUDA only, and only when num_pages is 0.
+    gpu_memory_utilization: float = 0.9
 
 
 @dataclass
@@ -126,7 +124,10 @@ class LLMEngine:
         self.cfg, self.k, self.tokenizer = cfg, k, tokenizer
         self.target_cfg = target.cfg
         self.device = device
-        num_pages = cfg.resolved_num_pages()
+        if not 0.0 < cfg.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={cfg.gpu_memory_utilization} must be in (0, 1]")
+        num_pages = resolve_num_pages(cfg, target, draft if k else None, dtype, device, k, tp)
+        cfg = self.cfg = replace(cfg, num_pages=num_pages)  # the choice, so an engine built from it agrees
         self.pool = PagePool(num_pages, cfg.page_size)
         self.table_width = -(-(cfg.max_model_len + 2 * (k + 1)) // cfg.page_size) + 1
         if self.table_width - 1 > self.pool.num_usable:

@@ -121,7 +121,8 @@ def _make_llm(a: argparse.Namespace):
     from m3eagle import LLM
 
     overlap = None if a.overlap == "auto" else a.overlap == "on"
-    extra = {k: getattr(a, k) for k in ("max_num_seqs", "num_pages") if getattr(a, k, None) is not None}
+    extra = {k: getattr(a, k) for k in ("max_num_seqs", "num_pages", "gpu_memory_utilization")
+             if getattr(a, k, None) is not None}
     return LLM(model=a.model, draft=a.draft, num_draft_tokens=a.num_draft_tokens, device=a.device,
                dtype=a.dtype, max_model_len=a.max_model_len, max_num_tokens=a.max_num_tokens,
                page_size=a.page_size, overlap=overlap, attention_backend=a.attention_backend,
@@ -295,7 +296,11 @@ def _add_serve(sub) -> None:
     _device_args(s)
     s.add_argument("--max-num-seqs", type=int_in(1, MAX_BATCH), default=64, help="requests in the running batch")
     s.add_argument("--num-pages", type=int_in(0), default=0,
-                   help="KV pages; 0: sized from --max-num-seqs and --max-model-len")
+                   help="KV pages; 0: sized from device memory on a GPU (--gpu-memory-utilization), else from "
+                        "--max-num-seqs and --max-model-len")
+    s.add_argument("--gpu-memory-utilization", type=float_in(0.0, 1.0, lo_open=True), default=0.9,
+                   help="share of the GPU's memory this process may use; the KV pool gets what the weights and "
+                        "the activation reserve leave of it")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int_in(0, 65535), default=8000, help="port to listen on (0: a free one)")
     s.add_argument("--served-model-name", default=None,

@@ -79,6 +79,7 @@ class LLM:
                  overlap: bool | None = None, attention_backend: str = "auto", load_format: str = "auto",
                  moe_backend: str = "auto", enforce_eager: bool = False, graph_shapes: bool | None = None,
                  fused_backend: str = "auto", tensor_parallel_size: int = 1,
+                 gpu_memory_utilization: float = 0.9,
                  _worker: tuple[int, int, str] | None = None):
         # What a spawned worker needs to build its rank of this same LLM (_worker: its rank, size, rendezvous).
         spawn_kwargs = {k: v for k, v in locals().items() if k not in ("self", "_worker")}
@@ -117,7 +118,7 @@ class LLM:
             self.device = dev
         try:
             self._build(model, draft, num_draft_tokens, load_format, dev, page_size, max_num_tokens, max_model_len,
-                        max_num_seqs, num_pages, overlap, enforce_eager, graph_shapes)
+                        max_num_seqs, num_pages, overlap, enforce_eager, graph_shapes, gpu_memory_utilization)
         except BaseException:
             self.shutdown()
             raise
@@ -178,7 +179,8 @@ class LLM:
 
     def _build(self, model: Any, draft: Any, num_draft_tokens: int, load_format: str, dev: torch.device,
                page_size: int, max_num_tokens: int, max_model_len: int | None, max_num_seqs: int, num_pages: int,
-               overlap: bool | None, enforce_eager: bool, graph_shapes: bool | None) -> None:
+               overlap: bool | None, enforce_eager: bool, graph_shapes: bool | None,
+               gpu_memory_utilization: float) -> None:
         """Weights (this rank's shard), tokenizer and engine."""
         tp = self.tp
         if load_format == "dummy":
@@ -208,7 +210,8 @@ class LLM:
                                    max_num_seqs=max_num_seqs, max_model_len=mml,
                                    num_draft_tokens=num_draft_tokens if self.draft is not None else 0,
                                    overlap=(dev.type == "cuda") if overlap is None else overlap,
-                                   enforce_eager=enforce_eager, graph_shapes=graph_shapes)
+                                   enforce_eager=enforce_eager, graph_shapes=graph_shapes,
+                                   gpu_memory_utilization=gpu_memory_utilization)
         self.engine = LLMEngine(self.target, self.draft, self.tokenizer, self.config, self.dtype, dev, self.ops,
                                 tp=tp, driver=self._driver)
 

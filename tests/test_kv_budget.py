@@ -1,0 +1,65 @@
+"""KV pool sizing (engine/kv_budget.py): from device memory on a GPU, by request shape on a CPU, an explicit
+num_pages always. The device's memory is injected, so the arithmetic is checked on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from m3eagle.bench import geometries
+from m3eagle.engine.kv_budget import GiB, activation_reserve, bytes_per_slot, resolve_num_pages
+from m3eagle.engine.llm_engine import EngineConfig
+from m3eagle.models.eagle3 import Eagle3Head
+from m3eagle.models.minimax_m3 import MiniMaxM3
+
+CUDA = torch.device("cuda")  # only a label here: mem_info is injected, nothing touches a GPU
+
+
+@pytest.fixture(scope="module")
+def models():
+    tcfg, dcfg = geometries.tiny()
+    with torch.device("meta"):
+        return MiniMaxM3(tcfg), Eagle3Head(dcfg)
+
+
+def test_bytes_per_slot_counts_every_pool(models):
+    target, draft = models
+    c, d = target.cfg, draft.cfg
+    sparse = sum(c.is_sparse(i) for i in range(c.num_hidden_layers))
+    want = (c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim + sparse * c.index_head_dim
+            + 2 * d.num_key_value_heads * d.head_dim) * 2  # bf16
+    assert bytes_per_slot(target, draft, torch.bfloat16) == want
+    assert bytes_per_slot(target, None, torch.float32) == (want - 2 * d.num_key_value_heads * d.head_dim * 2) * 2
+
+
+def test_pages_from_memory_budget_capped_by_request_shape(models):
+    target, draft = models
+    cfg = EngineConfig(page_size=16, max_num_tokens=256, max_num_seqs=4, max_model_len=1024, num_draft_tokens=3,
+                       gpu_memory_utilization=0.5)
+    per_page = bytes_per_slot(target, draft, torch.bfloat16) * 16
+    reserve = 1 * GiB + activation_reserve(target.cfg, 256, 4, 3)
+    per_seq = -(-(1024 + 8) // 16)
+    # Plenty of memory: capped at max_num_seqs full-length sequences (+ the trash page).
+    assert resolve_num_pages(cfg, target, draft, torch.bfloat16, CUDA, 3,
+                             mem_info=lambda: (70 * GiB, 80 * GiB)) == 1 + 4 * per_seq
+    # Tight: (free - (1 - util) * total - reserve) // bytes per page.
+    free, total = 40 * GiB + reserve + 100 * per_page + 5, 80 * GiB
+    assert resolve_num_pages(cfg, target, draft, torch.bfloat16, CUDA, 3, mem_info=lambda: (free, total)) == 100
+    # An explicit num_pages wins; on a CPU the request shape decides.
+    assert resolve_num_pages(EngineConfig(num_pages=77), target, draft, torch.bfloat16, CUDA, 3,
+                             mem_info=lambda: (0, 1)) == 77
+    assert resolve_num_pages(cfg, target, draft, torch.float32, torch.device("cpu"), 3) == 1 + 4 * per_seq
+
+
+def test_too_little_memory_names_the_options(models):
+    target, draft = models
+    cfg = EngineConfig(max_model_len=4096, num_draft_tokens=3)
+    with pytest.raises(ValueError, match="gpu_memory_utilization=0.9.*max_model_len.*num_pages"):
+        resolve_num_pages(cfg, target, draft, torch.bfloat16, CUDA, 3, mem_info=lambda: (1 * GiB, 80 * GiB))
+
+
+def test_bad_utilization_is_refused():
+    from m3eagle import LLM
+
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=1.5 must be in \(0, 1\]"):
+        LLM(num_draft_tokens=0, device="cpu", gpu_memory_utilization=1.5)
