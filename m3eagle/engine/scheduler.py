@@ -177,7 +177,8 @@ class Scheduler:
         rows: list[ScheduledRow] = []
         preempted: list[Request] = []
         for req in list(self.running):
-            if req.finished or req not in self.running:
+            # Preempted earlier in this loop: back to WAITING (a membership test of `running` was O(rows^2)).
+            if req.finished or req.status is Status.WAITING:
                 continue
             row = self._plan_row(req, budget)
             if row is None:
@@ -193,7 +194,7 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is req:
                     break
-            if req not in self.running:
+            if req.status is Status.WAITING:  # preempted itself to make room
                 continue
             req.pages += self.pool.allocate(req.request_id, need)
             rows.append(row)
