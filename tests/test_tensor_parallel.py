@@ -86,7 +86,18 @@ def reference(model_dir, head_dir):
     """Single-process outputs: greedy and seeded-sampled, Eagle3 K=3."""
     llm = LLM(model_dir, head_dir, num_draft_tokens=3, **KW)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=NEW, seed=7, ignore_eos=True)
-    return {"greedy": tokens(llm, greedy()), "sampled": tokens(llm, sampled), "sampled_params": sampled}
+    return {"greedy": tokens(llm, greedy()), "sampled": tokens(llm, sampled), "sampled_params": sampled,
+            "penalized": all_samples(llm, PENALIZED)}
+
+
+# Penalties, min_tokens (with stop ids: the flat stop-id list travels in the broadcast), min_p and n = 2.
+PENALIZED = SamplingParams(temperature=0.8, max_tokens=NEW, seed=11, n=2, repetition_penalty=1.3,
+                           presence_penalty=0.5, frequency_penalty=0.3, min_tokens=6, min_p=0.05,
+                           stop_token_ids=[5, 6, 7])
+
+
+def all_samples(llm: LLM, params: SamplingParams) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts(), params, use_tqdm=False)]
 
 
 # ---- shards, without processes --------------------------------------------------------------------
@@ -155,6 +166,16 @@ def test_sampled_equals_one_process(model_dir, head_dir, reference):
     """Counter-based sampling: every rank draws the same tokens from the gathered logits."""
     llm = tp_llm("gqa", model_dir, head_dir, num_draft_tokens=3)
     assert tokens(llm, reference["sampled_params"]) == reference["sampled"]
+
+
+def test_penalties_min_tokens_and_n_equal_one_process(model_dir, head_dir, reference):
+    """The penalty inputs (per-row parameters, the reset flags, the min_tokens stop ids) and the step's mode
+    bits reach the workers, whose device-side penalty state then matches rank 0's."""
+    llm = tp_llm("gqa", model_dir, head_dir, num_draft_tokens=3)
+    got = all_samples(llm, PENALIZED)
+    assert got == reference["penalized"]
+    assert all(len(o) == 2 for o in got) and any(a != b for a, b in got)
+    assert_clean(llm)
 
 
 def test_fault_on_rank0_stops_the_group(model_dir, head_dir):
