@@ -77,6 +77,22 @@ class StepBuffers:
         self.h_float = [torch.zeros(self.n_float, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
         self.h_bool = [torch.zeros(self.n_bool, dtype=torch.bool, pin_memory=pin) for _ in range(2)]
         self._parity = 0
+        # numpy views of the stagings, and per step shape its layout, sizes and device views: steps of one
+        # shape (every replay of a graph bucket) reuse them instead of re-slicing ~25 tensors each step.
+        self.h_np = [{"int": self.h_int[i].numpy(), "float": self.h_float[i].numpy(), "bool": self.h_bool[i].numpy()}
+                     for i in range(2)]
+        self._shapes: dict[tuple, tuple[dict, dict[str, int], dict[str, torch.Tensor]]] = {}
+
+    def shape(self, key: tuple) -> tuple[dict, dict[str, int], dict[str, torch.Tensor]]:
+        """(layout, elements per buffer, device views) of the step shape `key` = step_layout's arguments."""
+        got = self._shapes.get(key)
+        if got is None:
+            if len(self._shapes) >= 512:  # eager prompt shapes vary; keep the cache bounded
+                self._shapes.clear()
+            layout = step_layout(*key)
+            flat = {"int": self.d_int, "float": self.d_float, "bool": self.d_bool}
+            got = self._shapes[key] = (layout, layout_sizes(layout), _carve_views(flat, layout))
+        return got
 
 
 _KINDS = ("int", "float", "bool")
@@ -109,22 +125,29 @@ def layout_sizes(layout: dict[str, list[tuple[str, tuple[int, ...]]]]) -> dict[s
 
 
 def _carve_views(flat: dict[str, torch.Tensor], layout: dict[str, list[tuple[str, tuple[int, ...]]]],
-                 values: dict[str, Any] | None = None, host: dict[str, np.ndarray] | None = None,
                  ) -> dict[str, torch.Tensor]:
-    """Views of the flat buffers at the layout's offsets; with `values` and `host` (numpy staging arrays),
-    each value is first written into the staging at the same offset."""
+    """Views of the flat buffers at the layout's offsets."""
     out = {}
     for kind, fields in layout.items():
-        off, dev, stage = 0, flat[kind], host[kind] if host is not None else None
+        off, dev = 0, flat[kind]
         for name, shape in fields:
             n = math.prod(shape)
-            if stage is not None:
-                v = values[name]
-                stage[off:off + n] = v.reshape(-1) if isinstance(v, np.ndarray) and v.ndim > 1 else v
             view = dev[off:off + n]  # a view (contiguous slice)
             out[name] = view.view(shape) if len(shape) > 1 else view
             off += n
     return out
+
+
+def _stage(host: dict[str, np.ndarray], layout: dict[str, list[tuple[str, tuple[int, ...]]]],
+           values: dict[str, Any]) -> None:
+    """Write each value into the numpy staging arrays at the layout's offsets."""
+    for kind, fields in layout.items():
+        off, stage = 0, host[kind]
+        for name, shape in fields:
+            n = math.prod(shape)
+            v = values[name]
+            stage[off:off + n] = v.reshape(-1) if isinstance(v, np.ndarray) and v.ndim > 1 else v
+            off += n
 
 
 def carve(bufs: StepBuffers, n_rows: int, n_tokens: int, max_q: int, max_kv: int, page_size: int, ops: Any,
@@ -217,13 +240,13 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
         "q_valid": q_valid}
     n_stop = _penalty_values(rows, pad, dump_slot, values) if any_penalty else 0
     # Fill the host staging (pinned on CUDA, alternating) at the layout's offsets, then three non-blocking copies.
-    layout = step_layout(n_rows, t, max_q, table_width, any_penalty, n_stop)
+    layout, sizes, views = bufs.shape((n_rows, t, max_q, table_width, any_penalty, n_stop))
     par = bufs._parity
     bufs._parity ^= 1
+    _stage(bufs.h_np[par], layout, values)
     host = {"int": bufs.h_int[par], "float": bufs.h_float[par], "bool": bufs.h_bool[par]}
     dev = {"int": bufs.d_int, "float": bufs.d_float, "bool": bufs.d_bool}
-    views = _carve_views(dev, layout, values, {k: h.numpy() for k, h in host.items()})
-    for kind, n in layout_sizes(layout).items():
+    for kind, n in sizes.items():
         if n:
             dev[kind][:n].copy_(host[kind][:n], non_blocking=dev[kind].is_cuda)
     return _assemble(views, n_rows, t, max_q, max_kv or max(kv_lens, default=1), page_size, ops,
