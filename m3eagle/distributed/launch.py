@@ -177,10 +177,8 @@ def _mode_bits(mode: tuple[bool, ...]) -> int:
 def _broadcast_buffers(bufs: Any, rows: int, tokens: int, max_q: int, tp: TPGroup, penalties: bool = False,
                        n_stop: int = 0) -> None:
     """Rank 0's step values, packed in its StepBuffers, into every rank's StepBuffers (in place)."""
-    from ..engine.input_builder import layout_sizes, step_layout
-
     flat = {"int": bufs.d_int, "float": bufs.d_float, "bool": bufs.d_bool}
-    for kind, n in layout_sizes(step_layout(rows, tokens, max_q, bufs.table_width, penalties, n_stop)).items():
+    for kind, n in bufs.shape((rows, tokens, max_q, bufs.table_width, penalties, n_stop))[1].items():
         if n:
             dist.broadcast(flat[kind][:n], 0, group=tp.group)
 

@@ -155,8 +155,7 @@ def carve(bufs: StepBuffers, n_rows: int, n_tokens: int, max_q: int, max_kv: int
     """The StepInput whose values already sit in `bufs`' device buffers (a tensor-parallel worker's, filled by
     broadcast): the same views `build_step_input` made on the rank that packed them. `mode` is (any_random,
     want_logprobs, penalties, want_prompt_logprobs)."""
-    v = _carve_views({"int": bufs.d_int, "float": bufs.d_float, "bool": bufs.d_bool},
-                     step_layout(n_rows, n_tokens, max_q, bufs.table_width, mode[2], n_stop))
+    _, _, v = bufs.shape((n_rows, n_tokens, max_q, bufs.table_width, mode[2], n_stop))
     return _assemble(v, n_rows, n_tokens, max_q, max_kv, page_size, ops, mode)
 
 

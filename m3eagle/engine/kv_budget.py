@@ -47,16 +47,16 @@ def activation_reserve(target_cfg: Any, max_num_tokens: int, max_num_seqs: int, 
     return max_num_tokens * per_token + sampled
 
 
-def _need_pages(cfg: Any, k: int) -> int:
-    per_seq = -(-(cfg.max_model_len + 2 * (k + 1)) // cfg.page_size)
-    return per_seq
+def pages_per_seq(cfg: Any, k: int) -> int:
+    """Pages one sequence of max_model_len can hold, with room for 2 x (1 + K) speculative positions."""
+    return -(-(cfg.max_model_len + 2 * (k + 1)) // cfg.page_size)
 
 
 def resolve_num_pages(cfg: Any, target: Any, draft: Any, dtype: torch.dtype, device: torch.device, k: int,
                       tp: Any = None, mem_info: Callable[[], tuple[int, int]] | None = None) -> int:
     """The page count of the engine's pool (page 0 is the trash page). `cfg` is the EngineConfig;
     `mem_info` () -> (free, total) bytes replaces torch.cuda.mem_get_info (tests)."""
-    per_seq = _need_pages(cfg, k)
+    per_seq = pages_per_seq(cfg, k)
     if cfg.num_pages:
         return cfg.num_pages
     if device.type != "cuda" and mem_info is None:

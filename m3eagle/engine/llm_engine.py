@@ -34,7 +34,7 @@ from ..sampling.params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
 from .graph_runner import GraphRunner
 from .input_builder import StepBuffers
-from .kv_budget import resolve_num_pages
+from .kv_budget import pages_per_seq, resolve_num_pages
 from .model_runner import ModelRunner, StepOutput
 from .request import Logprob, PositionLogprobs, Request, RequestDelta, RequestGroup, RequestOutput, Status
 from .scheduler import NeedSync, ScheduledBatch, Scheduler
@@ -129,7 +129,7 @@ class LLMEngine:
         num_pages = resolve_num_pages(cfg, target, draft if k else None, dtype, device, k, tp)
         cfg = self.cfg = replace(cfg, num_pages=num_pages)  # the choice, so an engine built from it agrees
         self.pool = PagePool(num_pages, cfg.page_size)
-        self.table_width = -(-(cfg.max_model_len + 2 * (k + 1)) // cfg.page_size) + 1
+        self.table_width = pages_per_seq(cfg, k) + 1
         if self.table_width - 1 > self.pool.num_usable:
             raise ValueError(f"num_pages={num_pages} cannot hold one sequence of max_model_len="
                              f"{cfg.max_model_len} (needs {self.table_width - 1} pages of {cfg.page_size}); "
