@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Issue 15: rebuild the embedded pair on nvidia-h200-x2 from that machine's own site-packages.
+#
+#   STAGE=1 OUT=... bash scripts/h200x2_train_pair.sh   # corpus + tokens (CPU), target on GPU 0;
+#                                                       # GPU 1: the GPU test file, then a head for the
+#                                                       # shipped target on the new corpus (data effect)
+#   STAGE=2 OUT=... bash scripts/h200x2_train_pair.sh   # two heads for the new target, in parallel:
+#                                                       # GPU 0 without, GPU 1 with self-distillation
+#
+# R (default /tmp/m3e15) survives between calls while the machine stays warm; a cold STAGE=2 rebuilds
+# the (deterministic) corpus and reads the new target from $TARGET_PARTS (parts carried from stage 1).
+# Each stage leaves at most 8 files in $OUT (transport.pack's parts + logs.tgz).
+# SMOKE=1 runs the same plumbing on the CPU at toy sizes (a check before spending device time).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+STAGE=${STAGE:-1}
+R=${R:-/tmp/m3e15}
+OUT=${OUT:?set OUT}
+PY=${PYTHON:-python3}
+M="$PY -m m3eagle.training"
+SHIPPED=m3eagle/assets/default/target
+TARGET_TIME=${TARGET_TIME:-240}
+HEAD_TIME=${HEAD_TIME:-300}
+OLD_HEAD_TIME=${OLD_HEAD_TIME:-180}
+SD_ROWS=${SD_ROWS:-16384}
+if [[ ${SMOKE:-0} == 1 ]]; then
+  CORPUS_ARGS="--max-code-mb 0.4 --arith-problems 300"
+  T_ARGS="--steps 2 --batch-size 2 --seq-len 64 --device cpu --log-every 1 --eval-every 1 --save-every 1"
+  H_ARGS="--steps 2 --batch-size 2 --seq-len 64 --device cpu --log-every 1 --eval-every 1 --save-every 1 --simulate 2"
+  SD_ROWS=4; GPU_TESTS=0
+else
+  CORPUS_ARGS=""
+  T_ARGS="--time-budget $TARGET_TIME --log-every 50 --eval-every 500 --save-every 500"
+  H_ARGS="--log-every 50 --eval-every 400 --save-every 1000 --simulate 48"
+  GPU_TESTS=${GPU_TESTS:-1}
+fi
+mkdir -p "$R" "$OUT"
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+
+data() {  # corpus + token arrays with the shipped tokenizer (so vocab and ids stay those of today)
+  $M corpus --out "$R/corpus" $CORPUS_ARGS > "$R/corpus.log" 2>&1 || { stamp "corpus FAILED"; tail -20 "$R/corpus.log"; return 1; }
+  mkdir -p "$R/tok" && cp -n $SHIPPED/tokenizer.json "$R/tok/"
+  $M tokenizer --corpus "$R/corpus" --out "$R/tok" > "$R/tok.log" 2>&1 || { stamp "tokenizer FAILED"; tail -20 "$R/tok.log"; return 1; }
+  touch "$R/data.ready"
+}
+
+pack_dir() {  # pack_dir NAME TARGET_DIR DRAFT_DIR: a run dir in transport.pack's layout, from symlinks
+  local d=$R/pack_$1; rm -rf "$d"; mkdir -p "$d"
+  [[ -n $2 ]] && ln -s "$2" "$d/target"
+  [[ -n $3 ]] && ln -s "$3" "$d/draft"
+  echo "$d"
+}
+
+if [[ $STAGE == 1 ]]; then
+  if [[ $GPU_TESTS == 1 ]]; then
+    (CUDA_VISIBLE_DEVICES=1 timeout 300 $PY -m pytest -q -m gpu tests/test_cuda_graphs.py -p no:cacheprovider \
+       > "$R/cuda_graphs.log" 2>&1; echo "exit $?" >> "$R/cuda_graphs.log") &
+    TESTS=$!
+  fi
+  stamp "data"; data || exit 1; stamp "data ready"; cp "$R/corpus/meta.json" "$OUT/corpus_meta.json"; cp "$R/tok/tokens.json" "$OUT/tokens.json"
+  (
+    [[ $GPU_TESTS == 1 ]] && wait $TESTS
+    stamp "GPU 1: head for the shipped target"
+    CUDA_VISIBLE_DEVICES=1 timeout 330 $M train-draft --data "$R/tok" --target $SHIPPED --out "$R/head_shipped" \
+      ${SMOKE:+} $( [[ ${SMOKE:-0} == 1 ]] && echo "" || echo "--time-budget $OLD_HEAD_TIME" ) $H_ARGS > "$R/head_shipped.log" 2>&1
+    stamp "GPU 1: done ($?)"
+  ) &
+  HEAD=$!
+  stamp "GPU 0: target"
+  CUDA_VISIBLE_DEVICES=0 timeout 360 $M train-target --data "$R/tok" --out "$R/target" $T_ARGS > "$R/target.log" 2>&1
+  stamp "GPU 0: target done ($?)"
+  wait $HEAD
+  d=$(pack_dir s1 "$R/target" "$R/head_shipped")
+  cp "$R"/*.log "$d/" 2>/dev/null
+  $PY -m m3eagle.training.transport pack "$d" "$OUT"
+  stamp "packed"; ls -la "$OUT"
+  tail -3 "$R/cuda_graphs.log" 2>/dev/null; tail -2 "$R/target.log"; tail -3 "$R/head_shipped.log"
+fi
+
+if [[ $STAGE == 2 ]]; then
+  if [[ ! -f $R/data.ready ]]; then stamp "cold machine: rebuilding the data"; data || exit 1; fi
+  if [[ ! -f $R/target/final/model.safetensors ]]; then
+    stamp "cold machine: target from ${TARGET_PARTS:?set TARGET_PARTS}"
+    $PY -m m3eagle.training.transport unpack "$TARGET_PARTS" "$R/cold" && mkdir -p "$R/target" && mv "$R/cold/target/final" "$R/target/final"
+    cp "$R/tok/tokenizer.json" "$R/target/final/"
+  fi
+  HB=$( [[ ${SMOKE:-0} == 1 ]] && echo "" || echo "--time-budget $HEAD_TIME" )
+  CUDA_VISIBLE_DEVICES=0 timeout 420 $M train-draft --data "$R/tok" --target "$R/target/final" --out "$R/head_plain" \
+    $HB $H_ARGS > "$R/head_plain.log" 2>&1 &
+  A=$!
+  CUDA_VISIBLE_DEVICES=1 timeout 420 $M train-draft --data "$R/tok" --target "$R/target/final" --out "$R/head_sd" \
+    $HB $H_ARGS --self-distill-rows $SD_ROWS > "$R/head_sd.log" 2>&1 &
+  B=$!
+  wait $A; stamp "head_plain done ($?)"; wait $B; stamp "head_sd done ($?)"
+  for v in plain sd; do
+    d=$(pack_dir "$v" "" "$R/head_$v"); cp "$R/head_$v.log" "$d/"
+    mkdir -p "$OUT/$v" && $PY -m m3eagle.training.transport pack "$d" "$OUT/$v"
+  done
+  stamp "packed"; ls -la "$OUT" "$OUT"/*
+  tail -n 3 "$R/head_plain.log" "$R/head_sd.log"
+fi
