@@ -295,13 +295,21 @@ class Driver:
         self._stopping[0] = True  # the monitor must not take the workers' exit for a fault (and abort NCCL)
         if self.workers is not None and len(self.workers.dead()) == len(self.workers.procs):
             send_stop = False  # nobody left to tell (terminated at interpreter exit, say)
+        stopped = False
         if send_stop and self.error is None:
             try:
                 self.header.zero_()
                 self.header[0] = STOP
                 dist.broadcast(self.header, 0, group=self.tp.control)
+                stopped = True
             except Exception as e:  # a worker already gone: terminate below
                 log.warning("tensor-parallel shutdown: stop broadcast failed (%s)", e)
+        if stopped:
+            # Every rank leaves the group at the same time, then rank 0 joins the workers. Tearing NCCL down is
+            # collective once CUDA graphs hold its communicator: a worker blocks in destroy_process_group until
+            # rank 0 destroys too, so joining the worker first deadlocked (2 x H200: the join ran out, the worker
+            # was terminated, and rank 0's own destroy then waited on a dead peer past the run's time limit).
+            leave_group()
         if self.workers is not None:
             self.workers.stop(wait_s=10.0 if send_stop else 1.0)
         leave_group()
