@@ -64,7 +64,7 @@ if [[ $STAGE == 1 ]]; then
     [[ $GPU_TESTS == 1 ]] && wait $TESTS
     stamp "GPU 1: head for the shipped target"
     CUDA_VISIBLE_DEVICES=1 timeout 330 $M train-draft --data "$R/tok" --target $SHIPPED --out "$R/head_shipped" \
-      ${SMOKE:+} $( [[ ${SMOKE:-0} == 1 ]] && echo "" || echo "--time-budget $OLD_HEAD_TIME" ) $H_ARGS > "$R/head_shipped.log" 2>&1
+      $( [[ ${SMOKE:-0} == 1 ]] && echo "" || echo "--time-budget $OLD_HEAD_TIME" ) $H_ARGS > "$R/head_shipped.log" 2>&1
     stamp "GPU 1: done ($?)"
   ) &
   HEAD=$!

@@ -6,9 +6,9 @@ output directory it resumes from, and every seed is fixed by a flag with a defau
 
     python -m m3eagle.training corpus    --out runs/data/corpus
     python -m m3eagle.training tokenizer --corpus runs/data/corpus --out runs/data/tok
-    python -m m3eagle.training train-target --data runs/data/tok --out runs/target --time-budget 260
+    python -m m3eagle.training train-target --data runs/data/tok --out runs/target --time-budget 240
     python -m m3eagle.training train-draft  --data runs/data/tok --target runs/target/final \\
-                                            --out runs/draft --time-budget 150
+                                            --out runs/draft --time-budget 300
     python -m m3eagle.training eval --model runs/target/final --draft runs/draft/final
 """
 
@@ -100,9 +100,9 @@ def add_training_subcommands(subparsers) -> None:
     p.add_argument("--preset", choices=["default", "tiny"], default="default", help="model size preset")
     p.add_argument("--target-steps", type=int, default=None,
                    help="target optimizer steps (default: train for --target-time)")
-    p.add_argument("--target-time", type=float, default=260.0, help="seconds (ignored with --target-steps)")
+    p.add_argument("--target-time", type=float, default=240.0, help="seconds (ignored with --target-steps)")
     p.add_argument("--draft-steps", type=int, default=None, help="draft optimizer steps (default: train for --draft-time)")
-    p.add_argument("--draft-time", type=float, default=150.0, help="seconds (ignored with --draft-steps)")
+    p.add_argument("--draft-time", type=float, default=300.0, help="seconds (ignored with --draft-steps)")
     p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
     p.add_argument("--install", action="store_true",
                    help=f"copy the trained model and head into {ASSETS} (the embedded default)")
