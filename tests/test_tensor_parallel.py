@@ -268,3 +268,20 @@ def test_bench_reports_tp(one_thread):
     for r in doc["results"]:
         assert r["step"]["comm_ms"] > 0 and 0 < r["step"]["comm_frac"] <= 1
     assert "comm ms (share)" in err.getvalue()
+
+
+def test_stuck_group_teardown_is_abandoned_not_waited_on(monkeypatch):
+    """NCCL's teardown can block on a stuck or dead peer (seen at shutdown on 2 x H200 with CUDA graphs):
+    leave_group with a timeout must come back, say so, and not block the caller past the timeout."""
+    from m3eagle.distributed import launch
+
+    release = threading.Event()
+    calls = []
+    monkeypatch.setattr(launch.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(launch.dist, "destroy_process_group", lambda: (calls.append(1), release.wait(30)))
+    t0 = time.monotonic()
+    assert launch.leave_group(0.3) is False
+    assert 0.25 < time.monotonic() - t0 < 5 and calls == [1]
+    release.set()
+    monkeypatch.setattr(launch.dist, "destroy_process_group", lambda: calls.append(2))
+    assert launch.leave_group(5.0) is True and calls == [1, 2]  # a teardown that finishes reports it

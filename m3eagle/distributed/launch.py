@@ -52,6 +52,7 @@ STEP, CAPTURE, STOP, PLAIN_ENGINE = 1, 2, 3, 4
 # [cmd, engine, rows, tokens, max_q, max_kv, any_random, want_logprobs, bucket (-1: none)]; engine 0 is the LLM's,
 # 1.. the spec-off engines over the same weights that LLM.plain_engine() adds (the bench's baseline).
 HEADER_LEN = 9
+LEAVE_TIMEOUT_S = 20.0  # the most a shutdown waits for the process group's teardown
 IDLE_TIMEOUT = timedelta(days=365)  # workers wait this long for the next step; their parent's life bounds it
 
 
@@ -304,24 +305,44 @@ class Driver:
                 stopped = True
             except Exception as e:  # a worker already gone: terminate below
                 log.warning("tensor-parallel shutdown: stop broadcast failed (%s)", e)
+        left = True
         if stopped:
             # Every rank leaves the group at the same time, then rank 0 joins the workers. Tearing NCCL down is
             # collective once CUDA graphs hold its communicator: a worker blocks in destroy_process_group until
             # rank 0 destroys too, so joining the worker first deadlocked (2 x H200: the join ran out, the worker
             # was terminated, and rank 0's own destroy then waited on a dead peer past the run's time limit).
-            leave_group()
+            left = leave_group(LEAVE_TIMEOUT_S)
         if self.workers is not None:
             self.workers.stop(wait_s=10.0 if send_stop else 1.0)
-        leave_group()
+        if left:
+            leave_group(LEAVE_TIMEOUT_S)
         self.error = self.error or "this LLM was shut down (LLM.shutdown()); build a new one to generate"
 
 
-def leave_group() -> None:
-    if dist.is_initialized():
+def leave_group(timeout_s: float | None = None) -> bool:
+    """Destroy the process group; True when it is gone. With timeout_s, the teardown runs in a daemon thread
+    and is abandoned after that long (logged; False): a communicator whose peer is stuck or dead can block
+    NCCL's teardown indefinitely, and shutting down must not hang the process with it."""
+    if not dist.is_initialized():
+        return True
+
+    def destroy() -> None:
         try:
             dist.destroy_process_group()
         except Exception as e:  # a group broken by a dead peer may not tear down cleanly; it is gone either way
             log.debug("destroy_process_group: %s", e)
+
+    if timeout_s is None:
+        destroy()
+        return True
+    t = threading.Thread(target=destroy, name="m3eagle-tp-teardown", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        log.warning("tensor-parallel shutdown: the process group did not tear down within %.0f s; abandoning "
+                    "it (a new tensor-parallel LLM in this process may fail to start)", timeout_s)
+        return False
+    return True
 
 
 # ---- the worker loop ----------------------------------------------------------------------------------

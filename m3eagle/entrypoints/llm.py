@@ -126,7 +126,7 @@ class LLM:
             try:
                 launch.serve(self.engine, lambda: self._plain_engine(None))
             finally:
-                launch.leave_group()
+                launch.leave_group(launch.LEAVE_TIMEOUT_S)  # a stuck teardown must not keep the worker alive
             if _worker is None:  # torchrun: this process's whole job was to serve rank 0
                 raise SystemExit(0)
             return
