@@ -83,6 +83,9 @@ class StepBuffers:
                      for i in range(2)]
         self._shapes: dict[tuple, tuple[dict, dict[str, int], dict[str, torch.Tensor], list]] = {}
         self._token_index: dict[tuple[int, ...], tuple[np.ndarray, ...]] = {}
+        # The last page table built, and per row the page list it was built from and that list's length.
+        self._table = np.full((max_rows, table_width), TRASH_PAGE, dtype=np.int64)
+        self._table_src: list[tuple[list[int], int] | None] = [None] * max_rows
 
     def shape(self, key: tuple) -> tuple[dict, dict[str, int], dict[str, torch.Tensor], list]:
         """(layout, elements per buffer, device views, staging plan) of the step shape `key` = step_layout's
@@ -95,6 +98,25 @@ class StepBuffers:
             flat = {"int": self.d_int, "float": self.d_float, "bool": self.d_bool}
             got = self._shapes[key] = (layout, layout_sizes(layout), _carve_views(flat, layout), _stage_plan(layout))
         return got
+
+    def page_table(self, rows: list, n_rows: int) -> np.ndarray:
+        """[n_rows * table_width]: each row's pages, then the trash page (padding rows: trash only). A row is
+        rewritten only when its page list is another list or has grown since the last step (a request's list
+        only grows in place or is replaced), so a steady step rewrites the rows that got a page, not all."""
+        table, src = self._table, self._table_src
+        for i, r in enumerate(rows):
+            pages = r.req.pages
+            s = src[i]
+            if s is None or s[0] is not pages or s[1] != len(pages):
+                n = len(pages)
+                table[i, :n] = pages
+                table[i, n:] = TRASH_PAGE
+                src[i] = (pages, n)
+        for i in range(len(rows), n_rows):
+            if src[i] is not None:
+                table[i] = TRASH_PAGE
+                src[i] = None
+        return table[:n_rows].reshape(-1)
 
     def token_index(self, q_lens: list[int]) -> tuple[np.ndarray, ...]:
         """(tok_row, tok_col, row_first, q_index, q_valid) of rows of these lengths, the last two flat
@@ -250,16 +272,14 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
         ids += r.tokens
     ids += [0] * (t - len(ids))
     tok_row, tok_col, first, q_index, q_valid = bufs.token_index(q_lens)
-    table = np.full((n_rows, table_width), TRASH_PAGE, dtype=np.int64)
-    for i, r in enumerate(rows):
-        table[i, : len(r.req.pages)] = r.req.pages
     params = [r.req.params for r in rows]
     any_random, want_logprobs, any_penalty = mode or step_mode(params)
     want_prompt_lp = any(not r.gather and r.req.params.prompt_logprobs is not None
                          and r.start + 1 < len(r.req.prompt_token_ids) for r in rows)
     values = {
-        "input_ids": ids, "q_lens": q_lens, "kv_lens": kv_lens, "page_table": table.reshape(-1), "tok_row": tok_row,
-        "tok_col": tok_col, "q_index": q_index, "row_slot": [r.req.slot for r in rows] + [dump_slot] * pad,
+        "input_ids": ids, "q_lens": q_lens, "kv_lens": kv_lens, "page_table": bufs.page_table(rows, n_rows),
+        "tok_row": tok_row, "tok_col": tok_col, "q_index": q_index,
+        "row_slot": [r.req.slot for r in rows] + [dump_slot] * pad,
         "row_first": first, "row_num_drafts": [r.num_drafts for r in rows] + [max(pad_q - 1, 0)] * pad,
         "row_next_token": [r.next_token for r in rows] + [0] * pad, "seed": [r.req.seed for r in rows] + [0] * pad,
         "top_k": [p.top_k for p in params] + [0] * pad,
