@@ -337,7 +337,7 @@ class LLMEngine:
 
     def _publish_load(self) -> None:
         sched = self.scheduler
-        running = sum(1 for r in sched.running if not r.finished)
+        running = sum(1 for r in sched.running if r.status is not Status.FINISHED)
         used = 1.0 - self.pool.num_free / self.pool.num_usable if self.pool.num_usable else 0.0
         self._load = EngineLoad(running, sched.num_waiting, max(0.0, used))
 
@@ -498,21 +498,23 @@ class LLMEngine:
         if not row.samples:
             req.num_computed = start + row.num_tokens
             return
-        a = len(tokens) - 1
-        if row.num_drafts:
+        a, nd = len(tokens) - 1, row.num_drafts
+        if nd:
             req.num_verify_steps += 1
-            req.num_drafted += row.num_drafts
+            req.num_drafted += nd
             req.num_accepted += a
             c = self.counters
             c.num_drafts += 1
-            c.num_draft_tokens += row.num_drafts
+            c.num_draft_tokens += nd
             c.num_accepted_tokens += a
-            for j in range(row.num_drafts):
-                req.drafted_per_position[j] += 1
-                req.accepted_per_position[j] += int(j < a)
-                c.accepted_per_pos[j] += int(j < a)
+            drafted, accepted, total = req.drafted_per_position, req.accepted_per_position, c.accepted_per_pos
+            for j in range(nd):
+                drafted[j] += 1
+            for j in range(min(a, nd)):
+                accepted[j] += 1
+                total[j] += 1
         self._append(req, tokens, lps)
-        req.num_computed = start + row.num_tokens - row.num_drafts + a
+        req.num_computed = start + row.num_tokens - nd + a
 
     def _append(self, req: Request, tokens: list[int], lps: list[PositionLogprobs] | None) -> None:
         """Decide first, then mutate: the kept tokens, the finish reason and the text are computed on a fork
