@@ -21,7 +21,6 @@ leaves a request's text ahead of its tokens.
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Any
 
@@ -54,10 +53,11 @@ class IncrementalDetokenizer:
 
     def fork(self) -> IncrementalDetokenizer:
         """An independent copy (the stream's small window is copied; the text is an immutable str)."""
-        new = object.__new__(IncrementalDetokenizer)
-        for name in ("tokenizer", "stop", "hold", "text", "pending", "stopped", "stop_str", "include_stop"):
-            setattr(new, name, getattr(self, name))
-        new._stream = copy.copy(self._stream)
+        new = object.__new__(IncrementalDetokenizer)  # once per request per step: no __init__, no loop
+        new.tokenizer, new.stop, new.hold, new.text = self.tokenizer, self.stop, self.hold, self.text
+        new.pending, new.stopped, new.stop_str, new.include_stop = self.pending, self.stopped, self.stop_str, \
+            self.include_stop
+        new._stream = self._stream.__copy__()  # what copy.copy calls, without its dispatch
         return new
 
     def add(self, token_id: int, check_stop: bool = True) -> bool:
@@ -70,9 +70,10 @@ class IncrementalDetokenizer:
             self.pending += 1
             return False
         self.pending = 0
-        start = max(0, len(self.text) - self.hold)  # a new match must end inside `piece`
+        text = self.text
         self.text += piece
         if self.stop and check_stop:
+            start = max(0, len(text) - self.hold)  # a new match must end inside `piece`
             window = self.text[start:]
             hits = [(i, s) for i, s in ((window.find(s), s) for s in self.stop) if i >= 0]
             if hits:

@@ -77,21 +77,56 @@ class StepBuffers:
         self.h_float = [torch.zeros(self.n_float, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
         self.h_bool = [torch.zeros(self.n_bool, dtype=torch.bool, pin_memory=pin) for _ in range(2)]
         self._parity = 0
-        # numpy views of the stagings, and per step shape its layout, sizes and device views: steps of one
-        # shape (every replay of a graph bucket) reuse them instead of re-slicing ~25 tensors each step.
+        # numpy views of the stagings, and per step shape its layout, sizes, device views and staging plan:
+        # steps of one shape (every replay of a graph bucket) reuse them instead of re-slicing ~25 tensors.
         self.h_np = [{"int": self.h_int[i].numpy(), "float": self.h_float[i].numpy(), "bool": self.h_bool[i].numpy()}
                      for i in range(2)]
-        self._shapes: dict[tuple, tuple[dict, dict[str, int], dict[str, torch.Tensor]]] = {}
+        self._shapes: dict[tuple, tuple[dict, dict[str, int], dict[str, torch.Tensor], list]] = {}
+        self._token_index: dict[tuple[int, ...], tuple[np.ndarray, ...]] = {}
+        # The last page table built, and per row the page list it was built from and that list's length.
+        self._table = np.full((max_rows, table_width), TRASH_PAGE, dtype=np.int64)
+        self._table_src: list[tuple[list[int], int] | None] = [None] * max_rows
 
-    def shape(self, key: tuple) -> tuple[dict, dict[str, int], dict[str, torch.Tensor]]:
-        """(layout, elements per buffer, device views) of the step shape `key` = step_layout's arguments."""
+    def shape(self, key: tuple) -> tuple[dict, dict[str, int], dict[str, torch.Tensor], list]:
+        """(layout, elements per buffer, device views, staging plan) of the step shape `key` = step_layout's
+        arguments."""
         got = self._shapes.get(key)
         if got is None:
             if len(self._shapes) >= 512:  # eager prompt shapes vary; keep the cache bounded
                 self._shapes.clear()
             layout = step_layout(*key)
             flat = {"int": self.d_int, "float": self.d_float, "bool": self.d_bool}
-            got = self._shapes[key] = (layout, layout_sizes(layout), _carve_views(flat, layout))
+            got = self._shapes[key] = (layout, layout_sizes(layout), _carve_views(flat, layout), _stage_plan(layout))
+        return got
+
+    def page_table(self, rows: list, n_rows: int) -> np.ndarray:
+        """[n_rows * table_width]: each row's pages, then the trash page (padding rows: trash only). A row is
+        rewritten only when its page list is another list or has grown since the last step (a request's list
+        only grows in place or is replaced), so a steady step rewrites the rows that got a page, not all."""
+        table, src = self._table, self._table_src
+        for i, r in enumerate(rows):
+            pages = r.req.pages
+            s = src[i]
+            if s is None or s[0] is not pages or s[1] != len(pages):
+                n = len(pages)
+                table[i, :n] = pages
+                table[i, n:] = TRASH_PAGE
+                src[i] = (pages, n)
+        for i in range(len(rows), n_rows):
+            if src[i] is not None:
+                table[i] = TRASH_PAGE
+                src[i] = None
+        return table[:n_rows].reshape(-1)
+
+    def token_index(self, q_lens: list[int]) -> tuple[np.ndarray, ...]:
+        """(tok_row, tok_col, row_first, q_index, q_valid) of rows of these lengths, the last two flat
+        [B * max_q]. Steps with the same row lengths (every replay of a graph bucket) share them: read-only."""
+        key = tuple(q_lens)
+        got = self._token_index.get(key)
+        if got is None:
+            if len(self._token_index) >= 512:  # prompt steps' lengths vary; keep the cache bounded
+                self._token_index.clear()
+            got = self._token_index[key] = _token_index(q_lens)
         return got
 
 
@@ -138,16 +173,39 @@ def _carve_views(flat: dict[str, torch.Tensor], layout: dict[str, list[tuple[str
     return out
 
 
-def _stage(host: dict[str, np.ndarray], layout: dict[str, list[tuple[str, tuple[int, ...]]]],
-           values: dict[str, Any]) -> None:
-    """Write each value into the numpy staging arrays at the layout's offsets."""
+def _stage_plan(layout: dict[str, list[tuple[str, tuple[int, ...]]]]) -> list[tuple[str, str, int, int]]:
+    """(kind, name, start, end) of each value in the flat buffers."""
+    plan = []
     for kind, fields in layout.items():
-        off, stage = 0, host[kind]
+        off = 0
         for name, shape in fields:
             n = math.prod(shape)
-            v = values[name]
-            stage[off:off + n] = v.reshape(-1) if isinstance(v, np.ndarray) and v.ndim > 1 else v
+            plan.append((kind, name, off, off + n))
             off += n
+    return plan
+
+
+def _stage(host: dict[str, np.ndarray], plan: list[tuple[str, str, int, int]], values: dict[str, Any]) -> None:
+    """Write each value (a list or a 1-D array) into the numpy staging arrays at its place in the plan."""
+    for kind, name, start, end in plan:
+        host[kind][start:end] = values[name]
+
+
+def _token_index(q_lens: list[int]) -> tuple[np.ndarray, ...]:
+    """Per token its row and column, per row its first token, and the [B, max_q] map of row columns to
+    tokens with its validity mask (flattened)."""
+    n_rows, t = len(q_lens), sum(q_lens)
+    max_q = max(q_lens, default=1)
+    tok_row = np.repeat(np.arange(n_rows), q_lens)
+    first = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int64) if n_rows else np.zeros(0, np.int64)
+    tok_col = np.arange(t) - first[tok_row] if t else np.zeros(0, np.int64)
+    col = np.arange(max_q)
+    q_valid = col[None, :] < np.asarray(q_lens)[:, None]
+    q_index = np.where(q_valid, first[:, None] + col[None, :], 0)
+    out = (tok_row, tok_col, first, q_index.reshape(-1), q_valid.reshape(-1))
+    for a in out:
+        a.flags.writeable = False
+    return out
 
 
 def carve(bufs: StepBuffers, n_rows: int, n_tokens: int, max_q: int, max_kv: int, page_size: int, ops: Any,
@@ -155,7 +213,7 @@ def carve(bufs: StepBuffers, n_rows: int, n_tokens: int, max_q: int, max_kv: int
     """The StepInput whose values already sit in `bufs`' device buffers (a tensor-parallel worker's, filled by
     broadcast): the same views `build_step_input` made on the rank that packed them. `mode` is (any_random,
     want_logprobs, penalties, want_prompt_logprobs)."""
-    _, _, v = bufs.shape((n_rows, n_tokens, max_q, bufs.table_width, mode[2], n_stop))
+    v = bufs.shape((n_rows, n_tokens, max_q, bufs.table_width, mode[2], n_stop))[2]
     return _assemble(v, n_rows, n_tokens, max_q, max_kv, page_size, ops, mode)
 
 
@@ -199,9 +257,10 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
     rows = batch.rows
     n_real = len(rows)
     n_rows = max(n_real, pad_rows_to)
+    pad = n_rows - n_real
     pad_q = pad_q or (rows[0].num_tokens if rows else 1)
-    q_lens = [r.num_tokens for r in rows] + [pad_q] * (n_rows - n_real)
-    kv_lens = [r.kv_len for r in rows] + [pad_q] * (n_rows - n_real)
+    q_lens = [r.num_tokens for r in rows] + [pad_q] * pad
+    kv_lens = [r.kv_len for r in rows] + [pad_q] * pad
     t = sum(q_lens)
     max_q = max(q_lens) if q_lens else 1
     if bufs is None:
@@ -212,23 +271,15 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
     for r in rows:
         ids += r.tokens
     ids += [0] * (t - len(ids))
-    tok_row = np.repeat(np.arange(n_rows), q_lens)
-    first = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int64) if n_rows else np.zeros(0, np.int64)
-    tok_col = np.arange(t) - first[tok_row] if t else np.zeros(0, np.int64)
-    col = np.arange(max_q)
-    q_valid = col[None, :] < np.asarray(q_lens)[:, None]
-    q_index = np.where(q_valid, first[:, None] + col[None, :], 0)
-    table = np.full((n_rows, table_width), TRASH_PAGE, dtype=np.int64)
-    for i, r in enumerate(rows):
-        table[i, : len(r.req.pages)] = r.req.pages
-    pad = n_rows - n_real
+    tok_row, tok_col, first, q_index, q_valid = bufs.token_index(q_lens)
     params = [r.req.params for r in rows]
     any_random, want_logprobs, any_penalty = mode or step_mode(params)
     want_prompt_lp = any(not r.gather and r.req.params.prompt_logprobs is not None
                          and r.start + 1 < len(r.req.prompt_token_ids) for r in rows)
     values = {
-        "input_ids": ids, "q_lens": q_lens, "kv_lens": kv_lens, "page_table": table, "tok_row": tok_row,
-        "tok_col": tok_col, "q_index": q_index, "row_slot": [r.req.slot for r in rows] + [dump_slot] * pad,
+        "input_ids": ids, "q_lens": q_lens, "kv_lens": kv_lens, "page_table": bufs.page_table(rows, n_rows),
+        "tok_row": tok_row, "tok_col": tok_col, "q_index": q_index,
+        "row_slot": [r.req.slot for r in rows] + [dump_slot] * pad,
         "row_first": first, "row_num_drafts": [r.num_drafts for r in rows] + [max(pad_q - 1, 0)] * pad,
         "row_next_token": [r.next_token for r in rows] + [0] * pad, "seed": [r.req.seed for r in rows] + [0] * pad,
         "top_k": [p.top_k for p in params] + [0] * pad,
@@ -239,10 +290,10 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
         "q_valid": q_valid}
     n_stop = _penalty_values(rows, pad, dump_slot, values) if any_penalty else 0
     # Fill the host staging (pinned on CUDA, alternating) at the layout's offsets, then three non-blocking copies.
-    layout, sizes, views = bufs.shape((n_rows, t, max_q, table_width, any_penalty, n_stop))
+    _, sizes, views, plan = bufs.shape((n_rows, t, max_q, table_width, any_penalty, n_stop))
     par = bufs._parity
     bufs._parity ^= 1
-    _stage(bufs.h_np[par], layout, values)
+    _stage(bufs.h_np[par], plan, values)
     host = {"int": bufs.h_int[par], "float": bufs.h_float[par], "bool": bufs.h_bool[par]}
     dev = {"int": bufs.d_int, "float": bufs.d_float, "bool": bufs.d_bool}
     for kind, n in sizes.items():

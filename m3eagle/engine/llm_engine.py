@@ -316,27 +316,28 @@ class LLMEngine:
     def _collect(self) -> list[RequestDelta]:
         touched, self._touched = list(self._touched.values()), {}
         self._publish_load()
-        last = {r.group_id: i for i, r in enumerate(touched)}  # a finished request's output rides on its last delta
-        return [self._delta(r, i == last[r.group_id]) for i, r in enumerate(touched)]
+        # A finished request's output rides on its last delta; only samples of n share a request id.
+        last = {r.group.request_id: i for i, r in enumerate(touched) if r.group is not None}
+        return [self._delta(r, r.group is None or i == last[r.group.request_id]) for i, r in enumerate(touched)]
 
     def _delta(self, req: Request, last_of_request: bool = True) -> RequestDelta:
         """Everything new since the completion's previous delta; text only up to what no stop can still cut."""
-        n0, done = req.num_tokens_sent, req.finished
-        all_done = done and (req.group is None or req.group.finished)
+        out, det = req.output_token_ids, req.detok
+        n0, n, done = req.num_tokens_sent, len(out), req.status is Status.FINISHED
         lps = req.logprobs[n0:] if req.params.logprobs is not None else None
         text = ""
-        if req.detok is not None:  # req.text is req.detok.text: they are committed together
-            end = req.detok.safe_length(done)
+        if det is not None:  # req.text is req.detok.text: they are committed together
+            end = det.safe_length(done)
             if end > req.num_text_sent:
-                text, req.num_text_sent = req.detok.text[req.num_text_sent:end], end
-        req.num_tokens_sent = len(req.output_token_ids)
-        return RequestDelta(req.group_id, req.output_token_ids[n0:], text, lps, req.finish_reason,
-                            len(req.prompt_token_ids), len(req.output_token_ids), req.error,
-                            req.to_output() if all_done and last_of_request else None, req.index)
+                text, req.num_text_sent = det.text[req.num_text_sent:end], end
+        req.num_tokens_sent = n
+        all_done = done and last_of_request and (req.group is None or req.group.finished)
+        return RequestDelta(req.group_id, out[n0:], text, lps, req.finish_reason, len(req.prompt_token_ids), n,
+                            req.error, req.to_output() if all_done else None, req.index)
 
     def _publish_load(self) -> None:
         sched = self.scheduler
-        running = sum(1 for r in sched.running if not r.finished)
+        running = sum(1 for r in sched.running if r.status is not Status.FINISHED)
         used = 1.0 - self.pool.num_free / self.pool.num_usable if self.pool.num_usable else 0.0
         self._load = EngineLoad(running, sched.num_waiting, max(0.0, used))
 
@@ -445,17 +446,18 @@ class LLMEngine:
             req = row.req
             req.inflight_rows.remove(row)
             first, row_first = first + row.num_tokens, first
-            if req.finished:
-                if req.pending_free and not req.inflight:
+            if req.status is Status.FINISHED:
+                if req.pending_free and not req.inflight_rows:
                     self.scheduler.release(req)
                 continue
             try:
-                if plp is not None and req.params.prompt_logprobs is not None and not row.gather:
-                    self._record_prompt_logprobs(req, row, plp, row_first)
                 lps = None
-                if lp is not None and req.params.logprobs is not None:
-                    lps = [self._position_logprobs(new_tokens[i][j], lp, (i, j), req.params.logprobs, "lp_")
-                           for j in range(num_new[i])]
+                if lp is not None or plp is not None:
+                    if plp is not None and req.params.prompt_logprobs is not None and not row.gather:
+                        self._record_prompt_logprobs(req, row, plp, row_first)
+                    if lp is not None and req.params.logprobs is not None:
+                        lps = [self._position_logprobs(new_tokens[i][j], lp, (i, j), req.params.logprobs, "lp_")
+                               for j in range(num_new[i])]
                 self._process_row(req, row, new_tokens[i][: num_new[i]], lps)
             except Exception as e:  # this request's fault (a detokenizer error, say), not the engine's
                 self._fail(req, f"{type(e).__name__}: {e}")
@@ -496,21 +498,23 @@ class LLMEngine:
         if not row.samples:
             req.num_computed = start + row.num_tokens
             return
-        a = len(tokens) - 1
-        if row.num_drafts:
+        a, nd = len(tokens) - 1, row.num_drafts
+        if nd:
             req.num_verify_steps += 1
-            req.num_drafted += row.num_drafts
+            req.num_drafted += nd
             req.num_accepted += a
             c = self.counters
             c.num_drafts += 1
-            c.num_draft_tokens += row.num_drafts
+            c.num_draft_tokens += nd
             c.num_accepted_tokens += a
-            for j in range(row.num_drafts):
-                req.drafted_per_position[j] += 1
-                req.accepted_per_position[j] += int(j < a)
-                c.accepted_per_pos[j] += int(j < a)
+            drafted, accepted, total = req.drafted_per_position, req.accepted_per_position, c.accepted_per_pos
+            for j in range(nd):
+                drafted[j] += 1
+            for j in range(min(a, nd)):
+                accepted[j] += 1
+                total[j] += 1
         self._append(req, tokens, lps)
-        req.num_computed = start + row.num_tokens - row.num_drafts + a
+        req.num_computed = start + row.num_tokens - nd + a
 
     def _append(self, req: Request, tokens: list[int], lps: list[PositionLogprobs] | None) -> None:
         """Decide first, then mutate: the kept tokens, the finish reason and the text are computed on a fork
@@ -523,15 +527,17 @@ class LLMEngine:
         det = req.detok.fork() if req.detok is not None else None
         reason, stop_reason = None, None
         limit = min(p.max_tokens, self.cfg.max_model_len - len(req.prompt_token_ids))
+        n = n0
         try:
             for t in tokens:
                 out.append(t)
-                may_stop = len(out) >= p.min_tokens  # vLLM: no stop check while fewer are out
+                n += 1
+                may_stop = n >= p.min_tokens  # vLLM: no stop check while fewer are out
                 if may_stop and t in p.stop_token_ids:  # vLLM's stop_reason: the stop token id (EOS: None)
                     reason, stop_reason = "stop", t
                 elif may_stop and t in self.eos_ids and not p.ignore_eos:
                     reason = "stop"
-                elif len(out) >= limit:
+                elif n >= limit:
                     reason = "length"
                 if det is not None and det.add(t, may_stop):  # a stop string completed: it wins, text cut
                     reason, stop_reason = "stop", det.stop_str
@@ -542,9 +548,8 @@ class LLMEngine:
         except BaseException:
             del out[n0:]  # ... and cut back if anything failed, so the request is exactly as it was
             raise
-        n_new = len(out) - n0
         if lps is not None:
-            req.logprobs += lps[:n_new]
+            req.logprobs += lps[:n - n0]
         if det is not None:
             req.detok, req.text = det, det.text
         self._touched[req.request_id] = req

@@ -160,6 +160,15 @@ class Request:
                 k += 1 + row.num_drafts
         self.proj_computed, self.proj_known = c, k
 
+    def project(self, row) -> None:
+        """A row was launched: put it in flight and fold it into the projection, as reproject() would.
+        The projection is current whenever a row is planned (every change of host truth reprojects), so
+        this one fold step is all that changes."""
+        self.inflight_rows.append(row)
+        self.proj_computed = (self.proj_computed if row.gather else row.start) + row.num_tokens
+        if row.samples:
+            self.proj_known += 1 + row.num_drafts
+
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

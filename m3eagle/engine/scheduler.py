@@ -18,7 +18,7 @@ whose draft KV depends on the token each sample draws.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..kvcache.page_pool import PagePool
 from .request import Request, Status
@@ -28,7 +28,9 @@ class NeedSync(Exception):
     """The plan needs the in-flight step's results first (e.g. to preempt a request it holds)."""
 
 
-@dataclass(eq=False)  # identity: rows are removed from a request's in-flight list by `is`, not by value
+# eq=False: identity: rows are removed from a request's in-flight list by `is`, not by value. A row is
+# immutable once planned, so its sizes are computed once: they are read several times per row per step.
+@dataclass(eq=False, slots=True)
 class ScheduledRow:
     req: Request
     start: int  # first position (host-projected)
@@ -38,14 +40,12 @@ class ScheduledRow:
     gather: bool  # first token + drafts come from the device slot buffers
     correct: bool  # the previous sampling step is still in flight -> correct kv_len on device
     next_token: int  # for non-sampling rows: the known token after the chunk (draft step 0 shift)
+    num_tokens: int = field(init=False)
+    kv_len: int = field(init=False)  # start + num_tokens
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def kv_len(self) -> int:
-        return self.start + self.num_tokens
+    def __post_init__(self) -> None:
+        self.num_tokens = len(self.tokens)
+        self.kv_len = self.start + self.num_tokens
 
 
 @dataclass
@@ -66,6 +66,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.k = num_draft_tokens
         self.max_pages_per_seq = max_pages_per_seq
+        self._lookahead = max(num_draft_tokens - 1, 0)  # draft steps 1..K-1 write this far past a row
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots = list(range(max_num_seqs))[::-1]
@@ -151,34 +152,30 @@ class Scheduler:
     # ---- planning ----------------------------------------------------------------------------
     def _pages_needed(self, req: Request, kv_len: int) -> int:
         # Draft steps 1..K-1 write K-1 positions past the row; reserve them too.
-        want = self.pool.pages_for(kv_len + max(self.k - 1, 0))
+        want = self.pool.pages_for(kv_len + self._lookahead)
         return max(0, min(want, self.max_pages_per_seq) - len(req.pages))
 
     def _plan_row(self, req: Request, budget: int) -> ScheduledRow | None:
-        known = req.proj_known
         start = req.proj_computed
-        n_known = known - start
+        n_known = req.proj_known - start
         n = min(n_known, budget)
         if n <= 0:
             return None
         samples = n == n_known
-        nd = self.k if (samples and self.k and req.slot_valid and n_known == 1 and budget >= 1 + self.k) else 0
-        gather = samples and req.slot_valid and n_known == 1
-        correct = gather and req.inflight > 0
-        if gather:
-            tokens = [0] * (1 + nd)
-        else:
-            tokens = req.all_token_ids[start:start + n] + [0] * nd
-        nxt = req.all_token_ids[start + n] if not samples else 0
-        return ScheduledRow(req, start, tokens, nd, samples, gather, correct, nxt)
+        if samples and n_known == 1 and req.slot_valid:  # the steady state: token (+ drafts) from the slot
+            nd = self.k if budget > self.k else 0
+            return ScheduledRow(req, start, [0] * (1 + nd), nd, True, True, bool(req.inflight_rows), 0)
+        ids = req.all_token_ids
+        return ScheduledRow(req, start, ids[start:start + n], 0, samples, False, False, 0 if samples else ids[start + n])
 
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_tokens
         rows: list[ScheduledRow] = []
         preempted: list[Request] = []
         for req in list(self.running):
-            # Preempted earlier in this loop: back to WAITING (a membership test of `running` was O(rows^2)).
-            if req.finished or req.status is Status.WAITING:
+            # Finished, or preempted earlier in this loop: back to WAITING (a membership test of `running`
+            # was O(rows^2)).
+            if req.status is not Status.RUNNING:
                 continue
             row = self._plan_row(req, budget)
             if row is None:
@@ -196,7 +193,8 @@ class Scheduler:
                     break
             if req.status is Status.WAITING:  # preempted itself to make room
                 continue
-            req.pages += self.pool.allocate(req.request_id, need)
+            if need:
+                req.pages += self.pool.allocate(req.request_id, need)
             rows.append(row)
             budget -= row.num_tokens
             if budget <= 0:
@@ -231,8 +229,7 @@ class Scheduler:
     def commit(self, batch: ScheduledBatch) -> None:
         """The batch was launched: project every row's effect (all drafts accepted)."""
         for row in batch.rows:
-            row.req.inflight_rows.append(row)
-            row.req.reproject()
+            row.req.project(row)
             if row.samples:
                 row.req.slot_valid = True
 
