@@ -311,6 +311,12 @@ def test_cli_registers_every_stage():
         assert p.parse_args([cmd]).cmd == cmd
     args = p.parse_args(["train-target", "--steps", "5", "--preset", "tiny"])
     assert args.steps == 5 and args.preset == "tiny"
+    from m3eagle.training.cli import _override
+    from m3eagle.training.draft import DraftTrainConfig
+
+    args = p.parse_args(["train-draft", "--self-distill-rows", "64", "--self-distill-batch", "8", "--ttt-steps", "3"])
+    cfg = _override(DraftTrainConfig(), args)  # every DraftTrainConfig knob the CLI offers reaches the config
+    assert (cfg.self_distill_rows, cfg.self_distill_batch, cfg.ttt_steps) == (64, 8, 3)
 
 
 if __name__ == "__main__":

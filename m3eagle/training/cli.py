@@ -84,6 +84,8 @@ def add_training_subcommands(subparsers) -> None:
     p.add_argument("--init-from", default=None, help="continue from this Eagle3 checkpoint directory")
     p.add_argument("--self-distill-rows", type=int, default=None,
                    help="rows of target-generated greedy text to mix into every step (0: off)")
+    p.add_argument("--self-distill-batch", type=int, default=None,
+                   help="self-distilled rows per step, beside --batch-size corpus rows (default: the config's)")
     p.add_argument("--simulate", type=int, default=32, metavar="N",
                    help="after training, estimate greedy acceptance on N stdlib prompts without the engine "
                         "(0: skip)")
