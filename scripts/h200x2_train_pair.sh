@@ -6,6 +6,10 @@
 #                                                       # shipped target on the new corpus (data effect)
 #   STAGE=2 OUT=... bash scripts/h200x2_train_pair.sh   # two heads for the new target, in parallel:
 #                                                       # GPU 0 without, GPU 1 with self-distillation
+#   STAGE=3 OUT=... bash scripts/h200x2_train_pair.sh   # two head variants for the SHIPPED target, in
+#                                                       # parallel (HEAD_A_ARGS / HEAD_B_ARGS; defaults:
+#                                                       # draft vocab 6144, and TTT 7 steps with decay 0.9);
+#                                                       # one call from a cold machine (data rebuilt first)
 #
 # R (default /tmp/m3e15) survives between calls while the machine stays warm; a cold STAGE=2 rebuilds
 # the (deterministic) corpus and reads the new target from $TARGET_PARTS (parts carried from stage 1).
@@ -100,4 +104,26 @@ if [[ $STAGE == 2 ]]; then
   done
   stamp "packed"; ls -la "$OUT" "$OUT"/*
   tail -n 3 "$R/head_plain.log" "$R/head_sd.log"
+fi
+
+if [[ $STAGE == 3 ]]; then
+  [[ -f $R/data.ready ]] || { stamp "data"; data || exit 1; stamp "data ready"; }
+  HB=$( [[ ${SMOKE:-0} == 1 ]] && echo "" || echo "--time-budget $HEAD_TIME" )
+  A_ARGS=${HEAD_A_ARGS:---draft-vocab-size 6144}
+  B_ARGS=${HEAD_B_ARGS:---ttt-steps 7 --step-decay 0.9}
+  # shellcheck disable=SC2086
+  CUDA_VISIBLE_DEVICES=0 timeout 420 $M train-draft --data "$R/tok" --target $SHIPPED --out "$R/head_a" \
+    $HB $H_ARGS $A_ARGS > "$R/head_a.log" 2>&1 &
+  A=$!
+  # shellcheck disable=SC2086
+  CUDA_VISIBLE_DEVICES=1 timeout 420 $M train-draft --data "$R/tok" --target $SHIPPED --out "$R/head_b" \
+    $HB $H_ARGS $B_ARGS > "$R/head_b.log" 2>&1 &
+  B=$!
+  wait $A; stamp "head_a ($A_ARGS) done ($?)"; wait $B; stamp "head_b ($B_ARGS) done ($?)"
+  for v in a b; do
+    d=$(pack_dir "$v" "" "$R/head_$v"); cp "$R/head_$v.log" "$d/"
+    mkdir -p "$OUT/$v" && $PY -m m3eagle.training.transport pack "$d" "$OUT/$v"
+  done
+  stamp "packed"; ls -la "$OUT"/*
+  tail -n 2 "$R/head_a.log" "$R/head_b.log"
 fi

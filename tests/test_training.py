@@ -314,9 +314,11 @@ def test_cli_registers_every_stage():
     from m3eagle.training.cli import _override
     from m3eagle.training.draft import DraftTrainConfig
 
-    args = p.parse_args(["train-draft", "--self-distill-rows", "64", "--self-distill-batch", "8", "--ttt-steps", "3"])
+    args = p.parse_args(["train-draft", "--self-distill-rows", "64", "--self-distill-batch", "8", "--ttt-steps", "3",
+                         "--step-decay", "0.9", "--draft-vocab-size", "6144"])
     cfg = _override(DraftTrainConfig(), args)  # every DraftTrainConfig knob the CLI offers reaches the config
-    assert (cfg.self_distill_rows, cfg.self_distill_batch, cfg.ttt_steps) == (64, 8, 3)
+    assert (cfg.self_distill_rows, cfg.self_distill_batch, cfg.ttt_steps, cfg.step_decay, cfg.draft_vocab_size) \
+        == (64, 8, 3, 0.9, 6144)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,8 @@ def add_training_subcommands(subparsers) -> None:
     p.add_argument("--target", default="runs/target/final", help="the trained target checkpoint the head drafts for")
     p.add_argument("--out", default="runs/draft", help="output directory for the head's checkpoints")
     p.add_argument("--ttt-steps", type=int, default=None, help="training-time-test unroll steps (default: the config's)")
+    p.add_argument("--step-decay", type=float, default=None,
+                   help="loss weight of TTT step s is STEP_DECAY ** s (default: the config's)")
     p.add_argument("--draft-vocab-size", type=int, default=None, help="draft vocabulary size (default: the config's)")
     p.add_argument("--intermediate-size", type=int, default=None, help="the head's MLP width (default: the config's)")
     p.add_argument("--init-from", default=None, help="continue from this Eagle3 checkpoint directory")
