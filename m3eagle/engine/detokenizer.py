@@ -65,7 +65,10 @@ class IncrementalDetokenizer:
         after it with include_stop). check_stop=False: stop strings may not end the output yet (min_tokens)."""
         if self.stopped:
             raise RuntimeError("a stopped detokenizer takes no more tokens")
-        piece = self._step(token_id)
+        try:  # the stream's step inline: this runs once per output token
+            piece = self._stream.step(self.tokenizer.tok, token_id)
+        except Exception as e:  # tokenizers raises a bare Exception
+            piece = self._restart(token_id, e)
         if piece is None:
             self.pending += 1
             return False
@@ -98,13 +101,11 @@ class IncrementalDetokenizer:
         """How much of `text` may be streamed now: all of it once finished, else all but the held tail."""
         return len(self.text) if finished or not self.stop else max(0, len(self.text) - self.hold)
 
-    def _step(self, token_id: int) -> str | None:
-        try:
-            return self._stream.step(self.tokenizer.tok, token_id)
-        except Exception as e:  # tokenizers raises a bare Exception
-            if not str(e).startswith(_INVALID_PREFIX):
-                raise
-            # The window stopped being prefix-stable: restart the stream at this token (vLLM does the same).
-            log.warning("detokenizer: %s; restarting the decode stream", e)
-            self._stream = DecodeStream(skip_special_tokens=True)
-            return self._stream.step(self.tokenizer.tok, token_id)
+    def _restart(self, token_id: int, e: Exception) -> str | None:
+        """The stream's step raised `e`: re-raise it, unless the window only stopped being prefix-stable;
+        then restart the stream at this token (vLLM does the same)."""
+        if not str(e).startswith(_INVALID_PREFIX):
+            raise e
+        log.warning("detokenizer: %s; restarting the decode stream", e)
+        self._stream = DecodeStream(skip_special_tokens=True)
+        return self._stream.step(self.tokenizer.tok, token_id)

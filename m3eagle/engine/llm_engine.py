@@ -331,9 +331,11 @@ class LLMEngine:
             if end > req.num_text_sent:
                 text, req.num_text_sent = det.text[req.num_text_sent:end], end
         req.num_tokens_sent = n
-        all_done = done and last_of_request and (req.group is None or req.group.finished)
-        return RequestDelta(req.group_id, out[n0:], text, lps, req.finish_reason, len(req.prompt_token_ids), n,
-                            req.error, req.to_output() if all_done else None, req.index)
+        grp = req.group  # read once: req.group_id would read it again through a property
+        all_done = done and last_of_request and (grp is None or grp.finished)
+        return RequestDelta(req.request_id if grp is None else grp.request_id, out[n0:], text, lps,
+                            req.finish_reason, len(req.prompt_token_ids), n, req.error,
+                            req.to_output() if all_done else None, req.index)
 
     def _publish_load(self) -> None:
         sched = self.scheduler
@@ -441,7 +443,7 @@ class LLMEngine:
         new_tokens, num_new = host["new_tokens"].tolist(), host["num_new"].tolist()
         lp = {name: host[name].tolist() for name in host if name.startswith("lp_")} or None
         plp = {name: host[name].tolist() for name in host if name.startswith("plp_")} or None
-        first = 0
+        first, any_lp = 0, lp is not None or plp is not None
         for i, row in enumerate(batch.rows):
             req = row.req
             req.inflight_rows.remove(row)
@@ -452,7 +454,7 @@ class LLMEngine:
                 continue
             try:
                 lps = None
-                if lp is not None or plp is not None:
+                if any_lp:
                     if plp is not None and req.params.prompt_logprobs is not None and not row.gather:
                         self._record_prompt_logprobs(req, row, plp, row_first)
                     if lp is not None and req.params.logprobs is not None:
@@ -527,15 +529,17 @@ class LLMEngine:
         det = req.detok.fork() if req.detok is not None else None
         reason, stop_reason = None, None
         limit = min(p.max_tokens, self.cfg.max_model_len - len(req.prompt_token_ids))
+        # Read once per call, not per token.
+        min_tokens, stop_ids, eos = p.min_tokens, p.stop_token_ids, () if p.ignore_eos else self.eos_ids
         n = n0
         try:
             for t in tokens:
                 out.append(t)
                 n += 1
-                may_stop = n >= p.min_tokens  # vLLM: no stop check while fewer are out
-                if may_stop and t in p.stop_token_ids:  # vLLM's stop_reason: the stop token id (EOS: None)
+                may_stop = n >= min_tokens  # vLLM: no stop check while fewer are out
+                if may_stop and t in stop_ids:  # vLLM's stop_reason: the stop token id (EOS: None)
                     reason, stop_reason = "stop", t
-                elif may_stop and t in self.eos_ids and not p.ignore_eos:
+                elif may_stop and t in eos:
                     reason = "stop"
                 elif n >= limit:
                     reason = "length"
