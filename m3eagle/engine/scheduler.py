@@ -151,8 +151,9 @@ class Scheduler:
 
     # ---- planning ----------------------------------------------------------------------------
     def _pages_needed(self, req: Request, kv_len: int) -> int:
-        # Draft steps 1..K-1 write K-1 positions past the row; reserve them too.
-        want = self.pool.pages_for(kv_len + self._lookahead)
+        # Draft steps 1..K-1 write K-1 positions past the row; reserve them too. pool.pages_for, inline: once
+        # per row per step.
+        want = -(-(kv_len + self._lookahead) // self.pool.page_size)
         return max(0, min(want, self.max_pages_per_seq) - len(req.pages))
 
     def _plan_row(self, req: Request, budget: int) -> ScheduledRow | None:
@@ -181,7 +182,7 @@ class Scheduler:
             if row is None:
                 continue
             need = self._pages_needed(req, row.kv_len)
-            while need > self.pool.num_free:
+            while need and need > self.pool.num_free:  # a steady row mostly needs no page: no free count
                 victim = next((r for r in reversed(self.running) if not r.finished), None)
                 if victim is None:
                     break
