@@ -83,6 +83,26 @@ if [[ $STAGE == 1 ]]; then
   tail -3 "$R/cuda_graphs.log" 2>/dev/null; tail -2 "$R/target.log"; tail -3 "$R/head_shipped.log"
 fi
 
+two_heads() {  # two_heads TARGET NAME_A "ARGS_A" NAME_B "ARGS_B": one head per GPU, in parallel, then pack each
+  local target=$1 hb v
+  hb=$( [[ ${SMOKE:-0} == 1 ]] && echo "" || echo "--time-budget $HEAD_TIME" )
+  # shellcheck disable=SC2086
+  CUDA_VISIBLE_DEVICES=0 timeout 420 $M train-draft --data "$R/tok" --target "$target" --out "$R/head_$2" \
+    $hb $H_ARGS $3 > "$R/head_$2.log" 2>&1 &
+  local a=$!
+  # shellcheck disable=SC2086
+  CUDA_VISIBLE_DEVICES=1 timeout 420 $M train-draft --data "$R/tok" --target "$target" --out "$R/head_$4" \
+    $hb $H_ARGS $5 > "$R/head_$4.log" 2>&1 &
+  local b=$!
+  wait $a; stamp "head_$2 ($3) done ($?)"; wait $b; stamp "head_$4 ($5) done ($?)"
+  for v in "$2" "$4"; do
+    local d; d=$(pack_dir "$v" "" "$R/head_$v"); cp "$R/head_$v.log" "$d/"
+    mkdir -p "$OUT/$v" && $PY -m m3eagle.training.transport pack "$d" "$OUT/$v"
+  done
+  stamp "packed"; ls -la "$OUT"/*
+  tail -n 2 "$R/head_$2.log" "$R/head_$4.log"
+}
+
 if [[ $STAGE == 2 ]]; then
   if [[ ! -f $R/data.ready ]]; then stamp "cold machine: rebuilding the data"; data || exit 1; fi
   if [[ ! -f $R/target/final/model.safetensors ]]; then
@@ -90,40 +110,10 @@ if [[ $STAGE == 2 ]]; then
     $PY -m m3eagle.training.transport unpack "$TARGET_PARTS" "$R/cold" && mkdir -p "$R/target" && mv "$R/cold/target/final" "$R/target/final"
     cp "$R/tok/tokenizer.json" "$R/target/final/"
   fi
-  HB=$( [[ ${SMOKE:-0} == 1 ]] && echo "" || echo "--time-budget $HEAD_TIME" )
-  CUDA_VISIBLE_DEVICES=0 timeout 420 $M train-draft --data "$R/tok" --target "$R/target/final" --out "$R/head_plain" \
-    $HB $H_ARGS > "$R/head_plain.log" 2>&1 &
-  A=$!
-  CUDA_VISIBLE_DEVICES=1 timeout 420 $M train-draft --data "$R/tok" --target "$R/target/final" --out "$R/head_sd" \
-    $HB $H_ARGS --self-distill-rows $SD_ROWS > "$R/head_sd.log" 2>&1 &
-  B=$!
-  wait $A; stamp "head_plain done ($?)"; wait $B; stamp "head_sd done ($?)"
-  for v in plain sd; do
-    d=$(pack_dir "$v" "" "$R/head_$v"); cp "$R/head_$v.log" "$d/"
-    mkdir -p "$OUT/$v" && $PY -m m3eagle.training.transport pack "$d" "$OUT/$v"
-  done
-  stamp "packed"; ls -la "$OUT" "$OUT"/*
-  tail -n 3 "$R/head_plain.log" "$R/head_sd.log"
+  two_heads "$R/target/final" plain "" sd "--self-distill-rows $SD_ROWS"
 fi
 
 if [[ $STAGE == 3 ]]; then
   [[ -f $R/data.ready ]] || { stamp "data"; data || exit 1; stamp "data ready"; }
-  HB=$( [[ ${SMOKE:-0} == 1 ]] && echo "" || echo "--time-budget $HEAD_TIME" )
-  A_ARGS=${HEAD_A_ARGS:---draft-vocab-size 6144}
-  B_ARGS=${HEAD_B_ARGS:---ttt-steps 7 --step-decay 0.9}
-  # shellcheck disable=SC2086
-  CUDA_VISIBLE_DEVICES=0 timeout 420 $M train-draft --data "$R/tok" --target $SHIPPED --out "$R/head_a" \
-    $HB $H_ARGS $A_ARGS > "$R/head_a.log" 2>&1 &
-  A=$!
-  # shellcheck disable=SC2086
-  CUDA_VISIBLE_DEVICES=1 timeout 420 $M train-draft --data "$R/tok" --target $SHIPPED --out "$R/head_b" \
-    $HB $H_ARGS $B_ARGS > "$R/head_b.log" 2>&1 &
-  B=$!
-  wait $A; stamp "head_a ($A_ARGS) done ($?)"; wait $B; stamp "head_b ($B_ARGS) done ($?)"
-  for v in a b; do
-    d=$(pack_dir "$v" "" "$R/head_$v"); cp "$R/head_$v.log" "$d/"
-    mkdir -p "$OUT/$v" && $PY -m m3eagle.training.transport pack "$d" "$OUT/$v"
-  done
-  stamp "packed"; ls -la "$OUT"/*
-  tail -n 2 "$R/head_a.log" "$R/head_b.log"
+  two_heads $SHIPPED a "${HEAD_A_ARGS:---draft-vocab-size 6144}" b "${HEAD_B_ARGS:---ttt-steps 7 --step-decay 0.9}"
 fi
