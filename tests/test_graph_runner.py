@@ -152,3 +152,40 @@ def test_graph_shaped_steps_give_the_same_tokens(model_dir, head_dir, k, overlap
     assert any(b > n for n, b in padded_steps)  # some step really ran with padding rows
     assert len({b for _, b in padded_steps}) >= 2  # and the bucket changed as requests finished
     assert_clean(padded)
+
+
+def test_page_table_cache_equals_a_fresh_table_through_every_kind_of_change():
+    """StepBuffers.page_table rewrites a row only when its page list is another list or grew; after any
+    sequence of growth in place, replacement, row reordering and fewer rows it must equal the table built
+    from scratch (each row's pages, then the trash page; padding rows trash only)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from m3eagle.engine.input_builder import StepBuffers
+
+    width = 6
+    bufs = StepBuffers(max_tokens=16, max_rows=4, table_width=width, device=torch.device("cpu"))
+
+    def fresh(reqs, n_rows):
+        t = np.full((n_rows, width), TRASH_PAGE, dtype=np.int64)
+        for i, r in enumerate(reqs):
+            t[i, :len(r.pages)] = r.pages
+        return t.reshape(-1)
+
+    a, b, c = (SimpleNamespace(pages=p) for p in ([1, 2], [3], [4, 5, 6]))
+    steps = [
+        ([a, b, c], 4, None),
+        ([a, b, c], 4, lambda: a.pages.append(7)),  # grown in place
+        ([a, b, c], 4, lambda: setattr(b, "pages", [8, 9])),  # replaced (preemption, a fork)
+        ([c, a, b], 4, None),  # rows reordered
+        ([b], 2, None),  # fewer rows: the old rows must become padding
+        ([b], 2, lambda: setattr(b, "pages", [])),  # replaced by an empty list
+        ([a, c], 3, None),
+    ]
+    for reqs, n_rows, change in steps:
+        if change:
+            change()
+        rows = [SimpleNamespace(req=r) for r in reqs]
+        assert bufs.page_table(rows, n_rows).tolist() == fresh(reqs, n_rows).tolist()

@@ -317,13 +317,13 @@ class LLMEngine:
         touched, self._touched = list(self._touched.values()), {}
         self._publish_load()
         # A finished request's output rides on its last delta; only samples of n share a request id.
-        last = {r.group.request_id: i for i, r in enumerate(touched) if r.group is not None}
-        return [self._delta(r, r.group is None or i == last[r.group.request_id]) for i, r in enumerate(touched)]
+        last = {r.group_id: i for i, r in enumerate(touched) if r.group is not None}
+        return [self._delta(r, r.group is None or i == last[r.group_id]) for i, r in enumerate(touched)]
 
     def _delta(self, req: Request, last_of_request: bool = True) -> RequestDelta:
         """Everything new since the completion's previous delta; text only up to what no stop can still cut."""
         out, det = req.output_token_ids, req.detok
-        n0, n, done = req.num_tokens_sent, len(out), req.status is Status.FINISHED
+        n0, n, done = req.num_tokens_sent, len(out), req.finished
         lps = req.logprobs[n0:] if req.params.logprobs is not None else None
         text = ""
         if det is not None:  # req.text is req.detok.text: they are committed together
@@ -331,15 +331,13 @@ class LLMEngine:
             if end > req.num_text_sent:
                 text, req.num_text_sent = det.text[req.num_text_sent:end], end
         req.num_tokens_sent = n
-        grp = req.group  # read once: req.group_id would read it again through a property
-        all_done = done and last_of_request and (grp is None or grp.finished)
-        return RequestDelta(req.request_id if grp is None else grp.request_id, out[n0:], text, lps,
-                            req.finish_reason, len(req.prompt_token_ids), n, req.error,
-                            req.to_output() if all_done else None, req.index)
+        all_done = done and last_of_request and (req.group is None or req.group.finished)
+        return RequestDelta(req.group_id, out[n0:], text, lps, req.finish_reason, len(req.prompt_token_ids), n,
+                            req.error, req.to_output() if all_done else None, req.index)
 
     def _publish_load(self) -> None:
         sched = self.scheduler
-        running = sum(1 for r in sched.running if r.status is not Status.FINISHED)
+        running = sum(1 for r in sched.running if not r.finished)
         used = 1.0 - self.pool.num_free / self.pool.num_usable if self.pool.num_usable else 0.0
         self._load = EngineLoad(running, sched.num_waiting, max(0.0, used))
 
@@ -448,8 +446,8 @@ class LLMEngine:
             req = row.req
             req.inflight_rows.remove(row)
             first, row_first = first + row.num_tokens, first
-            if req.status is Status.FINISHED:
-                if req.pending_free and not req.inflight_rows:
+            if req.finished:
+                if req.pending_free and not req.inflight:
                     self.scheduler.release(req)
                 continue
             try:

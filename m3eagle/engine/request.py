@@ -153,18 +153,19 @@ class Request:
     def reproject(self) -> None:
         """Projected lengths = host truth + the effect of every row still in flight, assuming all of
         its drafts are accepted (an upper bound the device corrects)."""
-        c, k = self.num_computed, self.num_known
+        self.proj_computed, self.proj_known = self.num_computed, self.num_known
         for row in self.inflight_rows:
-            c = (c if row.gather else row.start) + row.num_tokens
-            if row.samples:
-                k += 1 + row.num_drafts
-        self.proj_computed, self.proj_known = c, k
+            self._fold(row)
 
     def project(self, row) -> None:
         """A row was launched: put it in flight and fold it into the projection, as reproject() would.
         The projection is current whenever a row is planned (every change of host truth reprojects), so
         this one fold step is all that changes."""
         self.inflight_rows.append(row)
+        self._fold(row)
+
+    def _fold(self, row) -> None:
+        """One in-flight row's effect on the projection (all its drafts accepted)."""
         self.proj_computed = (self.proj_computed if row.gather else row.start) + row.num_tokens
         if row.samples:
             self.proj_known += 1 + row.num_drafts

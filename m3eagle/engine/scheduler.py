@@ -151,9 +151,8 @@ class Scheduler:
 
     # ---- planning ----------------------------------------------------------------------------
     def _pages_needed(self, req: Request, kv_len: int) -> int:
-        # Draft steps 1..K-1 write K-1 positions past the row; reserve them too. pool.pages_for, inline: once
-        # per row per step.
-        want = -(-(kv_len + self._lookahead) // self.pool.page_size)
+        # Draft steps 1..K-1 write K-1 positions past the row; reserve them too.
+        want = self.pool.pages_for(kv_len + self._lookahead)
         return max(0, min(want, self.max_pages_per_seq) - len(req.pages))
 
     def _plan_row(self, req: Request, budget: int) -> ScheduledRow | None:
