@@ -10,6 +10,8 @@
 #                                                       # parallel (HEAD_A_ARGS / HEAD_B_ARGS; defaults:
 #                                                       # draft vocab 6144, and TTT 7 steps with decay 0.9);
 #                                                       # one call from a cold machine (data rebuilt first)
+#   STAGE=4 HEADS="0:a:ARGS;1:b:ARGS;0:c:ARGS" ...       # any number of head variants for the shipped target,
+#                                                       # in parallel (several may share a GPU)
 #
 # R (default /tmp/m3e15) survives between calls while the machine stays warm; a cold STAGE=2 rebuilds
 # the (deterministic) corpus and reads the new target from $TARGET_PARTS (parts carried from stage 1).
@@ -83,24 +85,26 @@ if [[ $STAGE == 1 ]]; then
   tail -3 "$R/cuda_graphs.log" 2>/dev/null; tail -2 "$R/target.log"; tail -3 "$R/head_shipped.log"
 fi
 
-two_heads() {  # two_heads TARGET NAME_A "ARGS_A" NAME_B "ARGS_B": one head per GPU, in parallel, then pack each
-  local target=$1 hb v
+heads() {  # heads TARGET "GPU:NAME:ARGS" ...: one train-draft per spec, all in parallel, then pack each
+  local target=$1 hb spec gpu name args v
+  shift
   hb=$( [[ ${SMOKE:-0} == 1 ]] && echo "" || echo "--time-budget $HEAD_TIME" )
-  # shellcheck disable=SC2086
-  CUDA_VISIBLE_DEVICES=0 timeout 420 $M train-draft --data "$R/tok" --target "$target" --out "$R/head_$2" \
-    $hb $H_ARGS $3 > "$R/head_$2.log" 2>&1 &
-  local a=$!
-  # shellcheck disable=SC2086
-  CUDA_VISIBLE_DEVICES=1 timeout 420 $M train-draft --data "$R/tok" --target "$target" --out "$R/head_$4" \
-    $hb $H_ARGS $5 > "$R/head_$4.log" 2>&1 &
-  local b=$!
-  wait $a; stamp "head_$2 ($3) done ($?)"; wait $b; stamp "head_$4 ($5) done ($?)"
-  for v in "$2" "$4"; do
+  local pids=() names=()
+  for spec in "$@"; do
+    gpu=${spec%%:*}; name=${spec#*:}; args=${name#*:}; name=${name%%:*}
+    # shellcheck disable=SC2086
+    CUDA_VISIBLE_DEVICES=$gpu timeout $((HEAD_TIME + 120)) $M train-draft --data "$R/tok" --target "$target" \
+      --out "$R/head_$name" $hb $H_ARGS $args > "$R/head_$name.log" 2>&1 &
+    pids+=($!); names+=("$name")
+    stamp "GPU $gpu: head_$name ($args) started"
+  done
+  for i in "${!pids[@]}"; do wait "${pids[$i]}"; stamp "head_${names[$i]} done ($?)"; done
+  for v in "${names[@]}"; do
     local d; d=$(pack_dir "$v" "" "$R/head_$v"); cp "$R/head_$v.log" "$d/"
     mkdir -p "$OUT/$v" && $PY -m m3eagle.training.transport pack "$d" "$OUT/$v"
   done
   stamp "packed"; ls -la "$OUT"/*
-  tail -n 2 "$R/head_$2.log" "$R/head_$4.log"
+  for v in "${names[@]}"; do tail -n 2 "$R/head_$v.log"; done
 }
 
 if [[ $STAGE == 2 ]]; then
@@ -110,10 +114,16 @@ if [[ $STAGE == 2 ]]; then
     $PY -m m3eagle.training.transport unpack "$TARGET_PARTS" "$R/cold" && mkdir -p "$R/target" && mv "$R/cold/target/final" "$R/target/final"
     cp "$R/tok/tokenizer.json" "$R/target/final/"
   fi
-  two_heads "$R/target/final" plain "" sd "--self-distill-rows $SD_ROWS"
+  heads "$R/target/final" "0:plain:" "1:sd:--self-distill-rows $SD_ROWS"
 fi
 
 if [[ $STAGE == 3 ]]; then
   [[ -f $R/data.ready ]] || { stamp "data"; data || exit 1; stamp "data ready"; }
-  two_heads $SHIPPED a "${HEAD_A_ARGS:---draft-vocab-size 6144}" b "${HEAD_B_ARGS:---ttt-steps 7 --step-decay 0.9}"
+  heads $SHIPPED "0:a:${HEAD_A_ARGS:---draft-vocab-size 6144}" "1:b:${HEAD_B_ARGS:---ttt-steps 7 --step-decay 0.9}"
+fi
+
+if [[ $STAGE == 4 ]]; then  # HEADS="GPU:NAME:ARGS;GPU:NAME:ARGS;...": any number of head variants for the shipped target
+  [[ -f $R/data.ready ]] || { stamp "data"; data || exit 1; stamp "data ready"; }
+  IFS=';' read -r -a specs <<< "${HEADS:?set HEADS}"
+  heads $SHIPPED "${specs[@]}"
 fi
