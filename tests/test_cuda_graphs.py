@@ -145,3 +145,17 @@ def test_indexer_and_attention_do_not_specialize_on_lengths():
         torch.cuda.synchronize()
         counts.append({n: c for n, c in _compiled_variants().items() if "triton_kernels" in n})
     assert all(c == counts[0] for c in counts[1:]), counts
+
+
+def test_released_graphs_recapture_and_still_equal_eager():
+    """GraphRunner.release (tensor parallel's shutdown needs it: NCCL cannot tear down a communicator that a
+    live graph holds) destroys the graphs; the next graph-shaped step captures afresh, same tokens."""
+    sps = params(False)
+    want = run_with_arrivals(make(3, True, True), sps)
+    llm = make(3, True, False)
+    assert llm.engine.graphs.graphs
+    llm.engine.graphs.release()
+    assert not llm.engine.graphs.graphs and llm.engine.graphs.pool is None
+    assert run_with_arrivals(llm, sps) == want
+    assert llm.engine.graphs.graphs and llm.engine.graphs.num_replays > 0
+    assert_clean(llm)

@@ -285,3 +285,36 @@ def test_stuck_group_teardown_is_abandoned_not_waited_on(monkeypatch):
     release.set()
     monkeypatch.setattr(launch.dist, "destroy_process_group", lambda: calls.append(2))
     assert launch.leave_group(5.0) is True and calls == [1, 2]  # a teardown that finishes reports it
+
+
+def test_shutdown_releases_every_engines_graphs_before_leaving_the_group(monkeypatch):
+    """ncclCommDestroy blocks while a live CUDA graph holds a captured collective (every TP=2 shutdown with
+    graphs hung on 2 x H200): rank 0 must destroy all its engines' graphs (the spec engine's and the plain
+    one's) after STOP and before leaving the group. A fault path (no STOP) must not wait for the device."""
+    from types import SimpleNamespace
+
+    from m3eagle.distributed import launch
+
+    events = []
+
+    class Runner:
+        def __init__(self, name):
+            self.name = name
+
+        def release(self):
+            events.append(("release", self.name))
+
+    monkeypatch.setattr(launch.dist, "broadcast", lambda *a, **k: events.append(("broadcast",)))
+    monkeypatch.setattr(launch, "leave_group", lambda timeout_s=None: events.append(("leave",)) or True)
+    driver = launch.Driver(SimpleNamespace(control=None, group=None), None)
+    driver.attach(Runner("spec"))
+    driver.new_engine().attach(Runner("plain"))  # a copy: shares the runner list
+    events.clear()
+    driver.shutdown()
+    assert events[:4] == [("broadcast",), ("release", "spec"), ("release", "plain"), ("leave",)]
+
+    events.clear()
+    faulty = launch.Driver(SimpleNamespace(control=None, group=None), None)
+    faulty.attach(Runner("spec"))
+    faulty.shutdown(send_stop=False)
+    assert ("release", "spec") not in events and ("leave",) in events

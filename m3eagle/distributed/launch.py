@@ -194,6 +194,7 @@ class Driver:
         self.engine_id, self._engines = 0, [0]  # _engines: a shared counter (a list, so that copies share it)
         self._error: list[str | None] = [None]
         self._stopping = [False]  # shared by copies: set before a shutdown stops the workers on purpose
+        self._runners: list[Any] = []  # every engine's GraphRunner on rank 0 (shared by copies): see shutdown
         if workers is not None and tp.group is not None and dist.get_backend(tp.group) == "nccl":
             threading.Thread(target=self._monitor, name="m3eagle-tp-monitor", daemon=True).start()
 
@@ -249,6 +250,10 @@ class Driver:
         child = copy.copy(self)
         child.engine_id = self._engines[0]
         return child
+
+    def attach(self, runner: Any) -> None:
+        """A GraphRunner stepping through this group: its graphs are released before the group is left."""
+        self._runners.append(runner)
 
     def check(self) -> None:
         if self.error is None and self.workers is not None and (dead := self.workers.dead()):
@@ -307,6 +312,9 @@ class Driver:
                 log.warning("tensor-parallel shutdown: stop broadcast failed (%s)", e)
         left = True
         if stopped:
+            # The workers release theirs on STOP (serve). Only on this clean path: after a fault a captured
+            # collective may never finish, and waiting for the device would hang the shutdown.
+            release_graphs(self._runners)
             # Every rank leaves the group at the same time, then rank 0 joins the workers. Tearing NCCL down is
             # collective once CUDA graphs hold its communicator: a worker blocks in destroy_process_group until
             # rank 0 destroys too, so joining the worker first deadlocked (2 x H200: the join ran out, the worker
@@ -317,6 +325,16 @@ class Driver:
         if left:
             leave_group(LEAVE_TIMEOUT_S)
         self.error = self.error or "this LLM was shut down (LLM.shutdown()); build a new one to generate"
+
+
+def release_graphs(runners: list[Any]) -> None:
+    """Destroy every captured CUDA graph of these GraphRunners: NCCL cannot tear a communicator down while a
+    live graph holds one of its collectives (GraphRunner.release)."""
+    for r in runners:
+        try:
+            r.release()
+        except Exception as e:  # a broken device: the teardown below is bounded by its timeout anyway
+            log.warning("tensor-parallel shutdown: releasing CUDA graphs failed (%s)", e)
 
 
 def leave_group(timeout_s: float | None = None) -> bool:
@@ -361,6 +379,7 @@ def serve(engine: Any, plain_engine: Callable[[], Any]) -> None:
         cmd, eid, rows, tokens, max_q, max_kv, bits, n_stop, bucket = header.tolist()
         mode, bucket = tuple(bool(bits >> i & 1) for i in range(4)), (bucket if bucket >= 0 else None)
         if cmd == STOP:
+            release_graphs([e.graphs for e in engines])  # before leaving the group, as rank 0 does
             return
         if cmd == PLAIN_ENGINE:
             engines.append(plain_engine())

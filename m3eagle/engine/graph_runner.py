@@ -82,6 +82,8 @@ class GraphRunner:
         self.pool = None
         self.capture_seconds = 0.0
         self.num_replays = 0
+        if driver is not None:
+            driver.attach(self)  # its shutdown releases these graphs before NCCL's teardown (release())
 
     # ---- planning -------------------------------------------------------------------------------
     def bucket(self, batch: ScheduledBatch) -> int | None:
@@ -120,6 +122,19 @@ class GraphRunner:
         graph.replay()
         self.num_replays += 1
         return static.fresh()
+
+    def release(self) -> None:
+        """Destroy the captured graphs (after the device has finished with them); later graph-shaped steps
+        capture afresh. Tensor parallel needs this before leaving the process group: ncclCommDestroy blocks
+        while a live CUDA graph still holds a captured collective (pytorch/pytorch#115388), which hung every
+        TP=2 shutdown on 2 x H200 until the 20 s teardown limit abandoned the group."""
+        if not self.graphs:
+            return
+        torch.cuda.synchronize(self.runner.device)
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.pool = None
 
     def capture_startup(self) -> None:
         """Capture the greedy graph of every bucket, largest first (the smaller ones reuse its pool)."""
