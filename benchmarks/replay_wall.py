@@ -1,0 +1,79 @@
+"""Is a steady decode step bound by the device or by the host? (GPU only)
+
+    python benchmarks/replay_wall.py [--batch-sizes 1,32] [--k 0,3] [--steps 100]
+
+For each (K, batch) it prints three times per step on the embedded pair: the engine's steady step
+(`engine.step()`, overlap on, graphs), the wall time of the same bucket's CUDA graph replayed back to back
+with no host work in between, and the profiler's kernel time of one replay. If the replay wall is close to
+the kernel time but the engine step is close to replay + host (`benchmarks/host_step.py`), the host and the
+device are not overlapping; if the replay wall itself is well above the kernel time, the gaps are inside the
+graph (launch latency between dependent kernels). One JSON line per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from m3eagle import LLM, SamplingParams  # noqa: E402
+from m3eagle.engine.graph_runner import bucket_for  # noqa: E402
+
+
+def timed(fn, n: int) -> float:
+    """Milliseconds per call of fn, n calls between two device synchronisations."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+def kernel_ms(graph: torch.cuda.CUDAGraph, n: int = 20) -> float:
+    """Profiler kernel time of one replay (the sum of its kernels' durations)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            graph.replay()
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    return sum(e.device_time for e in prof.events() if e.device_type == cuda) / n / 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", default="1,32")
+    ap.add_argument("--k", default="0,3", help="draft tokens per step, comma-separated")
+    ap.add_argument("--steps", type=int, default=100)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("replay_wall.py needs a CUDA device (it times CUDA-graph replays)")
+    for k in (int(x) for x in a.k.split(",")):
+        llm = LLM(device="cuda", num_draft_tokens=k, max_num_seqs=32, max_model_len=2048)
+        eng = llm.engine
+        for b in (int(x) for x in a.batch_sizes.split(",")):
+            sp = SamplingParams(temperature=0, max_tokens=a.steps * (k + 1) * 3 + 100, ignore_eos=True)
+            ids = [eng.add_request(llm.encode(f"def f(x):\n    return x + {i}\n"), sp).request_id for i in range(b)]
+            for _ in range(10):  # prompts done, this bucket's graph captured
+                eng.step()
+            step = timed(eng.step, a.steps)
+            key = next(key for key in eng.graphs.graphs if key[0] == bucket_for(b, eng.graphs.buckets))
+            graph = eng.graphs.graphs[key][0]
+            replay = timed(graph.replay, 2 * a.steps)
+            busy = kernel_ms(graph)
+            print(f"K={k} batch {b}: engine step {step:.3f} ms | back-to-back replay {replay:.3f} ms | "
+                  f"kernel time {busy:.3f} ms", file=sys.stderr)
+            print(json.dumps({"k": k, "batch": b, "engine_step_ms": step, "replay_ms": replay, "kernel_ms": busy}))
+            for rid in ids:  # the replays rewrote these rows' state: they are dropped, not finished
+                eng.abort(rid)
+            eng.run()
+
+
+if __name__ == "__main__":
+    main()
