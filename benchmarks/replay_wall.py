@@ -2,18 +2,23 @@
 
     python benchmarks/replay_wall.py [--batch-sizes 1,32] [--k 0,3] [--steps 100]
 
-For each (K, batch) it prints three times per step on the embedded pair: the engine's steady step
-(`engine.step()`, overlap on, graphs), the wall time of the same bucket's CUDA graph replayed back to back
-with no host work in between, and the profiler's kernel time of one replay. If the replay wall is close to
-the kernel time but the engine step is close to replay + host (`benchmarks/host_step.py`), the host and the
-device are not overlapping; if the replay wall itself is well above the kernel time, the gaps are inside the
-graph (launch latency between dependent kernels). One JSON line per case.
+For each (K, batch) it prints four times per step on the embedded pair: the engine's steady step
+(`engine.step()`, overlap on, graphs); the same loop with the replay taken out (each step returns an earlier
+output of its shape, as `benchmarks/host_step.py` does on the CPU, but here with the pinned copies, events
+and H2D staging of the real device path); the wall time of the bucket's CUDA graph replayed back to back
+with no host work; and the profiler's kernel time of one replay. Reading: engine step ~ host-only step =>
+host-bound (then the host-only step vs host_step.py's CPU number says whether CUDA calls or Python cost
+it); engine step ~ replay wall >> kernel time => gaps inside the graph; engine step ~ host-only + replay
+=> host and device are not overlapping. One JSON line per case; --profile adds cProfile's top 25 of the
+host-only loop (builtins included).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -36,6 +41,20 @@ def timed(fn, n: int) -> float:
     return (time.perf_counter() - t0) / n * 1e3
 
 
+def without_device(run):
+    """GraphRunner.run with the device's part taken out: each step returns an earlier output of its shape
+    (fresh host state, so the device->host copies and the event still happen every step)."""
+    cache = {}
+
+    def stub(inp, bucket):
+        key = (inp.num_rows, inp.num_tokens, inp.mode)
+        if key not in cache:
+            cache[key] = run(inp, bucket)
+        return cache[key].fresh()
+
+    return stub
+
+
 def kernel_ms(graph: torch.cuda.CUDAGraph, n: int = 20) -> float:
     """Profiler kernel time of one replay (the sum of its kernels' durations)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -51,6 +70,7 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,32")
     ap.add_argument("--k", default="0,3", help="draft tokens per step, comma-separated")
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("replay_wall.py needs a CUDA device (it times CUDA-graph replays)")
@@ -63,13 +83,26 @@ def main() -> None:
             for _ in range(10):  # prompts done, this bucket's graph captured
                 eng.step()
             step = timed(eng.step, a.steps)
+            real = eng.graphs.run
+            eng.graphs.run = without_device(real)
+            eng.step()
+            host_only = timed(eng.step, a.steps)
+            if a.profile:
+                pr = cProfile.Profile()
+                pr.enable()
+                for _ in range(a.steps):
+                    eng.step()
+                pr.disable()
+                pstats.Stats(pr, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+            eng.graphs.run = real
             key = next(key for key in eng.graphs.graphs if key[0] == bucket_for(b, eng.graphs.buckets))
             graph = eng.graphs.graphs[key][0]
             replay = timed(graph.replay, 2 * a.steps)
             busy = kernel_ms(graph)
-            print(f"K={k} batch {b}: engine step {step:.3f} ms | back-to-back replay {replay:.3f} ms | "
-                  f"kernel time {busy:.3f} ms", file=sys.stderr)
-            print(json.dumps({"k": k, "batch": b, "engine_step_ms": step, "replay_ms": replay, "kernel_ms": busy}))
+            print(f"K={k} batch {b}: engine step {step:.3f} ms | host-only step {host_only:.3f} ms | back-to-back "
+                  f"replay {replay:.3f} ms | kernel time {busy:.3f} ms", file=sys.stderr)
+            print(json.dumps({"k": k, "batch": b, "engine_step_ms": step, "host_only_step_ms": host_only,
+                              "replay_ms": replay, "kernel_ms": busy}))
             for rid in ids:  # the replays rewrote these rows' state: they are dropped, not finished
                 eng.abort(rid)
             eng.run()
