@@ -240,6 +240,64 @@ def test_route_rejects_what_it_cannot_do():
         TRITON.fused.route(torch.zeros(2, 4), torch.zeros(4), 5)
 
 
+# ---- step inputs (the overlap correction; positions and slots) ------------------------------------------
+
+
+def step_case(seed: int, k: int, page_size: int, n_slots: int = 6):
+    """A mixed step: verify rows (gather, 1 + num_drafts tokens, some corrected), prompt chunks and a padding
+    row (dump slot), random slot buffers, a page table narrower than some rows' lengths (clamped lookups)."""
+    g = gen(seed)
+    r = lambda lo, hi, *shape: torch.randint(lo, hi, shape, generator=g)  # noqa: E731
+    rows = []  # (q_len, gather, num_drafts, correct, slot)
+    for i in range(5):
+        nd = int(r(0, k + 1))
+        rows.append((1 + nd, True, nd, i == 0 or bool(r(0, 2)), i))
+    rows += [(int(r(1, 9)), False, 0, False, 5), (3, False, 0, False, 2)]
+    rows.append((k + 1, False, k, False, n_slots))  # padding row: the dump slot
+    q_lens = [q for q, *_ in rows]
+    kv = torch.tensor([q + int(r(0, 40)) for q in q_lens])
+    width = 6
+    meta = build_metadata(q_lens, kv, r(1, 50, len(rows), width), page_size, CPU, int(kv.max()))
+    t = sum(q_lens)
+    first = torch.tensor([0] + q_lens[:-1]).cumsum(0)
+    flags = lambda j: torch.tensor([row[j] for row in rows])  # noqa: E731
+    inputs = (r(3, 500, t), flags(4), first, flags(1), flags(2), flags(3),
+              r(0, 500, n_slots + 1, k + 1), r(1, k + 2, n_slots + 1), r(2, k + 3, n_slots + 1),
+              r(0, 500, n_slots + 1, max(k, 1)), k)
+    return meta, inputs
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 5])
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_overlap_inputs_equal_reference(k, page_size, seed):
+    """ids (last tokens and drafts gathered from the slots), corrected kv_lens, positions and slots: one
+    Triton kernel, bit-equal to reference.overlap_ids_kv + derive_positions_and_slots."""
+    meta, (ids, *rest) = step_case(seed, k, page_size)
+    want_ids, want = REFERENCE.fused.overlap_inputs(ids, replace(meta, ops=REFERENCE), *rest)
+    got_ids, got = TRITON.fused.overlap_inputs(ids, replace(meta, ops=TRITON), *rest)
+    assert torch.equal(got_ids, want_ids) and torch.equal(got.kv_lens, want.kv_lens)
+    assert torch.equal(got.positions, want.positions) and torch.equal(got.slot_mapping, want.slot_mapping)
+    assert not torch.equal(want_ids, ids) or k == 0  # the case does gather something
+    assert not torch.equal(want.kv_lens, meta.kv_lens)  # ... and corrects something
+
+
+def test_positions_slots_equal_reference_with_clamps_and_negative_positions():
+    """with_lengths' fused op: positions past the table width clamp to its last column; a (never planned)
+    negative position still follows torch's floor division."""
+    from m3eagle.attention.metadata import derive_positions_and_slots
+
+    meta, _ = step_case(7, 3, 4)
+    kv = meta.kv_lens.clone()
+    kv[0], kv[1] = 200, 0  # row 0 past 6 pages of 4; row 1 starts below zero
+    args = (kv, meta.q_lens, meta.tok_row, meta.tok_col, meta.page_table, 4)
+    want = derive_positions_and_slots(*args)
+    got = TRITON.fused.positions_slots(*args)
+    assert (want[0] < 0).any() and (want[0] >= 24).any()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(replace(meta, ops=TRITON).with_lengths(kv).slot_mapping, want[1])
+
+
 # ---- registry -----------------------------------------------------------------------------------------
 
 

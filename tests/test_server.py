@@ -53,9 +53,11 @@ def served(one_thread):
     """(ServerThread, reference): the offline greedy outputs are computed on the same LLM before it serves."""
     llm = LLM(device="cpu", max_num_seqs=64, max_model_len=256)
     ref = {p: o for p, o in zip(PROMPTS, llm.generate(PROMPTS, greedy()))}
+    ref["penalized"] = llm.generate(PROMPTS[0], SamplingParams(**PENALIZED), use_tqdm=False)[0]
     with ServerThread(OpenAIServer(llm, log_interval=0)) as st:
         yield st, ref
-    assert llm.engine.is_idle_and_clean()
+    assert llm.engine.is_idle_and_clean() and llm.engine.owner is None
+    assert llm.generate(PROMPTS[0], greedy())[0].outputs[0].text == ref[PROMPTS[0]].outputs[0].text  # not served
 
 
 def client(st: ServerThread):
@@ -158,10 +160,23 @@ def test_stop_strings_and_logprobs(served):
     assert "".join(ch.choices[0].text for ch in chunks) == r.choices[0].text
 
 
+PENALIZED = dict(temperature=0, max_tokens=MAX_TOKENS, repetition_penalty=1.3, presence_penalty=0.5)
+
+
+def test_generate_on_a_served_llm_is_refused(served):
+    """The server's engine thread is the only one that may step a served engine: a second stepper would
+    take (and the server drop) the other's outputs. A suite run hit exactly that race in an earlier version
+    of the test below ("the engine went idle with 1 requests of this call unfinished")."""
+    st, _ = served
+    with pytest.raises(RuntimeError, match="being served"):
+        st.server.llm.generate(PROMPTS[0], greedy())
+    assert st.server.llm.engine.request_ids() == []  # nothing was queued
+
+
 def test_n_penalties_and_top_logprobs(served):
     """n choices (index 0..n-1, seeded: reproducible), penalties as in LLM.generate, top logprobs in both
     shapes (completions: text -> logprob per position; chat: top_logprobs lists), echo with prompt logprobs."""
-    st, _ = served
+    st, ref = served
     c = client(st)
     p = PROMPTS[0]
     kw = dict(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0.9, seed=5, n=3)
@@ -174,10 +189,9 @@ def test_n_penalties_and_top_logprobs(served):
         for ch in chunk.choices:
             streamed[ch.index] = streamed.get(ch.index, "") + ch.text
     assert streamed == {ch.index: ch.text for ch in r.choices}
-    pen = dict(temperature=0, max_tokens=MAX_TOKENS, repetition_penalty=1.3, presence_penalty=0.5)
-    want = st.server.llm.generate(p, SamplingParams(**pen), use_tqdm=False)[0].outputs[0].text
+    want = ref["penalized"].outputs[0].text  # LLM.generate on the same LLM, before it served
     got = c.completions.create(model=MODEL, prompt=p, extra_body={"repetition_penalty": 1.3},
-                               **{k: v for k, v in pen.items() if k != "repetition_penalty"})
+                               **{k: v for k, v in PENALIZED.items() if k != "repetition_penalty"})
     assert got.choices[0].text == want
     r = c.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0, logprobs=3, echo=True)
     lp = r.choices[0].logprobs

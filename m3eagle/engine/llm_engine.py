@@ -172,6 +172,9 @@ class LLMEngine:
         self.counters = SpecCounters(accepted_per_pos=[0] * k)
         self._load = EngineLoad()
         self.num_steps = 0
+        # Who steps this engine when not the caller of LLM.generate: the server's engine thread sets it while
+        # it runs (it alone may call step(); deltas of requests it does not know are dropped).
+        self.owner: str | None = None
         self.sync_debug = False  # on CUDA: run execute() under torch.cuda.set_sync_debug_mode("error")
 
     # ---- requests -----------------------------------------------------------------------------

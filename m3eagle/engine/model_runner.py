@@ -17,6 +17,7 @@ import torch
 
 from ..attention.metadata import AttnMetadata
 from ..models.minimax_m3 import LayerCache, MiniMaxM3
+from ..ops import REFERENCE
 from ..sampling.params import MAX_LOGPROBS
 from ..sampling.penalties import PenaltyState
 from ..sampling.sampler import SALT_DRAFT, SamplingTensors, probs_from_logits, sample_from_probs
@@ -141,17 +142,11 @@ class ModelRunner:
 
         kv_len += num_new_prev - (k_prev + 1) on rows whose previous sampling step was still in flight
         when the host planned this one; the metadata hook then re-derives positions and slots."""
-        ids = torch.cat([inp.input_ids, inp.input_ids.new_zeros(1)])  # [T+1], index T is a dump slot
-        t = inp.input_ids.shape[0]
-        slot = inp.row_slot
-        last = self.slot_tokens[slot].gather(1, (self.slot_num_new[slot] - 1).clamp(min=0)[:, None])[:, 0]
-        dump = torch.full_like(inp.row_first, t)
-        ids.index_put_((torch.where(inp.row_gather, inp.row_first, dump),), last)
-        for j in range(self.k):
-            ok = inp.row_gather & (j < inp.row_num_drafts)
-            ids.index_put_((torch.where(ok, inp.row_first + 1 + j, dump),), self.slot_drafts[slot, j])
-        corr = torch.where(inp.row_correct, self.slot_num_new[slot] - self.slot_expected[slot], 0)
-        return ids[:t], inp.meta.with_lengths(inp.meta.kv_lens + corr)
+        meta = inp.meta
+        fused = meta.ops.fused if meta.ops is not None else REFERENCE.fused  # reference: fused/reference.py
+        return fused.overlap_inputs(inp.input_ids, meta, inp.row_slot, inp.row_first, inp.row_gather,
+                                    inp.row_num_drafts, inp.row_correct, self.slot_tokens, self.slot_num_new,
+                                    self.slot_expected, self.slot_drafts, self.k)
 
     # ---- the step -------------------------------------------------------------------------------
     @torch.inference_mode()

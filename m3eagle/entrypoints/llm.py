@@ -272,6 +272,10 @@ class LLM:
         plist = params if isinstance(params, list) else [params] * len(prompt_list)
         if len(plist) != len(prompt_list):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompt_list)} prompts")
+        if self.engine.owner is not None:
+            raise RuntimeError(f"this LLM is being served ({self.engine.owner} steps its engine, and a second "
+                               "stepper would take its outputs): send the request to the server, or build "
+                               "another LLM for offline generate()")
         with self._lock:
             encoded = []
             for i, p in enumerate(prompt_list):  # validate everything before anything runs

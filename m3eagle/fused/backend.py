@@ -52,6 +52,19 @@ class FusedOps(Protocol):
 
     def route(self, logits: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def positions_slots(self, kv_lens: torch.Tensor, q_lens: torch.Tensor, tok_row: torch.Tensor,
+                        tok_col: torch.Tensor, page_table: torch.Tensor, page_size: int,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """attention.metadata.derive_positions_and_slots: (positions [T], slot_mapping [T])."""
+        ...
+
+    def overlap_inputs(self, input_ids: torch.Tensor, meta: Any, row_slot: torch.Tensor, row_first: torch.Tensor,
+                       row_gather: torch.Tensor, row_num_drafts: torch.Tensor, row_correct: torch.Tensor,
+                       slot_tokens: torch.Tensor, slot_num_new: torch.Tensor, slot_expected: torch.Tensor,
+                       slot_drafts: torch.Tensor, k: int) -> tuple[torch.Tensor, Any]:
+        """reference.overlap_ids_kv, then meta.with_lengths(kv_lens): (ids [T], the corrected metadata)."""
+        ...
+
 
 class ReferenceFused:
     """The plain PyTorch ops: the CPU path and the oracle. Stateless."""
@@ -88,6 +101,18 @@ class ReferenceFused:
 
     def route(self, logits, bias, k):
         return reference.route(logits, bias, k)
+
+    def positions_slots(self, kv_lens, q_lens, tok_row, tok_col, page_table, page_size):
+        from ..attention.metadata import derive_positions_and_slots  # attention imports this package
+
+        return derive_positions_and_slots(kv_lens, q_lens, tok_row, tok_col, page_table, page_size)
+
+    def overlap_inputs(self, input_ids, meta, row_slot, row_first, row_gather, row_num_drafts, row_correct,
+                       slot_tokens, slot_num_new, slot_expected, slot_drafts, k):
+        ids, kv = reference.overlap_ids_kv(input_ids, meta.kv_lens, row_slot, row_first, row_gather,
+                                           row_num_drafts, row_correct, slot_tokens, slot_num_new, slot_expected,
+                                           slot_drafts, k)
+        return ids, meta.with_lengths(kv)
 
 
 def _triton() -> FusedOps:

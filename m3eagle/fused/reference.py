@@ -120,3 +120,31 @@ def route(logits: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tenso
     idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :k]
     w = scores.gather(1, idx)
     return w / w.sum(-1, keepdim=True), idx
+
+
+# ---- step inputs (the engine's overlap correction) -----------------------------------------------------
+
+
+def overlap_ids_kv(input_ids: torch.Tensor, kv_lens: torch.Tensor, row_slot: torch.Tensor,
+                   row_first: torch.Tensor, row_gather: torch.Tensor, row_num_drafts: torch.Tensor,
+                   row_correct: torch.Tensor, slot_tokens: torch.Tensor, slot_num_new: torch.Tensor,
+                   slot_expected: torch.Tensor, slot_drafts: torch.Tensor, k: int,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's input ids and true KV lengths from what the previous step left on the device.
+
+    input_ids [T] (host-packed; gathered positions hold placeholders), kv_lens [B] (host-optimistic),
+    per row: row_slot, row_first (first flat token), row_gather / row_correct (bool), row_num_drafts; the
+    slot buffers [S+1, K+1] tokens, [S+1] num_new / expected, [S+1, max(K, 1)] drafts.
+    A gather row's first token is its slot's last emitted token and its next num_drafts tokens are the
+    slot's drafts; a correct row's kv_len moves by num_new - expected (the previous step, still in flight
+    when the host planned this one, accepted fewer tokens than assumed). -> (ids [T], kv_lens [B])."""
+    t = input_ids.shape[0]
+    ids = torch.cat([input_ids, input_ids.new_zeros(1)])  # [T+1], index T is a dump slot
+    last = slot_tokens[row_slot].gather(1, (slot_num_new[row_slot] - 1).clamp(min=0)[:, None])[:, 0]
+    dump = torch.full_like(row_first, t)
+    ids.index_put_((torch.where(row_gather, row_first, dump),), last)
+    for j in range(k):
+        ok = row_gather & (j < row_num_drafts)
+        ids.index_put_((torch.where(ok, row_first + 1 + j, dump),), slot_drafts[row_slot, j])
+    corr = torch.where(row_correct, slot_num_new[row_slot] - slot_expected[row_slot], 0)
+    return ids[:t], kv_lens + corr

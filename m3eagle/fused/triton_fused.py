@@ -7,6 +7,8 @@
     _swiglu_kernel      swiglu_oai (clamps, sigmoid, muls)              7 -> 1
     _silu_mul_kernel    silu(gate) * up                                 2 -> 1
     _route_kernel       sigmoid, + bias, top-k, gather, renormalise     6 -> 1 (after the router GEMM)
+    _step_inputs_kernel overlap_ids_kv + derive_positions_and_slots     15 + 4 per draft -> 1 (int64, exact)
+                        (or the positions and slots alone)              10 -> 1
 
 Exactness. Each kernel computes in fp32 and rounds to the activation dtype exactly where the reference's
 torch ops round (an op on bf16 tensors returns bf16), so that elementwise results can be bit-equal to the
@@ -30,6 +32,7 @@ CUDA graph. Inference only: no autograd.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -274,6 +277,92 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, n_exp, stride_l,
     tl.store(idx_ptr + t * TOP_K + ks, iv, mask=km)
 
 
+# ---- step inputs ---------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["n_tok", "n_rows"])  # per-step counts: one compiled variant (design note 17)
+def _step_inputs_kernel(ids_ptr, kv_ptr, q_ptr, tok_row_ptr, tok_col_ptr, pt_ptr, stride_pt, table_w, page_size,
+                        slot_ptr, gather_ptr, nd_ptr, correct_ptr, st_ptr, stride_st, nn_ptr, exp_ptr,
+                        sd_ptr, stride_sd, ids_out, kv_out, pos_out, slots_out, n_tok, n_rows,
+                        K: tl.constexpr, OVERLAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Programs [0, cdiv(T, BLOCK)) take BLOCK tokens each: the corrected kv_len of the token's row, its
+    position (kv_len - q_len + col) and cache slot (floor division as torch's), and with OVERLAP its input
+    id (slot's last token at col 0 of a gather row, its drafts at cols 1..num_drafts). The programs after
+    them write kv_out for BLOCK rows each. All int64: bit-exact with the reference."""
+    pid = tl.program_id(0)
+    n_tok_blocks = tl.cdiv(n_tok, BLOCK)
+    offs = tl.arange(0, BLOCK)
+    if pid < n_tok_blocks:
+        t = pid * BLOCK + offs
+        m = t < n_tok
+        row = tl.load(tok_row_ptr + t, mask=m, other=0)
+        col = tl.load(tok_col_ptr + t, mask=m, other=0)
+        kv = tl.load(kv_ptr + row, mask=m, other=0)
+        if OVERLAP:
+            slot = tl.load(slot_ptr + row, mask=m, other=0)
+            nn = tl.load(nn_ptr + slot, mask=m, other=1)
+            correct = tl.load(correct_ptr + row, mask=m, other=0) != 0
+            kv = kv + tl.where(correct, nn - tl.load(exp_ptr + slot, mask=m, other=0), 0)
+        pos = kv - tl.load(q_ptr + row, mask=m, other=0) + col
+        pc = pos // page_size
+        pc = tl.where((pc * page_size != pos) & (pos < 0), pc - 1, pc)  # floor, not truncation
+        page = tl.load(pt_ptr + row * stride_pt + tl.minimum(tl.maximum(pc, 0), table_w - 1), mask=m, other=0)
+        tl.store(pos_out + t, pos, mask=m)
+        tl.store(slots_out + t, page * page_size + (pos - pc * page_size), mask=m)
+        if OVERLAP:
+            gather = tl.load(gather_ptr + row, mask=m, other=0) != 0
+            nd = tl.load(nd_ptr + row, mask=m, other=0)
+            last = tl.load(st_ptr + slot * stride_st + tl.maximum(nn - 1, 0), mask=m & gather & (col == 0), other=0)
+            use_d = gather & (col >= 1) & (col <= nd) & (col <= K)
+            draft = tl.load(sd_ptr + slot * stride_sd + tl.maximum(col - 1, 0), mask=m & use_d, other=0)
+            tid = tl.load(ids_ptr + t, mask=m, other=0)
+            tid = tl.where(gather & (col == 0), last, tl.where(use_d, draft, tid))
+            tl.store(ids_out + t, tid, mask=m)
+    else:
+        r = (pid - n_tok_blocks) * BLOCK + offs
+        m = r < n_rows
+        kv = tl.load(kv_ptr + r, mask=m, other=0)
+        if OVERLAP:
+            slot = tl.load(slot_ptr + r, mask=m, other=0)
+            correct = tl.load(correct_ptr + r, mask=m, other=0) != 0
+            kv = kv + tl.where(correct, tl.load(nn_ptr + slot, mask=m, other=0) - tl.load(exp_ptr + slot, mask=m,
+                                                                                          other=0), 0)
+        tl.store(kv_out + r, kv, mask=m)
+
+
+STEP_BLOCK = 128
+
+
+def step_inputs(kv_lens: torch.Tensor, q_lens: torch.Tensor, tok_row: torch.Tensor, tok_col: torch.Tensor,
+                page_table: torch.Tensor, page_size: int, overlap: tuple | None = None,
+                ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids [T] or None, kv_lens [B], positions [T], slots [T]). `overlap` = (input_ids, row_slot, row_first,
+    row_gather, row_num_drafts, row_correct, slot_tokens, slot_num_new, slot_expected, slot_drafts, k) adds
+    reference.overlap_ids_kv's ids and length correction; None derives positions and slots from kv_lens as
+    they are (then kv_lens comes back unchanged). Index tensors are int64, flags bool; slot buffers have unit
+    inner stride."""
+    n_tok, n_rows = tok_row.shape[0], kv_lens.shape[0]
+    dev = kv_lens.device
+    pos = torch.empty(n_tok, dtype=torch.int64, device=dev)
+    slots = torch.empty(n_tok, dtype=torch.int64, device=dev)
+    pt = page_table if page_table.stride(-1) == 1 else page_table.contiguous()
+    if overlap is None:  # positions and slots only: the overlap pointers are never read (OVERLAP=False)
+        ids, kv_out, ids_in, k = None, kv_lens, kv_lens, 0
+        rest = (kv_lens, kv_lens, kv_lens, kv_lens, kv_lens, 0, kv_lens, kv_lens, kv_lens, 0)
+        grid = triton.cdiv(n_tok, STEP_BLOCK)
+    else:
+        ids_in, row_slot, _first, gather, nd, correct, st, nn, ex, sd, k = overlap
+        ids, kv_out = torch.empty_like(ids_in), torch.empty_like(kv_lens)
+        rest = (row_slot, gather, nd, correct, st, st.stride(0), nn, ex, sd, sd.stride(0))
+        grid = triton.cdiv(n_tok, STEP_BLOCK) + triton.cdiv(n_rows, STEP_BLOCK)
+    if grid:
+        _step_inputs_kernel[(grid,)](ids_in, kv_lens, q_lens, tok_row, tok_col, pt, pt.stride(0), pt.shape[1],
+                                     page_size, *rest, ids if ids is not None else pos, kv_out, pos, slots,
+                                     n_tok, n_rows, K=k, OVERLAP=overlap is not None, BLOCK=STEP_BLOCK,
+                                     num_warps=4)
+    return ids, kv_out, pos, slots
+
+
 # ---- launchers ----------------------------------------------------------------------------------------
 
 
@@ -497,3 +586,14 @@ class TritonFused:
 
     def route(self, logits, bias, k):
         return route(logits, bias, k)
+
+    def positions_slots(self, kv_lens, q_lens, tok_row, tok_col, page_table, page_size):
+        return step_inputs(kv_lens, q_lens, tok_row, tok_col, page_table, page_size)[2:]
+
+    def overlap_inputs(self, input_ids, meta, row_slot, row_first, row_gather, row_num_drafts, row_correct,
+                       slot_tokens, slot_num_new, slot_expected, slot_drafts, k):
+        ids, kv, pos, slots = step_inputs(meta.kv_lens, meta.q_lens, meta.tok_row, meta.tok_col, meta.page_table,
+                                          meta.page_size, (input_ids, row_slot, row_first, row_gather,
+                                                           row_num_drafts, row_correct, slot_tokens, slot_num_new,
+                                                           slot_expected, slot_drafts, k))
+        return ids, replace(meta, kv_lens=kv, positions=pos, slot_mapping=slots)

@@ -56,6 +56,7 @@ class AsyncEngine:
     def start(self) -> None:
         """Start the engine thread; results go to the running event loop (call from it)."""
         self._loop = asyncio.get_running_loop()
+        self.engine.owner = "the OpenAI server's engine thread"  # LLM.generate refuses until the thread ends
         self._thread = threading.Thread(target=self._run, name="m3eagle-engine", daemon=True)
         self._thread.start()
 
@@ -120,6 +121,12 @@ class AsyncEngine:
 
     # ---- the engine thread --------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop_steps()
+        finally:
+            self.engine.owner = None
+
+    def _loop_steps(self) -> None:
         eng, faults = self.engine, 0
         if eng.device.type == "cuda" and eng.device.index is not None:  # the current device is per thread
             torch.cuda.set_device(eng.device)
