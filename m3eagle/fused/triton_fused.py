@@ -7,8 +7,8 @@
     _swiglu_kernel      swiglu_oai (clamps, sigmoid, muls)              7 -> 1
     _silu_mul_kernel    silu(gate) * up                                 2 -> 1
     _route_kernel       sigmoid, + bias, top-k, gather, renormalise     6 -> 1 (after the router GEMM)
-    _step_inputs_kernel overlap_ids_kv + derive_positions_and_slots     15 + 4 per draft -> 1 (int64, exact)
-                        (or the positions and slots alone)              10 -> 1
+    _step_inputs_kernel overlap_ids_kv + derive_positions_and_slots     25 (K=0) / 46 (K=3) -> 1 (int64, exact)
+                        (or the positions and slots alone)              9 -> 1
 
 Exactness. Each kernel computes in fp32 and rounds to the activation dtype exactly where the reference's
 torch ops round (an op on bf16 tensors returns bf16), so that elementwise results can be bit-equal to the
