@@ -16,9 +16,7 @@ host-only loop (builtins included).
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
-import pstats
 import sys
 import time
 from pathlib import Path
@@ -26,6 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from host_step import print_profile, without_device  # noqa: E402  (benchmarks/, the script's directory)
 
 from m3eagle import LLM, SamplingParams  # noqa: E402
 from m3eagle.engine.graph_runner import bucket_for  # noqa: E402
@@ -39,20 +39,6 @@ def timed(fn, n: int) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / n * 1e3
-
-
-def without_device(run):
-    """GraphRunner.run with the device's part taken out: each step returns an earlier output of its shape
-    (fresh host state, so the device->host copies and the event still happen every step)."""
-    cache = {}
-
-    def stub(inp, bucket):
-        key = (inp.num_rows, inp.num_tokens, inp.mode)
-        if key not in cache:
-            cache[key] = run(inp, bucket)
-        return cache[key].fresh()
-
-    return stub
 
 
 def kernel_ms(graph: torch.cuda.CUDAGraph, n: int = 20) -> float:
@@ -88,12 +74,7 @@ def main() -> None:
             eng.step()
             host_only = timed(eng.step, a.steps)
             if a.profile:
-                pr = cProfile.Profile()
-                pr.enable()
-                for _ in range(a.steps):
-                    eng.step()
-                pr.disable()
-                pstats.Stats(pr, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+                print_profile(eng, a.steps, 25)
             eng.graphs.run = real
             key = next(key for key in eng.graphs.graphs if key[0] == bucket_for(b, eng.graphs.buckets))
             graph = eng.graphs.graphs[key][0]
