@@ -159,3 +159,30 @@ def test_released_graphs_recapture_and_still_equal_eager():
     assert run_with_arrivals(llm, sps) == want
     assert llm.engine.graphs.graphs and llm.engine.graphs.num_replays > 0
     assert_clean(llm)
+
+
+@pytest.mark.parametrize("k", [0, 3, 5])
+def test_fused_step_inputs_equal_reference_on_cuda(k):
+    """The step-input kernel (overlap correction + positions + slots) compiled for the GPU, bit-equal to the
+    reference ops (the CPU test runs it under the interpreter only)."""
+    from dataclasses import replace
+
+    from step_cases import step_case
+
+    from m3eagle.attention.metadata import derive_positions_and_slots
+    from m3eagle.ops import make_ops
+
+    ref, fast = make_ops(device="cuda", fused="reference"), make_ops(device="cuda")
+    assert fast.fused.name == "triton"
+    for seed in range(3):
+        meta, (ids, *rest) = step_case(seed, k, 16, device="cuda")
+        want_ids, want = ref.fused.overlap_inputs(ids, replace(meta, ops=ref), *rest)
+        got_ids, got = fast.fused.overlap_inputs(ids, replace(meta, ops=fast), *rest)
+        assert torch.equal(got_ids, want_ids) and torch.equal(got.kv_lens, want.kv_lens)
+        assert torch.equal(got.positions, want.positions) and torch.equal(got.slot_mapping, want.slot_mapping)
+        kv = meta.kv_lens.clone()
+        kv[0], kv[1] = 500, 0  # past the table's width; below zero
+        args = (kv, meta.q_lens, meta.tok_row, meta.tok_col, meta.page_table, 16)
+        for a, b in zip(fast.fused.positions_slots(*args), derive_positions_and_slots(*args)):
+            assert torch.equal(a, b)
+

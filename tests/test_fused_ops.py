@@ -27,6 +27,8 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from step_cases import step_case  # noqa: E402
+
 from m3eagle.attention.metadata import build_metadata  # noqa: E402
 from m3eagle.fused import backend, reference  # noqa: E402
 from m3eagle.models.layers import rope_cos_sin, rope_inv_freq  # noqa: E402
@@ -241,30 +243,6 @@ def test_route_rejects_what_it_cannot_do():
 
 
 # ---- step inputs (the overlap correction; positions and slots) ------------------------------------------
-
-
-def step_case(seed: int, k: int, page_size: int, n_slots: int = 6):
-    """A mixed step: verify rows (gather, 1 + num_drafts tokens, some corrected), prompt chunks and a padding
-    row (dump slot), random slot buffers, a page table narrower than some rows' lengths (clamped lookups)."""
-    g = gen(seed)
-    r = lambda lo, hi, *shape: torch.randint(lo, hi, shape, generator=g)  # noqa: E731
-    rows = []  # (q_len, gather, num_drafts, correct, slot)
-    for i in range(5):
-        nd = int(r(0, k + 1))
-        rows.append((1 + nd, True, nd, i == 0 or bool(r(0, 2)), i))
-    rows += [(int(r(1, 9)), False, 0, False, 5), (3, False, 0, False, 2)]
-    rows.append((k + 1, False, k, False, n_slots))  # padding row: the dump slot
-    q_lens = [q for q, *_ in rows]
-    kv = torch.tensor([q + int(r(0, 40)) for q in q_lens])
-    width = 6
-    meta = build_metadata(q_lens, kv, r(1, 50, len(rows), width), page_size, CPU, int(kv.max()))
-    t = sum(q_lens)
-    first = torch.tensor([0] + q_lens[:-1]).cumsum(0)
-    flags = lambda j: torch.tensor([row[j] for row in rows])  # noqa: E731
-    inputs = (r(3, 500, t), flags(4), first, flags(1), flags(2), flags(3),
-              r(0, 500, n_slots + 1, k + 1), r(1, k + 2, n_slots + 1), r(2, k + 3, n_slots + 1),
-              r(0, 500, n_slots + 1, max(k, 1)), k)
-    return meta, inputs
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 5])

@@ -1,0 +1,34 @@
+"""A random mixed step for the step-input ops (overlap correction, positions and slots): shared by the CPU
+test under the Triton interpreter (test_fused_ops.py) and the GPU test (test_cuda_graphs.py), which must not
+import each other (one sets TRITON_INTERPRET for its whole process)."""
+
+from __future__ import annotations
+
+import torch
+
+from m3eagle.attention.metadata import build_metadata
+
+
+def step_case(seed: int, k: int, page_size: int, n_slots: int = 6, device: torch.device | str = "cpu"):
+    """A mixed step: verify rows (gather, 1 + num_drafts tokens, some corrected), prompt chunks and a padding
+    row (dump slot), random slot buffers, a page table narrower than some rows' lengths (clamped lookups)."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda lo, hi, *shape: torch.randint(lo, hi, shape, generator=g)  # noqa: E731
+    rows = []  # (q_len, gather, num_drafts, correct, slot)
+    for i in range(5):
+        nd = int(r(0, k + 1))
+        rows.append((1 + nd, True, nd, i == 0 or bool(r(0, 2)), i))
+    rows += [(int(r(1, 9)), False, 0, False, 5), (3, False, 0, False, 2)]
+    rows.append((k + 1, False, k, False, n_slots))  # padding row: the dump slot
+    q_lens = [q for q, *_ in rows]
+    kv = torch.tensor([q + int(r(0, 40)) for q in q_lens])
+    width = 6
+    meta = build_metadata(q_lens, kv, r(1, 50, len(rows), width), page_size, torch.device(device), int(kv.max()))
+    t = sum(q_lens)
+    first = torch.tensor([0] + q_lens[:-1]).cumsum(0)
+    flags = lambda j: torch.tensor([row[j] for row in rows])  # noqa: E731
+    inputs = (r(3, 500, t), flags(4), first, flags(1), flags(2), flags(3),
+              r(0, 500, n_slots + 1, k + 1), r(1, k + 2, n_slots + 1), r(2, k + 3, n_slots + 1),
+              r(0, 500, n_slots + 1, max(k, 1)), k)
+    dev = torch.device(device)
+    return meta, tuple(x.to(dev) if isinstance(x, torch.Tensor) else x for x in inputs)
