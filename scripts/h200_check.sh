@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One call on one H200 (~4-5 min) that checks what the CPU cannot: run from the repository root,
+#
+#   OUT=<dir> bash scripts/h200_check.sh
+#
+# 1. the GPU test file (graph replay == eager, sync-free steady state, the fused step-input kernel
+#    bit-equal to the reference ops on CUDA, released graphs recapture);
+# 2. the embedded bench with its kernel table (kernels per step with the fused step inputs; the installed
+#    draft head's acceptance on the GPU);
+# 3. benchmarks/replay_wall.py: engine step vs host-only step vs back-to-back replay vs kernel time, which
+#    tells a host-bound step, gaps inside the graph and a missing host/device overlap apart.
+# Everything lands in $OUT/check.tgz (one file: the device tool brings back few, small files).
+set -uo pipefail
+OUT=${OUT:?set OUT}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} KINETO_LOG_LEVEL=5 PYTHONUNBUFFERED=1
+W=$(mktemp -d)
+t0=$SECONDS
+stamp() { echo "[$((SECONDS - t0)) s] $*"; }
+stamp "GPU tests"
+timeout 240 python3 -m pytest -q -m gpu tests/test_cuda_graphs.py -p no:cacheprovider > "$W/cuda_graphs.log" 2>&1
+stamp "GPU tests: exit $? ($(tail -1 "$W/cuda_graphs.log"))"
+timeout 150 python3 -m m3eagle bench --geometry embedded --batch-sizes 1,32 --max-tokens 128 --repeats 5 \
+  --kernel-table 25 --json "$W/bench_embedded.json" > "$W/bench_embedded.log" 2>&1
+stamp "embedded bench: exit $?"
+grep -A 6 "^batch mode" "$W/bench_embedded.log"
+timeout 120 python3 benchmarks/replay_wall.py --profile > "$W/replay_wall.jsonl" 2> "$W/replay_wall.log"
+stamp "replay_wall: exit $?"
+grep "engine step" "$W/replay_wall.log"
+tar czf "$OUT/check.tgz" -C "$W" .
+stamp "done"
