@@ -129,6 +129,13 @@ class ModelRunner:
                            "lp_top_ids": torch.zeros(rows, k1, nt, dtype=torch.int64, pin_memory=pin)}
                           for _ in range(2)]
         self._host_parity = 0
+        # Constant index tensors, made once: inside a captured step each fresh arange / ones would be one
+        # more kernel per replay. Rows take views of the first B entries.
+        self.step_offsets = torch.arange(k1, device=device)  # [K+1]: 0..K
+        self.row_ids = torch.arange(rows, device=device)  # [R]
+        self.row_ones = torch.ones(rows, dtype=torch.int64, device=device)  # [R]
+        self.row_zeros = torch.zeros(rows, dtype=torch.int64, device=device)  # [R]
+        self.row_true = torch.ones(rows, 1, dtype=torch.bool, device=device)  # [R, 1]
 
     def to_host(self, out: StepOutput) -> StepOutput:
         """Launch the step's device->host copy (after execute, or after a graph replay)."""
@@ -161,14 +168,14 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(inp, ids, hidden) if inp.want_prompt_logprobs else None
 
         # Sampled positions: the last (num_drafts + 1) tokens of each row.
-        j = torch.arange(k + 1, device=self.device)
+        j = self.step_offsets
         row_last = inp.row_first + inp.row_qlen - 1
         base = row_last - inp.row_num_drafts
         sample_idx = torch.minimum(base[:, None] + j, row_last[:, None])  # [B, K+1]
         logits = self.target.compute_logits(hidden[sample_idx.reshape(-1)]).view(inp.num_rows, k + 1, -1)
         positions = meta.positions[sample_idx]  # [B, K+1]
         if k:
-            d_idx = torch.minimum(inp.row_first[:, None] + 1 + j[:k], row_last[:, None])
+            d_idx = torch.minimum(inp.row_first[:, None] + j[1:], row_last[:, None])
             drafts_in = torch.where(j[:k] < inp.row_num_drafts[:, None], ids[d_idx], 0)  # [B, K]
         else:
             drafts_in = ids.new_zeros(inp.num_rows, 0)
@@ -211,29 +218,31 @@ class ModelRunner:
         k, b = self.k, inp.num_rows
         st: SamplingTensors = inp.sampling
         # Index of the last accepted token of each row; its successor is the bonus token.
-        last_idx = inp.row_first + inp.row_qlen - 1 - inp.row_num_drafts + (num_new - 1).clamp(min=0)
-        bonus = new_tokens.gather(1, (num_new - 1).clamp(min=0)[:, None])[:, 0]
+        accepted = (num_new - 1).clamp(min=0)  # [B] index of the last emitted token in new_tokens
+        last_idx = inp.row_first + inp.row_qlen - 1 - inp.row_num_drafts + accepted
+        bonus = new_tokens.gather(1, accepted[:, None])[:, 0]
         shifted = torch.cat([ids[1:], ids.new_zeros(1)])
         shifted.index_put_((last_idx,), torch.where(inp.row_samples, bonus, inp.row_next_token))
         h_out, h_next = self.draft(shifted, meta.positions, aux, meta, self.draft_cache, True)
         h_out, h_next = h_out[last_idx], h_next[last_idx]  # [B, H]
         pos = meta.positions[last_idx]  # position of the last accepted token
-        rows = torch.arange(b, device=self.device)
+        # Row j: pos + j, the position draft step j samples at (j >= 1: also the KV length before step j);
+        # [K+1, B], so every row is a contiguous [B] vector.
+        at = pos[None, :] + self.step_offsets[:, None]
+        rows = self.row_ids[:b]
         dmeta = AttnMetadata(num_rows=b, max_q=1, max_kv=inp.meta.max_kv + k, page_size=self.page_size,
-                             q_lens=torch.ones_like(rows), kv_lens=pos + 1, page_table=meta.page_table,
-                             tok_row=rows, tok_col=torch.zeros_like(rows), q_index=rows[:, None],
-                             q_valid=torch.ones(b, 1, dtype=torch.bool, device=self.device),
-                             positions=pos, slot_mapping=pos, ops=meta.ops)
+                             q_lens=self.row_ones[:b], kv_lens=at[1], page_table=meta.page_table,
+                             tok_row=rows, tok_col=self.row_zeros[:b], q_index=rows[:, None],
+                             q_valid=self.row_true[:b], positions=pos, slot_mapping=pos, ops=meta.ops)
         out_tokens, out_probs = [], []
         for step in range(k):
             logits = self.draft.compute_logits(h_out)  # [B, Vd]
-            tok, probs = self._draft_sample(logits, st, pos + step, inp.any_random)
+            tok, probs = self._draft_sample(logits, st, at[step], inp.any_random)
             out_tokens.append(tok)
             out_probs.append(probs)
             if step == k - 1:
                 break
-            p = pos + step + 1
-            sm = dmeta.with_lengths(p + 1)
+            sm = dmeta.with_lengths(at[step + 2])  # the drafted token sits at pos + step + 1
             h_out, h_next = self.draft(tok, sm.positions, h_next, sm, self.draft_cache, False)
         drafts = torch.stack(out_tokens, 1)  # [B, K]
         self.slot_drafts.index_copy_(0, s, drafts)

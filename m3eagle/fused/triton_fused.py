@@ -341,6 +341,8 @@ def step_inputs(kv_lens: torch.Tensor, q_lens: torch.Tensor, tok_row: torch.Tens
     reference.overlap_ids_kv's ids and length correction; None derives positions and slots from kv_lens as
     they are (then kv_lens comes back unchanged). Index tensors are int64, flags bool; slot buffers have unit
     inner stride."""
+    # The kernel indexes every vector with unit stride (a no-op for the engine's carved views and rows).
+    kv_lens, q_lens, tok_row, tok_col = (x.contiguous() for x in (kv_lens, q_lens, tok_row, tok_col))
     n_tok, n_rows = tok_row.shape[0], kv_lens.shape[0]
     dev = kv_lens.device
     pos = torch.empty(n_tok, dtype=torch.int64, device=dev)
@@ -351,7 +353,8 @@ def step_inputs(kv_lens: torch.Tensor, q_lens: torch.Tensor, tok_row: torch.Tens
         rest = (kv_lens, kv_lens, kv_lens, kv_lens, kv_lens, 0, kv_lens, kv_lens, kv_lens, 0)
         grid = triton.cdiv(n_tok, STEP_BLOCK)
     else:
-        ids_in, row_slot, _first, gather, nd, correct, st, nn, ex, sd, k = overlap
+        ids_in, row_slot, _first, gather, nd, correct, st, nn, ex, sd, k = (
+            x.contiguous() if isinstance(x, torch.Tensor) else x for x in overlap)
         ids, kv_out = torch.empty_like(ids_in), torch.empty_like(kv_lens)
         rest = (row_slot, gather, nd, correct, st, st.stride(0), nn, ex, sd, sd.stride(0))
         grid = triton.cdiv(n_tok, STEP_BLOCK) + triton.cdiv(n_rows, STEP_BLOCK)
