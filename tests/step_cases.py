@@ -32,3 +32,20 @@ def step_case(seed: int, k: int, page_size: int, n_slots: int = 6, device: torch
               r(0, 500, n_slots + 1, max(k, 1)), k)
     dev = torch.device(device)
     return meta, tuple(x.to(dev) if isinstance(x, torch.Tensor) else x for x in inputs)
+
+
+def sample_case(seed: int, k: int, device: torch.device | str = "cpu"):
+    """Rows of a mixed step for sample_positions: verify rows (1 + num_drafts tokens), prompt chunks (no
+    drafts), one-token rows; (row_first, row_qlen, row_num_drafts, positions, ids, k)."""
+    g = torch.Generator().manual_seed(seed)
+    q, nd = [], []
+    for _ in range(37):
+        kind = int(torch.randint(0, 3, (1,), generator=g))
+        d = int(torch.randint(0, k + 1, (1,), generator=g)) if kind == 0 else 0
+        q.append(1 + d if kind == 0 else int(torch.randint(1, 20, (1,), generator=g)) if kind == 1 else 1)
+        nd.append(d)
+    t = sum(q)
+    first = torch.tensor([0] + q[:-1]).cumsum(0)
+    dev = torch.device(device)
+    return (first.to(dev), torch.tensor(q, device=dev), torch.tensor(nd, device=dev),
+            torch.randint(0, 10_000, (t,), generator=g).to(dev), torch.randint(3, 500, (t,), generator=g).to(dev), k)

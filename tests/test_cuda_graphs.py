@@ -163,11 +163,11 @@ def test_released_graphs_recapture_and_still_equal_eager():
 
 @pytest.mark.parametrize("k", [0, 3, 5])
 def test_fused_step_inputs_equal_reference_on_cuda(k):
-    """The step-input kernel (overlap correction + positions + slots) compiled for the GPU, bit-equal to the
-    reference ops (the CPU test runs it under the interpreter only)."""
+    """The step-input kernels (overlap correction + positions + slots; sampled positions and drafts) compiled
+    for the GPU, bit-equal to the reference ops (the CPU tests run them under the interpreter only)."""
     from dataclasses import replace
 
-    from step_cases import step_case
+    from step_cases import sample_case, step_case
 
     from m3eagle.attention.metadata import derive_positions_and_slots
     from m3eagle.ops import make_ops
@@ -185,4 +185,7 @@ def test_fused_step_inputs_equal_reference_on_cuda(k):
         args = (kv, meta.q_lens, meta.tok_row, meta.tok_col, meta.page_table, 16)
         for a, b in zip(fast.fused.positions_slots(*args), derive_positions_and_slots(*args)):
             assert torch.equal(a, b)
+        case = sample_case(seed, k, device="cuda")
+        for a, b in zip(fast.fused.sample_positions(*case), ref.fused.sample_positions(*case)):
+            assert a.shape == b.shape and torch.equal(a, b)
 

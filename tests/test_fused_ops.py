@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from step_cases import step_case  # noqa: E402
+from step_cases import sample_case, step_case  # noqa: E402
 
 from m3eagle.attention.metadata import build_metadata  # noqa: E402
 from m3eagle.fused import backend, reference  # noqa: E402
@@ -258,6 +258,18 @@ def test_overlap_inputs_equal_reference(k, page_size, seed):
     assert torch.equal(got.positions, want.positions) and torch.equal(got.slot_mapping, want.slot_mapping)
     assert not torch.equal(want_ids, ids) or k == 0  # the case does gather something
     assert not torch.equal(want.kv_lens, meta.kv_lens)  # ... and corrects something
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 5])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sample_positions_equal_reference(k, seed):
+    """Sampled token indices, their positions and the drafts they verify: bit-equal, rows of 37 kinds."""
+    args = sample_case(seed, k)
+    want = REFERENCE.fused.sample_positions(*args)
+    got = TRITON.fused.sample_positions(*args)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and torch.equal(a, b)
+    assert k == 0 or (want[2] != 0).any()
 
 
 def test_positions_slots_equal_reference_with_clamps_and_negative_positions():

@@ -167,18 +167,11 @@ class ModelRunner:
         hidden = self.target(ids, meta.positions, meta, self.caches, self.aux_ids, aux)  # [T, H]
         prompt_lps = self._prompt_logprobs(inp, ids, hidden) if inp.want_prompt_logprobs else None
 
-        # Sampled positions: the last (num_drafts + 1) tokens of each row.
-        j = self.step_offsets
-        row_last = inp.row_first + inp.row_qlen - 1
-        base = row_last - inp.row_num_drafts
-        sample_idx = torch.minimum(base[:, None] + j, row_last[:, None])  # [B, K+1]
+        # Sampled positions: the last (num_drafts + 1) tokens of each row; the drafts they verify.
+        fused = meta.ops.fused if meta.ops is not None else REFERENCE.fused
+        sample_idx, positions, drafts_in = fused.sample_positions(
+            inp.row_first, inp.row_qlen, inp.row_num_drafts, meta.positions, ids, k)  # [B, K+1] x 2, [B, K]
         logits = self.target.compute_logits(hidden[sample_idx.reshape(-1)]).view(inp.num_rows, k + 1, -1)
-        positions = meta.positions[sample_idx]  # [B, K+1]
-        if k:
-            d_idx = torch.minimum(inp.row_first[:, None] + j[1:], row_last[:, None])
-            drafts_in = torch.where(j[:k] < inp.row_num_drafts[:, None], ids[d_idx], 0)  # [B, K]
-        else:
-            drafts_in = ids.new_zeros(inp.num_rows, 0)
         if pen is not None:  # the target distribution of position j given the history and drafts d_1..d_j
             logits = self.penalty.apply(logits, pen, inp.row_slot, drafts_in, inp.row_num_drafts, positions)
         # Draft probabilities exist for rows whose drafts were sampled; greedy rows never read them.

@@ -65,6 +65,12 @@ class FusedOps(Protocol):
         """reference.overlap_ids_kv, then meta.with_lengths(kv_lens): (ids [T], the corrected metadata)."""
         ...
 
+    def sample_positions(self, row_first: torch.Tensor, row_qlen: torch.Tensor, row_num_drafts: torch.Tensor,
+                         positions: torch.Tensor, ids: torch.Tensor, k: int,
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """reference.sample_positions: (sample_idx [B, K+1], positions [B, K+1], drafts_in [B, K])."""
+        ...
+
 
 class ReferenceFused:
     """The plain PyTorch ops: the CPU path and the oracle. Stateless."""
@@ -113,6 +119,9 @@ class ReferenceFused:
                                            row_num_drafts, row_correct, slot_tokens, slot_num_new, slot_expected,
                                            slot_drafts, k)
         return ids, meta.with_lengths(kv)
+
+    def sample_positions(self, row_first, row_qlen, row_num_drafts, positions, ids, k):
+        return reference.sample_positions(row_first, row_qlen, row_num_drafts, positions, ids, k)
 
 
 def _triton() -> FusedOps:

@@ -148,3 +148,18 @@ def overlap_ids_kv(input_ids: torch.Tensor, kv_lens: torch.Tensor, row_slot: tor
         ids.index_put_((torch.where(ok, row_first + 1 + j, dump),), slot_drafts[row_slot, j])
     corr = torch.where(row_correct, slot_num_new[row_slot] - slot_expected[row_slot], 0)
     return ids[:t], kv_lens + corr
+
+
+def sample_positions(row_first: torch.Tensor, row_qlen: torch.Tensor, row_num_drafts: torch.Tensor,
+                     positions: torch.Tensor, ids: torch.Tensor, k: int,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where a step samples: each row's last num_drafts + 1 tokens (padded to K + 1 by repeating its last).
+
+    Per row: row_first, row_qlen, row_num_drafts [B]; positions, ids [T]. -> (sample_idx [B, K+1] flat
+    token indices, their positions [B, K+1], the row's drafts as input ids [B, K], 0 past num_drafts)."""
+    j = torch.arange(k + 1, device=ids.device)
+    row_last = row_first + row_qlen - 1
+    sample_idx = torch.minimum((row_last - row_num_drafts)[:, None] + j, row_last[:, None])
+    d_idx = torch.minimum(row_first[:, None] + j[1:], row_last[:, None])
+    drafts_in = torch.where(j[:k] < row_num_drafts[:, None], ids[d_idx], 0)
+    return sample_idx, positions[sample_idx], drafts_in

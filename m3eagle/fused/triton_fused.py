@@ -9,6 +9,7 @@
     _route_kernel       sigmoid, + bias, top-k, gather, renormalise     6 -> 1 (after the router GEMM)
     _step_inputs_kernel overlap_ids_kv + derive_positions_and_slots     25 (K=0) / 46 (K=3) -> 1 (int64, exact)
                         (or the positions and slots alone)              9 -> 1
+    _sample_pos_kernel  sample_positions (sampled tokens, positions, drafts)  8 (K=0) / 13 (K>0) -> 1
 
 Exactness. Each kernel computes in fp32 and rounds to the activation dtype exactly where the reference's
 torch ops round (an op on bf16 tensors returns bf16), so that elementwise results can be bit-equal to the
@@ -330,6 +331,46 @@ def _step_inputs_kernel(ids_ptr, kv_ptr, q_ptr, tok_row_ptr, tok_col_ptr, pt_ptr
         tl.store(kv_out + r, kv, mask=m)
 
 
+@triton.jit(do_not_specialize=["n_rows"])
+def _sample_pos_kernel(first_ptr, qlen_ptr, nd_ptr, pos_ptr, ids_ptr, idx_out, pos_out, drafts_out, n_rows,
+                       K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr):
+    """BLOCK_R rows x (K + 1) columns: column j samples token min(last - num_drafts + j, last); draft j - 1
+    is token min(first + j, last) when j <= num_drafts, else 0."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    j = tl.arange(0, BLOCK_J)
+    rm = r < n_rows
+    first = tl.load(first_ptr + r, mask=rm, other=0)
+    last = first + tl.load(qlen_ptr + r, mask=rm, other=1) - 1
+    nd = tl.load(nd_ptr + r, mask=rm, other=0)
+    m = rm[:, None] & (j[None, :] <= K)
+    idx = tl.minimum((last - nd)[:, None] + j[None, :], last[:, None])  # [BR, BJ]
+    tl.store(idx_out + r[:, None] * (K + 1) + j[None, :], idx, mask=m)
+    tl.store(pos_out + r[:, None] * (K + 1) + j[None, :], tl.load(pos_ptr + idx, mask=m, other=0), mask=m)
+    if K > 0:
+        dm = rm[:, None] & (j[None, :] >= 1) & (j[None, :] <= K)
+        d_idx = tl.minimum(first[:, None] + j[None, :], last[:, None])
+        tok = tl.load(ids_ptr + d_idx, mask=dm & (j[None, :] <= nd[:, None]), other=0)
+        tl.store(drafts_out + r[:, None] * K + (j[None, :] - 1), tok, mask=dm)
+
+
+def sample_positions(row_first: torch.Tensor, row_qlen: torch.Tensor, row_num_drafts: torch.Tensor,
+                     positions: torch.Tensor, ids: torch.Tensor, k: int,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reference.sample_positions in one launch (int64, exact)."""
+    row_first, row_qlen, row_num_drafts, positions, ids = (
+        x.contiguous() for x in (row_first, row_qlen, row_num_drafts, positions, ids))
+    b, dev = row_first.shape[0], row_first.device
+    idx = torch.empty(b, k + 1, dtype=torch.int64, device=dev)
+    pos = torch.empty(b, k + 1, dtype=torch.int64, device=dev)
+    drafts = torch.empty(b, k, dtype=ids.dtype, device=dev)
+    if b:
+        block_r = 32
+        _sample_pos_kernel[(triton.cdiv(b, block_r),)](row_first, row_qlen, row_num_drafts, positions, ids, idx, pos,
+                                                        drafts if k else idx, b, K=k, BLOCK_R=block_r,
+                                                        BLOCK_J=triton.next_power_of_2(k + 1), num_warps=1)
+    return idx, pos, drafts
+
+
 STEP_BLOCK = 128
 
 
@@ -600,3 +641,6 @@ class TritonFused:
                                                            row_num_drafts, row_correct, slot_tokens, slot_num_new,
                                                            slot_expected, slot_drafts, k))
         return ids, replace(meta, kv_lens=kv, positions=pos, slot_mapping=slots)
+
+    def sample_positions(self, row_first, row_qlen, row_num_drafts, positions, ids, k):
+        return sample_positions(row_first, row_qlen, row_num_drafts, positions, ids, k)
