@@ -49,3 +49,28 @@ def sample_case(seed: int, k: int, device: torch.device | str = "cpu"):
     dev = torch.device(device)
     return (first.to(dev), torch.tensor(q, device=dev), torch.tensor(nd, device=dev),
             torch.randint(0, 10_000, (t,), generator=g).to(dev), torch.randint(3, 500, (t,), generator=g).to(dev), k)
+
+
+def commit_case(seed: int, k: int, draft: bool, device: torch.device | str = "cpu", n_slots: int = 40):
+    """Verify outputs of a mixed step for commit_outputs: rows that sample (verify rows with 0..K drafts,
+    num_new in 1..num_drafts + 1, one per slot) and prompt chunks that do not (their slot is the dump row).
+    -> (args for commit_outputs, tok_row [T])."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda lo, hi, *shape: torch.randint(lo, hi, shape, generator=g)  # noqa: E731
+    q, nd, samples = [], [], []
+    for _ in range(29):
+        if bool(r(0, 3)):
+            d = int(r(0, k + 1))
+            q.append(1 + d), nd.append(d), samples.append(True)
+        else:
+            q.append(int(r(1, 12))), nd.append(0), samples.append(False)
+    b, t = len(q), sum(q)
+    dev = torch.device(device)
+    first = torch.tensor([0] + q[:-1]).cumsum(0)
+    num_new = torch.tensor([int(r(1, d + 2)) for d in nd])
+    slots = torch.randperm(n_slots, generator=g)[:b]
+    tok_row = torch.repeat_interleave(torch.arange(b), torch.tensor(q))
+    args = (r(3, 500, b, k + 1), num_new, torch.tensor(samples), slots, n_slots, torch.tensor(nd), first,
+            torch.tensor(q), r(3, 500, b), r(3, 500, t), r(0, 10_000, t), r(0, 500, n_slots + 1, k + 1),
+            r(1, 5, n_slots + 1), r(1, 5, n_slots + 1), k, draft)
+    return tuple(x.to(dev) if isinstance(x, torch.Tensor) else x for x in args), tok_row.to(dev)

@@ -163,11 +163,12 @@ def test_released_graphs_recapture_and_still_equal_eager():
 
 @pytest.mark.parametrize("k", [0, 3, 5])
 def test_fused_step_inputs_equal_reference_on_cuda(k):
-    """The step-input kernels (overlap correction + positions + slots; sampled positions and drafts) compiled
-    for the GPU, bit-equal to the reference ops (the CPU tests run them under the interpreter only)."""
+    """The step-input kernels (overlap correction + positions + slots; sampled positions and drafts; the
+    slot writes and the drafter's inputs) compiled for the GPU, bit-equal to the reference ops (the CPU
+    tests run them under the interpreter only)."""
     from dataclasses import replace
 
-    from step_cases import sample_case, step_case
+    from step_cases import commit_case, sample_case, step_case
 
     from m3eagle.attention.metadata import derive_positions_and_slots
     from m3eagle.ops import make_ops
@@ -188,4 +189,13 @@ def test_fused_step_inputs_equal_reference_on_cuda(k):
         case = sample_case(seed, k, device="cuda")
         for a, b in zip(fast.fused.sample_positions(*case), ref.fused.sample_positions(*case)):
             assert a.shape == b.shape and torch.equal(a, b)
+        for draft in (False, True):
+            args, tok_row = commit_case(seed, k, draft, device="cuda")
+            bufs = [[x.clone() for x in args[11:14]] for _ in range(2)]
+            want = ref.fused.commit_outputs(*args[:11], *bufs[0], *args[14:])
+            got = fast.fused.commit_outputs(*args[:11], *bufs[1], *args[14:], tok_row=tok_row)
+            for a, b in zip(got, want):
+                assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+            for a, b in zip(bufs[1], bufs[0]):
+                assert torch.equal(a[:-1], b[:-1])  # the dump row has several writers
 

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from step_cases import sample_case, step_case  # noqa: E402
+from step_cases import commit_case, sample_case, step_case  # noqa: E402
 
 from m3eagle.attention.metadata import build_metadata  # noqa: E402
 from m3eagle.fused import backend, reference  # noqa: E402
@@ -270,6 +270,25 @@ def test_sample_positions_equal_reference(k, seed):
     for a, b in zip(got, want):
         assert a.shape == b.shape and torch.equal(a, b)
     assert k == 0 or (want[2] != 0).any()
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 5])
+@pytest.mark.parametrize("draft", [False, True])
+def test_commit_outputs_equal_reference(k, draft):
+    """After verification: masked counts, the slots written and their contents, and with a drafter its
+    inputs (last accepted index, ids shifted with the bonus / next token, the position table): bit-equal.
+    The dump row has several writers in both paths, so its contents are not compared."""
+    for seed in range(3):
+        args, tok_row = commit_case(seed, k, draft)
+        ref_bufs = [x.clone() for x in args[11:14]]
+        fast_bufs = [x.clone() for x in args[11:14]]
+        want = REFERENCE.fused.commit_outputs(*args[:11], *ref_bufs, *args[14:])
+        got = TRITON.fused.commit_outputs(*args[:11], *fast_bufs, *args[14:], tok_row=tok_row)
+        for a, b in zip(got, want):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+        for a, b, orig in zip(fast_bufs, ref_bufs, args[11:14]):
+            assert torch.equal(a[:-1], b[:-1]) and not torch.equal(b[:-1], orig[:-1])
+        assert draft == (want[3] is not None)
 
 
 def test_positions_slots_equal_reference_with_clamps_and_negative_positions():

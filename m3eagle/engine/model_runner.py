@@ -131,7 +131,6 @@ class ModelRunner:
         self._host_parity = 0
         # Constant index tensors, made once: inside a captured step each fresh arange / ones would be one
         # more kernel per replay. Rows take views of the first B entries.
-        self.step_offsets = torch.arange(k1, device=device)  # [K+1]: 0..K
         self.row_ids = torch.arange(rows, device=device)  # [R]
         self.row_ones = torch.ones(rows, dtype=torch.int64, device=device)  # [R]
         self.row_zeros = torch.zeros(rows, dtype=torch.int64, device=device)  # [R]
@@ -178,22 +177,22 @@ class ModelRunner:
         q_probs = self.slot_draft_probs[inp.row_slot] if inp.any_random and self.slot_draft_probs is not None else None
         new_tokens, num_new = verify(logits, drafts_in, inp.row_num_drafts, inp.sampling, positions, q_probs,
                                      inp.any_random)
-        num_new = torch.where(inp.row_samples, num_new, 0)
         # Logprobs of the (penalised) target distribution, before temperature / top-k / top-p / min-p.
         logprobs = token_logprobs(logits, new_tokens, self.n_top) if inp.want_logprobs else None
 
-        # Remember each sampling row's outputs for the next step (gathered on device).
-        keep = inp.row_samples
-        s = torch.where(keep, inp.row_slot, self.dump_slot)
-        self.slot_tokens.index_copy_(0, s, new_tokens)
-        self.slot_num_new.index_copy_(0, s, num_new)
-        self.slot_expected.index_copy_(0, s, inp.row_num_drafts + 1)
+        # Remember each sampling row's outputs for the next step (gathered on device), and the drafter's
+        # inputs: the last accepted token of each row, the ids shifted by one with the bonus token after it.
+        drafting = self.draft is not None and k > 0
+        num_new, s, last_idx, shifted, at = fused.commit_outputs(
+            new_tokens, num_new, inp.row_samples, inp.row_slot, self.dump_slot, inp.row_num_drafts, inp.row_first,
+            inp.row_qlen, inp.row_next_token, ids, meta.positions, self.slot_tokens, self.slot_num_new,
+            self.slot_expected, k, drafting, tok_row=meta.tok_row)
         if pen is not None:
             self.penalty.record_outputs(new_tokens, num_new, s)
 
         drafts = ids.new_zeros(inp.num_rows, k)
-        if self.draft is not None and k:
-            drafts = self._draft(inp, ids, meta, aux, new_tokens, num_new, s)
+        if drafting:
+            drafts = self._draft(inp, meta, aux, s, last_idx, shifted, at)
         return StepOutput(new_tokens, num_new, drafts, logprobs, prompt_lps)
 
     def _prompt_logprobs(self, inp: StepInput, ids: torch.Tensor, hidden: torch.Tensor) -> TokenLogprobs:
@@ -205,23 +204,16 @@ class ModelRunner:
         return token_logprobs(self.target.compute_logits(hidden), nxt, self.n_top)
 
     # ---- drafting -------------------------------------------------------------------------------
-    def _draft(self, inp: StepInput, ids: torch.Tensor, meta: AttnMetadata, aux: torch.Tensor,
-               new_tokens: torch.Tensor, num_new: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        """Draft step 0 over every target token (inputs shifted by one), then K-1 one-token steps."""
+    def _draft(self, inp: StepInput, meta: AttnMetadata, aux: torch.Tensor, s: torch.Tensor, last_idx: torch.Tensor,
+               shifted: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """Draft step 0 over every target token (inputs shifted by one, the bonus token after each row's last
+        accepted one), then K-1 one-token steps. last_idx [B], shifted [T], at [K+1, B] (position of the
+        last accepted token + j): commit_outputs'."""
         k, b = self.k, inp.num_rows
         st: SamplingTensors = inp.sampling
-        # Index of the last accepted token of each row; its successor is the bonus token.
-        accepted = (num_new - 1).clamp(min=0)  # [B] index of the last emitted token in new_tokens
-        last_idx = inp.row_first + inp.row_qlen - 1 - inp.row_num_drafts + accepted
-        bonus = new_tokens.gather(1, accepted[:, None])[:, 0]
-        shifted = torch.cat([ids[1:], ids.new_zeros(1)])
-        shifted.index_put_((last_idx,), torch.where(inp.row_samples, bonus, inp.row_next_token))
         h_out, h_next = self.draft(shifted, meta.positions, aux, meta, self.draft_cache, True)
         h_out, h_next = h_out[last_idx], h_next[last_idx]  # [B, H]
-        pos = meta.positions[last_idx]  # position of the last accepted token
-        # Row j: pos + j, the position draft step j samples at (j >= 1: also the KV length before step j);
-        # [K+1, B], so every row is a contiguous [B] vector.
-        at = pos[None, :] + self.step_offsets[:, None]
+        pos = at[0]  # position of the last accepted token
         rows = self.row_ids[:b]
         dmeta = AttnMetadata(num_rows=b, max_q=1, max_kv=inp.meta.max_kv + k, page_size=self.page_size,
                              q_lens=self.row_ones[:b], kv_lens=at[1], page_table=meta.page_table,

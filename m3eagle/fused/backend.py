@@ -71,6 +71,16 @@ class FusedOps(Protocol):
         """reference.sample_positions: (sample_idx [B, K+1], positions [B, K+1], drafts_in [B, K])."""
         ...
 
+    def commit_outputs(self, new_tokens: torch.Tensor, num_new: torch.Tensor, row_samples: torch.Tensor,
+                       row_slot: torch.Tensor, dump_slot: int, row_num_drafts: torch.Tensor,
+                       row_first: torch.Tensor, row_qlen: torch.Tensor, row_next_token: torch.Tensor,
+                       ids: torch.Tensor, positions: torch.Tensor, slot_tokens: torch.Tensor,
+                       slot_num_new: torch.Tensor, slot_expected: torch.Tensor, k: int, draft: bool,
+                       tok_row: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """reference.commit_outputs: (num_new, s, last_idx, shifted, at); slot buffers written in place.
+        `tok_row` [T]: the step's (a fused kernel needs it with `draft`)."""
+        ...
+
 
 class ReferenceFused:
     """The plain PyTorch ops: the CPU path and the oracle. Stateless."""
@@ -122,6 +132,9 @@ class ReferenceFused:
 
     def sample_positions(self, row_first, row_qlen, row_num_drafts, positions, ids, k):
         return reference.sample_positions(row_first, row_qlen, row_num_drafts, positions, ids, k)
+
+    def commit_outputs(self, *args, tok_row=None):
+        return reference.commit_outputs(*args)
 
 
 def _triton() -> FusedOps:

@@ -163,3 +163,35 @@ def sample_positions(row_first: torch.Tensor, row_qlen: torch.Tensor, row_num_dr
     d_idx = torch.minimum(row_first[:, None] + j[1:], row_last[:, None])
     drafts_in = torch.where(j[:k] < row_num_drafts[:, None], ids[d_idx], 0)
     return sample_idx, positions[sample_idx], drafts_in
+
+
+def commit_outputs(new_tokens: torch.Tensor, num_new: torch.Tensor, row_samples: torch.Tensor,
+                   row_slot: torch.Tensor, dump_slot: int, row_num_drafts: torch.Tensor, row_first: torch.Tensor,
+                   row_qlen: torch.Tensor, row_next_token: torch.Tensor, ids: torch.Tensor,
+                   positions: torch.Tensor, slot_tokens: torch.Tensor, slot_num_new: torch.Tensor,
+                   slot_expected: torch.Tensor, k: int, draft: bool,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                              torch.Tensor | None]:
+    """After verification: what the next step and the drafter read.
+
+    new_tokens [B, K+1], num_new [B] (verify's); per row row_samples (bool), row_slot, row_num_drafts,
+    row_first, row_qlen, row_next_token; ids, positions [T]; the slot buffers, written in place: a sampling
+    row's slot gets its tokens, its count and the count its drafts would have made (num_drafts + 1); other
+    rows write the dump slot. With `draft`, also the drafter's inputs: each row's last accepted token
+    (last_idx [B]), the input ids shifted by one with the bonus token (or the row's next known token) after
+    it (shifted [T]), and at [K+1, B] = position of the last accepted token + j.
+    -> (num_new [B], 0 for rows that do not sample; s [B] the slots written; last_idx; shifted; at)."""
+    num_new = torch.where(row_samples, num_new, 0)
+    s = torch.where(row_samples, row_slot, dump_slot)
+    slot_tokens.index_copy_(0, s, new_tokens)
+    slot_num_new.index_copy_(0, s, num_new)
+    slot_expected.index_copy_(0, s, row_num_drafts + 1)
+    if not draft:
+        return num_new, s, None, None, None
+    accepted = (num_new - 1).clamp(min=0)  # [B] index of the last emitted token in new_tokens
+    last_idx = row_first + row_qlen - 1 - row_num_drafts + accepted
+    bonus = new_tokens.gather(1, accepted[:, None])[:, 0]
+    shifted = torch.cat([ids[1:], ids.new_zeros(1)])
+    shifted.index_put_((last_idx,), torch.where(row_samples, bonus, row_next_token))
+    at = positions[last_idx][None, :] + torch.arange(k + 1, device=ids.device)[:, None]  # [K+1, B]
+    return num_new, s, last_idx, shifted, at

@@ -10,6 +10,7 @@
     _step_inputs_kernel overlap_ids_kv + derive_positions_and_slots     25 (K=0) / 46 (K=3) -> 1 (int64, exact)
                         (or the positions and slots alone)              9 -> 1
     _sample_pos_kernel  sample_positions (sampled tokens, positions, drafts)  8 (K=0) / 13 (K>0) -> 1
+    _commit_kernel      commit_outputs (slot writes; the drafter's inputs)  6 (no draft) / 18 (draft) -> 1
 
 Exactness. Each kernel computes in fp32 and rounds to the activation dtype exactly where the reference's
 torch ops round (an op on bf16 tensors returns bf16), so that elementwise results can be bit-equal to the
@@ -371,6 +372,89 @@ def sample_positions(row_first: torch.Tensor, row_qlen: torch.Tensor, row_num_dr
     return idx, pos, drafts
 
 
+@triton.jit(do_not_specialize=["n_rows", "n_tok"])
+def _commit_kernel(new_ptr, nn_ptr, samples_ptr, slot_ptr, dump_slot, nd_ptr, first_ptr, qlen_ptr, next_ptr,
+                   ids_ptr, pos_ptr, tok_row_ptr, st_ptr, stride_st, snn_ptr, sexp_ptr,
+                   nn_out, s_out, last_out, shifted_out, at_out, n_rows, n_tok,
+                   K: tl.constexpr, DRAFT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_J: tl.constexpr):
+    """Programs [0, cdiv(B, BLOCK)): BLOCK rows each -- masked count, slot writes, and with DRAFT the last
+    accepted index and the at table. Programs after them (DRAFT only): BLOCK tokens of the shifted ids;
+    a token that is its row's last accepted one takes the bonus (or next known) token."""
+    pid = tl.program_id(0)
+    n_row_blocks = tl.cdiv(n_rows, BLOCK)
+    offs = tl.arange(0, BLOCK)
+    if pid < n_row_blocks:
+        r = pid * BLOCK + offs
+        m = r < n_rows
+        samples = tl.load(samples_ptr + r, mask=m, other=0) != 0
+        nn = tl.where(samples, tl.load(nn_ptr + r, mask=m, other=0), 0)
+        s = tl.where(samples, tl.load(slot_ptr + r, mask=m, other=0), dump_slot)
+        nd = tl.load(nd_ptr + r, mask=m, other=0)
+        tl.store(nn_out + r, nn, mask=m)
+        tl.store(s_out + r, s, mask=m)
+        j = tl.arange(0, BLOCK_J)
+        jm = m[:, None] & (j[None, :] <= K)
+        toks = tl.load(new_ptr + r[:, None] * (K + 1) + j[None, :], mask=jm, other=0)
+        tl.store(st_ptr + s[:, None] * stride_st + j[None, :], toks, mask=jm)
+        tl.store(snn_ptr + s, nn, mask=m)
+        tl.store(sexp_ptr + s, nd + 1, mask=m)
+        if DRAFT:
+            last = (tl.load(first_ptr + r, mask=m, other=0) + tl.load(qlen_ptr + r, mask=m, other=1) - 1 - nd
+                    + tl.maximum(nn - 1, 0))
+            tl.store(last_out + r, last, mask=m)
+            pos = tl.load(pos_ptr + last, mask=m, other=0)
+            tl.store(at_out + j[None, :] * n_rows + r[:, None], pos[:, None] + j[None, :], mask=jm)
+    else:
+        t = (pid - n_row_blocks) * BLOCK + offs
+        m = t < n_tok
+        tid = tl.load(ids_ptr + t + 1, mask=m & (t + 1 < n_tok), other=0)
+        row = tl.load(tok_row_ptr + t, mask=m, other=0)
+        samples = tl.load(samples_ptr + row, mask=m, other=0) != 0
+        nn = tl.where(samples, tl.load(nn_ptr + row, mask=m, other=0), 0)
+        acc = tl.maximum(nn - 1, 0)
+        last = (tl.load(first_ptr + row, mask=m, other=0) + tl.load(qlen_ptr + row, mask=m, other=1) - 1
+                - tl.load(nd_ptr + row, mask=m, other=0) + acc)
+        hit = m & (t == last)
+        bonus = tl.load(new_ptr + row * (K + 1) + acc, mask=hit & samples, other=0)
+        nxt = tl.load(next_ptr + row, mask=hit & ~samples, other=0)
+        tid = tl.where(hit, tl.where(samples, bonus, nxt), tid)
+        tl.store(shifted_out + t, tid, mask=m)
+
+
+def commit_outputs(new_tokens: torch.Tensor, num_new: torch.Tensor, row_samples: torch.Tensor,
+                   row_slot: torch.Tensor, dump_slot: int, row_num_drafts: torch.Tensor, row_first: torch.Tensor,
+                   row_qlen: torch.Tensor, row_next_token: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
+                   slot_tokens: torch.Tensor, slot_num_new: torch.Tensor, slot_expected: torch.Tensor, k: int,
+                   draft: bool, tok_row: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """reference.commit_outputs in one launch (int64, exact). `tok_row` [T] (the step's) is needed with
+    `draft`. Slot buffers: [S+1, K+1] with unit inner stride, [S+1], [S+1]."""
+    new_tokens, num_new, row_samples, row_slot, row_num_drafts, row_first, row_qlen, row_next_token = (
+        x.contiguous() for x in (new_tokens, num_new, row_samples, row_slot, row_num_drafts, row_first, row_qlen,
+                                 row_next_token))
+    b, t, dev = num_new.shape[0], ids.shape[0], num_new.device
+    nn_out, s_out = torch.empty_like(num_new), torch.empty_like(row_slot)
+    if draft:
+        if tok_row is None:
+            raise ValueError("commit_outputs(draft=True) needs the step's tok_row")
+        ids, positions, tok_row = ids.contiguous(), positions.contiguous(), tok_row.contiguous()
+        last = torch.empty(b, dtype=torch.int64, device=dev)
+        shifted = torch.empty_like(ids)
+        at = torch.empty(k + 1, b, dtype=torch.int64, device=dev)
+    else:
+        last = shifted = at = None
+        tok_row = num_new  # never read
+    block = 64
+    grid = triton.cdiv(b, block) + (triton.cdiv(t, block) if draft else 0)
+    if b:
+        _commit_kernel[(grid,)](new_tokens, num_new, row_samples, row_slot, dump_slot, row_num_drafts, row_first,
+                                row_qlen, row_next_token, ids, positions, tok_row, slot_tokens, slot_tokens.stride(0),
+                                slot_num_new, slot_expected, nn_out, s_out,
+                                last if draft else nn_out, shifted if draft else nn_out, at if draft else nn_out,
+                                b, t, K=k, DRAFT=draft, BLOCK=block, BLOCK_J=triton.next_power_of_2(k + 1),
+                                num_warps=2)
+    return nn_out, s_out, last, shifted, at
+
+
 STEP_BLOCK = 128
 
 
@@ -644,3 +728,6 @@ class TritonFused:
 
     def sample_positions(self, row_first, row_qlen, row_num_drafts, positions, ids, k):
         return sample_positions(row_first, row_qlen, row_num_drafts, positions, ids, k)
+
+    def commit_outputs(self, *args, tok_row=None):
+        return commit_outputs(*args, tok_row=tok_row)
