@@ -87,6 +87,11 @@ class StepOutput:
         return self.host
 
 
+def _fused(meta: AttnMetadata):
+    """The step's fused ops (fused/backend.py): the engine's, or the plain torch reference without any."""
+    return meta.ops.fused if meta.ops is not None else REFERENCE.fused
+
+
 class ModelRunner:
     def __init__(self, target: MiniMaxM3, draft, num_draft_tokens: int, num_pages: int, page_size: int,
                  max_num_seqs: int, dtype: torch.dtype, device: torch.device, max_num_tokens: int = 512,
@@ -149,8 +154,7 @@ class ModelRunner:
         kv_len += num_new_prev - (k_prev + 1) on rows whose previous sampling step was still in flight
         when the host planned this one; the metadata hook then re-derives positions and slots."""
         meta = inp.meta
-        fused = meta.ops.fused if meta.ops is not None else REFERENCE.fused  # reference: fused/reference.py
-        return fused.overlap_inputs(inp.input_ids, meta, inp.row_slot, inp.row_first, inp.row_gather,
+        return _fused(meta).overlap_inputs(inp.input_ids, meta, inp.row_slot, inp.row_first, inp.row_gather,
                                     inp.row_num_drafts, inp.row_correct, self.slot_tokens, self.slot_num_new,
                                     self.slot_expected, self.slot_drafts, self.k)
 
@@ -167,7 +171,7 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(inp, ids, hidden) if inp.want_prompt_logprobs else None
 
         # Sampled positions: the last (num_drafts + 1) tokens of each row; the drafts they verify.
-        fused = meta.ops.fused if meta.ops is not None else REFERENCE.fused
+        fused = _fused(meta)
         sample_idx, positions, drafts_in = fused.sample_positions(
             inp.row_first, inp.row_qlen, inp.row_num_drafts, meta.positions, ids, k)  # [B, K+1] x 2, [B, K]
         logits = self.target.compute_logits(hidden[sample_idx.reshape(-1)]).view(inp.num_rows, k + 1, -1)
