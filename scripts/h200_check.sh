@@ -4,7 +4,7 @@
 #   OUT=<dir> bash scripts/h200_check.sh
 #
 # 1. the GPU test file (graph replay == eager, sync-free steady state, the fused step-input kernel
-#    bit-equal to the reference ops on CUDA, released graphs recapture);
+#    bit-equal to the reference ops on CUDA, released graphs recapture) and the 128k-prompt test;
 # 2. the embedded bench with its kernel table (kernels per step with the fused step inputs; the installed
 #    draft head's acceptance on the GPU);
 # 3. benchmarks/replay_wall.py: engine step vs host-only step vs back-to-back replay vs kernel time, which
@@ -17,7 +17,7 @@ W=$(mktemp -d)
 t0=$SECONDS
 stamp() { echo "[$((SECONDS - t0)) s] $*"; }
 stamp "GPU tests"
-timeout 240 python3 -m pytest -q -m gpu tests/test_cuda_graphs.py -p no:cacheprovider > "$W/cuda_graphs.log" 2>&1
+timeout 300 python3 -m pytest -q -m gpu tests/test_cuda_graphs.py tests/test_long_context.py -p no:cacheprovider > "$W/cuda_graphs.log" 2>&1
 stamp "GPU tests: exit $? ($(tail -1 "$W/cuda_graphs.log"))"
 timeout 150 python3 -m m3eagle bench --geometry embedded --batch-sizes 1,32 --max-tokens 128 --repeats 5 \
   --kernel-table 25 --json "$W/bench_embedded.json" > "$W/bench_embedded.log" 2>&1
