@@ -194,9 +194,7 @@ class ModelRunner:
         if pen is not None:
             self.penalty.record_outputs(new_tokens, num_new, s)
 
-        drafts = ids.new_zeros(inp.num_rows, k)
-        if drafting:
-            drafts = self._draft(inp, meta, aux, s, last_idx, shifted, at)
+        drafts = self._draft(inp, meta, aux, s, last_idx, shifted, at) if drafting else ids.new_zeros(inp.num_rows, k)
         return StepOutput(new_tokens, num_new, drafts, logprobs, prompt_lps)
 
     def _prompt_logprobs(self, inp: StepInput, ids: torch.Tensor, hidden: torch.Tensor) -> TokenLogprobs:
