@@ -171,6 +171,17 @@ def test_generate_on_a_served_llm_is_refused(served):
     with pytest.raises(RuntimeError, match="being served"):
         st.server.llm.generate(PROMPTS[0], greedy())
     assert st.server.llm.engine.request_ids() == []  # nothing was queued
+    # ... and a second server's engine thread on the same LLM does not start
+    from m3eagle.entrypoints.server.async_engine import AsyncEngine
+
+    second = AsyncEngine(st.server.llm.engine, st.server.metrics)
+
+    async def start():
+        second.start()
+
+    with pytest.raises(RuntimeError, match="one server per LLM"):
+        asyncio.run(start())
+    assert not second.alive and st.server.llm.engine.owner is not None
 
 
 def test_n_penalties_and_top_logprobs(served):

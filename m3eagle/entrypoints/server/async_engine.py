@@ -55,6 +55,9 @@ class AsyncEngine:
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
         """Start the engine thread; results go to the running event loop (call from it)."""
+        if self.engine.owner is not None:  # two stepping threads would take each other's outputs
+            raise RuntimeError(f"this engine is already stepped by {self.engine.owner}: one server per LLM "
+                               "(build another LLM for a second server)")
         self._loop = asyncio.get_running_loop()
         self.engine.owner = "the OpenAI server's engine thread"  # LLM.generate refuses until the thread ends
         self._thread = threading.Thread(target=self._run, name="m3eagle-engine", daemon=True)
