@@ -164,7 +164,7 @@ def test_released_graphs_recapture_and_still_equal_eager():
 @pytest.mark.parametrize("k", [0, 3, 5])
 def test_fused_step_inputs_equal_reference_on_cuda(k):
     """The step-input kernels (overlap correction + positions + slots; sampled positions and drafts; the
-    slot writes and the drafter's inputs) compiled for the GPU, bit-equal to the reference ops (the CPU
+    slot writes and the drafter's inputs; greedy acceptance) compiled for the GPU, bit-equal to the reference ops (the CPU
     tests run them under the interpreter only)."""
     from dataclasses import replace
 
@@ -198,4 +198,8 @@ def test_fused_step_inputs_equal_reference_on_cuda(k):
                 assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
             for a, b in zip(bufs[1], bufs[0]):
                 assert torch.equal(a[:-1], b[:-1])  # the dump row has several writers
+        greedy_tok = torch.randint(0, 4, (300, k + 1), device="cuda")  # 4 ids: many matches
+        drafts = torch.randint(0, 4, (300, k), device="cuda")
+        nd = torch.randint(0, k + 1, (300,), device="cuda")
+        assert torch.equal(fast.fused.greedy_accept(greedy_tok, drafts, nd), ref.fused.greedy_accept(greedy_tok, drafts, nd))
 

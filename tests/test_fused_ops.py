@@ -291,6 +291,24 @@ def test_commit_outputs_equal_reference(k, draft):
         assert draft == (want[3] is not None)
 
 
+@pytest.mark.parametrize("k", [0, 1, 3, 5])
+def test_greedy_accept_equal_reference(k):
+    """Greedy verification's acceptance count: drafts that match the argmax for a random prefix (so every
+    count 0..num_drafts occurs), then differ; rows with fewer drafts than K."""
+    g = gen(k)
+    b = 200
+    greedy_tok = torch.randint(0, 50, (b, k + 1), generator=g)
+    nd = torch.randint(0, k + 1, (b,), generator=g)
+    prefix = torch.randint(0, k + 1, (b,), generator=g)
+    j = torch.arange(k)
+    drafts = torch.where(j[None, :] < prefix[:, None], greedy_tok[:, :k], greedy_tok[:, :k] + 1)
+    drafts = torch.where(torch.rand(b, k, generator=g) < 0.1, greedy_tok[:, :k], drafts)  # matches after a miss
+    want = REFERENCE.fused.greedy_accept(greedy_tok, drafts, nd)
+    got = TRITON.fused.greedy_accept(greedy_tok, drafts, nd)
+    assert torch.equal(got, want)
+    assert k == 0 or len(set(want.tolist())) == k + 1  # every count occurs
+
+
 def test_positions_slots_equal_reference_with_clamps_and_negative_positions():
     """with_lengths' fused op: positions past the table width clamp to its last column; a (never planned)
     negative position still follows torch's floor division."""

@@ -180,7 +180,7 @@ class ModelRunner:
         # Draft probabilities exist for rows whose drafts were sampled; greedy rows never read them.
         q_probs = self.slot_draft_probs[inp.row_slot] if inp.any_random and self.slot_draft_probs is not None else None
         new_tokens, num_new = verify(logits, drafts_in, inp.row_num_drafts, inp.sampling, positions, q_probs,
-                                     inp.any_random)
+                                     inp.any_random, fused.greedy_accept)
         # Logprobs of the (penalised) target distribution, before temperature / top-k / top-p / min-p.
         logprobs = token_logprobs(logits, new_tokens, self.n_top) if inp.want_logprobs else None
 

@@ -81,6 +81,11 @@ class FusedOps(Protocol):
         `tok_row` [T]: the step's (a fused kernel needs it with `draft`)."""
         ...
 
+    def greedy_accept(self, greedy_tok: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
+                      ) -> torch.Tensor:
+        """reference.greedy_accept: num_new [B] of an all-greedy verification."""
+        ...
+
 
 class ReferenceFused:
     """The plain PyTorch ops: the CPU path and the oracle. Stateless."""
@@ -135,6 +140,9 @@ class ReferenceFused:
 
     def commit_outputs(self, *args, tok_row=None):
         return reference.commit_outputs(*args)
+
+    def greedy_accept(self, greedy_tok, drafts, num_drafts):
+        return reference.greedy_accept(greedy_tok, drafts, num_drafts)
 
 
 def _triton() -> FusedOps:

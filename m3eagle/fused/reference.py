@@ -195,3 +195,13 @@ def commit_outputs(new_tokens: torch.Tensor, num_new: torch.Tensor, row_samples:
     shifted.index_put_((last_idx,), torch.where(row_samples, bonus, row_next_token))
     at = positions[last_idx][None, :] + torch.arange(k + 1, device=ids.device)[:, None]  # [K+1, B]
     return num_new, s, last_idx, shifted, at
+
+
+def greedy_accept(greedy_tok: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+    """Greedy verification after the argmax: greedy_tok [B, K+1] (argmax of each scored position), drafts
+    [B, K], num_drafts [B] -> num_new [B] = 1 + the number of leading drafts equal to the argmax before
+    them (sampling/verify.py's greedy path)."""
+    k = drafts.shape[1]
+    in_row = torch.arange(k, device=drafts.device)[None, :] < num_drafts[:, None]  # [B, K]
+    match = (drafts == greedy_tok[:, :k]) & in_row
+    return match.long().cumprod(-1).sum(-1) + 1

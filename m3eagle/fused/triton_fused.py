@@ -11,6 +11,7 @@
                         (or the positions and slots alone)              9 -> 1
     _sample_pos_kernel  sample_positions (sampled tokens, positions, drafts)  8 (K=0) / 13 (K>0) -> 1
     _commit_kernel      commit_outputs (slot writes; the drafter's inputs)  6 (no draft) / 18 (draft) -> 1
+    _accept_kernel      greedy_accept (after the argmax)                   3 (K=0) / 8 (K=3) -> 1
 
 Exactness. Each kernel computes in fp32 and rounds to the activation dtype exactly where the reference's
 torch ops round (an op on bf16 tensors returns bf16), so that elementwise results can be bit-equal to the
@@ -455,6 +456,34 @@ def commit_outputs(new_tokens: torch.Tensor, num_new: torch.Tensor, row_samples:
     return nn_out, s_out, last, shifted, at
 
 
+@triton.jit(do_not_specialize=["n_rows"])
+def _accept_kernel(greedy_ptr, drafts_ptr, nd_ptr, out_ptr, n_rows, K: tl.constexpr, BLOCK: tl.constexpr):
+    """BLOCK rows: 1 + the number of leading drafts equal to the argmax of the position before them."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = r < n_rows
+    nd = tl.load(nd_ptr + r, mask=m, other=0)
+    alive = m
+    n = tl.full([BLOCK], 1, tl.int64)
+    for j in tl.static_range(K):
+        d = tl.load(drafts_ptr + r * K + j, mask=m, other=0)
+        g = tl.load(greedy_ptr + r * (K + 1) + j, mask=m, other=0)
+        alive = alive & (d == g) & (j < nd)
+        n = n + alive.to(tl.int64)
+    tl.store(out_ptr + r, n, mask=m)
+
+
+def greedy_accept(greedy_tok: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+    """reference.greedy_accept in one launch (int64, exact)."""
+    greedy_tok, drafts, num_drafts = (x.contiguous() for x in (greedy_tok, drafts, num_drafts))
+    b, k = drafts.shape
+    out = torch.empty(b, dtype=torch.int64, device=drafts.device)
+    if b:
+        block = 64
+        _accept_kernel[(triton.cdiv(b, block),)](greedy_tok, drafts, num_drafts, out, b, K=k, BLOCK=block,
+                                                  num_warps=1)
+    return out
+
+
 STEP_BLOCK = 128
 
 
@@ -731,3 +760,6 @@ class TritonFused:
 
     def commit_outputs(self, *args, tok_row=None):
         return commit_outputs(*args, tok_row=tok_row)
+
+    def greedy_accept(self, greedy_tok, drafts, num_drafts):
+        return greedy_accept(greedy_tok, drafts, num_drafts)
