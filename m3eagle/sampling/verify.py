@@ -35,11 +35,10 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
     new_tokens[b, :num_new[b]] are the emitted tokens."""
     b, kp1, v = logits.shape
     k = kp1 - 1
-    j = torch.arange(k, device=logits.device)
-    in_row = j[None, :] < num_drafts[:, None]  # [B, K]
     greedy_tok = logits.argmax(-1)  # [B, K+1]
     if not any_random:  # the all-greedy path (one kernel after the argmax with the engine's fused ops)
         return greedy_tok, (accept or greedy_accept)(greedy_tok, drafts, num_drafts)
+    in_row = torch.arange(k, device=logits.device)[None, :] < num_drafts[:, None]  # [B, K]
     g_match = (drafts == greedy_tok[:, :k]) & in_row
 
     rep = st.repeat(kp1)
