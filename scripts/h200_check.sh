@@ -8,7 +8,9 @@
 # 2. the embedded bench with its kernel table (kernels per step with the fused step inputs; the installed
 #    draft head's acceptance on the GPU);
 # 3. benchmarks/replay_wall.py: engine step vs host-only step vs back-to-back replay vs kernel time, which
-#    tells a host-bound step, gaps inside the graph and a missing host/device overlap apart.
+#    tells a host-bound step, gaps inside the graph and a missing host/device overlap apart;
+# 4. benchmarks/moe_kernel.py (routed MoE checks and timings, the shared expert fused) and the m3-mini
+#    bench, while the call's time allows (each stage is skipped past its start deadline).
 # Everything lands in $OUT/check.tgz (one file: the device tool brings back few, small files).
 set -uo pipefail
 OUT=${OUT:?set OUT}
@@ -17,7 +19,7 @@ W=$(mktemp -d)
 t0=$SECONDS
 stamp() { echo "[$((SECONDS - t0)) s] $*"; }
 stamp "GPU tests"
-timeout 300 python3 -m pytest -q -m gpu tests/test_cuda_graphs.py tests/test_long_context.py -p no:cacheprovider > "$W/cuda_graphs.log" 2>&1
+timeout 240 python3 -m pytest -q -m gpu tests/test_cuda_graphs.py tests/test_long_context.py -p no:cacheprovider > "$W/cuda_graphs.log" 2>&1
 stamp "GPU tests: exit $? ($(tail -1 "$W/cuda_graphs.log"))"
 timeout 150 python3 -m m3eagle bench --geometry embedded --batch-sizes 1,32 --max-tokens 128 --repeats 5 \
   --kernel-table 25 --json "$W/bench_embedded.json" > "$W/bench_embedded.log" 2>&1
@@ -26,5 +28,19 @@ grep -A 6 "^batch mode" "$W/bench_embedded.log"
 timeout 120 python3 benchmarks/replay_wall.py --profile > "$W/replay_wall.jsonl" 2> "$W/replay_wall.log"
 stamp "replay_wall: exit $?"
 grep "engine step" "$W/replay_wall.log"
-tar czf "$OUT/check.tgz" -C "$W" .
+pack() { tar czf "$OUT/check.tgz" -C "$W" .; }
+pack
+if (( SECONDS - t0 < ${MOE_DEADLINE:-330} )); then
+  timeout 150 python3 benchmarks/moe_kernel.py --json "$W/moe_kernel.json" > /dev/null 2> "$W/moe_kernel.log"
+  stamp "moe_kernel: exit $?"
+  grep -E "^ +(T|[0-9]+) |HBM|check" "$W/moe_kernel.log"
+  pack
+fi
+if (( SECONDS - t0 < ${MINI_DEADLINE:-420} )); then
+  timeout 140 python3 -m m3eagle bench --geometry m3-mini --batch-sizes 1,8,32 --max-tokens 64 --repeats 5 \
+    --kernel-table 30 --json "$W/bench_m3-mini.json" > "$W/bench_m3-mini.log" 2>&1
+  stamp "m3-mini bench: exit $?"
+  grep -A 7 "^batch mode" "$W/bench_m3-mini.log"
+  pack
+fi
 stamp "done"

@@ -196,6 +196,85 @@ def test_alignment_invariants(t, k, e0, e1, bm, chunk):
         assert len(seg) == -(-counts[e] // bm) * bm and seg[:len(real)] == real and len(real) == counts[e]
 
 
+def make_layer(seed: int, shared_inter: int = I, scaling: float = 2.5) -> SparseMoE:
+    """A SparseMoE with random weights (a random router too, so routing is not a tie)."""
+    moe = SparseMoE(H, I, shared_inter, E, 2, scaling=scaling, alpha=ALPHA, limit=LIMIT)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.8 if p.dim() == 3 else 0.3))
+    return moe
+
+
+@pytest.mark.parametrize("t,cfg", [(1, SMALL), (3, WIDE), (17, SMALL), (300, SMALL)])
+def test_shared_expert_fused_into_the_routed_kernels(t, cfg):
+    """A shared expert as wide as the routed ones runs as one more expert of the same launches: the layer's
+    paged output (routed * scale + shared, as one tensor) equals the reference layer."""
+    from m3eagle.ops import Ops
+
+    moe = make_layer(t)
+    assert moe.can_fuse_shared()
+    x, _, _ = make_routing(t + 2, t, 2)
+    ops = Ops(attention=None, moe=backend.create("triton", config=cfg), fused=None)
+    with torch.no_grad():
+        out, rest, scale = moe.forward_parts(x, ops)
+        ref = moe(x)
+    assert rest is None and scale == 1.0
+    assert_close(out, ref)
+
+
+def test_shared_expert_fused_with_every_token_on_one_expert():
+    """All tokens on one expert (k = 1): its segment spans several row blocks, and so does the shared one."""
+    w13, w2 = make_weights(21)
+    s13, s2 = make_weights(22, e=1)
+    x, _, _ = make_routing(23, 40, 1)
+    idx, w = torch.full((40, 1), 3), torch.ones(40, 1)
+    out = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=SMALL, shared=(s13[0], s2[0]),
+                                   routed_scale=2.0)
+    ref = reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT) * 2.0 + reference.experts(
+        x, w, torch.zeros_like(idx), s13, s2, ALPHA, LIMIT)
+    assert_close(out, ref)
+    al = align(idx, 0, E, 16, shared=True)
+    assert (al.num_pairs, al.routed_pairs, int(al.num_blocks)) == (80, 40, 6)  # 3 blocks each
+    blk = al.block_expert.tolist()
+    assert blk[:6] == [3, 3, 3, E, E, E]
+    assert sorted(al.sorted_ids[3 * 16:6 * 16].tolist()[:40]) == list(range(40, 80))  # token t's pair 40 + t
+
+
+def test_shared_expert_rows_unwritten_rows_never_read():
+    """With the shared expert, padding rows of act stay unwritten: poisoned with NaN, they must not leak."""
+    w13, w2 = make_weights(24)
+    s13, s2 = make_weights(25, e=1)
+    x, w, idx = make_routing(26, 5, 2)
+    al = align(idx, 0, E, SMALL.block_m, shared=True)
+    act = triton_moe.gate_up(x, w13, al, 2, ALPHA, LIMIT, SMALL, s13[0])
+    act[al.sorted_ids >= al.num_pairs] = float("nan")
+    contrib = triton_moe.down(act, w2, w, al, SMALL, s2[0], 1.5)
+    out = triton_moe.combine(contrib, idx, 0, E, x.dtype, shared=True)
+    ref = reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT) * 1.5 + reference.experts(
+        x, torch.ones(5, 1), torch.zeros(5, 1, dtype=torch.long), s13, s2, ALPHA, LIMIT)
+    assert_close(out, ref)
+
+
+def test_shared_expert_fusion_refuses_what_it_cannot_do():
+    w13, w2 = make_weights(27)
+    s13, s2 = make_weights(28, e=1)
+    x, w, idx = make_routing(29, 3, 2)
+    with pytest.raises(ValueError, match="expert_range=None"):
+        triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (0, 4), config=SMALL, shared=(s13[0], s2[0]))
+    with pytest.raises(ValueError, match="routed experts' shape"):
+        triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=SMALL, shared=(s13[0, :8], s2[0]))
+    # a narrower shared expert is not fused: the layer falls back to routed + shared, still exact
+    moe = make_layer(30, shared_inter=24)
+    assert not moe.can_fuse_shared()
+    from m3eagle.ops import Ops
+
+    with torch.no_grad():
+        routed, shared, scale = moe.forward_parts(x, Ops(attention=None, moe=backend.create("triton", config=SMALL),
+                                                         fused=None))
+        assert_close(routed * scale + shared, moe(x))
+
+
 def test_model_logits_equal_with_the_triton_impl():
     """A whole tiny model (3 MoE layers) through the paged forward: logits with the engine's ops carrying
     the Triton MoE equal those with the reference ops (the contiguous forward_seq always runs the reference)."""
@@ -207,7 +286,8 @@ def test_model_logits_equal_with_the_triton_impl():
     torch.manual_seed(0)
     model = MiniMaxM3(model_config("tiny", vocab_size=96)).eval()
     init_weights(model, seed=3, std=0.2)
-    assert len([m for m in model.modules() if isinstance(m, SparseMoE)]) == 3
+    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    assert len(moes) == 3 and all(m.can_fuse_shared() for m in moes)  # the shared expert rides along
     ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(4))
     cpu = torch.device("cpu")
     table = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])

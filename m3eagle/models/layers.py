@@ -249,8 +249,23 @@ class SparseMoE(nn.Module):
         # Routed output is scaled; the shared expert is not.
         return self.experts(x, w, idx, impl) * self.routed_scaling_factor + self.shared_experts(x)
 
-    def forward_parts(self, x: torch.Tensor, ops: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Paged path with the engine's `ops` (m3eagle.ops.Ops): (routed, shared), both [T, H]; the output is
-        routed * routed_scaling_factor + shared, which the caller leaves to the next fused add + norm."""
+    def forward_parts(self, x: torch.Tensor, ops: Any) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+        """Paged path with the engine's `ops` (m3eagle.ops.Ops): (a, b, s) [T, H], [T, H] | None, float,
+        standing for a * s + b, which the caller leaves to the next fused add + norm. Usually (routed,
+        shared, routed_scaling_factor); a MoE backend that fuses the shared expert into the routed kernels
+        returns the whole sum, (out, None, 1.0)."""
         w, idx = self.gate(x, ops.fused)
-        return self.experts(x, w, idx, ops.moe), self.shared_experts(x, ops.fused)
+        if getattr(ops.moe, "fuses_shared", False) and self.can_fuse_shared():
+            sh = self.shared_experts
+            out = ops.moe.experts_and_shared(x, w, idx, self.experts.gate_up_proj, self.experts.down_proj,
+                                             sh.gate_up_proj.weight, sh.down_proj.weight, sh.alpha, sh.limit,
+                                             self.routed_scaling_factor)
+            return out, None, 1.0
+        return self.experts(x, w, idx, ops.moe), self.shared_experts(x, ops.fused), self.routed_scaling_factor
+
+    def can_fuse_shared(self) -> bool:
+        """The shared expert can run as one more routed expert: one rank holds every expert, the shared
+        expert has the routed experts' width, and both use the same activation constants."""
+        e, sh = self.experts, self.shared_experts
+        return (e.expert_range is None and sh.gate_up_proj.weight.shape == e.gate_up_proj.shape[1:]
+                and sh.down_proj.weight.shape == e.down_proj.shape[1:] and (sh.alpha, sh.limit) == (e.alpha, e.limit))

@@ -161,11 +161,11 @@ class DecoderLayer(nn.Module):
         a = self.self_attn(h, cos, sin, meta, cache)
         h, residual = f.add_rms_norm(a, residual, ln2.weight, ln2.eps)
         if isinstance(self.mlp, SparseMoE):
-            routed, shared = self.mlp.forward_parts(h, ops)
-            if self.tp.size > 1:  # both are partial sums over the ranks: one all-reduce for the two
-                return residual, (self.tp.all_reduce(torch.add(shared, routed, alpha=self.mlp.routed_scaling_factor)),
-                                  None, 1.0)
-            return residual, (routed, shared, self.mlp.routed_scaling_factor)
+            routed, shared, scale = self.mlp.forward_parts(h, ops)
+            if self.tp.size > 1:  # partial sums over the ranks: one all-reduce for the two
+                both = routed if shared is None else torch.add(shared, routed, alpha=scale)
+                return residual, (self.tp.all_reduce(both), None, 1.0)
+            return residual, (routed, shared, scale)
         return residual, (self.mlp(h, f), None, 1.0)
 
     def forward_seq(self, x, cos, sin):

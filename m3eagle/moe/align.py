@@ -12,6 +12,10 @@ expert. This step lays the T*k pairs out that way, with two small Triton kernels
 
 Within a segment, pairs keep their order in idx (a stable sort), so the layout is deterministic.
 
+With `shared=True` a shared expert (one every token uses) joins as one more local expert, the last: its
+pairs are T*k + t, so `triton_moe` runs it in the same grouped GEMMs as the routed experts (one launch
+each instead of two cuBLAS GEMMs, an activation and an add per layer).
+
 Shapes are static worst cases fixed by host ints (T, k, the number of local experts, block_m): at most
 min(E, T*k) experts get a pair, each wasting at most block_m - 1 rows, so
 
@@ -43,29 +47,41 @@ class Alignment:
     num_blocks: torch.Tensor  # [1] int32, blocks in use
     block_m: int
     max_blocks: int  # host int: the static grid bound
-    num_pairs: int
+    num_pairs: int  # T*k, or T*(k+1) with a shared expert
+    routed_pairs: int  # T*k: pair ids from here on are the shared expert's (one per token)
 
 
 def max_blocks(num_pairs: int, num_local: int, block_m: int) -> int:
     return triton.cdiv(num_pairs + min(num_local, num_pairs) * (block_m - 1), block_m)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "e_start"])
-def _count_kernel(idx_ptr, hist_ptr, num_pairs, e_start, num_local,
+@triton.jit
+def _pair_expert(idx_ptr, offs, num_pairs, routed_pairs, e_start, num_local):
+    """Local column of each pair id in offs, or -1 (past the end, or another rank's expert). Pairs from
+    routed_pairs on are the shared expert's (one per token), which owns the last column, num_local - 1."""
+    ok = offs < num_pairs
+    shared = ok & (offs >= routed_pairs)
+    n_routed = tl.where(routed_pairs < num_pairs, num_local - 1, num_local)  # local routed experts
+    e = tl.load(idx_ptr + offs, mask=ok & ~shared, other=-1).to(tl.int32) - e_start
+    e = tl.where(ok & (e >= 0) & (e < n_routed), e, -1)  # -1 matches no column
+    return tl.where(shared, num_local - 1, e)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "routed_pairs", "e_start"])
+def _count_kernel(idx_ptr, hist_ptr, num_pairs, routed_pairs, e_start, num_local,
                   E_PAD: tl.constexpr, CHUNK: tl.constexpr):
     """hist[c, e] = pairs of chunk c routed to local expert e. Pairs of other ranks' experts count nowhere."""
     c = tl.program_id(0)
     offs = c * CHUNK + tl.arange(0, CHUNK)
-    ok = offs < num_pairs
-    e = tl.load(idx_ptr + offs, mask=ok, other=-1).to(tl.int32) - e_start
-    e = tl.where(ok & (e >= 0) & (e < num_local), e, -1)  # -1 matches no column
+    e = _pair_expert(idx_ptr, offs, num_pairs, routed_pairs, e_start, num_local)
     hit = (e[:, None] == tl.arange(0, E_PAD)[None, :]).to(tl.int32)  # [CHUNK, E_PAD]
     tl.store(hist_ptr + c * E_PAD + tl.arange(0, E_PAD), tl.sum(hit, 0))
 
 
-@triton.jit(do_not_specialize=["num_pairs", "e_start", "num_chunks", "padded_len", "fill_per_prog"])
+@triton.jit(do_not_specialize=["num_pairs", "routed_pairs", "e_start", "num_chunks", "padded_len",
+                             "fill_per_prog"])
 def _place_kernel(idx_ptr, hist_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
-                  num_pairs, e_start, num_local, num_chunks, padded_len, fill_per_prog,
+                  num_pairs, routed_pairs, e_start, num_local, num_chunks, padded_len, fill_per_prog,
                   BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, HIST_ROWS: tl.constexpr,
                   SINGLE: tl.constexpr):
     c = tl.program_id(0)
@@ -73,10 +89,8 @@ def _place_kernel(idx_ptr, hist_ptr, sorted_ptr, block_expert_ptr, num_blocks_pt
 
     # This program's pairs: hit[i, e] = 1 iff pair c * CHUNK + i goes to local expert e.
     offs = c * CHUNK + tl.arange(0, CHUNK)
-    ok = offs < num_pairs
-    e = tl.load(idx_ptr + offs, mask=ok, other=-1).to(tl.int32) - e_start
-    mine = ok & (e >= 0) & (e < num_local)
-    e = tl.where(mine, e, -1)
+    e = _pair_expert(idx_ptr, offs, num_pairs, routed_pairs, e_start, num_local)
+    mine = e >= 0
     hit = (e[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, E_PAD], one 1 per placed pair
 
     if SINGLE:  # one chunk holds every pair (decode): count here, no histogram kernel
@@ -122,15 +136,21 @@ def _place_kernel(idx_ptr, hist_ptr, sorted_ptr, block_expert_ptr, num_blocks_pt
                  mask=in_share & (p % BLOCK_M == 0))
 
 
-def align(idx: torch.Tensor, e_start: int, num_local: int, block_m: int, chunk: int | None = None) -> Alignment:
+def align(idx: torch.Tensor, e_start: int, num_local: int, block_m: int, chunk: int | None = None,
+          shared: bool = False) -> Alignment:
     """idx [T, k] global expert ids -> the pairs of experts [e_start, e_start + num_local) sorted by expert
     and padded to block_m (see the module docstring). Launch shapes depend on host ints only. `chunk`
-    (pairs per program, a power of two) is for tests that want many programs on few pairs."""
+    (pairs per program, a power of two) is for tests that want many programs on few pairs.
+
+    shared: add one pair per token for a shared expert, as local expert `num_local` (its segment comes
+    last): pair ids T*k .. T*k + T - 1, token t's being T*k + t. The alignment then has T*(k+1) pairs."""
     flat = idx.reshape(-1)
     if flat.dtype not in (torch.int32, torch.int64):
         flat = flat.to(torch.int64)
     flat = flat.contiguous()
-    n = flat.numel()
+    routed = flat.numel()
+    n = routed + (idx.shape[0] if shared else 0)
+    num_local += int(shared)
     nb = max_blocks(n, num_local, block_m)
     dev = idx.device
     e_pad = max(16, triton.next_power_of_2(max(1, num_local)))
@@ -146,8 +166,8 @@ def align(idx: torch.Tensor, e_start: int, num_local: int, block_m: int, chunk: 
     num_blocks = torch.empty(1, dtype=torch.int32, device=dev)
     single = num_chunks == 1
     if not single:
-        _count_kernel[(num_chunks,)](flat, hist, n, e_start, num_local, E_PAD=e_pad, CHUNK=chunk)
-    _place_kernel[(num_chunks,)](flat, hist, sorted_ids, block_expert, num_blocks, n, e_start, num_local,
+        _count_kernel[(num_chunks,)](flat, hist, n, routed, e_start, num_local, E_PAD=e_pad, CHUNK=chunk)
+    _place_kernel[(num_chunks,)](flat, hist, sorted_ids, block_expert, num_blocks, n, routed, e_start, num_local,
                                  num_chunks, padded_len, fill_per_prog, BLOCK_M=block_m, E_PAD=e_pad,
                                  CHUNK=chunk, HIST_ROWS=64, SINGLE=single)
-    return Alignment(sorted_ids, block_expert, num_blocks, block_m, nb, n)
+    return Alignment(sorted_ids, block_expert, num_blocks, block_m, nb, n, routed)

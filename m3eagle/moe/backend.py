@@ -26,11 +26,15 @@ class MoEImpl(Protocol):
         the pairs whose expert is in expert_range [e0, e1) (all when None): [T, H] in x.dtype."""
         ...
 
+    # Whether `experts_and_shared` exists: the routed experts and a same-shaped shared expert in one pass.
+    fuses_shared: bool
+
 
 class ReferenceMoE:
     """Every expert on every token, combined densely. Graph-capturable and differentiable."""
 
     name = "reference"
+    fuses_shared = False  # the oracle keeps the model's own sum: routed * scale + shared, apart
 
     def __init__(self) -> None:
         # Imported here, not at the top: reference.py imports models.layers, which imports this module.
@@ -48,6 +52,7 @@ class TritonMoE:
     tuning table (`tuning.py`). Inference only: no autograd."""
 
     name = "triton"
+    fuses_shared = True
 
     def __init__(self, config: Any = None) -> None:
         from . import triton_moe  # imports triton
@@ -58,6 +63,15 @@ class TritonMoE:
     def experts(self, x, weights, idx, gate_up_proj, down_proj, alpha, limit, expert_range=None):
         return self._mod.fused_experts(x, weights, idx, gate_up_proj, down_proj, alpha, limit, expert_range,
                                        config=self.config)
+
+    def experts_and_shared(self, x, weights, idx, gate_up_proj, down_proj, shared_gate_up, shared_down, alpha,
+                           limit, routed_scale):
+        """routed_scale * experts(...) + the shared expert (shared_gate_up [2I, H], shared_down [H, I], the
+        routed experts' shape) on x, from the routed kernels' three launches: the shared expert is one more
+        expert that every token uses (`triton_moe.fused_experts(shared=...)`). All experts, one rank."""
+        return self._mod.fused_experts(x, weights, idx, gate_up_proj, down_proj, alpha, limit, None,
+                                       config=self.config, shared=(shared_gate_up, shared_down),
+                                       routed_scale=routed_scale)
 
 
 _FACTORIES: dict[str, Callable[..., MoEImpl]] = {"reference": ReferenceMoE, "triton": TritonMoE}

@@ -47,31 +47,44 @@ def _block_coords(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
-def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
-                    num_pairs, max_blocks, hidden, inter,
+@triton.jit
+def _expert_base(w_ptr, ws_ptr, expert, stride_we, shared_col, HAS_SHARED: tl.constexpr):
+    """The weights of local expert `expert`: a slice of the stack, or the shared expert's own tensor (same
+    inner strides) when it is the shared column."""
+    base = w_ptr + expert * stride_we
+    if HAS_SHARED:
+        if expert == shared_col:
+            base = ws_ptr
+    return base
+
+
+@triton.jit(do_not_specialize=["num_pairs", "routed_pairs", "max_blocks"])
+def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
+                    num_pairs, routed_pairs, shared_col, max_blocks, hidden, inter,
                     stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_am, stride_ai,
                     alpha, limit,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr, DOT_PREC: tl.constexpr):
+                    GROUP_M: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr):
     """act[r, n] = swiglu_oai(x[token(r)] @ [gate_n; up_n]) for the rows r of one block of one expert.
 
     gate_up_proj [E, 2I, H] holds gate rows 0..I-1 then up rows I..2I-1; a program computes block_n gate
-    columns and the same block_n up columns, so the activation happens in registers."""
+    columns and the same block_n up columns, so the activation happens in registers. Pair ids from
+    routed_pairs on are the shared expert's (ws_ptr [2I, H]): token = pair - routed_pairs."""
     pid_m, pid_n = _block_coords(tl.program_id(0), max_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + rows)
     valid = pair < num_pairs  # padding rows load zeros and are not stored
-    token = (pair // TOP_K).to(tl.int64)
+    token = tl.where(pair < routed_pairs, pair // TOP_K, pair - routed_pairs).to(tl.int64)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    w_base = _expert_base(w_ptr, ws_ptr, expert, stride_we, shared_col, HAS_SHARED)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xh  # [BM, BK]
-    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wh  # [BK, BN]
+    g_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wh  # [BK, BN]
     u_ptrs = g_ptrs + inter * stride_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -93,13 +106,14 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_blo
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
-def _down_kernel(act_ptr, w_ptr, contrib_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
-                 num_pairs, max_blocks, hidden, inter,
+@triton.jit(do_not_specialize=["num_pairs", "routed_pairs", "max_blocks"])
+def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
+                 num_pairs, routed_pairs, shared_col, max_blocks, hidden, inter, routed_scale,
                  stride_am, stride_ai, stride_we, stride_wh, stride_wi, stride_cp, stride_ch,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 DOT_PREC: tl.constexpr):
-    """contrib[pair(r)] = weight(pair(r)) * (act[r] @ down_proj[e]^T) for the rows r of one block.
+                 DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr):
+    """contrib[pair(r)] = weight(pair(r)) * (act[r] @ down_proj[e]^T) for the rows r of one block; a routed
+    pair's weight is its routing weight times routed_scale, a shared-expert pair's is 1.
 
     The expert output is rounded to the activation dtype before the fp32 weighting, as the reference's
     per-expert einsum result is. The weighted row is stored in the activation dtype too: half the traffic
@@ -112,12 +126,13 @@ def _down_kernel(act_ptr, w_ptr, contrib_ptr, weights_ptr, sorted_ptr, block_exp
     pair = tl.load(sorted_ptr + rows)
     valid = pair < num_pairs
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    w_base = _expert_base(w_ptr, ws_ptr, expert, stride_we, shared_col, HAS_SHARED)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ai  # [BM, BK]
-    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wh + offs_k[:, None] * stride_wi  # [BK, BN]
+    w_ptrs = w_base + offs_n[None, :] * stride_wh + offs_k[:, None] * stride_wi  # [BK, BN]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k_ok = offs_k < inter - k0
@@ -127,19 +142,22 @@ def _down_kernel(act_ptr, w_ptr, contrib_ptr, weights_ptr, sorted_ptr, block_exp
         a_ptrs += BLOCK_K * stride_ai
         w_ptrs += BLOCK_K * stride_wi
 
-    route_w = tl.load(weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)  # [BM]
+    routed = pair < routed_pairs
+    route_w = tl.load(weights_ptr + pair, mask=valid & routed, other=0.0).to(tl.float32)  # [BM]
+    route_w = tl.where(routed, route_w * routed_scale, 1.0)
     out_ty = contrib_ptr.dtype.element_ty
     y = acc.to(out_ty).to(tl.float32) * route_w[:, None]
     out_ptrs = contrib_ptr + pair.to(tl.int64)[:, None] * stride_cp + offs_n[None, :] * stride_ch
     tl.store(out_ptrs, y.to(out_ty), mask=valid[:, None] & n_ok[None, :])
 
 
-@triton.jit
-def _combine_kernel(contrib_ptr, idx_ptr, out_ptr, hidden, e_start, num_local,
+@triton.jit(do_not_specialize=["routed_pairs"])
+def _combine_kernel(contrib_ptr, idx_ptr, out_ptr, hidden, e_start, num_local, routed_pairs,
                     stride_cp, stride_ch, stride_ot, stride_oh,
-                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t] = sum_j contrib[t*k + j] in fp32, j in order, over the pairs whose expert is local. Rows of
-    other ranks' pairs were never written (they hold garbage), so they are masked out, not multiplied."""
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SHARED: tl.constexpr):
+    """out[t] = sum_j contrib[t*k + j] in fp32, j in order, over the pairs whose expert is local, then the
+    shared expert's row routed_pairs + t when there is one. Rows of other ranks' pairs were never written
+    (they hold garbage), so they are masked out, not multiplied."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = offs < hidden
@@ -151,71 +169,114 @@ def _combine_kernel(contrib_ptr, idx_ptr, out_ptr, hidden, e_start, num_local,
         v = tl.load(contrib_ptr + (t * TOP_K + j) * stride_cp + offs * stride_ch, mask=tl.where(mine, ok, False),
                     other=0.0)
         acc += v.to(tl.float32)
+    if HAS_SHARED:
+        acc += tl.load(contrib_ptr + (routed_pairs + t) * stride_cp + offs * stride_ch, mask=ok,
+                       other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + offs * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+Shared = tuple[torch.Tensor, torch.Tensor]
+"""A shared expert's (gate_up_proj [2I, H], down_proj [H, I]), run as one more expert of the grouped GEMMs."""
+
+
+def _shared_weights(shared: Shared | None, w13: torch.Tensor, w2: torch.Tensor,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared expert's weights in the stacks' inner layout (the kernels index both with one set of
+    strides), or the stacks themselves as never-read placeholders when there is none."""
+    if shared is None:
+        return w13, w2
+    s13, s2 = shared
+    if s13.shape != w13.shape[1:] or s2.shape != w2.shape[1:] or s13.dtype != w13.dtype or s2.dtype != w2.dtype:
+        raise ValueError(f"a fused shared expert needs the routed experts' shape and dtype: gate_up {tuple(s13.shape)} "
+                         f"vs {tuple(w13.shape[1:])}, down {tuple(s2.shape)} vs {tuple(w2.shape[1:])}")
+    if s13.stride() != w13.stride()[1:]:
+        s13 = s13.contiguous()
+    if s2.stride() != w2.stride()[1:]:
+        s2 = s2.contiguous()
+    if s13.stride() != w13.stride()[1:] or s2.stride() != w2.stride()[1:]:
+        raise ValueError("a fused shared expert needs the routed stacks' inner strides (contiguous experts)")
+    return s13, s2
+
+
 def gate_up(x: torch.Tensor, w13: torch.Tensor, al: Alignment, top_k: int, alpha: float, limit: float,
-            cfg: MoEConfig) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H] -> act [max_blocks * block_m, I] (rows of padding entries unwritten)."""
+            cfg: MoEConfig, shared_gate_up: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H] -> act [max_blocks * block_m, I] (rows of padding entries unwritten).
+    With `shared_gate_up` [2I, H] (w13's inner strides; alignment made with shared=True) the shared
+    expert's rows are computed too."""
     inter = w13.shape[1] // 2
+    ws = w13 if shared_gate_up is None else shared_gate_up
     act = torch.empty(al.max_blocks * al.block_m, inter, dtype=x.dtype, device=x.device)
     grid = (al.max_blocks * triton.cdiv(inter, cfg.block_n),)
     _gate_up_kernel[grid](
-        x, w13, act, al.sorted_ids, al.block_expert, al.num_blocks, al.num_pairs, al.max_blocks,
+        x, w13, ws, act, al.sorted_ids, al.block_expert, al.num_blocks, al.num_pairs, al.routed_pairs,
+        w13.shape[0], al.max_blocks,
         x.shape[1], inter, x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
         act.stride(0), act.stride(1), float(alpha), float(limit),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        DOT_PREC=_dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DOT_PREC=_dot_precision(x.dtype), HAS_SHARED=shared_gate_up is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return act
 
 
 def down(act: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, al: Alignment, cfg: MoEConfig,
-         ) -> torch.Tensor:
-    """act [rows, I], w2 [E, H, I], weights [T, k] (or flat [T*k]) -> contrib [T*k, H] in act.dtype (rows
-    of non-local pairs unwritten)."""
+         shared_down: torch.Tensor | None = None, routed_scale: float = 1.0) -> torch.Tensor:
+    """act [rows, I], w2 [E, H, I], weights [T, k] (or flat [T*k]) -> contrib [num_pairs, H] in act.dtype
+    (rows of non-local pairs unwritten): routed rows weighted by weight * routed_scale, the shared expert's
+    rows (`shared_down` [H, I], alignment made with shared=True) by 1."""
     weights = weights.reshape(-1).float().contiguous()  # [T*k] fp32; no copy when it already is
     hidden, inter = w2.shape[1], w2.shape[2]
+    ws = w2 if shared_down is None else shared_down
     contrib = torch.empty(al.num_pairs, hidden, dtype=act.dtype, device=act.device)
     grid = (al.max_blocks * triton.cdiv(hidden, cfg.block_n),)
     _down_kernel[grid](
-        act, w2, contrib, weights, al.sorted_ids, al.block_expert, al.num_blocks, al.num_pairs, al.max_blocks,
-        hidden, inter, act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+        act, w2, ws, contrib, weights, al.sorted_ids, al.block_expert, al.num_blocks, al.num_pairs,
+        al.routed_pairs, w2.shape[0], al.max_blocks, hidden, inter, float(routed_scale),
+        act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         contrib.stride(0), contrib.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        DOT_PREC=_dot_precision(act.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DOT_PREC=_dot_precision(act.dtype), HAS_SHARED=shared_down is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return contrib
 
 
 def combine(contrib: torch.Tensor, idx: torch.Tensor, e_start: int, num_local: int, out_dtype: torch.dtype,
-            ) -> torch.Tensor:
-    """contrib [T*k, H], idx [T, k] -> [T, H]: the local pairs of each token summed in fp32."""
+            shared: bool = False) -> torch.Tensor:
+    """contrib [num_pairs, H], idx [T, k] -> [T, H]: the local pairs of each token (and its shared-expert
+    row T*k + t when `shared`) summed in fp32."""
     t, k = idx.shape
     idx = idx.contiguous()  # the kernel reads idx[t, j] at t * k + j
     hidden = contrib.shape[1]
     out = torch.empty(t, hidden, dtype=out_dtype, device=contrib.device)
     block_h = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(t, triton.cdiv(hidden, block_h))](
-        contrib, idx, out, hidden, e_start, num_local, contrib.stride(0), contrib.stride(1),
-        out.stride(0), out.stride(1), TOP_K=k, BLOCK_H=block_h)
+        contrib, idx, out, hidden, e_start, num_local, t * k, contrib.stride(0), contrib.stride(1),
+        out.stride(0), out.stride(1), TOP_K=k, BLOCK_H=block_h, HAS_SHARED=shared)
     return out
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
                   down_proj: torch.Tensor, alpha: float, limit: float,
-                  expert_range: tuple[int, int] | None = None, config: MoEConfig | None = None) -> torch.Tensor:
+                  expert_range: tuple[int, int] | None = None, config: MoEConfig | None = None,
+                  shared: Shared | None = None, routed_scale: float = 1.0) -> torch.Tensor:
     """Same contract as `reference.experts`: x [T, H], weights [T, k] fp32, idx [T, k] -> [T, H] x.dtype.
 
+    With `shared` (a shared expert of the routed experts' shape; all experts, no expert_range) it returns
+    routed_scale * routed + shared_expert(x) -- `SparseMoE`'s whole output -- from the same three launches.
     `config` pins the block sizes; None looks them up by (device, shape, T bucket) in the tuning table."""
     w13, w2, e0 = local_experts(gate_up_proj, down_proj, expert_range)
     t, k = idx.shape
     num_local = w13.shape[0]
-    if t == 0 or num_local == 0:
+    if shared is not None and expert_range is not None:
+        raise ValueError("a fused shared expert needs all experts (expert_range=None): under expert "
+                         "parallelism the shared expert is split by tensor parallelism instead")
+    if t == 0 or (num_local == 0 and shared is None):
         return torch.zeros_like(x)
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise TypeError(f"triton MoE needs weights in the activation dtype: x is {x.dtype}, gate_up_proj "
                         f"{w13.dtype}, down_proj {w2.dtype}")
+    s13, s2 = _shared_weights(shared, w13, w2)
     cfg = config or tuning.get_config(t, num_local, x.shape[1], w2.shape[2], k, x.dtype, x.device)
-    al = align(idx, e0, num_local, cfg.block_m)
-    act = gate_up(x, w13, al, k, alpha, limit, cfg)
-    contrib = down(act, w2, weights, al, cfg)
-    return combine(contrib, idx, e0, num_local, x.dtype)
+    al = align(idx, e0, num_local, cfg.block_m, shared=shared is not None)
+    act = gate_up(x, w13, al, k, alpha, limit, cfg, s13 if shared is not None else None)
+    contrib = down(act, w2, weights, al, cfg, s2 if shared is not None else None, routed_scale)
+    return combine(contrib, idx, e0, num_local, x.dtype, shared is not None)
