@@ -204,7 +204,8 @@ def check(shape: Shape, layer, t: int, tri, dev: torch.device, dtype: torch.dtyp
         layer32 = copy.deepcopy(layer).float()
         layer_oracle = layer32(x.float())
         engine_err, layer_ref_err = rel_err(engine, layer_oracle), rel_err(layer(x), layer_oracle)
-    r = {"err_engine_layer_vs_fp32": engine_err, "err_ref_layer_vs_fp32": layer_ref_err,"err_triton_vs_fp32": rel_err(out, oracle), "err_ref_bf16_vs_fp32": rel_err(ref, oracle),
+    r = {"err_engine_layer_vs_fp32": engine_err, "err_ref_layer_vs_fp32": layer_ref_err,
+         "err_triton_vs_fp32": rel_err(out, oracle), "err_ref_bf16_vs_fp32": rel_err(ref, oracle),
          "err_triton_vs_ref": rel_err(out, ref), "err_layer_vs_ref": layer_err,
          "err_subsets_vs_full": rel_err(parts, out), "finite": bool(torch.isfinite(out).all())}
     # bf16 rounds each expert output and the sum once; allow the kernel twice the reference's own error
