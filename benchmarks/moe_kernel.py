@@ -20,7 +20,8 @@ Shapes: m3-mini (hidden 2048, 32 experts, top-4, intermediate 1024, shared 1024)
    counts routed FLOPs (2 * T * k * 3 * I * H). For scale, the same run measures a dense bf16 torch.mm of
    the same FLOPs ([T*k, H] @ [H, 3I], its own LAYERS weights) and the HBM copy bandwidth of a 4 GiB
    device-to-device copy.
-4. --tune: per T bucket of the table, time the routed experts for each candidate config (decode candidates
+4. --tune: per T bucket of the table, time the experts as the engine runs them (the shared expert fused in
+   when its width allows) for each candidate config (decode candidates
    with small row blocks up to T = 256, prefill candidates from 256 up), keep the fastest that matches the
    reference, print the table, and with --write merge it into m3eagle/moe/tuned_configs.json under this
    GPU's name. The timing pass then uses the tuned configs.
@@ -109,6 +110,16 @@ def make_x(shape: Shape, t: int, dev: torch.device, dtype: torch.dtype, seed: in
 def routed(impl, layer, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, expert_range=None) -> torch.Tensor:
     e = layer.experts
     return impl.experts(x, w, idx, e.gate_up_proj, e.down_proj, ALPHA, LIMIT, expert_range)
+
+
+def experts_as_engine(impl, layer, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """routed * scale + shared with the routing given, as the engine runs it: one fused pass when the impl
+    and the layer allow it (what the tuning should time), else the two parts."""
+    if getattr(impl, "fuses_shared", False) and layer.can_fuse_shared():
+        e, sh = layer.experts, layer.shared_experts
+        return impl.experts_and_shared(x, w, idx, e.gate_up_proj, e.down_proj, sh.gate_up_proj.weight,
+                                       sh.down_proj.weight, ALPHA, LIMIT, layer.routed_scaling_factor)
+    return routed(impl, layer, x, w, idx) * layer.routed_scaling_factor + layer.shared_experts(x)
 
 
 # ---- timing ---------------------------------------------------------------------------------------------
@@ -325,7 +336,8 @@ def candidates(bucket: int, dev: torch.device):
 
     if dev.type != "cuda":  # interpreter smoke test: two cheap configs
         return [C(16, 32, 32, 1, 4, 3), C(32, 16, 64, 4, 4, 3)]
-    decode = [C(16, 32, 64, 1, 4, 4), C(16, 32, 128, 1, 4, 4), C(16, 32, 256, 1, 4, 3), C(16, 64, 64, 1, 4, 4),
+    decode = [C(16, 16, 128, 1, 2, 4), C(16, 16, 256, 1, 4, 3), C(16, 32, 128, 1, 2, 4),
+              C(16, 32, 64, 1, 4, 4), C(16, 32, 128, 1, 4, 4), C(16, 32, 256, 1, 4, 3), C(16, 64, 64, 1, 4, 4),
               C(16, 64, 128, 1, 4, 3), C(16, 64, 256, 1, 4, 2), C(16, 128, 128, 1, 8, 3),
               C(32, 64, 128, 8, 4, 3), C(32, 128, 64, 8, 4, 3)]
     prefill = [C(32, 64, 128, 8, 4, 3), C(32, 128, 64, 8, 4, 3), C(64, 64, 64, 8, 4, 3), C(64, 128, 64, 8, 4, 3),
@@ -348,17 +360,17 @@ def tune_shape(shape: Shape, layers: list, dev: torch.device, dtype: torch.dtype
         x = make_x(shape, b, dev, dtype, seed=1000 + b)
         with torch.no_grad():
             routes = [layer.gate(x) for layer in layers]
-            ref = routed(backend.reference(), layers[0], x, *routes[0])
+            ref = experts_as_engine(backend.reference(), layers[0], x, *routes[0])
         results = []
         for cfg in candidates(b, dev):
             impl = backend.create("triton", config=cfg)
             try:
                 with torch.no_grad():
-                    err = rel_err(routed(impl, layers[0], x, *routes[0]), ref)
+                    err = rel_err(experts_as_engine(impl, layers[0], x, *routes[0]), ref)
 
                     def run(impl=impl, x=x, routes=routes):
                         for layer, (w, idx) in zip(layers, routes):
-                            routed(impl, layer, x, w, idx)
+                            experts_as_engine(impl, layer, x, w, idx)
 
                     us = timer(run, len(layers)) * 1e6
             except Exception as exc:  # a config past the GPU's shared memory or registers: skip it
