@@ -93,6 +93,7 @@ def op_cases(shape: tuple, t: int, dev: torch.device, dtype: torch.dtype, timing
     gate, up = rnd(t, inter, scale=3.0), rnd(t, inter)
     logits = rnd(t, n_exp, scale=2.0, dt=torch.float32)
     bias = rnd(n_exp, scale=0.1, dt=torch.float32)
+    w_router = rnd(n_exp, hid, scale=hid ** -0.5, dt=torch.float32)
     cos, sin = backend.create("reference").rope_cos_sin(pos, rdim, 10000.0, dtype)  # [T, R] each
     r = min(di, rdim)
     shared = [torch.zeros(n_slots, hk, d, dtype=dtype, device=dev) for _ in range(2)]
@@ -120,6 +121,7 @@ def op_cases(shape: tuple, t: int, dev: torch.device, dtype: torch.dtype, timing
         "swiglu_oai": lambda f: (f.swiglu_oai(gate_up, ALPHA, LIMIT),),
         "silu_mul": lambda f: (f.silu_mul(gate, up),),
         "route": lambda f: f.route(logits, bias, top_k),
+        "router_logits": lambda f: (f.router_logits(x, w_router),),
     }
 
 
@@ -135,6 +137,8 @@ def check_ops(dev: torch.device, dtype: torch.dtype, tokens: list[int]) -> list[
                     row["same_experts"] = bool(torch.equal(a[1].sort(-1).values, b[1].sort(-1).values))
                     row["same_order"] = bool(torch.equal(a[1], b[1]))
                     row["weights_max_abs"] = (a[0] - b[0]).abs().max().item()
+                elif name == "router_logits":  # a GEMV: another summation order than cuBLAS, by design
+                    row["rel_err"] = ((a[0] - b[0]).abs().max() / b[0].abs().max()).item()
                 else:
                     cmp = [compare(o, r) for o, r in zip(a, b)]
                     row["equal"] = min(c["equal"] for c in cmp)
@@ -381,6 +385,8 @@ def main() -> None:
         if r["op"] == "route":
             log(f"  {r['shape']:9s} T={r['T']:<4d} {r['op']:24s} same experts {r['same_experts']}, same order "
                 f"{r['same_order']}, weights max |diff| {r['weights_max_abs']:.1e}")
+        elif r["op"] == "router_logits":
+            log(f"  {r['shape']:9s} T={r['T']:<4d} {r['op']:24s} max relative error {r['rel_err']:.1e} (fp32 GEMV)")
         else:
             log(f"  {r['shape']:9s} T={r['T']:<4d} {r['op']:24s} equal {r['equal']:7.2%}  max ulp {r['max_ulp']:.1f}")
     doc["router_ties"] = check_router_ties(dev)

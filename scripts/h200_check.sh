@@ -10,7 +10,9 @@
 # 3. benchmarks/replay_wall.py: engine step vs host-only step vs back-to-back replay vs kernel time, which
 #    tells a host-bound step, gaps inside the graph and a missing host/device overlap apart;
 # 4. benchmarks/moe_kernel.py (routed MoE checks and timings, the shared expert fused) and the m3-mini
-#    bench, while the call's time allows (each stage is skipped past its start deadline).
+#    bench, while the call's time allows (each stage is skipped past its start deadline);
+# 5. with FUSED=1, benchmarks/fused_ops.py (each fused op vs its reference in bf16) first; with M3_8B=1 the
+#    m3-8b bench last; REPLAY=0 / MOE=0 skip stages 3 / 4's MoE part.
 # Everything lands in $OUT/check.tgz (one file: the device tool brings back few, small files).
 set -uo pipefail
 OUT=${OUT:?set OUT}
@@ -18,6 +20,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} KINETO_LOG_LEVEL=5 PYTHONUNBUF
 W=$(mktemp -d)
 t0=$SECONDS
 stamp() { echo "[$((SECONDS - t0)) s] $*"; }
+if [[ ${FUSED:-0} == 1 ]]; then
+  timeout 120 python3 benchmarks/fused_ops.py --json "$W/fused_ops.json" > /dev/null 2> "$W/fused_ops.log"
+  stamp "fused_ops: exit $?"; grep -E "route|router|ties" "$W/fused_ops.log" | head -20
+fi
 stamp "GPU tests"
 timeout 240 python3 -m pytest -q -m gpu tests/test_cuda_graphs.py tests/test_long_context.py -p no:cacheprovider > "$W/cuda_graphs.log" 2>&1
 stamp "GPU tests: exit $? ($(tail -1 "$W/cuda_graphs.log"))"
@@ -25,12 +31,14 @@ timeout 150 python3 -m m3eagle bench --geometry embedded --batch-sizes 1,32 --ma
   --kernel-table 25 --json "$W/bench_embedded.json" > "$W/bench_embedded.log" 2>&1
 stamp "embedded bench: exit $?"
 grep -A 6 "^batch mode" "$W/bench_embedded.log"
-timeout 120 python3 benchmarks/replay_wall.py --profile > "$W/replay_wall.jsonl" 2> "$W/replay_wall.log"
-stamp "replay_wall: exit $?"
-grep "engine step" "$W/replay_wall.log"
+if [[ ${REPLAY:-1} == 1 ]]; then
+  timeout 120 python3 benchmarks/replay_wall.py --profile > "$W/replay_wall.jsonl" 2> "$W/replay_wall.log"
+  stamp "replay_wall: exit $?"
+  grep "engine step" "$W/replay_wall.log"
+fi
 pack() { tar czf "$OUT/check.tgz" -C "$W" .; }
 pack
-if (( SECONDS - t0 < ${MOE_DEADLINE:-330} )); then
+if [[ ${MOE:-1} == 1 ]] && (( SECONDS - t0 < ${MOE_DEADLINE:-330} )); then
   timeout 150 python3 benchmarks/moe_kernel.py --json "$W/moe_kernel.json" > /dev/null 2> "$W/moe_kernel.log"
   stamp "moe_kernel: exit $?"
   grep -E "^ +(T|[0-9]+) |HBM|check" "$W/moe_kernel.log"
@@ -42,5 +50,10 @@ if (( SECONDS - t0 < ${MINI_DEADLINE:-420} )); then
   stamp "m3-mini bench: exit $?"
   grep -A 7 "^batch mode" "$W/bench_m3-mini.log"
   pack
+fi
+if [[ ${M3_8B:-0} == 1 ]] && (( SECONDS - t0 < ${M3_8B_DEADLINE:-450} )); then
+  timeout 100 python3 -m m3eagle bench --geometry m3-8b --batch-sizes 1,8,32 --max-tokens 32 --repeats 3 \
+    --kernel-table 30 --json "$W/bench_m3-8b.json" > "$W/bench_m3-8b.log" 2>&1
+  stamp "m3-8b bench: exit $?"; grep -A 7 "^batch mode" "$W/bench_m3-8b.log"; pack
 fi
 stamp "done"

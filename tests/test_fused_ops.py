@@ -237,6 +237,28 @@ def test_route_minus_inf_experts_are_taken_once():
         assert idx.tolist() == [[1, 0, 2]] * 4, fused.name
 
 
+@pytest.mark.parametrize("t,e,h", [(1, 32, 64), (3, 6, 100), (17, 128, 48), (64, 16, 1030), (65, 8, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_logits_match_the_reference_gemm(t, e, h, dtype):
+    """The router GEMV kernel (fp32 weights, activations of any dtype; E not a multiple of its 4-expert
+    blocks, H past one 512-wide chunk) equals the cast + F.linear reference to fp32 summation order; T = 65
+    takes the reference path itself."""
+    from m3eagle.fused import triton_fused
+
+    x = (torch.randn(t, h, generator=gen(t + e)) * 2).to(dtype)
+    w = torch.randn(e, h, generator=gen(h))
+    out = TRITON.fused.router_logits(x, w)
+    ref = reference.router_logits(x, w)
+    assert out.dtype == torch.float32 and out.shape == (t, e)
+    assert_close(out, ref, rel=1e-6)
+    if t > triton_fused.ROUTER_GEMV_MAX_T:
+        assert torch.equal(out, ref)
+    # a strided activation view is read as is (the packed projections hand over column views)
+    wide = torch.randn(t, h + 8, generator=gen(5)).to(dtype)
+    assert_close(TRITON.fused.router_logits(wide[:, 4:h + 4], w), reference.router_logits(wide[:, 4:h + 4], w),
+                 rel=1e-6)
+
+
 def test_route_rejects_what_it_cannot_do():
     with pytest.raises(ValueError, match="fused_backend='reference'"):
         TRITON.fused.route(torch.zeros(2, 4), torch.zeros(4), 5)

@@ -50,6 +50,10 @@ class FusedOps(Protocol):
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
 
+    def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """reference.router_logits: x [T, H] -> [T, E] fp32 (a fast path may sum in another order)."""
+        ...
+
     def route(self, logits: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def positions_slots(self, kv_lens: torch.Tensor, q_lens: torch.Tensor, tok_row: torch.Tensor,
@@ -119,6 +123,9 @@ class ReferenceFused:
 
     def silu_mul(self, gate, up):
         return reference.silu_mul(gate, up)
+
+    def router_logits(self, x, weight):
+        return reference.router_logits(x, weight)
 
     def route(self, logits, bias, k):
         return reference.route(logits, bias, k)

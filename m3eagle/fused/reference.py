@@ -107,6 +107,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 # ---- router -------------------------------------------------------------------------------------------
 
 
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The router GEMM in the router weight's dtype (fp32 in the checkpoint): x [T, H] -> logits [T, E] fp32."""
+    return F.linear(x.to(weight.dtype), weight).float()
+
+
 def route(logits: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The sigmoid router after its GEMM: logits [T, E] (fp32) -> (weights [T, k] fp32, experts [T, k] int64).
 

@@ -6,6 +6,7 @@
     _qkv_rope_kernel    q/k norm + partial NeoX RoPE + K/V cache writes 34 -> 1 (indexer: 33 -> 1)
     _swiglu_kernel      swiglu_oai (clamps, sigmoid, muls)              7 -> 1
     _silu_mul_kernel    silu(gate) * up                                 2 -> 1
+    _router_gemv_kernel router_logits (fp32 cast + GEMV, T <= 64)       3 -> 1 (cuBLAS: cast, dot, reduce)
     _route_kernel       sigmoid, + bias, top-k, gather, renormalise     6 -> 1 (after the router GEMM)
     _step_inputs_kernel overlap_ids_kv + derive_positions_and_slots     25 (K=0) / 46 (K=3) -> 1 (int64, exact)
                         (or the positions and slots alone)              9 -> 1
@@ -42,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from . import reference as _ref
 
 # ---- precise math helpers -----------------------------------------------------------------------------
 # PRECISE (a constexpr) picks libdevice on the GPU: the functions PyTorch's CUDA kernels call, so results
@@ -665,6 +668,43 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 MAX_EXPERTS, MAX_TOP_K = 1024, 16
+ROUTER_GEMV_MAX_T = 64  # larger steps take the reference (cast + cuBLAS), whose GEMM reuses weight tiles
+
+
+@triton.jit
+def _router_gemv_kernel(x_ptr, w_ptr, out_ptr, hidden, n_exp, stride_x, stride_w, stride_o,
+                        BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+    """logits[t, e] = sum_h fp32(x[t, h]) * w[e, h] for BLOCK_E experts of one token: the cast, the GEMV
+    and its split-K reduction of the cuBLAS path in one launch. Each lane accumulates its own columns in
+    fp32 and the lanes are summed once at the end (another order than cuBLAS: equal to ~1e-6 relative,
+    not bit for bit)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    em = offs_e < n_exp
+    acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        hm = offs_h < hidden
+        xv = tl.load(x_ptr + t * stride_x + offs_h, mask=hm, other=0.0).to(tl.float32)
+        wv = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * stride_w + offs_h[None, :],
+                     mask=em[:, None] & hm[None, :], other=0.0).to(tl.float32)
+        acc += wv * xv[None, :]
+    tl.store(out_ptr + t * stride_o + offs_e, tl.sum(acc, axis=1), mask=em)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, H] -> [T, E] fp32, as reference.router_logits; one kernel for decode / verify-sized steps."""
+    t, hidden = x.shape
+    n_exp = weight.shape[0]
+    if t > ROUTER_GEMV_MAX_T or weight.dtype != torch.float32 or weight.stride(-1) != 1 or x.stride(-1) != 1:
+        return _ref.router_logits(x, weight)
+    out = torch.empty(t, n_exp, dtype=torch.float32, device=x.device)
+    if t:
+        block_e = 4  # few rows per program: a decode token's E x H weights spread over E / 4 programs
+        _router_gemv_kernel[(t, triton.cdiv(n_exp, block_e))](
+            x, weight, out, hidden, n_exp, x.stride(0), weight.stride(0), out.stride(0), BLOCK_E=block_e,
+            BLOCK_H=min(512, triton.next_power_of_2(hidden)), num_warps=4)
+    return out
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -740,6 +780,9 @@ class TritonFused:
 
     def silu_mul(self, gate, up):
         return silu_mul(gate, up)
+
+    def router_logits(self, x, weight):
+        return router_logits(x, weight)
 
     def route(self, logits, bias, k):
         return route(logits, bias, k)

@@ -199,9 +199,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, fused: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] fp32, experts [T, k] int64); ties go to the lowest expert id (see
-        fused.reference.route). `fused` runs everything after the GEMM; None = reference."""
-        logits = F.linear(x.to(self.weight.dtype), self.weight).float()  # [T, E]
-        return (fused if fused is not None else fused_ref).route(logits, self.e_score_correction_bias, self.top_k)
+        fused.reference.route). `fused` runs the GEMM and everything after it; None = reference."""
+        f = fused if fused is not None else fused_ref
+        logits = f.router_logits(x, self.weight)  # [T, E] fp32
+        return f.route(logits, self.e_score_correction_bias, self.top_k)
 
 
 class Experts(nn.Module):
