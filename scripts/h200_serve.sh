@@ -34,7 +34,7 @@ mkdir -p "$OUT"
 
 if ! python -c "import fastapi, uvicorn, prometheus_client" 2>/dev/null; then
   echo "+ installing the server's dependencies from $WHEELS"
-  pip install -q --no-index --find-links "$WHEELS" fastapi uvicorn prometheus-client
+  python -m pip install -q --no-index --find-links "$WHEELS" fastapi uvicorn prometheus-client
 fi
 
 healthy() {

@@ -237,7 +237,8 @@ def test_route_minus_inf_experts_are_taken_once():
         assert idx.tolist() == [[1, 0, 2]] * 4, fused.name
 
 
-@pytest.mark.parametrize("t,e,h", [(1, 32, 64), (3, 6, 100), (17, 128, 48), (64, 16, 1030), (65, 8, 32)])
+@pytest.mark.parametrize("t,e,h", [(1, 32, 64), (3, 6, 100), (17, 128, 48), (64, 16, 1030), (2, 4, 5000),
+                                   (65, 8, 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_router_logits_match_the_reference_gemm(t, e, h, dtype):
     """The router GEMV kernel (fp32 weights, activations of any dtype; E not a multiple of its 4-expert
@@ -250,13 +251,12 @@ def test_router_logits_match_the_reference_gemm(t, e, h, dtype):
     out = TRITON.fused.router_logits(x, w)
     ref = reference.router_logits(x, w)
     assert out.dtype == torch.float32 and out.shape == (t, e)
-    assert_close(out, ref, rel=1e-6)
+    assert_close(out, ref)  # 2e-6: fp32 sums of up to 5,000 terms in another order
     if t > triton_fused.ROUTER_GEMV_MAX_T:
         assert torch.equal(out, ref)
     # a strided activation view is read as is (the packed projections hand over column views)
     wide = torch.randn(t, h + 8, generator=gen(5)).to(dtype)
-    assert_close(TRITON.fused.router_logits(wide[:, 4:h + 4], w), reference.router_logits(wide[:, 4:h + 4], w),
-                 rel=1e-6)
+    assert_close(TRITON.fused.router_logits(wide[:, 4:h + 4], w), reference.router_logits(wide[:, 4:h + 4], w))
 
 
 def test_route_rejects_what_it_cannot_do():
