@@ -12,7 +12,9 @@
 # 4. benchmarks/moe_kernel.py (routed MoE checks and timings, the shared expert fused) and the m3-mini
 #    bench, while the call's time allows (each stage is skipped past its start deadline);
 # 5. with FUSED=1, benchmarks/fused_ops.py (each fused op vs its reference in bf16) first; with M3_8B=1 the
-#    m3-8b bench last; REPLAY=0 / MOE=0 skip stages 3 / 4's MoE part.
+#    m3-8b bench last; REPLAY=0 / MOE=0 skip stages 3 / 4's MoE part; MOE_TUNE=1 makes stage 4 retune the
+#    MoE block table first (`moe_kernel.py --tune --write`, < 2 min on an H200) and return the rewritten
+#    m3eagle/moe/tuned_configs.json as $OUT/tuned_configs.json, so the benches after it use the new table.
 # Everything lands in $OUT/check.tgz (one file: the device tool brings back few, small files).
 set -uo pipefail
 OUT=${OUT:?set OUT}
@@ -39,9 +41,11 @@ fi
 pack() { tar czf "$OUT/check.tgz" -C "$W" .; }
 pack
 if [[ ${MOE:-1} == 1 ]] && (( SECONDS - t0 < ${MOE_DEADLINE:-330} )); then
-  timeout 150 python3 benchmarks/moe_kernel.py --json "$W/moe_kernel.json" > /dev/null 2> "$W/moe_kernel.log"
-  stamp "moe_kernel: exit $?"
-  grep -E "^ +(T|[0-9]+) |HBM|check" "$W/moe_kernel.log"
+  tune=(); [[ ${MOE_TUNE:-0} == 1 ]] && tune=(--tune --write)
+  timeout 330 python3 benchmarks/moe_kernel.py "${tune[@]}" --json "$W/moe_kernel.json" > /dev/null 2> "$W/moe_kernel.log"
+  stamp "moe_kernel ${tune[*]}: exit $?"
+  [[ ${MOE_TUNE:-0} == 1 ]] && cp m3eagle/moe/tuned_configs.json "$OUT/"
+  grep -E "best|^ +(T|[0-9]+) |HBM|check" "$W/moe_kernel.log"
   pack
 fi
 if (( SECONDS - t0 < ${MINI_DEADLINE:-420} )); then
