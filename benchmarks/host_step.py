@@ -58,6 +58,9 @@ def main() -> None:
                     help="steps per timing (default 200, or 100 with --k > 0: every row must fit the 4096-token context)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--stream-text", action="store_true",
+                    help="detokenize every token as it comes (the server's streaming path); default: text at the "
+                         "end, as LLM.generate and `m3eagle bench` run")
     a = ap.parse_args()
     if a.steps is None:
         a.steps = 200 if a.k == 0 else 100
@@ -67,7 +70,7 @@ def main() -> None:
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=need, ignore_eos=True)
     for i in range(a.batch):
-        eng.add_request(list(range(3 + i, 60 + i)), sp)
+        eng.add_request(list(range(3 + i, 60 + i)), sp, stream_text=a.stream_text)
     for _ in range(4):
         eng.step()
     eng.graphs.run = without_device(eng.graphs.run)
@@ -84,7 +87,8 @@ def main() -> None:
           f"min {min(times):.3f}, max {max(times):.3f}), {ms / a.batch * 1e3:.1f} us per row", file=sys.stderr)
     if a.profile:
         print_profile(eng, a.steps, 20)
-    print(json.dumps({"batch": a.batch, "k": a.k, "host_ms_per_step": ms, "samples_ms": times}))
+    print(json.dumps({"batch": a.batch, "k": a.k, "stream_text": a.stream_text, "host_ms_per_step": ms,
+                      "samples_ms": times}))
 
 
 if __name__ == "__main__":

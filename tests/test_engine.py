@@ -343,6 +343,44 @@ def test_text_is_the_detokenized_output(make_llm, tok_dir, prompts, one_shot):
     assert by_text.prompt == text
 
 
+def test_deferred_text_equals_streamed_text(make_llm, tok_dir, prompts, one_shot):
+    """generate() reads only finished outputs, so its requests without stop strings decode their text once
+    at the end (FinalTextDetokenizer) instead of token by token. The result must be the streamed text: the
+    same prompts through add_request's default (incremental) path give identical text, as does
+    tokenizer.decode; a deferred request's deltas carry no text until its last, which carries all of it;
+    an aborted deferred request still gets the text of the tokens it has."""
+    from m3eagle.engine.detokenizer import FinalTextDetokenizer, IncrementalDetokenizer
+
+    llm = make_llm(tok_dir, max_num_tokens=32)
+    eng = llm.engine
+    streamed = [eng.add_request(list(p), greedy()) for p in prompts]
+    deferred = [eng.add_request(list(p), greedy(), stream_text=False) for p in prompts]
+    with_stop = eng.add_request(list(prompts[0]), greedy(stop=["\x01never"]), stream_text=False)
+    assert all(type(r.detok) is IncrementalDetokenizer for r in streamed + [with_stop])
+    assert all(type(r.detok) is FinalTextDetokenizer for r in deferred)
+    texts: dict[str, list[str]] = {r.request_id: [] for r in deferred}
+    while eng.has_work():
+        for d in eng.step():
+            if d.request_id in texts:
+                texts[d.request_id].append(d.text)
+    for s, d, ref in zip(streamed, deferred, one_shot):
+        assert s.output_token_ids == d.output_token_ids == ref
+        assert d.text == s.text == decode(tok_dir, ref) and d.text
+        chunks = texts[d.request_id]
+        assert all(c == "" for c in chunks[:-1]) and chunks[-1] == d.text
+    assert with_stop.text == streamed[0].text
+    # generate() takes the deferred path and returns the same text
+    assert [o.outputs[0].text for o in llm.generate(prompts, greedy())] == [s.text for s in streamed]
+    # abort: the deferred text of what was generated so far
+    r = eng.add_request(list(prompts[1]), greedy(max_tokens=64), stream_text=False)
+    while len(r.output_token_ids) < 3:
+        eng.step()
+    eng.abort(r.request_id)
+    while eng.has_work():
+        eng.step()
+    assert r.finish_reason == "abort" and r.text == decode(tok_dir, r.output_token_ids) and r.text
+
+
 @pytest.mark.parametrize("budget", [64, 5])
 def test_stop_strings(make_llm, tok_dir, prompts, one_shot, budget):
     """The output ends with the token that completes the first stop string; .text excludes the stop

@@ -212,24 +212,26 @@ def default_llm():
 def test_detokenizer_exception_fails_only_its_request(monkeypatch, default_llm, stop):
     """One exception in detokenization made the next generate() spin forever. Now the request being
     detokenized finishes with finish_reason "error" (and the error), the others are untouched, and the
-    engine serves the next call. The fault is injected where every token is detokenized (the incremental
-    detokenizer: there is no per-token full decode any more)."""
-    from m3eagle.engine.detokenizer import IncrementalDetokenizer
+    engine serves the next call. The fault is injected where generate()'s requests are detokenized: token
+    by token with a stop string (the incremental detokenizer), once at the end without one (generate()
+    reads only finished outputs, so those requests defer their text)."""
+    from m3eagle.engine.detokenizer import FinalTextDetokenizer, IncrementalDetokenizer
 
     llm = default_llm
     prompts = ["def add(a, b):", "import os\n", "class Foo:"]
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=stop)
     ref = llm.generate(prompts, sp)
-    orig = IncrementalDetokenizer.add
+    cls, name = (IncrementalDetokenizer, "add") if stop else (FinalTextDetokenizer, "finish")
+    orig = getattr(cls, name)
     calls = [0]
 
-    def bad_add(self, token_id, *args):
+    def bad(self, *args):
         calls[0] += 1
         if calls[0] == 1:
             raise ValueError("broken detokenizer")
-        return orig(self, token_id, *args)
+        return orig(self, *args)
 
-    monkeypatch.setattr(IncrementalDetokenizer, "add", bad_add)
+    monkeypatch.setattr(cls, name, bad)
     outs = llm.generate(prompts, sp)
     monkeypatch.undo()
     reasons = [o.outputs[0].finish_reason for o in outs]

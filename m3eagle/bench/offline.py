@@ -288,7 +288,7 @@ def throughput(engine: LLMEngine, prompts: list[list[int]], batch: int, max_toke
 
 
 def _generate(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams) -> list[Request]:
-    reqs = [engine.add_request(list(p), sp) for p in prompts]
+    reqs = [engine.add_request(list(p), sp, stream_text=False) for p in prompts]
     while engine.has_work():
         engine.step()
     failed = [q for q in reqs if q.finish_reason not in ("length", "stop")]
@@ -312,7 +312,7 @@ def step_profile(engine: LLMEngine, target: torch.nn.Module, prompts: list[list[
     """Bring `prompts` to a steady decode state, then measure (see DEFINITIONS). Aborts them at the end."""
     need = (STEADY_STEPS + 2 + steps + profile_steps + 2) * (k + 1)
     sp = SamplingParams(temperature=0.0, max_tokens=need, ignore_eos=True)
-    reqs = [engine.add_request(list(p), sp) for p in prompts]
+    reqs = [engine.add_request(list(p), sp, stream_text=False) for p in prompts]
     try:
         while min(len(q.output_token_ids) for q in reqs) < STEADY_STEPS:  # prefill, first samples
             if not engine.has_work():

@@ -31,7 +31,7 @@ from ..kvcache.page_pool import PagePool
 from ..models.layers import pack_projections
 from ..ops import Ops, make_ops
 from ..sampling.params import SamplingParams
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import FinalTextDetokenizer, IncrementalDetokenizer
 from .graph_runner import GraphRunner
 from .input_builder import StepBuffers
 from .kv_budget import pages_per_seq, resolve_num_pages
@@ -205,9 +205,11 @@ class LLMEngine:
                                "lower n or raise max_num_seqs")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                    request_id: str | None = None) -> Request:
+                    request_id: str | None = None, stream_text: bool = True) -> Request:
         """Validate, then queue in the intake. Nothing is admitted before every check has passed. Safe from
-        any thread; it never waits for a running step."""
+        any thread; it never waits for a running step. stream_text=False: the caller reads the text only
+        from the finished output (LLM.generate), so a request without stop strings is detokenized once at
+        the end instead of token by token (its deltas carry no text until the last)."""
         self.validate(prompt_ids, params)
         if request_id is not None and not isinstance(request_id, str):
             raise RequestError(f"request_id={request_id!r} must be a str")
@@ -229,7 +231,9 @@ class LLMEngine:
                 req.proj_known = req.num_known
                 req.accepted_per_position = [0] * self.k
                 req.drafted_per_position = [0] * self.k
-                if self.tokenizer is not None:
+                if self.tokenizer is not None and not stream_text and not params.stop:
+                    req.detok = FinalTextDetokenizer(self.tokenizer)
+                elif self.tokenizer is not None:
                     req.detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
                 else:
                     req.text = None
@@ -563,13 +567,16 @@ class LLMEngine:
             self._finish(req, reason)
 
     def _finish(self, req: Request, reason: str) -> None:
-        if reason == "abort" and req.detok is not None and req.detok.pending:
-            try:  # flush a held-back partial character, as a finish by stop or length does
+        det = req.detok
+        if det is not None and det.pending and (reason == "abort" or det.deferred):
+            # flush a held-back partial character, as a finish by stop or length does (a deferred text: all
+            # of it, also for an error)
+            try:
                 det = req.detok.fork()
                 det.finish(req.output_token_ids)
                 req.detok, req.text = det, det.text
             except Exception as e:  # the request is over anyway: keep the text committed so far
-                log.warning("request %s: final detokenization failed on abort: %s", req.request_id, e)
+                log.warning("request %s: final detokenization failed (%s): %s", req.request_id, reason, e)
         self.scheduler.finish(req, reason)
         with self._intake_lock:
             self._live.pop(req.request_id, None)

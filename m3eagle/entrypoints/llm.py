@@ -285,7 +285,9 @@ class LLM:
                 except RequestError as e:
                     raise RequestError(f"prompt {i}: {e}") from None
                 encoded.append((ids, p if isinstance(p, str) else None))
-            reqs = [self.engine.add_request(ids, plist[i], text) for i, (ids, text) in enumerate(encoded)]
+            # Only finished outputs are read here: text is decoded once per request, at its end.
+            reqs = [self.engine.add_request(ids, plist[i], text, stream_text=False)
+                    for i, (ids, text) in enumerate(encoded)]
             try:
                 outs = self._collect(reqs, use_tqdm)
             except BaseException:
