@@ -512,19 +512,26 @@ def test_sigterm_drains_and_exits_cleanly():
 
 def test_a_request_failing_in_the_engine_fails_alone(served, monkeypatch):
     """A fault that belongs to one request (here its detokenizer) fails it alone: a 500 OpenAI error for a
-    non-streamed request, an error event (then [DONE]) for a streamed one; the server serves on."""
-    from m3eagle.engine.detokenizer import IncrementalDetokenizer
+    non-streamed request, an error event (then [DONE]) for a streamed one; the server serves on. The fault
+    is injected where each decodes: a non-streamed request without stop strings once at its end
+    (FinalTextDetokenizer.finish), a streamed one token by token (IncrementalDetokenizer.add)."""
+    from m3eagle.engine.detokenizer import FinalTextDetokenizer, IncrementalDetokenizer
 
     st, ref = served
-    orig, calls = IncrementalDetokenizer.add, [0]
 
-    def bad_add(self, token_id, *args):
-        calls[0] += 1
-        if calls[0] in (1, 2):
-            raise ValueError("broken detokenizer")
-        return orig(self, token_id, *args)
+    def broken(cls, name):
+        orig, calls = getattr(cls, name), [0]
 
-    monkeypatch.setattr(IncrementalDetokenizer, "add", bad_add)
+        def bad(self, *args):
+            calls[0] += 1
+            if calls[0] in (1, 2):
+                raise ValueError("broken detokenizer")
+            return orig(self, *args)
+
+        monkeypatch.setattr(cls, name, bad)
+
+    broken(IncrementalDetokenizer, "add")
+    broken(FinalTextDetokenizer, "finish")
     code, err = http(st, "POST", "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
     assert code == 500 and "broken detokenizer" in err["error"]["message"]
     status, message, done = asyncio.run(_stream(st, {"prompt": PROMPTS[0], "max_tokens": 4, "stream": True}))

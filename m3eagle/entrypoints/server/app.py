@@ -255,9 +255,12 @@ class OpenAIServer:
         except SamplingParamsError as e:
             raise ApiError(400, str(e), str(e).split("=", 1)[0]) from None
 
-    def _add(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None, prefix: str) -> RequestStream:
+    def _add(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None, prefix: str,
+             stream_text: bool) -> RequestStream:
+        """stream_text=False (a non-streamed response reads only the finished output): the engine may decode
+        the text once at the end (LLMEngine.add_request)."""
         try:
-            return self.engine_loop.add(prompt_ids, params, prompt, prefix)
+            return self.engine_loop.add(prompt_ids, params, prompt, prefix, stream_text)
         except RequestError as e:
             msg = str(e)
             raise ApiError(400, msg, "stop" if msg.startswith(("stop=", "stop_token_ids")) else "prompt") from None
@@ -333,7 +336,7 @@ class OpenAIServer:
         # echo with logprobs: the prompt's logprobs come first (vLLM: prompt_logprobs = logprobs)
         params = self._sampling_params(body, len(ids), 16 if body.max_tokens is None else body.max_tokens,
                                        body.logprobs, body.logprobs if body.echo and want_lp else None)
-        stream = self._add(ids, params, text, "cmpl")
+        stream = self._add(ids, params, text, "cmpl", bool(body.stream))
         echo = (text if text is not None else self.llm.tokenizer.decode(ids) if self.llm.tokenizer else "") \
             if body.echo else ""
         if body.stream:
@@ -447,7 +450,7 @@ class OpenAIServer:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         n_top = (body.top_logprobs or 0) if body.logprobs else None
         params = self._sampling_params(body, len(ids), max_tokens, n_top)
-        stream = self._add(ids, params, text, "chatcmpl")
+        stream = self._add(ids, params, text, "chatcmpl", bool(body.stream))
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return SSEResponse(self._chat_events(stream, usage, n_top, body.n))

@@ -87,13 +87,15 @@ class AsyncEngine:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, max(0.0, t_end - time.monotonic()))
 
     # ---- requests (asyncio thread) ------------------------------------------------------------
-    def add(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None, prefix: str) -> RequestStream:
-        """Queue a request; raises RequestError (the engine's validation) before anything is queued."""
+    def add(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None, prefix: str,
+            stream_text: bool = True) -> RequestStream:
+        """Queue a request; raises RequestError (the engine's validation) before anything is queued.
+        stream_text: see LLMEngine.add_request (False when only the finished output is read)."""
         rid = f"{prefix}-{uuid.uuid4().hex}"
         stream = RequestStream(rid, len(prompt_ids))
         self._streams[rid] = stream  # before the engine can produce a delta for it
         try:
-            self.engine.add_request(prompt_ids, params, prompt, request_id=rid)
+            self.engine.add_request(prompt_ids, params, prompt, request_id=rid, stream_text=stream_text)
         except BaseException:
             del self._streams[rid]
             raise
