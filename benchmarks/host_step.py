@@ -65,8 +65,10 @@ def main() -> None:
     if a.steps is None:
         a.steps = 200 if a.k == 0 else 100
     need = (a.steps * (a.repeats + 2) + 20) * (a.k + 1)
+    # Pages for every row's whole context: a pool sized by the default budget preempted rows in the last
+    # repeat, and their recompute (a new shape) ran the real model -- 1-400 ms per step in that repeat.
     llm = LLM(num_draft_tokens=a.k, device="cpu", max_num_seqs=a.batch, max_model_len=need + 128,
-              graph_shapes=True, overlap=True)
+              num_pages=a.batch * -(-(need + 128) // 16) + 16, graph_shapes=True, overlap=True)
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=need, ignore_eos=True)
     for i in range(a.batch):
