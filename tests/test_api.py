@@ -201,3 +201,32 @@ def test_max_tokens_beyond_max_model_len_warns_once(records, capsys):
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [x["finish_reason"] for x in lines[:2]] == ["length", "length"]
     assert all(x["stop_reason"] is None for x in lines[:2])
+
+
+def test_warmup_runs_every_chunk_class_and_leaves_no_trace():
+    """LLM(warmup=True) runs dummy prompts of each power-of-two chunk size (one row, and several rows
+    splitting it) through the engine before returning -- with speculation, so verify and draft steps run
+    too -- and then leaves it as a fresh engine: all pages free, speculation counters and step count back
+    to zero, and the same tokens as an LLM built without it. It refuses an engine with requests."""
+    from engine_utils import assert_clean
+
+    kw = dict(device="cpu", max_num_tokens=64, max_model_len=256, max_num_seqs=4)
+    warm = LLM(warmup=True, **kw)
+    eng = warm.engine
+    assert eng.warmup_shapes() == [(1, 16), (2, 8), (1, 32), (4, 8), (1, 64), (4, 16)]
+    assert eng.num_steps == 0 and eng.counters.num_drafts == 0 and eng.counters.num_accepted_tokens == 0
+    assert_clean(warm)
+    info = eng.warmup()  # again, by hand: it reports what it ran
+    assert info["steps"] >= len(info["shapes"]) and eng.num_steps == 0
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["def add(a, b):", "import os\n"]
+    cold = LLM(**kw)
+    assert [o.outputs[0].token_ids for o in warm.generate(prompts, sp)] == \
+        [o.outputs[0].token_ids for o in cold.generate(prompts, sp)]
+    assert eng.counters.num_drafts > 0  # counting resumed with real requests
+    eng.add_request([5, 6, 7], sp)
+    with pytest.raises(RuntimeError, match="idle engine"):
+        eng.warmup()
+    while eng.has_work():
+        eng.step()
+    assert_clean(warm)

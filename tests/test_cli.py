@@ -141,3 +141,20 @@ def test_closed_stdout_pipe_exits_quietly():
     p.wait(timeout=300)
     assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
     assert p.returncode == 1
+
+
+def test_warmup_flag_reaches_the_llm(monkeypatch):
+    """--warmup on an engine command builds the LLM with warmup=True (off without it)."""
+    from m3eagle.entrypoints import cli
+
+    seen = []
+
+    class FakeLLM:
+        def __init__(self, **kw):
+            seen.append(kw["warmup"])
+            raise RuntimeError("stop here")
+
+    monkeypatch.setattr("m3eagle.LLM", FakeLLM)  # what _make_llm imports when it runs
+    for argv in (["generate", "x", "--warmup"], ["generate", "x"]):
+        assert cli.main(argv) == 2  # the fake's error, reported as one line
+    assert seen == [True, False]

@@ -21,8 +21,10 @@ import itertools
 import logging
 import random
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -176,6 +178,48 @@ class LLMEngine:
         # it runs (it alone may call step(); deltas of requests it does not know are dropped).
         self.owner: str | None = None
         self.sync_debug = False  # on CUDA: run execute() under torch.cuda.set_sync_debug_mode("error")
+
+    # ---- warm-up ------------------------------------------------------------------------------
+    def warmup_shapes(self) -> list[tuple[int, int]]:
+        """(rows, tokens per row) of the warm-up's prompt batches: one row of each power-of-two length from
+        16 up to the step budget, and as many rows as fit (up to 8) splitting that length -- the prompt-chunk
+        shape classes whose Triton tile variants (attention BLOCK_Q, the MoE's per-T-bucket blocks) would
+        otherwise compile on first use, in the middle of serving."""
+        cfg, shapes = self.cfg, []
+        longest = min(cfg.max_num_tokens, cfg.max_model_len - self.k - 3)
+        n = 16
+        while n <= longest:
+            shapes.append((1, n))
+            rows = min(8, cfg.max_num_seqs, n // 8)
+            if rows > 1:
+                shapes.append((rows, n // rows))
+            n *= 2
+        return shapes
+
+    def warmup(self) -> dict[str, Any]:
+        """Run every shape of `warmup_shapes` through the engine once (dummy prompts, greedy, K + 2 new
+        tokens each, so verify and draft steps run too), then forget it: speculation counters and the step
+        count are restored, and the pages are all free again. Opt-in (LLM(warmup=True), --warmup): it
+        moves first-use Triton compiles to startup; what it buys on a GPU has not been measured yet."""
+        if not self.is_idle_and_clean():
+            raise RuntimeError("warmup() runs on an idle engine only (before any request)")
+        t0, counters, steps = time.perf_counter(), self.counters.snapshot(), self.num_steps
+        vocab = self.target_cfg.vocab_size
+        sp = SamplingParams(temperature=0.0, max_tokens=self.k + 2, ignore_eos=True)
+        shapes = self.warmup_shapes()
+        for rows, length in shapes:
+            for r in range(rows):
+                self.add_request([1 + (r * 7919 + i) % (vocab - 1) for i in range(length)], sp,
+                                 request_id=f"warmup-{rows}x{length}-{r}", stream_text=False)
+            while self.has_work():
+                for d in self.step():
+                    if d.finish_reason not in (None, "length"):
+                        raise RuntimeError(f"warm-up request {d.request_id} ended with {d.finish_reason}: {d.error}")
+        info = {"shapes": shapes, "steps": self.num_steps - steps, "seconds": time.perf_counter() - t0}
+        self.counters, self.num_steps = counters, steps
+        log.info("warm-up: %d prompt batches (rows x tokens: %s) in %.1f s", len(shapes),
+                 ", ".join(f"{r}x{n}" for r, n in shapes), info["seconds"])
+        return info
 
     # ---- requests -----------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:

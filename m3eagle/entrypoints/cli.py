@@ -113,6 +113,9 @@ def _device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-backend", choices=["auto", "reference", "triton"], default="auto",
                    help="routed experts; auto: triton (chosen experts only) on CUDA, the dense reference on CPU")
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    p.add_argument("--warmup", action="store_true",
+                   help="at startup, run dummy prompts of every power-of-two chunk size once (Triton compiles "
+                        "then, not on a request's first use of a shape)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int_in(1, 1024), default=1,
                    help="split the target over N ranks (one per GPU; see docs/parallel.md)")
 
@@ -126,7 +129,7 @@ def _make_llm(a: argparse.Namespace):
     return LLM(model=a.model, draft=a.draft, num_draft_tokens=a.num_draft_tokens, device=a.device,
                dtype=a.dtype, max_model_len=a.max_model_len, max_num_tokens=a.max_num_tokens,
                page_size=a.page_size, overlap=overlap, attention_backend=a.attention_backend,
-               moe_backend=a.moe_backend, enforce_eager=a.enforce_eager,
+               moe_backend=a.moe_backend, enforce_eager=a.enforce_eager, warmup=a.warmup,
                tensor_parallel_size=a.tensor_parallel_size, **extra)
 
 

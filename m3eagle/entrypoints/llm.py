@@ -62,6 +62,8 @@ class LLM:
     overlap: None = on for CUDA, off for CPU. attention_backend / moe_backend / fused_backend (norms, RoPE,
     activations, router): 'auto' (triton on CUDA, reference on CPU) | 'reference' | 'triton'.
     enforce_eager: never capture CUDA graphs (they are on by default on CUDA).
+    warmup: before returning, run dummy prompts of every power-of-two chunk size through the engine
+    (LLMEngine.warmup), so Triton's first-use compiles happen at startup, not in the middle of serving.
     graph_shapes: pad steady decode steps to graph buckets (None: on for CUDA; True on CPU for tests).
     load_format: 'auto' reads the checkpoints; 'dummy' builds random seeded weights on the device from the
     configs alone (vLLM's dummy format, for benchmarks) -- then model / draft may also be an M3Config /
@@ -79,7 +81,7 @@ class LLM:
                  overlap: bool | None = None, attention_backend: str = "auto", load_format: str = "auto",
                  moe_backend: str = "auto", enforce_eager: bool = False, graph_shapes: bool | None = None,
                  fused_backend: str = "auto", tensor_parallel_size: int = 1,
-                 gpu_memory_utilization: float = 0.9,
+                 gpu_memory_utilization: float = 0.9, warmup: bool = False,
                  _worker: tuple[int, int, str] | None = None):
         # What a spawned worker needs to build its rank of this same LLM (_worker: its rank, size, rendezvous).
         spawn_kwargs = {k: v for k, v in locals().items() if k not in ("self", "_worker")}
@@ -131,6 +133,8 @@ class LLM:
                 raise SystemExit(0)
             return
         self._log_loaded(model, draft, load_format)
+        if warmup:
+            self.engine.warmup()
         self._chat_template: ChatTemplate | None = None
         self._stats = SpecStats(self.config.num_draft_tokens)
         self._lock = threading.RLock()  # one generate() at a time: the engine loop is not re-entrant
