@@ -57,7 +57,7 @@ def timeline(engine, prompts: list[list[int]], max_tokens: int, dev: torch.devic
 
     engine.scheduler.commit = commit
     try:
-        reqs = [engine.add_request(list(p), sp) for p in prompts]
+        reqs = [engine.add_request(list(p), sp, stream_text=False) for p in prompts]  # as `m3eagle bench`
         walls: list[float] = []
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
