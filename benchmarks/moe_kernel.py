@@ -113,13 +113,10 @@ def routed(impl, layer, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, exp
 
 
 def experts_as_engine(impl, layer, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """routed * scale + shared with the routing given, as the engine runs it: one fused pass when the impl
-    and the layer allow it (what the tuning should time), else the two parts."""
-    if getattr(impl, "fuses_shared", False) and layer.can_fuse_shared():
-        e, sh = layer.experts, layer.shared_experts
-        return impl.experts_and_shared(x, w, idx, e.gate_up_proj, e.down_proj, sh.gate_up_proj.weight,
-                                       sh.down_proj.weight, ALPHA, LIMIT, layer.routed_scaling_factor)
-    return routed(impl, layer, x, w, idx) * layer.routed_scaling_factor + layer.shared_experts(x)
+    """routed * scale + shared with the routing given, as the engine runs it (SparseMoE.expert_parts): one
+    fused pass when the impl and the layer allow it (what the tuning should time), else the two parts."""
+    a, b, scale = layer.expert_parts(x, w, idx, impl)
+    return a if b is None else a * scale + b  # fused: a is the whole sum (scale 1)
 
 
 # ---- timing ---------------------------------------------------------------------------------------------

@@ -264,6 +264,10 @@ def test_shared_expert_fusion_refuses_what_it_cannot_do():
         triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (0, 4), config=SMALL, shared=(s13[0], s2[0]))
     with pytest.raises(ValueError, match="routed experts' shape"):
         triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=SMALL, shared=(s13[0, :8], s2[0]))
+    # another inner layout is refused, not copied behind the caller's back (that would be a copy per step)
+    s2_t = s2[0].t().contiguous().t()  # [H, I] values, column-major
+    with pytest.raises(ValueError, match="inner strides"):
+        triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=SMALL, shared=(s13[0], s2_t))
     # a narrower shared expert is not fused: the layer falls back to routed + shared, still exact
     moe = make_layer(30, shared_inter=24)
     assert not moe.can_fuse_shared()
@@ -272,6 +276,17 @@ def test_shared_expert_fusion_refuses_what_it_cannot_do():
     with torch.no_grad():
         routed, shared, scale = moe.forward_parts(x, Ops(attention=None, moe=backend.create("triton", config=SMALL),
                                                          fused=None))
+        assert_close(routed * scale + shared, moe(x))
+    # a same-width shared expert whose weights have another layout is not fused either
+    moe = make_layer(31)
+    with torch.no_grad():
+        w_sh = moe.shared_experts.down_proj.weight
+        w_sh.data = w_sh.data.t().contiguous().t()
+    assert not moe.can_fuse_shared()
+    with torch.no_grad():
+        routed, shared, scale = moe.forward_parts(x, Ops(attention=None, moe=backend.create("triton", config=SMALL),
+                                                         fused=None))
+        assert shared is not None
         assert_close(routed * scale + shared, moe(x))
 
 

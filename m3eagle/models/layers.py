@@ -256,17 +256,26 @@ class SparseMoE(nn.Module):
         shared, routed_scaling_factor); a MoE backend that fuses the shared expert into the routed kernels
         returns the whole sum, (out, None, 1.0)."""
         w, idx = self.gate(x, ops.fused)
-        if getattr(ops.moe, "fuses_shared", False) and self.can_fuse_shared():
+        return self.expert_parts(x, w, idx, ops.moe, ops.fused)
+
+    def expert_parts(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, impl: Any, fused: Any = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+        """forward_parts after routing (w, idx [T, k] given): the shared expert inside the routed kernels
+        when `impl` can and the weights allow it, else the two parts apart."""
+        if getattr(impl, "fuses_shared", False) and self.can_fuse_shared():
             sh = self.shared_experts
-            out = ops.moe.experts_and_shared(x, w, idx, self.experts.gate_up_proj, self.experts.down_proj,
-                                             sh.gate_up_proj.weight, sh.down_proj.weight, sh.alpha, sh.limit,
-                                             self.routed_scaling_factor)
+            out = impl.experts_and_shared(x, w, idx, self.experts.gate_up_proj, self.experts.down_proj,
+                                          sh.gate_up_proj.weight, sh.down_proj.weight, sh.alpha, sh.limit,
+                                          self.routed_scaling_factor)
             return out, None, 1.0
-        return self.experts(x, w, idx, ops.moe), self.shared_experts(x, ops.fused), self.routed_scaling_factor
+        return self.experts(x, w, idx, impl), self.shared_experts(x, fused), self.routed_scaling_factor
 
     def can_fuse_shared(self) -> bool:
         """The shared expert can run as one more routed expert: one rank holds every expert, the shared
-        expert has the routed experts' width, and both use the same activation constants."""
+        expert has the routed experts' width and inner layout (the kernels index both with one set of
+        strides), and both use the same activation constants."""
         e, sh = self.experts, self.shared_experts
-        return (e.expert_range is None and sh.gate_up_proj.weight.shape == e.gate_up_proj.shape[1:]
-                and sh.down_proj.weight.shape == e.down_proj.shape[1:] and (sh.alpha, sh.limit) == (e.alpha, e.limit))
+        s13, s2 = sh.gate_up_proj.weight, sh.down_proj.weight
+        return (e.expert_range is None and s13.shape == e.gate_up_proj.shape[1:] and s2.shape == e.down_proj.shape[1:]
+                and s13.stride() == e.gate_up_proj.stride()[1:] and s2.stride() == e.down_proj.stride()[1:]
+                and (sh.alpha, sh.limit) == (e.alpha, e.limit))

@@ -181,18 +181,15 @@ Shared = tuple[torch.Tensor, torch.Tensor]
 
 def _shared_weights(shared: Shared | None, w13: torch.Tensor, w2: torch.Tensor,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The shared expert's weights in the stacks' inner layout (the kernels index both with one set of
-    strides), or the stacks themselves as never-read placeholders when there is none."""
+    """The shared expert's weights, checked to have the stacks' inner layout (the kernels index both with one
+    set of strides; no copy is made: this runs every step), or the stacks themselves as never-read
+    placeholders when there is none."""
     if shared is None:
         return w13, w2
     s13, s2 = shared
     if s13.shape != w13.shape[1:] or s2.shape != w2.shape[1:] or s13.dtype != w13.dtype or s2.dtype != w2.dtype:
         raise ValueError(f"a fused shared expert needs the routed experts' shape and dtype: gate_up {tuple(s13.shape)} "
                          f"vs {tuple(w13.shape[1:])}, down {tuple(s2.shape)} vs {tuple(w2.shape[1:])}")
-    if s13.stride() != w13.stride()[1:]:
-        s13 = s13.contiguous()
-    if s2.stride() != w2.stride()[1:]:
-        s2 = s2.contiguous()
     if s13.stride() != w13.stride()[1:] or s2.stride() != w2.stride()[1:]:
         raise ValueError("a fused shared expert needs the routed stacks' inner strides (contiguous experts)")
     return s13, s2
