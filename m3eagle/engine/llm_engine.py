@@ -616,7 +616,7 @@ class LLMEngine:
             # flush a held-back partial character, as a finish by stop or length does (a deferred text: all
             # of it, also for an error)
             try:
-                det = req.detok.fork()
+                det = det.fork()
                 det.finish(req.output_token_ids)
                 req.detok, req.text = det, det.text
             except Exception as e:  # the request is over anyway: keep the text committed so far
