@@ -17,8 +17,9 @@ What it runs, in one process:
    depend on the context; `--max-kv ctx` uses each context as its own bound instead (eager-engine style).
 3. One sparse layer alone at 64k (b1 and 8x4), each call graph-captured 10 times back to back: the
    indexer (GB/s of index-K read vs the measured HBM copy bandwidth), the attention over the selection,
-   both, the dense kernel on the same pools, and the model-side indexer prologue (q/k projections, norms,
-   RoPE, the index-K cache write: `Indexer.forward_paged`) that runs before the backend is called. Plus
+   both, the dense kernel on the same pools, and the model-side indexer prologue (norms, RoPE, the
+   index-K cache write: `Indexer.forward_paged`; its projections ride in the layer's packed q/k/v GEMM)
+   that runs before the backend is called. Plus
    a sweep of the indexer's split size and warps at 16k / 64k / 128k (the defaults were chosen without a
    GPU).
 4. Checks at 128k, for the b1 and 8x4 rows: the Triton selection equals `reference.select_blocks`
@@ -58,7 +59,7 @@ from m3eagle.attention.triton_backend import TritonBackend  # noqa: E402
 from m3eagle.bench import roofline  # noqa: E402
 from m3eagle.config import M3Config  # noqa: E402
 from m3eagle.loader.dummy import dummy_target  # noqa: E402
-from m3eagle.models.layers import rope_cos_sin  # noqa: E402
+from m3eagle.models.layers import pack_projections, rope_cos_sin  # noqa: E402
 from m3eagle.models.minimax_m3 import LayerCache, MiniMaxM3  # noqa: E402
 
 FULL, SPARSE, DENSE_MLP, MOE_MLP = "full_attention", "minimax_m3_sparse", "dense", "sparse"
@@ -188,6 +189,35 @@ class Timer:
         del graph
         return ms
 
+    def kernels(self, fn: Callable[[], object], reps: int = 10) -> list[dict]:
+        """GPU time per call by kernel name (torch.profiler over `reps` replays of a graph of one call):
+        where a step's device time goes. CUDA only."""
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        from m3eagle.bench.offline import top_kernels
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                graph.replay()
+            torch.cuda.synchronize()
+        spans = [(e.name, e.time_range.end - e.time_range.start) for e in prof.events()
+                 if e.device_type == DeviceType.CUDA]
+        del graph
+        return top_kernels(spans, reps, n=25)
+
 
 # ---- 1. whole steps -------------------------------------------------------------------------------------
 
@@ -245,6 +275,28 @@ def targets(steps: list[dict], shapes: list[tuple[int, int]]) -> dict:
     return out
 
 
+def profile_steps(args, cfg: M3Config, msa: MiniMaxM3, dense: MiniMaxM3, pools: Pools, ops, timer: Timer,
+                  ) -> list[dict]:
+    """Kernel tables of the MSA and the dense step at each --profile context (b1 and 8x4): where the
+    MSA step's extra time goes."""
+    out = []
+    for ctx in args.profile:
+        for rows, q_len in args.shapes:
+            max_kv = args.fixed_max_kv if args.max_kv == "fixed" else ctx
+            meta = with_ops(step_metadata(pools, rows, q_len, ctx, max_kv, timer.device), ops)
+            ids = torch.randint(0, cfg.vocab_size, (rows * q_len,), device=timer.device)
+            for name, model, caches in (("msa", msa, pools.msa), ("dense", dense, pools.dense)):
+                def step(model=model, caches=caches, ids=ids, meta=meta):
+                    return model.compute_logits(model(ids, meta.positions, meta, caches))
+                top = timer.kernels(step)
+                out.append({"context": ctx, "rows": rows, "q_len": q_len, "model": name, "top_kernels": top})
+                log(f"-- {name} {ctx} ctx {rows}x{q_len}: GPU us per step by kernel "
+                    f"(total {sum(k['us_per_step'] for k in top):.1f} in the top {len(top)})")
+                for k in top[:18]:
+                    log(f"   {k['us_per_step']:8.1f} us {k['calls_per_step']:5.1f}x  {k['name']}")
+    return out
+
+
 # ---- 2. one sparse layer ---------------------------------------------------------------------------------
 
 
@@ -275,8 +327,10 @@ def time_layer(args, cfg: M3Config, msa: MiniMaxM3, pools: Pools, timer: Timer, 
 
     pmeta = with_ops(meta, ops)
 
-    def prologue():  # what models.minimax_m3.Attention runs before the backend: projections, norms, RoPE, write
-        return attn.indexer.forward_paged(x, cos, sin, pmeta, cache.idx_k)
+    *_, qi_raw, ki_raw = attn.proj(x)  # the index projections ride in the layer's packed q/k/v GEMM
+
+    def prologue():  # what models.minimax_m3.Attention runs for the indexer after that GEMM: norms, RoPE, write
+        return attn.indexer.forward_paged(qi_raw, ki_raw, cos, sin, pmeta, cache.idx_k)
 
     calls = 10  # back to back, as the layers of a step launch them
     us = {
@@ -398,6 +452,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30, help="graph replays per timing (median)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--no-sweep", action="store_true", help="skip the indexer split/warps sweep")
+    ap.add_argument("--profile", type=int, nargs="*", default=[], metavar="CTX",
+                    help="also print kernel tables of the MSA and dense steps at these contexts (CUDA)")
     ap.add_argument("--json", type=Path, help="also write the JSON document here")
     args = ap.parse_args()
     t_start = time.time()
@@ -426,6 +482,8 @@ def main() -> None:
     msa = dummy_target(cfg, dtype, dev)
     dense = dummy_target(dense_config(cfg), dtype, dev)
     dense.load_state_dict(msa.state_dict(), strict=False)  # same weights; the indexer has no twin
+    for m in (msa, dense):  # one q/k/v(/index q/k) GEMM per layer, as the engine runs them
+        pack_projections(m)
     rows_max = max(r for r, _ in [(1, 1), *args.shapes])
     pools = make_pools(msa, rows_max, max_ctx, args.page_size, dev)
     bw = roofline.measure_copy_bandwidth(dev, (4 << 30) if dev.type == "cuda" else (64 << 20))["bytes_per_s"]
@@ -449,6 +507,11 @@ def main() -> None:
                 f"sparse total {r['sparse_attention_us']:.1f}, dense kernel {r['dense_attention_us']:.1f}, "
                 f"model-side indexer prologue {r['indexer_prologue_us']:.1f}")
 
+        profiles = []
+        if args.profile and dev.type == "cuda":
+            log("\n== kernel tables (torch.profiler over graph replays) ==")
+            profiles = profile_steps(args, cfg, msa, dense, pools, ops, timer)
+
         sweep = sweep_indexer(args, cfg, pools, timer, bw) if args.sweep_contexts else []
         if sweep:
             log("\n== indexer sweep: min_index_keys_per_split x index_num_warps, us (GB/s) ==")
@@ -462,7 +525,7 @@ def main() -> None:
     doc = {"bench": "msa_step", "device": name, "geometry": "tiny" if args.tiny else "m3-mini", "dtype": str(dtype),
            "max_kv_mode": args.max_kv, "max_kv": args.fixed_max_kv if args.max_kv == "fixed" else None,
            "page_size": args.page_size, "copy_GBps": bw / 1e9, "steps": steps, "targets": goals,
-           "layer": layer, "indexer_sweep": sweep, "check": checks, "wall_s": time.time() - t_start}
+           "layer": layer, "profiles": profiles, "indexer_sweep": sweep, "check": checks, "wall_s": time.time() - t_start}
     line = json.dumps(doc, default=float)
     print(line)
     if args.json:
