@@ -15,7 +15,7 @@
 #    m3-8b bench last; REPLAY=0 / MOE=0 skip stages 3 / 4's MoE part; MOE_TUNE=1 makes stage 4 retune the
 #    MoE block table first (`moe_kernel.py --tune --write`, < 2 min on an H200) and return the rewritten
 #    m3eagle/moe/tuned_configs.json as $OUT/tuned_configs.json, so the benches after it use the new table;
-#    MSA=1 runs benchmarks/msa_step.py (MSA vs dense steps, kernel tables at 1k and 64k) after the tests.
+#    MSA=1 runs benchmarks/msa_step.py (MSA vs dense steps, kernel tables at 1k and 16k) after the tests.
 # Everything lands in $OUT/check.tgz (one file: the device tool brings back few, small files).
 set -uo pipefail
 OUT=${OUT:?set OUT}
@@ -31,7 +31,7 @@ stamp "GPU tests"
 timeout 240 python3 -m pytest -q -m gpu tests/test_cuda_graphs.py tests/test_long_context.py -p no:cacheprovider > "$W/cuda_graphs.log" 2>&1
 stamp "GPU tests: exit $? ($(tail -1 "$W/cuda_graphs.log"))"
 if [[ ${MSA:-0} == 1 ]]; then
-  timeout 240 python3 benchmarks/msa_step.py --no-sweep --profile 1024 65536 --json "$W/msa_step.json" > /dev/null 2> "$W/msa_step.log"
+  timeout 240 python3 benchmarks/msa_step.py --no-sweep --profile 1024 16384 --json "$W/msa_step.json" > /dev/null 2> "$W/msa_step.log"
   stamp "msa_step: exit $?"; grep -E "^ +[0-9]+ +[0-9]x|target|: indexer|check" "$W/msa_step.log"
 fi
 timeout 150 python3 -m m3eagle bench --geometry embedded --batch-sizes 1,32 --max-tokens 128 --repeats 5 \

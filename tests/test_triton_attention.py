@@ -2,7 +2,7 @@
 
 Every test draws fresh random inputs (its own seed), poisons what the kernels must overwrite or must not
 read, and compares against `reference.paged_attention` in fp32 at ~1e-4, and against
-`reference.select_blocks` exactly (the same blocks in the same order). Steps mix the row kinds the engine
+`reference.select_blocks` exactly (the same blocks, listed in ascending id). Steps mix the row kinds the engine
 produces: a prompt chunk over a cached prefix, single-token decode rows and 1+K spec-verify rows, with
 page tables that run into TRASH_PAGE past each row's held pages. The indexer runs both as one launch and
 split over programs (+ merge); ties use integer-valued scores, so that they are exact ties on every
@@ -141,15 +141,16 @@ INDEX_SPLITS = [(1, 1), (3, 1), (40, 2)]
 
 @pytest.mark.parametrize("block,topk,local,hi", [(4, 2, 1, 2), (8, 3, 0, 2), (6, 2, 2, 4), (4, 3, 1, 1)])
 def test_selection_matches_reference(block, topk, local, hi):
-    """The same blocks in the same order as the oracle, one launch or split; contexts several times
+    """The same blocks as the oracle, in its canonical (ascending) listing, one launch or split; contexts several times
     topk * block, none a multiple of the block; multi-token rows; rows with fewer blocks than topk."""
     s = make_step(100 + block * topk + local, [9, 1, 4, 3], [70, 33, 52, 3], 8, hq=4, hi=hi)
     ref = ref_selection(s, block, topk, local)
     assert (ref >= 0).sum(-1).min() < ref.shape[-1] <= (ref >= 0).sum(-1).max()  # -1 padding exercised
-    for splits, min_blocks in INDEX_SPLITS:
+    for (splits, min_blocks), small in [(c, 256) for c in INDEX_SPLITS] + [((40, 2), 1), ((3, 1), 1)]:
+        # small=1: the merge scans every split's list, not the narrow width (each path forced)
         sel = triton_kernels.select_blocks(s.iq, s.ik, s.meta, block, topk, local, num_splits=splits,
-                                           min_blocks_per_split=min_blocks)
-        assert sel.dtype == ref.dtype and torch.equal(sel, ref), (splits, min_blocks)
+                                           min_blocks_per_split=min_blocks, merge_small_candidates=small)
+        assert sel.dtype == ref.dtype and torch.equal(sel, ref), (splits, min_blocks, small)
     sel = TritonBackend(min_index_keys_per_split=block).select_blocks(s.iq, s.ik, s.meta, block, topk, local)
     assert torch.equal(sel, ref)
 
@@ -191,10 +192,10 @@ def test_selection_ties_match_reference(levels, block, topk, local):
     s = integer_step(500 + levels * 10 + block, [6, 1, 4, 2], [61, 29, 47, 9], 8, levels)
     ref = ref_selection(s, block, topk, local)
     assert boundary_ties(s, block, topk, local) >= 5
-    for splits, min_blocks in INDEX_SPLITS:
+    for (splits, min_blocks), small in [(c, 256) for c in INDEX_SPLITS] + [((40, 2), 1)]:
         sel = triton_kernels.select_blocks(s.iq, s.ik, s.meta, block, topk, local, num_splits=splits,
-                                           min_blocks_per_split=min_blocks)
-        assert torch.equal(sel, ref), (splits, min_blocks)
+                                           min_blocks_per_split=min_blocks, merge_small_candidates=small)
+        assert torch.equal(sel, ref), (splits, min_blocks, small)
 
 
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
@@ -255,6 +256,41 @@ def test_graph_style_fixed_max_kv_gives_the_same_result():
         assert_close(tri.attention(*wargs[:5]), ref_dense)
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice")  # the interpreter's max over the long row's NaN keys
+@pytest.mark.parametrize("local", [0, 1, 2])
+def test_rows_whose_blocks_all_fit_select_them_without_reading_index_k(local):
+    """A token that sees at most k blocks selects every one of them, whatever the scores; a tile of such
+    tokens (a short row under a graph's long KV bound) writes that without reading index-K. So NaN in
+    those rows' index-K changes nothing, while the same poison in a long row's index-K does. Row kinds: a
+    1+3 verify row that crosses the boundary (own blocks 2, 2, 3, 3 for a top-3: scored as usual), a
+    decode row that fits, a long row, and a row whose first token sees nothing."""
+    block, topk = 4, 3
+    s = widen(make_step(900 + local, [4, 1, 3, 2], [14, 9, 40, 1], 8, hq=4, hi=2), 200)
+    meta = s.meta
+    ref = ref_selection(s, block, topk, local)
+    tok = torch.cumsum(torch.tensor([0, 4, 1, 3]), 0)  # first token of each row
+    assert ref[tok[1]].tolist() == [[0, 1, 2]] * 2  # decode row at position 8: blocks 0..2
+    first = [0, -1, -1] if local else [-1, -1, -1]  # position -1: only the forced local block 0
+    assert ref[tok[3]].tolist() == [first] * 2 and ref[tok[3] + 1].tolist() == [[0, -1, -1]] * 2
+    slots = reference.gather_slots(meta, meta.max_kv)  # [B, L]
+    in_row = torch.arange(meta.max_kv)[None, :] < meta.kv_lens[:, None]
+
+    def poisoned(rows: list[int]) -> torch.Tensor:
+        ik = s.ik.clone()
+        for r in rows:
+            ik[slots[r][in_row[r]]] = float("nan")
+        return ik
+
+    short, long = poisoned([1, 3]), poisoned([2])
+    for splits, min_blocks in INDEX_SPLITS:
+        sel = triton_kernels.select_blocks(s.iq, short, meta, block, topk, local, num_splits=splits,
+                                           min_blocks_per_split=min_blocks)
+        assert torch.equal(sel, ref), (splits, min_blocks)
+        sel = triton_kernels.select_blocks(s.iq, long, meta, block, topk, local, num_splits=splits,
+                                           min_blocks_per_split=min_blocks)
+        assert not torch.equal(sel[tok[2]:tok[3]], ref[tok[2]:tok[3]]), "the poison must show where read"
+
+
 @pytest.fixture
 def poisoned_empty(monkeypatch):
     """torch.empty returns poison (+inf floats, 3 for integers): a kernel that reads a scratch entry it
@@ -303,13 +339,14 @@ def test_reference_query_chunks_do_not_change_the_result(monkeypatch):
 
 def test_reference_ties_go_to_the_lower_block():
     """The oracle's rule, stated on a hand-made case: scores 5 at blocks 1, 2, 4 and a top-2 (no local
-    block) picks 1 and 2, best first; a top-4 adds block 0 (score 1) and pads nothing."""
+    block) picks 1 and 2, not 4; a top-4 adds block 0 (score 1) and drops block 3 (score 0). The set is
+    listed in ascending id, -1 padding last."""
     ik = torch.tensor([1.0, 5.0, 5.0, 0.0, 5.0]).repeat_interleave(2)[None, :, None]  # [1, 10, 1], block 2
     iq = torch.ones(1, 1, 1, 1)
     pos = torch.tensor([[9]])
     assert reference.select_blocks(iq, ik, pos, 2, 2, 0).flatten().tolist() == [1, 2]
-    assert reference.select_blocks(iq, ik, pos, 2, 4, 0).flatten().tolist() == [1, 2, 4, 0]
-    assert reference.select_blocks(iq, ik, torch.tensor([[4]]), 2, 5, 0).flatten().tolist() == [1, 2, 0, -1, -1]
+    assert reference.select_blocks(iq, ik, pos, 2, 4, 0).flatten().tolist() == [0, 1, 2, 4]
+    assert reference.select_blocks(iq, ik, torch.tensor([[4]]), 2, 5, 0).flatten().tolist() == [0, 1, 2, -1, -1]
 
 
 def padded_keep(sel: torch.Tensor, meta: AttnMetadata, block: int, hq: int) -> torch.Tensor:

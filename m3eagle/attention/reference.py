@@ -12,9 +12,11 @@ picks, per query token and per index head (one per KV group), the key blocks it 
 and attention then sees only the tokens of the selected blocks (still token-causal). With
 topk * block_size >= context this equals dense attention.
 
-Ties are broken toward the lower block id: the top-k is a stable descending sort, so `sel` lists blocks by
-(score desc, block id asc). `torch.topk` leaves ties unspecified (CPU and CUDA pick differently), and a
-selection that depends on the device cannot be an oracle. The fast paths reproduce this order exactly.
+Ties are broken toward the lower block id: the top-k is a stable descending sort by (score desc, block id
+asc). `torch.topk` leaves ties unspecified (CPU and CUDA pick differently), and a selection that depends on
+the device cannot be an oracle. Attention depends only on the selected set, so `sel` lists it in ascending
+block id, -1 padding last: a canonical form the fast paths reproduce exactly, and one that a token whose
+every visible block fits in the top-k (blocks 0..own, whatever the scores) can write without scoring.
 
 Memory: `paged_attention` works through the padded queries in chunks, so its [B, H, queries, L]
 temporaries (scores, masks, attention weights) stay near `QUERY_CHUNK_ELEMS` elements whatever the
@@ -49,7 +51,8 @@ def select_blocks(iq: torch.Tensor, ik: torch.Tensor, pos: torch.Tensor, block_s
     """Lightning-indexer block selection on padded rows.
 
     iq [B, Qmax, Hi, Di], ik [B, L, Di], pos [B, Qmax] -> sel [B, Hi, Qmax, k] int64, -1 padded,
-    where k = min(topk, ceil(L / block_size)), ordered by (score desc, block id asc)."""
+    where k = min(topk, ceil(L / block_size)): the k best blocks by (score desc, block id asc), listed
+    in ascending block id, -1 (a slot that only found -inf) last."""
     b, lq, hi, _ = iq.shape
     length = ik.shape[1]
     nb = -(-length // block_size)
@@ -70,7 +73,9 @@ def select_blocks(iq: torch.Tensor, ik: torch.Tensor, pos: torch.Tensor, block_s
     # A stable sort keeps equal scores in block order: ties go to the lower block id.
     top_scores, top_idx = block_scores.sort(dim=-1, descending=True, stable=True)
     top_scores, top_idx = top_scores[..., :k], top_idx[..., :k]
-    return top_idx.masked_fill(top_scores == float("-inf"), -1)
+    chosen = top_idx.masked_fill(top_scores == float("-inf"), nb)  # nb: "none", sorts last
+    chosen = chosen.sort(dim=-1).values
+    return chosen.masked_fill(chosen == nb, -1)
 
 
 def block_keep_mask(sel: torch.Tensor, length: int, block_size: int, num_heads: int) -> torch.Tensor:

@@ -98,7 +98,7 @@ class TritonBackend:
     def select_blocks(self, iq: torch.Tensor, ik_pool: torch.Tensor, meta: AttnMetadata, block_size: int,
                       topk: int, local_blocks: int) -> torch.Tensor:
         """The lightning indexer alone: iq [T, Hi, Di], ik_pool [S, Di] -> sel [T, Hi, min(topk, NB)] int64,
-        equal to `reference.select_blocks` (same blocks, same order)."""
+        equal to `reference.select_blocks` (the same blocks, listed in ascending id)."""
         keys = self.min_index_keys_per_split
         min_blocks = max(1, keys // block_size) if keys is not None else 2
         warps = self.index_num_warps or (4 if block_size * iq.shape[-1] >= 8192 else 2)

@@ -331,16 +331,29 @@ def _topk_insert(list_s, list_id, cand, cand_id, BLOCK_K: tl.constexpr):
 @triton.jit
 def _topk_emit(list_s, list_id, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr):
     """Unordered lists [M, C] (ids distinct among entries above -inf) -> [M, BLOCK_O] int32: the TOPK best
-    entries best first, -1 once only -inf is left (the oracle's order and padding)."""
+    entries (score desc, ties to the lower id), listed in ascending id, -1 once only -inf is left, padding
+    last (the oracle's set and canonical form)."""
     offs_o = tl.arange(0, BLOCK_O)
-    out = tl.full([BLOCK_M, BLOCK_O], -1, tl.int32)
+    out = tl.full([BLOCK_M, BLOCK_O], INT32_MAX, tl.int32)  # INT32_MAX: none (sorts last)
     for i in tl.static_range(TOPK):
         best = tl.max(list_s, 1)  # [M]
         bid = tl.min(tl.where(list_s == best[:, None], list_id, INT32_MAX), 1)  # ties: the lower id
-        val = tl.where(best == float("-inf"), -1, bid)
+        val = tl.where(best == float("-inf"), INT32_MAX, bid)
         out = tl.where(offs_o[None, :] == i, val[:, None], out)
         list_s = tl.where(list_id == bid[:, None], float("-inf"), list_s)  # taken
-    return out
+    out = tl.sort(out, 1)
+    return tl.where(out == INT32_MAX, -1, out)
+
+
+@triton.jit
+def _all_visible(own, local_blocks, BLOCK_O: tl.constexpr):
+    """[M] own block ids (-1 for a token that sees no key) -> [M, BLOCK_O] int32: the selection of a token
+    whose visible blocks all fit in the top-k, which is every one of them whatever the scores: blocks
+    0..own ascending; for a token that sees nothing, the forced (clamped) local block 0, or none when
+    local_blocks is 0; -1 padded."""
+    offs_o = tl.arange(0, BLOCK_O)
+    last = tl.where(own >= 0, own, tl.where(local_blocks > 0, 0, -1))  # [M]
+    return tl.where(offs_o[None, :] <= last[:, None], offs_o[None, :], -1)
 
 
 @triton.jit
@@ -372,7 +385,10 @@ def _indexer_kernel(
     Each block's scores are streamed into a running top-CAP list per query row (`_topk_insert`), so the
     row's index-K is read once for all its tokens and heads, and nothing of size [tokens x context] is
     written. SPLIT: the list goes to PartS / PartId [T, Hi, splits, BLOCK_K] for `_index_merge_kernel`;
-    else the TOPK best, ordered, go to Sel [T, Hi, TOPK] (int64, -1 padded)."""
+    else the TOPK best, ascending ids, go to Sel [T, Hi, TOPK] (int64, -1 padded).
+
+    A tile whose every token sees at most TOPK blocks selects all of them whatever the scores: it reads no
+    index-K (a short row under a CUDA graph's long KV bound costs a launch, not a scan)."""
     pid = tl.program_id(0)
     row = pid // n_qtiles
     qtile = pid % n_qtiles
@@ -391,12 +407,22 @@ def _indexer_kernel(
     # The token's own block; a position below 0 (no visible key) counts as block -1, whose forced local
     # blocks the oracle clamps to block 0. (// truncates toward zero, so guard the negative rows.)
     own = tl.where(pos >= 0, pos // block_size, -1)  # [M]
+    max_pos = tl.max(pos, 0)
+    if tl.where(max_pos >= 0, max_pos // block_size, -1) < TOPK:
+        # Every token of the tile sees at most TOPK blocks, so it selects all of them, whatever the
+        # scores: no index-K to read (short contexts under a graph's long KV bound). Split: the merge
+        # writes the same per token.
+        if not SPLIT:
+            out = _all_visible(own, local_blocks, BLOCK_O)
+            offs_o = tl.arange(0, BLOCK_O)
+            ptr = Sel + tok[:, None] * stride_st + hh[:, None] * stride_sh + offs_o[None, :]
+            tl.store(ptr, out.to(tl.int64), mask=row_ok[:, None] & (offs_o < TOPK)[None, :])
+        return
 
     # Blocks of this program: its split of the row, cut after the tile's last visible block (block 0 at
     # least: it is where a token that sees nothing has its forced local block).
     bps = _index_split_range(tl.load(KvLens + row).to(tl.int32), num_blocks, block_size, num_splits,
                              min_blocks_per_split)
-    max_pos = tl.max(pos, 0)
     nb_lo = split * bps
     nb_hi = tl.minimum(tl.minimum(nb_lo + bps, tl.maximum(max_pos, 0) // block_size + 1), num_blocks)
     if nb_lo >= nb_hi:  # nothing visible here; the merge never reads this split for these tokens
@@ -458,28 +484,48 @@ def _indexer_kernel(
 def _index_merge_kernel(
     PartS, PartId, Sel, TokRow, KvLens, Positions,
     stride_pt, stride_ph, stride_st, stride_sh, block_size, num_blocks, num_splits, min_blocks_per_split,
-    TOPK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_O: tl.constexpr,
+    local_blocks,
+    TOPK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, SMALL_C: tl.constexpr,
+    BLOCK_O: tl.constexpr,
 ):
-    """Grid (T, Hi). Sel[t, h] = the TOPK best of the splits' lists, ordered, -1 padded. Only splits that
-    start at or before the token's own block are read: later ones hold nothing it can see, and their
+    """Grid (T, Hi). Sel[t, h] = the TOPK best of the splits' lists, ascending ids, -1 padded. Only splits
+    that start at or before the token's own block are read: later ones hold nothing it can see, and their
     programs may have exited without writing. Every list holds its split's best min(TOPK, blocks), so the
-    union holds the global top-TOPK."""
+    union holds the global top-TOPK. A token that sees at most TOPK blocks takes all of them without
+    reading any list (the indexer wrote none when its whole tile was such tokens). When the live lists
+    hold at most SMALL_C entries the emit runs at that width (its cost grows with the width it scans)."""
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    offs_o = tl.arange(0, BLOCK_O)
+    pos = tl.load(Positions + tok).to(tl.int32)
+    own = tl.where(pos >= 0, pos // block_size, -1)
+    if own < TOPK:  # every visible block fits: all of them (the indexer skipped this token's tile or not)
+        out = _all_visible(tl.full([1], 0, tl.int32) + own, local_blocks, BLOCK_O)  # [1, O]
+        tl.store(Sel + tok * stride_st + h * stride_sh + offs_o[None, :], out.to(tl.int64),
+                 mask=(offs_o < TOPK)[None, :])
+        return
     row = tl.load(TokRow + tok)
     bps = _index_split_range(tl.load(KvLens + row).to(tl.int32), num_blocks, block_size, num_splits,
                              min_blocks_per_split)
-    last = tl.maximum(tl.load(Positions + tok).to(tl.int32), 0) // block_size  # the indexer's clamp
-    offs_c = tl.arange(0, BLOCK_C)
-    part = offs_c // BLOCK_K
-    ok = (part < num_splits) & (part * bps <= last)
+    live = tl.minimum(num_splits, own // bps + 1) * BLOCK_K  # candidates of the splits that start <= own
     base = tok * stride_pt + h * stride_ph
+    ptr = Sel + tok * stride_st + h * stride_sh + offs_o[None, :]
+    if live <= SMALL_C:  # few live splits (a shorter row under a long bound): a narrower, cheaper emit
+        out = _merge_lists(PartS, PartId, base, live, TOPK, SMALL_C, BLOCK_O)
+        tl.store(ptr, out.to(tl.int64), mask=(offs_o < TOPK)[None, :])
+    else:
+        out = _merge_lists(PartS, PartId, base, live, TOPK, BLOCK_C, BLOCK_O)
+        tl.store(ptr, out.to(tl.int64), mask=(offs_o < TOPK)[None, :])
+
+
+@triton.jit
+def _merge_lists(PartS, PartId, base, live, TOPK: tl.constexpr, WIDTH: tl.constexpr, BLOCK_O: tl.constexpr):
+    """The TOPK best of the first `live` (<= WIDTH) list entries at base -> [1, BLOCK_O] (`_topk_emit`)."""
+    offs_c = tl.arange(0, WIDTH)
+    ok = offs_c < live
     cs = tl.load(PartS + base + offs_c, mask=ok, other=float("-inf"))  # [C]
     cid = tl.load(PartId + base + offs_c, mask=ok, other=-1)
-    out = _topk_emit(tl.reshape(cs, (1, BLOCK_C)), tl.reshape(cid, (1, BLOCK_C)), TOPK, 1, BLOCK_O)  # [1, O]
-    offs_o = tl.arange(0, BLOCK_O)
-    tl.store(Sel + tok * stride_st + h * stride_sh + offs_o[None, :], out.to(tl.int64),
-             mask=(offs_o < TOPK)[None, :])
+    return _topk_emit(tl.reshape(cs, (1, WIDTH)), tl.reshape(cid, (1, WIDTH)), TOPK, 1, BLOCK_O)
 
 
 # ---- launchers -----------------------------------------------------------------------------------------
@@ -627,15 +673,17 @@ MAX_MERGE_CANDIDATES = 4096
 
 def select_blocks(iq: torch.Tensor, ik_pool: torch.Tensor, meta: AttnMetadata, block_size: int, topk: int,
                   local_blocks: int, num_splits: int = 1, min_blocks_per_split: int = 1, keys_per_iter: int = 128,
-                  num_warps: int = 4) -> torch.Tensor:
+                  num_warps: int = 4, merge_small_candidates: int = 256) -> torch.Tensor:
     """Lightning-indexer selection on flat tokens: iq [T, Hi, Di], ik_pool [S, Di] -> sel [T, Hi, k] int64,
     k = min(topk, NB), NB = ceil(max_kv / block_size): exactly `reference.select_blocks` -- the same blocks
-    in the same order (score desc, ties to the lower block id), -1 where only -inf was left.
+    (score desc, ties to the lower block id), listed in ascending id, -1 where only -inf was left.
 
     One launch (`_indexer_kernel`) when num_splits == 1. Otherwise each row's blocks are cut into
     `num_splits` runs of at least `min_blocks_per_split` blocks (from the row's device kv_len), each run
     keeps its own top-k, and `_index_merge_kernel` picks the final k: two launches, for steps with too few
-    rows to fill the GPU. Device memory: sel plus, when split, [T, Hi, splits, <=k] lists."""
+    rows to fill the GPU. Device memory: sel plus, when split, [T, Hi, splits, <=k] lists. The merge
+    scans `merge_small_candidates` list entries instead of all when a token's live splits hold no more
+    (1: always all -- the tests force each path)."""
     t, hi, di = iq.shape
     nb = -(-meta.max_kv // block_size)
     k = min(topk, nb)
@@ -679,6 +727,8 @@ def select_blocks(iq: torch.Tensor, ik_pool: torch.Tensor, meta: AttnMetadata, b
         _index_merge_kernel[(t, hi)](
             part_s, part_id, sel, meta.tok_row, meta.kv_lens, meta.positions,
             part_s.stride(0), part_s.stride(1), sel.stride(0), sel.stride(1), block_size, nb, splits, min_bps,
-            TOPK=k, BLOCK_K=block_k, BLOCK_C=block_c, BLOCK_O=_pow2(k), num_warps=4 if block_c <= 1024 else 8)
+            local_blocks, TOPK=k, BLOCK_K=block_k, BLOCK_C=block_c,
+            SMALL_C=min(block_c, _pow2(max(1, merge_small_candidates))), BLOCK_O=_pow2(k),
+            num_warps=4 if block_c <= 1024 else 8)
     return sel
 
