@@ -309,6 +309,7 @@ def test_cli_registers_every_stage():
     add_training_subcommands(p.add_subparsers(dest="cmd"))
     for cmd in ("corpus", "tokenizer", "train-target", "train-draft", "eval", "train-all"):
         assert p.parse_args([cmd]).cmd == cmd
+    assert p.parse_args(["average-heads", "a", "b", "--out", "c"]).heads == ["a", "b"]
     args = p.parse_args(["train-target", "--steps", "5", "--preset", "tiny"])
     assert args.steps == 5 and args.preset == "tiny"
     from m3eagle.training.cli import _override
@@ -319,6 +320,46 @@ def test_cli_registers_every_stage():
     cfg = _override(DraftTrainConfig(), args)  # every DraftTrainConfig knob the CLI offers reaches the config
     assert (cfg.self_distill_rows, cfg.self_distill_batch, cfg.ttt_steps, cfg.step_decay, cfg.draft_vocab_size) \
         == (64, 8, 3, 0.9, 6144)
+
+
+def test_average_heads_is_the_weight_mean_and_refuses_mismatches(tmp_path):
+    """`average-heads`: float tensors are the element-wise mean (computed in fp32), integer tensors (the
+    draft vocabulary maps) are kept and must agree; another config, tensor set or vocabulary is refused."""
+    from safetensors.torch import load_file, save_file
+
+    from m3eagle.training.cli import average_heads
+
+    cfg = {"draft_vocab_size": 4, "hidden_size": 2}
+    gen = torch.Generator().manual_seed(0)
+    w = [torch.randn(3, 2, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    d2t = torch.tensor([0, 1, 5, 2])
+    dirs = []
+    for i, wi in enumerate(w):
+        d = tmp_path / f"h{i}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        save_file({"fc.weight": wi, "d2t": d2t}, str(d / "model.safetensors"))
+        dirs.append(d)
+    out = average_heads(dirs, tmp_path / "soup")
+    got = load_file(str(out / "model.safetensors"))
+    want = ((w[0].float() + w[1].float() + w[2].float()) / 3).to(torch.bfloat16)
+    assert torch.equal(got["fc.weight"], want) and torch.equal(got["d2t"], d2t)
+    assert json.loads((out / "config.json").read_text()) == cfg
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps(cfg))
+    save_file({"fc.weight": w[0], "d2t": d2t.flip(0)}, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match="integer tensor 'd2t' differs"):
+        average_heads([dirs[0], bad], tmp_path / "x")
+    save_file({"fc.weight": w[0]}, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match="'d2t' is missing"):
+        average_heads([dirs[0], bad], tmp_path / "x")
+    (bad / "config.json").write_text(json.dumps({**cfg, "hidden_size": 3}))
+    with pytest.raises(ValueError, match="config.json differs"):
+        average_heads([dirs[0], bad], tmp_path / "x")
+    with pytest.raises(ValueError, match="at least two"):
+        average_heads([dirs[0]], tmp_path / "x")
 
 
 if __name__ == "__main__":

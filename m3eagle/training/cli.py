@@ -1,4 +1,4 @@
-"""Training CLI: `corpus`, `tokenizer`, `train-target`, `train-draft`, `eval`, `train-all`.
+"""Training CLI: `corpus`, `tokenizer`, `train-target`, `train-draft`, `average-heads`, `eval`, `train-all`.
 
 `add_training_subcommands(subparsers)` registers them on an argparse subparsers object (the `m3eagle`
 entry point does this); `python -m m3eagle.training CMD ...` runs them standalone. Every stage writes an
@@ -9,6 +9,7 @@ output directory it resumes from, and every seed is fixed by a flag with a defau
     python -m m3eagle.training train-target --data runs/data/tok --out runs/target --time-budget 240
     python -m m3eagle.training train-draft  --data runs/data/tok --target runs/target/final \\
                                             --out runs/draft --time-budget 300
+    python -m m3eagle.training average-heads runs/draft/final runs/draft2/final --out runs/soup
     python -m m3eagle.training eval --model runs/target/final --draft runs/draft/final
 """
 
@@ -20,6 +21,8 @@ import shutil
 import sys
 from dataclasses import fields, replace
 from pathlib import Path
+
+import torch
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "default"
 
@@ -94,6 +97,11 @@ def add_training_subcommands(subparsers) -> None:
     _add_budget(p)
     _add_common(p)
     p.set_defaults(func=cmd_train_draft)
+
+    p = subparsers.add_parser("average-heads", help="average the weights of Eagle3 heads of one config (a soup)")
+    p.add_argument("heads", nargs="+", help="two or more head directories (config.json + model.safetensors)")
+    p.add_argument("--out", required=True, help="output head directory")
+    p.set_defaults(func=cmd_average_heads)
 
     p = subparsers.add_parser("eval", help="acceptance, losslessness, arithmetic accuracy, perplexity (JSON)")
     _add_eval_args(p)
@@ -203,6 +211,48 @@ def offline_acceptance(target_dir, draft_dir, n_prompts: int, device: str | None
     prompts = stdlib_code_prompts(load_tokenizer(target_dir), n_prompts, seed, max_prompt_tokens=192,
                                   min_prompt_tokens=128)
     return simulate_acceptance(target, head, [p.ids for p in prompts], gen_tokens, ks, dev, prompt_len=128)
+
+
+def average_heads(heads: list[str | Path], out: str | Path) -> Path:
+    """The element-wise mean (in fp32, stored in each tensor's dtype) of the floating-point weights of
+    heads that share one config and one draft vocabulary -- continuations of one run, say, that a
+    validation set cannot tell apart. Integer tensors (d2t / t2d) must be equal; anything else that
+    differs (config, tensor names or shapes) is an error naming it."""
+    from safetensors.torch import load_file, save_file
+
+    if len(heads) < 2:
+        raise ValueError("average-heads needs at least two head directories")
+    dirs = [Path(h) for h in heads]
+    config = (dirs[0] / "config.json").read_text()
+    states = []
+    for d in dirs:
+        if json.loads((d / "config.json").read_text()) != json.loads(config):
+            raise ValueError(f"{d}/config.json differs from {dirs[0]}/config.json: only heads of one config average")
+        states.append(load_file(str(d / "model.safetensors")))
+    merged = {}
+    for name, first in states[0].items():
+        for d, st in zip(dirs[1:], states[1:]):
+            if name not in st or st[name].shape != first.shape or st[name].dtype != first.dtype:
+                raise ValueError(f"tensor {name!r} is missing or shaped differently in {d}")
+            if not first.is_floating_point() and not torch.equal(st[name], first):
+                raise ValueError(f"integer tensor {name!r} differs in {d} (another draft vocabulary?)")
+        if first.is_floating_point():
+            merged[name] = (sum(st[name].float() for st in states) / len(states)).to(first.dtype)
+        else:
+            merged[name] = first
+    extra = set().union(*(set(st) for st in states[1:])) - set(states[0])
+    if extra:
+        raise ValueError(f"tensors {sorted(extra)} are not in {dirs[0]}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(config)
+    save_file(merged, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def cmd_average_heads(args: argparse.Namespace) -> None:
+    out = average_heads(args.heads, args.out)
+    print(f"wrote the mean of {len(args.heads)} heads to {out}")
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
