@@ -17,9 +17,9 @@ What it runs, in one process:
    depend on the context; `--max-kv ctx` uses each context as its own bound instead (eager-engine style).
 3. One sparse layer alone at 64k (b1 and 8x4), each call graph-captured 10 times back to back: the
    indexer (GB/s of index-K read vs the measured HBM copy bandwidth), the attention over the selection,
-   both, the dense kernel on the same pools, and the model-side indexer prologue (norms, RoPE, the
-   index-K cache write: `Indexer.forward_paged`; its projections ride in the layer's packed q/k/v GEMM)
-   that runs before the backend is called. Plus
+   both, the dense kernel on the same pools, and the model-side indexer prologue (its q/k norms, RoPE and
+   the index-K cache write ride in the layer's fused q/k/v launch, as its projections ride in the packed
+   GEMM: the prologue is that launch with the index heads minus without) that runs before the backend. Plus
    a sweep of the indexer's split size and warps at 16k / 64k / 128k (the defaults were chosen without a
    GPU).
 4. Checks at 128k, for the b1 and 8x4 rows: the Triton selection equals `reference.select_blocks`
@@ -327,10 +327,16 @@ def time_layer(args, cfg: M3Config, msa: MiniMaxM3, pools: Pools, timer: Timer, 
 
     pmeta = with_ops(meta, ops)
 
-    *_, qi_raw, ki_raw = attn.proj(x)  # the index projections ride in the layer's packed q/k/v GEMM
+    pq, pk, pv, qi_raw, ki_raw = attn.proj(x)  # the index projections ride in the layer's packed GEMM
+    t, d = meta.num_tokens, cfg.head_dim
+    qkv = (pq.view(t, -1, d), pk.view(t, -1, d), pv.view(t, -1, d), attn.q_norm.weight, attn.k_norm.weight,
+           attn.q_norm.eps, cos, sin, cache.k, cache.v, pmeta.slot_mapping)
 
-    def prologue():  # what models.minimax_m3.Attention runs for the indexer after that GEMM: norms, RoPE, write
-        return attn.indexer.forward_paged(qi_raw, ki_raw, cos, sin, pmeta, cache.idx_k)
+    def with_index():  # what models.minimax_m3.Attention runs after that GEMM on a sparse layer
+        return ops.fused.qkv_index_rope_store(*qkv, *attn.indexer.paged_inputs(qi_raw, ki_raw, cache.idx_k))
+
+    def without_index():  # ... and on a full-attention layer
+        return ops.fused.qkv_rope_store(*qkv)
 
     calls = 10  # back to back, as the layers of a step launch them
     us = {
@@ -339,9 +345,11 @@ def time_layer(args, cfg: M3Config, msa: MiniMaxM3, pools: Pools, timer: Timer, 
         "sparse_attention": timer(lambda: tri.sparse_attention(q, cache.k, cache.v, meta, scale, iq, cache.idx_k,
                                                                bs, topk, local), calls),
         "dense_attention": timer(lambda: tri.attention(q, cache.k, cache.v, meta, scale), calls),
-        "indexer_prologue": timer(prologue, calls),
+        "qkv_rope_with_index": timer(with_index, calls),
+        "qkv_rope_without_index": timer(without_index, calls),
     }
     us = {k: v * 1e3 for k, v in us.items()}
+    us["indexer_prologue"] = us["qkv_rope_with_index"] - us["qkv_rope_without_index"]  # the index heads' share
     index_bytes = rows * ctx * cfg.index_head_dim * 2  # index-K read once per row
     gbps = index_bytes / (us["indexer"] * 1e-6) / 1e9
     return {"context": ctx, "rows": rows, "q_len": q_len, **{f"{k}_us": v for k, v in us.items()},
@@ -505,7 +513,8 @@ def main() -> None:
             log(f"{r['rows']}x{r['q_len']}: indexer {r['indexer_us']:.1f} ({r['indexer_GBps']:.0f} GB/s, "
                 f"{100 * r['indexer_frac_of_copy_bw']:.0f}% of copy), attend selected {r['attend_selected_us']:.1f}, "
                 f"sparse total {r['sparse_attention_us']:.1f}, dense kernel {r['dense_attention_us']:.1f}, "
-                f"model-side indexer prologue {r['indexer_prologue_us']:.1f}")
+                f"model-side indexer prologue {r['indexer_prologue_us']:.1f} (fused q/k/v launch "
+                f"{r['qkv_rope_with_index_us']:.1f} with the index heads, {r['qkv_rope_without_index_us']:.1f} without)")
 
         profiles = []
         if args.profile and dev.type == "cuda":

@@ -166,6 +166,55 @@ def test_indexer_shapes_one_head_pool_and_sliced_tables():
     assert_close(pool, pool_ref)
 
 
+@pytest.mark.parametrize("d,di,rdim,r", [(16, 8, 8, 4), (8, 16, 8, 8), (24, 24, 12, 12)])
+def test_qkv_index_rope_store_one_launch(d, di, rdim, r):
+    """A sparse layer's five projections in one launch: q/k/v as qkv_rope_store, plus the indexer's q heads
+    (returned) and its one k head (into the [S, Di] index-K pool), with index dims other than the head dim
+    and RoPE on the first r columns of the layer's tables. Equal to the reference's two calls; slots
+    outside the step untouched in every pool; and one kernel launch, not two."""
+    t, hq, hk, hi, s = 7, 4, 2, 3, 30
+    g = gen(d * 10 + di)
+    raw = torch.randn(t, (hq + 2 * hk) * d + (hi + 1) * di + 1, generator=g) * 2  # one packed GEMM's output
+    q = raw[:, : hq * d].view(t, hq, d)
+    k = raw[:, hq * d:(hq + hk) * d].view(t, hk, d)
+    v = raw[:, (hq + hk) * d:(hq + 2 * hk) * d].view(t, hk, d)
+    o = (hq + 2 * hk) * d
+    iq = raw[:, o:o + hi * di].view(t, hi, di)
+    ik = raw[:, o + hi * di:o + (hi + 1) * di].view(t, 1, di)
+    w = [torch.randn(n, generator=g) * 0.2 for n in (d, d, di, di)]
+    _, cos, sin = tables(t, rdim, 6)
+    slots = torch.randperm(s, generator=g)[:t]
+    pools = [[torch.full((s, hk, d), 5.0), torch.full((s, hk, d), 5.0), torch.full((s, di), 5.0)] for _ in range(2)]
+    args = (q, k, v, w[0], w[1], 1e-6, cos, sin)
+    got = TRITON.fused.qkv_index_rope_store(*args, *pools[0][:2], slots, iq, ik, w[2], w[3], r, pools[0][2])
+    ref = reference.qkv_index_rope_store(*args, *pools[1][:2], slots, iq, ik, w[2], w[3], r, pools[1][2])
+    for a, b in zip(got, ref):
+        assert_close(a, b)
+    for a, b in zip(pools[0], pools[1]):
+        assert_close(a, b)
+    untouched = torch.ones(s, dtype=torch.bool)
+    untouched[slots] = False
+    assert all(torch.all(p[untouched] == 5.0) for p in pools[0])
+    from m3eagle.fused import triton_fused
+
+    launches = []
+    real = triton_fused._qkv_rope_kernel
+
+    class Count:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    triton_fused._qkv_rope_kernel = Count()
+    try:
+        TRITON.fused.qkv_index_rope_store(*args, *pools[0][:2], slots, iq, ik, w[2], w[3], r, pools[0][2])
+    finally:
+        triton_fused._qkv_rope_kernel = real
+    assert len(launches) == 1
+    with pytest.raises(ValueError, match="index rope dim"):
+        TRITON.fused.qkv_index_rope_store(*args, *pools[0][:2], slots, iq, ik, w[2], w[3], r + 1, pools[0][2])
+
+
 # ---- activations --------------------------------------------------------------------------------------
 
 

@@ -46,6 +46,14 @@ class FusedOps(Protocol):
                        sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor | None,
                        slots: torch.Tensor) -> torch.Tensor: ...
 
+    def qkv_index_rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w: torch.Tensor | None,
+                             k_w: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                             k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, iq: torch.Tensor,
+                             ik: torch.Tensor, iq_w: torch.Tensor, ik_w: torch.Tensor, index_rope_dim: int,
+                             ik_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """reference.qkv_index_rope_store: (q, iq); K/V and index-K written at `slots`."""
+        ...
+
     def swiglu_oai(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor: ...
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
@@ -117,6 +125,11 @@ class ReferenceFused:
 
     def qkv_rope_store(self, q, k, v, q_w, k_w, eps, cos, sin, k_pool, v_pool, slots):
         return reference.qkv_rope_store(q, k, v, q_w, k_w, eps, cos, sin, k_pool, v_pool, slots)
+
+    def qkv_index_rope_store(self, q, k, v, q_w, k_w, eps, cos, sin, k_pool, v_pool, slots, iq, ik, iq_w, ik_w,
+                             index_rope_dim, ik_pool):
+        return reference.qkv_index_rope_store(q, k, v, q_w, k_w, eps, cos, sin, k_pool, v_pool, slots, iq, ik,
+                                              iq_w, ik_w, index_rope_dim, ik_pool)
 
     def swiglu_oai(self, gate_up, alpha, limit):
         return reference.swiglu_oai(gate_up, alpha, limit)

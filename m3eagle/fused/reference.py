@@ -87,6 +87,19 @@ def qkv_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, q_w
     return q
 
 
+def qkv_index_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w: torch.Tensor | None,
+                         k_w: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                         k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, iq: torch.Tensor,
+                         ik: torch.Tensor, iq_w: torch.Tensor, ik_w: torch.Tensor, index_rope_dim: int,
+                         ik_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse layer's attention and indexer inputs: `qkv_rope_store` of q/k/v, then of the indexer's
+    iq [T, Hi, Di] / ik [T, 1, Di] (same eps, RoPE on the first index_rope_dim columns of cos/sin, ik to
+    the [S, Di] index-K pool) -> (q, iq). A fast path may run both in one launch."""
+    q = qkv_rope_store(q, k, v, q_w, k_w, eps, cos, sin, k_pool, v_pool, slots)
+    r = index_rope_dim
+    return q, qkv_rope_store(iq, ik, None, iq_w, ik_w, eps, cos[:, :r], sin[:, :r], ik_pool, None, slots)
+
+
 # ---- MLP activations ----------------------------------------------------------------------------------
 
 

@@ -190,11 +190,15 @@ def _norm_rope_heads(src, stride_sh, dst, stride_dh, w_ptr, cos_row, sin_row, h0
 def _qkv_rope_kernel(q_ptr, sq_t, sq_h, qo_ptr, sqo_t, sqo_h, qw_ptr, hq,
                      k_ptr, sk_t, sk_h, kp_ptr, skp_s, skp_h, kw_ptr, hk,
                      v_ptr, sv_t, sv_h, vp_ptr, svp_s, svp_h, hv,
-                     slots_ptr, cos_ptr, sin_ptr, sc_t, ss_t, dim, rdim, eps, nbq, nbk,
-                     Q_NORM: tl.constexpr, K_NORM: tl.constexpr, PRECISE: tl.constexpr,
+                     slots_ptr, cos_ptr, sin_ptr, sc_t, ss_t, dim, rdim, eps, nbq, nbk, nbv,
+                     iq_ptr, siq_t, siq_h, iqo_ptr, siqo_t, siqo_h, iqw_ptr, hiq,
+                     ik_ptr, sik_t, ikp_ptr, sikp_s, ikw_ptr, dim_i, rdim_i, nbiq,
+                     Q_NORM: tl.constexpr, K_NORM: tl.constexpr, INDEX: tl.constexpr, PRECISE: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (t, b): head block b of token t, over q's blocks, then k's (written to the K pool at
-    slots[t]), then v's (copied to the V pool at slots[t]). nbk = 0 / hv = 0 when there is no k / v."""
+    slots[t]), then v's (copied to the V pool at slots[t]). nbk = 0 / hv = 0 when there is no k / v.
+    INDEX: then the lightning indexer's q heads (normed, roped on their first rdim_i channels, to iqo) and
+    its one k head (to the index-K pool at slots[t]) -- a sparse layer's five projections in one launch."""
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     cos_row = cos_ptr + t * sc_t
@@ -206,10 +210,19 @@ def _qkv_rope_kernel(q_ptr, sq_t, sq_h, qo_ptr, sqo_t, sqo_h, qw_ptr, hq,
         slot = tl.load(slots_ptr + t).to(tl.int64)
         _norm_rope_heads(k_ptr + t * sk_t, sk_h, kp_ptr + slot * skp_s, skp_h, kw_ptr, cos_row, sin_row,
                          (b - nbq) * BLOCK_H, hk, dim, rdim, eps, K_NORM, True, PRECISE, BLOCK_H, BLOCK_D)
-    else:
+    elif b < nbq + nbk + nbv:
         slot = tl.load(slots_ptr + t).to(tl.int64)
         _norm_rope_heads(v_ptr + t * sv_t, sv_h, vp_ptr + slot * svp_s, svp_h, kw_ptr, cos_row, sin_row,
                          (b - nbq - nbk) * BLOCK_H, hv, dim, rdim, eps, False, False, PRECISE, BLOCK_H, BLOCK_D)
+    elif INDEX:
+        b0 = b - nbq - nbk - nbv
+        if b0 < nbiq:
+            _norm_rope_heads(iq_ptr + t * siq_t, siq_h, iqo_ptr + t * siqo_t, siqo_h, iqw_ptr, cos_row, sin_row,
+                             b0 * BLOCK_H, hiq, dim_i, rdim_i, eps, True, True, PRECISE, BLOCK_H, BLOCK_D)
+        else:
+            slot = tl.load(slots_ptr + t).to(tl.int64)
+            _norm_rope_heads(ik_ptr + t * sik_t, 0, ikp_ptr + slot * sikp_s, 0, ikw_ptr, cos_row, sin_row,
+                             0, 1, dim_i, rdim_i, eps, True, True, PRECISE, BLOCK_H, BLOCK_D)
 
 
 # ---- MLP activations ----------------------------------------------------------------------------------
@@ -605,9 +618,13 @@ def _heads(x: torch.Tensor) -> torch.Tensor:
 def qkv_rope_store(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, q_w: torch.Tensor | None,
                    k_w: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                    k_pool: torch.Tensor | None, v_pool: torch.Tensor | None, slots: torch.Tensor | None,
-                   ) -> torch.Tensor:
+                   index: tuple | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """reference.qkv_rope_store in one launch (k None: reference.qk_norm_rope of q alone). q/k/v [T, H, D]
-    with any token/head strides (views of the projections' outputs); pools [S, H, D] or [S, D]."""
+    with any token/head strides (views of the projections' outputs); pools [S, H, D] or [S, D].
+
+    index = (iq [T, Hi, Di], ik [T, 1, Di], iq_w, ik_w, rope_dim, ik_pool [S, Di]): a sparse layer's
+    indexer rides in the same launch (reference.qkv_index_rope_store: its tables are the first rope_dim
+    columns of cos/sin, its norms use the same eps); returns (q, iq) then."""
     t, hq, dim = q.shape
     rdim = cos.shape[-1]
     if rdim > dim or rdim % 2:
@@ -620,25 +637,43 @@ def qkv_rope_store(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     hk = k.shape[1] if k is not None else 0
     hv = v.shape[1] if v is not None else 0
-    block_d = triton.next_power_of_2(dim)
-    block_h = max(1, min(triton.next_power_of_2(max(hq, hk, hv, 1)), 4096 // block_d))
-    nbq, nbk, nbv = (triton.cdiv(h, block_h) for h in (hq, hk, hv))
+    if index is not None:
+        iq, ik, iq_w, ik_w, rdim_i, ik_pool = index
+        iq, ik = _heads(iq), _heads(ik)
+        hiq, dim_i = iq.shape[1], iq.shape[2]
+        if ik.shape[1:] != (1, dim_i) or ik_pool.shape[-1] != dim_i or ik_pool.stride(-1) != 1:
+            raise ValueError(f"index k {tuple(ik.shape)} / pool {tuple(ik_pool.shape)} must be [T, 1, Di] / "
+                             f"[S, Di] (unit channel stride) for index q {tuple(iq.shape)}")
+        if rdim_i > min(dim_i, rdim) or rdim_i % 2:
+            raise ValueError(f"index rope dim {rdim_i} must be even and <= {min(dim_i, rdim)}")
+        iq_out = torch.empty(iq.shape, dtype=iq.dtype, device=iq.device)
+    else:
+        hiq, dim_i = 0, 0
+    block_d = triton.next_power_of_2(max(dim, dim_i))
+    block_h = max(1, min(triton.next_power_of_2(max(hq, hk, hv, hiq, 1)), 4096 // block_d))
+    nbq, nbk, nbv, nbiq = (triton.cdiv(h, block_h) for h in (hq, hk, hv, hiq))
+    nbik = 1 if index is not None else 0
     if not t:
-        return q_out
+        return q_out if index is None else (q_out, iq_out)
     kk = _heads(k) if k is not None else q
     kp = k_pool.view(k_pool.shape[0], hk, dim) if k is not None else q_out
     vv = _heads(v) if v is not None else q
     vp = v_pool.view(v_pool.shape[0], hv, dim) if v is not None else q_out
     if k is not None and (kp.stride(-1) != 1 or vp.stride(-1) != 1):
         raise ValueError("KV pools need unit channel stride")
-    _qkv_rope_kernel[(t, nbq + nbk + nbv)](
+    if index is not None:
+        ix = (iq, iq.stride(0), iq.stride(1), iq_out, iq_out.stride(0), iq_out.stride(1), iq_w, hiq,
+              ik, ik.stride(0), ik_pool, ik_pool.stride(0), ik_w, dim_i, int(rdim_i), nbiq)
+    else:
+        ix = (q, 0, 0, q_out, 0, 0, q, 0, q, 0, q_out, 0, q, 0, 0, 0)  # never read: INDEX is off
+    _qkv_rope_kernel[(t, nbq + nbk + nbv + nbiq + nbik)](
         q, q.stride(0), q.stride(1), q_out, q_out.stride(0), q_out.stride(1), q_w if q_w is not None else q, hq,
         kk, kk.stride(0), kk.stride(1), kp, kp.stride(0), kp.stride(1), k_w if k_w is not None else q, hk,
         vv, vv.stride(0), vv.stride(1), vp, vp.stride(0), vp.stride(1), hv,
         slots if slots is not None else q, cos, sin, cos.stride(0), sin.stride(0), dim, rdim, float(eps), nbq,
-        nbk, Q_NORM=q_w is not None, K_NORM=k_w is not None, PRECISE=_precise(), BLOCK_H=block_h,
-        BLOCK_D=block_d, num_warps=_warps(block_h * block_d), **_opts())
-    return q_out
+        nbk, nbv, *ix, Q_NORM=q_w is not None, K_NORM=k_w is not None, INDEX=index is not None,
+        PRECISE=_precise(), BLOCK_H=block_h, BLOCK_D=block_d, num_warps=_warps(block_h * block_d), **_opts())
+    return q_out if index is None else (q_out, iq_out)
 
 
 def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -778,6 +813,11 @@ class TritonFused:
 
     def qkv_rope_store(self, q, k, v, q_w, k_w, eps, cos, sin, k_pool, v_pool, slots):
         return qkv_rope_store(q, k, v, q_w, k_w, eps, cos, sin, k_pool, v_pool, slots)
+
+    def qkv_index_rope_store(self, q, k, v, q_w, k_w, eps, cos, sin, k_pool, v_pool, slots, iq, ik, iq_w, ik_w,
+                             index_rope_dim, ik_pool):
+        return qkv_rope_store(q, k, v, q_w, k_w, eps, cos, sin, k_pool, v_pool, slots,
+                              index=(iq, ik, iq_w, ik_w, index_rope_dim, ik_pool))
 
     def swiglu_oai(self, gate_up, alpha, limit):
         return swiglu_oai(gate_up, alpha, limit)

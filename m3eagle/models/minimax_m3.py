@@ -61,16 +61,14 @@ class Indexer(nn.Module):
         ik = self.k_norm(self.k_proj(x).view(t, 1, self.cfg.index_head_dim))
         return apply_rope(iq, cos[:, :r], sin[:, :r]), apply_rope(ik, cos[:, :r], sin[:, :r])[:, 0]
 
-    def forward_paged(self, q_raw: torch.Tensor, k_raw: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      meta: AttnMetadata, pool: torch.Tensor) -> torch.Tensor:
-        """Paged path on the projections q_proj(x) [T, Hi * Di], k_proj(x) [T, Di] (the attention layer
-        runs them in its packed GEMM) -> iq [T, Hi, Di]; ik (normed, roped) goes to the index-K pool
-        [S, Di] at meta.slot_mapping. Same math as `forward`, with the engine's fused ops."""
-        t, c, r = q_raw.shape[0], self.cfg, self.cfg.index_rope_dim
-        return (meta.ops or REFERENCE).fused.qkv_rope_store(
-            q_raw.view(t, self.n_heads, c.index_head_dim), k_raw.view(t, 1, c.index_head_dim),
-            None, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos[:, :r], sin[:, :r], pool, None,
-            meta.slot_mapping)
+    def paged_inputs(self, q_raw: torch.Tensor, k_raw: torch.Tensor, pool: torch.Tensor) -> tuple:
+        """The indexer's part of `FusedOps.qkv_index_rope_store` on the projections q_proj(x) [T, Hi * Di],
+        k_proj(x) [T, Di] (the attention layer runs them in its packed GEMM): (iq [T, Hi, Di], ik [T, 1, Di],
+        q/k norm weights, index_rope_dim, the index-K pool [S, Di]). Same math as `forward`; ik goes to the
+        pool at the step's slots."""
+        t, c = q_raw.shape[0], self.cfg
+        return (q_raw.view(t, self.n_heads, c.index_head_dim), k_raw.view(t, 1, c.index_head_dim),
+                self.q_norm.weight, self.k_norm.weight, c.index_rope_dim, pool)
 
 
 class Attention(nn.Module):
@@ -101,16 +99,18 @@ class Attention(nn.Module):
                 cache: LayerCache) -> torch.Tensor:
         t, c = x.shape[0], self.cfg
         ops = meta.ops or REFERENCE
-        # q/k norm + RoPE, and this step's K/V into the pools at meta.slot_mapping: one fused op.
+        # q/k norm + RoPE, and this step's K/V into the pools at meta.slot_mapping: one fused op (with the
+        # indexer's q/k and index-K on sparse layers).
         pq, pk, pv, *pidx = self.proj(x)  # [T, Hq * D], [T, Hkv * D] x 2, (+ [T, Hi * Di], [T, Di])
-        q = ops.fused.qkv_rope_store(
-            pq.view(t, self.n_q, c.head_dim), pk.view(t, self.n_kv, c.head_dim), pv.view(t, self.n_kv, c.head_dim),
-            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, cache.k, cache.v, meta.slot_mapping)
+        qkv = (pq.view(t, self.n_q, c.head_dim), pk.view(t, self.n_kv, c.head_dim), pv.view(t, self.n_kv, c.head_dim),
+               self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, cache.k, cache.v, meta.slot_mapping)
         attn = ops.attention
         if self.indexer is None:
+            q = ops.fused.qkv_rope_store(*qkv)
             o = attn.attention(q, cache.k, cache.v, meta, self.scale)
         else:
-            iq = self.indexer.forward_paged(*pidx, cos, sin, meta, cache.idx_k)
+            # the index norms share the layer's eps (both are the config's rms_norm_eps)
+            q, iq = ops.fused.qkv_index_rope_store(*qkv, *self.indexer.paged_inputs(*pidx, cache.idx_k))
             o = attn.sparse_attention(q, cache.k, cache.v, meta, self.scale, iq, cache.idx_k,
                                       c.index_block_size, c.index_topk_blocks, c.index_local_blocks)
         return self.o_proj(o.reshape(t, -1))
