@@ -1,7 +1,8 @@
-"""One m3-mini target step at long context: MiniMax Sparse Attention (MSA) vs dense attention, on one GPU.
+"""One m3-mini (or m3-8b) target step at long context: MiniMax Sparse Attention (MSA) vs dense attention.
 
     python benchmarks/msa_step.py                        # H200: about 2 minutes
     python benchmarks/msa_step.py --json msa_step.json   # also write the JSON document to a file
+    python benchmarks/msa_step.py --geometry m3-8b --no-sweep   # the m3-8b geometry (~110 GB of HBM)
     python benchmarks/msa_step.py --device cpu --tiny    # smoke test on CPU (sets TRITON_INTERPRET=1)
 
 What it runs, in one process:
@@ -74,8 +75,13 @@ def log(*args: object) -> None:
 # ---- the geometry ---------------------------------------------------------------------------------------
 
 
-def m3_config(tiny: bool) -> M3Config:
-    """m3-mini (the issue's geometry), or a tiny one for the CPU smoke test. Full attention first."""
+def m3_config(tiny: bool, geometry: str = "m3-mini") -> M3Config:
+    """m3-mini or m3-8b (`m3eagle bench`'s geometries, m3eagle/bench/geometries.py), or a tiny one for the
+    CPU smoke test. Full attention first."""
+    if not tiny and geometry != "m3-mini":
+        from m3eagle.bench import geometries
+
+        return geometries.NAMED[geometry]()[0]
     if tiny:
         sizes = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=32, dense_intermediate_size=64, num_local_experts=4,
@@ -454,6 +460,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (Triton interpreter, with --tiny)")
     ap.add_argument("--tiny", action="store_true", help="tiny geometry and contexts: a CPU smoke test")
+    ap.add_argument("--geometry", choices=["m3-mini", "m3-8b"], default="m3-mini",
+                    help="the bench geometry to time (default m3-mini; m3-8b needs ~110 GB of GPU memory)")
     ap.add_argument("--max-kv", choices=["fixed", "ctx"], default="fixed",
                     help="KV bound of each step: 'fixed' past the largest context, as CUDA graphs of the engine "
                          "(default), or 'ctx': the context itself")
@@ -471,7 +479,7 @@ def main() -> None:
     if dev.type == "cpu" and not args.tiny:
         raise SystemExit("--device cpu runs the Triton interpreter: add --tiny")
     torch.manual_seed(0)
-    cfg = m3_config(args.tiny)
+    cfg = m3_config(args.tiny, args.geometry)
     if args.tiny:
         args.contexts, args.shapes, args.sweep_contexts, layer_ctx = [64, 256], [(1, 1), (2, 3)], [], 256
         args.reps = 1
@@ -486,10 +494,15 @@ def main() -> None:
 
     # NOTE: fp32 on the CPU: the Triton 3.9 interpreter computes bf16 x bf16 tl.dot wrongly.
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    log(f"building {'tiny' if args.tiny else 'm3-mini'} (random {dtype}) and its dense twin on {dev} ...")
+    log(f"building {'tiny' if args.tiny else args.geometry} (random {dtype}) and its dense twin on {dev} ...")
     msa = dummy_target(cfg, dtype, dev)
     dense = dummy_target(dense_config(cfg), dtype, dev)
-    dense.load_state_dict(msa.state_dict(), strict=False)  # same weights; the indexer has no twin
+    # The same weights, shared rather than copied (m3-8b's twin would need another 20 GB); the indexer
+    # has no twin.
+    own = dict(msa.named_parameters())
+    for name, p in dense.named_parameters():
+        p.data = own[name].data
+    torch.cuda.empty_cache() if dev.type == "cuda" else None
     for m in (msa, dense):  # one q/k/v(/index q/k) GEMM per layer, as the engine runs them
         pack_projections(m)
     rows_max = max(r for r, _ in [(1, 1), *args.shapes])
@@ -531,7 +544,7 @@ def main() -> None:
         log(f"\n== checks at {max_ctx} ctx against the reference ==")
         checks = check(args, cfg, msa, pools, max_ctx, tri, dev)
 
-    doc = {"bench": "msa_step", "device": name, "geometry": "tiny" if args.tiny else "m3-mini", "dtype": str(dtype),
+    doc = {"bench": "msa_step", "device": name, "geometry": "tiny" if args.tiny else args.geometry, "dtype": str(dtype),
            "max_kv_mode": args.max_kv, "max_kv": args.fixed_max_kv if args.max_kv == "fixed" else None,
            "page_size": args.page_size, "copy_GBps": bw / 1e9, "steps": steps, "targets": goals,
            "layer": layer, "profiles": profiles, "indexer_sweep": sweep, "check": checks, "wall_s": time.time() - t_start}
