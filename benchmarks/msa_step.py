@@ -460,6 +460,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (Triton interpreter, with --tiny)")
     ap.add_argument("--tiny", action="store_true", help="tiny geometry and contexts: a CPU smoke test")
+    ap.add_argument("--smoke", action="store_true", help="with --tiny: one context and shape (a CI smoke test)")
     ap.add_argument("--geometry", choices=["m3-mini", "m3-8b"], default="m3-mini",
                     help="the bench geometry to time (default m3-mini; m3-8b needs ~110 GB of GPU memory)")
     ap.add_argument("--max-kv", choices=["fixed", "ctx"], default="fixed",
@@ -482,6 +483,8 @@ def main() -> None:
     cfg = m3_config(args.tiny, args.geometry)
     if args.tiny:
         args.contexts, args.shapes, args.sweep_contexts, layer_ctx = [64, 256], [(1, 1), (2, 3)], [], 256
+        if args.smoke:  # one context and shape: the CI test that keeps this script running
+            args.contexts, args.shapes, layer_ctx = [80], [(2, 3)], 80
         args.reps = 1
     else:
         args.contexts, args.shapes = [1024, 16384, 65536, 131072], [(1, 1), (8, 4)]
