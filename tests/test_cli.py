@@ -143,18 +143,19 @@ def test_closed_stdout_pipe_exits_quietly():
     assert p.returncode == 1
 
 
-def test_warmup_flag_reaches_the_llm(monkeypatch):
-    """--warmup on an engine command builds the LLM with warmup=True (off without it)."""
+def test_warmup_and_prefill_graph_flags_reach_the_llm(monkeypatch):
+    """--warmup / --prefill-graphs on an engine command build the LLM with warmup=True /
+    prefill_graphs=True (off without them)."""
     from m3eagle.entrypoints import cli
 
     seen = []
 
     class FakeLLM:
         def __init__(self, **kw):
-            seen.append(kw["warmup"])
+            seen.append((kw["warmup"], kw["prefill_graphs"]))
             raise RuntimeError("stop here")
 
     monkeypatch.setattr("m3eagle.LLM", FakeLLM)  # what _make_llm imports when it runs
-    for argv in (["generate", "x", "--warmup"], ["generate", "x"]):
+    for argv in (["generate", "x", "--warmup"], ["generate", "x", "--prefill-graphs"], ["generate", "x"]):
         assert cli.main(argv) == 2  # the fake's error, reported as one line
-    assert seen == [True, False]
+    assert seen == [(True, False), (False, True), (False, False)]

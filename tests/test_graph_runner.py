@@ -7,7 +7,9 @@ preallocated buffers, and the bucketing / padding that CUDA-graph steps use.
 - padding rows read and write only the trash page and the dump slot, and a padded, fixed-KV-bound step
   gives the real rows exactly the tokens of an unpadded one (greedy and seeded sampling, K = 0 and 3,
   overlap on and off) -- graph_shapes=True forces on CPU what CUDA does;
-- step inputs are views of the engine's buffers: two steps of one shape read the same addresses.
+- step inputs are views of the engine's buffers: two steps of one shape read the same addresses;
+- prefill graphs (opt-in): which steps qualify, the padding row's trash-only footprint, and the same
+  tokens as unpadded prompt steps.
 GPU capture and replay are tested in test_cuda_graphs.py (marker gpu).
 """
 
@@ -22,7 +24,14 @@ from engine_utils import assert_clean  # noqa: E402
 
 from m3eagle import LLM, SamplingParams  # noqa: E402
 from m3eagle.attention.metadata import TRASH_PAGE  # noqa: E402
-from m3eagle.engine.graph_runner import bucket_for, bucket_sizes, is_graph_shaped  # noqa: E402
+from m3eagle.engine.graph_runner import (  # noqa: E402
+    PREFILL,
+    bucket_for,
+    bucket_sizes,
+    is_graph_shaped,
+    is_prefill_shaped,
+    prefill_bucket_sizes,
+)
 from m3eagle.engine.scheduler import ScheduledBatch, ScheduledRow  # noqa: E402
 
 PROMPTS = [[9, 21, 33, 4], [50, 51, 52, 53, 54, 55, 56, 57, 58, 59], [7, 8], [60, 61, 62, 63, 64, 65, 66],
@@ -189,3 +198,78 @@ def test_page_table_cache_equals_a_fresh_table_through_every_kind_of_change():
             change()
         rows = [SimpleNamespace(req=r) for r in reqs]
         assert bufs.page_table(rows, n_rows).tolist() == fresh(reqs, n_rows).tolist()
+
+
+# ------------------------------------------------------------------------------------------------
+# prefill graphs (opt-in): one-row prompt chunks padded to token buckets
+# ------------------------------------------------------------------------------------------------
+
+
+def test_prefill_buckets_and_which_steps_qualify():
+    assert prefill_bucket_sizes(2048) == [16, 32, 64, 96, 128, 160, 192, 224, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert prefill_bucket_sizes(100) == [16, 32, 64, 96] and prefill_bucket_sizes(8) == []
+    prompt = ScheduledRow(_Req(0, [1, 2, 3, 4, 5]), 0, [1] * 20, 0, True, False, False, 0)
+    assert is_prefill_shaped(ScheduledBatch([prompt], []))
+    assert not is_prefill_shaped(ScheduledBatch([prompt, prompt], []))  # two rows: eager
+    assert not is_prefill_shaped(ScheduledBatch([_row(0)], []))  # a decode row (gathered) is not a prompt chunk
+    for extra in ({"repetition_penalty": 1.2}, {"min_tokens": 2}, {"prompt_logprobs": 1}):
+        req = _Req(0, [1, 2, 3, 4, 5], SamplingParams(**extra))
+        assert not is_prefill_shaped(ScheduledBatch([ScheduledRow(req, 0, [1] * 20, 0, True, False, False, 0)], []))
+
+
+def test_prefill_padding_row_touches_only_trash_and_dump(model_dir, head_dir):
+    """A 20-token prompt chunk takes bucket 32 (the first > 20): one padding row of 12 tokens on the trash
+    page and the dump slot, verifying nothing, sampling nothing; max_q fixed at the bucket; the real row's
+    values as unpadded. Off unless asked, and no bucket holds a chunk as wide as the largest."""
+    llm = llm_for(model_dir, head_dir, 3, graph_shapes=True, prefill_graphs=True)
+    eng = llm.engine
+    row = ScheduledRow(_Req(1, [5, 6, 7, 8, 9]), 0, list(range(3, 23)), 0, True, False, False, 0)
+    batch = ScheduledBatch([row], [])
+    assert eng.graphs.bucket(batch) == (PREFILL, 32)
+    inp = eng.graphs.build(batch, (PREFILL, 32))
+    assert inp.num_rows == 2 and inp.num_tokens == 32 and inp.meta.max_q == 32
+    assert inp.meta.max_kv == eng.table_width * 4
+    assert inp.row_qlen.tolist() == [20, 12] and inp.row_num_drafts.tolist() == [0, 0]
+    assert inp.row_slot.tolist() == [1, eng.runner.dump_slot]
+    assert inp.row_samples.tolist() == [True, False] and not inp.row_gather.any()
+    assert inp.meta.page_table[1].tolist() == [TRASH_PAGE] * eng.table_width
+    assert inp.input_ids[:20].tolist() == list(range(3, 23))
+    meta = inp.meta.with_lengths(inp.meta.kv_lens)
+    assert (meta.slot_mapping[20:] // 4 == TRASH_PAGE).all() and not (meta.slot_mapping[:20] // 4 == TRASH_PAGE).any()
+    wide = ScheduledRow(_Req(1, list(range(1, 17))), 0, [5] * 64, 0, True, False, False, 0)
+    assert eng.graphs.bucket(ScheduledBatch([wide], [])) is None  # 64 tokens: no bucket > 64 within the budget
+    assert llm_for(model_dir, head_dir, 3, graph_shapes=True).engine.graphs.bucket(batch) is None  # opt-in
+
+
+@pytest.mark.parametrize("k, overlap", [(0, False), (3, False), (3, True)])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_prefill_graph_shaped_steps_give_the_same_tokens(model_dir, head_dir, k, overlap, sampled):
+    """Prompts of several lengths, one request at a time (so every prompt step has one row) and then all at
+    once (multi-row prompt steps stay eager): padding prompt chunks to token buckets changes no token, and
+    at least two buckets were really used. A 70-token prompt is chunked (64 + 6): its second chunk reads a
+    cached prefix."""
+    prompts = [[9, 21, 33, 4], list(range(50, 70)), list(range(3, 73)), [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
+    if sampled:
+        params = [SamplingParams(temperature=0.9, top_k=20, max_tokens=5 + 2 * i, seed=40 + i, ignore_eos=True)
+                  for i in range(len(prompts))]
+    else:
+        params = [SamplingParams(temperature=0, max_tokens=5 + 2 * i, ignore_eos=True) for i in range(len(prompts))]
+    plain = llm_for(model_dir, head_dir, k, overlap=overlap, max_model_len=96)
+    padded = llm_for(model_dir, head_dir, k, overlap=overlap, max_model_len=96, graph_shapes=True,
+                     prefill_graphs=True)
+    seen = []
+    build = padded.engine.graphs.build
+
+    def spy(batch, bucket):
+        seen.append(bucket)
+        return build(batch, bucket)
+
+    padded.engine.graphs.build = spy
+    for p, sp in zip(prompts, params):
+        want = plain.generate([p], sp)[0].outputs[0].token_ids
+        assert padded.generate([p], sp)[0].outputs[0].token_ids == want, p
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in padded.generate(prompts, params)] == want
+    used = {b[1] for b in seen if isinstance(b, tuple)}
+    assert len(used) >= 2, used
+    assert_clean(padded)

@@ -112,7 +112,7 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
               page_size=a.page_size, max_num_tokens=a.max_num_tokens, max_model_len=mml, max_num_seqs=max_b,
               num_pages=1 + max_b * pages_per_seq, overlap=overlap, attention_backend=a.attention_backend,
               moe_backend=a.moe_backend, enforce_eager=a.enforce_eager, load_format=geo.load_format,
-              tensor_parallel_size=tp)
+              tensor_parallel_size=tp, prefill_graphs=getattr(a, "prefill_graphs", False))
     try:  # the measurements, then the workers stop (tensor parallel) whatever happened
         return _measure(a, llm, geo, dev, k, say, t0)
     finally:
@@ -177,6 +177,7 @@ def _measure(a: argparse.Namespace, llm, geo: geometries.Geometry, dev: torch.de
         "settings": {"batch_sizes": list(a.batch_sizes), "prompt_len": a.prompt_len, "max_tokens": a.max_tokens,
                      "repeats": a.repeats, "decode_steps": a.decode_steps, "profile_steps": a.profile_steps,
                      "kernel_table": getattr(a, "kernel_table", 0),
+                     "prefill_graphs": getattr(a, "prefill_graphs", False),
                      "num_draft_tokens": k, "prompts": prompt_source, "seed": a.seed},
         "bandwidth": bw,
         "build_s": build_s,

@@ -16,6 +16,14 @@ buffer, which the host may still be reading under overlap).
 Graphs are keyed by (bucket, mode), mode = (any row samples, any row wants logprobs, any row has
 penalties); K is fixed per engine. All share one memory pool; the greedy graphs are captured at startup,
 largest bucket first, and the others on first use. Steps that are not graph-shaped (prompt chunks, mixed steps) run eagerly.
+
+Prefill graphs (opt-in, `prefill=True`): a step of one prompt-chunk row (no penalties, no prompt
+logprobs) of L tokens is padded to the next token bucket T > L (`prefill_bucket_sizes`: up to the token
+budget, at most 2,048)
+with one padding row of T - L tokens on the trash page, and max_q fixed at T, so its launch shape is
+(2 rows, T tokens); it is captured on first use under the key (("prefill", T), mode). A batch-1 request
+then prefills by replay instead of ~10 ms of eager launches. The real row computes what it computes
+unpadded (tokens after it in another row never reach it); the padding row samples nothing.
 Graph-shaped steps get the same padding and KV bound when they run eagerly (enforce_eager), so eager and
 replay launch the same kernels on the same shapes and agree token for token.
 
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -61,6 +70,32 @@ def is_graph_shaped(batch: ScheduledBatch, k: int) -> bool:
                                     for r in batch.rows)
 
 
+PREFILL = "prefill"  # the first field of a prefill graph's bucket key: (PREFILL, tokens)
+
+
+def prefill_bucket_sizes(max_tokens: int, cap: int = 2048) -> list[int]:
+    """Token buckets of prefill graphs, up to min(max_tokens, cap): 16, then every 32 tokens to 256, then
+    1.5x steps (384, 512, 768, 1024, ...). A chunk of L tokens takes the first bucket > L (the padding row
+    needs a token), so a 128-token prompt pads to 160, not 256."""
+    top = min(max_tokens, cap)
+    out = [16] + list(range(32, 257, 32))
+    t = 256
+    while t < top:
+        t = t + t // 2 if t & (t - 1) == 0 else t // 3 * 4  # 256 -> 384 -> 512 -> 768 -> 1024 ...
+        out.append(t)
+    return [b for b in out if b <= top]
+
+
+def is_prefill_shaped(batch: ScheduledBatch) -> bool:
+    """One prompt-chunk row (its tokens from the host), no drafts to verify, no penalties (their min_tokens
+    stop ids change the step's buffer layout) and no prompt logprobs (they read every position)."""
+    if len(batch.rows) != 1:
+        return False
+    r = batch.rows[0]
+    p = r.req.params
+    return not r.gather and r.num_drafts == 0 and not p.has_penalties and p.prompt_logprobs is None
+
+
 def mode_of(batch: ScheduledBatch) -> tuple[bool, bool, bool]:
     """What build_step_input computes as the step's mode (input_builder.step_mode)."""
     return step_mode([r.req.params for r in batch.rows])
@@ -71,14 +106,18 @@ class GraphRunner:
     and padding (so enforce_eager computes exactly what a replay computes) but never captures."""
 
     def __init__(self, runner: ModelRunner, bufs: StepBuffers, k: int, max_rows: int, page_size: int,
-                 table_width: int, graphs: bool, ops=None, driver=None):
+                 table_width: int, graphs: bool, ops=None, driver=None, prefill: bool = False):
         self.runner, self.bufs, self.k, self.driver = runner, bufs, k, driver
         self.page_size, self.table_width, self.ops = page_size, table_width, ops
         self.max_kv = table_width * page_size  # the fixed KV bound of every graph-shaped step
         # A bucket must fit the step buffers once padded: rows x (1 + K) tokens.
         self.buckets = [b for b in bucket_sizes(max_rows) if b * (k + 1) <= bufs.max_tokens]
+        # Prefill graphs need a second (padding) row; tensor parallel keeps them off (the driver's broadcast
+        # protocol carries decode buckets only).
+        self.prefill_buckets = (prefill_bucket_sizes(bufs.max_tokens)
+                                if prefill and bufs.max_rows >= 2 and driver is None else [])
         self.use_graphs = graphs and runner.device.type == "cuda"
-        self.graphs: dict[tuple[int, tuple[bool, bool, bool]], tuple[torch.cuda.CUDAGraph, StepOutput]] = {}
+        self.graphs: dict[tuple[Any, tuple[bool, bool, bool]], tuple[torch.cuda.CUDAGraph, StepOutput]] = {}
         self.pool = None
         self.capture_seconds = 0.0
         self.num_replays = 0
@@ -86,28 +125,38 @@ class GraphRunner:
             driver.attach(self)  # its shutdown releases these graphs before NCCL's teardown (release())
 
     # ---- planning -------------------------------------------------------------------------------
-    def bucket(self, batch: ScheduledBatch) -> int | None:
-        if not is_graph_shaped(batch, self.k):
-            return None
-        return bucket_for(len(batch.rows), self.buckets)
+    def bucket(self, batch: ScheduledBatch) -> Any:
+        """The step's graph bucket: rows (a decode / verify step), (PREFILL, tokens) (a prefill graph's), or
+        None (eager)."""
+        if is_graph_shaped(batch, self.k):
+            return bucket_for(len(batch.rows), self.buckets)
+        if self.prefill_buckets and is_prefill_shaped(batch):
+            t = bucket_for(batch.rows[0].num_tokens + 1, self.prefill_buckets)  # >= 1 padding token
+            return (PREFILL, t) if t is not None else None
+        return None
 
-    def build(self, batch: ScheduledBatch, bucket: int | None) -> StepInput:
+    def build(self, batch: ScheduledBatch, bucket: Any) -> StepInput:
         """The step's inputs: padded to its bucket with the fixed KV bound, or as they are."""
         if bucket is None:
             return build_step_input(batch, self.page_size, self.table_width, self.runner.device, self.bufs,
                                     dump_slot=self.runner.dump_slot, ops=self.ops)
+        if isinstance(bucket, tuple):  # a prefill graph's: one padding row fills the row to `t` tokens
+            t = bucket[1]
+            return build_step_input(batch, self.page_size, self.table_width, self.runner.device, self.bufs,
+                                    pad_rows_to=2, max_kv=self.max_kv, dump_slot=self.runner.dump_slot,
+                                    pad_q=t - batch.rows[0].num_tokens, pad_drafts=0, max_q=t, ops=self.ops)
         return build_step_input(batch, self.page_size, self.table_width, self.runner.device, self.bufs,
                                 pad_rows_to=bucket, max_kv=self.max_kv, dump_slot=self.runner.dump_slot,
                                 pad_q=self.k + 1, ops=self.ops)
 
     # ---- running --------------------------------------------------------------------------------
-    def ensure(self, batch: ScheduledBatch, bucket: int | None) -> None:
+    def ensure(self, batch: ScheduledBatch, bucket: Any) -> None:
         """Capture the step's graph if it is missing -- before its inputs are built, since capturing fills
         the same buffers with padding rows."""
         if bucket is not None and self.use_graphs and (bucket, mode_of(batch)) not in self.graphs:
             self.capture(bucket, mode_of(batch))
 
-    def run(self, inp: StepInput, bucket: int | None) -> StepOutput:
+    def run(self, inp: StepInput, bucket: Any) -> StepOutput:
         """Execute one step: replay its graph, or run eagerly. The outputs are not yet copied to the host."""
         if self.driver is not None:  # tensor parallel, rank 0: the workers run the same step
             with self.driver.guard():
@@ -115,7 +164,7 @@ class GraphRunner:
                 return self._run(inp, bucket)
         return self._run(inp, bucket)
 
-    def _run(self, inp: StepInput, bucket: int | None) -> StepOutput:
+    def _run(self, inp: StepInput, bucket: Any) -> StepOutput:
         if bucket is None or not self.use_graphs:
             return self.runner.execute(inp)
         graph, static = self.graphs[(bucket, inp.mode)]
@@ -147,7 +196,7 @@ class GraphRunner:
         log.info("captured %d CUDA graphs (buckets %s, K=%d) in %.1f s; graph memory %.0f MiB",
                  len(self.graphs), self.buckets, self.k, self.capture_seconds, used)
 
-    def capture(self, bucket: int, mode: tuple[bool, bool, bool]) -> None:
+    def capture(self, bucket: Any, mode: tuple[bool, bool, bool]) -> None:
         """Capture `execute` on padding rows only (they touch nothing but the trash page and the dump
         slot), so capturing in the middle of serving changes no request's state."""
         if self.driver is not None:
@@ -156,11 +205,16 @@ class GraphRunner:
                 return self._capture(bucket, mode)
         self._capture(bucket, mode)
 
-    def _capture(self, bucket: int, mode: tuple[bool, bool, bool]) -> None:
+    def _capture(self, bucket: Any, mode: tuple[bool, bool, bool]) -> None:
         t0 = time.perf_counter()
+        if isinstance(bucket, tuple):  # prefill: two padding rows of t / 2 tokens, max_q t (the real steps' shape)
+            t = bucket[1]
+            shape = dict(pad_rows_to=2, pad_q=t // 2, pad_drafts=0, max_q=t)
+        else:
+            shape = dict(pad_rows_to=bucket, pad_q=self.k + 1)
         inp = build_step_input(ScheduledBatch([], []), self.page_size, self.table_width, self.runner.device,
-                               self.bufs, pad_rows_to=bucket, max_kv=self.max_kv, dump_slot=self.runner.dump_slot,
-                               pad_q=self.k + 1, ops=self.ops, mode=mode)
+                               self.bufs, max_kv=self.max_kv, dump_slot=self.runner.dump_slot, ops=self.ops,
+                               mode=mode, **shape)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.runner.device)

@@ -118,15 +118,16 @@ class StepBuffers:
                 src[i] = None
         return table[:n_rows].reshape(-1)
 
-    def token_index(self, q_lens: list[int]) -> tuple[np.ndarray, ...]:
+    def token_index(self, q_lens: list[int], max_q: int = 0) -> tuple[np.ndarray, ...]:
         """(tok_row, tok_col, row_first, q_index, q_valid) of rows of these lengths, the last two flat
-        [B * max_q]. Steps with the same row lengths (every replay of a graph bucket) share them: read-only."""
-        key = tuple(q_lens)
+        [B * max_q] (max_q: at least the widest row). Steps with the same row lengths (every replay of a
+        graph bucket) share them: read-only."""
+        key = (*q_lens, -max_q)
         got = self._token_index.get(key)
         if got is None:
             if len(self._token_index) >= 512:  # prompt steps' lengths vary; keep the cache bounded
                 self._token_index.clear()
-            got = self._token_index[key] = _token_index(q_lens)
+            got = self._token_index[key] = _token_index(q_lens, max_q)
         return got
 
 
@@ -191,11 +192,11 @@ def _stage(host: dict[str, np.ndarray], plan: list[tuple[str, str, int, int]], v
         host[kind][start:end] = values[name]
 
 
-def _token_index(q_lens: list[int]) -> tuple[np.ndarray, ...]:
+def _token_index(q_lens: list[int], max_q: int = 0) -> tuple[np.ndarray, ...]:
     """Per token its row and column, per row its first token, and the [B, max_q] map of row columns to
-    tokens with its validity mask (flattened)."""
+    tokens with its validity mask (flattened); max_q at least the widest row."""
     n_rows, t = len(q_lens), sum(q_lens)
-    max_q = max(q_lens, default=1)
+    max_q = max(max(q_lens, default=1), max_q)
     tok_row = np.repeat(np.arange(n_rows), q_lens)
     first = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int64) if n_rows else np.zeros(0, np.int64)
     tok_col = np.arange(t) - first[tok_row] if t else np.zeros(0, np.int64)
@@ -247,10 +248,12 @@ def step_mode(params: list) -> tuple[bool, bool, bool]:
 def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, device: torch.device,
                      bufs: StepBuffers | None = None, pad_rows_to: int = 0, max_kv: int = 0,
                      dump_slot: int = 0, pad_q: int = 0, ops: Any = None,
-                     mode: tuple[bool, bool, bool] | None = None) -> StepInput:
+                     mode: tuple[bool, bool, bool] | None = None, max_q: int = 0,
+                     pad_drafts: int | None = None) -> StepInput:
     """Pack one step. `pad_rows_to` appends padding rows (trash page, dump slot, greedy, no sampling) up to
-    that many rows, each `pad_q` tokens wide (0: as wide as the first real row); `max_kv` (0: the step's
-    own bound) fixes the metadata's kv bound, so that steps of one graph bucket get one launch shape.
+    that many rows, each `pad_q` tokens wide (0: as wide as the first real row) and "verifying" `pad_drafts`
+    drafts (None: pad_q - 1, a decode row's); `max_kv` (0: the step's own bound) and `max_q` (0: the widest
+    row) fix the metadata's bounds, so that steps of one graph bucket get one launch shape.
     `mode` overrides (any_random, want_logprobs, penalties) -- a graph captured on padding rows alone needs it.
     `ops` are the engine's fast paths, handed to the models with the metadata. `bufs` None allocates
     buffers for exactly this step (tests)."""
@@ -262,7 +265,7 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
     q_lens = [r.num_tokens for r in rows] + [pad_q] * pad
     kv_lens = [r.kv_len for r in rows] + [pad_q] * pad
     t = sum(q_lens)
-    max_q = max(q_lens) if q_lens else 1
+    max_q = max(max(q_lens) if q_lens else 1, max_q)
     if bufs is None:
         bufs = StepBuffers(max(t, 1), max(n_rows, 1), table_width, device)
     if t > bufs.max_tokens or n_rows > bufs.max_rows:
@@ -271,7 +274,7 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
     for r in rows:
         ids += r.tokens
     ids += [0] * (t - len(ids))
-    tok_row, tok_col, first, q_index, q_valid = bufs.token_index(q_lens)
+    tok_row, tok_col, first, q_index, q_valid = bufs.token_index(q_lens, max_q)
     params = [r.req.params for r in rows]
     any_random, want_logprobs, any_penalty = mode or step_mode(params)
     want_prompt_lp = any(not r.gather and r.req.params.prompt_logprobs is not None
@@ -280,7 +283,8 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
         "input_ids": ids, "q_lens": q_lens, "kv_lens": kv_lens, "page_table": bufs.page_table(rows, n_rows),
         "tok_row": tok_row, "tok_col": tok_col, "q_index": q_index,
         "row_slot": [r.req.slot for r in rows] + [dump_slot] * pad,
-        "row_first": first, "row_num_drafts": [r.num_drafts for r in rows] + [max(pad_q - 1, 0)] * pad,
+        "row_first": first,
+        "row_num_drafts": [r.num_drafts for r in rows] + [max(pad_q - 1, 0) if pad_drafts is None else pad_drafts] * pad,
         "row_next_token": [r.next_token for r in rows] + [0] * pad, "seed": [r.req.seed for r in rows] + [0] * pad,
         "top_k": [p.top_k for p in params] + [0] * pad,
         "temperature": [p.temperature for p in params] + [0.0] * pad, "top_p": [p.top_p for p in params] + [1.0] * pad,

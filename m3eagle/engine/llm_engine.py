@@ -72,6 +72,9 @@ class EngineConfig:
     # Pad steady decode / verify steps to graph buckets with a fixed KV bound (graph_runner.py). None: on
     # for CUDA, where replay and eager must launch identical shapes; tests turn it on for CPU.
     graph_shapes: bool | None = None
+    # Prompt chunks of one row replay CUDA graphs too, padded to power-of-two token buckets (graph_runner.py).
+    # Opt-in until a GPU run prices it.
+    prefill_graphs: bool = False
     # The share of the device's memory this process may use; the KV pool gets what weights and the
     # activation reserve leave of it (kv_budget.py). CUDA only, and only when num_pages is 0.
     gpu_memory_utilization: float = 0.9
@@ -150,7 +153,8 @@ class LLMEngine:
         self.buffers = StepBuffers(max_tokens, cfg.max_num_seqs, self.table_width, device)
         graph_shapes = cfg.graph_shapes if cfg.graph_shapes is not None else device.type == "cuda"
         self.graphs = GraphRunner(self.runner, self.buffers, k, cfg.max_num_seqs, cfg.page_size, self.table_width,
-                                  graphs=not cfg.enforce_eager, ops=self.ops, driver=driver)
+                                  graphs=not cfg.enforce_eager, ops=self.ops, driver=driver,
+                                  prefill=cfg.prefill_graphs)
         self.graph_shapes = graph_shapes
         self.tp = tp
         if tp.is_driver:  # a worker captures when rank 0 tells it to, in rank 0's order

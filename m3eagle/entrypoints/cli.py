@@ -116,6 +116,9 @@ def _device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", action="store_true",
                    help="at startup, run dummy prompts of every power-of-two chunk size once (Triton compiles "
                         "then, not on a request's first use of a shape)")
+    p.add_argument("--prefill-graphs", action="store_true",
+                   help="one-row prompt chunks replay CUDA graphs too (power-of-two token buckets, captured on "
+                        "first use); off by default until measured")
     p.add_argument("--tensor-parallel-size", "-tp", type=int_in(1, 1024), default=1,
                    help="split the target over N ranks (one per GPU; see docs/parallel.md)")
 
@@ -130,6 +133,7 @@ def _make_llm(a: argparse.Namespace):
                dtype=a.dtype, max_model_len=a.max_model_len, max_num_tokens=a.max_num_tokens,
                page_size=a.page_size, overlap=overlap, attention_backend=a.attention_backend,
                moe_backend=a.moe_backend, enforce_eager=a.enforce_eager, warmup=a.warmup,
+               prefill_graphs=a.prefill_graphs,
                tensor_parallel_size=a.tensor_parallel_size, **extra)
 
 
