@@ -15,7 +15,8 @@
 #    m3-8b bench last; REPLAY=0 / MOE=0 skip stages 3 / 4's MoE part; MOE_TUNE=1 makes stage 4 retune the
 #    MoE block table first (`moe_kernel.py --tune --write`, < 2 min on an H200) and return the rewritten
 #    m3eagle/moe/tuned_configs.json as $OUT/tuned_configs.json, so the benches after it use the new table;
-#    MSA=1 runs benchmarks/msa_step.py (MSA vs dense steps, kernel tables at 1k and 16k) after the tests.
+#    MSA=1 runs benchmarks/msa_step.py (MSA vs dense steps, kernel tables at 1k and 16k) after the tests;
+#    PREFILL=1 runs the embedded bench a second time with --prefill-graphs (A/B in one call).
 # Everything lands in $OUT/check.tgz (one file: the device tool brings back few, small files).
 set -uo pipefail
 OUT=${OUT:?set OUT}
@@ -38,6 +39,12 @@ timeout 150 python3 -m m3eagle bench --geometry embedded --batch-sizes 1,32 --ma
   --kernel-table 25 --json "$W/bench_embedded.json" > "$W/bench_embedded.log" 2>&1
 stamp "embedded bench: exit $?"
 grep -A 6 "^batch mode" "$W/bench_embedded.log"
+if [[ ${PREFILL:-0} == 1 ]]; then
+  timeout 150 python3 -m m3eagle bench --geometry embedded --batch-sizes 1,32 --max-tokens 128 --repeats 5 \
+    --kernel-table 25 --prefill-graphs --json "$W/bench_embedded_prefill_graphs.json" > "$W/bench_embedded_prefill_graphs.log" 2>&1
+  stamp "embedded bench --prefill-graphs: exit $?"
+  grep -A 6 "^batch mode" "$W/bench_embedded_prefill_graphs.log"
+fi
 if [[ ${REPLAY:-1} == 1 ]]; then
   timeout 120 python3 benchmarks/replay_wall.py --profile > "$W/replay_wall.jsonl" 2> "$W/replay_wall.log"
   stamp "replay_wall: exit $?"
