@@ -170,20 +170,7 @@ class Timer:
             for _ in range(calls):
                 fn()
             return (time.perf_counter() - t0) * 1e3 / calls
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the capture stream: Triton compiles, allocator settles
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        # a private pool per capture: a pool shared with graphs already deleted trips an allocator assert
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
+        graph = self._capture(fn, calls)
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(self.reps)]
         for start, end in events:
@@ -203,18 +190,7 @@ class Timer:
 
         from m3eagle.bench.offline import top_kernels
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        graph.replay()
-        torch.cuda.synchronize()
+        graph = self._capture(fn, 1)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(reps):
                 graph.replay()
@@ -223,6 +199,25 @@ class Timer:
                  if e.device_type == DeviceType.CUDA]
         del graph
         return top_kernels(spans, reps, n=25)
+
+    @staticmethod
+    def _capture(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:
+        """`calls` back-to-back calls of fn in one CUDA graph, warmed up and replayed once."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture stream: Triton compiles, allocator settles
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        # a private pool per capture: a pool shared with graphs already deleted trips an allocator assert
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        return graph
 
 
 # ---- 1. whole steps -------------------------------------------------------------------------------------

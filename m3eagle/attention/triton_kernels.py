@@ -509,13 +509,12 @@ def _index_merge_kernel(
                              min_blocks_per_split)
     live = tl.minimum(num_splits, own // bps + 1) * BLOCK_K  # candidates of the splits that start <= own
     base = tok * stride_pt + h * stride_ph
-    ptr = Sel + tok * stride_st + h * stride_sh + offs_o[None, :]
     if live <= SMALL_C:  # few live splits (a shorter row under a long bound): a narrower, cheaper emit
         out = _merge_lists(PartS, PartId, base, live, TOPK, SMALL_C, BLOCK_O)
-        tl.store(ptr, out.to(tl.int64), mask=(offs_o < TOPK)[None, :])
     else:
         out = _merge_lists(PartS, PartId, base, live, TOPK, BLOCK_C, BLOCK_O)
-        tl.store(ptr, out.to(tl.int64), mask=(offs_o < TOPK)[None, :])
+    tl.store(Sel + tok * stride_st + h * stride_sh + offs_o[None, :], out.to(tl.int64),
+             mask=(offs_o < TOPK)[None, :])
 
 
 @triton.jit

@@ -19,12 +19,12 @@ largest bucket first, and the others on first use. Steps that are not graph-shap
 
 Prefill graphs (opt-in, `prefill=True`): a step of one prompt-chunk row (no penalties, no prompt
 logprobs) of L tokens is padded to the next token bucket T > L (`prefill_bucket_sizes`: up to the token
-budget, at most 2,048)
-with one padding row of T - L tokens on the trash page, and max_q fixed at T, so its launch shape is
-(2 rows, T tokens); it is captured on first use under the key (("prefill", T), mode). A batch-1 request
-then prefills by replay instead of eager launches (an eager 128-token prefill took 10.6 ms of host time on
-the embedded model in the second session's timeline; the replay is not yet measured). The real row computes what it computes
-unpadded (tokens after it in another row never reach it); the padding row samples nothing.
+budget, at most 2,048) with one padding row of T - L tokens on the trash page, and max_q fixed at T, so
+its launch shape is (2 rows, T tokens); it is captured on first use under the key (("prefill", T), mode).
+A batch-1 request then prefills by replay instead of eager launches (an eager 128-token prefill took
+10.6 ms of host time on the embedded model in the second session's timeline; the replay is not yet
+measured). The real row computes what it computes unpadded (tokens after it in another row never reach
+it); the padding row samples nothing.
 Graph-shaped steps get the same padding and KV bound when they run eagerly (enforce_eager), so eager and
 replay launch the same kernels on the same shapes and agree token for token.
 
@@ -141,14 +141,18 @@ class GraphRunner:
         if bucket is None:
             return build_step_input(batch, self.page_size, self.table_width, self.runner.device, self.bufs,
                                     dump_slot=self.runner.dump_slot, ops=self.ops)
-        if isinstance(bucket, tuple):  # a prefill graph's: one padding row fills the row to `t` tokens
-            t = bucket[1]
-            return build_step_input(batch, self.page_size, self.table_width, self.runner.device, self.bufs,
-                                    pad_rows_to=2, max_kv=self.max_kv, dump_slot=self.runner.dump_slot,
-                                    pad_q=t - batch.rows[0].num_tokens, pad_drafts=0, max_q=t, ops=self.ops)
         return build_step_input(batch, self.page_size, self.table_width, self.runner.device, self.bufs,
-                                pad_rows_to=bucket, max_kv=self.max_kv, dump_slot=self.runner.dump_slot,
-                                pad_q=self.k + 1, ops=self.ops)
+                                max_kv=self.max_kv, dump_slot=self.runner.dump_slot, ops=self.ops,
+                                **self._padding(bucket, batch.rows[0].num_tokens if batch.rows else 0))
+
+    def _padding(self, bucket: Any, real_tokens: int) -> dict[str, int]:
+        """build_step_input's padding arguments of a bucket. Decode: rows of 1 + K tokens up to `bucket`
+        rows. Prefill (PREFILL, t): two rows of t tokens in all, max_q t -- a real row of `real_tokens` and
+        one padding row, or (capture, no real row) two padding rows of t / 2; padding rows verify nothing."""
+        if isinstance(bucket, tuple):
+            t = bucket[1]
+            return dict(pad_rows_to=2, pad_q=t - (real_tokens or t // 2), pad_drafts=0, max_q=t)
+        return dict(pad_rows_to=bucket, pad_q=self.k + 1)
 
     # ---- running --------------------------------------------------------------------------------
     def ensure(self, batch: ScheduledBatch, bucket: Any) -> None:
@@ -208,14 +212,9 @@ class GraphRunner:
 
     def _capture(self, bucket: Any, mode: tuple[bool, bool, bool]) -> None:
         t0 = time.perf_counter()
-        if isinstance(bucket, tuple):  # prefill: two padding rows of t / 2 tokens, max_q t (the real steps' shape)
-            t = bucket[1]
-            shape = dict(pad_rows_to=2, pad_q=t // 2, pad_drafts=0, max_q=t)
-        else:
-            shape = dict(pad_rows_to=bucket, pad_q=self.k + 1)
         inp = build_step_input(ScheduledBatch([], []), self.page_size, self.table_width, self.runner.device,
                                self.bufs, max_kv=self.max_kv, dump_slot=self.runner.dump_slot, ops=self.ops,
-                               mode=mode, **shape)
+                               mode=mode, **self._padding(bucket, 0))
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.runner.device)
