@@ -21,8 +21,8 @@ Shapes: m3-mini (hidden 2048, 32 experts, top-4, intermediate 1024, shared 1024)
    the same FLOPs ([T*k, H] @ [H, 3I], its own LAYERS weights) and the HBM copy bandwidth of a 4 GiB
    device-to-device copy.
 4. --tune: per T bucket of the table, time the experts as the engine runs them (the shared expert fused in
-   when its width allows) for each candidate config (decode candidates
-   with small row blocks up to T = 256, prefill candidates from 256 up), keep the fastest that matches the
+   when its width allows) for each candidate config (direct-path candidates, block_m = 1, up to T = 32;
+   decode candidates with small row blocks up to T = 256, prefill candidates from 256 up), keep the fastest that matches the
    reference, print the table, and with --write merge it into m3eagle/moe/tuned_configs.json under this
    GPU's name. The timing pass then uses the tuned configs.
 
@@ -224,14 +224,16 @@ def check(shape: Shape, layer, t: int, tri, dev: torch.device, dtype: torch.dtyp
     return r
 
 
-def check_graph(shape: Shape, layer, tri, dev: torch.device, dtype: torch.dtype) -> dict:
+def check_graph(shape: Shape, layer, impl_of: Callable[[int], object], dev: torch.device,
+                dtype: torch.dtype) -> dict:
     """Capture the layer with the triton impl; replay on other inputs (other routing) == eager, bit for bit.
     Also one eager call with sync debug mode "error": any host sync would raise."""
     if dev.type != "cuda":
         return {"graph_equal": None, "no_sync": None}
     res = {}
     with torch.no_grad():
-        for t in (1, 37):
+        for t in (1, 4, 37):  # each with its bucket's config: the direct path at decode sizes when tuned so
+            tri = impl_of(t)
             xs = make_x(shape, t, dev, dtype, seed=7)
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
@@ -253,7 +255,8 @@ def check_graph(shape: Shape, layer, tri, dev: torch.device, dtype: torch.dtype)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            layer(x, impl=tri)
+            layer(x, impl=impl_of(1))
+            layer(x, impl=impl_of(5))
             res["no_sync"] = True
         except RuntimeError as err:
             res["no_sync"] = False
@@ -331,8 +334,12 @@ def time_step(shape: Shape, layers: list, t: int, tri, timer: Timer, dev: torch.
 def candidates(bucket: int, dev: torch.device):
     from m3eagle.moe.tuning import MoEConfig as C
 
-    if dev.type != "cuda":  # interpreter smoke test: two cheap configs
-        return [C(16, 32, 32, 1, 4, 3), C(32, 16, 64, 4, 4, 3)]
+    if dev.type != "cuda":  # interpreter smoke test: cheap configs of both paths
+        return [C(16, 32, 32, 1, 4, 3), C(32, 16, 64, 4, 4, 3)] + ([C(1, 16, 32, 1, 4, 3)] if bucket <= 32 else [])
+    # block_m = 1: the direct path (GEMV tiles, no alignment, combine inside down), for steps of few tokens
+    direct = [C(1, 4, 512, 1, 2, 3), C(1, 8, 256, 1, 2, 4), C(1, 8, 512, 1, 4, 3), C(1, 16, 128, 1, 2, 4),
+              C(1, 16, 256, 1, 4, 3), C(1, 16, 512, 1, 4, 2), C(1, 32, 128, 1, 4, 3), C(1, 32, 256, 1, 4, 3),
+              C(1, 64, 64, 1, 4, 3)]
     decode = [C(16, 16, 128, 1, 2, 4), C(16, 16, 256, 1, 4, 3), C(16, 32, 128, 1, 2, 4),
               C(16, 32, 64, 1, 4, 4), C(16, 32, 128, 1, 4, 4), C(16, 32, 256, 1, 4, 3), C(16, 64, 64, 1, 4, 4),
               C(16, 64, 128, 1, 4, 3), C(16, 64, 256, 1, 4, 2), C(16, 128, 128, 1, 8, 3),
@@ -340,6 +347,8 @@ def candidates(bucket: int, dev: torch.device):
     prefill = [C(32, 64, 128, 8, 4, 3), C(32, 128, 64, 8, 4, 3), C(64, 64, 64, 8, 4, 3), C(64, 128, 64, 8, 4, 3),
                C(64, 128, 64, 8, 8, 3), C(64, 64, 128, 8, 4, 3), C(128, 64, 64, 8, 4, 3),
                C(128, 128, 64, 8, 8, 3), C(128, 128, 32, 8, 8, 4)]
+    if bucket <= 32:
+        return direct + decode
     if bucket < 256:
         return decode
     if bucket == 256:
@@ -463,7 +472,7 @@ def main() -> None:
         log(f"\n{s.name}: hidden {s.hidden}, {s.experts} experts, top-{s.top_k}, intermediate {s.inter}, "
             f"shared {s.shared}, {dtype}")
         checks = [{"T": t, **check(s, layers[0], t, impl_for(s, t), dev, dtype)} for t in s.tokens]
-        graph = check_graph(s, layers[0], impl_for(s, 37), dev, dtype)
+        graph = check_graph(s, layers[0], lambda t, s=s: impl_for(s, t), dev, dtype)
         for c in checks:
             log(f"  check T={c['T']:<5} triton vs fp32 {c['err_triton_vs_fp32']:.2e} "
                 f"(bf16 ref {c['err_ref_bf16_vs_fp32']:.2e})  layer vs ref {c['err_layer_vs_ref']:.2e}  "
