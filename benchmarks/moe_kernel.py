@@ -21,8 +21,8 @@ Shapes: m3-mini (hidden 2048, 32 experts, top-4, intermediate 1024, shared 1024)
    the same FLOPs ([T*k, H] @ [H, 3I], its own LAYERS weights) and the HBM copy bandwidth of a 4 GiB
    device-to-device copy.
 4. --tune: per T bucket of the table, time the experts as the engine runs them (the shared expert fused in
-   when its width allows) for each candidate config (direct-path candidates, block_m = 1, up to T = 32;
-   decode candidates with small row blocks up to T = 256, prefill candidates from 256 up), keep the fastest that matches the
+   when its width allows) for each candidate config (decode candidates
+   with small row blocks up to T = 256, prefill candidates from 256 up), keep the fastest that matches the
    reference, print the table, and with --write merge it into m3eagle/moe/tuned_configs.json under this
    GPU's name. The timing pass then uses the tuned configs.
 
@@ -232,7 +232,7 @@ def check_graph(shape: Shape, layer, impl_of: Callable[[int], object], dev: torc
         return {"graph_equal": None, "no_sync": None}
     res = {}
     with torch.no_grad():
-        for t in (1, 4, 37):  # each with its bucket's config: the direct path at decode sizes when tuned so
+        for t in (1, 4, 37):  # each with its own bucket's config, as the engine picks it
             tri = impl_of(t)
             xs = make_x(shape, t, dev, dtype, seed=7)
             s = torch.cuda.Stream()
@@ -334,12 +334,8 @@ def time_step(shape: Shape, layers: list, t: int, tri, timer: Timer, dev: torch.
 def candidates(bucket: int, dev: torch.device):
     from m3eagle.moe.tuning import MoEConfig as C
 
-    if dev.type != "cuda":  # interpreter smoke test: cheap configs of both paths
-        return [C(16, 32, 32, 1, 4, 3), C(32, 16, 64, 4, 4, 3)] + ([C(1, 16, 32, 1, 4, 3)] if bucket <= 32 else [])
-    # block_m = 1: the direct path (GEMV tiles, no alignment, combine inside down), for steps of few tokens
-    direct = [C(1, 4, 512, 1, 2, 3), C(1, 8, 256, 1, 2, 4), C(1, 8, 512, 1, 4, 3), C(1, 16, 128, 1, 2, 4),
-              C(1, 16, 256, 1, 4, 3), C(1, 16, 512, 1, 4, 2), C(1, 32, 128, 1, 4, 3), C(1, 32, 256, 1, 4, 3),
-              C(1, 64, 64, 1, 4, 3)]
+    if dev.type != "cuda":  # interpreter smoke test: two cheap configs
+        return [C(16, 32, 32, 1, 4, 3), C(32, 16, 64, 4, 4, 3)]
     decode = [C(16, 16, 128, 1, 2, 4), C(16, 16, 256, 1, 4, 3), C(16, 32, 128, 1, 2, 4),
               C(16, 32, 64, 1, 4, 4), C(16, 32, 128, 1, 4, 4), C(16, 32, 256, 1, 4, 3), C(16, 64, 64, 1, 4, 4),
               C(16, 64, 128, 1, 4, 3), C(16, 64, 256, 1, 4, 2), C(16, 128, 128, 1, 8, 3),
@@ -347,8 +343,6 @@ def candidates(bucket: int, dev: torch.device):
     prefill = [C(32, 64, 128, 8, 4, 3), C(32, 128, 64, 8, 4, 3), C(64, 64, 64, 8, 4, 3), C(64, 128, 64, 8, 4, 3),
                C(64, 128, 64, 8, 8, 3), C(64, 64, 128, 8, 4, 3), C(128, 64, 64, 8, 4, 3),
                C(128, 128, 64, 8, 8, 3), C(128, 128, 32, 8, 8, 4)]
-    if bucket <= 32:
-        return direct + decode
     if bucket < 256:
         return decode
     if bucket == 256:

@@ -31,7 +31,6 @@ H, I, E = 32, 64, 8  # hidden, expert intermediate, experts
 ALPHA, LIMIT = 1.702, 7.0
 SMALL = MoEConfig(block_m=16, block_n=32, block_k=16, group_m=1)  # several K steps over H=32
 WIDE = MoEConfig(block_m=32, block_n=16, block_k=32, group_m=4)  # one K step, narrow N tiles, grouped order
-DIRECT = MoEConfig(block_m=1, block_n=16, block_k=16)  # the direct path: GEMV tiles, no alignment, two K steps
 
 
 def make_weights(seed: int, e: int = E) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,8 +61,8 @@ def run_both(x, w, idx, w13, w2, cfg: MoEConfig | None, expert_range=None) -> tu
     return out, ref
 
 
-@pytest.mark.parametrize("t,k,cfgs", [(1, 2, (SMALL, WIDE, DIRECT)), (3, 4, (SMALL, WIDE, DIRECT)),
-                                      (17, 2, (SMALL, WIDE, DIRECT)), (300, 2, (SMALL,))])
+@pytest.mark.parametrize("t,k,cfgs", [(1, 2, (SMALL, WIDE)), (3, 4, (SMALL, WIDE)), (17, 2, (SMALL, WIDE)),
+                                      (300, 2, (SMALL,))])
 def test_matches_reference(t, k, cfgs):
     w13, w2 = make_weights(t)
     x, w, idx = make_routing(t + 1, t, k)
@@ -85,7 +84,6 @@ def test_experts_without_tokens():
     x, w, _ = make_routing(8, 21, 2)
     idx = torch.tensor([[1, 5], [5, 1]] * 10 + [[5, 1]])
     assert_close(*run_both(x, w, idx, w13, w2, SMALL))
-    assert_close(*run_both(x[:3], w[:3], idx[:3], w13, w2, DIRECT))
     al = align(idx, 0, E, 16)
     assert int(al.num_blocks) == 4  # ceil(21 / 16) blocks for each of the two experts
 
@@ -98,25 +96,6 @@ def test_every_token_on_one_expert():
     w = torch.ones(40, 1)
     assert_close(*run_both(x, w, idx, w13, w2, SMALL))
     assert int(align(idx, 0, E, 16).num_blocks) == 3
-    assert_close(*run_both(x[:6], w[:6], idx[:6], w13, w2, DIRECT))
-
-
-def test_direct_path_is_taken_for_block_m_1(monkeypatch):
-    """A config with block_m = 1 (from the table or pinned) runs the direct kernels: no alignment, and the
-    combine inside the down kernel -- the grouped path's align and combine must not run."""
-    w13, w2 = make_weights(19)
-    x, w, idx = make_routing(20, 2, 2)
-    ref = reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT)
-
-    def refuse(*a, **k):
-        raise AssertionError("the grouped path ran")
-
-    monkeypatch.setattr(triton_moe, "align", refuse)
-    monkeypatch.setattr(triton_moe, "combine", refuse)
-    monkeypatch.setattr(tuning, "get_config", lambda *a, **k: DIRECT)
-    assert_close(triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT), ref)
-    with pytest.raises(AssertionError, match="grouped"):
-        triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=SMALL)
 
 
 def test_router_ties_give_the_same_layer_output():
@@ -135,30 +114,29 @@ def test_router_ties_give_the_same_layer_output():
     assert torch.all(w == 0.5)  # a real tie
     with torch.no_grad():
         ref = moe(x)
-        for cfg in (SMALL, DIRECT):
-            assert_close(moe(x, impl=backend.create("triton", config=cfg)), ref)
+        out = moe(x, impl=backend.create("triton", config=SMALL))
+    assert_close(out, ref)
 
 
-@pytest.mark.parametrize("t,cfg", [(3, SMALL), (33, SMALL), (3, DIRECT)])
-def test_expert_subsets_sum_to_the_full_result(t, cfg):
+@pytest.mark.parametrize("t", [3, 33])
+def test_expert_subsets_sum_to_the_full_result(t):
     w13, w2 = make_weights(13)
     x, w, idx = make_routing(14, t, 2)
     full = reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT)
     parts = []
     for e0, e1 in ((0, 3), (3, 4), (4, 8)):
-        out, ref = run_both(x, w, idx, w13, w2, cfg, (e0, e1))
+        out, ref = run_both(x, w, idx, w13, w2, SMALL, (e0, e1))
         assert_close(out, ref)
         shard = triton_moe.fused_experts(x, w, idx, w13[e0:e1].clone(), w2[e0:e1].clone(), ALPHA, LIMIT,
-                                         (e0, e1), config=cfg)  # a rank holding only its experts
+                                         (e0, e1), config=SMALL)  # a rank holding only its experts
         torch.testing.assert_close(shard, out, rtol=0, atol=0)
         parts.append(out)
     assert_close(sum(parts), full)
     # an empty subset contributes exactly zero
-    assert not triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (2, 2), config=cfg).any()
+    assert not triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (2, 2), config=SMALL).any()
 
 
-@pytest.mark.parametrize("cfg", [SMALL, DIRECT])
-def test_other_ranks_experts_are_never_read(cfg):
+def test_other_ranks_experts_are_never_read():
     """Under an expert range the weights of the experts outside it are never read: poisoned with NaN (in the
     full stacks a rank would slice), they must not reach the output, whose pairs routed elsewhere add zero."""
     w13, w2 = make_weights(17)
@@ -168,8 +146,7 @@ def test_other_ranks_experts_are_never_read(cfg):
     for stack in (w13, w2):
         stack[:e0] = float("nan")
         stack[e1:] = float("nan")
-    assert_close(triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (e0, e1), config=cfg), ref)
-
+    assert_close(triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (e0, e1), config=SMALL), ref)
 
 def test_unwritten_rows_are_never_read():
     """act rows of padding entries and contrib rows of other ranks' pairs are left unwritten (no memset):
@@ -241,7 +218,7 @@ def make_layer(seed: int, shared_inter: int = I, scaling: float = 2.5) -> Sparse
     return moe
 
 
-@pytest.mark.parametrize("t,cfg", [(1, SMALL), (3, WIDE), (17, SMALL), (300, SMALL), (1, DIRECT), (4, DIRECT)])
+@pytest.mark.parametrize("t,cfg", [(1, SMALL), (3, WIDE), (17, SMALL), (300, SMALL)])
 def test_shared_expert_fused_into_the_routed_kernels(t, cfg):
     """A shared expert as wide as the routed ones runs as one more expert of the same launches: the layer's
     paged output (routed * scale + shared, as one tensor) equals the reference layer."""

@@ -5,19 +5,7 @@
     act ──_down_kernel──► contrib [T * k, H]                         grouped GEMM, times the routing weight
     contrib ──_combine_kernel──► out [T, H]                          sum over k in fp32, fixed order
 
-Decode-sized steps take a second, direct path when the tuning table says so (a config with block_m = 1):
-
-    x [T, H] ──_gate_up_direct_kernel──► act [T * k (+T), I]      one program per (pair, column tile), a GEMV
-    act ──_down_direct_kernel──► out [T, H]                        one program per (token, column tile): its
-                                                                   k experts (+ shared) in order, summed in fp32
-
-No alignment and no combine: the pair's expert is read from idx, so a batch-1 step is two launches instead
-of four (the align and combine launches cost ~4 us of a ~30 us m3-mini MoE layer on an H200), and a GEMV's
-column tiles spread one expert's weights over many programs, where a 16-row MMA block wastes 15/16 of its
-rows on the one token. Weights shared by several tokens are read once per pair (from L2 when the programs
-run together), so the grouped path wins once several tokens share an expert; the tuner picks per T bucket.
-
-`reference.experts` is the oracle; tests/test_moe_kernel.py holds both paths equal to it.
+`reference.experts` is the oracle; tests/test_moe_kernel.py holds these kernels equal to it.
 
 No blocking CPU operation in this path and no data-dependent shape: every buffer and grid is the static
 worst case fixed by host ints (T, k, E, H, I, block_m); GEMM programs whose row block is past the device
@@ -187,107 +175,6 @@ def _combine_kernel(contrib_ptr, idx_ptr, out_ptr, hidden, e_start, num_local, r
     tl.store(out_ptr + t * stride_ot + offs * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-# ---- direct path (decode-sized steps): GEMV tiles, no alignment, combine fused into down ------------------
-
-
-@triton.jit
-def _pair_weights(w_ptr, ws_ptr, idx_ptr, pair, routed_pairs, e_start, num_local, stride_we,
-                  TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr):
-    """(token, weight base, local?) of pair id `pair`: routed pair t * k + j reads idx[t, j]; pairs from
-    routed_pairs on are the shared expert's (token = pair - routed_pairs). A pair whose expert is another
-    rank's gets local = False (and a valid base, never read)."""
-    token = pair // TOP_K
-    base = w_ptr
-    local = pair >= 0  # a device bool (branches below reassign it)
-    if HAS_SHARED:
-        if pair >= routed_pairs:
-            token = pair - routed_pairs
-            base = ws_ptr
-    if pair < routed_pairs:
-        e = tl.load(idx_ptr + pair).to(tl.int64) - e_start
-        local = (e >= 0) & (e < num_local)
-        base = w_ptr + tl.where(local, e, 0) * stride_we
-    return token.to(tl.int64), base, local
-
-
-@triton.jit(do_not_specialize=["routed_pairs", "e_start"])
-def _gate_up_direct_kernel(x_ptr, w_ptr, ws_ptr, idx_ptr, act_ptr, routed_pairs, e_start, num_local, hidden, inter,
-                           stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_ap, stride_ai,
-                           alpha, limit,
-                           TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           HAS_SHARED: tl.constexpr):
-    """Grid (pairs, cdiv(I, BLOCK_N)): act[pair, n] = swiglu_oai(x[token] . [gate_n; up_n]) for BLOCK_N
-    columns, as a GEMV in fp32 (bf16 products are exact in fp32, as in tl.dot). A pair of another rank's
-    expert writes nothing (the down kernel never reads it)."""
-    pair = tl.program_id(0)
-    token, w_base, local = _pair_weights(w_ptr, ws_ptr, idx_ptr, pair, routed_pairs, e_start, num_local, stride_we,
-                                         TOP_K, HAS_SHARED)
-    if not local:
-        return
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < inter
-    offs_k = tl.arange(0, BLOCK_K)
-    g_ptrs = w_base + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wh  # [BN, BK]
-    u_ptrs = g_ptrs + inter * stride_wn
-    x_ptrs = x_ptr + token * stride_xt + offs_k * stride_xh  # [BK]
-    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k_ok = offs_k < hidden - k0
-        xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        w_mask = n_ok[:, None] & k_ok[None, :]
-        acc_g += tl.sum(tl.load(g_ptrs, mask=w_mask, other=0.0).to(tl.float32) * xv, 1)
-        acc_u += tl.sum(tl.load(u_ptrs, mask=w_mask, other=0.0).to(tl.float32) * xv, 1)
-        x_ptrs += BLOCK_K * stride_xh
-        g_ptrs += BLOCK_K * stride_wh
-        u_ptrs += BLOCK_K * stride_wh
-    # The epilogue works on the fp32 sums, as the grouped path's does on its tl.dot accumulator.
-    gate = tl.minimum(acc_g, limit)
-    up = tl.minimum(tl.maximum(acc_u, -limit), limit)
-    act = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
-    tl.store(act_ptr + pair.to(tl.int64) * stride_ap + offs_n * stride_ai, act.to(act_ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit(do_not_specialize=["routed_pairs", "e_start"])
-def _down_direct_kernel(act_ptr, w_ptr, ws_ptr, idx_ptr, weights_ptr, out_ptr, routed_pairs, e_start, num_local,
-                        hidden, inter, routed_scale,
-                        stride_ap, stride_ai, stride_we, stride_wh, stride_wi, stride_ot, stride_oh,
-                        TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        HAS_SHARED: tl.constexpr):
-    """Grid (T, cdiv(H, BLOCK_N)): out[t, n] = sum_j w_j * round(act[t*k + j] . down[e_j][n]) over the token's
-    local pairs j in order, then the shared expert's (weight 1), in fp32 -- the combine, fused. A routed
-    pair's weight is its routing weight times routed_scale. Each expert's output is rounded to the
-    activation dtype before the weighting, as the reference's is."""
-    t = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < hidden
-    offs_k = tl.arange(0, BLOCK_K)
-    out_ty = act_ptr.dtype.element_ty
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in tl.static_range(TOP_K + HAS_SHARED):
-        pair = t * TOP_K + j
-        if j == TOP_K:  # the shared expert's pair
-            pair = routed_pairs + t
-        _, w_base, local = _pair_weights(w_ptr, ws_ptr, idx_ptr, pair, routed_pairs, e_start, num_local,
-                                         stride_we, TOP_K, HAS_SHARED)
-        if local:
-            w_ptrs = w_base + offs_n[:, None].to(tl.int64) * stride_wh + offs_k[None, :] * stride_wi  # [BN, BK]
-            a_ptrs = act_ptr + pair * stride_ap + offs_k * stride_ai  # [BK]
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, inter, BLOCK_K):
-                k_ok = offs_k < inter - k0
-                a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-                acc += tl.sum(w * a[None, :], 1)
-                a_ptrs += BLOCK_K * stride_ai
-                w_ptrs += BLOCK_K * stride_wi
-            scale = 1.0
-            if j < TOP_K:
-                scale = tl.load(weights_ptr + pair).to(tl.float32) * routed_scale
-            total += acc.to(out_ty).to(tl.float32) * scale
-    tl.store(out_ptr + t * stride_ot + offs_n * stride_oh, total.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
 Shared = tuple[torch.Tensor, torch.Tensor]
 """A shared expert's (gate_up_proj [2I, H], down_proj [H, I]), run as one more expert of the grouped GEMMs."""
 
@@ -364,32 +251,6 @@ def combine(contrib: torch.Tensor, idx: torch.Tensor, e_start: int, num_local: i
     return out
 
 
-def direct_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   e0: int, alpha: float, limit: float, cfg: MoEConfig, shared: Shared | None = None,
-                   routed_scale: float = 1.0) -> torch.Tensor:
-    """The direct path (cfg.block_m == 1): x [T, H], weights / idx [T, k], local stacks w13 [E_l, 2I, H],
-    w2 [E_l, H, I] -> [T, H] in x.dtype. Same contract as the grouped path of `fused_experts`."""
-    t, k = idx.shape
-    inter, hidden = w2.shape[2], w2.shape[1]
-    idx = idx.contiguous()  # the kernels read idx[t, j] at t * k + j
-    weights = weights.reshape(-1).float().contiguous()  # [T*k] fp32; no copy when it already is
-    s13, s2 = shared if shared is not None else (w13, w2)
-    pairs = t * k + (t if shared is not None else 0)
-    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # rows of other ranks' pairs unwritten
-    _gate_up_direct_kernel[(pairs, triton.cdiv(inter, cfg.block_n))](
-        x, w13, s13, idx, act, t * k, e0, w13.shape[0], hidden, inter, x.stride(0), x.stride(1),
-        w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), act.stride(1), float(alpha), float(limit),
-        TOP_K=k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_SHARED=shared is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
-    _down_direct_kernel[(t, triton.cdiv(hidden, cfg.block_n))](
-        act, w2, s2, idx, weights, out, t * k, e0, w2.shape[0], hidden, inter, float(routed_scale),
-        act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), out.stride(1),
-        TOP_K=k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_SHARED=shared is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out
-
-
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
                   down_proj: torch.Tensor, alpha: float, limit: float,
                   expert_range: tuple[int, int] | None = None, config: MoEConfig | None = None,
@@ -412,9 +273,6 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gat
                         f"{w13.dtype}, down_proj {w2.dtype}")
     s13, s2 = _shared_weights(shared, w13, w2)
     cfg = config or tuning.get_config(t, num_local, x.shape[1], w2.shape[2], k, x.dtype, x.device)
-    if cfg.block_m == 1:  # the direct path: no alignment, combine inside down
-        return direct_experts(x, weights, idx, w13, w2, e0, alpha, limit, cfg,
-                              (s13, s2) if shared is not None else None, routed_scale)
     al = align(idx, e0, num_local, cfg.block_m, shared=shared is not None)
     act = gate_up(x, w13, al, k, alpha, limit, cfg, s13 if shared is not None else None)
     contrib = down(act, w2, weights, al, cfg, s2 if shared is not None else None, routed_scale)
