@@ -25,6 +25,9 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from m3eagle.attention import backend, reference, triton_kernels  # noqa: E402
 from m3eagle.attention.metadata import TRASH_PAGE, AttnMetadata, build_metadata  # noqa: E402
 from m3eagle.attention.triton_backend import TritonBackend  # noqa: E402
@@ -198,6 +201,135 @@ def test_selection_ties_match_reference(levels, block, topk, local):
         assert torch.equal(sel, ref), (splits, min_blocks, small)
 
 
+# Scores that a float-bits key can get wrong: both zeros, denormals, the extreme normals, both infinities.
+ADVERSARIAL = [0.0, -0.0, 1e-45, -1e-45, 3e-45, -3e-45, 1.1754944e-38, -1.1754944e-38, 1.0, -1.0,
+               3.4028235e38, -3.4028235e38, float("inf"), float("-inf")]
+
+
+@triton.jit
+def _pack_probe(S, B, Key, Back, N: tl.constexpr):
+    """The kernels' own helpers on N (score, block) pairs: packed keys, and the block each decodes to."""
+    offs = tl.arange(0, N)
+    key = triton_kernels._pack_key(tl.load(S + offs), tl.load(B + offs))
+    tl.store(Key + offs, key)
+    tl.store(Back + offs, triton_kernels._key_block(key))
+
+
+def test_pack_key_order_is_the_oracles_order():
+    """Integer order of the packed keys == the oracle's order (stable descending sort of the scores over
+    blocks in id order) for every pair of real entries; -0.0 and +0.0 are equal scores (torch's sort
+    keeps them in id order), ids decode back, and -inf and NaN pack to KEY_NONE, below every real key."""
+    n = 128
+    gen = torch.Generator().manual_seed(30)
+    palette = torch.tensor(ADVERSARIAL + [float("nan")])
+    scores = palette[torch.randint(0, len(palette), (n,), generator=gen)]  # [N]
+    scores[:2] = torch.tensor([-0.0, 0.0])
+    ids = torch.cat([torch.tensor([2**31 - 1, 0, 1, 2**31 - 2]), torch.randperm(10**6, generator=gen)[:n - 4] + 2])
+    ids = ids.to(torch.int32)
+    keys, back = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int32)
+    _pack_probe[(1,)](scores, ids, keys, back, N=n)
+
+    real = scores > float("-inf")  # NaN is not
+    assert real.sum() < n - 5 and (scores[real] == 0).sum() > 2
+    order = ids[real].argsort()  # the oracle: blocks in id order, then a stable descending sort of scores
+    order = order[scores[real][order].sort(descending=True, stable=True).indices]
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(len(order))
+    k = keys[real]
+    assert torch.equal(k[:, None] > k[None, :], rank[:, None] < rank[None, :])
+    assert torch.equal(back[real], ids[real])
+    assert (keys[~real] == -(2**63)).all() and (k > -(2**63)).all()
+
+
+def adversarial_step(seed: int) -> Step:
+    """A step whose block maxima are ADVERSARIAL values, exactly: every key of a block holds one value v on
+    index dim 0 (0 elsewhere), index head 0 queries +1 and head 1 -1 on dim 0, so scores are v and -v.
+    Row 3 has three -inf blocks (for head 0) among its six, so its tokens' top-4 ends in -1. Every token
+    sees more than 4 blocks (the all-visible shortcut takes blocks whatever their scores, -inf included)."""
+    s = make_step(seed, [5, 1, 3, 2], [61, 37, 26, 22], 8, hq=4, hi=2, di=4)
+    gen = torch.Generator().manual_seed(seed + 1)
+    meta, block = s.meta, 4
+    slots = reference.gather_slots(meta, meta.max_kv)  # [B, L]
+    nb = meta.max_kv // block + 1
+    # [B, blocks]: one value per block, from five of the values per row (so that blocks tie)
+    five = torch.stack([torch.randperm(len(ADVERSARIAL), generator=gen)[:5] for _ in range(meta.num_rows)])
+    values = torch.tensor(ADVERSARIAL)[five.gather(1, torch.randint(0, 5, (meta.num_rows, nb), generator=gen))]
+    values[3, [0, 2, 3]] = float("-inf")
+    ik = s.ik.clone()
+    for r, n in enumerate(meta.kv_lens.tolist()):
+        ik[slots[r, :n]] = 0.0
+        ik[slots[r, :n], 0] = values[r, torch.arange(n) // block]
+    iq = torch.zeros_like(s.iq)
+    iq[:, 0, 0], iq[:, 1, 0] = 1.0, -1.0
+    return replace(s, iq=iq, ik=ik)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul")  # padding query rows (0) x inf keys
+@pytest.mark.parametrize("local", [0, 1])
+def test_selection_adversarial_scores_match_reference(local):
+    """Block maxima from ADVERSARIAL (negative scores, denormals, +-inf, many equal): the same blocks as the
+    oracle, one launch or split, direct lists or insertion; blocks whose maximum is -inf emit -1. (A dot
+    sums from +0.0, so it never scores -0.0; the pack test above holds -0.0 == +0.0.)"""
+    block, topk = 4, 4
+    s = adversarial_step(950 + local)
+    ref = ref_selection(s, block, topk, local)
+    assert (ref < 0).any() and boundary_ties(s, block, topk, local) >= 5
+    for (splits, min_blocks), direct in [(c, True) for c in INDEX_SPLITS] + [((40, 2), False)]:
+        sel = triton_kernels.select_blocks(s.iq, s.ik, s.meta, block, topk, local, num_splits=splits,
+                                           min_blocks_per_split=min_blocks, direct_lists=direct)
+        assert torch.equal(sel, ref), (splits, min_blocks, direct)
+
+
+# (num_splits, min_blocks_per_split, topk, direct): runs of 2 blocks in lists of 2 slots (long-context
+# decode's shape: a block written one slot too far falls off), of 3 in lists of 3 (4 slots), and runs of
+# several blocks longer than their list of 3 (insertion, whatever direct_lists says).
+LIST_PATHS = [(40, 2, 2, True), (40, 3, 3, True), (3, 1, 3, False)]
+
+
+@pytest.mark.parametrize("splits,min_blocks,topk,direct", LIST_PATHS)
+def test_selection_direct_lists_and_insertion(splits, min_blocks, topk, direct):
+    """A run whose blocks all fit its list takes each block into its own slot (DIRECT, no comparison);
+    forcing insertion instead (direct_lists=False) must give the same lists. Both against the oracle, on
+    integer scores with ties at the top-k boundary."""
+    block, local = 4, 1
+    s = integer_step(960 + min_blocks, [6, 1, 4, 2], [61, 29, 47, 9], 8, levels=1)
+    ref = ref_selection(s, block, topk, local)
+    assert boundary_ties(s, block, topk, local) >= 5
+    nb = -(-s.meta.max_kv // block)
+    assert triton_kernels.index_plan(nb, topk, block, splits, min_blocks).direct == direct
+    for direct_lists in (True, False):
+        sel = triton_kernels.select_blocks(s.iq, s.ik, s.meta, block, topk, local, num_splits=splits,
+                                           min_blocks_per_split=min_blocks, direct_lists=direct_lists)
+        assert torch.equal(sel, ref), direct_lists
+
+
+def test_index_keys_per_iter_changes_the_loop_not_the_selection():
+    """TritonBackend(index_keys_per_iter=...) scores more blocks per loop iteration (capped at the blocks
+    a split scans); the selection is the oracle's either way. On CPU the backend splits 17 blocks in 6 runs
+    of 3 (direct lists), in 2 runs of 9 (insertion), or not at all."""
+    block, topk, local = 4, 3, 1
+    s = integer_step(970, [6, 1, 4], [61, 29, 47], 8, levels=1)
+    ref = ref_selection(s, block, topk, local)
+    nb = -(-s.meta.max_kv // block)
+    for kpi, min_keys in ((16, 8), (32, 32), (32, 400)):
+        tri = TritonBackend(min_index_keys_per_split=min_keys, index_keys_per_iter=kpi)
+        assert torch.equal(tri.select_blocks(s.iq, s.ik, s.meta, block, topk, local), ref), (kpi, min_keys)
+    assert [triton_kernels.index_plan(nb, topk, block, 1, 1, kpi).blocks_per_iter for kpi in (16, 32)] == [4, 8]
+
+
+def test_index_plan_fits_every_run_when_direct():
+    """DIRECT is a constexpr, so the host must prove it for every row: a row's run holds
+    max(cdiv(row_blocks, splits), min_bps) blocks for any row_blocks <= NB, never more than the list."""
+    for nb in range(1, 300, 7):
+        for k in (1, 2, 3, 16):
+            for splits in (1, 2, 3, 40, 256, 4000):
+                for min_bps in (1, 2, 3):
+                    plan = triton_kernels.index_plan(nb, min(k, nb), 128, splits, min_bps)
+                    most = max(max(-(-rb // plan.splits), min_bps) for rb in range(1, nb + 1))
+                    assert plan.direct == (most <= plan.cap), (nb, k, splits, min_bps)
+                    assert plan.cap <= plan.block_k and plan.splits * plan.block_k <= triton_kernels.MAX_MERGE_CANDIDATES
+
+
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
 def test_selection_mixed_dtypes(dtypes):
     """iq and index-K of different dtypes score in fp32, as the oracle does; integer data keeps the sums
@@ -293,13 +425,16 @@ def test_rows_whose_blocks_all_fit_select_them_without_reading_index_k(local):
 
 @pytest.fixture
 def poisoned_empty(monkeypatch):
-    """torch.empty returns poison (+inf floats, 3 for integers): a kernel that reads a scratch entry it
-    never wrote (a split list of a program that exited early, an attention partial) changes the result."""
+    """torch.empty returns poison (+inf floats, 3 for integers, and for int64 -- the split lists' packed
+    keys -- 2^63 - 4: a key above every real one that names block 3): a kernel that reads a scratch entry
+    it never wrote (a split list of a program that exited early, an attention partial) changes the result."""
     empty = torch.empty
 
     def poisoned(*args, **kwargs):
         x = empty(*args, **kwargs)
-        return x.fill_(float("inf")) if x.is_floating_point() else x.fill_(3)
+        if x.is_floating_point():
+            return x.fill_(float("inf"))
+        return x.fill_(2**63 - 4 if x.dtype == torch.int64 else 3)
 
     monkeypatch.setattr(torch, "empty", poisoned)
 

@@ -54,7 +54,7 @@ class TritonBackend:
     def __init__(self, waves: int = 2, min_keys_per_split: int | None = None, max_splits: int = 64,
                  block_n: int | None = None, sparse_tile_min_q: int | None = None,
                  min_index_keys_per_split: int | None = None, max_index_splits: int = 512,
-                 index_num_warps: int | None = None) -> None:
+                 index_num_warps: int | None = None, index_keys_per_iter: int = 128) -> None:
         # None = the measured policy (benchmarks/decode_sweep.py on an H200, bench head shapes):
         # decode / verify steps of <= 8 rows are latency-bound, one program walking a row's keys serially,
         # so they take 32-key tiles and splits of >= 64 keys (m3-mini b1, 137 keys: 9.6 -> 5.9 us; 4k keys:
@@ -69,6 +69,9 @@ class TritonBackend:
         self.min_index_keys_per_split = min_index_keys_per_split
         self.max_index_splits = max_index_splits
         self.index_num_warps = index_num_warps
+        # Index-K keys the indexer scores per loop iteration (whole blocks, at most 8, never more than a
+        # split scans): more loads in flight per program at long context. 128 = one m3 block; untuned.
+        self.index_keys_per_iter = index_keys_per_iter
 
     def _block_n(self, meta: AttnMetadata) -> int:
         # Measured on an H200 (D=64): 128-key tiles win for decode / verify (few query rows per tile, so
@@ -106,7 +109,8 @@ class TritonBackend:
         splits = self._splits(programs, -(-meta.max_kv // block_size), iq.device, min_blocks,
                               self.max_index_splits)
         return triton_kernels.select_blocks(iq, ik_pool, meta, block_size, topk, local_blocks, num_splits=splits,
-                                            min_blocks_per_split=min_blocks, num_warps=warps)
+                                            min_blocks_per_split=min_blocks, keys_per_iter=self.index_keys_per_iter,
+                                            num_warps=warps)
 
     def sparse_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                          meta: AttnMetadata, scale: float, iq: torch.Tensor, ik_pool: torch.Tensor,

@@ -22,14 +22,16 @@ a normalized fp32 partial and its log2-sum-exp, and `_combine_kernel` merges the
 sum every replay: deterministic).
 
 Indexer: one program scores a tile of one row's query tokens (times the index heads) against a run of the
-row's index-K blocks, max-pools each block and streams it into a running top-k list held in registers;
-neither [tokens x context] scores nor block scores reach memory. Few rows (decode) split the blocks over
-programs; each keeps its own top-k and `_index_merge_kernel` picks the final k from those lists.
+row's index-K blocks, max-pools each block and streams it into a running top-k list held in registers
+(as int64 keys whose integer order is the selection order: `_pack_key`); neither [tokens x context] scores
+nor block scores reach memory. Few rows (decode) split the blocks over programs; each keeps its own top-k
+and `_index_merge_kernel` picks the final k from those lists.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -304,45 +306,68 @@ def _combine_kernel(
 #
 # Order of blocks, as the oracle's stable sort defines it: block a beats block b iff
 #     score[a] > score[b], or score[a] == score[b] and a < b.
-# A top-k list is kept unordered in registers ([M, BLOCK_K] scores and ids, one list per query row) and
-# ordered only when it is written out.
+# Each (score, block) is packed into one int64 key whose signed order IS that order (`_pack_key`):
+#
+#     bits 63..32   the fp32 score's bits as a monotone int32 (sign-magnitude -> two's complement)
+#     bits 31..0    INT32_MAX - block (0 <= block <= INT32_MAX): on equal scores the lower id is larger
+#
+# so "best" is one integer max and "worst" one integer min. A score with no visible key (-inf), or a NaN
+# (only a NaN index-K can produce one), packs to KEY_NONE, below every real key: such a block is never
+# taken into a list and emits -1, as before keys (a NaN never entered a list: NaN > x is false). -0.0
+# packs as +0.0 (they compare equal, and the oracle's sort keeps them in id order). A top-k list is kept
+# unordered in registers ([M, BLOCK_K] keys, one list per query row) and ordered only when written out.
 
 INT32_MAX = tl.constexpr(2147483647)
+KEY_NONE = tl.constexpr(-(2**63))  # no block: below every real key
+KEY_PAD = tl.constexpr(2**63 - 1)  # list slots past the capacity: above every key, so never evicted
 
 
 @triton.jit
-def _topk_insert(list_s, list_id, cand, cand_id, BLOCK_K: tl.constexpr):
-    """Offer block `cand_id` (score cand [M]) to every row's running list [M, BLOCK_K].
+def _pack_key(score, block):
+    """fp32 scores and int block ids (broadcastable) -> int64 keys in the block order (see above)."""
+    bits = score.to(tl.int32, bitcast=True)
+    # Negative floats order by decreasing magnitude: negate the magnitude. -0.0 (0x80000000) -> 0 = +0.0.
+    mono = tl.where(bits < 0, -(bits & INT32_MAX), bits)
+    # (INT32_MAX - block, written tensor first: the interpreter keeps `constexpr - tensor` a constexpr)
+    key = (mono.to(tl.int64) << 32) | (block.to(tl.int64) * -1 + INT32_MAX)
+    return tl.where(score > float("-inf"), key, KEY_NONE)  # false for -inf and NaN
 
-    Blocks arrive in increasing id, so the candidate loses every tie: it enters iff its score is strictly
-    above the list's worst, and evicts the worst entry -- the lowest score, and among equal lowest scores
-    the highest id. Empty slots hold (-inf, -1) and so never beat a -inf candidate: a block with no
-    visible key stays out, as the oracle turns it into -1. Slots past the list's capacity hold +inf and
-    are never the worst."""
+
+@triton.jit
+def _key_block(key):
+    """The block id of a real key (int32); meaningless for KEY_NONE / KEY_PAD."""
+    return (key & INT32_MAX).to(tl.int32) * -1 + INT32_MAX
+
+
+@triton.jit
+def _topk_insert(keys, cand, BLOCK_K: tl.constexpr):
+    """Offer a block (key cand [M]) to every row's running list [M, BLOCK_K] of keys.
+
+    The candidate enters iff it beats the list's worst entry, which it evicts: one min reduction that also
+    gives the slot. (Blocks arrive in increasing id, so on an equal score the candidate has the smaller
+    key and loses, as the oracle's order wants; the key decides it.) Empty slots hold KEY_NONE, so a
+    block with no visible key (KEY_NONE too) never enters; slots past the capacity hold KEY_PAD and are
+    never the worst."""
     offs_k = tl.arange(0, BLOCK_K)
-    worst = tl.min(list_s, 1)  # [M]
-    at_worst = list_s == worst[:, None]
-    evict_id = tl.max(tl.where(at_worst, list_id, -2), 1)  # [M]
-    slot = tl.min(tl.where(at_worst & (list_id == evict_id[:, None]), offs_k[None, :], BLOCK_K), 1)  # [M]
+    worst, slot = tl.min(keys, 1, return_indices=True)  # [M], [M]
     hit = (cand > worst)[:, None] & (offs_k[None, :] == slot[:, None])
-    return tl.where(hit, cand[:, None], list_s), tl.where(hit, cand_id, list_id)
+    return tl.where(hit, cand[:, None], keys)
 
 
 @triton.jit
-def _topk_emit(list_s, list_id, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr):
-    """Unordered lists [M, C] (ids distinct among entries above -inf) -> [M, BLOCK_O] int32: the TOPK best
-    entries (score desc, ties to the lower id), listed in ascending id, -1 once only -inf is left, padding
-    last (the oracle's set and canonical form)."""
+def _topk_emit(keys, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr):
+    """Unordered lists of keys [M, C] (distinct, or KEY_NONE) -> [M, BLOCK_O] int32: the TOPK best blocks,
+    listed in ascending id, -1 once only KEY_NONE is left, padding last (the oracle's set and canonical
+    form). One max reduction per emitted entry: the key holds the tie rule."""
     offs_o = tl.arange(0, BLOCK_O)
-    out = tl.full([BLOCK_M, BLOCK_O], INT32_MAX, tl.int32)  # INT32_MAX: none (sorts last)
+    out = tl.full([BLOCK_M, BLOCK_O], KEY_NONE, tl.int64)
     for i in tl.static_range(TOPK):
-        best = tl.max(list_s, 1)  # [M]
-        bid = tl.min(tl.where(list_s == best[:, None], list_id, INT32_MAX), 1)  # ties: the lower id
-        val = tl.where(best == float("-inf"), INT32_MAX, bid)
-        out = tl.where(offs_o[None, :] == i, val[:, None], out)
-        list_s = tl.where(list_id == bid[:, None], float("-inf"), list_s)  # taken
-    out = tl.sort(out, 1)
-    return tl.where(out == INT32_MAX, -1, out)
+        best = tl.max(keys, 1)  # [M]
+        out = tl.where(offs_o[None, :] == i, best[:, None], out)
+        keys = tl.where(keys == best[:, None], KEY_NONE, keys)  # taken (a no-op once best is KEY_NONE)
+    ids = tl.where(out == KEY_NONE, INT32_MAX, _key_block(out))  # INT32_MAX: none (sorts last)
+    ids = tl.sort(ids, 1)
+    return tl.where(ids == INT32_MAX, -1, ids)
 
 
 @triton.jit
@@ -366,14 +391,14 @@ def _index_split_range(kv_len, num_blocks, block_size, num_splits, min_blocks_pe
 
 @triton.jit(do_not_specialize=_INDEX_PER_STEP)
 def _indexer_kernel(
-    IQ, IK, PageTable, QIndex, QLens, KvLens, Positions, Sel, PartS, PartId,
+    IQ, IK, PageTable, QIndex, QLens, KvLens, Positions, Sel, PartKey,
     stride_qt, stride_qh, stride_ks, stride_pb, stride_qi, stride_st, stride_sh, stride_pt, stride_ph,
     page_size, num_page_cols, max_kv, block_size, num_blocks, local_blocks, n_qtiles, num_splits,
     min_blocks_per_split,
     INDEX_DIM: tl.constexpr, N_HEADS: tl.constexpr, TOPK: tl.constexpr, CAP: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_BS: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
-    MIXED: tl.constexpr, DOT_PREC: tl.constexpr,
+    DIRECT: tl.constexpr, MIXED: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Grid (rows * n_qtiles, splits). One program: BLOCK_Q query tokens of one row times its N_HEADS index
     heads (M = BLOCK_Q * BLOCK_H query rows) against the row's index-K blocks of this split:
@@ -382,10 +407,12 @@ def _indexer_kernel(
         block[m, n] = max_{j in block n} score       (max-pool; -inf when the block has no visible key)
         block[m, n] = +inf for the token's own `local_blocks` blocks (they always win)
 
-    Each block's scores are streamed into a running top-CAP list per query row (`_topk_insert`), so the
-    row's index-K is read once for all its tokens and heads, and nothing of size [tokens x context] is
-    written. SPLIT: the list goes to PartS / PartId [T, Hi, splits, BLOCK_K] for `_index_merge_kernel`;
-    else the TOPK best, ascending ids, go to Sel [T, Hi, TOPK] (int64, -1 padded).
+    Each block's key (`_pack_key`) is streamed into a running top-CAP list per query row (`_topk_insert`),
+    so the row's index-K is read once for all its tokens and heads, and nothing of size [tokens x
+    context] is written. DIRECT (the launcher proved that no split of any row holds more than CAP
+    blocks: long-context decode, 2 blocks per split): each block just takes its own slot. SPLIT: the
+    list goes to PartKey [T, Hi, splits * BLOCK_K] (int64 keys) for `_index_merge_kernel`; else the TOPK
+    best, ascending ids, go to Sel [T, Hi, TOPK] (int64, -1 padded).
 
     A tile whose every token sees at most TOPK blocks selects all of them whatever the scores: it reads no
     index-K (a short row under a CUDA graph's long KV bound costs a launch, not a scan)."""
@@ -438,9 +465,10 @@ def _indexer_kernel(
         iq = iq.to(IK.dtype.element_ty)
 
     offs_k = tl.arange(0, BLOCK_K)
-    # (-inf, -1): empty; slots past the capacity hold +inf so that they are never evicted into
-    list_s = tl.where(offs_k[None, :] < CAP, float("-inf"), float("inf")) + tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
-    list_id = tl.full([BLOCK_M, BLOCK_K], -1, tl.int32)
+    if DIRECT:  # every block of the split has its own slot: all KEY_NONE until written
+        lst = tl.full([BLOCK_M, BLOCK_K], KEY_NONE, tl.int64)
+    else:  # empty slots KEY_NONE; slots past the capacity KEY_PAD, so that they are never evicted into
+        lst = tl.where(offs_k[None, :] < CAP, KEY_NONE, KEY_PAD) + tl.zeros([BLOCK_M, BLOCK_K], tl.int64)
 
     pt_row = PageTable + row * stride_pb
     BLOCK_N: tl.constexpr = BLOCKS_PER_ITER * BLOCK_BS
@@ -464,17 +492,25 @@ def _indexer_kernel(
         local = (nbs[None, :] <= tl.maximum(own, 0)[:, None]) & (nbs[None, :] > own[:, None] - local_blocks)
         best = tl.where(local & (local_blocks > 0), float("inf"), best)
         best = tl.where((nbs < nb_hi)[None, :], best, float("-inf"))  # a later split's block: not ours
-        for b in tl.static_range(BLOCKS_PER_ITER):
-            cand = tl.max(tl.where(offs_b[None, :] == b, best, float("-inf")), 1)  # [M] column b
-            list_s, list_id = _topk_insert(list_s, list_id, cand, nb0 + b, BLOCK_K)
+        bkey = _pack_key(best, nbs[None, :])  # [M, B]
+        if DIRECT:
+            # Block nb goes to slot nb - nb_lo (< blocks per split <= CAP): no comparison at all. Each
+            # slot is written by one block only, so a max with the KEY_NONE it holds is a write.
+            put = (nbs - nb_lo)[:, None] == offs_k[None, :]  # [B, K]
+            new = tl.max(tl.where(put[None, :, :], bkey[:, :, None], KEY_NONE), 1)  # [M, K]
+            lst = tl.maximum(lst, new)
+        else:
+            for b in tl.static_range(BLOCKS_PER_ITER):
+                cand = tl.max(tl.where(offs_b[None, :] == b, bkey, KEY_NONE), 1)  # [M] column b
+                lst = _topk_insert(lst, cand, BLOCK_K)
 
-    list_s = tl.where(offs_k[None, :] < CAP, list_s, float("-inf"))  # drop the +inf placeholders
+    if not DIRECT:
+        lst = tl.where(offs_k[None, :] < CAP, lst, KEY_NONE)  # drop the KEY_PAD placeholders
     if SPLIT:
         off = tok[:, None] * stride_pt + hh[:, None] * stride_ph + split * BLOCK_K + offs_k[None, :]
-        tl.store(PartS + off, list_s, mask=row_ok[:, None])
-        tl.store(PartId + off, list_id, mask=row_ok[:, None])
+        tl.store(PartKey + off, lst, mask=row_ok[:, None])
     else:
-        out = _topk_emit(list_s, list_id, TOPK, BLOCK_M, BLOCK_O)
+        out = _topk_emit(lst, TOPK, BLOCK_M, BLOCK_O)
         offs_o = tl.arange(0, BLOCK_O)
         ptr = Sel + tok[:, None] * stride_st + hh[:, None] * stride_sh + offs_o[None, :]
         tl.store(ptr, out.to(tl.int64), mask=row_ok[:, None] & (offs_o < TOPK)[None, :])
@@ -482,7 +518,7 @@ def _indexer_kernel(
 
 @triton.jit(do_not_specialize=_MERGE_PER_STEP)
 def _index_merge_kernel(
-    PartS, PartId, Sel, TokRow, KvLens, Positions,
+    PartKey, Sel, TokRow, KvLens, Positions,
     stride_pt, stride_ph, stride_st, stride_sh, block_size, num_blocks, num_splits, min_blocks_per_split,
     local_blocks,
     TOPK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, SMALL_C: tl.constexpr,
@@ -510,21 +546,19 @@ def _index_merge_kernel(
     live = tl.minimum(num_splits, own // bps + 1) * BLOCK_K  # candidates of the splits that start <= own
     base = tok * stride_pt + h * stride_ph
     if live <= SMALL_C:  # few live splits (a shorter row under a long bound): a narrower, cheaper emit
-        out = _merge_lists(PartS, PartId, base, live, TOPK, SMALL_C, BLOCK_O)
+        out = _merge_lists(PartKey, base, live, TOPK, SMALL_C, BLOCK_O)
     else:
-        out = _merge_lists(PartS, PartId, base, live, TOPK, BLOCK_C, BLOCK_O)
+        out = _merge_lists(PartKey, base, live, TOPK, BLOCK_C, BLOCK_O)
     tl.store(Sel + tok * stride_st + h * stride_sh + offs_o[None, :], out.to(tl.int64),
              mask=(offs_o < TOPK)[None, :])
 
 
 @triton.jit
-def _merge_lists(PartS, PartId, base, live, TOPK: tl.constexpr, WIDTH: tl.constexpr, BLOCK_O: tl.constexpr):
-    """The TOPK best of the first `live` (<= WIDTH) list entries at base -> [1, BLOCK_O] (`_topk_emit`)."""
+def _merge_lists(PartKey, base, live, TOPK: tl.constexpr, WIDTH: tl.constexpr, BLOCK_O: tl.constexpr):
+    """The TOPK best of the first `live` (<= WIDTH) list keys at base -> [1, BLOCK_O] (`_topk_emit`)."""
     offs_c = tl.arange(0, WIDTH)
-    ok = offs_c < live
-    cs = tl.load(PartS + base + offs_c, mask=ok, other=float("-inf"))  # [C]
-    cid = tl.load(PartId + base + offs_c, mask=ok, other=-1)
-    return _topk_emit(tl.reshape(cs, (1, WIDTH)), tl.reshape(cid, (1, WIDTH)), TOPK, 1, BLOCK_O)
+    keys = tl.load(PartKey + base + offs_c, mask=offs_c < live, other=KEY_NONE)  # [C] int64
+    return _topk_emit(tl.reshape(keys, (1, WIDTH)), TOPK, 1, BLOCK_O)
 
 
 # ---- launchers -----------------------------------------------------------------------------------------
@@ -670,9 +704,47 @@ def index_programs(meta: AttnMetadata, num_index_heads: int) -> int:
 MAX_MERGE_CANDIDATES = 4096
 
 
+@dataclass(frozen=True)
+class IndexPlan:
+    """Launch shape of one indexer call, from host ints only (graph-safe)."""
+
+    splits: int  # programs per (row, query tile); > 1: lists + merge
+    cap: int  # entries a program's list keeps (k when unsplit)
+    block_k: int  # the list's width: cap rounded up to a power of two
+    span: int  # most blocks one program of any row scans: max(min_bps, cdiv(NB, splits)) (NB when unsplit)
+    blocks_per_iter: int  # index-K blocks scored per loop iteration
+
+    @property
+    def direct(self) -> bool:
+        """Every program's blocks fit its list, so each takes its own slot (no insertion). A row's split
+        holds max(cdiv(row_blocks, splits), min_bps) <= span blocks (row_blocks <= NB)."""
+        return self.span <= self.cap
+
+
+def index_plan(num_blocks: int, k: int, block_size: int, num_splits: int = 1, min_blocks_per_split: int = 1,
+               keys_per_iter: int = 128) -> IndexPlan:
+    """Splits, list capacity and blocks per iteration of `select_blocks` for NB = num_blocks, top-k."""
+    min_bps = max(1, min_blocks_per_split)
+    splits = max(1, min(num_splits, -(-num_blocks // min_bps)))
+    cap = k
+    if splits > 1:
+        # a split holds at most cdiv(NB, splits) blocks, so its list needs no more room than that
+        cap = min(k, max(min_bps, -(-num_blocks // splits)))
+        splits = max(1, min(splits, MAX_MERGE_CANDIDATES // _pow2(cap)))
+        cap = min(k, max(min_bps, -(-num_blocks // splits)))
+    span = max(min_bps, -(-num_blocks // splits))
+    # Score ~keys_per_iter keys per iteration (several small blocks at once, max-pooled by a reshape), at
+    # least 16 (the smallest tl.dot), at most 8 blocks (each is offered to the list on its own) and no
+    # more than a program scans (the rest would be masked work).
+    block_bs = _pow2(block_size)
+    per_iter = max(_pow2(-(-16 // block_bs)), min(8, max(1, keys_per_iter // block_bs), _pow2(span)))
+    return IndexPlan(splits, cap, _pow2(cap), span, per_iter)
+
+
 def select_blocks(iq: torch.Tensor, ik_pool: torch.Tensor, meta: AttnMetadata, block_size: int, topk: int,
                   local_blocks: int, num_splits: int = 1, min_blocks_per_split: int = 1, keys_per_iter: int = 128,
-                  num_warps: int = 4, merge_small_candidates: int = 256) -> torch.Tensor:
+                  num_warps: int = 4, merge_small_candidates: int = 256, direct_lists: bool = True,
+                  ) -> torch.Tensor:
     """Lightning-indexer selection on flat tokens: iq [T, Hi, Di], ik_pool [S, Di] -> sel [T, Hi, k] int64,
     k = min(topk, NB), NB = ceil(max_kv / block_size): exactly `reference.select_blocks` -- the same blocks
     (score desc, ties to the lower block id), listed in ascending id, -1 where only -inf was left.
@@ -680,9 +752,10 @@ def select_blocks(iq: torch.Tensor, ik_pool: torch.Tensor, meta: AttnMetadata, b
     One launch (`_indexer_kernel`) when num_splits == 1. Otherwise each row's blocks are cut into
     `num_splits` runs of at least `min_blocks_per_split` blocks (from the row's device kv_len), each run
     keeps its own top-k, and `_index_merge_kernel` picks the final k: two launches, for steps with too few
-    rows to fill the GPU. Device memory: sel plus, when split, [T, Hi, splits, <=k] lists. The merge
+    rows to fill the GPU. Device memory: sel plus, when split, [T, Hi, splits, <=k] int64 keys. The merge
     scans `merge_small_candidates` list entries instead of all when a token's live splits hold no more
-    (1: always all -- the tests force each path)."""
+    (1: always all); a run that fits its list fills it directly unless `direct_lists` is False (always
+    insert). Both switches exist so that the tests force each path."""
     t, hi, di = iq.shape
     nb = -(-meta.max_kv // block_size)
     k = min(topk, nb)
@@ -695,39 +768,26 @@ def select_blocks(iq: torch.Tensor, ik_pool: torch.Tensor, meta: AttnMetadata, b
     block_q, block_h = _q_tile(hi, meta.max_q)
     n_qtiles = -(-meta.max_q // block_q)
     min_bps = max(1, min_blocks_per_split)
-    splits = max(1, min(num_splits, -(-nb // min_bps)))
-    cap = k
-    if splits > 1:
-        # a split holds at most cdiv(NB, splits) blocks, so its list needs no more room than that
-        cap = min(k, max(min_bps, -(-nb // splits)))
-        splits = max(1, min(splits, MAX_MERGE_CANDIDATES // _pow2(cap)))
-        cap = min(k, max(min_bps, -(-nb // splits)))
-    block_k = _pow2(cap)
-    # Score ~keys_per_iter keys per iteration (several small blocks at once, max-pooled by a reshape), at
-    # least 16 (the smallest tl.dot) and at most 8 blocks (each is offered to the list on its own).
-    block_bs = _pow2(block_size)
-    per_iter = max(_pow2(-(-16 // block_bs)), min(8, max(1, keys_per_iter // block_bs)))
+    plan = index_plan(nb, k, block_size, num_splits, min_bps, keys_per_iter)
+    splits, block_k = plan.splits, plan.block_k
     page_table = meta.page_table.contiguous()
-    if splits > 1:
-        part_s = torch.empty(t, hi, splits * block_k, dtype=torch.float32, device=iq.device)
-        part_id = torch.empty(t, hi, splits * block_k, dtype=torch.int32, device=iq.device)
-    else:
-        part_s, part_id = sel, sel  # unused
+    # [T, Hi, splits * BLOCK_K] int64: each split's list of packed keys (`_pack_key`)
+    part_key = torch.empty(t, hi, splits * block_k, dtype=torch.int64, device=iq.device) if splits > 1 else sel
     _indexer_kernel[(meta.num_rows * n_qtiles, splits)](
-        iq, ik_pool, page_table, meta.q_index, meta.q_lens, meta.kv_lens, meta.positions, sel, part_s, part_id,
+        iq, ik_pool, page_table, meta.q_index, meta.q_lens, meta.kv_lens, meta.positions, sel, part_key,
         iq.stride(0), iq.stride(1), ik_pool.stride(0), page_table.stride(0), meta.q_index.stride(0),
-        sel.stride(0), sel.stride(1), part_s.stride(0), part_s.stride(1),
+        sel.stride(0), sel.stride(1), part_key.stride(0), part_key.stride(1),
         meta.page_size, page_table.shape[1], meta.max_kv, block_size, nb, local_blocks, n_qtiles, splits, min_bps,
-        INDEX_DIM=di, N_HEADS=hi, TOPK=k, CAP=cap, BLOCK_K=block_k, BLOCK_O=_pow2(k), BLOCK_Q=block_q,
-        BLOCK_H=block_h, BLOCK_BS=block_bs, BLOCKS_PER_ITER=per_iter, BLOCK_D=_pow2(di, 16), SPLIT=splits > 1,
-        MIXED=mixed, DOT_PREC="ieee" if mixed else _dot_precision(ik_pool.dtype), num_warps=num_warps)
+        INDEX_DIM=di, N_HEADS=hi, TOPK=k, CAP=plan.cap, BLOCK_K=block_k, BLOCK_O=_pow2(k), BLOCK_Q=block_q,
+        BLOCK_H=block_h, BLOCK_BS=_pow2(block_size), BLOCKS_PER_ITER=plan.blocks_per_iter,
+        BLOCK_D=_pow2(di, 16), SPLIT=splits > 1, DIRECT=direct_lists and plan.direct, MIXED=mixed,
+        DOT_PREC="ieee" if mixed else _dot_precision(ik_pool.dtype), num_warps=num_warps)
     if splits > 1:
         block_c = _pow2(splits) * block_k
         _index_merge_kernel[(t, hi)](
-            part_s, part_id, sel, meta.tok_row, meta.kv_lens, meta.positions,
-            part_s.stride(0), part_s.stride(1), sel.stride(0), sel.stride(1), block_size, nb, splits, min_bps,
+            part_key, sel, meta.tok_row, meta.kv_lens, meta.positions,
+            part_key.stride(0), part_key.stride(1), sel.stride(0), sel.stride(1), block_size, nb, splits, min_bps,
             local_blocks, TOPK=k, BLOCK_K=block_k, BLOCK_C=block_c,
             SMALL_C=min(block_c, _pow2(max(1, merge_small_candidates))), BLOCK_O=_pow2(k),
             num_warps=4 if block_c <= 1024 else 8)
     return sel
-
