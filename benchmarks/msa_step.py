@@ -21,8 +21,7 @@ What it runs, in one process:
    both, the dense kernel on the same pools, and the model-side indexer prologue (its q/k norms, RoPE and
    the index-K cache write ride in the layer's fused q/k/v launch, as its projections ride in the packed
    GEMM: the prologue is that launch with the index heads minus without) that runs before the backend. Plus
-   a sweep of the indexer's split size and warps at 16k / 64k / 128k (the defaults were chosen without a
-   GPU).
+   a sweep of the indexer's split size, keys per loop iteration and warps at 16k / 64k / 128k.
 4. Checks at 128k, for the b1 and 8x4 rows: the Triton selection equals `reference.select_blocks`
    (mismatches are reported with the score gap that explains them: fp32 sums in another order can only
    flip exact near-ties), and sparse attention matches `reference.paged_attention` within bf16 tolerance.
@@ -42,6 +41,7 @@ from _interpreter import use_interpreter_for_cpu  # noqa: E402  (the script's ow
 use_interpreter_for_cpu(sys.argv)  # before anything imports triton
 
 import argparse  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
@@ -358,7 +358,7 @@ def time_layer(args, cfg: M3Config, msa: MiniMaxM3, pools: Pools, timer: Timer, 
 
 
 def sweep_indexer(args, cfg: M3Config, pools: Pools, timer: Timer, bw: float) -> list[dict]:
-    """Indexer alone under a few split sizes and warp counts (the defaults were chosen without a GPU)."""
+    """Indexer alone under a few split sizes, keys per loop iteration and warp counts."""
     dev = timer.device
     out = []
     layer = next(i for i in range(cfg.num_hidden_layers) if cfg.is_sparse(i))
@@ -367,17 +367,18 @@ def sweep_indexer(args, cfg: M3Config, pools: Pools, timer: Timer, bw: float) ->
             max_kv = args.fixed_max_kv if args.max_kv == "fixed" else ctx
             meta = step_metadata(pools, rows, q_len, ctx, max_kv, dev)
             _, iq = layer_inputs(cfg, meta, pools.msa[layer].k.dtype, dev, 4)
-            for keys in (256, 512, 1024, 2048):
-                for warps in (4, 8):
-                    tri = TritonBackend(min_index_keys_per_split=keys, index_num_warps=warps)
+            for keys, per_iter, warps in itertools.product((256, 512), (128, 256, 512), (4, 8)):
+                tri = TritonBackend(min_index_keys_per_split=keys, index_num_warps=warps,
+                                    index_keys_per_iter=per_iter)
 
-                    def index(tri=tri, iq=iq, meta=meta):
-                        return tri.select_blocks(iq, pools.msa[layer].idx_k, meta, cfg.index_block_size,
-                                                 cfg.index_topk_blocks, cfg.index_local_blocks)
-                    us = timer(index, 10) * 1e3
-                    gbps = rows * ctx * cfg.index_head_dim * 2 / (us * 1e-6) / 1e9
-                    out.append({"context": ctx, "rows": rows, "q_len": q_len, "min_index_keys_per_split": keys,
-                                "index_num_warps": warps, "us": us, "GBps": gbps, "frac_of_copy_bw": gbps * 1e9 / bw})
+                def index(tri=tri, iq=iq, meta=meta):
+                    return tri.select_blocks(iq, pools.msa[layer].idx_k, meta, cfg.index_block_size,
+                                             cfg.index_topk_blocks, cfg.index_local_blocks)
+                us = timer(index, 10) * 1e3
+                gbps = rows * ctx * cfg.index_head_dim * 2 / (us * 1e-6) / 1e9
+                out.append({"context": ctx, "rows": rows, "q_len": q_len, "min_index_keys_per_split": keys,
+                            "index_keys_per_iter": per_iter, "index_num_warps": warps, "us": us, "GBps": gbps,
+                            "frac_of_copy_bw": gbps * 1e9 / bw})
     return out
 
 
@@ -463,7 +464,7 @@ def main() -> None:
                          "(default), or 'ctx': the context itself")
     ap.add_argument("--reps", type=int, default=30, help="graph replays per timing (median)")
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--no-sweep", action="store_true", help="skip the indexer split/warps sweep")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the indexer sweep")
     ap.add_argument("--profile", type=int, nargs="*", default=[], metavar="CTX",
                     help="also print kernel tables of the MSA and dense steps at these contexts (CUDA)")
     ap.add_argument("--json", type=Path, help="also write the JSON document here")
@@ -534,10 +535,11 @@ def main() -> None:
 
         sweep = sweep_indexer(args, cfg, pools, timer, bw) if args.sweep_contexts else []
         if sweep:
-            log("\n== indexer sweep: min_index_keys_per_split x index_num_warps, us (GB/s) ==")
+            log("\n== indexer sweep: min_index_keys_per_split x index_keys_per_iter x index_num_warps, us (GB/s) ==")
             for r in sweep:
                 log(f"{r['context']:>7} {r['rows']}x{r['q_len']} keys {r['min_index_keys_per_split']:>5} "
-                    f"warps {r['index_num_warps']}: {r['us']:7.1f} us ({r['GBps']:5.0f} GB/s)")
+                    f"per iter {r['index_keys_per_iter']:>4} warps {r['index_num_warps']}: {r['us']:7.1f} us "
+                    f"({r['GBps']:5.0f} GB/s)")
 
         log(f"\n== checks at {max_ctx} ctx against the reference ==")
         checks = check(args, cfg, msa, pools, max_ctx, tri, dev)
