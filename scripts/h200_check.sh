@@ -15,7 +15,8 @@
 #    m3-8b bench last; REPLAY=0 / MOE=0 skip stages 3 / 4's MoE part; MOE_TUNE=1 makes stage 4 retune the
 #    MoE block table first (`moe_kernel.py --tune --write`, < 2 min on an H200) and return the rewritten
 #    m3eagle/moe/tuned_configs.json as $OUT/tuned_configs.json, so the benches after it use the new table;
-#    MSA=1 runs benchmarks/msa_step.py (MSA vs dense steps, kernel tables at 1k and 16k) after the tests;
+#    MSA=1 runs benchmarks/msa_step.py (MSA vs dense steps, kernel tables at 1k and 16k; MSA_ARGS replaces
+#    those flags, MSA_TIMEOUT its 240 s limit) after the tests;
 #    PREFILL=1 runs the embedded bench a second time with --prefill-graphs (A/B in one call); TESTS=0 /
 #    EMBEDDED=0 skip the GPU test file / the first embedded bench.
 # Everything lands in $OUT/check.tgz (one file: the device tool brings back few, small files).
@@ -35,7 +36,9 @@ if [[ ${TESTS:-1} == 1 ]]; then
   stamp "GPU tests: exit $? ($(tail -1 "$W/cuda_graphs.log"))"
 fi
 if [[ ${MSA:-0} == 1 ]]; then
-  timeout 240 python3 benchmarks/msa_step.py --no-sweep --profile 1024 16384 --json "$W/msa_step.json" > /dev/null 2> "$W/msa_step.log"
+  # shellcheck disable=SC2086  # MSA_ARGS is a list of flags
+  timeout "${MSA_TIMEOUT:-240}" python3 benchmarks/msa_step.py ${MSA_ARGS:---no-sweep --profile 1024 16384} \
+    --json "$W/msa_step.json" > /dev/null 2> "$W/msa_step.log"
   stamp "msa_step: exit $?"; grep -E "^ +[0-9]+ +[0-9]x|target|: indexer|check" "$W/msa_step.log"
 fi
 if [[ ${EMBEDDED:-1} == 1 ]]; then

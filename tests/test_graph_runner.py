@@ -207,26 +207,32 @@ def test_page_table_cache_equals_a_fresh_table_through_every_kind_of_change():
 
 def test_prefill_buckets_and_which_steps_qualify():
     assert prefill_bucket_sizes(2048) == [16, 32, 64, 96, 128, 160, 192, 224, 256, 384, 512, 768, 1024, 1536, 2048]
-    assert prefill_bucket_sizes(100) == [16, 32, 64, 96] and prefill_bucket_sizes(8) == []
+    assert prefill_bucket_sizes(2112)[-3:] == [1536, 2048, 2112]  # the buffers' width itself is the last bucket
+    assert prefill_bucket_sizes(100) == [16, 32, 64, 96, 100] and prefill_bucket_sizes(8) == []
     prompt = ScheduledRow(_Req(0, [1, 2, 3, 4, 5]), 0, [1] * 20, 0, True, False, False, 0)
     assert is_prefill_shaped(ScheduledBatch([prompt], []))
-    assert not is_prefill_shaped(ScheduledBatch([prompt, prompt], []))  # two rows: eager
-    assert not is_prefill_shaped(ScheduledBatch([_row(0)], []))  # a decode row (gathered) is not a prompt chunk
+    assert is_prefill_shaped(ScheduledBatch([prompt, prompt], []))  # several prompt rows
+    assert is_prefill_shaped(ScheduledBatch([_row(0), prompt], []))  # a mixed step: decode rows and a prompt
+    assert not is_prefill_shaped(ScheduledBatch([], []))
     for extra in ({"repetition_penalty": 1.2}, {"min_tokens": 2}, {"prompt_logprobs": 1}):
         req = _Req(0, [1, 2, 3, 4, 5], SamplingParams(**extra))
-        assert not is_prefill_shaped(ScheduledBatch([ScheduledRow(req, 0, [1] * 20, 0, True, False, False, 0)], []))
+        odd = ScheduledRow(req, 0, [1] * 20, 0, True, False, False, 0)
+        assert not is_prefill_shaped(ScheduledBatch([odd], []))
+        assert not is_prefill_shaped(ScheduledBatch([prompt, odd], []))  # one such row keeps the step eager
 
 
-def test_prefill_padding_row_touches_only_trash_and_dump(model_dir, head_dir):
-    """A 20-token prompt chunk takes bucket 32 (the first > 20): one padding row of 12 tokens on the trash
-    page and the dump slot, verifying nothing, sampling nothing; max_q fixed at the bucket; the real row's
-    values as unpadded. Off unless asked, and no bucket holds a chunk as wide as the largest."""
+def test_prefill_padding_rows_touch_only_trash_and_dump(model_dir, head_dir):
+    """A 20-token prompt chunk takes (2 rows, 32 tokens): one padding row of 12 tokens on the trash page and
+    the dump slot, verifying nothing, sampling nothing; max_q fixed at the bucket; the real row's values as
+    unpadded. Three rows of 20 + 4 + 1 tokens (a prompt, a verify row, a prompt) take (4 rows, 32 tokens):
+    one padding row of 32 - 25 = 7 tokens. Off unless asked; a step with no room for a padding row stays
+    eager."""
     llm = llm_for(model_dir, head_dir, 3, graph_shapes=True, prefill_graphs=True)
     eng = llm.engine
     row = ScheduledRow(_Req(1, [5, 6, 7, 8, 9]), 0, list(range(3, 23)), 0, True, False, False, 0)
     batch = ScheduledBatch([row], [])
-    assert eng.graphs.bucket(batch) == (PREFILL, 32)
-    inp = eng.graphs.build(batch, (PREFILL, 32))
+    assert eng.graphs.bucket(batch) == (PREFILL, 2, 32)
+    inp = eng.graphs.build(batch, (PREFILL, 2, 32))
     assert inp.num_rows == 2 and inp.num_tokens == 32 and inp.meta.max_q == 32
     assert inp.meta.max_kv == eng.table_width * 4
     assert inp.row_qlen.tolist() == [20, 12] and inp.row_num_drafts.tolist() == [0, 0]
@@ -236,8 +242,19 @@ def test_prefill_padding_row_touches_only_trash_and_dump(model_dir, head_dir):
     assert inp.input_ids[:20].tolist() == list(range(3, 23))
     meta = inp.meta.with_lengths(inp.meta.kv_lens)
     assert (meta.slot_mapping[20:] // 4 == TRASH_PAGE).all() and not (meta.slot_mapping[:20] // 4 == TRASH_PAGE).any()
-    wide = ScheduledRow(_Req(1, list(range(1, 17))), 0, [5] * 64, 0, True, False, False, 0)
-    assert eng.graphs.bucket(ScheduledBatch([wide], [])) is None  # 64 tokens: no bucket > 64 within the budget
+
+    short = ScheduledRow(_Req(3, [1, 2]), 2, [40], 0, True, False, False, 0)
+    mixed = ScheduledBatch([row, _row(3), short], [])
+    assert eng.graphs.bucket(mixed) == (PREFILL, 4, 32)
+    inp = eng.graphs.build(mixed, (PREFILL, 4, 32))
+    assert inp.row_qlen.tolist() == [20, 4, 1, 7] and inp.row_num_drafts.tolist() == [0, 3, 0, 0]
+    assert inp.row_slot.tolist()[3] == eng.runner.dump_slot and inp.meta.max_q == 32
+    assert inp.row_gather.tolist() == [False, True, False, False]
+    assert inp.meta.page_table[3].tolist() == [TRASH_PAGE] * eng.table_width
+    meta = inp.meta.with_lengths(inp.meta.kv_lens)
+    assert (meta.slot_mapping[25:] // 4 == TRASH_PAGE).all()
+
+    assert eng.graphs.bucket(ScheduledBatch([short] * 8, [])) is None  # 8 rows fill the buffers: no padding row
     assert llm_for(model_dir, head_dir, 3, graph_shapes=True).engine.graphs.bucket(batch) is None  # opt-in
 
 
@@ -245,9 +262,9 @@ def test_prefill_padding_row_touches_only_trash_and_dump(model_dir, head_dir):
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 def test_prefill_graph_shaped_steps_give_the_same_tokens(model_dir, head_dir, k, overlap, sampled):
     """Prompts of several lengths, one request at a time (so every prompt step has one row) and then all at
-    once (multi-row prompt steps stay eager): padding prompt chunks to token buckets changes no token, and
-    at least two buckets were really used. A 70-token prompt is chunked (64 + 6): its second chunk reads a
-    cached prefix."""
+    once (prompt steps of several rows, and mixed steps of prompt chunks and decode rows): padding them to
+    row and token buckets changes no token, and several buckets of one and of more rows were really used.
+    A 70-token prompt is chunked (64 + 6): its second chunk reads a cached prefix."""
     prompts = [[9, 21, 33, 4], list(range(50, 70)), list(range(3, 73)), [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
     if sampled:
         params = [SamplingParams(temperature=0.9, top_k=20, max_tokens=5 + 2 * i, seed=40 + i, ignore_eos=True)
@@ -270,6 +287,6 @@ def test_prefill_graph_shaped_steps_give_the_same_tokens(model_dir, head_dir, k,
         assert padded.generate([p], sp)[0].outputs[0].token_ids == want, p
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     assert [o.outputs[0].token_ids for o in padded.generate(prompts, params)] == want
-    used = {b[1] for b in seen if isinstance(b, tuple)}
-    assert len(used) >= 2, used
+    used = {b[1:] for b in seen if isinstance(b, tuple)}
+    assert len({t for r, t in used if r == 2}) >= 2 and any(r > 2 for r, _ in used), used
     assert_clean(padded)

@@ -17,14 +17,17 @@ Graphs are keyed by (bucket, mode), mode = (any row samples, any row wants logpr
 penalties); K is fixed per engine. All share one memory pool; the greedy graphs are captured at startup,
 largest bucket first, and the others on first use. Steps that are not graph-shaped (prompt chunks, mixed steps) run eagerly.
 
-Prefill graphs (opt-in, `prefill=True`): a step of one prompt-chunk row (no penalties, no prompt
-logprobs) of L tokens is padded to the next token bucket T > L (`prefill_bucket_sizes`: up to the token
-budget, at most 2,048) with one padding row of T - L tokens on the trash page, and max_q fixed at T, so
-its launch shape is (2 rows, T tokens); it is captured on first use under the key (("prefill", T), mode).
-A batch-1 request then prefills by replay instead of eager launches (an eager 128-token prefill took
-10.6 ms of host time on the embedded model in the second session's timeline; the replay is not yet
-measured). The real row computes what it computes unpadded (tokens after it in another row never reach
-it); the padding row samples nothing.
+Prefill graphs (opt-in, `prefill=True`): every other step -- prompt chunks, and mixed steps of prompt
+chunks and decode / verify rows -- without penalties or prompt logprobs, of R rows and L tokens, is padded
+to the next row bucket R' > R and the next token bucket T >= L + (R' - R) (`prefill_bucket_sizes`, up to
+the step buffers' width) with R' - R padding rows on the trash page (one token each, the last one takes
+the rest), and max_q fixed at T, so its launch shape is (R' rows, T tokens); it is captured on first use
+under the key (("prefill", R', T), mode). Prompt steps then replay instead of launching eagerly (on the
+H200 an eager prompt step of the embedded model costs milliseconds of host time; the one-row case took
+batch-1 plain from 2,949 to 3,837 tok/s: docs/results/h200-2026-11-30g/). The real rows compute what they
+compute unpadded (tokens of another row never reach them); padding rows sample and verify nothing. Like
+decode buckets, a padded step may round differently from the unpadded one in bf16 (GEMMs of another
+width), so greedy tokens can differ from an engine without prefill graphs, never between replay and eager.
 Graph-shaped steps get the same padding and KV bound when they run eagerly (enforce_eager), so eager and
 replay launch the same kernels on the same shapes and agree token for token.
 
@@ -71,30 +74,30 @@ def is_graph_shaped(batch: ScheduledBatch, k: int) -> bool:
                                     for r in batch.rows)
 
 
-PREFILL = "prefill"  # the first field of a prefill graph's bucket key: (PREFILL, tokens)
+PREFILL = "prefill"  # the first field of a prefill graph's bucket key: (PREFILL, rows, tokens)
 
 
-def prefill_bucket_sizes(max_tokens: int, cap: int = 2048) -> list[int]:
-    """Token buckets of prefill graphs, up to min(max_tokens, cap): 16, then every 32 tokens to 256, then
-    1.5x steps (384, 512, 768, 1024, ...). A chunk of L tokens takes the first bucket > L (the padding row
-    needs a token), so a 128-token prompt pads to 160, not 256."""
+def prefill_bucket_sizes(max_tokens: int, cap: int = 4096) -> list[int]:
+    """Token buckets of prefill graphs, up to top = min(max_tokens, cap): 16, then every 32 tokens to 256,
+    then 1.5x steps (384, 512, 768, 1024, ...), and top itself last. A step of L tokens whose padding needs
+    p rows takes the first bucket >= L + p (each padding row holds a token), so a 128-token prompt pads to
+    160, not 256."""
     top = min(max_tokens, cap)
     out = [16] + list(range(32, 257, 32))
     t = 256
     while t < top:
         t = t + t // 2 if t & (t - 1) == 0 else t // 3 * 4  # 256 -> 384 -> 512 -> 768 -> 1024 ...
         out.append(t)
-    return [b for b in out if b <= top]
+    out = [b for b in out if b < top]
+    return out + [top] if top >= 16 else []
 
 
 def is_prefill_shaped(batch: ScheduledBatch) -> bool:
-    """One prompt-chunk row (its tokens from the host), no drafts to verify, no penalties (their min_tokens
-    stop ids change the step's buffer layout) and no prompt logprobs (they read every position)."""
-    if len(batch.rows) != 1:
-        return False
-    r = batch.rows[0]
-    p = r.req.params
-    return not r.gather and r.num_drafts == 0 and not p.has_penalties and p.prompt_logprobs is None
+    """A step a prefill graph can replay: any rows (prompt chunks, decode / verify rows), none with
+    penalties (their min_tokens stop ids change the step's buffer layout) or prompt logprobs (they read
+    every position). Steps whose rows are all decode rows of 1 + K tokens take the decode buckets first."""
+    return bool(batch.rows) and all(not r.req.params.has_penalties and r.req.params.prompt_logprobs is None
+                                    for r in batch.rows)
 
 
 def mode_of(batch: ScheduledBatch) -> tuple[bool, bool, bool]:
@@ -113,10 +116,11 @@ class GraphRunner:
         self.max_kv = table_width * page_size  # the fixed KV bound of every graph-shaped step
         # A bucket must fit the step buffers once padded: rows x (1 + K) tokens.
         self.buckets = [b for b in bucket_sizes(max_rows) if b * (k + 1) <= bufs.max_tokens]
-        # Prefill graphs need a second (padding) row; tensor parallel keeps them off (the driver's broadcast
-        # protocol carries decode buckets only).
+        # Prefill graphs need a padding row (so at least two rows); tensor parallel keeps them off (the
+        # driver's broadcast protocol carries decode buckets only).
         self.prefill_buckets = (prefill_bucket_sizes(bufs.max_tokens)
                                 if prefill and bufs.max_rows >= 2 and driver is None else [])
+        self.prefill_rows = bucket_sizes(bufs.max_rows)
         self.use_graphs = graphs and runner.device.type == "cuda"
         self.graphs: dict[tuple[Any, tuple[bool, bool, bool]], tuple[torch.cuda.CUDAGraph, StepOutput]] = {}
         self.pool = None
@@ -127,13 +131,17 @@ class GraphRunner:
 
     # ---- planning -------------------------------------------------------------------------------
     def bucket(self, batch: ScheduledBatch) -> Any:
-        """The step's graph bucket: rows (a decode / verify step), (PREFILL, tokens) (a prefill graph's), or
-        None (eager)."""
+        """The step's graph bucket: rows (a decode / verify step), (PREFILL, rows, tokens) (a prefill
+        graph's), or None (eager)."""
         if is_graph_shaped(batch, self.k):
             return bucket_for(len(batch.rows), self.buckets)
         if self.prefill_buckets and is_prefill_shaped(batch):
-            t = bucket_for(batch.rows[0].num_tokens + 1, self.prefill_buckets)  # >= 1 padding token
-            return (PREFILL, t) if t is not None else None
+            n = len(batch.rows)
+            rows = bucket_for(n + 1, self.prefill_rows)  # >= 1 padding row
+            if rows is None:
+                return None
+            t = bucket_for(sum(r.num_tokens for r in batch.rows) + rows - n, self.prefill_buckets)  # >= 1 token each
+            return (PREFILL, rows, t) if t is not None else None
         return None
 
     def build(self, batch: ScheduledBatch, bucket: Any) -> StepInput:
@@ -143,15 +151,18 @@ class GraphRunner:
                                     dump_slot=self.runner.dump_slot, ops=self.ops)
         return build_step_input(batch, self.page_size, self.table_width, self.runner.device, self.bufs,
                                 max_kv=self.max_kv, dump_slot=self.runner.dump_slot, ops=self.ops,
-                                **self._padding(bucket, batch.rows[0].num_tokens if batch.rows else 0))
+                                **self._padding(bucket, batch))
 
-    def _padding(self, bucket: Any, real_tokens: int) -> dict[str, int]:
-        """build_step_input's padding arguments of a bucket. Decode: rows of 1 + K tokens up to `bucket`
-        rows. Prefill (PREFILL, t): two rows of t tokens in all, max_q t -- a real row of `real_tokens` and
-        one padding row, or (capture, no real row) two padding rows of t / 2; padding rows verify nothing."""
+    def _padding(self, bucket: Any, batch: ScheduledBatch) -> dict[str, Any]:
+        """build_step_input's padding arguments of a bucket for `batch` (empty when capturing). Decode: rows
+        of 1 + K tokens up to `bucket` rows. Prefill (PREFILL, rows, t): `rows` rows and t tokens in all,
+        max_q t -- the real rows, then padding rows of one token each but the last, which takes the rest;
+        padding rows verify nothing."""
         if isinstance(bucket, tuple):
-            t = bucket[1]
-            return dict(pad_rows_to=2, pad_q=t - (real_tokens or t // 2), pad_drafts=0, max_q=t)
+            _, rows, t = bucket
+            pad = rows - len(batch.rows)
+            rest = t - sum(r.num_tokens for r in batch.rows) - (pad - 1)
+            return dict(pad_rows_to=rows, pad_q=[1] * (pad - 1) + [rest], pad_drafts=0, max_q=t)
         return dict(pad_rows_to=bucket, pad_q=self.k + 1)
 
     # ---- running --------------------------------------------------------------------------------
@@ -214,7 +225,7 @@ class GraphRunner:
         t0 = time.perf_counter()
         inp = build_step_input(ScheduledBatch([], []), self.page_size, self.table_width, self.runner.device,
                                self.bufs, max_kv=self.max_kv, dump_slot=self.runner.dump_slot, ops=self.ops,
-                               mode=mode, **self._padding(bucket, 0))
+                               mode=mode, **self._padding(bucket, ScheduledBatch([], [])))
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.runner.device)

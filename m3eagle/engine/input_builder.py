@@ -247,13 +247,14 @@ def step_mode(params: list) -> tuple[bool, bool, bool]:
 
 def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, device: torch.device,
                      bufs: StepBuffers | None = None, pad_rows_to: int = 0, max_kv: int = 0,
-                     dump_slot: int = 0, pad_q: int = 0, ops: Any = None,
+                     dump_slot: int = 0, pad_q: int | list[int] = 0, ops: Any = None,
                      mode: tuple[bool, bool, bool] | None = None, max_q: int = 0,
                      pad_drafts: int | None = None) -> StepInput:
     """Pack one step. `pad_rows_to` appends padding rows (trash page, dump slot, greedy, no sampling) up to
-    that many rows, each `pad_q` tokens wide (0: as wide as the first real row) and "verifying" `pad_drafts`
-    drafts (None: pad_q - 1, a decode row's); `max_kv` (0: the step's own bound) and `max_q` (0: the widest
-    row) fix the metadata's bounds, so that steps of one graph bucket get one launch shape.
+    that many rows, each `pad_q` tokens wide (0: as wide as the first real row; a list: one width per
+    padding row) and "verifying" `pad_drafts` drafts (None: pad_q - 1, a decode row's); `max_kv` (0: the
+    step's own bound) and `max_q` (0: the widest row) fix the metadata's bounds, so that steps of one graph
+    bucket get one launch shape.
     `mode` overrides (any_random, want_logprobs, penalties) -- a graph captured on padding rows alone needs it.
     `ops` are the engine's fast paths, handed to the models with the metadata. `bufs` None allocates
     buffers for exactly this step (tests)."""
@@ -261,9 +262,11 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
     n_real = len(rows)
     n_rows = max(n_real, pad_rows_to)
     pad = n_rows - n_real
-    pad_q = pad_q or (rows[0].num_tokens if rows else 1)
-    q_lens = [r.num_tokens for r in rows] + [pad_q] * pad
-    kv_lens = [r.kv_len for r in rows] + [pad_q] * pad
+    pad_qs = list(pad_q) if isinstance(pad_q, list) else [pad_q or (rows[0].num_tokens if rows else 1)] * pad
+    if len(pad_qs) != pad or min(pad_qs, default=1) < 1:
+        raise ValueError(f"pad_q={pad_q!r} must give each of the {pad} padding rows at least one token")
+    q_lens = [r.num_tokens for r in rows] + pad_qs
+    kv_lens = [r.kv_len for r in rows] + pad_qs
     t = sum(q_lens)
     max_q = max(max(q_lens) if q_lens else 1, max_q)
     if bufs is None:
@@ -284,7 +287,8 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
         "tok_row": tok_row, "tok_col": tok_col, "q_index": q_index,
         "row_slot": [r.req.slot for r in rows] + [dump_slot] * pad,
         "row_first": first,
-        "row_num_drafts": [r.num_drafts for r in rows] + [max(pad_q - 1, 0) if pad_drafts is None else pad_drafts] * pad,
+        "row_num_drafts": [r.num_drafts for r in rows] + [max(q - 1, 0) if pad_drafts is None else pad_drafts
+                                                          for q in pad_qs],
         "row_next_token": [r.next_token for r in rows] + [0] * pad, "seed": [r.req.seed for r in rows] + [0] * pad,
         "top_k": [p.top_k for p in params] + [0] * pad,
         "temperature": [p.temperature for p in params] + [0.0] * pad, "top_p": [p.top_p for p in params] + [1.0] * pad,

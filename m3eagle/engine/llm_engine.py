@@ -72,8 +72,8 @@ class EngineConfig:
     # Pad steady decode / verify steps to graph buckets with a fixed KV bound (graph_runner.py). None: on
     # for CUDA, where replay and eager must launch identical shapes; tests turn it on for CPU.
     graph_shapes: bool | None = None
-    # Prompt chunks of one row replay CUDA graphs too, padded to power-of-two token buckets (graph_runner.py).
-    # Opt-in until a GPU run prices it.
+    # Prompt and mixed steps replay CUDA graphs too, padded to row and token buckets (graph_runner.py).
+    # Opt-in: each new (rows, tokens) bucket is captured on first use.
     prefill_graphs: bool = False
     # The share of the device's memory this process may use; the KV pool gets what weights and the
     # activation reserve leave of it (kv_budget.py). CUDA only, and only when num_pages is 0.
@@ -146,8 +146,10 @@ class LLMEngine:
         for model in (target, draft):
             if model is not None:
                 pack_projections(model)
-        # Step buffers hold the widest step: the token budget, or every sequence padded to 1 + K tokens.
-        max_tokens = max(cfg.max_num_tokens, cfg.max_num_seqs * (k + 1))
+        # Step buffers hold the widest step: the token budget, or every sequence padded to 1 + K tokens;
+        # with prefill graphs, a full-budget step plus a padding token for every row it may add.
+        max_tokens = max(cfg.max_num_tokens + (cfg.max_num_seqs if cfg.prefill_graphs else 0),
+                         cfg.max_num_seqs * (k + 1))
         self.runner = ModelRunner(target, draft, k, num_pages, cfg.page_size, cfg.max_num_seqs, dtype, device,
                                   max_num_tokens=max_tokens)
         self.buffers = StepBuffers(max_tokens, cfg.max_num_seqs, self.table_width, device)
