@@ -21,7 +21,8 @@ What it runs, in one process:
    both, the dense kernel on the same pools, and the model-side indexer prologue (its q/k norms, RoPE and
    the index-K cache write ride in the layer's fused q/k/v launch, as its projections ride in the packed
    GEMM: the prologue is that launch with the index heads minus without) that runs before the backend. Plus
-   a sweep of the indexer's split size, keys per loop iteration and warps at 16k / 64k / 128k.
+   a sweep of the indexer's split size, keys per loop iteration and warps, and of the split merge's
+   warps, at 16k / 64k / 128k.
 4. Checks at 128k, for the b1 and 8x4 rows: the Triton selection equals `reference.select_blocks`
    (mismatches are reported with the score gap that explains them: fp32 sums in another order can only
    flip exact near-ties), and sparse attention matches `reference.paged_attention` within bf16 tolerance.
@@ -367,9 +368,12 @@ def sweep_indexer(args, cfg: M3Config, pools: Pools, timer: Timer, bw: float) ->
             max_kv = args.fixed_max_kv if args.max_kv == "fixed" else ctx
             meta = step_metadata(pools, rows, q_len, ctx, max_kv, dev)
             _, iq = layer_inputs(cfg, meta, pools.msa[layer].k.dtype, dev, 4)
-            for keys, per_iter, warps in itertools.product((256, 512), (128, 256, 512), (4, 8)):
+            grid = [(keys, per_iter, warps, None) for keys, per_iter, warps in
+                    itertools.product((256, 512), (128, 256, 512), (4, 8))]
+            grid += [(None, 256, None, merge) for merge in (1, 2, 4, 8)]  # the split merge's warps
+            for keys, per_iter, warps, merge in grid:
                 tri = TritonBackend(min_index_keys_per_split=keys, index_num_warps=warps,
-                                    index_keys_per_iter=per_iter)
+                                    index_keys_per_iter=per_iter, index_merge_warps=merge)
 
                 def index(tri=tri, iq=iq, meta=meta):
                     return tri.select_blocks(iq, pools.msa[layer].idx_k, meta, cfg.index_block_size,
@@ -377,8 +381,8 @@ def sweep_indexer(args, cfg: M3Config, pools: Pools, timer: Timer, bw: float) ->
                 us = timer(index, 10) * 1e3
                 gbps = rows * ctx * cfg.index_head_dim * 2 / (us * 1e-6) / 1e9
                 out.append({"context": ctx, "rows": rows, "q_len": q_len, "min_index_keys_per_split": keys,
-                            "index_keys_per_iter": per_iter, "index_num_warps": warps, "us": us, "GBps": gbps,
-                            "frac_of_copy_bw": gbps * 1e9 / bw})
+                            "index_keys_per_iter": per_iter, "index_num_warps": warps, "index_merge_warps": merge,
+                            "us": us, "GBps": gbps, "frac_of_copy_bw": gbps * 1e9 / bw})
     return out
 
 
@@ -535,11 +539,12 @@ def main() -> None:
 
         sweep = sweep_indexer(args, cfg, pools, timer, bw) if args.sweep_contexts else []
         if sweep:
-            log("\n== indexer sweep: min_index_keys_per_split x index_keys_per_iter x index_num_warps, us (GB/s) ==")
+            log("\n== indexer sweep: min_index_keys_per_split x index_keys_per_iter x index_num_warps, then the "
+                "merge's warps (None: default), us (GB/s) ==")
             for r in sweep:
-                log(f"{r['context']:>7} {r['rows']}x{r['q_len']} keys {r['min_index_keys_per_split']:>5} "
-                    f"per iter {r['index_keys_per_iter']:>4} warps {r['index_num_warps']}: {r['us']:7.1f} us "
-                    f"({r['GBps']:5.0f} GB/s)")
+                log(f"{r['context']:>7} {r['rows']}x{r['q_len']} keys {r['min_index_keys_per_split']!s:>5} "
+                    f"per iter {r['index_keys_per_iter']:>4} warps {r['index_num_warps']!s:>4} merge warps "
+                    f"{r['index_merge_warps']!s:>4}: {r['us']:7.1f} us ({r['GBps']:5.0f} GB/s)")
 
         log(f"\n== checks at {max_ctx} ctx against the reference ==")
         checks = check(args, cfg, msa, pools, max_ctx, tri, dev)

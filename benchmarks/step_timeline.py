@@ -6,9 +6,10 @@ middle. This script splits one timed batch by step kind, so the gap between the 
     python benchmarks/step_timeline.py --geometry embedded --batch-sizes 1,32 --max-tokens 128 [--k 3]
 
 Per batch size and mode (plain; spec when the geometry has a head): wall time per kind of step (replay /
-eager-prefill / eager-mixed / eager-decode), the count, the tokens they scheduled, and the step wall
-time's median per kind. Wall time of a step is measured host-side between step() calls, so under overlap
-a step's time includes waiting for the previous one -- the sum is exact, the split is approximate.
+replay-prefill (with --prefill-graphs) / eager-prefill / eager-mixed / eager-decode), the count, the
+tokens they scheduled, and the step wall time's median per kind. Wall time of a step is measured
+host-side between step() calls, so under overlap a step's time includes waiting for the previous one --
+the sum is exact, the split is approximate.
 One JSON line at the end.
 """
 
@@ -40,7 +41,7 @@ def timeline(engine, prompts: list[list[int]], max_tokens: int, dev: torch.devic
 
     def run(inp, bucket):
         if bucket is not None and engine.graphs.use_graphs:
-            kinds.append("replay")
+            kinds.append("replay-prefill" if isinstance(bucket, tuple) else "replay")
         else:
             kinds.append("eager")
         return orig_run(inp, bucket)
@@ -80,7 +81,7 @@ def timeline(engine, prompts: list[list[int]], max_tokens: int, dev: torch.devic
         engine.scheduler.commit = orig_commit
     by: dict[str, dict] = defaultdict(lambda: {"steps": 0, "wall_ms": 0.0, "tokens": 0, "walls": []})
     for kind, w, tok, pre in zip(kinds, walls, sched_tokens, prefill_rows):
-        key = kind if kind == "replay" else ("eager-prefill" if pre and tok > len(prompts) * 2 else
+        key = kind if kind.startswith("replay") else ("eager-prefill" if pre and tok > len(prompts) * 2 else
                                              "eager-mixed" if pre else "eager-decode")
         b = by[key]
         b["steps"] += 1
@@ -102,13 +103,15 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--max-num-tokens", type=int, default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--prefill-graphs", action="store_true", help="prompt and mixed steps replay graphs too")
     a = ap.parse_args()
     dev = torch.device(a.device)
     bs = [int(x) for x in a.batch_sizes.split(",")]
     geo = geometries.resolve(a.geometry)
     kw = {"max_num_tokens": a.max_num_tokens} if a.max_num_tokens else {}
     llm = LLM(geo.model, geo.draft, num_draft_tokens=a.k, device=a.device, max_num_seqs=max(bs),
-              max_model_len=a.prompt_len + a.max_tokens + 4 * (a.k + 1) + 8, load_format=geo.load_format, **kw)
+              max_model_len=a.prompt_len + a.max_tokens + 4 * (a.k + 1) + 8, load_format=geo.load_format,
+              prefill_graphs=a.prefill_graphs, **kw)
     vocab = geo.model.vocab_size if isinstance(geo.model, M3Config) else llm.target.cfg.vocab_size
     prompts, _ = make_prompts(llm.tokenizer, vocab, 2 * max(bs), a.prompt_len, 0)
     engines = {"plain": _plain_engine(llm), "spec": llm.engine} if a.k else {"plain": llm.engine}

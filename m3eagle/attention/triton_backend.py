@@ -54,7 +54,8 @@ class TritonBackend:
     def __init__(self, waves: int = 2, min_keys_per_split: int | None = None, max_splits: int = 64,
                  block_n: int | None = None, sparse_tile_min_q: int | None = None,
                  min_index_keys_per_split: int | None = None, max_index_splits: int = 512,
-                 index_num_warps: int | None = None, index_keys_per_iter: int = 128) -> None:
+                 index_num_warps: int | None = None, index_keys_per_iter: int = 256,
+                 index_merge_warps: int | None = None) -> None:
         # None = the measured policy (benchmarks/decode_sweep.py on an H200, bench head shapes):
         # decode / verify steps of <= 8 rows are latency-bound, one program walking a row's keys serially,
         # so they take 32-key tiles and splits of >= 64 keys (m3-mini b1, 137 keys: 9.6 -> 5.9 us; 4k keys:
@@ -70,8 +71,13 @@ class TritonBackend:
         self.max_index_splits = max_index_splits
         self.index_num_warps = index_num_warps
         # Index-K keys the indexer scores per loop iteration (whole blocks, at most 8, never more than a
-        # split scans): more loads in flight per program at long context. 128 = one m3 block; untuned.
+        # split scans): more loads in flight per program. 256 (two m3 blocks) measured best of 128 / 256 /
+        # 512 on the H200 (`benchmarks/msa_step.py` sweep, m3-mini): 8x4 verify steps at 64k / 128k 64.6 ->
+        # 58.7 / 113.5 -> 102.7 us per layer, batch 1 within 1 us (22.9 -> 22.1 us at 128k); 512 loses.
         self.index_keys_per_iter = index_keys_per_iter
+        # Warps of the split merge (None: 4, or 8 past 1,024 candidates). At batch 1 it is one program per
+        # index head running k serial max-reductions over the candidates: cross-warp reductions are its cost.
+        self.index_merge_warps = index_merge_warps
 
     def _block_n(self, meta: AttnMetadata) -> int:
         # Measured on an H200 (D=64): 128-key tiles win for decode / verify (few query rows per tile, so
@@ -110,7 +116,7 @@ class TritonBackend:
                               self.max_index_splits)
         return triton_kernels.select_blocks(iq, ik_pool, meta, block_size, topk, local_blocks, num_splits=splits,
                                             min_blocks_per_split=min_blocks, keys_per_iter=self.index_keys_per_iter,
-                                            num_warps=warps)
+                                            num_warps=warps, merge_num_warps=self.index_merge_warps)
 
     def sparse_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                          meta: AttnMetadata, scale: float, iq: torch.Tensor, ik_pool: torch.Tensor,

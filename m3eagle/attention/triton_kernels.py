@@ -744,7 +744,7 @@ def index_plan(num_blocks: int, k: int, block_size: int, num_splits: int = 1, mi
 def select_blocks(iq: torch.Tensor, ik_pool: torch.Tensor, meta: AttnMetadata, block_size: int, topk: int,
                   local_blocks: int, num_splits: int = 1, min_blocks_per_split: int = 1, keys_per_iter: int = 128,
                   num_warps: int = 4, merge_small_candidates: int = 256, direct_lists: bool = True,
-                  ) -> torch.Tensor:
+                  merge_num_warps: int | None = None) -> torch.Tensor:
     """Lightning-indexer selection on flat tokens: iq [T, Hi, Di], ik_pool [S, Di] -> sel [T, Hi, k] int64,
     k = min(topk, NB), NB = ceil(max_kv / block_size): exactly `reference.select_blocks` -- the same blocks
     (score desc, ties to the lower block id), listed in ascending id, -1 where only -inf was left.
@@ -789,5 +789,5 @@ def select_blocks(iq: torch.Tensor, ik_pool: torch.Tensor, meta: AttnMetadata, b
             part_key.stride(0), part_key.stride(1), sel.stride(0), sel.stride(1), block_size, nb, splits, min_bps,
             local_blocks, TOPK=k, BLOCK_K=block_k, BLOCK_C=block_c,
             SMALL_C=min(block_c, _pow2(max(1, merge_small_candidates))), BLOCK_O=_pow2(k),
-            num_warps=4 if block_c <= 1024 else 8)
+            num_warps=merge_num_warps or (4 if block_c <= 1024 else 8))
     return sel
