@@ -122,6 +122,7 @@ def op_cases(shape: tuple, t: int, dev: torch.device, dtype: torch.dtype, timing
         "silu_mul": lambda f: (f.silu_mul(gate, up),),
         "route": lambda f: f.route(logits, bias, top_k),
         "router_logits": lambda f: (f.router_logits(x, w_router),),
+        "route_tokens": lambda f: f.route_tokens(x, w_router, bias, top_k),  # the router in one launch
     }
 
 
@@ -133,7 +134,7 @@ def check_ops(dev: torch.device, dtype: torch.dtype, tokens: list[int]) -> list[
             for name, fn in op_cases(shape, t, dev, dtype).items():
                 a, b = fn(tri), fn(ref)
                 row: dict[str, Any] = {"shape": shape[0], "T": t, "op": name}
-                if name == "route":
+                if name in ("route", "route_tokens"):
                     row["same_experts"] = bool(torch.equal(a[1].sort(-1).values, b[1].sort(-1).values))
                     row["same_order"] = bool(torch.equal(a[1], b[1]))
                     row["weights_max_abs"] = (a[0] - b[0]).abs().max().item()
@@ -382,7 +383,7 @@ def main() -> None:
     log(f"== exactness ({dtype}; equal = bit-equal fraction, ulp = max |diff| in reference bf16 ulps)")
     doc["exactness"] = check_ops(dev, dtype, tokens)
     for r in doc["exactness"]:
-        if r["op"] == "route":
+        if r["op"] in ("route", "route_tokens"):
             log(f"  {r['shape']:9s} T={r['T']:<4d} {r['op']:24s} same experts {r['same_experts']}, same order "
                 f"{r['same_order']}, weights max |diff| {r['weights_max_abs']:.1e}")
         elif r["op"] == "router_logits":

@@ -552,3 +552,28 @@ def test_engine_tokens_equal_with_triton_fused_ops(make_llm):
         assert llm.ops.fused.name == name
         outs[name] = [(o.outputs[0].token_ids, o.metrics.num_accepted) for o in llm.generate(prompts, params)]
     assert outs["triton"] == outs["reference"]
+
+
+@pytest.mark.parametrize("t,e,h,k", [(1, 32, 64, 4), (3, 16, 300, 4), (33, 34, 600, 3), (64, 8, 40, 2),
+                                     (65, 8, 32, 2)])
+def test_route_tokens_one_launch_equals_the_two(t, e, h, k):
+    """The fused router (GEMV, then the token's last program routes it) gives exactly what router_logits +
+    route give on the same backend, and the reference's experts; its per-token counters are back at zero
+    after every launch (the next launch depends on it). T = 65 takes the two-launch path itself."""
+    from m3eagle.fused import triton_fused
+
+    fused = triton_fused.TritonFused()
+    for seed in range(3):
+        x = torch.randn(t, h, generator=gen(seed + t))
+        w = torch.randn(e, h, generator=gen(seed + h)) / h**0.5  # logits ~ N(0, 1): sigmoids far from 0 and 1
+        bias = torch.randn(e, generator=gen(seed + e)) * 0.1
+        got_w, got_idx = fused.route_tokens(x, w, bias, k)
+        want_w, want_idx = fused.route(fused.router_logits(x, w), bias, k)
+        assert torch.equal(got_idx, want_idx) and torch.equal(got_w, want_w)
+        ref_w, ref_idx = reference.route_tokens(x, w, bias, k)
+        assert torch.equal(got_idx, ref_idx)
+        assert_close(got_w, ref_w)
+        assert got_w.std() > 0.01  # distinct weights: not a saturated (all-tied) router
+    counters = fused._counters.get(torch.device("cpu"))
+    if t <= triton_fused.ROUTER_GEMV_MAX_T:
+        assert counters is not None and not counters.any()

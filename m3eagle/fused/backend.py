@@ -64,6 +64,11 @@ class FusedOps(Protocol):
 
     def route(self, logits: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def route_tokens(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """route(router_logits(x, weight), bias, k): the whole router (a fast path may fuse the two)."""
+        ...
+
     def positions_slots(self, kv_lens: torch.Tensor, q_lens: torch.Tensor, tok_row: torch.Tensor,
                         tok_col: torch.Tensor, page_table: torch.Tensor, page_size: int,
                         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,6 +147,9 @@ class ReferenceFused:
 
     def route(self, logits, bias, k):
         return reference.route(logits, bias, k)
+
+    def route_tokens(self, x, weight, bias, k):
+        return reference.route_tokens(x, weight, bias, k)
 
     def positions_slots(self, kv_lens, q_lens, tok_row, tok_col, page_table, page_size):
         from ..attention.metadata import derive_positions_and_slots  # attention imports this package

@@ -140,6 +140,12 @@ def route(logits: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tenso
     return w / w.sum(-1, keepdim=True), idx
 
 
+def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole router: x [T, H] -> (weights [T, k] fp32, experts [T, k] int64)."""
+    return route(router_logits(x, weight), bias, k)
+
+
 # ---- step inputs (the engine's overlap correction) -----------------------------------------------------
 
 

@@ -8,6 +8,7 @@
     _silu_mul_kernel    silu(gate) * up                                 2 -> 1
     _router_gemv_kernel router_logits (fp32 cast + GEMV, T <= 64)       3 -> 1 (cuBLAS: cast, dot, reduce)
     _route_kernel       sigmoid, + bias, top-k, gather, renormalise     6 -> 1 (after the router GEMM)
+    _router_topk_kernel the two above in one launch (T <= 64): the last program of a token routes it
     _step_inputs_kernel overlap_ids_kv + derive_positions_and_slots     25 (K=0) / 46 (K=3) -> 1 (int64, exact)
                         (or the positions and slots alone)              9 -> 1
     _sample_pos_kernel  sample_positions (sampled tokens, positions, drafts)  8 (K=0) / 13 (K>0) -> 1
@@ -266,14 +267,14 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, inter, stride_g, stride_u, stride_o,
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, n_exp, stride_l,
-                  TOP_K: tl.constexpr, PRECISE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One token: k rounds of "take the highest untaken biased score, lowest id among equals"; weights
-    are the plain sigmoid scores of the taken experts over their sum."""
-    t = tl.program_id(0).to(tl.int64)
+def _route_row(lg_ptr, bias_ptr, w_ptr, idx_ptr, n_exp, TOP_K: tl.constexpr, PRECISE: tl.constexpr,
+               BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, CACHE: tl.constexpr):
+    """One token's routing from its logits row at lg_ptr: k rounds of "take the highest untaken biased
+    score, lowest id among equals"; weights are the plain sigmoid scores of the taken experts over their
+    sum, written to w_ptr / idx_ptr [k]. CACHE: the logits' load cache modifier."""
     offs = tl.arange(0, BLOCK_E)
     m = offs < n_exp
-    logit = tl.load(logits_ptr + t * stride_l + offs, mask=m, other=0.0).to(tl.float32)
+    logit = tl.load(lg_ptr + offs, mask=m, other=0.0, cache_modifier=CACHE).to(tl.float32)
     score = tl.math.div_rn(1.0, 1.0 + _exp(-logit, PRECISE))  # [E] torch's sigmoid
     biased = score + tl.load(bias_ptr + offs, mask=m, other=0.0).to(tl.float32)
     biased = tl.where(biased != biased, float("inf"), biased)  # NaN ranks first, as torch.sort puts it
@@ -292,8 +293,17 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, n_exp, stride_l,
         iv = tl.where(ks == j, pick.to(tl.int64), iv)
     km = ks < TOP_K
     total = tl.sum(tl.where(km, wv, 0.0), axis=0)
-    tl.store(w_ptr + t * TOP_K + ks, tl.math.div_rn(wv, total), mask=km)
-    tl.store(idx_ptr + t * TOP_K + ks, iv, mask=km)
+    tl.store(w_ptr + ks, tl.math.div_rn(wv, total), mask=km)
+    tl.store(idx_ptr + ks, iv, mask=km)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, n_exp, stride_l,
+                  TOP_K: tl.constexpr, PRECISE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token per program (`_route_row`)."""
+    t = tl.program_id(0).to(tl.int64)
+    _route_row(logits_ptr + t * stride_l, bias_ptr, w_ptr + t * TOP_K, idx_ptr + t * TOP_K, n_exp, TOP_K, PRECISE,
+               BLOCK_E, BLOCK_K, "")
 
 
 # ---- step inputs ---------------------------------------------------------------------------------------
@@ -727,22 +737,88 @@ def _router_gemv_kernel(x_ptr, w_ptr, out_ptr, hidden, n_exp, stride_x, stride_w
     tl.store(out_ptr + t * stride_o + offs_e, tl.sum(acc, axis=1), mask=em)
 
 
+@triton.jit
+def _router_topk_kernel(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_ptr, hidden, n_exp, stride_x,
+                        stride_w, n_prog, TOP_K: tl.constexpr, PRECISE: tl.constexpr, BLOCK_E: tl.constexpr,
+                        BLOCK_H: tl.constexpr, BLOCK_ALL: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid (T, n_prog): the router GEMV of `_router_gemv_kernel` for BLOCK_E experts of one token, then the
+    token's last program to finish routes it (`_route_row`): one launch instead of two.
+
+    The last program is found with a per-token counter: each program stores its logits, waits for all of
+    its threads (a CTA barrier), then adds 1 with acquire-release semantics at GPU scope, so the program
+    that reads n_prog - 1 sees every other program's logits (it loads them from L2, not L1); it resets
+    the counter for the next launch. No float atomics: the routing is computed once, by one program,
+    from the same logits as the two-launch path, so it is bit-equal to it."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    em = offs_e < n_exp
+    acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        hm = offs_h < hidden
+        xv = tl.load(x_ptr + t * stride_x + offs_h, mask=hm, other=0.0).to(tl.float32)
+        wv = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * stride_w + offs_h[None, :],
+                     mask=em[:, None] & hm[None, :], other=0.0).to(tl.float32)
+        acc += wv * xv[None, :]
+    tl.store(lg_ptr + t * n_exp + offs_e, tl.sum(acc, axis=1), mask=em)
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
+    if done == n_prog - 1:
+        tl.store(cnt_ptr + t, 0)
+        _route_row(lg_ptr + t * n_exp, bias_ptr, wout_ptr + t * TOP_K, idx_ptr + t * TOP_K, n_exp, TOP_K,
+                   PRECISE, BLOCK_ALL, BLOCK_K, ".cg")
+
+
+def _gemv_blocks(t: int, n_exp: int, hidden: int) -> tuple[int, int, int]:
+    """(BLOCK_E, BLOCK_H, warps) of the router GEMV. Decode: one expert row per program, read in one or two
+    wide loads (latency is the cost: 4 rows of 512-wide chunks per program took 7.7 us per m3-8b layer on an
+    H200, the cuBLAS trio 6 us); wider steps reuse each x chunk over 4 rows."""
+    block_e = 1 if t * n_exp <= 1024 else 4
+    block_h = min(4096 if block_e == 1 else 512, triton.next_power_of_2(hidden))
+    return block_e, block_h, 8 if block_h >= 4096 else 4
+
+
+def _gemv_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.shape[0] <= ROUTER_GEMV_MAX_T and weight.dtype == torch.float32 and weight.stride(-1) == 1
+            and x.stride(-1) == 1)
+
+
+def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, counters: torch.Tensor,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """route(router_logits(x, weight), bias, k) in one launch for decode / verify-sized steps (T <= 64):
+    x [T, H] -> (weights [T, k] fp32, experts [T, k] int64). counters [>= 64] int32, zero between launches
+    (each launch leaves them zero), owned by the caller and used by one stream at a time."""
+    t, hidden = x.shape
+    n_exp = weight.shape[0]
+    if not _gemv_ok(x, weight) or not t:
+        return route(router_logits(x, weight), bias, k)
+    if not 1 <= k <= min(n_exp, MAX_TOP_K) or n_exp > MAX_EXPERTS:
+        raise ValueError(f"triton route supports 1 <= top_k <= min(E, {MAX_TOP_K}) and E <= {MAX_EXPERTS}, got "
+                         f"top_k={k}, E={n_exp}; use fused_backend='reference'")
+    logits = torch.empty(t, n_exp, dtype=torch.float32, device=x.device)
+    w = torch.empty(t, k, dtype=torch.float32, device=x.device)
+    idx = torch.empty(t, k, dtype=torch.int64, device=x.device)
+    block_e, block_h, warps = _gemv_blocks(t, n_exp, hidden)
+    n_prog = triton.cdiv(n_exp, block_e)
+    _router_topk_kernel[(t, n_prog)](
+        x, weight, logits, counters, bias, w, idx, hidden, n_exp, x.stride(0), weight.stride(0), n_prog,
+        TOP_K=k, PRECISE=_precise(), BLOCK_E=block_e, BLOCK_H=block_h, BLOCK_ALL=triton.next_power_of_2(n_exp),
+        BLOCK_K=triton.next_power_of_2(k), num_warps=warps, **_opts())
+    return w, idx
+
+
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, H] -> [T, E] fp32, as reference.router_logits; one kernel for decode / verify-sized steps."""
     t, hidden = x.shape
     n_exp = weight.shape[0]
-    if t > ROUTER_GEMV_MAX_T or weight.dtype != torch.float32 or weight.stride(-1) != 1 or x.stride(-1) != 1:
+    if not _gemv_ok(x, weight):
         return _ref.router_logits(x, weight)
     out = torch.empty(t, n_exp, dtype=torch.float32, device=x.device)
     if t:
-        # Decode: one expert row per program, read in one or two wide loads (latency is the cost: 4 rows
-        # of 512-wide chunks per program took 7.7 us per m3-8b layer on an H200, the cuBLAS trio 6 us);
-        # wider steps reuse each x chunk over 4 rows.
-        block_e = 1 if t * n_exp <= 1024 else 4
-        block_h = min(4096 if block_e == 1 else 512, triton.next_power_of_2(hidden))
+        block_e, block_h, warps = _gemv_blocks(t, n_exp, hidden)
         _router_gemv_kernel[(t, triton.cdiv(n_exp, block_e))](
             x, weight, out, hidden, n_exp, x.stride(0), weight.stride(0), out.stride(0), BLOCK_E=block_e,
-            BLOCK_H=block_h, num_warps=8 if block_h >= 4096 else 4)
+            BLOCK_H=block_h, num_warps=warps)
     return out
 
 
@@ -782,6 +858,7 @@ class TritonFused:
 
     def __init__(self) -> None:
         self._inv_freq: dict[Any, tuple[torch.Tensor, float]] = {}
+        self._counters: dict[torch.device, torch.Tensor] = {}  # route_tokens' per-token counters, per device
 
     def rms_norm(self, x, w, eps, gemma=True, out=None):
         return add_norm(x, None, w, eps, gemma=gemma, out=out)[0]
@@ -830,6 +907,16 @@ class TritonFused:
 
     def route(self, logits, bias, k):
         return route(logits, bias, k)
+
+    def route_tokens(self, x, weight, bias, k):
+        c = self._counters.get(x.device)
+        if c is None:
+            if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                # a zero-fill made during capture would run only at replay: the engine's eager warm-up
+                # steps allocate the counters first; anything else takes the two-launch path here
+                return route(router_logits(x, weight), bias, k)
+            c = self._counters[x.device] = torch.zeros(ROUTER_GEMV_MAX_T, dtype=torch.int32, device=x.device)
+        return route_tokens(x, weight, bias, k, c)
 
     def positions_slots(self, kv_lens, q_lens, tok_row, tok_col, page_table, page_size):
         return step_inputs(kv_lens, q_lens, tok_row, tok_col, page_table, page_size)[2:]

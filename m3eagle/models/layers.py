@@ -201,8 +201,7 @@ class Router(nn.Module):
         """x [T, H] -> (weights [T, k] fp32, experts [T, k] int64); ties go to the lowest expert id (see
         fused.reference.route). `fused` runs the GEMM and everything after it; None = reference."""
         f = fused if fused is not None else fused_ref
-        logits = f.router_logits(x, self.weight)  # [T, E] fp32
-        return f.route(logits, self.e_score_correction_bias, self.top_k)
+        return f.route_tokens(x, self.weight, self.e_score_correction_bias, self.top_k)
 
 
 class Experts(nn.Module):
