@@ -225,8 +225,8 @@ def test_prefill_padding_rows_touch_only_trash_and_dump(model_dir, head_dir):
     """A 20-token prompt chunk takes (2 rows, 32 tokens): one padding row of 12 tokens on the trash page and
     the dump slot, verifying nothing, sampling nothing; max_q fixed at the bucket; the real row's values as
     unpadded. Three rows of 20 + 4 + 1 tokens (a prompt, a verify row, a prompt) take (4 rows, 32 tokens):
-    one padding row of 32 - 25 = 7 tokens. Off unless asked; a step with no room for a padding row stays
-    eager."""
+    one padding row of 32 - 25 = 7 tokens. A step of all 8 sequences takes the buffers' ninth row. Off
+    unless asked."""
     llm = llm_for(model_dir, head_dir, 3, graph_shapes=True, prefill_graphs=True)
     eng = llm.engine
     row = ScheduledRow(_Req(1, [5, 6, 7, 8, 9]), 0, list(range(3, 23)), 0, True, False, False, 0)
@@ -254,8 +254,12 @@ def test_prefill_padding_rows_touch_only_trash_and_dump(model_dir, head_dir):
     meta = inp.meta.with_lengths(inp.meta.kv_lens)
     assert (meta.slot_mapping[25:] // 4 == TRASH_PAGE).all()
 
-    assert eng.graphs.bucket(ScheduledBatch([short] * 8, [])) is None  # 8 rows fill the buffers: no padding row
-    assert llm_for(model_dir, head_dir, 3, graph_shapes=True).engine.graphs.bucket(batch) is None  # opt-in
+    # every sequence in one step (max_num_seqs = 8): the buffers hold one row more, for the padding row
+    assert eng.buffers.max_rows == 9 and eng.graphs.bucket(ScheduledBatch([short] * 8, [])) == (PREFILL, 9, 16)
+    inp = eng.graphs.build(ScheduledBatch([short] * 8, []), (PREFILL, 9, 16))
+    assert inp.num_rows == 9 and inp.row_qlen.tolist() == [1] * 8 + [8]
+    plain = llm_for(model_dir, head_dir, 3, graph_shapes=True).engine
+    assert plain.graphs.bucket(batch) is None and plain.buffers.max_rows == 8  # opt-in
 
 
 @pytest.mark.parametrize("k, overlap", [(0, False), (3, False), (3, True)])

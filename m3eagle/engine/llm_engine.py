@@ -147,12 +147,14 @@ class LLMEngine:
             if model is not None:
                 pack_projections(model)
         # Step buffers hold the widest step: the token budget, or every sequence padded to 1 + K tokens;
-        # with prefill graphs, a full-budget step plus a padding token for every row it may add.
-        max_tokens = max(cfg.max_num_tokens + (cfg.max_num_seqs if cfg.prefill_graphs else 0),
-                         cfg.max_num_seqs * (k + 1))
+        # with prefill graphs, a full-budget step plus a padding token for every row it may add, and one
+        # row more than max_num_seqs (a step of every sequence still gets its padding row).
+        pg = cfg.prefill_graphs
+        max_tokens = max(cfg.max_num_tokens + (cfg.max_num_seqs + 1 if pg else 0), cfg.max_num_seqs * (k + 1))
+        max_rows = cfg.max_num_seqs + int(pg)
         self.runner = ModelRunner(target, draft, k, num_pages, cfg.page_size, cfg.max_num_seqs, dtype, device,
-                                  max_num_tokens=max_tokens)
-        self.buffers = StepBuffers(max_tokens, cfg.max_num_seqs, self.table_width, device)
+                                  max_num_tokens=max_tokens, max_rows=max_rows)
+        self.buffers = StepBuffers(max_tokens, max_rows, self.table_width, device)
         graph_shapes = cfg.graph_shapes if cfg.graph_shapes is not None else device.type == "cuda"
         self.graphs = GraphRunner(self.runner, self.buffers, k, cfg.max_num_seqs, cfg.page_size, self.table_width,
                                   graphs=not cfg.enforce_eager, ops=self.ops, driver=driver,
