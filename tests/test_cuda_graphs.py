@@ -232,3 +232,53 @@ def test_prefill_graph_replay_equals_eager(k, overlap, sampled):
     assert {b[0] for b in keys} == {PREFILL} and len(keys) >= 3 and any(b[1] > 2 for b in keys), keys
     for llm in (eager, graph):
         assert_clean(llm)
+
+
+@pytest.mark.parametrize("t", [1, 4, 16, 33, 64])
+def test_moe_fused_launches_on_gpu(t):
+    """The MoE's folded launches on the GPU, where programs really run concurrently (the interpreter runs
+    them one by one, tests/test_moe_fused_launches.py): on m3-mini's MoE shape in bf16, `moe_layer` (router
+    + align in one launch up to 16 tokens, down + combine in one) is bit-equal to the router then the
+    unfused experts, run after run (a program reading a row before it is written would show as a
+    difference), its counters end at zero, and a captured graph replays it with new inputs exactly."""
+    from m3eagle.fused import triton_fused
+    from m3eagle.moe import triton_moe
+
+    hidden, inter, n_exp, k = 2048, 1024, 32, 4
+    g = torch.Generator(device="cuda").manual_seed(t)
+    bf = torch.bfloat16
+
+    def randn(*shape, scale=1.0, dtype=bf):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(dtype)
+
+    w13, w2 = randn(n_exp, 2 * inter, hidden, scale=0.02), randn(n_exp, hidden, inter, scale=0.02)
+    s13, s2 = randn(2 * inter, hidden, scale=0.02), randn(hidden, inter, scale=0.02)
+    rw, bias = randn(n_exp, hidden, scale=0.02, dtype=torch.float32), randn(n_exp, scale=0.01, dtype=torch.float32)
+    c = triton_moe.new_counters(torch.device("cuda"))
+
+    def unfused(x):
+        w, idx = triton_fused.route_tokens(x, rw, bias, k, torch.zeros(64, dtype=torch.int32, device="cuda"))
+        return triton_moe.fused_experts(x, w, idx, w13, w2, 1.702, 7.0, shared=(s13, s2), routed_scale=2.5)
+
+    def fused(x):
+        return triton_moe.moe_layer(x, rw, bias, k, w13, w2, (s13, s2), 1.702, 7.0, 2.5, c)
+
+    for rep in range(20):
+        x = randn(t, hidden)
+        assert torch.equal(fused(x), unfused(x)), f"run {rep}"
+    torch.cuda.synchronize()
+    assert not c.any()
+    x_buf = randn(t, hidden)
+    fused(x_buf)  # compile outside capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = fused(x_buf)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(5):
+        x_buf.copy_(randn(t, hidden))
+        graph.replay()
+        assert torch.equal(out, unfused(x_buf))
+    torch.cuda.synchronize()
+    assert not c.any()
