@@ -56,7 +56,7 @@ def max_blocks(num_pairs: int, num_local: int, block_m: int) -> int:
 
 
 @triton.jit
-def _pair_expert(idx_ptr, offs, num_pairs, routed_pairs, e_start, num_local, CACHE: tl.constexpr):
+def _pair_expert(idx_ptr, offs, num_pairs, routed_pairs, e_start, num_local, CACHE: tl.constexpr = ""):
     """Local column of each pair id in offs, or -1 (past the end, or another rank's expert). Pairs from
     routed_pairs on are the shared expert's (one per token), which owns the last column, num_local - 1.
     CACHE: idx's load cache modifier (".cg" when other programs of the same launch wrote it)."""
@@ -74,7 +74,7 @@ def _count_kernel(idx_ptr, hist_ptr, num_pairs, routed_pairs, e_start, num_local
     """hist[c, e] = pairs of chunk c routed to local expert e. Pairs of other ranks' experts count nowhere."""
     c = tl.program_id(0)
     offs = c * CHUNK + tl.arange(0, CHUNK)
-    e = _pair_expert(idx_ptr, offs, num_pairs, routed_pairs, e_start, num_local, "")
+    e = _pair_expert(idx_ptr, offs, num_pairs, routed_pairs, e_start, num_local)
     hit = (e[:, None] == tl.arange(0, E_PAD)[None, :]).to(tl.int32)  # [CHUNK, E_PAD]
     tl.store(hist_ptr + c * E_PAD + tl.arange(0, E_PAD), tl.sum(hit, 0))
 
@@ -94,7 +94,7 @@ def _place_kernel(idx_ptr, hist_ptr, sorted_ptr, block_expert_ptr, num_blocks_pt
         offs = tl.arange(0, CHUNK)
     else:
         offs = c * CHUNK + tl.arange(0, CHUNK)
-    e = _pair_expert(idx_ptr, offs, num_pairs, routed_pairs, e_start, num_local, "")
+    e = _pair_expert(idx_ptr, offs, num_pairs, routed_pairs, e_start, num_local)
     mine = (e >= 0) & (c * CHUNK + tl.arange(0, CHUNK) == offs)  # SINGLE: program 0 only
     hit = (e[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, E_PAD], one 1 per placed pair
 

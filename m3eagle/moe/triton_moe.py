@@ -162,9 +162,7 @@ def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, b
     if FUSE_COMBINE:
         # A block's rows are pairs of one expert, so no two valid rows share a token.
         token = tl.where(routed, pair // TOP_K, pair - routed_pairs).to(tl.int64)  # [BM]
-        need = tl.zeros([BLOCK_M], dtype=tl.int32)  # the token's local pairs
-        if HAS_SHARED:
-            need += 1
+        need = tl.zeros([BLOCK_M], dtype=tl.int32) + HAS_SHARED  # the token's local pairs
         for j in tl.static_range(TOP_K):
             ej = tl.load(idx_ptr + token * TOP_K + j, mask=valid, other=-1) - e_start
             need += ((ej >= 0) & (ej < num_local)).to(tl.int32)
