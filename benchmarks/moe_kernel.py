@@ -293,13 +293,9 @@ def time_step(shape: Shape, layers: list, t: int, tri, timer: Timer, dev: torch.
 
         fused_ops = Ops(attention=None, moe=tri, fused=fused_backend.create("triton"))
 
-        def engine_layer_all(ops=fused_ops):  # as the engine runs it: fused router, shared expert inside
+        def engine_layer_all():  # as the engine runs it: fused router, shared expert inside the routed kernels
             for layer in layers:
-                layer.forward_parts(x, ops)
-
-        # the same with one launch per stage (router, align, gate_up, down, combine): the folding's A/B
-        unfolded_ops = Ops(attention=None, moe=backend.create("triton", config=tri.config, fold=False),
-                           fused=fused_ops.fused)
+                layer.forward_parts(x, fused_ops)
 
         n, k3 = t * shape.top_k, 3 * shape.inter
         mats = [torch.randn(shape.hidden, k3, device=dev).to(dtype) for _ in layers]  # [H, 3I] each
@@ -314,7 +310,6 @@ def time_step(shape: Shape, layers: list, t: int, tri, timer: Timer, dev: torch.
         r["routed_eager_us"] = timer.eager(routed_all, len(layers)) * 1e6
         r["layer_us"] = timer(layer_all, len(layers)) * 1e6
         r["engine_layer_us"] = timer(engine_layer_all, len(layers)) * 1e6
-        r["engine_layer_unfolded_us"] = timer(lambda: engine_layer_all(unfolded_ops), len(layers)) * 1e6
         r["shared_fused"] = bool(layers[0].can_fuse_shared())
         if with_reference:
             r["ref_layer_us"] = timer(lambda: layer_all(ref_impl), len(layers)) * 1e6
@@ -482,7 +477,7 @@ def main() -> None:
         ok &= all(c["ok"] for c in checks) and graph["graph_equal"] is not False and graph["no_sync"] is not False
         log(f"  {'T':>5} {'experts':>7} {'routed us':>10} {'eager us':>9} {'layer us':>9} {'ref us':>9} "
             f"{'speedup':>8} {'routed GB/s':>11} {'layer GB/s':>10} {'engine us':>9} {'engine GB/s':>11} "
-            f"{'unfolded us':>11} {'TFLOP/s':>8} {'mm TFLOP/s':>10}")
+            f"{'TFLOP/s':>8} {'mm TFLOP/s':>10}")
         timings = []
         for t in s.tokens:
             r = time_step(s, layers, t, impl_for(s, t), timer, dev, dtype)
@@ -490,8 +485,7 @@ def main() -> None:
             log(f"  {t:>5} {r['distinct_experts']:>7.1f} {r['routed_us']:>10.1f} {r['routed_eager_us']:>9.1f} "
                 f"{r['layer_us']:>9.1f} {r.get('ref_layer_us', math.nan):>9.1f} {r.get('speedup_vs_ref', math.nan):>7.2f}x "
                 f"{r['routed_GBps']:>11.0f} {r['layer_GBps']:>10.0f} {r['engine_layer_us']:>9.1f} "
-                f"{r['engine_layer_GBps']:>11.0f} {r['engine_layer_unfolded_us']:>11.1f} {r['routed_TFLOPs']:>8.1f} "
-                f"{r['mm_TFLOPs']:>10.1f}")
+                f"{r['engine_layer_GBps']:>11.0f} {r['routed_TFLOPs']:>8.1f} {r['mm_TFLOPs']:>10.1f}")
         summary["shapes"].append({"shape": s.name, "hidden": s.hidden, "experts": s.experts, "top_k": s.top_k,
                                   "inter": s.inter, "shared": s.shared, "checks": checks, "graph": graph,
                                   "timings": timings})

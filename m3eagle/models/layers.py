@@ -254,18 +254,8 @@ class SparseMoE(nn.Module):
         standing for a * s + b, which the caller leaves to the next fused add + norm. Usually (routed,
         shared, routed_scaling_factor); a MoE backend that fuses the shared expert into the routed kernels
         returns the whole sum, (out, None, 1.0)."""
-        impl = ops.moe
-        # (with the triton fused ops only: the layer routes with their router kernel, not the reference's)
-        if getattr(impl, "routes", False) and getattr(ops.fused, "name", "") == "triton" and self.can_fuse_shared():
-            # decode / verify-sized steps: router, experts and shared expert in the MoE backend's launches
-            sh, g = self.shared_experts, self.gate
-            out = impl.layer(x, g.weight, g.e_score_correction_bias, g.top_k, self.experts.gate_up_proj,
-                             self.experts.down_proj, sh.gate_up_proj.weight, sh.down_proj.weight, sh.alpha, sh.limit,
-                             self.routed_scaling_factor)
-            if out is not None:
-                return out, None, 1.0
         w, idx = self.gate(x, ops.fused)
-        return self.expert_parts(x, w, idx, impl, ops.fused)
+        return self.expert_parts(x, w, idx, ops.moe, ops.fused)
 
     def expert_parts(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, impl: Any, fused: Any = None,
                      ) -> tuple[torch.Tensor, torch.Tensor | None, float]:

@@ -56,14 +56,13 @@ def max_blocks(num_pairs: int, num_local: int, block_m: int) -> int:
 
 
 @triton.jit
-def _pair_expert(idx_ptr, offs, num_pairs, routed_pairs, e_start, num_local, CACHE: tl.constexpr = ""):
+def _pair_expert(idx_ptr, offs, num_pairs, routed_pairs, e_start, num_local):
     """Local column of each pair id in offs, or -1 (past the end, or another rank's expert). Pairs from
-    routed_pairs on are the shared expert's (one per token), which owns the last column, num_local - 1.
-    CACHE: idx's load cache modifier (".cg" when other programs of the same launch wrote it)."""
+    routed_pairs on are the shared expert's (one per token), which owns the last column, num_local - 1."""
     ok = offs < num_pairs
     shared = ok & (offs >= routed_pairs)
     n_routed = tl.where(routed_pairs < num_pairs, num_local - 1, num_local)  # local routed experts
-    e = tl.load(idx_ptr + offs, mask=ok & ~shared, other=-1, cache_modifier=CACHE).to(tl.int32) - e_start
+    e = tl.load(idx_ptr + offs, mask=ok & ~shared, other=-1).to(tl.int32) - e_start
     e = tl.where(ok & (e >= 0) & (e < n_routed), e, -1)  # -1 matches no column
     return tl.where(shared, num_local - 1, e)
 
@@ -142,36 +141,6 @@ def _place_kernel(idx_ptr, hist_ptr, sorted_ptr, block_expert_ptr, num_blocks_pt
         tl.store(block_expert_ptr + p // BLOCK_M, tl.where(has_seg, seg_e, -1),
                  mask=in_share & (p % BLOCK_M == 0))
 
-@triton.jit
-def _align_all(idx_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr, num_pairs, routed_pairs, e_start, num_local,
-               padded_len, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, CACHE: tl.constexpr):
-    """The whole alignment in one program (CHUNK >= num_pairs): count, scatter, then fill the padded layout
-    CHUNK positions at a time. For callers that already run one program last over all tokens (the MoE
-    router of `triton_moe.route_align`), where a separate align launch would cost more than this loop."""
-    experts = tl.arange(0, E_PAD)
-    offs = tl.arange(0, CHUNK)
-    e = _pair_expert(idx_ptr, offs, num_pairs, routed_pairs, e_start, num_local, CACHE)
-    hit = (e[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, E_PAD]
-    count = tl.sum(hit, 0)
-    padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    seg_end = tl.cumsum(padded, 0)
-    seg_start = seg_end - padded
-    tl.store(num_blocks_ptr, tl.sum(padded, 0) // BLOCK_M)
-    rank = tl.cumsum(hit, 0) - hit
-    dest = tl.sum(hit * (rank + seg_start[None, :]), 1)
-    tl.store(sorted_ptr + dest, offs, mask=e >= 0)
-    for p0 in range(0, padded_len, CHUNK):  # the same fill as _place_kernel's role 2, over the whole layout
-        p = p0 + tl.arange(0, CHUNK)
-        in_len = p < padded_len
-        inside = (p[:, None] >= seg_start[None, :]) & (p[:, None] < seg_end[None, :])  # [CHUNK, E_PAD]
-        has_seg = tl.sum(inside.to(tl.int32), 1) > 0
-        seg_e = tl.sum(tl.where(inside, experts[None, :], 0), 1)
-        rel = tl.sum(tl.where(inside, p[:, None] - seg_start[None, :], 0), 1)
-        n_in_seg = tl.sum(tl.where(inside, count[None, :], 0), 1)
-        real = has_seg & (rel < n_in_seg)
-        tl.store(sorted_ptr + p, tl.full([CHUNK], 0, tl.int32) + num_pairs, mask=in_len & ~real)
-        tl.store(block_expert_ptr + p // BLOCK_M, tl.where(has_seg, seg_e, -1), mask=in_len & (p % BLOCK_M == 0))
-
 
 def align(idx: torch.Tensor, e_start: int, num_local: int, block_m: int, chunk: int | None = None,
           shared: bool = False) -> Alignment:
@@ -211,15 +180,3 @@ def align(idx: torch.Tensor, e_start: int, num_local: int, block_m: int, chunk: 
                                  num_chunks, padded_len, fill_per_prog, BLOCK_M=block_m, E_PAD=e_pad,
                                  CHUNK=chunk, HIST_ROWS=64, SINGLE=single)
     return Alignment(sorted_ids, block_expert, num_blocks, block_m, nb, n, routed)
-
-
-def empty_alignment(num_tokens: int, top_k: int, num_local: int, block_m: int, shared: bool,
-                    device: torch.device) -> Alignment:
-    """The buffers `align` would fill for idx [num_tokens, top_k], unfilled: for a kernel that computes the
-    alignment itself (`_align_all`)."""
-    routed = num_tokens * top_k
-    n = routed + (num_tokens if shared else 0)
-    nb = max_blocks(n, num_local + int(shared), block_m)
-    return Alignment(torch.empty(nb * block_m, dtype=torch.int32, device=device),
-                     torch.empty(nb, dtype=torch.int32, device=device),
-                     torch.empty(1, dtype=torch.int32, device=device), block_m, nb, n, routed)

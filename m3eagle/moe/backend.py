@@ -53,46 +53,16 @@ class TritonMoE:
 
     name = "triton"
     fuses_shared = True
-    routes = True  # `layer` exists: router, experts and shared expert of a decode-sized step, fused (see fold)
 
-    def __init__(self, config: Any = None, fold: bool = True) -> None:
+    def __init__(self, config: Any = None) -> None:
         from . import triton_moe  # imports triton
 
         self._mod = triton_moe
         self.config = config
-        # fold: decode-sized steps fold the router + align and the down GEMM + combine into shared launches
-        # (`triton_moe.moe_layer`); False keeps one launch per stage (the A/B of benchmarks/moe_kernel.py).
-        self.fold = fold
-        self.routes = fold
-        self._counters: dict[torch.device, torch.Tensor] = {}  # the fused launches' counters, per device
-
-    def _counters_for(self, x: torch.Tensor) -> torch.Tensor | None:
-        """This engine's counters on x's device, made on first use; None while a CUDA graph is being
-        captured and none exist yet (a zero-fill made during capture would run only at replay: the engine's
-        eager steps before capture make them, anything else takes the unfused launches)."""
-        if not self.fold:
-            return None
-        c = self._counters.get(x.device)
-        if c is None:
-            if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return None
-            c = self._counters[x.device] = self._mod.new_counters(x.device)
-        return c
 
     def experts(self, x, weights, idx, gate_up_proj, down_proj, alpha, limit, expert_range=None):
         return self._mod.fused_experts(x, weights, idx, gate_up_proj, down_proj, alpha, limit, expert_range,
-                                       config=self.config, counters=self._counters_for(x))
-
-    def layer(self, x, router_w, bias, top_k, gate_up_proj, down_proj, shared_gate_up, shared_down, alpha, limit,
-              routed_scale):
-        """The whole layer (router, routed experts, shared expert) for a decode / verify-sized step in three
-        launches (`triton_moe.moe_layer`), or None when the step does not qualify (the caller routes and
-        calls `experts_and_shared`)."""
-        c = self._counters_for(x)
-        if c is None:
-            return None
-        return self._mod.moe_layer(x, router_w, bias, top_k, gate_up_proj, down_proj, (shared_gate_up, shared_down),
-                                   alpha, limit, routed_scale, c, config=self.config)
+                                       config=self.config)
 
     def experts_and_shared(self, x, weights, idx, gate_up_proj, down_proj, shared_gate_up, shared_down, alpha,
                            limit, routed_scale):
@@ -101,7 +71,7 @@ class TritonMoE:
         expert that every token uses (`triton_moe.fused_experts(shared=...)`). All experts, one rank."""
         return self._mod.fused_experts(x, weights, idx, gate_up_proj, down_proj, alpha, limit, None,
                                        config=self.config, shared=(shared_gate_up, shared_down),
-                                       routed_scale=routed_scale, counters=self._counters_for(x))
+                                       routed_scale=routed_scale)
 
 
 _FACTORIES: dict[str, Callable[..., MoEImpl]] = {"reference": ReferenceMoE, "triton": TritonMoE}

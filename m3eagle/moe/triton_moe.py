@@ -24,9 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fused.triton_fused import _route_row
 from . import tuning
-from .align import Alignment, _align_all, align, empty_alignment
+from .align import Alignment, align
 from .reference import local_experts
 from .tuning import MoEConfig
 
@@ -107,28 +106,19 @@ def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, block_expert_ptr,
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs", "routed_pairs", "max_blocks", "e_start"])
+@triton.jit(do_not_specialize=["num_pairs", "routed_pairs", "max_blocks"])
 def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
                  num_pairs, routed_pairs, shared_col, max_blocks, hidden, inter, routed_scale,
                  stride_am, stride_ai, stride_we, stride_wh, stride_wi, stride_cp, stride_ch,
-                 out_ptr, cnt_ptr, idx_ptr, e_start, num_local, stride_ot, stride_oh,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr, TOP_K: tl.constexpr,
-                 FUSE_COMBINE: tl.constexpr):
+                 DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr):
     """contrib[pair(r)] = weight(pair(r)) * (act[r] @ down_proj[e]^T) for the rows r of one block; a routed
     pair's weight is its routing weight times routed_scale, a shared-expert pair's is 1.
 
     The expert output is rounded to the activation dtype before the fp32 weighting, as the reference's
     per-expert einsum result is. The weighted row is stored in the activation dtype too: half the traffic
     of fp32 for a [T*k, H] buffer that prefill writes and reads once; in bf16 that is one more rounding
-    per pair, below the reference's own bf16 error.
-
-    FUSE_COMBINE (decode / verify-sized steps): `_combine_kernel`'s work done here, saving its launch. Per
-    (token, column block) an int32 counter at cnt_ptr counts the token's pairs stored so far: after its
-    stores a program waits for all of its threads (a CTA barrier) and adds 1 per valid row with
-    acquire-release semantics at GPU scope; the program that stores a token's last local pair sums that
-    token's rows in the combine's order (loaded from L2: other programs wrote them) into out_ptr and
-    resets the counter. Same values, same order as the combine: bit-equal to it, no float atomics."""
+    per pair, below the reference's own bf16 error."""
     pid_m, pid_n = _block_coords(tl.program_id(0), max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return
@@ -159,31 +149,6 @@ def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, b
     y = acc.to(out_ty).to(tl.float32) * route_w[:, None]
     out_ptrs = contrib_ptr + pair.to(tl.int64)[:, None] * stride_cp + offs_n[None, :] * stride_ch
     tl.store(out_ptrs, y.to(out_ty), mask=valid[:, None] & n_ok[None, :])
-    if FUSE_COMBINE:
-        # A block's rows are pairs of one expert, so no two valid rows share a token.
-        token = tl.where(routed, pair // TOP_K, pair - routed_pairs).to(tl.int64)  # [BM]
-        need = tl.zeros([BLOCK_M], dtype=tl.int32) + HAS_SHARED  # the token's local pairs
-        for j in tl.static_range(TOP_K):
-            ej = tl.load(idx_ptr + token * TOP_K + j, mask=valid, other=-1) - e_start
-            need += ((ej >= 0) & (ej < num_local)).to(tl.int32)
-        cnt = cnt_ptr + token * tl.cdiv(hidden, BLOCK_N) + pid_n  # [BM]: (token, column block)
-        tl.debug_barrier()
-        old = tl.atomic_add(cnt, tl.full([BLOCK_M], 1, tl.int32), mask=valid, sem="acq_rel", scope="gpu")
-        last = valid & (old == need - 1)
-        tl.debug_barrier()
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            ej = tl.load(idx_ptr + token * TOP_K + j, mask=last, other=-1) - e_start
-            mine = last & (ej >= 0) & (ej < num_local)
-            v = tl.load(contrib_ptr + (token * TOP_K + j)[:, None] * stride_cp + offs_n[None, :] * stride_ch,
-                        mask=mine[:, None] & n_ok[None, :], other=0.0, cache_modifier=".cg")
-            acc += v.to(tl.float32)
-        if HAS_SHARED:
-            acc += tl.load(contrib_ptr + (routed_pairs + token)[:, None] * stride_cp + offs_n[None, :] * stride_ch,
-                           mask=last[:, None] & n_ok[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
-        tl.store(out_ptr + token[:, None] * stride_ot + offs_n[None, :] * stride_oh,
-                 acc.to(out_ptr.dtype.element_ty), mask=last[:, None] & n_ok[None, :])
-        tl.store(cnt, tl.zeros([BLOCK_M], dtype=tl.int32), mask=last)
 
 
 @triton.jit(do_not_specialize=["routed_pairs"])
@@ -251,38 +216,24 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, al: Alignment, top_k: int, alpha
 
 
 def down(act: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, al: Alignment, cfg: MoEConfig,
-         shared_down: torch.Tensor | None = None, routed_scale: float = 1.0,
-         combine_into: tuple[torch.Tensor, int, int, torch.Tensor, bool] | None = None) -> torch.Tensor:
+         shared_down: torch.Tensor | None = None, routed_scale: float = 1.0) -> torch.Tensor:
     """act [rows, I], w2 [E, H, I], weights [T, k] (or flat [T*k]) -> contrib [num_pairs, H] in act.dtype
     (rows of non-local pairs unwritten): routed rows weighted by weight * routed_scale, the shared expert's
-    rows (`shared_down` [H, I], alignment made with shared=True) by 1.
-
-    combine_into (idx [T, k], e_start, num_local, counters, some_tokens_idle): also do `combine` in the same
-    launch and return its [T, H] result instead. counters: int32, >= T * ceil(H / block_n) entries, zero
-    between launches (each launch leaves them zero), used by one stream at a time. some_tokens_idle: a
-    token may have no local pair (an expert subset, no shared expert): no program would write its row, so
-    the output starts zeroed."""
+    rows (`shared_down` [H, I], alignment made with shared=True) by 1."""
     weights = weights.reshape(-1).float().contiguous()  # [T*k] fp32; no copy when it already is
     hidden, inter = w2.shape[1], w2.shape[2]
     ws = w2 if shared_down is None else shared_down
     contrib = torch.empty(al.num_pairs, hidden, dtype=act.dtype, device=act.device)
     grid = (al.max_blocks * triton.cdiv(hidden, cfg.block_n),)
-    if combine_into is None:
-        idx, e_start, num_local, cnt, out, top_k = weights, 0, 0, weights, contrib, 1  # unread placeholders
-    else:
-        idx, e_start, num_local, cnt, some_idle = combine_into
-        top_k = idx.shape[1]
-        idx = idx.contiguous()
-        out = (torch.zeros if some_idle else torch.empty)(idx.shape[0], hidden, dtype=act.dtype, device=act.device)
     _down_kernel[grid](
         act, w2, ws, contrib, weights, al.sorted_ids, al.block_expert, al.num_blocks, al.num_pairs,
         al.routed_pairs, w2.shape[0], al.max_blocks, hidden, inter, float(routed_scale),
         act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
-        contrib.stride(0), contrib.stride(1), out, cnt, idx, e_start, num_local, out.stride(0), out.stride(1),
+        contrib.stride(0), contrib.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        DOT_PREC=_dot_precision(act.dtype), HAS_SHARED=shared_down is not None, TOP_K=top_k,
-        FUSE_COMBINE=combine_into is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return contrib if combine_into is None else out
+        DOT_PREC=_dot_precision(act.dtype), HAS_SHARED=shared_down is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return contrib
 
 
 def combine(contrib: torch.Tensor, idx: torch.Tensor, e_start: int, num_local: int, out_dtype: torch.dtype,
@@ -303,15 +254,12 @@ def combine(contrib: torch.Tensor, idx: torch.Tensor, e_start: int, num_local: i
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
                   down_proj: torch.Tensor, alpha: float, limit: float,
                   expert_range: tuple[int, int] | None = None, config: MoEConfig | None = None,
-                  shared: Shared | None = None, routed_scale: float = 1.0,
-                  counters: torch.Tensor | None = None) -> torch.Tensor:
+                  shared: Shared | None = None, routed_scale: float = 1.0) -> torch.Tensor:
     """Same contract as `reference.experts`: x [T, H], weights [T, k] fp32, idx [T, k] -> [T, H] x.dtype.
 
     With `shared` (a shared expert of the routed experts' shape; all experts, no expert_range) it returns
     routed_scale * routed + shared_expert(x) -- `SparseMoE`'s whole output -- from the same three launches.
-    `config` pins the block sizes; None looks them up by (device, shape, T bucket) in the tuning table.
-    `counters` (from `new_counters`): steps of <= FUSE_MAX_T tokens fold the combine into the down
-    GEMM's launch (bit-equal)."""
+    `config` pins the block sizes; None looks them up by (device, shape, T bucket) in the tuning table."""
     w13, w2, e0 = local_experts(gate_up_proj, down_proj, expert_range)
     t, k = idx.shape
     num_local = w13.shape[0]
@@ -327,133 +275,5 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gat
     cfg = config or tuning.get_config(t, num_local, x.shape[1], w2.shape[2], k, x.dtype, x.device)
     al = align(idx, e0, num_local, cfg.block_m, shared=shared is not None)
     act = gate_up(x, w13, al, k, alpha, limit, cfg, s13 if shared is not None else None)
-    s2_or_none = s2 if shared is not None else None
-    if _fuse_combine(t, x.shape[1], cfg, counters):
-        return down(act, w2, weights, al, cfg, s2_or_none, routed_scale,
-                    combine_into=(idx, e0, num_local, counters[ROUTE_COUNTERS:],
-                                  shared is None and expert_range is not None))
-    contrib = down(act, w2, weights, al, cfg, s2_or_none, routed_scale)
+    contrib = down(act, w2, weights, al, cfg, s2 if shared is not None else None, routed_scale)
     return combine(contrib, idx, e0, num_local, x.dtype, shared is not None)
-
-
-# ---- decode / verify-sized steps: the router, the alignment and the combine folded into other launches ----
-
-FUSE_MAX_T = 64  # the router GEMV's limit (fused.triton_fused.ROUTER_GEMV_MAX_T)
-# Up to here the router's launch also aligns: its last program's one-hot tiles are [pairs, experts], ~8K
-# elements for 16 tokens x (4 + 1) pairs and 33 experts, the size align.py keeps its own tiles to.
-ROUTE_ALIGN_MAX_T = 16
-ROUTE_COUNTERS = 128  # per-token counters of the router [0, 64), the tokens' counter at 64
-COMBINE_COUNTERS = FUSE_MAX_T * 1024  # (token, column block) counters of the fused combine
-
-
-def new_counters(device: torch.device) -> torch.Tensor:
-    """The zeroed int32 counters `fused_experts` / `moe_layer` need for their fused launches. Each launch
-    leaves them zero; one stream at a time. Allocate outside CUDA-graph capture (a zero-fill recorded in
-    a graph would run only at replay)."""
-    return torch.zeros(ROUTE_COUNTERS + COMBINE_COUNTERS, dtype=torch.int32, device=device)
-
-
-def _fuse_combine(t: int, hidden: int, cfg: MoEConfig, counters: torch.Tensor | None) -> bool:
-    return counters is not None and t <= FUSE_MAX_T and t * triton.cdiv(hidden, cfg.block_n) <= COMBINE_COUNTERS
-
-
-@triton.jit(do_not_specialize=["n_tok", "num_pairs", "routed_pairs", "padded_len"])
-def _route_align_kernel(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_ptr, hidden, n_exp, stride_x,
-                        stride_w, n_prog, n_tok, sorted_ptr, block_expert_ptr, num_blocks_ptr, num_pairs,
-                        routed_pairs, num_local, padded_len,
-                        TOP_K: tl.constexpr, PRECISE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                        BLOCK_ALL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                        E_PAD: tl.constexpr, CHUNK: tl.constexpr, TOK_CNT: tl.constexpr):
-    """Grid (T, n_prog): fused.triton_fused's `_router_topk_kernel` (router GEMV; the token's last program
-    routes it), then the last token to be routed aligns every pair by expert (`align._align_all`): the
-    router and the align step of one layer in one launch.
-
-    The tokens' counter (cnt_ptr + TOK_CNT) works like the per-token ones: the routing program stores the
-    token's experts, waits for its threads, adds 1 with acquire-release semantics at GPU scope; whoever
-    reads T - 1 sees every token's experts (loaded from L2), resets the counter and aligns."""
-    t = tl.program_id(0).to(tl.int64)
-    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-    em = offs_e < n_exp
-    acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
-    for h0 in range(0, hidden, BLOCK_H):  # the same GEMV as _router_topk_kernel: bit-equal logits
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        hm = offs_h < hidden
-        xv = tl.load(x_ptr + t * stride_x + offs_h, mask=hm, other=0.0).to(tl.float32)
-        wv = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * stride_w + offs_h[None, :],
-                     mask=em[:, None] & hm[None, :], other=0.0).to(tl.float32)
-        acc += wv * xv[None, :]
-    tl.store(lg_ptr + t * n_exp + offs_e, tl.sum(acc, axis=1), mask=em)
-    tl.debug_barrier()
-    done = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
-    if done == n_prog - 1:
-        tl.store(cnt_ptr + t, 0)
-        _route_row(lg_ptr + t * n_exp, bias_ptr, wout_ptr + t * TOP_K, idx_ptr + t * TOP_K, n_exp, TOP_K,
-                   PRECISE, BLOCK_ALL, BLOCK_K, ".cg")
-        tl.debug_barrier()
-        routed = tl.atomic_add(cnt_ptr + TOK_CNT, 1, sem="acq_rel", scope="gpu")
-        if routed == n_tok - 1:
-            tl.store(cnt_ptr + TOK_CNT, 0)
-            _align_all(idx_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr, num_pairs, routed_pairs, 0,
-                       num_local, padded_len, BLOCK_M, E_PAD, CHUNK, ".cg")
-
-
-def route_align(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, top_k: int, block_m: int,
-                counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
-    """Route x [T, H] (T <= FUSE_MAX_T, a router `_gemv_ok` takes) and align its pairs plus one shared-expert
-    pair per token by expert: (weights [T, k] fp32, experts [T, k] int64, Alignment), equal to
-    `route_tokens` then `align(idx, 0, E, block_m, shared=True)`. Steps of <= ROUTE_ALIGN_MAX_T tokens do
-    both in one launch."""
-    from ..fused import triton_fused as tf
-
-    t, hidden = x.shape
-    n_exp = router_w.shape[0]
-    if t > ROUTE_ALIGN_MAX_T:  # the router alone in one launch (its counters: the first 64), then align
-        w, idx = tf.route_tokens(x, router_w, bias, top_k, counters[:tf.ROUTER_GEMV_MAX_T])
-        return w, idx, align(idx, 0, n_exp, block_m, shared=True)
-    dev = x.device
-    al = empty_alignment(t, top_k, n_exp, block_m, True, dev)
-    num_local = n_exp + 1  # the shared expert is the last column
-    logits = torch.empty(t, n_exp, dtype=torch.float32, device=dev)
-    w = torch.empty(t, top_k, dtype=torch.float32, device=dev)
-    idx = torch.empty(t, top_k, dtype=torch.int64, device=dev)
-    block_e, block_h, warps = tf._gemv_blocks(t, n_exp, hidden)
-    n_prog = triton.cdiv(n_exp, block_e)
-    _route_align_kernel[(t, n_prog)](
-        x, router_w, logits, counters, bias, w, idx, hidden, n_exp, x.stride(0), router_w.stride(0), n_prog, t,
-        al.sorted_ids, al.block_expert, al.num_blocks, al.num_pairs, al.routed_pairs, num_local,
-        al.max_blocks * al.block_m,
-        TOP_K=top_k, PRECISE=tf._precise(), BLOCK_E=block_e, BLOCK_H=block_h,
-        BLOCK_ALL=triton.next_power_of_2(n_exp), BLOCK_K=triton.next_power_of_2(top_k), BLOCK_M=block_m,
-        E_PAD=max(16, triton.next_power_of_2(num_local)), CHUNK=max(16, triton.next_power_of_2(al.num_pairs)),
-        TOK_CNT=tf.ROUTER_GEMV_MAX_T, num_warps=warps, **tf._opts())
-    return w, idx, al
-
-
-def moe_layer(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, top_k: int, gate_up_proj: torch.Tensor,
-              down_proj: torch.Tensor, shared: Shared, alpha: float, limit: float, routed_scale: float,
-              counters: torch.Tensor, config: MoEConfig | None = None) -> torch.Tensor | None:
-    """A whole MoE layer for a decode / verify-sized step in three launches: router + align, gate_up, down +
-    combine. x [T, H] -> routed_scale * routed + shared [T, H], equal to route_tokens then `fused_experts`
-    with `shared` (bit for bit: the same kernels' math). router_w [E, H] fp32, bias [E] fp32; all experts
-    on this rank, the shared expert of the routed experts' shape. None when the step does not qualify
-    (T = 0 or > FUSE_MAX_T, a router the GEMV does not take): the caller takes the unfused path."""
-    from ..fused import triton_fused as tf  # the router's GEMV blocks and limits, one definition
-
-    t, hidden = x.shape
-    n_exp = router_w.shape[0]
-    if not 0 < t <= min(FUSE_MAX_T, tf.ROUTER_GEMV_MAX_T) or not tf._gemv_ok(x, router_w):
-        return None
-    if not 1 <= top_k <= min(n_exp, tf.MAX_TOP_K) or n_exp > tf.MAX_EXPERTS:
-        return None
-    w13, w2 = gate_up_proj, down_proj
-    if w13.dtype != x.dtype or w2.dtype != x.dtype:
-        raise TypeError(f"triton MoE needs weights in the activation dtype: x is {x.dtype}, gate_up_proj "
-                        f"{w13.dtype}, down_proj {w2.dtype}")
-    s13, s2 = _shared_weights(shared, w13, w2)
-    cfg = config or tuning.get_config(t, n_exp, hidden, w2.shape[2], top_k, x.dtype, x.device)
-    if not _fuse_combine(t, hidden, cfg, counters):
-        return None
-    w, idx, al = route_align(x, router_w, bias, top_k, cfg.block_m, counters)
-    act = gate_up(x, w13, al, top_k, alpha, limit, cfg, s13)
-    return down(act, w2, w, al, cfg, s2, routed_scale,
-                combine_into=(idx, 0, n_exp, counters[ROUTE_COUNTERS:], False))
