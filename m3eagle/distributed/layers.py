@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -80,6 +81,12 @@ def iter_sharded(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, Shard | 
             yield name, t, shards.get(name)
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, fused: Any = None) -> torch.Tensor:
+    """F.linear(x, w), or `fused.linear` (an m3eagle.fused.backend object: the engine's decode GEMV) when
+    given and x is [T, K]."""
+    return fused.linear(x, w) if fused is not None and x.dim() == 2 else F.linear(x, w)
+
+
 class ColumnParallelLinear(nn.Linear):
     """y[..., out_local] = x @ W[rows]^T for this rank's output rows `pieces` of a full [out, in] weight."""
 
@@ -90,6 +97,9 @@ class ColumnParallelLinear(nn.Linear):
         super().__init__(in_features, local, bias=bias)
         if local != out_features:
             self.shards = {"weight": Shard(0, pieces, local, out_features)}
+
+    def forward(self, x: torch.Tensor, fused: Any = None) -> torch.Tensor:
+        return linear(x, self.weight, fused) if self.bias is None else super().forward(x)
 
 
 class RowParallelLinear(nn.Linear):
@@ -105,8 +115,8 @@ class RowParallelLinear(nn.Linear):
         if tp.size > 1:
             self.shards = {"weight": rows(start, local, in_features, dim=1)}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+    def forward(self, x: torch.Tensor, fused: Any = None) -> torch.Tensor:
+        y = linear(x, self.weight, fused)
         return self.tp.all_reduce(y) if self.reduce else y
 
 
@@ -141,5 +151,5 @@ class ParallelLMHead(nn.Linear):
         if tp.size > 1:
             self.shards = {"weight": rows(start, held, vocab, per)}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.gather_last(F.linear(x, self.weight), self.vocab)
+    def forward(self, x: torch.Tensor, fused: Any = None) -> torch.Tensor:
+        return self.tp.gather_last(linear(x, self.weight, fused), self.vocab)

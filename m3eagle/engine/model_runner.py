@@ -174,7 +174,7 @@ class ModelRunner:
         fused = _fused(meta)
         sample_idx, positions, drafts_in = fused.sample_positions(
             inp.row_first, inp.row_qlen, inp.row_num_drafts, meta.positions, ids, k)  # [B, K+1] x 2, [B, K]
-        logits = self.target.compute_logits(hidden[sample_idx.reshape(-1)]).view(inp.num_rows, k + 1, -1)
+        logits = self.target.compute_logits(hidden[sample_idx.reshape(-1)], fused).view(inp.num_rows, k + 1, -1)
         if pen is not None:  # the target distribution of position j given the history and drafts d_1..d_j
             logits = self.penalty.apply(logits, pen, inp.row_slot, drafts_in, inp.row_num_drafts, positions)
         # Draft probabilities exist for rows whose drafts were sampled; greedy rows never read them.

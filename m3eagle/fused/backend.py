@@ -56,6 +56,10 @@ class FusedOps(Protocol):
 
     def swiglu_oai(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor: ...
 
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """F.linear(x, w) without bias: x [T, K], w [N, K] -> [T, N] (a fast path may sum in another order)."""
+        ...
+
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
 
     def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -135,6 +139,9 @@ class ReferenceFused:
                              index_rope_dim, ik_pool):
         return reference.qkv_index_rope_store(q, k, v, q_w, k_w, eps, cos, sin, k_pool, v_pool, slots, iq, ik,
                                               iq_w, ik_w, index_rope_dim, ik_pool)
+
+    def linear(self, x, w):
+        return torch.nn.functional.linear(x, w)
 
     def swiglu_oai(self, gate_up, alpha, limit):
         return reference.swiglu_oai(gate_up, alpha, limit)

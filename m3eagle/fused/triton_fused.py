@@ -856,9 +856,20 @@ class TritonFused:
 
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, gemv_max_t: int | None = None) -> None:
+        from . import gemv
+
+        self._gemv = gemv
         self._inv_freq: dict[Any, tuple[torch.Tensor, float]] = {}
         self._counters: dict[torch.device, torch.Tensor] = {}  # route_tokens' per-token counters, per device
+        # linear(): steps of up to this many rows run `gemv.linear` instead of cuBLAS (0: never).
+        self.gemv_max_t = gemv.DEFAULT_MAX_T if gemv_max_t is None else gemv_max_t
+
+    def linear(self, x, w):
+        g = self._gemv
+        if x.shape[0] <= self.gemv_max_t and g.supports(x, w) and g.prefers(x.shape[0], w.shape[0], w.shape[1]):
+            return g.linear(x, w)
+        return torch.nn.functional.linear(x, w)
 
     def rms_norm(self, x, w, eps, gemma=True, out=None):
         return add_norm(x, None, w, eps, gemma=gemma, out=out)[0]

@@ -10,9 +10,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from ..distributed.layers import ColumnParallelLinear, RowParallelLinear, rows
+from ..distributed.layers import ColumnParallelLinear, RowParallelLinear, linear, rows
 from ..distributed.parallel_state import SINGLE, TPGroup
 from ..fused import reference as fused_ref
 from ..fused.reference import apply_rope, swiglu_oai  # noqa: F401  (re-exported: models, training, moe use them)
@@ -130,10 +129,11 @@ class PackedLinears:
         return all(m.weight.data_ptr() == w.data_ptr() + off * row and m.weight.shape[0] == n
                    for m, n, off in zip(self.mods, self.sizes, _offsets(self.sizes)))
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """x [T, in] -> one [T, n_i] output per module (column views of one GEMM's output when packed)."""
+    def __call__(self, x: torch.Tensor, fused: Any = None) -> list[torch.Tensor]:
+        """x [T, in] -> one [T, n_i] output per module (column views of one GEMM's output when packed).
+        `fused` (an m3eagle.fused.backend object) runs the packed GEMM (its decode GEMV); None = F.linear."""
         if self.is_packed():
-            return list(F.linear(x, self.weight).split(self.sizes, -1))
+            return list(linear(x, self.weight, fused).split(self.sizes, -1))
         return [m(x) for m in self.mods]
 
 
@@ -169,7 +169,7 @@ class SwigluOaiMLP(nn.Module):
     def forward(self, x: torch.Tensor, fused: Any = None) -> torch.Tensor:
         """x [T, H] -> [T, H]. `fused` (an m3eagle.fused.backend object) runs the activation; None = reference."""
         act = fused if fused is not None else fused_ref
-        return self.down_proj(act.swiglu_oai(self.gate_up_proj(x), self.alpha, self.limit))
+        return self.down_proj(act.swiglu_oai(self.gate_up_proj(x, fused), self.alpha, self.limit), fused)
 
 
 class SiluMLP(nn.Module):
@@ -184,7 +184,7 @@ class SiluMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, fused: Any = None) -> torch.Tensor:
         act = fused if fused is not None else fused_ref
-        return self.down_proj(act.silu_mul(*self.gate_up(x)))
+        return linear(act.silu_mul(*self.gate_up(x, fused)), self.down_proj.weight, fused)
 
 
 class Router(nn.Module):

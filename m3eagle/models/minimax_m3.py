@@ -10,6 +10,7 @@ Parameter names follow transformers' `MiniMaxM3VLForCausalLM` with the `model.` 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -101,7 +102,7 @@ class Attention(nn.Module):
         ops = meta.ops or REFERENCE
         # q/k norm + RoPE, and this step's K/V into the pools at meta.slot_mapping: one fused op (with the
         # indexer's q/k and index-K on sparse layers).
-        pq, pk, pv, *pidx = self.proj(x)  # [T, Hq * D], [T, Hkv * D] x 2, (+ [T, Hi * Di], [T, Di])
+        pq, pk, pv, *pidx = self.proj(x, ops.fused)  # [T, Hq * D], [T, Hkv * D] x 2, (+ [T, Hi * Di], [T, Di])
         qkv = (pq.view(t, self.n_q, c.head_dim), pk.view(t, self.n_kv, c.head_dim), pv.view(t, self.n_kv, c.head_dim),
                self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, cache.k, cache.v, meta.slot_mapping)
         attn = ops.attention
@@ -113,7 +114,7 @@ class Attention(nn.Module):
             q, iq = ops.fused.qkv_index_rope_store(*qkv, *self.indexer.paged_inputs(*pidx, cache.idx_k))
             o = attn.sparse_attention(q, cache.k, cache.v, meta, self.scale, iq, cache.idx_k,
                                       c.index_block_size, c.index_topk_blocks, c.index_local_blocks)
-        return self.o_proj(o.reshape(t, -1))
+        return self.o_proj(o.reshape(t, -1), ops.fused)
 
     def forward_seq(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Contiguous (training / oracle) path: x [B, S, H], cos/sin [S, R] -> [B, S, H]. Same math as
@@ -235,9 +236,9 @@ class MiniMaxM3(nn.Module):
         aux_t = torch.cat([aux[order.index(i)] for i in aux_layer_ids], -1) if aux_layer_ids else None
         return self.norm(x), aux_t
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V] in fp32."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, fused: Any = None) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] in fp32. `fused`: the engine's fused ops (their decode GEMV)."""
+        return self.lm_head(hidden, fused).float()
 
     def new_caches(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> list[LayerCache]:
         c = self.cfg

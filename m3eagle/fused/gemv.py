@@ -1,0 +1,345 @@
+"""Skinny GEMM for decode: y [T, N] = x [T, K] @ w[N, K]^T for T = 1..32 rows, as one memory-bound Triton kernel.
+
+Why. At batch-1 decode every dense projection (the packed q/k/v(+index) projection, o_proj, the dense and
+shared-expert MLPs, lm_head, the Eagle3 head's fc and MLP) multiplies a handful of rows by a weight read once
+per step. The work is 2*T*N*K flops over 2*N*K weight bytes: T flop/byte, far below the H200's ~200 flop/byte
+ridge, so the floor is the weight's read time at HBM bandwidth (8 MB at ~4.3 TB/s: ~2 us). cuBLAS picks
+`nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT` for these shapes and reaches ~1.7 TB/s (5.8 us for ~10 MB); this
+kernel is built to stream w at close to the copy bandwidth.
+
+Math. Program (n, s) of the grid (cdiv(N, BLOCK_N), S) owns output columns n*BLOCK_N .. +BLOCK_N and the K
+range s*k_split .. +k_split (k_split a whole number of BLOCK_K steps, S = cdiv(K, k_split) splits):
+
+    part[s, t, j] = sum_{k in split s} x[t, k] * w[j, k]        (fp32 products and sums, any input dtype)
+    y[t, j]       = to_x_dtype(part[0, t, j] + part[1, t, j] + ... + part[S-1, t, j])   (S = 1: no part)
+
+Design.
+  * Two inner products, a constexpr (USE_DOT) picked per T:
+    - GEMV (T <= 4): one fp32 accumulator [BLOCK_N, BLOCK_K] per row, acc_t += fp32(w) * fp32(x[t]), and one
+      tl.sum over K after the loop. CUDA-core FMAs: T per weight element, which keeps up with HBM only for
+      small T (4.3 TB/s of bf16 is 2.15 G elements/us; x16 rows would be the H200's whole fp32 FMA rate).
+      Exact fp32 math for fp32 inputs. x is loaded as a [BLOCK_N, BLOCK_K] tile of one repeated row (L1
+      hits) so that it has the weight tile's layout: a [BLOCK_K] row, or a 3-D [T, BLOCK_N, BLOCK_K]
+      product, made the compiler move a tile through shared memory (convert_layout + barrier) every K step.
+      The weight loads are 16-byte vectors (checked in the PTX). num_stages=2 prefetches the next weight
+      tile into registers (PREFETCH): Triton's software pipeliner only stages loads that feed a tl.dot.
+    - dot (any T; picked above GEMV_MAX_T): acc [BLOCK_N, BLOCK_T] = tl.dot(w [BLOCK_N, BLOCK_K], x^T
+      [BLOCK_K, BLOCK_T]): the weight is the MMA's M side (BLOCK_N=64 with 4 warps is one Hopper wgmma;
+      smaller tiles use mma.sync), T padded to BLOCK_T >= 16 (tl.dot's minimum), the K loop pipelined
+      through shared memory by cp.async (num_stages). fp32 inputs use input_precision="ieee" (no tf32).
+  * Rows past N and T are clamped, not masked: they re-read row N-1 / T-1 (cached) and the stores drop
+    them, so the weight stream carries no row predicate. K is masked only when K % BLOCK_K != 0 (EVEN_K).
+  * Split-K (config split_k > 1) for small N, where cdiv(N, BLOCK_N) programs are too few to keep 132 SMs'
+    loads in flight: each program stores its fp32 partial, then the last program of its output tile to
+    finish sums all S partials in split order and stores y. No float atomics: the order of the sum is fixed,
+    so the result is bit-equal from call to call whichever program finishes last. "Last" is found with a
+    per-tile int32 counter: CTA barrier (all of this program's partial stores issued), then
+    atomic_add(acq_rel, gpu scope); the program that reads S - 1 loads the partials from L2 (.cg) and
+    resets the counter to 0 for the next call / graph replay. The counters live in one zeroed int32
+    buffer per device, allocated on the first eager call; a call captured in a CUDA graph before that
+    runs unsplit (a zero-fill recorded in a graph would only run at replay). Every call on a device
+    shares the counters: calls must be ordered (one stream at a time), as an engine step's are.
+    SPLIT is a constexpr, the split count a runtime value: one compile serves every split count.
+  * Config: `pick_config(t, n, k, dtype, device)` -> GemvConfig (BLOCK_N, BLOCK_K, warps, stages, split_k,
+    GEMV or dot): the measured TUNED table first, else rules (at pick_config). `benchmarks/gemv.py --tune`
+    sweeps the space on a GPU and prints TUNED lines.
+
+No host sync, no data-dependent shapes; the only allocations are torch.empty (the output, and the fp32
+partials when split), so a call can be captured in a CUDA graph. Inference only: no autograd. Under the
+CPU interpreter a bf16 tl.dot multiplies raw int16 bits, so the operands are upcast there (UPCAST_DOT).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_T = 32  # rows; past this a GEMM with weight-tile reuse (cuBLAS) is the right tool
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_TILES = 16384  # output tiles with a split-K counter (one int32 each, 64 KB per device)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch parameters of `_linear_kernel` (BLOCK_T follows from T and use_dot)."""
+
+    block_n: int  # output features per program (>= 16 with use_dot)
+    block_k: int  # K elements per loop step (>= 16 with use_dot)
+    num_warps: int = 4
+    num_stages: int = 1  # dot: cp.async pipeline depth; GEMV: 1, or 2 = prefetch the next K tile into registers
+    split_k: int = 1  # programs per output tile along K (> 1: partials + last-program reduction)
+    use_dot: bool = False  # tl.dot instead of the elementwise GEMV
+
+    def block_t(self, t: int) -> int:
+        """Rows per program: all T rows, padded to a power of two (>= 16 for tl.dot; the GEMV takes <= 4)."""
+        b = triton.next_power_of_2(max(t, 1))
+        return max(b, 16) if self.use_dot else b
+
+
+@triton.jit
+def _load_k(ptrs, k_ok, EVEN_K: tl.constexpr):
+    """Load a K tile; masked (zeros past the split's end) only when K is not a multiple of BLOCK_K."""
+    if EVEN_K:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=k_ok, other=0.0)
+
+
+@triton.jit
+def _store_row(ptr, row, vals, offs_n, T, N, stride):
+    """vals [BN] -> ptr[row * stride + offs_n] (dtype of ptr), dropping padding rows (row >= T) and columns."""
+    ok = (offs_n < N) & (tl.zeros_like(offs_n) + row < T)  # [BN]
+    tl.store(ptr + row * stride + offs_n, vals.to(ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["T", "n_split"])  # one compile for every T of a BLOCK_T and every split
+def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, stride_wn, stride_yt, k_split, n_split,
+                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                   USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, IEEE: tl.constexpr,
+                   UPCAST_DOT: tl.constexpr):
+    """Grid (cdiv(N, BLOCK_N), n_split): y[:, n-tile] (or its split-s partial) from K range [s*k_split, +k_split).
+
+    x [T, K] (row stride stride_xt, unit column stride), w [N, K] (row stride stride_wn), y [T, N] (row stride
+    stride_yt), part [n_split, T, N] fp32, cnt [>= cdiv(N, BLOCK_N)] int32 zero between launches. SPLIT
+    (n_split > 1) is a constexpr and n_split a runtime value: one compile serves every split count.
+    GEMV (not USE_DOT) takes BLOCK_T <= 4."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
+    # Clamp instead of masking the loads: padding rows re-read the last valid row (a cache hit) and the
+    # stores drop them, so the weight stream has no row predicate.
+    rows_n = tl.minimum(offs_n, N - 1)
+    k0 = pid_s * k_split
+    k_end = tl.minimum(k0 + k_split, K)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]  # [BN, BK]
+    if USE_DOT:
+        offs_t = tl.arange(0, BLOCK_T)  # [BT]
+        x_ptrs = x_ptr + tl.minimum(offs_t, T - 1)[:, None].to(tl.int64) * stride_xt + (k0 + offs_k)[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+        for k in range(k0, k_end, BLOCK_K):
+            k_ok = (k + offs_k) < k_end  # [BK]; unused (compiled away) when EVEN_K
+            w = _load_k(w_ptrs, k_ok[None, :], EVEN_K)  # [BN, BK]
+            x = _load_k(x_ptrs, k_ok[None, :], EVEN_K)  # [BT, BK]
+            if IEEE:  # fp32 inputs: exact fp32 products (no tf32)
+                acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+            elif UPCAST_DOT:  # the CPU interpreter multiplies bf16's raw int16 bits: give it fp32 (same sums)
+                acc = tl.dot(w.to(tl.float32), tl.trans(x).to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(x), acc)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        out = tl.trans(acc)  # [BT, BN]
+        mask = (offs_t < T)[:, None] & (offs_n < N)[None, :]
+        if SPLIT:
+            tl.store(part_ptr + (pid_s * T + offs_t[:, None]) * N + offs_n[None, :], out, mask=mask)
+        else:
+            tl.store(y_ptr + offs_t[:, None] * stride_yt + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        # One 2-D accumulator [BN, BK] per row, summed over K once after the loop. Each x row is loaded as a
+        # [BN, BK] tile of one repeated row (L1 hits) so that it gets the weight tile's layout: loaded as a
+        # [BK] row (or in a 3-D [BT, BN, BK] product) it went through shared memory + a barrier every K step.
+        x_row = x_ptr + k0 + offs_k[None, :] + 0 * rows_n[:, None]  # [BN, BK] row 0 on every row
+        r1 = tl.minimum(1, T - 1).to(tl.int64) * stride_xt
+        r2 = tl.minimum(2, T - 1).to(tl.int64) * stride_xt
+        r3 = tl.minimum(3, T - 1).to(tl.int64) * stride_xt
+        acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc1 = acc0
+        acc2 = acc0
+        acc3 = acc0
+        if PREFETCH:
+            w_next = _load_k(w_ptrs, ((k0 + offs_k) < k_end)[None, :], EVEN_K)  # the first tile (never empty)
+        for k in range(k0, k_end, BLOCK_K):
+            k_ok = (k + offs_k) < k_end  # [BK]; unused (compiled away) when EVEN_K
+            if PREFETCH:
+                # register double buffer: the next tile's loads are issued before this tile's FMAs finish
+                # (Triton's pipeliner only stages loads that feed a tl.dot). ptxas interleaves them with the
+                # later FMAs rather than hoisting them all; whether it pays is for --tune to say.
+                w = w_next.to(tl.float32)  # [BN, BK]
+                w_ptrs += BLOCK_K
+                if EVEN_K:  # a whole tile or nothing: a uniform predicate keeps the 16-byte loads
+                    more = tl.full([BLOCK_N, BLOCK_K], 1, tl.int1) & (k + BLOCK_K < k_end)  # uniform
+                    w_next = tl.load(w_ptrs, mask=more, other=0.0)
+                else:
+                    w_next = tl.load(w_ptrs, mask=((k + BLOCK_K + offs_k) < k_end)[None, :], other=0.0)
+            else:
+                w = _load_k(w_ptrs, k_ok[None, :], EVEN_K).to(tl.float32)  # [BN, BK]
+                w_ptrs += BLOCK_K
+            acc0 += w * _load_k(x_row, k_ok[None, :], EVEN_K).to(tl.float32)
+            if BLOCK_T > 1:
+                acc1 += w * _load_k(x_row + r1, k_ok[None, :], EVEN_K).to(tl.float32)
+            if BLOCK_T > 2:
+                acc2 += w * _load_k(x_row + r2, k_ok[None, :], EVEN_K).to(tl.float32)
+                acc3 += w * _load_k(x_row + r3, k_ok[None, :], EVEN_K).to(tl.float32)
+            x_row += BLOCK_K
+        if SPLIT:  # rows of this split's partial [T, N]
+            dst = part_ptr + pid_s * T * N
+            stride_d = N
+        else:
+            dst = y_ptr
+            stride_d = stride_yt
+        _store_row(dst, 0, tl.sum(acc0, axis=1), offs_n, T, N, stride_d)
+        if BLOCK_T > 1:
+            _store_row(dst, 1, tl.sum(acc1, axis=1), offs_n, T, N, stride_d)
+        if BLOCK_T > 2:
+            _store_row(dst, 2, tl.sum(acc2, axis=1), offs_n, T, N, stride_d)
+            _store_row(dst, 3, tl.sum(acc3, axis=1), offs_n, T, N, stride_d)
+    if SPLIT:
+        # the tile's last program to finish (by its counter) sums the partials in split order
+        tl.debug_barrier()  # every thread's partial store is issued before the release below
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == n_split - 1:
+            offs_r = tl.arange(0, BLOCK_T)
+            mask_r = (offs_r < T)[:, None] & (offs_n < N)[None, :]
+            p_ptrs = part_ptr + offs_r[:, None] * N + offs_n[None, :]  # [BT, BN] in split 0
+            total = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+            for s in range(n_split):
+                total += tl.load(p_ptrs + s * T * N, mask=mask_r, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + offs_r[:, None] * stride_yt + offs_n[None, :], total.to(y_ptr.dtype.element_ty),
+                     mask=mask_r)
+            tl.store(cnt_ptr + pid_n, 0)  # zero again for the next launch / graph replay
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def counters(device: torch.device) -> torch.Tensor | None:
+    """The split-K tile counters of `device` ([MAX_TILES] int32, zero between launches), allocated on first
+    use; None while a CUDA graph is being captured and they do not exist yet (see the module docstring)."""
+    device = torch.device(device)
+    c = _COUNTERS.get(device)
+    if c is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        c = _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return c
+
+
+def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `linear(x, w)` runs: x [T, K] with 1 <= T <= MAX_T, w [N, K], both with unit column stride,
+    one dtype out of bf16 / fp16 / fp32, on one CUDA device (or any device under the Triton interpreter)."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or not 1 <= x.shape[0] <= MAX_T:
+        return False
+    if x.dtype != w.dtype or x.dtype not in DTYPES or x.device != w.device:
+        return False
+    if w.shape[0] == 0 or w.shape[1] == 0 or x.stride(1) != 1 or w.stride(1) != 1:
+        return False
+    return x.device.type == "cuda" or _interpreting()
+
+
+# Tuned configs, (N, K, next_pow2(T)) -> GemvConfig, for 2-byte dtypes: `benchmarks/gemv.py --tune` prints
+# these lines for the shapes it swept (H200). A shape missing here takes the rules in `pick_config`.
+TUNED: dict[tuple[int, int, int], GemvConfig] = {}
+
+GEMV_MAX_T = 2  # rows up to which the elementwise GEMV is picked; tl.dot above (see pick_config)
+
+# The engine's policy (fused.triton_fused.TritonFused.linear): steps of up to DEFAULT_MAX_T rows take this
+# kernel for the shapes `prefers` names, cuBLAS otherwise.
+DEFAULT_MAX_T = 2
+# (N, K) -> the most rows for which this kernel beat cuBLAS on the H200 (benchmarks/gemv.py); a shape not
+# listed takes DEFAULT_MAX_T.
+PREFERRED: dict[tuple[int, int], int] = {}
+
+
+def prefers(t: int, n: int, k: int) -> bool:
+    """Whether an engine should run y [t, n] = x @ w[n, k]^T here rather than in cuBLAS."""
+    return t <= PREFERRED.get((n, k), DEFAULT_MAX_T)
+_SMS: dict[torch.device, int] = {}
+
+
+def _sm_count(device: torch.device | str | None) -> int:
+    """Multiprocessors of a CUDA device (132 on an H200), cached; 132 off the GPU (the interpreter)."""
+    device = torch.device(device) if device is not None else None
+    if device is None or device.type != "cuda":
+        return 132
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
+
+
+def pick_config(t: int, n: int, k: int, dtype: torch.dtype, device: torch.device | str | None = None,
+                ) -> GemvConfig:
+    """Block sizes for y [t, n] = x [t, k] @ w[n, k]^T: TUNED's entry, else the rules below.
+
+    The rules aim at the two things a weight stream needs: bytes in flight (each SM must keep ~26 KB of
+    loads outstanding to draw its 1/132 of ~4.3 TB/s at ~0.8 us latency) and enough programs to spread
+    them (>= 4 per SM, or split-K). Register counts are ptxas's for sm_90 (Triton 3.9, bf16):
+
+    * T <= GEMV_MAX_T: elementwise GEMV, 4 warps, BLOCK_K = min(1024, K) (a warp's 32 x 8 lanes then
+      cover a whole row segment, no K-step is masked for K % 1024 == 0), BLOCK_N up to 8192 / (T * BLOCK_K)
+      (fp32 accumulators <= 64 registers per thread: T=1 8 x 1024 with the prefetch below is 128
+      registers, 4 programs per SM), halved while that leaves < 4 programs per SM. num_stages=2 (register
+      prefetch of the next tile: two tiles per warp in flight) when a program has >= 2 K steps.
+      T=4 as a GEMV needs 217 registers for 4 x 1024 (2 programs per SM) or 118 for 4 x 512 without
+      prefetch (16 KB in flight per SM), hence tl.dot from T=3.
+    * T > GEMV_MAX_T: tl.dot, BLOCK_T = 16 or 32, 4 warps, BLOCK_K=128, 4 cp.async stages (3 tiles in
+      flight); BLOCK_N=64 (one wgmma M, 80 KB of shared memory: 2 programs per SM, 96 KB in flight) when
+      N gives >= 2 tiles per SM, else 32 (mma.sync, 36 KB: 6 programs per SM).
+    * Split-K when there are fewer than 2 tiles per SM: up to 4 programs per SM, <= 8 splits, >= 1 K step
+      (GEMV) or 2 K steps (dot, so the cp.async pipeline has something to overlap) per split.
+
+    NOTE: these rules are first-principles, not yet measured: `benchmarks/gemv.py --tune` on an H200 is
+    what fills TUNED and should revise them."""
+    bt = triton.next_power_of_2(max(t, 1))
+    hit = TUNED.get((n, k, bt)) if torch.finfo(dtype).bits == 16 else None
+    if hit is not None:
+        return hit
+    sms = _sm_count(device)
+    want = 4 * sms  # programs
+    if t <= GEMV_MAX_T:
+        bk = min(1024, triton.next_power_of_2(k))
+        bn = max(1, min(16, 8192 // (bt * bk)))
+        while bn > 1 and triton.cdiv(n, bn) < want:
+            bn //= 2
+        cfg = GemvConfig(block_n=bn, block_k=bk, num_warps=4, num_stages=1)
+        min_steps = 1
+    else:
+        bn = 64 if triton.cdiv(n, 64) >= 2 * sms else 32
+        cfg = GemvConfig(block_n=bn, block_k=128, num_warps=4, num_stages=4, use_dot=True)
+        min_steps = 2
+    tiles = triton.cdiv(n, cfg.block_n)
+    split = 1
+    if tiles < 2 * sms:
+        split = max(1, min(8, triton.cdiv(want, tiles), k // (min_steps * cfg.block_k)))
+    steps = triton.cdiv(triton.cdiv(k, split), cfg.block_k)  # K steps per program
+    stages = cfg.num_stages if cfg.use_dot else (2 if steps >= 2 else 1)
+    return GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, stages, split, cfg.use_dot)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """x [T, K] @ w [N, K]^T -> y [T, N] in x.dtype, fp32 accumulation (F.linear without bias).
+
+    The caller checks `supports(x, w)` first. `config` overrides `pick_config` (tuning, tests)."""
+    t, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(t, n, dtype=x.dtype, device=x.device)  # [T, N]
+    if t == 0:
+        return y
+    cfg = config if config is not None else pick_config(t, n, k, x.dtype, x.device)
+    if cfg.use_dot and min(cfg.block_n, cfg.block_k) < 16:
+        raise ValueError(f"{cfg}: tl.dot needs BLOCK_N, BLOCK_K >= 16")
+    if not cfg.use_dot and t > 4:
+        raise ValueError(f"{cfg}: the elementwise GEMV takes T <= 4 rows, got {t}; use use_dot=True")
+    tiles = triton.cdiv(n, cfg.block_n)
+    split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))  # no split without a K step of its own
+    cnt = counters(x.device) if split > 1 and tiles <= MAX_TILES else None
+    if cnt is None:
+        split = 1
+    k_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k  # a whole number of K steps
+    split = triton.cdiv(k, k_split)  # e.g. K=200, BLOCK_K=64, 3 splits: 2 of 128 (no empty third)
+    part = torch.empty(split, t, n, dtype=torch.float32, device=x.device) if split > 1 else y  # [S, T, N]
+    _linear_kernel[(tiles, split)](
+        x, w, y, part, cnt if cnt is not None else y, t, n, k, x.stride(0), w.stride(0), y.stride(0), k_split,
+        split, BLOCK_T=cfg.block_t(t), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, USE_DOT=cfg.use_dot,
+        EVEN_K=k % cfg.block_k == 0, PREFETCH=not cfg.use_dot and cfg.num_stages > 1, IEEE=x.dtype == torch.float32,
+        UPCAST_DOT=_interpreting() and x.dtype != torch.float32, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages if cfg.use_dot else 1)
+    return y

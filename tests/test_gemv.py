@@ -1,0 +1,135 @@
+"""The skinny-GEMM Triton kernel (m3eagle/fused/gemv.py) held equal to x @ w^T, on CPU under the Triton
+interpreter.
+
+fp32 at 1e-5 relative error (max error over the reference's largest magnitude) for T = 1, 3, 8, 16 rows,
+K not a multiple of BLOCK_K, N not a multiple of BLOCK_N, x a column slice (row stride > K); both inner
+products (elementwise GEMV and tl.dot) with and without split-K; bf16 inputs within bf16 rounding; the
+split-K path bit-equal from call to call with its tile counters back at zero; `supports` refusing what the
+kernel cannot do. Speed is measured on the GPU by benchmarks/gemv.py.
+
+NOTE: TRITON_INTERPRET is set before anything imports triton, and it holds for the whole pytest process
+(as in test_triton_attention.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton` (kernels decorate at import)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from m3eagle.fused import gemv  # noqa: E402
+from m3eagle.fused.gemv import GemvConfig  # noqa: E402
+
+N, K = 77, 200  # N % BLOCK_N != 0 and K % BLOCK_K != 0 for every config below
+GEMV = {  # elementwise, T <= 4
+    "gemv": GemvConfig(block_n=8, block_k=64),
+    "gemv_prefetch": GemvConfig(block_n=4, block_k=32, num_stages=2),  # masked next-tile loads
+    "gemv_split3": GemvConfig(block_n=16, block_k=32, split_k=3),  # 3 splits of 96 columns (the last 8)
+}
+DOT = {
+    "dot": GemvConfig(block_n=16, block_k=64, use_dot=True),
+    "dot_split4": GemvConfig(block_n=32, block_k=16, num_stages=3, split_k=4, use_dot=True),
+}
+CASES = [(t, name) for t in (1, 3) for name in GEMV] + [(t, name) for t in (1, 3, 8, 16) for name in DOT]
+CONFIGS = {**GEMV, **DOT}
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def make(seed: int, t: int, n: int = N, k: int = K, dtype: torch.dtype = torch.float32,
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] as a column slice of a [T, K + 24] buffer (row stride > K, offset start), w [N, K]."""
+    g = gen(seed)
+    x = torch.randn(t, k + 24, generator=g)[:, 16:16 + k].to(dtype)
+    return x, torch.randn(n, k, generator=g).to(dtype)
+
+
+def assert_close(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rel: float) -> None:
+    ref = x.float() @ w.float().T  # [T, N] fp32
+    assert out.shape == ref.shape and out.dtype == x.dtype, (out.shape, out.dtype)
+    assert torch.isfinite(out).all(), "non-finite output: an unwritten element was read"
+    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    assert err <= rel, f"max relative error {err:.2e} > {rel:.0e}"
+
+
+@pytest.mark.parametrize("t,name", CASES)
+def test_fp32_matches_reference(t, name):
+    x, w = make(t, t)
+    assert x.stride(0) == K + 24 and x.storage_offset() == 16  # a column slice
+    assert gemv.supports(x, w)
+    assert_close(gemv.linear(x, w, CONFIGS[name]), x, w, 1e-5)
+
+
+def test_even_k_prefetch_and_split():
+    """K a multiple of BLOCK_K (unmasked loads; the prefetch's whole-tile predicate), with and without split."""
+    x, w = make(8, 2, n=40, k=256)
+    for cfg in (GemvConfig(block_n=8, block_k=64, num_stages=2), GemvConfig(block_n=8, block_k=32, num_stages=2,
+                                                                             split_k=2)):
+        assert_close(gemv.linear(x, w, cfg), x, w, 1e-5)
+
+
+@pytest.mark.parametrize("t", [1, 2, 5])
+def test_default_config(t):
+    """pick_config's choice for small shapes (one K step or several; split or not) runs and is exact in fp32."""
+    for n, k in ((N, K), (40, 1100), (16, 2048)):
+        x, w = make(10 + t, t, n, k)
+        cfg = gemv.pick_config(t, n, k, x.dtype, x.device)
+        assert cfg.block_t(t) >= t and (not cfg.use_dot or min(cfg.block_n, cfg.block_k, cfg.block_t(t)) >= 16)
+        assert_close(gemv.linear(x, w), x, w, 1e-5)
+
+
+@pytest.mark.parametrize("name", ["gemv_prefetch", "dot_split4"])
+def test_bf16_within_rounding(name):
+    """bf16 in, bf16 out: the fp32 sum rounded once (the interpreter truncates, so up to 2^-7 relative)."""
+    x, w = make(3, 3, dtype=torch.bfloat16)
+    assert_close(gemv.linear(x, w, CONFIGS[name]), x, w, 1e-2)
+
+
+@pytest.mark.parametrize("name", ["gemv_split3", "dot_split4"])
+def test_split_k_deterministic_and_counters_reset(name):
+    x, w = make(4, 3)
+    a = gemv.linear(x, w, CONFIGS[name])
+    cnt = gemv.counters(x.device)
+    assert int(cnt.abs().sum()) == 0, "a tile counter was left non-zero"
+    b = gemv.linear(x, w, CONFIGS[name])
+    assert torch.equal(a, b)
+    assert int(cnt.abs().sum()) == 0
+    # the split sum is the unsplit one in another order
+    assert_close(a, x, w, 1e-5)
+
+
+def test_small_n_and_single_row_weight():
+    """N below BLOCK_N (rows clamped, stores masked) and a w that is a row slice of a wider matrix."""
+    x, _ = make(5, 2, k=48)
+    wide = torch.randn(3, 64, generator=gen(6))
+    w = wide[:, :48]  # row stride 64 > K
+    for cfg in (GemvConfig(block_n=8, block_k=32), GemvConfig(block_n=16, block_k=16, use_dot=True, split_k=2)):
+        assert_close(gemv.linear(x, w, cfg), x, w, 1e-5)
+
+
+def test_gemv_refuses_more_than_four_rows():
+    x, w = make(9, 5)
+    with pytest.raises(ValueError, match="T <= 4"):
+        gemv.linear(x, w, GEMV["gemv"])
+
+
+def test_supports_refuses():
+    x, w = make(7, 2)
+    assert gemv.supports(x, w)
+    assert not gemv.supports(x, w[None])  # 3-D weight
+    assert not gemv.supports(x[None], w)  # 3-D input
+    assert not gemv.supports(x[:, :-1], w)  # K mismatch
+    assert not gemv.supports(x, w.to(torch.bfloat16))  # dtype mismatch
+    assert not gemv.supports(x.double(), w.double())  # unsupported dtype
+    assert not gemv.supports(x, torch.randn(K, N).T)  # weight columns not contiguous
+    assert not gemv.supports(torch.randn(K, 2).T, w)  # input columns not contiguous
+    assert not gemv.supports(x[:0], w)  # no rows
+    assert not gemv.supports(torch.randn(gemv.MAX_T + 1, K), w)  # too many rows for a skinny GEMM
+    assert gemv.supports(torch.randn(gemv.MAX_T, K), w)
