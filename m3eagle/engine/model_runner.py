@@ -223,7 +223,7 @@ class ModelRunner:
                              q_valid=self.row_true[:b], positions=pos, slot_mapping=pos, ops=meta.ops)
         out_tokens, out_probs = [], []
         for step in range(k):
-            logits = self.draft.compute_logits(h_out)  # [B, Vd]
+            logits = self.draft.compute_logits(h_out, _fused(meta))  # [B, Vd]
             tok, probs = self._draft_sample(logits, st, at[step], inp.any_random)
             out_tokens.append(tok)
             out_probs.append(probs)

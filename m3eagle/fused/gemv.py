@@ -237,21 +237,94 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 # Tuned configs, (N, K, next_pow2(T)) -> GemvConfig, for 2-byte dtypes: `benchmarks/gemv.py --tune` prints
 # these lines for the shapes it swept (H200). A shape missing here takes the rules in `pick_config`.
-TUNED: dict[tuple[int, int, int], GemvConfig] = {}
+TUNED: dict[tuple[int, int, int], GemvConfig] = {
+    # m3-mini, H200, `benchmarks/gemv.py --tune --no-head --geometry m3-mini --t 1,2,4,8` (commit 9003f4c;
+    # docs/results/h200-2026-12-01/gemv/tune_mini.log): best config, its time, and the ratio to cuBLAS.
+    # 4.65 us, 1.27x cuBLAS, 1.04x pick_config
+    (2560, 2048, 1): GemvConfig(block_n=2, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 5.31 us, 1.19x cuBLAS, 1.19x pick_config
+    (2560, 2048, 2): GemvConfig(block_n=2, block_k=512, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 6.94 us, 0.90x cuBLAS, 1.25x pick_config
+    (2560, 2048, 4): GemvConfig(block_n=4, block_k=256, num_warps=4, num_stages=2, split_k=1, use_dot=False),
+    # 6.67 us, 0.94x cuBLAS, 1.19x pick_config
+    (2560, 2048, 8): GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=2, use_dot=True),
+    # 5.06 us, 1.30x cuBLAS, 1.13x pick_config
+    (2944, 2048, 1): GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 5.66 us, 1.13x cuBLAS, 1.16x pick_config
+    (2944, 2048, 2): GemvConfig(block_n=4, block_k=512, num_warps=8, num_stages=1, split_k=1, use_dot=False),
+    # 7.17 us, 0.90x cuBLAS, 1.37x pick_config
+    (2944, 2048, 4): GemvConfig(block_n=8, block_k=256, num_warps=4, num_stages=2, split_k=1, use_dot=False),
+    # 6.72 us, 0.96x cuBLAS, 1.28x pick_config
+    (2944, 2048, 8): GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=2, use_dot=True),
+    # 4.24 us, 1.44x cuBLAS, 1.01x pick_config
+    (2048, 2048, 1): GemvConfig(block_n=2, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 4.66 us, 1.33x cuBLAS, 1.23x pick_config
+    (2048, 2048, 2): GemvConfig(block_n=2, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 5.63 us, 1.08x cuBLAS, 1.32x pick_config
+    (2048, 2048, 4): GemvConfig(block_n=8, block_k=512, num_warps=8, num_stages=2, split_k=1, use_dot=False),
+    # 6.06 us, 1.01x cuBLAS, 1.15x pick_config
+    (2048, 2048, 8): GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=4, use_dot=True),
+    # 10.04 us, 1.05x cuBLAS, 1.13x pick_config
+    (8192, 2048, 1): GemvConfig(block_n=16, block_k=256, num_warps=8, num_stages=2, split_k=1, use_dot=False),
+    # 10.49 us, 1.01x cuBLAS, 1.25x pick_config
+    (8192, 2048, 2): GemvConfig(block_n=16, block_k=256, num_warps=8, num_stages=1, split_k=1, use_dot=False),
+    # 11.84 us, 0.90x cuBLAS, 1.68x pick_config
+    (8192, 2048, 4): GemvConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, split_k=2, use_dot=True),
+    # 11.60 us, 0.93x cuBLAS, 1.49x pick_config
+    (8192, 2048, 8): GemvConfig(block_n=128, block_k=128, num_warps=8, num_stages=4, split_k=1, use_dot=True),
+    # 6.48 us, 1.32x cuBLAS, 0.95x pick_config
+    (2048, 4096, 1): GemvConfig(block_n=2, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 6.81 us, 1.28x cuBLAS, 1.21x pick_config
+    (2048, 4096, 2): GemvConfig(block_n=2, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 8.19 us, 1.04x cuBLAS, 1.18x pick_config
+    (2048, 4096, 4): GemvConfig(block_n=4, block_k=512, num_warps=4, num_stages=2, split_k=1, use_dot=False),
+    # 7.99 us, 1.06x cuBLAS, 1.11x pick_config
+    (2048, 4096, 8): GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=4, use_dot=True),
+    # 3.21 us, 1.47x cuBLAS, 1.00x pick_config
+    (2048, 1024, 1): GemvConfig(block_n=2, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 3.51 us, 1.34x cuBLAS, 1.02x pick_config
+    (2048, 1024, 2): GemvConfig(block_n=4, block_k=512, num_warps=8, num_stages=2, split_k=1, use_dot=False),
+    # 4.20 us, 1.13x cuBLAS, 1.34x pick_config
+    (2048, 1024, 4): GemvConfig(block_n=4, block_k=512, num_warps=4, num_stages=2, split_k=1, use_dot=False),
+    # 4.55 us, 1.05x cuBLAS, 1.15x pick_config
+    (2048, 1024, 8): GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=1, use_dot=True),
+    # 31.33 us, 1.06x cuBLAS, 1.08x pick_config
+    (32000, 2048, 1): GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 32.08 us, 1.05x cuBLAS, 1.33x pick_config
+    (32000, 2048, 2): GemvConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, split_k=1, use_dot=True),
+    # 32.55 us, 1.05x cuBLAS, 1.31x pick_config
+    (32000, 2048, 4): GemvConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, split_k=1, use_dot=True),
+    # 32.58 us, 1.05x cuBLAS, 1.15x pick_config
+    (32000, 2048, 8): GemvConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, split_k=1, use_dot=True),
+}
 
 GEMV_MAX_T = 2  # rows up to which the elementwise GEMV is picked; tl.dot above (see pick_config)
 
-# The engine's policy (fused.triton_fused.TritonFused.linear): steps of up to DEFAULT_MAX_T rows take this
-# kernel for the shapes `prefers` names, cuBLAS otherwise.
+# The engine's policy (fused.triton_fused.TritonFused.linear). Measured on the H200 against cuBLAS in one run
+# (`benchmarks/gemv.py`, docs/results/h200-2026-12-01/gemv/): every embedded-sized weight (<= 3 MB) ran
+# 1.2-1.8x faster here at T = 1 and 2; m3-mini's 8-17 MB projections 1.3-1.5x at T = 1 (tuned), fading to
+# ~1.0x by T = 4-8; m3-8b's 34-200 MB weights mostly lost (0.84-0.95x: cuBLAS's wide tiles already stream
+# at 3.2-4.2 TB/s there). So: the measured shapes by their table, others up to DEFAULT_MAX_T rows when the
+# weight is at most SMALL_WEIGHT elements.
 DEFAULT_MAX_T = 2
-# (N, K) -> the most rows for which this kernel beat cuBLAS on the H200 (benchmarks/gemv.py); a shape not
-# listed takes DEFAULT_MAX_T.
-PREFERRED: dict[tuple[int, int], int] = {}
+SMALL_WEIGHT = 8 * 2**20  # elements (16 MB of bf16)
+# (N, K) -> the most rows for which this kernel beat cuBLAS (0: never).
+PREFERRED: dict[tuple[int, int], int] = {
+    # m3-mini (tuned): packed qkv(+index), o_proj, dense gate_up / down, lm_head
+    (2560, 2048): 2, (2944, 2048): 2, (2048, 2048): 4, (8192, 2048): 1, (2048, 4096): 8, (32000, 2048): 8,
+    # m3-8b (untuned configs): qkv(+index) 0.84-0.90x, o_proj 1.03 / 1.07x at T = 1 / 2, dense gate_up 0.95x,
+    # dense down 0.91x, lm_head 1.02x at T = 1 (0.88x at 2), shared expert's down 0.79x
+    (5120, 4096): 0, (5760, 4096): 0, (4096, 4096): 2, (24576, 4096): 0, (4096, 12288): 0, (32000, 4096): 1,
+    (4096, 1536): 0, (3072, 4096): 2,
+}
 
 
 def prefers(t: int, n: int, k: int) -> bool:
     """Whether an engine should run y [t, n] = x @ w[n, k]^T here rather than in cuBLAS."""
-    return t <= PREFERRED.get((n, k), DEFAULT_MAX_T)
+    most = PREFERRED.get((n, k))
+    if most is None:
+        most = DEFAULT_MAX_T if n * k <= SMALL_WEIGHT else 0
+    return t <= most
 _SMS: dict[torch.device, int] = {}
 
 

@@ -862,8 +862,9 @@ class TritonFused:
         self._gemv = gemv
         self._inv_freq: dict[Any, tuple[torch.Tensor, float]] = {}
         self._counters: dict[torch.device, torch.Tensor] = {}  # route_tokens' per-token counters, per device
-        # linear(): steps of up to this many rows run `gemv.linear` instead of cuBLAS (0: never).
-        self.gemv_max_t = gemv.DEFAULT_MAX_T if gemv_max_t is None else gemv_max_t
+        # linear(): steps of up to this many rows may run `gemv.linear` instead of cuBLAS, where
+        # `gemv.prefers` says it wins (0: never).
+        self.gemv_max_t = gemv.MAX_T if gemv_max_t is None else gemv_max_t
 
     def linear(self, x, w):
         g = self._gemv

@@ -43,6 +43,7 @@ import torch.nn as nn
 
 from ..attention import reference
 from ..attention.metadata import AttnMetadata
+from ..distributed.layers import linear
 from ..ops import REFERENCE
 from .layers import LlamaRMSNorm, PackedLinears, SiluMLP, apply_rope, rope_cos_sin
 from .minimax_m3 import LayerCache
@@ -223,13 +224,13 @@ class Eagle3Attention(nn.Module):
         t, c = x.shape[0], self.cfg
         ops = meta.ops or REFERENCE
         cos, sin = ops.fused.rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)  # [T, D] each
-        pq, pk, pv = self.proj(x)
+        pq, pk, pv = self.proj(x, ops.fused)
         q = ops.fused.qkv_rope_store(
             pq.view(t, c.num_attention_heads, c.head_dim), pk.view(t, c.num_key_value_heads, c.head_dim),
             pv.view(t, c.num_key_value_heads, c.head_dim),
             None, None, 0.0, cos, sin, cache.k, cache.v, meta.slot_mapping)  # no q/k norm in a Llama head
         o = ops.attention.attention(q, cache.k, cache.v, meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(o.reshape(t, -1))
+        return linear(o.reshape(t, -1), self.o_proj.weight, ops.fused)
 
     def forward_seq(self, x: torch.Tensor, cache_kv: list[tuple[torch.Tensor, torch.Tensor]] | None,
                     ) -> torch.Tensor:
@@ -390,6 +391,7 @@ class Eagle3Head(nn.Module):
                 for norm, x, o in zip(self.fc_norm, chunks, out.split(self.cfg.target_hidden_size, dim=-1)):
                     fused.rms_norm(x, norm.weight, norm.eps, gemma=False, out=o)
                 aux = out
+            return linear(aux, self.fc.weight, fused)
         return self.fc(aux)
 
     def _outputs(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -428,9 +430,9 @@ class Eagle3Head(nn.Module):
         return self._outputs(h)
 
     # ---- vocabulary ------------------------------------------------------------------------------
-    def compute_logits(self, h_out: torch.Tensor) -> torch.Tensor:
-        """h_out [N, H] -> draft logits [N, Vd] in fp32."""
-        return self.lm_head(h_out).float()
+    def compute_logits(self, h_out: torch.Tensor, fused: Any = None) -> torch.Tensor:
+        """h_out [N, H] -> draft logits [N, Vd] in fp32. `fused`: the engine's fused ops (their decode GEMV)."""
+        return linear(h_out, self.lm_head.weight, fused).float()
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """Draft token ids (any shape) -> target token ids."""
