@@ -451,6 +451,17 @@ def test_split_scratch_is_written_before_read(poisoned_empty):
     assert_close(TritonBackend(min_keys_per_split=8, min_index_keys_per_split=4).sparse_attention(*args), ref)
 
 
+def test_empty_attention_splits_are_neither_written_nor_read(poisoned_empty):
+    """A graph-shaped step (max_kv far past the rows' keys) spreads short rows over many splits: the empty
+    ones store only lse = -inf and the combine skips their partial outputs, which stay poisoned (inf:
+    a read would turn into NaN or inf)."""
+    s = widen(make_step(702, [1, 4, 1], [9, 21, 3], 8, hq=4), 200)
+    ref = reference.paged_attention(s.q, s.k, s.v, s.meta, 0.3)
+    for splits, block_n in ((12, 16), (7, 32)):
+        out = triton_kernels.dense_attention(s.q, s.k, s.v, s.meta, 0.3, num_splits=splits, block_n=block_n)
+        assert_close(out, ref)
+
+
 def test_long_context_chunked_prefill():
     """An 8k-token row on CPU: a 32-token prompt chunk over 8160 cached tokens plus a 1+3 verify row,
     with a graph-style KV bound. The oracle processes queries in chunks (no [queries x context] blow-up

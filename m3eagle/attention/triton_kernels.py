@@ -118,11 +118,12 @@ def _write_result(acc, m_i, l_i, tok, head, row_ok, offs_d, d_ok, split,
     o = acc / l_safe[:, None]
     mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
-        # An empty split (no visible key) still writes: lse = -inf gives it weight 0 in the combine.
+        # An empty split (no visible key) writes only lse = -inf: weight 0, and the combine does not read
+        # its partial output (a short row in a grid sized for max_kv leaves most splits empty).
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         split = split.to(tl.int64)  # splits * T * Hq * D can pass 2^31
         po = PartO + split * stride_pos + tok * stride_pot + head * stride_poh  # [M]
-        tl.store(po[:, None] + offs_d[None, :], o, mask=mask)
+        tl.store(po[:, None] + offs_d[None, :], o, mask=mask & (l_i > 0.0)[:, None])
         tl.store(PartLse + split * stride_pls + tok * stride_plt + head, lse, mask=row_ok)
     else:
         ptr = Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -296,7 +297,10 @@ def _combine_kernel(
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # [S], 0 for empty splits
     o_ptr = PartO + offs_s64[:, None] * stride_pos + tok * stride_pot + head * stride_poh + offs_d[None, :]
-    o = tl.load(o_ptr, mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # [S, D]
+    # Splits past a short row's keys (a graph's grid is sized for max_kv) hold lse = -inf and weigh 0:
+    # their partial outputs are not read at all.
+    used = s_ok & (lse > float("-inf"))
+    o = tl.load(o_ptr, mask=used[:, None] & d_ok[None, :], other=0.0)  # [S, D]
     den = tl.sum(w, 0)
     out = tl.sum(w[:, None] * o, 0) / tl.where(den == 0.0, 1.0, den)
     tl.store(Out + tok * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_ok)

@@ -569,6 +569,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+# Warps of `_add_norm_kernel` by row width (BLOCK), where measured to beat `_warps` (one program per row:
+# at decode its latency is the cost); `benchmarks/add_norm_warps.py` sweeps them on a GPU.
+ADD_NORM_WARPS: dict[int, int] = {}
+
+
 def add_norm(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor | None, eps: float,
              x2: torch.Tensor | None = None, x_scale: float = 1.0, gemma: bool = True,
              out: torch.Tensor | None = None, r_out: torch.Tensor | None = None,
@@ -597,7 +602,8 @@ def add_norm(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor | N
             xr, x2r, res, w if w is not None else xr, yy, r, n, float(x_scale), float(eps),
             xr.stride(0), x2r.stride(0), res.stride(0), yy.stride(0), r.stride(0),
             HAS_SCALE=has_scale, HAS_X2=has_x2, HAS_RES=has_res, WRITE_R=write_r, NORM=w is not None,
-            GEMMA=gemma, PRECISE=_precise(), BLOCK=block, num_warps=_warps(block), **_opts())
+            GEMMA=gemma, PRECISE=_precise(), BLOCK=block, num_warps=ADD_NORM_WARPS.get(block, _warps(block)),
+            **_opts())
     if y is not None and out is None:
         y = y.view(x.shape)
     if r_out is None:
