@@ -296,6 +296,40 @@ TUNED: dict[tuple[int, int, int], GemvConfig] = {
     (32000, 2048, 4): GemvConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, split_k=1, use_dot=True),
     # 32.58 us, 1.05x cuBLAS, 1.15x pick_config
     (32000, 2048, 8): GemvConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, split_k=1, use_dot=True),
+    # m3-8b, H200, `benchmarks/gemv.py --tune --no-head --geometry m3-8b --t 1,2 --time-limit 100` (commit f08bb3a;
+    # docs/results/h200-2026-12-01/tune2/tune_8b_TUNED_lines.txt, copied from the call's output).
+    # 12.54 us, 1.03x cuBLAS, 1.24x pick_config
+    (5120, 4096, 1): GemvConfig(block_n=4, block_k=512, num_warps=4, num_stages=2, split_k=1, use_dot=False),
+    # 13.96 us, 0.95x cuBLAS, 1.10x pick_config
+    (5120, 4096, 2): GemvConfig(block_n=8, block_k=256, num_warps=8, num_stages=2, split_k=1, use_dot=False),
+    # 13.73 us, 1.13x cuBLAS, 1.23x pick_config
+    (5760, 4096, 1): GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 14.98 us, 1.04x cuBLAS, 1.09x pick_config
+    (5760, 4096, 2): GemvConfig(block_n=8, block_k=256, num_warps=8, num_stages=2, split_k=1, use_dot=False),
+    # 10.95 us, 1.17x cuBLAS, 1.14x pick_config
+    (4096, 4096, 1): GemvConfig(block_n=1, block_k=2048, num_warps=4, num_stages=2, split_k=1, use_dot=False),
+    # 11.57 us, 1.11x cuBLAS, 1.02x pick_config
+    (4096, 4096, 2): GemvConfig(block_n=4, block_k=512, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 48.43 us, 1.03x cuBLAS, 1.05x pick_config
+    (24576, 4096, 1): GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 50.33 us, 1.00x cuBLAS, 1.14x pick_config
+    (24576, 4096, 2): GemvConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, split_k=1, use_dot=True),
+    # 26.37 us, 1.10x cuBLAS, 1.19x pick_config
+    (4096, 12288, 1): GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 26.76 us, 1.09x cuBLAS, 1.03x pick_config
+    (4096, 12288, 2): GemvConfig(block_n=8, block_k=512, num_warps=8, num_stages=1, split_k=1, use_dot=False),
+    # 8.30 us, 1.32x cuBLAS, 1.01x pick_config
+    (3072, 4096, 1): GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 9.28 us, 1.17x cuBLAS, 1.07x pick_config
+    (3072, 4096, 2): GemvConfig(block_n=8, block_k=512, num_warps=8, num_stages=2, split_k=1, use_dot=False),
+    # 5.25 us, 1.16x cuBLAS, 1.44x pick_config
+    (4096, 1536, 1): GemvConfig(block_n=4, block_k=512, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 5.74 us, 1.06x cuBLAS, 1.40x pick_config
+    (4096, 1536, 2): GemvConfig(block_n=16, block_k=512, num_warps=8, num_stages=2, split_k=1, use_dot=False),
+    # 61.85 us, 1.06x cuBLAS, 1.05x pick_config
+    (32000, 4096, 1): GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 63.06 us, 1.03x cuBLAS, 1.14x pick_config
+    (32000, 4096, 2): GemvConfig(block_n=128, block_k=64, num_warps=8, num_stages=3, split_k=1, use_dot=True),
 }
 
 GEMV_MAX_T = 2  # rows up to which the elementwise GEMV is picked; tl.dot above (see pick_config)
@@ -303,19 +337,18 @@ GEMV_MAX_T = 2  # rows up to which the elementwise GEMV is picked; tl.dot above 
 # The engine's policy (fused.triton_fused.TritonFused.linear). Measured on the H200 against cuBLAS in one run
 # (`benchmarks/gemv.py`, docs/results/h200-2026-12-01/gemv/): every embedded-sized weight (<= 3 MB) ran
 # 1.2-1.8x faster here at T = 1 and 2; m3-mini's 8-17 MB projections 1.3-1.5x at T = 1 (tuned), fading to
-# ~1.0x by T = 4-8; m3-8b's 34-200 MB weights mostly lost (0.84-0.95x: cuBLAS's wide tiles already stream
-# at 3.2-4.2 TB/s there). So: the measured shapes by their table, others up to DEFAULT_MAX_T rows when the
-# weight is at most SMALL_WEIGHT elements.
+# ~1.0x by T = 4-8; m3-8b's 34-200 MB weights lost untuned (0.84-0.95x: cuBLAS's wide tiles already stream
+# at 3.2-4.2 TB/s there) and won 1.03-1.32x tuned (docs/results/h200-2026-12-01/tune2/). So: the measured
+# shapes by their table, others up to DEFAULT_MAX_T rows when the weight is at most SMALL_WEIGHT elements.
 DEFAULT_MAX_T = 2
 SMALL_WEIGHT = 8 * 2**20  # elements (16 MB of bf16)
 # (N, K) -> the most rows for which this kernel beat cuBLAS (0: never).
 PREFERRED: dict[tuple[int, int], int] = {
     # m3-mini (tuned): packed qkv(+index), o_proj, dense gate_up / down, lm_head
     (2560, 2048): 2, (2944, 2048): 2, (2048, 2048): 4, (8192, 2048): 1, (2048, 4096): 8, (32000, 2048): 8,
-    # m3-8b (untuned configs): qkv(+index) 0.84-0.90x, o_proj 1.03 / 1.07x at T = 1 / 2, dense gate_up 0.95x,
-    # dense down 0.91x, lm_head 1.02x at T = 1 (0.88x at 2), shared expert's down 0.79x
-    (5120, 4096): 0, (5760, 4096): 0, (4096, 4096): 2, (24576, 4096): 0, (4096, 12288): 0, (32000, 4096): 1,
-    (4096, 1536): 0, (3072, 4096): 2,
+    # m3-8b (tuned: 1.03-1.32x at T = 1; at T = 2 the 5120 x 4096 head-less qkv loses, 0.95x)
+    (5120, 4096): 1, (5760, 4096): 2, (4096, 4096): 2, (24576, 4096): 1, (4096, 12288): 2, (32000, 4096): 2,
+    (4096, 1536): 2, (3072, 4096): 2,
 }
 
 

@@ -571,7 +571,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 # Warps of `_add_norm_kernel` by row width (BLOCK), where measured to beat `_warps` (one program per row:
 # at decode its latency is the cost); `benchmarks/add_norm_warps.py` sweeps them on a GPU.
-ADD_NORM_WARPS: dict[int, int] = {}
+# H200 (docs/results/h200-2026-12-01/tune2/add_norm.log, bit-equal at every count): 4096-wide rows 2.31 ->
+# 1.98 us with 8 warps instead of 4 at T = 1 (2.39 -> 2.00 at T = 4); 2048-wide 1.79 -> 1.68 at T = 4.
+ADD_NORM_WARPS: dict[int, int] = {2048: 8, 4096: 8}
 
 
 def add_norm(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor | None, eps: float,
