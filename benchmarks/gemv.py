@@ -170,6 +170,18 @@ def graph_time(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torc
     return statistics.median(times)
 
 
+_COUNTERS: list[Any] = []
+
+
+def split_counters() -> Any:
+    """The script's one gemv.SplitCounters (split-K configs split only with counters)."""
+    if not _COUNTERS:
+        from m3eagle.fused import gemv
+
+        _COUNTERS.append(gemv.SplitCounters())
+    return _COUNTERS[0]
+
+
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
@@ -228,7 +240,7 @@ def _compile_worker(job: tuple[str, list[tuple[int, int, int, dict[str, Any]]]])
         if (n, k) not in ws:
             ws[(n, k)] = torch.zeros(n, k, dtype=dtype, device="cuda")
         try:
-            gemv.linear(torch.zeros(t, k, dtype=dtype, device="cuda"), ws[(n, k)], gemv.GemvConfig(**cfg))
+            gemv.linear(torch.zeros(t, k, dtype=dtype, device="cuda"), ws[(n, k)], gemv.GemvConfig(**cfg), split_counters())
         except Exception:  # the timing loop reports it (e.g. a config out of shared memory)
             pass
     torch.cuda.synchronize()
@@ -266,8 +278,8 @@ def tune_one(x: torch.Tensor, ws: list[torch.Tensor], ref: torch.Tensor, args: a
 
     def run(cfg: Any) -> None:
         try:
-            err = rel_err(gemv.linear(x, ws[0], cfg), ref)
-            us = graph_time(lambda a, b: gemv.linear(a, b, cfg), x, ws, args.tune_replays, args.min_calls)
+            err = rel_err(gemv.linear(x, ws[0], cfg, split_counters()), ref)
+            us = graph_time(lambda a, b: gemv.linear(a, b, cfg, split_counters()), x, ws, args.tune_replays, args.min_calls)
         except Exception as e:  # e.g. triton's OutOfResources (shared memory) for a config: skip it
             print(f"{'':>17} skipped {cfg_str(asdict(cfg))}: {type(e).__name__}: {str(e)[:100]}", flush=True)
             return
@@ -403,9 +415,10 @@ def main(argv: list[str] | None = None) -> int:
             row: dict[str, Any] = {"n": n, "k": k, "t": t, "uses": s["uses"], "weight_bytes": wbytes,
                                    "config": asdict(cfg)}
             row["err_cublas"] = rel_err(F.linear(x, ws[0]), ref)
-            row["err_triton"] = rel_err(gemv.linear(x, ws[0]), ref)
+            row["err_triton"] = rel_err(gemv.linear(x, ws[0], counters=split_counters()), ref)
             row["cublas_us"] = graph_time(F.linear, x, ws, args.replays, args.min_calls)
-            row["triton_us"] = graph_time(gemv.linear, x, ws, args.replays, args.min_calls)
+            row["triton_us"] = graph_time(lambda a, b: gemv.linear(a, b, counters=split_counters()), x, ws, args.replays,
+                                          args.min_calls)
             for impl in ("cublas", "triton"):
                 row[f"{impl}_gbps"] = wbytes / row[f"{impl}_us"] / 1e3
             row["floor_us"] = wbytes / copy_gbps / 1e3

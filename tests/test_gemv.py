@@ -95,14 +95,17 @@ def test_bf16_within_rounding(name):
 @pytest.mark.parametrize("name", ["gemv_split3", "dot_split4"])
 def test_split_k_deterministic_and_counters_reset(name):
     x, w = make(4, 3)
-    a = gemv.linear(x, w, CONFIGS[name])
-    cnt = gemv.counters(x.device)
+    counters = gemv.SplitCounters()
+    a = gemv.linear(x, w, CONFIGS[name], counters)
+    cnt = counters.get(x.device)
     assert int(cnt.abs().sum()) == 0, "a tile counter was left non-zero"
-    b = gemv.linear(x, w, CONFIGS[name])
+    b = gemv.linear(x, w, CONFIGS[name], counters)
     assert torch.equal(a, b)
     assert int(cnt.abs().sum()) == 0
-    # the split sum is the unsplit one in another order
+    # the split sum is the unsplit one in another order; without counters the config runs unsplit
     assert_close(a, x, w, 1e-5)
+    assert_close(gemv.linear(x, w, CONFIGS[name]), x, w, 1e-5)
+    assert counters.get(x.device) is cnt and gemv.SplitCounters().get(x.device) is not cnt  # one per owner
 
 
 def test_small_n_and_single_row_weight():
@@ -133,3 +136,20 @@ def test_supports_refuses():
     assert not gemv.supports(x[:0], w)  # no rows
     assert not gemv.supports(torch.randn(gemv.MAX_T + 1, K), w)  # too many rows for a skinny GEMM
     assert gemv.supports(torch.randn(gemv.MAX_T, K), w)
+
+
+def test_engine_linear_takes_the_kernel_where_preferred_only():
+    """TritonFused.linear (what every paged-path projection calls): the kernel for few rows of a small
+    weight (gemv.prefers), F.linear itself -- bit for bit -- for many rows, a shape the table rules out, or
+    gemv_max_t=0."""
+    from m3eagle.fused.triton_fused import TritonFused
+
+    x, w = make(1, 1, n=64, k=64)  # a 64 x 64 weight: small, so preferred up to DEFAULT_MAX_T rows
+    assert gemv.prefers(1, 64, 64) and not gemv.prefers(gemv.DEFAULT_MAX_T + 1, 64, 64)
+    ops = TritonFused()
+    assert_close(ops.linear(x, w), x, w, 1e-5)
+    wide, _ = make(2, 40, n=64, k=64)
+    assert torch.equal(ops.linear(wide, w), torch.nn.functional.linear(wide, w))
+    assert torch.equal(TritonFused(gemv_max_t=0).linear(x, w), torch.nn.functional.linear(x, w))
+    assert not gemv.prefers(1, 5120, 4096) or gemv.PREFERRED[(5120, 4096)] >= 1
+    assert not gemv.prefers(3, 5120, 4096)  # measured: cuBLAS wins there at T = 2

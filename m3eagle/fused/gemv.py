@@ -35,10 +35,11 @@ Design.
     so the result is bit-equal from call to call whichever program finishes last. "Last" is found with a
     per-tile int32 counter: CTA barrier (all of this program's partial stores issued), then
     atomic_add(acq_rel, gpu scope); the program that reads S - 1 loads the partials from L2 (.cg) and
-    resets the counter to 0 for the next call / graph replay. The counters live in one zeroed int32
-    buffer per device, allocated on the first eager call; a call captured in a CUDA graph before that
-    runs unsplit (a zero-fill recorded in a graph would only run at replay). Every call on a device
-    shares the counters: calls must be ordered (one stream at a time), as an engine step's are.
+    resets the counter to 0 for the next call / graph replay. The counters are the caller's
+    (`SplitCounters`: an engine's fused ops own one, so two engines never share them), one zeroed int32
+    buffer per device allocated on the first eager call; a call without counters, or captured in a CUDA
+    graph before they exist, runs unsplit (a zero-fill recorded in a graph would only run at replay).
+    Calls sharing counters must be ordered (one stream at a time), as an engine step's are.
     SPLIT is a constexpr, the split count a runtime value: one compile serves every split count.
   * Config: `pick_config(t, n, k, dtype, device)` -> GemvConfig (BLOCK_N, BLOCK_K, warps, stages, split_k,
     GEMV or dot): the measured TUNED table first, else rules (at pick_config). `benchmarks/gemv.py --tune`
@@ -204,23 +205,28 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, s
             tl.store(cnt_ptr + pid_n, 0)  # zero again for the next launch / graph replay
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def counters(device: torch.device) -> torch.Tensor | None:
-    """The split-K tile counters of `device` ([MAX_TILES] int32, zero between launches), allocated on first
-    use; None while a CUDA graph is being captured and they do not exist yet (see the module docstring)."""
-    device = torch.device(device)
-    c = _COUNTERS.get(device)
-    if c is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        c = _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return c
+class SplitCounters:
+    """The split-K tile counters that one owner (an engine's fused ops, a benchmark) hands to `linear`:
+    [MAX_TILES] int32 per device, zero between launches (each launch leaves them zero). Calls sharing one
+    object must be ordered (one stream at a time), as an engine step's are; two engines own two."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device | str) -> torch.Tensor | None:
+        """The counters of `device`, allocated on first use; None while a CUDA graph is being captured and
+        they do not exist yet (a zero-fill recorded in a graph would run only at replay)."""
+        device = torch.device(device)
+        c = self._bufs.get(device)
+        if c is None:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return None
+            c = self._bufs[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+        return c
 
 
 def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -420,10 +426,13 @@ def pick_config(t: int, n: int, k: int, dtype: torch.dtype, device: torch.device
     return GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, stages, split, cfg.use_dot)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
+           counters: SplitCounters | None = None) -> torch.Tensor:
     """x [T, K] @ w [N, K]^T -> y [T, N] in x.dtype, fp32 accumulation (F.linear without bias).
 
-    The caller checks `supports(x, w)` first. `config` overrides `pick_config` (tuning, tests)."""
+    The caller checks `supports(x, w)` first. `config` overrides `pick_config` (tuning, tests). A split-K
+    config splits only with the caller's `counters` (without, it runs unsplit: same math, one program per
+    tile)."""
     t, k = x.shape
     n = w.shape[0]
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)  # [T, N]
@@ -436,7 +445,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -
         raise ValueError(f"{cfg}: the elementwise GEMV takes T <= 4 rows, got {t}; use use_dot=True")
     tiles = triton.cdiv(n, cfg.block_n)
     split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))  # no split without a K step of its own
-    cnt = counters(x.device) if split > 1 and tiles <= MAX_TILES else None
+    cnt = counters.get(x.device) if counters is not None and split > 1 and tiles <= MAX_TILES else None
     if cnt is None:
         split = 1
     k_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k  # a whole number of K steps

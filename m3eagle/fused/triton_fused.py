@@ -868,6 +868,7 @@ class TritonFused:
         from . import gemv
 
         self._gemv = gemv
+        self._gemv_counters = gemv.SplitCounters()  # this engine's split-K tile counters
         self._inv_freq: dict[Any, tuple[torch.Tensor, float]] = {}
         self._counters: dict[torch.device, torch.Tensor] = {}  # route_tokens' per-token counters, per device
         # linear(): steps of up to this many rows may run `gemv.linear` instead of cuBLAS, where
@@ -877,7 +878,7 @@ class TritonFused:
     def linear(self, x, w):
         g = self._gemv
         if x.shape[0] <= self.gemv_max_t and g.supports(x, w) and g.prefers(x.shape[0], w.shape[0], w.shape[1]):
-            return g.linear(x, w)
+            return g.linear(x, w, counters=self._gemv_counters)
         return torch.nn.functional.linear(x, w)
 
     def rms_norm(self, x, w, eps, gemma=True, out=None):
