@@ -2,8 +2,8 @@
 
 The rest of the CPU suite runs the kernels under the Triton interpreter, which accepts code the GPU
 compiler rejects (tl.dot tiles under 16, layouts and types only the compiler checks).
-tests/data/kernel_launches.json holds each distinct launch of a bf16 engine run with every fast path on (kernel, argument types, constexprs, launch options; `scripts/record_kernel_launches.py`
-writes it); here each is compiled with Triton's own CUDA toolchain (ptxas ships with the triton wheel)
+tests/data/kernel_launches.json holds each distinct launch of a bf16 engine run with every fast path on
+(kernel, argument types, constexprs, launch options; `scripts/record_kernel_launches.py` writes it); here each is compiled with Triton's own CUDA toolchain (ptxas ships with the triton wheel)
 in a subprocess without TRITON_INTERPRET. A record whose kernel's parameters changed fails with the
 command that re-records them. Skipped where triton has no CUDA backend.
 
