@@ -3,9 +3,10 @@
 The rest of the CPU suite runs the kernels under the Triton interpreter, which accepts code the GPU
 compiler rejects (tl.dot tiles under 16, layouts and types only the compiler checks).
 tests/data/kernel_launches.json holds each distinct launch of a bf16 engine run with every fast path on
-(kernel, argument types, constexprs, launch options; `scripts/record_kernel_launches.py` writes it); here each is compiled with Triton's own CUDA toolchain (ptxas ships with the triton wheel)
-in a subprocess without TRITON_INTERPRET. A record whose kernel's parameters changed fails with the
-command that re-records them. Skipped where triton has no CUDA backend.
+(kernel, argument types, constexprs, launch options; `scripts/record_kernel_launches.py` writes it); here
+each is compiled with Triton's own CUDA toolchain (ptxas ships with the triton wheel) in a subprocess
+without TRITON_INTERPRET. A record whose kernel's parameters changed fails with the command that
+re-records them. Skipped where triton has no CUDA backend.
 
 It compiles with the installed triton (CI installs the newest), not the H200 machine's 3.6: a construct
 only an older compiler refuses still needs the GPU run to show (a jit helper with a defaulted constexpr
