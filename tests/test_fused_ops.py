@@ -494,6 +494,38 @@ def test_target_logits_equal_with_triton_fused_ops(scaling):
             assert_close(c.idx_k, r.idx_k, rel=1e-5)
 
 
+def test_target_logits_with_the_decode_gemv(monkeypatch):
+    """The decode GEMV (fused/gemv.py) inside the model: with fused ops that take it on CPU too
+    (gemv_max_t set; the default leaves it to CUDA), one-token steps run every projection and lm_head
+    through it and give the reference's logits, K/V and aux captures within fp32 rounding."""
+    from m3eagle.fused import gemv
+    from m3eagle.fused.triton_fused import TritonFused
+
+    calls = []
+    linear = gemv.linear
+    monkeypatch.setattr(gemv, "linear", lambda *a, **kw: calls.append(a[1].shape) or linear(*a, **kw))
+    ops = replace(REFERENCE, fused=TritonFused(gemv_max_t=gemv.MAX_T))
+    model = tiny_target(2)
+    outs = []
+    for o in (REFERENCE, ops):
+        caches = model.new_caches(12 * 4, torch.float32, CPU)
+        got = []
+        with torch.no_grad():
+            for q_lens, kv_lens in (([5, 3], [5, 3]), ([1, 1], [6, 4]), ([1, 1], [7, 5])):
+                meta = replace(build_metadata(q_lens, torch.tensor(kv_lens), page_table(), 4, CPU, max_kv=24), ops=o)
+                ids = torch.tensor([7, 3, 11, 5, 2, 9, 1, 4][:sum(q_lens)])
+                aux = torch.zeros(sum(q_lens), len(AUX_IDS) * 32)
+                hidden = model(ids, meta.positions, meta, caches, AUX_IDS, aux)
+                got += [model.compute_logits(hidden, o.fused), aux]
+        outs.append((got, caches))
+    assert {tuple(shape) for shape in calls} >= {(64, 32)}  # lm_head [V, H] among them
+    assert len(calls) >= 2 * 4  # every layer's projections, two decode steps
+    for out, ref in zip(outs[1][0], outs[0][0]):
+        assert_close(out, ref, rel=1e-5)
+    for c, r in zip(outs[1][1], outs[0][1]):
+        assert_close(c.k, r.k, rel=1e-5)
+
+
 def test_target_reference_ops_equal_the_oracle():
     """The restructured paged path (residual adds deferred into the next norm) with the reference ops is the
     contiguous oracle's math: one prompt through both."""

@@ -141,13 +141,14 @@ def test_supports_refuses():
 def test_engine_linear_takes_the_kernel_where_preferred_only():
     """TritonFused.linear (what every paged-path projection calls): the kernel for few rows of a small
     weight (gemv.prefers), F.linear itself -- bit for bit -- for many rows, a shape the table rules out, or
-    gemv_max_t=0."""
+    gemv_max_t=0. Off the GPU the engine's default is F.linear (gemv_max_t=None), so the test opts in."""
     from m3eagle.fused.triton_fused import TritonFused
 
     x, w = make(1, 1, n=64, k=64)  # a 64 x 64 weight: small, so preferred up to DEFAULT_MAX_T rows
     assert gemv.prefers(1, 64, 64) and not gemv.prefers(gemv.DEFAULT_MAX_T + 1, 64, 64)
-    ops = TritonFused()
+    ops = TritonFused(gemv_max_t=gemv.MAX_T)
     assert_close(ops.linear(x, w), x, w, 1e-5)
+    assert torch.equal(TritonFused().linear(x, w), torch.nn.functional.linear(x, w))  # CPU default: F.linear
     wide, _ = make(2, 40, n=64, k=64)
     assert torch.equal(ops.linear(wide, w), torch.nn.functional.linear(wide, w))
     assert torch.equal(TritonFused(gemv_max_t=0).linear(x, w), torch.nn.functional.linear(x, w))

@@ -872,12 +872,15 @@ class TritonFused:
         self._inv_freq: dict[Any, tuple[torch.Tensor, float]] = {}
         self._counters: dict[torch.device, torch.Tensor] = {}  # route_tokens' per-token counters, per device
         # linear(): steps of up to this many rows may run `gemv.linear` instead of cuBLAS, where
-        # `gemv.prefers` says it wins (0: never).
-        self.gemv_max_t = gemv.MAX_T if gemv_max_t is None else gemv_max_t
+        # `gemv.prefers` says it wins (0: never). None: gemv.MAX_T on CUDA, 0 elsewhere -- under the CPU
+        # interpreter the kernel is a test subject (tests/test_gemv.py), not a speed-up: an engine test
+        # running every projection through it took 160 s instead of ~10.
+        self.gemv_max_t = gemv_max_t
 
     def linear(self, x, w):
         g = self._gemv
-        if x.shape[0] <= self.gemv_max_t and g.supports(x, w) and g.prefers(x.shape[0], w.shape[0], w.shape[1]):
+        most = self.gemv_max_t if self.gemv_max_t is not None else (g.MAX_T if x.is_cuda else 0)
+        if x.shape[0] <= most and g.supports(x, w) and g.prefers(x.shape[0], w.shape[0], w.shape[1]):
             return g.linear(x, w, counters=self._gemv_counters)
         return torch.nn.functional.linear(x, w)
 
