@@ -4,7 +4,7 @@
 
 For the geometries' hidden sizes (256 embedded, 2048 m3-mini, 4096 m3-8b) and T = 1, 4, 32 rows it times
 `triton_fused.add_norm` as the engine calls it between layers (x + x2 * scale + residual, then the Gemma
-norm) with 1..16 warps (CUDA-graph replay of 50 calls, median of 7), checks each variant bit-equal to the
+norm) with 1..16 warps (fused_ops.time_fn: CUDA-graph replay, median of 7), checks each variant bit-equal to the
 default's output, and prints the best per width: candidates for `triton_fused.ADD_NORM_WARPS`.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -20,26 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fused_ops import time_fn  # noqa: E402  (the script's own folder: one graph timer for the op benchmarks)
+
 from m3eagle.fused import triton_fused as tf  # noqa: E402
-
-
-def timed(fn, calls: int = 50, reps: int = 7) -> float:
-    """us per call: fn captured `calls` times in a CUDA graph, replays timed with events, median."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -62,7 +44,7 @@ def main() -> int:
                 tf.ADD_NORM_WARPS[block] = warps
                 got = tf.add_norm(x, res, w, 1e-6, x2, 1.5)
                 equal = all(torch.equal(a, b) for a, b in zip(got, want))
-                us = timed(lambda x=x, res=res, w=w, x2=x2: tf.add_norm(x, res, w, 1e-6, x2, 1.5))
+                us = time_fn(lambda x=x, res=res, w=w, x2=x2: tf.add_norm(x, res, w, 1e-6, x2, 1.5), dev, 7) * 1e6
                 rows.append({"N": n, "T": t, "warps": warps, "us": us, "bit_equal": equal,
                              "default": warps == tf._warps(block)})
                 print(f"N={n:5d} T={t:3d} warps={warps:2d} {us:6.2f} us  bit-equal {equal}"

@@ -138,12 +138,15 @@ def test_supports_refuses():
     assert gemv.supports(torch.randn(gemv.MAX_T, K), w)
 
 
-def test_engine_linear_takes_the_kernel_where_preferred_only():
+def test_engine_linear_takes_the_kernel_where_preferred_only(monkeypatch):
     """TritonFused.linear (what every paged-path projection calls): the kernel for few rows of a small
-    weight (gemv.prefers), F.linear itself -- bit for bit -- for many rows, a shape the table rules out, or
-    gemv_max_t=0. Off the GPU the engine's default is F.linear (gemv_max_t=None), so the test opts in."""
+    weight (gemv.prefers), F.linear itself -- bit for bit -- for many rows or gemv_max_t=0; the table rules
+    out shapes where cuBLAS won. Off the GPU the engine's default is F.linear (gemv_max_t=None), so the test opts in."""
     from m3eagle.fused.triton_fused import TritonFused
 
+    calls = []
+    kernel = gemv.linear
+    monkeypatch.setattr(gemv, "linear", lambda *a, **kw: calls.append(a[0].shape[0]) or kernel(*a, **kw))
     x, w = make(1, 1, n=64, k=64)  # a 64 x 64 weight: small, so preferred up to DEFAULT_MAX_T rows
     assert gemv.prefers(1, 64, 64) and not gemv.prefers(gemv.DEFAULT_MAX_T + 1, 64, 64)
     ops = TritonFused(gemv_max_t=gemv.MAX_T)
@@ -152,5 +155,5 @@ def test_engine_linear_takes_the_kernel_where_preferred_only():
     wide, _ = make(2, 40, n=64, k=64)
     assert torch.equal(ops.linear(wide, w), torch.nn.functional.linear(wide, w))
     assert torch.equal(TritonFused(gemv_max_t=0).linear(x, w), torch.nn.functional.linear(x, w))
-    assert not gemv.prefers(1, 5120, 4096) or gemv.PREFERRED[(5120, 4096)] >= 1
+    assert calls == [1]  # the one preferred call ran the kernel; the CPU default, 40 rows and max_t=0 did not
     assert not gemv.prefers(3, 5120, 4096)  # measured: cuBLAS wins there at T = 2

@@ -725,6 +725,22 @@ ROUTER_GEMV_MAX_T = 64  # larger steps take the reference (cast + cuBLAS), whose
 
 
 @triton.jit
+def _router_gemv_rows(x_ptr, w_ptr, t, offs_e, em, hidden, stride_x, stride_w, BLOCK_E: tl.constexpr,
+                      BLOCK_H: tl.constexpr):
+    """[BLOCK_E] fp32 logits sum_h fp32(x[t, h]) * w[e, h] for the experts offs_e (em: which are real). Each
+    lane accumulates its own columns in fp32; the lanes are summed once at the end."""
+    acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        hm = offs_h < hidden
+        xv = tl.load(x_ptr + t * stride_x + offs_h, mask=hm, other=0.0).to(tl.float32)
+        wv = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * stride_w + offs_h[None, :],
+                     mask=em[:, None] & hm[None, :], other=0.0).to(tl.float32)
+        acc += wv * xv[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def _router_gemv_kernel(x_ptr, w_ptr, out_ptr, hidden, n_exp, stride_x, stride_w, stride_o,
                         BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
     """logits[t, e] = sum_h fp32(x[t, h]) * w[e, h] for BLOCK_E experts of one token: the cast, the GEMV
@@ -734,15 +750,8 @@ def _router_gemv_kernel(x_ptr, w_ptr, out_ptr, hidden, n_exp, stride_x, stride_w
     t = tl.program_id(0).to(tl.int64)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     em = offs_e < n_exp
-    acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
-    for h0 in range(0, hidden, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        hm = offs_h < hidden
-        xv = tl.load(x_ptr + t * stride_x + offs_h, mask=hm, other=0.0).to(tl.float32)
-        wv = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * stride_w + offs_h[None, :],
-                     mask=em[:, None] & hm[None, :], other=0.0).to(tl.float32)
-        acc += wv * xv[None, :]
-    tl.store(out_ptr + t * stride_o + offs_e, tl.sum(acc, axis=1), mask=em)
+    logits = _router_gemv_rows(x_ptr, w_ptr, t, offs_e, em, hidden, stride_x, stride_w, BLOCK_E, BLOCK_H)
+    tl.store(out_ptr + t * stride_o + offs_e, logits, mask=em)
 
 
 @triton.jit
@@ -760,15 +769,8 @@ def _router_topk_kernel(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_p
     t = tl.program_id(0).to(tl.int64)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     em = offs_e < n_exp
-    acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
-    for h0 in range(0, hidden, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        hm = offs_h < hidden
-        xv = tl.load(x_ptr + t * stride_x + offs_h, mask=hm, other=0.0).to(tl.float32)
-        wv = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * stride_w + offs_h[None, :],
-                     mask=em[:, None] & hm[None, :], other=0.0).to(tl.float32)
-        acc += wv * xv[None, :]
-    tl.store(lg_ptr + t * n_exp + offs_e, tl.sum(acc, axis=1), mask=em)
+    logits = _router_gemv_rows(x_ptr, w_ptr, t, offs_e, em, hidden, stride_x, stride_w, BLOCK_E, BLOCK_H)
+    tl.store(lg_ptr + t * n_exp + offs_e, logits, mask=em)
     tl.debug_barrier()
     done = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
     if done == n_prog - 1:
