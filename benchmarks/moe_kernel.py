@@ -3,6 +3,7 @@ capture, timing against the roofline, and block-size tuning.
 
     python benchmarks/moe_kernel.py --json moe.json                # check + time both shapes, ~1-2 min on an H200
     python benchmarks/moe_kernel.py --tune --write --json moe.json # sweep configs first, rewrite the table, < 4 min
+    python benchmarks/moe_kernel.py --tune --buckets 1,4 --write   # some buckets only (the rest of the table kept)
     TRITON_INTERPRET=1 python benchmarks/moe_kernel.py --device cpu --tune   # tiny shape: a smoke test
 
 Shapes: m3-mini (hidden 2048, 32 experts, top-4, intermediate 1024, shared 1024) and m3-8b (hidden 4096,
@@ -21,8 +22,8 @@ Shapes: m3-mini (hidden 2048, 32 experts, top-4, intermediate 1024, shared 1024)
    the same FLOPs ([T*k, H] @ [H, 3I], its own LAYERS weights) and the HBM copy bandwidth of a 4 GiB
    device-to-device copy.
 4. --tune: per T bucket of the table, time the experts as the engine runs them (the shared expert fused in
-   when its width allows) for each candidate config (decode candidates
-   with small row blocks up to T = 256, prefill candidates from 256 up), keep the fastest that matches the
+   when its width allows) for each candidate config (the sort-free direct path's tiles up to T = 4, decode
+   candidates with small row blocks up to T = 256, prefill candidates from 256 up), keep the fastest that matches the
    reference, print the table, and with --write merge it into m3eagle/moe/tuned_configs.json under this
    GPU's name. The timing pass then uses the tuned configs.
 
@@ -334,8 +335,15 @@ def time_step(shape: Shape, layers: list, t: int, tri, timer: Timer, dev: torch.
 def candidates(bucket: int, dev: torch.device):
     from m3eagle.moe.tuning import MoEConfig as C
 
-    if dev.type != "cuda":  # interpreter smoke test: two cheap configs
-        return [C(16, 32, 32, 1, 4, 3), C(32, 16, 64, 4, 4, 3)]
+    # the sort-free decode path (m3eagle/moe/direct.py): gate_up tile x down tile, for up to 4 tokens
+    direct = [C(16, bn, bk, direct=1, down_block_n=dbn, down_block_k=dbk, num_warps=w)
+              for bn, bk in ((16, 256), (32, 128), (8, 512), (16, 128), (32, 256))
+              for dbn, dbk in ((16, 128), (8, 128), (8, 256), (32, 64), (16, 64)) for w in (4,)]
+    direct += [C(16, 32, 256, direct=1, down_block_n=16, down_block_k=128, num_warps=8),
+               C(16, 64, 128, direct=1, down_block_n=32, down_block_k=128, num_warps=8)]
+    if dev.type != "cuda":  # interpreter smoke test: three cheap configs
+        return [C(16, 32, 32, 1, 4, 3), C(32, 16, 64, 4, 4, 3)] + (
+            [C(16, 16, 32, direct=1, down_block_n=8, down_block_k=32)] if bucket <= 4 else [])
     decode = [C(16, 16, 128, 1, 2, 4), C(16, 16, 256, 1, 4, 3), C(16, 32, 128, 1, 2, 4),
               C(16, 32, 64, 1, 4, 4), C(16, 32, 128, 1, 4, 4), C(16, 32, 256, 1, 4, 3), C(16, 64, 64, 1, 4, 4),
               C(16, 64, 128, 1, 4, 3), C(16, 64, 256, 1, 4, 2), C(16, 128, 128, 1, 8, 3),
@@ -347,6 +355,8 @@ def candidates(bucket: int, dev: torch.device):
                # deeper pipelines and other L2 groupings of the 128 x 128 tile (the T = 2048 winner)
                C(128, 128, 64, 8, 8, 4), C(128, 128, 64, 16, 8, 3), C(128, 128, 64, 4, 8, 3), C(128, 64, 64, 8, 4, 4),
                C(64, 128, 64, 8, 4, 4), C(128, 128, 32, 8, 8, 5)]
+    if bucket <= 4:
+        return decode + direct
     if bucket < 256:
         return decode
     if bucket == 256:
@@ -396,8 +406,10 @@ def write_table(dev_name: str, tuned: dict[str, dict[int, object]]) -> Path:
 
     raw = json.loads(tuning.TABLE_PATH.read_text()) if tuning.TABLE_PATH.exists() else {}
     per_dev = raw.setdefault(dev_name, {})
-    for key, per in tuned.items():
-        per_dev[key] = {str(b): cfg.to_dict() for b, cfg in sorted(per.items())}
+    for key, per in tuned.items():  # merged per bucket: a tune of some buckets keeps the others
+        merged = {int(b): c for b, c in per_dev.get(key, {}).items()}
+        merged.update({b: cfg.to_dict() for b, cfg in per.items()})
+        per_dev[key] = {str(b): c for b, c in sorted(merged.items())}
     tuning.TABLE_PATH.write_text(tuning.dump_table(raw))
     tuning.load_table.cache_clear()
     return tuning.TABLE_PATH
@@ -412,6 +424,7 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help="sweep block configs per T bucket first")
     ap.add_argument("--write", action="store_true", help="with --tune: merge the winners into tuned_configs.json")
     ap.add_argument("--shapes", default=None, help="comma list of shape names (default: all)")
+    ap.add_argument("--buckets", default=None, help="with --tune: comma list of T buckets (default: all)")
     ap.add_argument("--reps", type=int, default=None, help="timed graph replays per measurement (30; CPU 5)")
     ap.add_argument("--json", default=None, help="also write the JSON summary to this file")
     args = ap.parse_args()
@@ -442,6 +455,8 @@ def main() -> None:
     tuned: dict[str, dict[int, object]] = {}
     if args.tune:
         buckets = tuning.BUCKETS if dev.type == "cuda" else (1, 16)
+        if args.buckets:
+            buckets = tuple(int(b) for b in args.buckets.split(","))
         log(f"tuning over buckets {buckets} ...")
         tune_rows = []
         for s in shapes:

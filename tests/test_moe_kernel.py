@@ -358,6 +358,10 @@ def test_tuning_table_is_well_formed():
         for key, per in shapes.items():
             assert key.startswith("E=") and set(per) <= set(tuning.BUCKETS), key
             for cfg in per.values():
+                if cfg.direct:  # GEMV tiles (no tl.dot): powers of two from 8
+                    tiles = (cfg.block_n, cfg.block_k, cfg.down_block_n or 8, cfg.down_block_k or 8)
+                    assert all(v >= 8 and v & (v - 1) == 0 for v in tiles), (key, cfg)
+                    continue
                 for v in (cfg.block_m, cfg.block_n, cfg.block_k):
                     assert v >= 16 and v & (v - 1) == 0, (key, cfg)
     # no entry for CPU: the heuristic answers, by tokens per expert

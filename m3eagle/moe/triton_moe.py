@@ -5,7 +5,8 @@
     act ──_down_kernel──► contrib [T * k, H]                         grouped GEMM, times the routing weight
     contrib ──_combine_kernel──► out [T, H]                          sum over k in fp32, fixed order
 
-`reference.experts` is the oracle; tests/test_moe_kernel.py holds these kernels equal to it.
+`reference.experts` is the oracle; tests/test_moe_kernel.py holds these kernels equal to it. Steps of a
+few tokens whose tuning entry says `direct` skip the sort and the combine (`direct.py`: two launches).
 
 No blocking CPU operation in this path and no data-dependent shape: every buffer and grid is the static
 worst case fixed by host ints (T, k, E, H, I, block_m); GEMM programs whose row block is past the device
@@ -24,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import tuning
+from . import direct, tuning
 from .align import Alignment, align
 from .reference import local_experts
 from .tuning import MoEConfig
@@ -273,6 +274,9 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gat
                         f"{w13.dtype}, down_proj {w2.dtype}")
     s13, s2 = _shared_weights(shared, w13, w2)
     cfg = config or tuning.get_config(t, num_local, x.shape[1], w2.shape[2], k, x.dtype, x.device)
+    if cfg.direct and direct.usable(w13, w2, shared):  # few tokens: no sort, two launches
+        return direct.direct_experts(x, weights, idx, w13, w2, e0, alpha, limit, cfg,
+                                     (s13, s2) if shared is not None else None, routed_scale)
     al = align(idx, e0, num_local, cfg.block_m, shared=shared is not None)
     act = gate_up(x, w13, al, k, alpha, limit, cfg, s13 if shared is not None else None)
     contrib = down(act, w2, weights, al, cfg, s2 if shared is not None else None, routed_scale)

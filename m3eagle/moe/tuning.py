@@ -37,13 +37,23 @@ class MoEConfig:
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    # 1: the sort-free decode path (`direct.py`): block_n / block_k tile its gate_up GEMV, down_block_n /
+    # down_block_k (0: the same) its down + combine; block_m, group_m and num_stages are unused.
+    direct: int = 0
+    down_block_n: int = 0
+    down_block_k: int = 0
 
     @classmethod
     def from_dict(cls, d: dict) -> MoEConfig:
         return cls(**{k: int(v) for k, v in d.items()})
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Fields at their defaults are left out, so the table's sorted-path rows stay as they were."""
+        d = asdict(self)
+        for f in ("direct", "down_block_n", "down_block_k"):
+            if d[f] == 0:
+                del d[f]
+        return d
 
 
 def shape_key(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype) -> str:
@@ -59,6 +69,8 @@ def heuristic_config(num_tokens: int, num_experts: int, top_k: int) -> MoEConfig
     blocks and narrow column blocks while the step is weight-bandwidth-bound, so enough programs stream
     the few chosen experts' weights; 64-row blocks and wide tiles once it is FLOP-bound."""
     per_expert = num_tokens * top_k / max(1, num_experts)
+    if num_tokens <= 4:  # decode / batch-1 verify: no sorting, two launches (direct.py)
+        return MoEConfig(16, 16, 256, direct=1, down_block_n=16, down_block_k=128)
     if per_expert <= 4:
         return MoEConfig(16, 32, 128, 1, 4, 4)
     if per_expert <= 16:

@@ -1,0 +1,159 @@
+"""The sort-free decode MoE path (m3eagle/moe/direct.py) held equal to the dense reference, on CPU under the
+Triton interpreter, in fp32 at 1e-5 relative error.
+
+Covers T = 1, 3, 4 (decode and a batch-1 verify) and 17; top-k not a power of two (padded slots); H and I
+not multiples of the tiles; every token on one expert; the expert subset (disjoint subsets sum to the full
+result, a rank-local shard gives the same bits, other ranks' experts are never read); the shared expert
+fused in; bit-equal repeats; and that the engine's default config takes this path for small steps only.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton` (kernels decorate at import)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from m3eagle.moe import direct, reference, triton_moe, tuning  # noqa: E402
+from m3eagle.moe.tuning import MoEConfig  # noqa: E402
+
+ALPHA, LIMIT = 1.702, 7.0
+# several K steps of both GEMVs; narrow down tiles; and tiles wider than H / I (masked K, clamped rows)
+TILES = MoEConfig(16, 16, 16, direct=1, down_block_n=8, down_block_k=16)
+WIDE = MoEConfig(16, 64, 64, direct=1)
+
+
+def make(seed: int, t: int, k: int, e: int = 8, h: int = 48, i: int = 40):
+    """x [T, H], weights [T, k] fp32 (renormalised), idx [T, k] distinct, gate_up [E, 2I, H], down [E, H, I].
+    Scaled so some gate / up values pass LIMIT (the clamps are live)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g)
+    idx = torch.argsort(torch.rand(t, e, generator=g), dim=1)[:, :k]
+    w = torch.rand(t, k, generator=g) + 0.05
+    w13 = torch.randn(e, 2 * i, h, generator=g) * 0.8
+    w2 = torch.randn(e, h, i, generator=g) * 0.2
+    return x, w / w.sum(-1, keepdim=True), idx, w13, w2
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.isfinite(out).all()
+    err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+    assert err <= rel, f"max relative error {err:.2e} > {rel:.0e}"
+
+
+def direct_calls(monkeypatch) -> list[int]:
+    """Counts calls of the direct path, so a test fails if the sorted path silently answered instead."""
+    calls: list[int] = []
+    real = direct.direct_experts
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(direct, "direct_experts", spy)
+    return calls
+
+
+@pytest.mark.parametrize("t,k,h,i", [(1, 4, 48, 40), (3, 2, 48, 40), (4, 3, 32, 64), (17, 4, 40, 24)])
+def test_matches_reference(t, k, h, i, monkeypatch):
+    calls = direct_calls(monkeypatch)
+    x, w, idx, w13, w2 = make(t, t, k, h=h, i=i)
+    ref = reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT)
+    for cfg in (TILES, WIDE):
+        assert_close(triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=cfg), ref)
+    assert len(calls) == 2
+    hh = torch.einsum("th,eih->eti", x, w13)  # the clamps are exercised
+    assert (hh[..., :i] > LIMIT).any() and (hh[..., i:].abs() > LIMIT).any()
+
+
+def test_every_token_on_one_expert_and_repeats_are_bit_equal():
+    x, _, _, w13, w2 = make(5, 4, 1)
+    idx, w = torch.full((4, 1), 6), torch.ones(4, 1)
+    out = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=TILES)
+    assert_close(out, reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT))
+    again = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=TILES)
+    assert torch.equal(out, again)
+
+
+def test_expert_subsets_sum_and_other_ranks_experts_are_never_read():
+    x, w, idx, w13, w2 = make(7, 3, 2)
+    full = reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT)
+    parts = []
+    for e0, e1 in ((0, 3), (3, 4), (4, 8)):
+        # the other ranks' experts poisoned with NaN in the full stacks this rank slices: never read
+        p13, p2 = w13.clone(), w2.clone()
+        for s in (p13, p2):
+            s[:e0] = float("nan")
+            s[e1:] = float("nan")
+        out = triton_moe.fused_experts(x, w, idx, p13, p2, ALPHA, LIMIT, (e0, e1), config=TILES)
+        assert_close(out, reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT, (e0, e1)))
+        shard = triton_moe.fused_experts(x, w, idx, w13[e0:e1].clone(), w2[e0:e1].clone(), ALPHA, LIMIT,
+                                         (e0, e1), config=TILES)  # a rank holding only its experts
+        assert torch.equal(shard, out)
+        parts.append(out)
+    assert_close(sum(parts), full)
+    assert not triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (2, 2), config=TILES).any()
+
+
+@pytest.mark.parametrize("t,k", [(1, 4), (4, 3)])
+def test_shared_expert_fused(t, k, monkeypatch):
+    calls = direct_calls(monkeypatch)
+    x, w, idx, w13, w2 = make(11 + t, t, k)
+    _, _, _, s13, s2 = make(12 + t, 1, 1, e=1)
+    out = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=TILES, shared=(s13[0], s2[0]),
+                                   routed_scale=2.0)
+    ref = reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT) * 2.0 + reference.experts(
+        x, torch.ones(t, 1), torch.zeros(t, 1, dtype=torch.long), s13, s2, ALPHA, LIMIT)
+    assert_close(out, ref)
+    assert calls == [1]
+
+
+def test_act_rows_of_skipped_pairs_are_never_read():
+    """Pairs of other ranks' experts store no act row: poisoned with NaN (an act buffer that the gate_up
+    kernel only partly writes), the down kernel must not read them."""
+    x, w, idx, w13, w2 = make(13, 3, 2)
+    e0, e1 = 2, 6
+    real_empty = torch.empty
+
+    def poisoned(*a, **kw):
+        return real_empty(*a, **kw).fill_(float("nan"))
+
+    torch.empty = poisoned
+    try:
+        out = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (e0, e1), config=TILES)
+    finally:
+        torch.empty = real_empty
+    assert ((idx < e0) | (idx >= e1)).any()  # some pairs are skipped
+    assert_close(out, reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT, (e0, e1)))
+
+
+def test_the_default_config_takes_the_direct_path_for_small_steps_only(monkeypatch):
+    cpu = torch.device("cpu")
+    for t in (1, 2, 4):
+        assert tuning.get_config(t, 8, 48, 40, 2, torch.float32, cpu).direct == 1
+    assert tuning.get_config(5, 8, 48, 40, 2, torch.float32, cpu).direct == 0
+    calls = direct_calls(monkeypatch)
+    for t in (1, 4, 9):
+        x, w, idx, w13, w2 = make(20 + t, t, 2)
+        assert_close(triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT),
+                     reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT))
+    assert len(calls) == 2  # T = 1 and 4 direct, T = 9 sorted
+    # a stack without unit stride along H / I is left to the sorted path (which takes any strides)
+    x, w, idx, w13, w2 = make(30, 1, 2)
+    w13_t = w13.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not direct.usable(w13_t, w2, None)
+    assert_close(triton_moe.fused_experts(x, w, idx, w13_t, w2, ALPHA, LIMIT),
+                 reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT))
+    assert len(calls) == 2
+
+
+def test_config_round_trip_keeps_old_table_rows():
+    cfg = MoEConfig(16, 32, 256, direct=1, down_block_n=8, down_block_k=128)
+    assert MoEConfig.from_dict(cfg.to_dict()) == cfg
+    old = MoEConfig(16, 32, 128, 1, 4, 4)
+    assert set(old.to_dict()) == {"block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages"}
