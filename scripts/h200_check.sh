@@ -16,9 +16,11 @@
 #    MoE block table first (`moe_kernel.py --tune --write`, < 2 min on an H200) and return the rewritten
 #    m3eagle/moe/tuned_configs.json as $OUT/tuned_configs.json, so the benches after it use the new table;
 #    MSA=1 runs benchmarks/msa_step.py (MSA vs dense steps, kernel tables at 1k and 16k; MSA_ARGS replaces
-#    those flags, MSA_TIMEOUT its 240 s limit) after the tests;
+#    those flags, MSA_TIMEOUT its 240 s limit) after the tests; MOE_TUNE_ARGS adds flags to the tune
+#    (e.g. "--buckets 1,4"); GEMV_ARGS runs benchmarks/gemv.py with those flags before stage 4;
 #    PREFILL=1 runs the embedded bench a second time with --prefill-graphs (A/B in one call); TESTS=0 /
-#    EMBEDDED=0 skip the GPU test file / the first embedded bench.
+#    EMBEDDED=0 skip the GPU test file / the first embedded bench; TESTS_K selects tests (pytest -k),
+#    TESTS_TIMEOUT replaces their 240 s limit.
 # Everything lands in $OUT/check.tgz (one file: the device tool brings back few, small files).
 set -uo pipefail
 OUT=${OUT:?set OUT}
@@ -32,7 +34,7 @@ if [[ ${FUSED:-0} == 1 ]]; then
 fi
 if [[ ${TESTS:-1} == 1 ]]; then
   stamp "GPU tests"
-  timeout 240 python3 -m pytest -q -m gpu tests/test_cuda_graphs.py tests/test_long_context.py -p no:cacheprovider > "$W/cuda_graphs.log" 2>&1
+  timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -m gpu tests/test_cuda_graphs.py tests/test_long_context.py -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} > "$W/cuda_graphs.log" 2>&1
   stamp "GPU tests: exit $? ($(tail -1 "$W/cuda_graphs.log"))"
 fi
 if [[ ${MSA:-0} == 1 ]]; then
@@ -60,8 +62,16 @@ if [[ ${REPLAY:-1} == 1 ]]; then
 fi
 pack() { tar czf "$OUT/check.tgz" -C "$W" .; }
 pack
+if [[ -n ${GEMV_ARGS:-} ]]; then
+  # shellcheck disable=SC2086  # GEMV_ARGS is a list of flags
+  timeout "${GEMV_TIMEOUT:-150}" python3 benchmarks/gemv.py ${GEMV_ARGS} --json "$W/gemv.json" > "$W/gemv.log" 2>&1
+  stamp "gemv ${GEMV_ARGS}: exit $?"; grep -E "TUNED|^ *\(|speedup|x \|" "$W/gemv.log" | head -60
+  pack
+fi
 if [[ ${MOE:-1} == 1 ]] && (( SECONDS - t0 < ${MOE_DEADLINE:-330} )); then
   tune=(); [[ ${MOE_TUNE:-0} == 1 ]] && tune=(--tune --write)
+  # shellcheck disable=SC2206  # MOE_TUNE_ARGS is a list of flags, e.g. "--buckets 1,4"
+  [[ ${MOE_TUNE:-0} == 1 && -n ${MOE_TUNE_ARGS:-} ]] && tune+=(${MOE_TUNE_ARGS})
   timeout 330 python3 benchmarks/moe_kernel.py "${tune[@]}" --json "$W/moe_kernel.json" > /dev/null 2> "$W/moe_kernel.log"
   stamp "moe_kernel ${tune[*]}: exit $?"
   [[ ${MOE_TUNE:-0} == 1 ]] && cp m3eagle/moe/tuned_configs.json "$OUT/"
