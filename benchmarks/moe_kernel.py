@@ -475,8 +475,8 @@ def main() -> None:
     def impl_for(s: Shape, t: int):
         """The tuned config of this run if there is one, else the table's (TritonMoE's own lookup)."""
         per = tuned.get(tuning.shape_key(s.experts, s.hidden, s.inter, s.top_k, dtype), {})
-        b = next((b for b in sorted(per) if b >= t), max(per) if per else None)
-        return backend.create("triton", config=per[b] if b is not None else None)
+        b = tuning.bucket(t)  # a bucket this run did not tune (--buckets) keeps the table's config
+        return backend.create("triton", config=per.get(b))
 
     ok = True
     summary["shapes"] = []

@@ -78,6 +78,7 @@ def workload() -> None:
 
     llm = LLM(None, device="cpu", dtype="bfloat16", attention_backend="triton", moe_backend="triton",
               fused_backend="triton", num_draft_tokens=3, page_size=16, max_model_len=256)
+    llm.ops.fused.gemv_max_t = gemv.MAX_T  # the decode GEMV as on CUDA (off the GPU it is taken only when asked)
     long_prompt = [(7 * i + 3) % 500 + 5 for i in range(80)]  # > 4 blocks of 16: the sparse path
     llm.generate([long_prompt, [12, 13, 14]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0.8, seed=1, max_tokens=3, ignore_eos=True))

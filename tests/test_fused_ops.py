@@ -381,6 +381,35 @@ def test_greedy_accept_equal_reference(k):
     assert k == 0 or len(set(want.tolist())) == k + 1  # every count occurs
 
 
+@pytest.mark.parametrize("v", [7, 4096, 6144, 8195])  # under one block, one, one and a half, a ragged tail
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_equal_reference_with_ties_nan_and_offsets(v, dtype):
+    """The fused argmax (+ the draft -> target id map) against torch.argmax: rows with ties inside a block,
+    across blocks and at the ragged tail (the first maximum wins), an all -inf row, rows with NaN (torch
+    returns the first NaN), bf16 logits read without an fp32 copy; every row differs from a sabotaged
+    last-maximum rule."""
+    g = gen(v)
+    x = torch.randn(9, v, generator=g).to(dtype)
+    top = x.max() + 1
+    x[1, [min(3, v - 1), v - 1]] = top  # a tie: the earlier column
+    x[2, :] = float("-inf")  # all -inf: index 0
+    x[3, [v // 2, v - 1]] = float("nan")  # the first NaN
+    x[4, [0, v - 1]] = top  # first and last column tie
+    if v > 4096:
+        x[5, [4095, 4096]] = top  # a tie across the block boundary
+    x[6, v - 1] = float("nan")  # a NaN in the last column only
+    x[7, :] = 0.0  # every column ties: 0
+    offsets = torch.randint(-5, 5, (v,), generator=g)
+    for off in (None, offsets):
+        want = reference.argmax(x, off)
+        got = TRITON.fused.argmax(x, off)
+        assert got.dtype == torch.int64 and torch.equal(got, want), (got, want)
+    assert reference.argmax(x)[[1, 2, 3, 4, 6, 7]].tolist() == [min(3, v - 1), 0, v // 2, 0, v - 1, 0]
+    # a strided view (the engine's [B, K+1, V] logits reshaped) and an empty batch
+    assert torch.equal(TRITON.fused.argmax(x[::2]), reference.argmax(x[::2]))
+    assert TRITON.fused.argmax(x[:0]).shape == (0,)
+
+
 def test_positions_slots_equal_reference_with_clamps_and_negative_positions():
     """with_lengths' fused op: positions past the table width clamp to its last column; a (never planned)
     negative position still follows torch's floor division."""

@@ -12,6 +12,7 @@ indexing). The only device->host traffic is StepOutput.copy_to_host(), non-block
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -174,13 +175,16 @@ class ModelRunner:
         fused = _fused(meta)
         sample_idx, positions, drafts_in = fused.sample_positions(
             inp.row_first, inp.row_qlen, inp.row_num_drafts, meta.positions, ids, k)  # [B, K+1] x 2, [B, K]
-        logits = self.target.compute_logits(hidden[sample_idx.reshape(-1)], fused).view(inp.num_rows, k + 1, -1)
+        # fp32 logits only where something reads more than their argmax (an fp32 copy of bf16 logits changes
+        # no argmax); these flags are part of a graph's key.
+        fp32 = inp.any_random or pen is not None or inp.want_logprobs
+        logits = self.target.compute_logits(hidden[sample_idx.reshape(-1)], fused, fp32).view(inp.num_rows, k + 1, -1)
         if pen is not None:  # the target distribution of position j given the history and drafts d_1..d_j
             logits = self.penalty.apply(logits, pen, inp.row_slot, drafts_in, inp.row_num_drafts, positions)
         # Draft probabilities exist for rows whose drafts were sampled; greedy rows never read them.
         q_probs = self.slot_draft_probs[inp.row_slot] if inp.any_random and self.slot_draft_probs is not None else None
         new_tokens, num_new = verify(logits, drafts_in, inp.row_num_drafts, inp.sampling, positions, q_probs,
-                                     inp.any_random, fused.greedy_accept)
+                                     inp.any_random, fused.greedy_accept, fused.argmax)
         # Logprobs of the (penalised) target distribution, before temperature / top-k / top-p / min-p.
         logprobs = token_logprobs(logits, new_tokens, self.n_top) if inp.want_logprobs else None
 
@@ -223,8 +227,8 @@ class ModelRunner:
                              q_valid=self.row_true[:b], positions=pos, slot_mapping=pos, ops=meta.ops)
         out_tokens, out_probs = [], []
         for step in range(k):
-            logits = self.draft.compute_logits(h_out, _fused(meta))  # [B, Vd]
-            tok, probs = self._draft_sample(logits, st, at[step], inp.any_random)
+            logits = self.draft.compute_logits(h_out, _fused(meta), fp32=inp.any_random)  # [B, Vd]
+            tok, probs = self._draft_sample(logits, st, at[step], inp.any_random, _fused(meta))
             out_tokens.append(tok)
             out_probs.append(probs)
             if step == k - 1:
@@ -238,10 +242,10 @@ class ModelRunner:
         return drafts
 
     def _draft_sample(self, logits: torch.Tensor, st: SamplingTensors, pos: torch.Tensor, random: bool,
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      fused: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Greedy rows take the draft argmax; sampled rows draw from the draft's processed
         distribution (same temperature / top-k / top-p as the target) mapped to target ids."""
-        greedy = self.draft.draft_to_target(logits.argmax(-1))
+        greedy = fused.argmax(logits, self.draft.d2t)  # draft_to_target(logits.argmax(-1)) in one launch
         if not random:
             return greedy, None
         q = self.draft.draft_probs_to_target(probs_from_logits(logits, st))  # [B, V]

@@ -107,6 +107,12 @@ class FusedOps(Protocol):
         """reference.greedy_accept: num_new [B] of an all-greedy verification."""
         ...
 
+    def argmax(self, x: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """reference.argmax: x [N, V] (any float dtype) -> [N] int64, the first maximum of each row (NaN
+        counts as the largest, as torch.argmax), plus offsets[that index] when given (a draft -> target
+        id map)."""
+        ...
+
 
 class ReferenceFused:
     """The plain PyTorch ops: the CPU path and the oracle. Stateless."""
@@ -178,6 +184,9 @@ class ReferenceFused:
 
     def greedy_accept(self, greedy_tok, drafts, num_drafts):
         return reference.greedy_accept(greedy_tok, drafts, num_drafts)
+
+    def argmax(self, x, offsets=None):
+        return reference.argmax(x, offsets)
 
 
 def _triton() -> FusedOps:

@@ -336,6 +336,32 @@ TUNED: dict[tuple[int, int, int], GemvConfig] = {
     (32000, 4096, 1): GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
     # 63.06 us, 1.03x cuBLAS, 1.14x pick_config
     (32000, 4096, 2): GemvConfig(block_n=128, block_k=64, num_warps=8, num_stages=3, split_k=1, use_dot=True),
+    # embedded pair at T = 4 (a batch-1 K=3 verify), H200, `benchmarks/gemv.py --tune --geometry embedded --t 4
+    # --time-limit 60` (commit 8594a83; docs/results/h200-2026-12-01b/direct/gemv.log).
+    # 1.97 us, 1.36x cuBLAS, 1.14x pick_config
+    (512, 256, 4): GemvConfig(block_n=4, block_k=256, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 2.33 us, 1.30x cuBLAS, 1.12x pick_config
+    (608, 256, 4): GemvConfig(block_n=8, block_k=256, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 2.18 us, 1.35x cuBLAS, 1.14x pick_config
+    (256, 256, 4): GemvConfig(block_n=4, block_k=256, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 2.49 us, 1.24x cuBLAS, 1.13x pick_config
+    (1280, 256, 4): GemvConfig(block_n=4, block_k=256, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 2.95 us, 1.23x cuBLAS, 1.29x pick_config
+    (256, 640, 4): GemvConfig(block_n=2, block_k=1024, num_warps=8, num_stages=1, split_k=1, use_dot=False),
+    # 1.75 us, 1.34x cuBLAS, 1.13x pick_config
+    (256, 128, 4): GemvConfig(block_n=4, block_k=256, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 3.65 us, 1.04x cuBLAS, 1.75x pick_config
+    (8192, 256, 4): GemvConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, split_k=1, use_dot=True),
+    # 2.94 us, 1.32x cuBLAS, 1.32x pick_config
+    (256, 768, 4): GemvConfig(block_n=1, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 2.71 us, 1.27x cuBLAS, 1.37x pick_config
+    (512, 512, 4): GemvConfig(block_n=2, block_k=512, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 2.84 us, 1.14x cuBLAS, 1.19x pick_config
+    (2560, 256, 4): GemvConfig(block_n=8, block_k=256, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 3.03 us, 1.52x cuBLAS, 1.31x pick_config
+    (256, 1280, 4): GemvConfig(block_n=1, block_k=2048, num_warps=4, num_stages=1, split_k=1, use_dot=False),
+    # 3.45 us, 1.06x cuBLAS, 1.57x pick_config
+    (6144, 256, 4): GemvConfig(block_n=128, block_k=64, num_warps=4, num_stages=4, split_k=1, use_dot=True),
 }
 
 GEMV_MAX_T = 2  # rows up to which the elementwise GEMV is picked; tl.dot above (see pick_config)
@@ -355,6 +381,9 @@ PREFERRED: dict[tuple[int, int], int] = {
     # m3-8b (tuned: 1.03-1.32x at T = 1; at T = 2 the 5120 x 4096 head-less qkv loses, 0.95x)
     (5120, 4096): 1, (5760, 4096): 2, (4096, 4096): 2, (24576, 4096): 1, (4096, 12288): 2, (32000, 4096): 2,
     (4096, 1536): 2, (3072, 4096): 2,
+    # the embedded pair (tuned at T = 4: 1.04-1.52x; T = 1-2 won untuned by the default rule's 1.2-1.8x)
+    (512, 256): 4, (608, 256): 4, (256, 256): 4, (1280, 256): 4, (256, 640): 4, (256, 128): 4, (8192, 256): 4,
+    (256, 768): 4, (512, 512): 4, (2560, 256): 4, (256, 1280): 4, (6144, 256): 4,
 }
 
 

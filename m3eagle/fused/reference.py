@@ -221,6 +221,13 @@ def commit_outputs(new_tokens: torch.Tensor, num_new: torch.Tensor, row_samples:
     return num_new, s, last_idx, shifted, at
 
 
+def argmax(x: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, V] -> [N] int64: torch.argmax of each row (the first maximum; NaN counts as the largest), plus
+    offsets[i] at the chosen i when `offsets` [V] int64 is given (Eagle3's draft -> target id map)."""
+    i = x.argmax(-1)
+    return i if offsets is None else i + offsets[i]
+
+
 def greedy_accept(greedy_tok: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
     """Greedy verification after the argmax: greedy_tok [B, K+1] (argmax of each scored position), drafts
     [B, K], num_drafts [B] -> num_new [B] = 1 + the number of leading drafts equal to the argmax before

@@ -14,6 +14,7 @@
     _sample_pos_kernel  sample_positions (sampled tokens, positions, drafts)  8 (K=0) / 13 (K>0) -> 1
     _commit_kernel      commit_outputs (slot writes; the drafter's inputs)  6 (no draft) / 18 (draft) -> 1
     _accept_kernel      greedy_accept (after the argmax)                   3 (K=0) / 8 (K=3) -> 1
+    _argmax_kernel      argmax (+ the draft -> target id map)             1-4 -> 1 (no fp32 copy of bf16 logits)
 
 Exactness. Each kernel computes in fp32 and rounds to the activation dtype exactly where the reference's
 torch ops round (an op on bf16 tensors returns bf16), so that elementwise results can be bit-equal to the
@@ -510,6 +511,46 @@ def greedy_accept(greedy_tok: torch.Tensor, drafts: torch.Tensor, num_drafts: to
     return out
 
 
+@triton.jit(do_not_specialize=["n_cols"])
+def _argmax_kernel(x_ptr, off_ptr, out_ptr, n_cols, stride_x, HAS_OFF: tl.constexpr, BLOCK: tl.constexpr):
+    """out[r] = the first index of row r's maximum (the first NaN if the row has one, as torch.argmax),
+    + off[index] when HAS_OFF. One program per row; each lane keeps its own best (strict >, so the earlier
+    column keeps a tie), then the lanes reduce to the max value and the least column holding it."""
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    row = x_ptr + r * stride_x
+    best_v = tl.load(row + offs, mask=offs < n_cols, other=float("-inf")).to(tl.float32)  # [BLOCK]
+    best_i = offs  # lanes past n_cols hold -inf at an index no real column undercuts
+    first_nan = tl.where(best_v != best_v, offs, n_cols)
+    for c0 in range(BLOCK, n_cols, BLOCK):
+        cols = c0 + offs
+        v = tl.load(row + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        better = v > best_v
+        best_v = tl.where(better, v, best_v)
+        best_i = tl.where(better, cols, best_i)
+        first_nan = tl.minimum(first_nan, tl.where(v != v, cols, n_cols))
+    m = tl.max(tl.where(best_v != best_v, float("-inf"), best_v), axis=0)
+    i = tl.min(tl.where(best_v == m, best_i, n_cols), axis=0)
+    nan_i = tl.min(first_nan, axis=0)
+    i = tl.where(nan_i < n_cols, nan_i, i).to(tl.int64)
+    if HAS_OFF:
+        i += tl.load(off_ptr + i)
+    tl.store(out_ptr + r, i)
+
+
+def argmax(x: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """reference.argmax in one launch: x [N, V] (unit column stride) -> [N] int64 (+ offsets[i])."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    n, v = x.shape
+    out = torch.empty(n, dtype=torch.int64, device=x.device)
+    if n:
+        block = min(4096, triton.next_power_of_2(max(v, 1)))
+        _argmax_kernel[(n,)](x, offsets if offsets is not None else out, out, v, x.stride(0),
+                             HAS_OFF=offsets is not None, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+    return out
+
+
 STEP_BLOCK = 128
 
 
@@ -963,3 +1004,6 @@ class TritonFused:
 
     def greedy_accept(self, greedy_tok, drafts, num_drafts):
         return greedy_accept(greedy_tok, drafts, num_drafts)
+
+    def argmax(self, x, offsets=None):
+        return argmax(x, offsets)

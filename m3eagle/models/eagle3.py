@@ -430,9 +430,11 @@ class Eagle3Head(nn.Module):
         return self._outputs(h)
 
     # ---- vocabulary ------------------------------------------------------------------------------
-    def compute_logits(self, h_out: torch.Tensor, fused: Any = None) -> torch.Tensor:
-        """h_out [N, H] -> draft logits [N, Vd] in fp32. `fused`: the engine's fused ops (their decode GEMV)."""
-        return linear(h_out, self.lm_head.weight, fused).float()
+    def compute_logits(self, h_out: torch.Tensor, fused: Any = None, fp32: bool = True) -> torch.Tensor:
+        """h_out [N, H] -> draft logits [N, Vd] in fp32 (fp32=False: the weights' dtype, for an argmax that
+        needs no copy). `fused`: the engine's fused ops (their decode GEMV)."""
+        logits = linear(h_out, self.lm_head.weight, fused)
+        return logits.float() if fp32 else logits
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """Draft token ids (any shape) -> target token ids."""

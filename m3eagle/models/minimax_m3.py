@@ -236,9 +236,11 @@ class MiniMaxM3(nn.Module):
         aux_t = torch.cat([aux[order.index(i)] for i in aux_layer_ids], -1) if aux_layer_ids else None
         return self.norm(x), aux_t
 
-    def compute_logits(self, hidden: torch.Tensor, fused: Any = None) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V] in fp32. `fused`: the engine's fused ops (their decode GEMV)."""
-        return self.lm_head(hidden, fused).float()
+    def compute_logits(self, hidden: torch.Tensor, fused: Any = None, fp32: bool = True) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] in fp32 (fp32=False: the weights' dtype, for an argmax that needs no
+        copy). `fused`: the engine's fused ops (their decode GEMV)."""
+        logits = self.lm_head(hidden, fused)
+        return logits.float() if fp32 else logits
 
     def new_caches(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> list[LayerCache]:
         c = self.cfg

@@ -25,17 +25,20 @@ from .sampler import SALT_ACCEPT, SALT_SAMPLE, SamplingTensors, probs_from_logit
 def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, st: SamplingTensors,
            positions: torch.Tensor, draft_probs: torch.Tensor | None, any_random: bool = True,
            accept: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+           argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, K+1, V] fp32, drafts [B, K] (target ids), num_drafts [B] (0..K), positions [B, K+1]
     (position of the query that predicts each token), draft_probs [B, K, V] (the distributions the drafts
     were drawn from; None means every draft was chosen deterministically, i.e. q is one-hot on the draft,
     vLLM's convention: accept with probability p(d), resample from p without d), any_random: some row has
     temperature > 0 (host flag; False takes the all-greedy fast path), accept: that path's acceptance count
-    (fused/reference.greedy_accept, or the engine's fused op) -> (new_tokens [B, K+1], num_new [B]).
+    (fused/reference.greedy_accept, or the engine's fused op), argmax: [N, V] -> [N] (torch.argmax's; the
+    engine's fused op) -> (new_tokens [B, K+1], num_new [B]). On the all-greedy path only the argmax reads
+    the logits, so they may be in any float dtype there.
     new_tokens[b, :num_new[b]] are the emitted tokens."""
     b, kp1, v = logits.shape
     k = kp1 - 1
-    greedy_tok = logits.argmax(-1)  # [B, K+1]
+    greedy_tok = argmax(logits.reshape(b * kp1, v)).view(b, kp1) if argmax is not None else logits.argmax(-1)
     if not any_random:  # the all-greedy path (one kernel after the argmax with the engine's fused ops)
         return greedy_tok, (accept or greedy_accept)(greedy_tok, drafts, num_drafts)
     in_row = torch.arange(k, device=logits.device)[None, :] < num_drafts[:, None]  # [B, K]
