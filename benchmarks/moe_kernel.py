@@ -336,11 +336,13 @@ def candidates(bucket: int, dev: torch.device):
     from m3eagle.moe.tuning import MoEConfig as C
 
     # the sort-free decode path (m3eagle/moe/direct.py): gate_up tile x down tile, for up to 4 tokens
-    direct = [C(16, bn, bk, direct=1, down_block_n=dbn, down_block_k=dbk, num_warps=w)
-              for bn, bk in ((16, 256), (32, 128), (8, 512), (16, 128), (32, 256))
-              for dbn, dbk in ((16, 128), (8, 128), (8, 256), (32, 64), (16, 64)) for w in (4,)]
+    # (few compiles: each kernel's tiles compile once and every pairing reuses them). Narrow, K-deep tiles put
+    # a whole row segment's loads in flight at once, as fused/gemv.py's tuned configs do.
+    direct = [C(16, bn, bk, direct=1, down_block_n=dbn, down_block_k=dbk, num_warps=4)
+              for bn, bk in ((16, 256), (8, 512), (4, 1024), (2, 1024), (8, 1024), (4, 512))
+              for dbn, dbk in ((8, 256), (16, 128), (2, 1024), (4, 512), (1, 1024), (2, 512))]
     direct += [C(16, 32, 256, direct=1, down_block_n=16, down_block_k=128, num_warps=8),
-               C(16, 64, 128, direct=1, down_block_n=32, down_block_k=128, num_warps=8)]
+               C(16, 8, 1024, direct=1, down_block_n=4, down_block_k=1024, num_warps=8)]
     if dev.type != "cuda":  # interpreter smoke test: three cheap configs
         return [C(16, 32, 32, 1, 4, 3), C(32, 16, 64, 4, 4, 3)] + (
             [C(16, 16, 32, direct=1, down_block_n=8, down_block_k=32)] if bucket <= 4 else [])
