@@ -357,6 +357,10 @@ def candidates(bucket: int, dev: torch.device):
                # deeper pipelines and other L2 groupings of the 128 x 128 tile (the T = 2048 winner)
                C(128, 128, 64, 8, 8, 4), C(128, 128, 64, 16, 8, 3), C(128, 128, 64, 4, 8, 3), C(128, 64, 64, 8, 4, 4),
                C(64, 128, 64, 8, 4, 4), C(128, 128, 32, 8, 8, 5)]
+    # the down GEMM with its own tiles (N = H, K = I; gate_up's tile is 2 * block_n wide) on the best rows
+    prefill += [C(bm, bn, bk, g, w, st, down_block_n=dbn, down_block_k=dbk)
+                for bm, bn, bk, g, w, st in ((128, 128, 64, 16, 8, 3), (128, 128, 64, 8, 8, 3), (64, 256, 64, 8, 8, 3))
+                for dbn, dbk in ((64, 64), (256, 64), (128, 128), (64, 128), (256, 32)) if (dbn, dbk) != (bn, bk)]
     if bucket <= 4:
         return decode + direct
     if bucket < 256:

@@ -73,6 +73,23 @@ def test_matches_reference(t, k, cfgs):
     assert (h[..., :I] > LIMIT).any() and (h[..., I:].abs() > LIMIT).any()
 
 
+def test_down_gemm_with_its_own_tiles():
+    """down_block_n / down_block_k give the sorted path's down GEMM other tiles than gate_up's (same row
+    blocks, the alignment is shared): still the reference's result, with and without the shared expert."""
+    cfg = MoEConfig(block_m=16, block_n=32, block_k=16, down_block_n=16, down_block_k=32)
+    assert cfg.down() == MoEConfig(block_m=16, block_n=16, block_k=32) and SMALL.down() is SMALL
+    x, w, idx = make_routing(31, 19, 2)
+    w13, w2 = make_weights(31)
+    assert_close(*run_both(x, w, idx, w13, w2, cfg))
+    moe = make_layer(32)
+    from m3eagle.ops import Ops
+
+    with torch.no_grad():
+        out, rest, _ = moe.forward_parts(x, Ops(attention=None, moe=backend.create("triton", config=cfg), fused=None))
+        assert rest is None
+        assert_close(out, moe(x))
+
+
 def test_default_config_from_the_table():
     x, w, idx = make_routing(5, 9, 2)
     assert_close(*run_both(x, w, idx, *make_weights(5), None))
@@ -358,12 +375,12 @@ def test_tuning_table_is_well_formed():
         for key, per in shapes.items():
             assert key.startswith("E=") and set(per) <= set(tuning.BUCKETS), key
             for cfg in per.values():
-                if cfg.direct:  # GEMV tiles (no tl.dot): powers of two from 8
-                    tiles = (cfg.block_n, cfg.block_k, cfg.down_block_n or 8, cfg.down_block_k or 8)
-                    assert all(v >= 8 and v & (v - 1) == 0 for v in tiles), (key, cfg)
+                if cfg.direct:  # GEMV tiles (no tl.dot): any powers of two
+                    tiles = (cfg.block_n, cfg.block_k, cfg.down_block_n or 1, cfg.down_block_k or 1)
+                    assert all(v >= 1 and v & (v - 1) == 0 for v in tiles), (key, cfg)
                     continue
-                for v in (cfg.block_m, cfg.block_n, cfg.block_k):
-                    assert v >= 16 and v & (v - 1) == 0, (key, cfg)
+                for v in (cfg.block_m, cfg.block_n, cfg.block_k, cfg.down().block_n, cfg.down().block_k):
+                    assert v >= 16 and v & (v - 1) == 0, (key, cfg)  # tl.dot tiles
     # no entry for CPU: the heuristic answers, by tokens per expert
     cpu = torch.device("cpu")
     assert tuning.get_config(1, 32, 2048, 1024, 4, torch.bfloat16, cpu).block_m == 16

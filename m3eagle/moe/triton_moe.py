@@ -279,5 +279,5 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gat
                                      (s13, s2) if shared is not None else None, routed_scale)
     al = align(idx, e0, num_local, cfg.block_m, shared=shared is not None)
     act = gate_up(x, w13, al, k, alpha, limit, cfg, s13 if shared is not None else None)
-    contrib = down(act, w2, weights, al, cfg, s2 if shared is not None else None, routed_scale)
+    contrib = down(act, w2, weights, al, cfg.down(), s2 if shared is not None else None, routed_scale)
     return combine(contrib, idx, e0, num_local, x.dtype, shared is not None)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -38,10 +38,19 @@ class MoEConfig:
     num_warps: int = 4
     num_stages: int = 3
     # 1: the sort-free decode path (`direct.py`): block_n / block_k tile its gate_up GEMV, down_block_n /
-    # down_block_k (0: the same) its down + combine; block_m, group_m and num_stages are unused.
+    # down_block_k its down + combine; block_m, group_m and num_stages are unused.
     direct: int = 0
+    # The down GEMM's own column / K tiles, on either path (0: block_n / block_k): its N is H and its K is I,
+    # where gate_up's are 2I (block_n gate + block_n up columns) and H, so their best tiles can differ.
     down_block_n: int = 0
     down_block_k: int = 0
+
+    def down(self) -> MoEConfig:
+        """The config the sorted path's down GEMM runs with (block_m, group_m, warps, stages shared)."""
+        if not (self.down_block_n or self.down_block_k):
+            return self
+        return replace(self, block_n=self.down_block_n or self.block_n, block_k=self.down_block_k or self.block_k,
+                       down_block_n=0, down_block_k=0)
 
     @classmethod
     def from_dict(cls, d: dict) -> MoEConfig:
