@@ -20,7 +20,9 @@
 #    (e.g. "--buckets 1,4"); GEMV_ARGS runs benchmarks/gemv.py with those flags before stage 4;
 #    PREFILL=1 runs the embedded bench a second time with --prefill-graphs (A/B in one call); TESTS=0 /
 #    EMBEDDED=0 skip the GPU test file / the first embedded bench; TESTS_K selects tests (pytest -k),
-#    TESTS_TIMEOUT replaces their 240 s limit.
+#    TESTS_TIMEOUT replaces their 240 s limit; PDL_TESTS=1 runs them with M3EAGLE_PDL=1. PDL_AB=1: first
+#    scripts/pdl_check.py (tokens with programmatic dependent launch on == off), then the embedded and the
+#    m3-mini benches once more with M3EAGLE_PDL=1 (A/B in one call); MINI_BATCHES replaces "1,8,32".
 # Everything lands in $OUT/check.tgz (one file: the device tool brings back few, small files).
 set -uo pipefail
 OUT=${OUT:?set OUT}
@@ -32,9 +34,13 @@ if [[ ${FUSED:-0} == 1 ]]; then
   timeout 120 python3 benchmarks/fused_ops.py --json "$W/fused_ops.json" > /dev/null 2> "$W/fused_ops.log"
   stamp "fused_ops: exit $?"; grep -E "route|router|ties" "$W/fused_ops.log" | head -20
 fi
+if [[ ${PDL_AB:-0} == 1 ]]; then
+  timeout 200 python3 scripts/pdl_check.py > "$W/pdl_check.json" 2> "$W/pdl_check.log"
+  stamp "pdl_check: exit $? $(tail -1 "$W/pdl_check.json")"
+fi
 if [[ ${TESTS:-1} == 1 ]]; then
-  stamp "GPU tests"
-  timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -m gpu tests/test_cuda_graphs.py tests/test_long_context.py -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} > "$W/cuda_graphs.log" 2>&1
+  stamp "GPU tests${PDL_TESTS:+ (M3EAGLE_PDL=$PDL_TESTS)}"
+  M3EAGLE_PDL=${PDL_TESTS:-0} timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -m gpu tests/test_cuda_graphs.py tests/test_long_context.py -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} > "$W/cuda_graphs.log" 2>&1
   stamp "GPU tests: exit $? ($(tail -1 "$W/cuda_graphs.log"))"
 fi
 if [[ ${MSA:-0} == 1 ]]; then
@@ -48,6 +54,12 @@ if [[ ${EMBEDDED:-1} == 1 ]]; then
     --kernel-table 25 --json "$W/bench_embedded.json" > "$W/bench_embedded.log" 2>&1
   stamp "embedded bench: exit $?"
   grep -A 6 "^batch mode" "$W/bench_embedded.log"
+  if [[ ${PDL_AB:-0} == 1 ]]; then
+    M3EAGLE_PDL=1 timeout 150 python3 -m m3eagle bench --geometry embedded --batch-sizes 1,32 --max-tokens 128 \
+      --repeats 5 --kernel-table 25 --json "$W/bench_embedded_pdl.json" > "$W/bench_embedded_pdl.log" 2>&1
+    stamp "embedded bench, M3EAGLE_PDL=1: exit $?"
+    grep -A 6 "^batch mode" "$W/bench_embedded_pdl.log"
+  fi
 fi
 if [[ ${PREFILL:-0} == 1 ]]; then
   timeout 150 python3 -m m3eagle bench --geometry embedded --batch-sizes 1,32 --max-tokens 128 --repeats 5 \
@@ -79,10 +91,16 @@ if [[ ${MOE:-1} == 1 ]] && (( SECONDS - t0 < ${MOE_DEADLINE:-330} )); then
   pack
 fi
 if (( SECONDS - t0 < ${MINI_DEADLINE:-420} )); then
-  timeout 140 python3 -m m3eagle bench --geometry m3-mini --batch-sizes 1,8,32 --max-tokens 64 --repeats 5 \
-    --kernel-table 30 --json "$W/bench_m3-mini.json" > "$W/bench_m3-mini.log" 2>&1
+  timeout 140 python3 -m m3eagle bench --geometry m3-mini --batch-sizes "${MINI_BATCHES:-1,8,32}" --max-tokens 64 \
+    --repeats 5 --kernel-table 30 --json "$W/bench_m3-mini.json" > "$W/bench_m3-mini.log" 2>&1
   stamp "m3-mini bench: exit $?"
   grep -A 7 "^batch mode" "$W/bench_m3-mini.log"
+  if [[ ${PDL_AB:-0} == 1 ]]; then
+    M3EAGLE_PDL=1 timeout 140 python3 -m m3eagle bench --geometry m3-mini --batch-sizes "${MINI_BATCHES:-1,8,32}" \
+      --max-tokens 64 --repeats 5 --kernel-table 30 --json "$W/bench_m3-mini_pdl.json" > "$W/bench_m3-mini_pdl.log" 2>&1
+    stamp "m3-mini bench, M3EAGLE_PDL=1: exit $?"
+    grep -A 7 "^batch mode" "$W/bench_m3-mini_pdl.log"
+  fi
   pack
 fi
 if [[ ${M3_8B:-0} == 1 ]] && (( SECONDS - t0 < ${M3_8B_DEADLINE:-450} )); then

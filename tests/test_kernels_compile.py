@@ -5,8 +5,9 @@ compiler rejects (tl.dot tiles under 16, layouts and types only the compiler che
 tests/data/kernel_launches.json holds each distinct launch of a bf16 engine run with every fast path on
 (kernel, argument types, constexprs, launch options; `scripts/record_kernel_launches.py` writes it); here
 each is compiled with Triton's own CUDA toolchain (ptxas ships with the triton wheel) in a subprocess
-without TRITON_INTERPRET. A record whose kernel's parameters changed fails with the command that
-re-records them. Skipped where triton has no CUDA backend.
+without TRITON_INTERPRET, as recorded (PDL off) and with programmatic dependent launch on (m3eagle/pdl.py).
+A record whose kernel's parameters changed fails with the command that re-records them. Skipped where
+triton has no CUDA backend.
 
 It compiles with the installed triton (CI installs the newest), not the H200 machine's 3.6: a construct
 only an older compiler refuses still needs the GPU run to show (a jit helper with a defaulted constexpr
@@ -51,11 +52,15 @@ for mod, name, params, types, consts, opts in json.load(open(sys.argv[1])):
         stale.append(f"{mod}.{name}")
         continue
     sig = {p: ("constexpr" if p in consts else types[p]) for p in params}
-    src = ASTSource(fn, sig, constexprs={(params.index(k),): v for k, v in consts.items()})
-    try:
-        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-    except Exception as e:
-        failures.append(f"{mod}.{name} {consts}: {type(e).__name__}: {str(e)[:1500]}")
+    variants = [(consts, opts)]
+    if "PDL" in consts:  # recorded off the GPU (PDL off): also the programmatic-dependent-launch variant
+        variants.append(({**consts, "PDL": True}, {**opts, "launch_pdl": True}))
+    for c, o in variants:
+        src = ASTSource(fn, sig, constexprs={(params.index(k),): v for k, v in c.items()})
+        try:
+            triton.compile(src, target=GPUTarget("cuda", 90, 32), options=o)
+        except Exception as e:
+            failures.append(f"{mod}.{name} {c}: {type(e).__name__}: {str(e)[:1500]}")
 print(json.dumps({"failures": failures, "stale": sorted(set(stale))}))
 """
 
@@ -77,8 +82,11 @@ def test_every_recorded_launch_compiles_for_sm90(tmp_path):
 
 
 def test_the_records_cover_the_decode_path():
-    """The recording saw the kernels of a speculative decode step with every fast path on."""
-    names = {r[1] for r in json.loads(RECORDS.read_text())}
+    """The recording saw the kernels of a speculative decode step with every fast path on, and every kernel
+    takes the PDL constexpr (m3eagle/pdl.py: a kernel launched with PDL must wait before touching memory)."""
+    records = json.loads(RECORDS.read_text())
+    names = {r[1] for r in records}
+    assert all("PDL" in r[4] for r in records), sorted({r[1] for r in records if "PDL" not in r[4]})
     assert {"_linear_kernel", "_gate_up_kernel", "_down_kernel", "_place_kernel", "_router_topk_kernel",
             "_dense_attn_kernel", "_sparse_attn_kernel", "_indexer_kernel", "_add_norm_kernel",
             "_qkv_rope_kernel", "_step_inputs_kernel", "_commit_kernel"} <= names

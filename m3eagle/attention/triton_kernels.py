@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import pdl
 from .metadata import AttnMetadata
 
 LOG2E = 1.4426950408889634
@@ -143,7 +144,7 @@ def _dense_attn_kernel(
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_IDX: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_KEEP: tl.constexpr, KEEP_PER_TILE: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
-):
+    PDL: tl.constexpr):
     """Grid (rows * n_qtiles, Hkv, splits). One program: BLOCK_Q query tokens of one row times the GROUP
     query heads of one KV head, flattened into M = BLOCK_Q * BLOCK_G rows, so every K/V tile it loads is
     shared by the whole GQA group and by all of the tile's tokens (a verify row reads its KV once).
@@ -157,6 +158,9 @@ def _dense_attn_kernel(
     Split s covers keys [s * kps, (s + 1) * kps) with kps = cdiv(kv_len, splits) rounded up to whole
     key tiles, from the row's device kv_len: a grid sized for max_kv spreads a short row over as many
     programs as it can use, and the rest find an empty range and write an empty partial."""
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     row = pid // n_qtiles
     qtile = pid % n_qtiles
@@ -229,13 +233,16 @@ def _sparse_attn_kernel(
     HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, GROUP_KV: tl.constexpr, GROUP_IDX: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_BS: tl.constexpr, SEL_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
-):
+    PDL: tl.constexpr):
     """Grid (T, Hq // HEADS, splits). One program: one query token times HEADS query heads that share
     both a KV head and an index head, visiting only its selected key blocks (sel[t, ih, :], -1 = none).
     Tokens are not tiled together because each token has its own block selection.
 
     Each iteration gathers SEL_CHUNK selected blocks at once (key tile of SEL_CHUNK * BLOCK_BS), so a
     decode token's short list of blocks costs few dependent load chains (sel -> page table -> K/V)."""
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * HEADS
     split = tl.program_id(2)
@@ -284,8 +291,11 @@ def _combine_kernel(
     PartO, PartLse, Out,
     stride_pos, stride_pot, stride_poh, stride_pls, stride_plt, stride_ot, stride_oh, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-):
+    PDL: tl.constexpr):
     """Grid (T, Hq): out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max)."""
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -403,7 +413,7 @@ def _indexer_kernel(
     BLOCK_K: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_BS: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
     DIRECT: tl.constexpr, MIXED: tl.constexpr, DOT_PREC: tl.constexpr,
-):
+    PDL: tl.constexpr):
     """Grid (rows * n_qtiles, splits). One program: BLOCK_Q query tokens of one row times its N_HEADS index
     heads (M = BLOCK_Q * BLOCK_H query rows) against the row's index-K blocks of this split:
 
@@ -420,6 +430,9 @@ def _indexer_kernel(
 
     A tile whose every token sees at most TOPK blocks selects all of them whatever the scores: it reads no
     index-K (a short row under a CUDA graph's long KV bound costs a launch, not a scan)."""
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     row = pid // n_qtiles
     qtile = pid % n_qtiles
@@ -527,13 +540,16 @@ def _index_merge_kernel(
     local_blocks,
     TOPK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, SMALL_C: tl.constexpr,
     BLOCK_O: tl.constexpr,
-):
+    PDL: tl.constexpr):
     """Grid (T, Hi). Sel[t, h] = the TOPK best of the splits' lists, ascending ids, -1 padded. Only splits
     that start at or before the token's own block are read: later ones hold nothing it can see, and their
     programs may have exited without writing. Every list holds its split's best min(TOPK, blocks), so the
     union holds the global top-TOPK. A token that sees at most TOPK blocks takes all of them without
     reading any list (the indexer wrote none when its whole tile was such tokens). When the live lists
     hold at most SMALL_C entries the emit runs at that width (its cost grows with the width it scans)."""
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_o = tl.arange(0, BLOCK_O)
@@ -599,7 +615,7 @@ def _combine(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) ->
     s, t, hq, d = part_o.shape
     _combine_kernel[(t, hq)](
         part_o, part_lse, out, *part_o.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1), s,
-        HEAD_DIM=d, BLOCK_S=_pow2(s), BLOCK_D=_pow2(d, 16))
+        HEAD_DIM=d, BLOCK_S=_pow2(s), BLOCK_D=_pow2(d, 16), **pdl.args(part_o))
 
 
 def _check_pools(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
@@ -645,7 +661,7 @@ def dense_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         n_qtiles, HEAD_DIM=d, GROUP=hq // hkv,
         GROUP_IDX=hq // keep.shape[1] if keep is not None else 1,
         BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=_pow2(d, 16), HAS_KEEP=keep is not None,
-        KEEP_PER_TILE=per_tile, SPLIT=splits > 1, DOT_PREC=_dot_precision(k_pool.dtype), num_warps=num_warps)
+        KEEP_PER_TILE=per_tile, SPLIT=splits > 1, DOT_PREC=_dot_precision(k_pool.dtype), num_warps=num_warps, **pdl.args(q))
     if splits > 1:
         _combine(part_o, part_lse, out)
     return out
@@ -692,7 +708,7 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         scale * LOG2E, meta.page_size, page_table.shape[1], meta.max_kv, block_size, num_sel, per_split,
         HEAD_DIM=d, HEADS=heads, GROUP_KV=group_kv, GROUP_IDX=group_idx, BLOCK_G=_pow2(heads, 16),
         BLOCK_BS=block_bs, SEL_CHUNK=sel_chunk, BLOCK_D=_pow2(d, 16), SPLIT=splits > 1,
-        DOT_PREC=_dot_precision(k_pool.dtype), num_warps=num_warps)
+        DOT_PREC=_dot_precision(k_pool.dtype), num_warps=num_warps, **pdl.args(q))
     if splits > 1:
         _combine(part_o, part_lse, out)
     return out
@@ -785,7 +801,7 @@ def select_blocks(iq: torch.Tensor, ik_pool: torch.Tensor, meta: AttnMetadata, b
         INDEX_DIM=di, N_HEADS=hi, TOPK=k, CAP=plan.cap, BLOCK_K=block_k, BLOCK_O=_pow2(k), BLOCK_Q=block_q,
         BLOCK_H=block_h, BLOCK_BS=_pow2(block_size), BLOCKS_PER_ITER=plan.blocks_per_iter,
         BLOCK_D=_pow2(di, 16), SPLIT=splits > 1, DIRECT=direct_lists and plan.direct, MIXED=mixed,
-        DOT_PREC="ieee" if mixed else _dot_precision(ik_pool.dtype), num_warps=num_warps)
+        DOT_PREC="ieee" if mixed else _dot_precision(ik_pool.dtype), num_warps=num_warps, **pdl.args(iq))
     if splits > 1:
         block_c = _pow2(splits) * block_k
         _index_merge_kernel[(t, hi)](
@@ -793,5 +809,5 @@ def select_blocks(iq: torch.Tensor, ik_pool: torch.Tensor, meta: AttnMetadata, b
             part_key.stride(0), part_key.stride(1), sel.stride(0), sel.stride(1), block_size, nb, splits, min_bps,
             local_blocks, TOPK=k, BLOCK_K=block_k, BLOCK_C=block_c,
             SMALL_C=min(block_c, _pow2(max(1, merge_small_candidates))), BLOCK_O=_pow2(k),
-            num_warps=merge_num_warps or (4 if block_c <= 1024 else 8))
+            num_warps=merge_num_warps or (4 if block_c <= 1024 else 8), **pdl.args(sel))
     return sel

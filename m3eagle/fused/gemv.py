@@ -59,6 +59,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import pdl
+
 MAX_T = 32  # rows; past this a GEMM with weight-tile reuse (cuBLAS) is the right tool
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_TILES = 16384  # output tiles with a split-K counter (one int32 each, 64 KB per device)
@@ -101,13 +103,16 @@ def _store_row(ptr, row, vals, offs_n, T, N, stride):
 def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, stride_wn, stride_yt, k_split, n_split,
                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                    USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, IEEE: tl.constexpr,
-                   UPCAST_DOT: tl.constexpr):
+                   UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), n_split): y[:, n-tile] (or its split-s partial) from K range [s*k_split, +k_split).
 
     x [T, K] (row stride stride_xt, unit column stride), w [N, K] (row stride stride_wn), y [T, N] (row stride
     stride_yt), part [n_split, T, N] fp32, cnt [>= cdiv(N, BLOCK_N)] int32 zero between launches. SPLIT
     (n_split > 1) is a constexpr and n_split a runtime value: one compile serves every split count.
     GEMV (not USE_DOT) takes BLOCK_T <= 4."""
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
@@ -485,5 +490,5 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
         split, BLOCK_T=cfg.block_t(t), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, USE_DOT=cfg.use_dot,
         EVEN_K=k % cfg.block_k == 0, PREFETCH=not cfg.use_dot and cfg.num_stages > 1, IEEE=x.dtype == torch.float32,
         UPCAST_DOT=_interpreting() and x.dtype != torch.float32, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages if cfg.use_dot else 1)
+        num_stages=cfg.num_stages if cfg.use_dot else 1, **pdl.args(x))
     return y

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .. import pdl
 from . import reference as _ref
 
 # ---- precise math helpers -----------------------------------------------------------------------------
@@ -93,9 +94,12 @@ def _add_norm_kernel(x_ptr, x2_ptr, res_ptr, w_ptr, y_ptr, r_ptr, n, x_scale, ep
                      stride_x, stride_x2, stride_res, stride_y, stride_r,
                      HAS_SCALE: tl.constexpr, HAS_X2: tl.constexpr, HAS_RES: tl.constexpr,
                      WRITE_R: tl.constexpr, NORM: tl.constexpr, GEMMA: tl.constexpr,
-                     PRECISE: tl.constexpr, BLOCK: tl.constexpr):
+                     PRECISE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One row: r = res + (x * x_scale + x2) (absent terms skipped), each step rounded to x's dtype as
     reference.add_residual rounds; store r (WRITE_R); y = rms_norm(r) (NORM)."""
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < n
@@ -127,8 +131,11 @@ def _add_norm_kernel(x_ptr, x2_ptr, res_ptr, w_ptr, y_ptr, r_ptr, n, x_scale, ep
 
 @triton.jit
 def _rope_table_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, rdim, mscale,
-                       HAS_MSCALE: tl.constexpr, PRECISE: tl.constexpr, BLOCK_R: tl.constexpr):
+                       HAS_MSCALE: tl.constexpr, PRECISE: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """cos/sin [T, R] of one token: angle pos * inv_freq[i mod R/2] (NeoX: the halves repeat)."""
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_R)
     m = offs < rdim
@@ -196,11 +203,14 @@ def _qkv_rope_kernel(q_ptr, sq_t, sq_h, qo_ptr, sqo_t, sqo_h, qw_ptr, hq,
                      iq_ptr, siq_t, siq_h, iqo_ptr, siqo_t, siqo_h, iqw_ptr, hiq,
                      ik_ptr, sik_t, ikp_ptr, sikp_s, ikw_ptr, dim_i, rdim_i, nbiq,
                      Q_NORM: tl.constexpr, K_NORM: tl.constexpr, INDEX: tl.constexpr, PRECISE: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Program (t, b): head block b of token t, over q's blocks, then k's (written to the K pool at
     slots[t]), then v's (copied to the V pool at slots[t]). nbk = 0 / hv = 0 when there is no k / v.
     INDEX: then the lightning indexer's q heads (normed, roped on their first rdim_i channels, to iqo) and
     its one k head (to the index-K pool at slots[t]) -- a sparse layer's five projections in one launch."""
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     cos_row = cos_ptr + t * sc_t
@@ -232,9 +242,12 @@ def _qkv_rope_kernel(q_ptr, sq_t, sq_h, qo_ptr, sqo_t, sqo_h, qw_ptr, hq,
 
 @triton.jit
 def _swiglu_kernel(gu_ptr, out_ptr, inter, stride_g, stride_o, alpha, limit,
-                   PRECISE: tl.constexpr, BLOCK: tl.constexpr):
+                   PRECISE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[t, i] = (up + 1) * gate * sigmoid(alpha * gate), gate = gu[t, i], up = gu[t, I + i]; every
     intermediate rounded where reference.swiglu_oai's bf16 ops round."""
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < inter
@@ -253,7 +266,10 @@ def _swiglu_kernel(gu_ptr, out_ptr, inter, stride_g, stride_o, alpha, limit,
 
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, inter, stride_g, stride_u, stride_o,
-                     PRECISE: tl.constexpr, BLOCK: tl.constexpr):
+                     PRECISE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < inter
@@ -300,8 +316,12 @@ def _route_row(lg_ptr, bias_ptr, w_ptr, idx_ptr, n_exp, TOP_K: tl.constexpr, PRE
 
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, n_exp, stride_l,
-                  TOP_K: tl.constexpr, PRECISE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                  TOP_K: tl.constexpr, PRECISE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PDL: tl.constexpr):
     """One token per program (`_route_row`)."""
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     _route_row(logits_ptr + t * stride_l, bias_ptr, w_ptr + t * TOP_K, idx_ptr + t * TOP_K, n_exp, TOP_K, PRECISE,
                BLOCK_E, BLOCK_K, "")
@@ -314,11 +334,14 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, n_exp, stride_l,
 def _step_inputs_kernel(ids_ptr, kv_ptr, q_ptr, tok_row_ptr, tok_col_ptr, pt_ptr, stride_pt, table_w, page_size,
                         slot_ptr, gather_ptr, nd_ptr, correct_ptr, st_ptr, stride_st, nn_ptr, exp_ptr,
                         sd_ptr, stride_sd, ids_out, kv_out, pos_out, slots_out, n_tok, n_rows,
-                        K: tl.constexpr, OVERLAP: tl.constexpr, BLOCK: tl.constexpr):
+                        K: tl.constexpr, OVERLAP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Programs [0, cdiv(T, BLOCK)) take BLOCK tokens each: the corrected kv_len of the token's row, its
     position (kv_len - q_len + col) and cache slot (floor division as torch's), and with OVERLAP its input
     id (slot's last token at col 0 of a gather row, its drafts at cols 1..num_drafts). The programs after
     them write kv_out for BLOCK rows each. All int64: bit-exact with the reference."""
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     n_tok_blocks = tl.cdiv(n_tok, BLOCK)
     offs = tl.arange(0, BLOCK)
@@ -362,9 +385,12 @@ def _step_inputs_kernel(ids_ptr, kv_ptr, q_ptr, tok_row_ptr, tok_col_ptr, pt_ptr
 
 @triton.jit(do_not_specialize=["n_rows"])
 def _sample_pos_kernel(first_ptr, qlen_ptr, nd_ptr, pos_ptr, ids_ptr, idx_out, pos_out, drafts_out, n_rows,
-                       K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr):
+                       K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, PDL: tl.constexpr):
     """BLOCK_R rows x (K + 1) columns: column j samples token min(last - num_drafts + j, last); draft j - 1
     is token min(first + j, last) when j <= num_drafts, else 0."""
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     j = tl.arange(0, BLOCK_J)
     rm = r < n_rows
@@ -396,7 +422,7 @@ def sample_positions(row_first: torch.Tensor, row_qlen: torch.Tensor, row_num_dr
         block_r = 32
         _sample_pos_kernel[(triton.cdiv(b, block_r),)](row_first, row_qlen, row_num_drafts, positions, ids, idx, pos,
                                                         drafts if k else idx, b, K=k, BLOCK_R=block_r,
-                                                        BLOCK_J=triton.next_power_of_2(k + 1), num_warps=1)
+                                                        BLOCK_J=triton.next_power_of_2(k + 1), num_warps=1, **pdl.args(ids))
     return idx, pos, drafts
 
 
@@ -404,10 +430,13 @@ def sample_positions(row_first: torch.Tensor, row_qlen: torch.Tensor, row_num_dr
 def _commit_kernel(new_ptr, nn_ptr, samples_ptr, slot_ptr, dump_slot, nd_ptr, first_ptr, qlen_ptr, next_ptr,
                    ids_ptr, pos_ptr, tok_row_ptr, st_ptr, stride_st, snn_ptr, sexp_ptr,
                    nn_out, s_out, last_out, shifted_out, at_out, n_rows, n_tok,
-                   K: tl.constexpr, DRAFT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_J: tl.constexpr):
+                   K: tl.constexpr, DRAFT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_J: tl.constexpr, PDL: tl.constexpr):
     """Programs [0, cdiv(B, BLOCK)): BLOCK rows each -- masked count, slot writes, and with DRAFT the last
     accepted index and the at table. Programs after them (DRAFT only): BLOCK tokens of the shifted ids;
     a token that is its row's last accepted one takes the bonus (or next known) token."""
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     n_row_blocks = tl.cdiv(n_rows, BLOCK)
     offs = tl.arange(0, BLOCK)
@@ -479,13 +508,16 @@ def commit_outputs(new_tokens: torch.Tensor, num_new: torch.Tensor, row_samples:
                                 slot_num_new, slot_expected, nn_out, s_out,
                                 last if draft else nn_out, shifted if draft else nn_out, at if draft else nn_out,
                                 b, t, K=k, DRAFT=draft, BLOCK=block, BLOCK_J=triton.next_power_of_2(k + 1),
-                                num_warps=2)
+                                num_warps=2, **pdl.args(new_tokens))
     return nn_out, s_out, last, shifted, at
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _accept_kernel(greedy_ptr, drafts_ptr, nd_ptr, out_ptr, n_rows, K: tl.constexpr, BLOCK: tl.constexpr):
+def _accept_kernel(greedy_ptr, drafts_ptr, nd_ptr, out_ptr, n_rows, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """BLOCK rows: 1 + the number of leading drafts equal to the argmax of the position before them."""
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = r < n_rows
     nd = tl.load(nd_ptr + r, mask=m, other=0)
@@ -507,15 +539,18 @@ def greedy_accept(greedy_tok: torch.Tensor, drafts: torch.Tensor, num_drafts: to
     if b:
         block = 64
         _accept_kernel[(triton.cdiv(b, block),)](greedy_tok, drafts, num_drafts, out, b, K=k, BLOCK=block,
-                                                  num_warps=1)
+                                                  num_warps=1, **pdl.args(drafts))
     return out
 
 
 @triton.jit(do_not_specialize=["n_cols"])
-def _argmax_kernel(x_ptr, off_ptr, out_ptr, n_cols, stride_x, HAS_OFF: tl.constexpr, BLOCK: tl.constexpr):
+def _argmax_kernel(x_ptr, off_ptr, out_ptr, n_cols, stride_x, HAS_OFF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[r] = the first index of row r's maximum (the first NaN if the row has one, as torch.argmax),
     + off[index] when HAS_OFF. One program per row; each lane keeps its own best (strict >, so the earlier
     column keeps a tie), then the lanes reduce to the max value and the least column holding it."""
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     row = x_ptr + r * stride_x
@@ -551,7 +586,7 @@ def argmax(x: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor
         block = min(16384, triton.next_power_of_2(max(v, 1)))
         warps = 16 if block >= 8192 else (8 if block >= 2048 else 4)
         _argmax_kernel[(n,)](x, offsets if offsets is not None else out, out, v, x.stride(0),
-                             HAS_OFF=offsets is not None, BLOCK=block, num_warps=warps)
+                             HAS_OFF=offsets is not None, BLOCK=block, num_warps=warps, **pdl.args(x))
     return out
 
 
@@ -587,7 +622,7 @@ def step_inputs(kv_lens: torch.Tensor, q_lens: torch.Tensor, tok_row: torch.Tens
         _step_inputs_kernel[(grid,)](ids_in, kv_lens, q_lens, tok_row, tok_col, pt, pt.stride(0), pt.shape[1],
                                      page_size, *rest, ids if ids is not None else pos, kv_out, pos, slots,
                                      n_tok, n_rows, K=k, OVERLAP=overlap is not None, BLOCK=STEP_BLOCK,
-                                     num_warps=4)
+                                     num_warps=4, **pdl.args(kv_lens))
     return ids, kv_out, pos, slots
 
 
@@ -650,7 +685,7 @@ def add_norm(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor | N
             xr.stride(0), x2r.stride(0), res.stride(0), yy.stride(0), r.stride(0),
             HAS_SCALE=has_scale, HAS_X2=has_x2, HAS_RES=has_res, WRITE_R=write_r, NORM=w is not None,
             GEMMA=gemma, PRECISE=_precise(), BLOCK=block, num_warps=ADD_NORM_WARPS.get(block, _warps(block)),
-            **_opts())
+            **_opts(), **pdl.args(xr))
     if y is not None and out is None:
         y = y.view(x.shape)
     if r_out is None:
@@ -669,7 +704,7 @@ def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, mscale: float, d
         block = triton.next_power_of_2(rdim)
         _rope_table_kernel[(pos.shape[0],)](pos, inv_freq, cos, sin, rdim, float(mscale),
                                             HAS_MSCALE=mscale != 1.0, PRECISE=_precise(), BLOCK_R=block,
-                                            num_warps=1, **_opts())
+                                            num_warps=1, **_opts(), **pdl.args(pos))
     shape = (*positions.shape, rdim)
     return cos.view(shape), sin.view(shape)
 
@@ -735,7 +770,7 @@ def qkv_rope_store(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
         vv, vv.stride(0), vv.stride(1), vp, vp.stride(0), vp.stride(1), hv,
         slots if slots is not None else q, cos, sin, cos.stride(0), sin.stride(0), dim, rdim, float(eps), nbq,
         nbk, nbv, *ix, Q_NORM=q_w is not None, K_NORM=k_w is not None, INDEX=index is not None,
-        PRECISE=_precise(), BLOCK_H=block_h, BLOCK_D=block_d, num_warps=_warps(block_h * block_d), **_opts())
+        PRECISE=_precise(), BLOCK_H=block_h, BLOCK_D=block_d, num_warps=_warps(block_h * block_d), **_opts(), **pdl.args(q))
     return q_out if index is None else (q_out, iq_out)
 
 
@@ -748,7 +783,7 @@ def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tenso
         block = min(1024, triton.next_power_of_2(inter))
         _swiglu_kernel[(gu.shape[0], triton.cdiv(inter, block))](
             gu, out, inter, gu.stride(0), out.stride(0), float(alpha), float(limit), PRECISE=_precise(),
-            BLOCK=block, num_warps=_warps(block), **_opts())
+            BLOCK=block, num_warps=_warps(block), **_opts(), **pdl.args(gu))
     return out.view(*gate_up.shape[:-1], inter)
 
 
@@ -761,7 +796,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         block = min(1024, triton.next_power_of_2(inter))
         _silu_mul_kernel[(g.shape[0], triton.cdiv(inter, block))](
             g, u, out, inter, g.stride(0), u.stride(0), out.stride(0), PRECISE=_precise(), BLOCK=block,
-            num_warps=_warps(block), **_opts())
+            num_warps=_warps(block), **_opts(), **pdl.args(g))
     return out.view(gate.shape)
 
 
@@ -787,11 +822,14 @@ def _router_gemv_rows(x_ptr, w_ptr, t, offs_e, em, hidden, stride_x, stride_w, B
 
 @triton.jit
 def _router_gemv_kernel(x_ptr, w_ptr, out_ptr, hidden, n_exp, stride_x, stride_w, stride_o,
-                        BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+                        BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """logits[t, e] = sum_h fp32(x[t, h]) * w[e, h] for BLOCK_E experts of one token: the cast, the GEMV
     and its split-K reduction of the cuBLAS path in one launch. Each lane accumulates its own columns in
     fp32 and the lanes are summed once at the end (another order than cuBLAS: equal to ~1e-6 relative,
     not bit for bit)."""
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     em = offs_e < n_exp
@@ -802,7 +840,7 @@ def _router_gemv_kernel(x_ptr, w_ptr, out_ptr, hidden, n_exp, stride_x, stride_w
 @triton.jit
 def _router_topk_kernel(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_ptr, hidden, n_exp, stride_x,
                         stride_w, n_prog, TOP_K: tl.constexpr, PRECISE: tl.constexpr, BLOCK_E: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BLOCK_ALL: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_H: tl.constexpr, BLOCK_ALL: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Grid (T, n_prog): the router GEMV of `_router_gemv_kernel` for BLOCK_E experts of one token, then the
     token's last program to finish routes it (`_route_row`): one launch instead of two.
 
@@ -811,6 +849,9 @@ def _router_topk_kernel(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_p
     that reads n_prog - 1 sees every other program's logits (it loads them from L2, not L1); it resets
     the counter for the next launch. No float atomics: the routing is computed once, by one program,
     from the same logits as the two-launch path, so it is bit-equal to it."""
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     em = offs_e < n_exp
@@ -858,7 +899,7 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: i
     _router_topk_kernel[(t, n_prog)](
         x, weight, logits, counters, bias, w, idx, hidden, n_exp, x.stride(0), weight.stride(0), n_prog,
         TOP_K=k, PRECISE=_precise(), BLOCK_E=block_e, BLOCK_H=block_h, BLOCK_ALL=triton.next_power_of_2(n_exp),
-        BLOCK_K=triton.next_power_of_2(k), num_warps=warps, **_opts())
+        BLOCK_K=triton.next_power_of_2(k), num_warps=warps, **_opts(), **pdl.args(x))
     return w, idx
 
 
@@ -873,7 +914,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         block_e, block_h, warps = _gemv_blocks(t, n_exp, hidden)
         _router_gemv_kernel[(t, triton.cdiv(n_exp, block_e))](
             x, weight, out, hidden, n_exp, x.stride(0), weight.stride(0), out.stride(0), BLOCK_E=block_e,
-            BLOCK_H=block_h, num_warps=warps)
+            BLOCK_H=block_h, num_warps=warps, **pdl.args(x))
     return out
 
 
@@ -889,7 +930,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tenso
     if t:
         block_e = triton.next_power_of_2(n_exp)
         _route_kernel[(t,)](lg, bias, w, idx, n_exp, lg.stride(0), TOP_K=k, PRECISE=_precise(), BLOCK_E=block_e,
-                            BLOCK_K=triton.next_power_of_2(k), num_warps=_warps(block_e), **_opts())
+                            BLOCK_K=triton.next_power_of_2(k), num_warps=_warps(block_e), **_opts(), **pdl.args(lg))
     return w, idx
 
 

@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import pdl
+
 
 @dataclass
 class Alignment:
@@ -69,8 +71,11 @@ def _pair_expert(idx_ptr, offs, num_pairs, routed_pairs, e_start, num_local):
 
 @triton.jit(do_not_specialize=["num_pairs", "routed_pairs", "e_start"])
 def _count_kernel(idx_ptr, hist_ptr, num_pairs, routed_pairs, e_start, num_local,
-                  E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                  E_PAD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """hist[c, e] = pairs of chunk c routed to local expert e. Pairs of other ranks' experts count nowhere."""
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     c = tl.program_id(0)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     e = _pair_expert(idx_ptr, offs, num_pairs, routed_pairs, e_start, num_local)
@@ -83,7 +88,10 @@ def _count_kernel(idx_ptr, hist_ptr, num_pairs, routed_pairs, e_start, num_local
 def _place_kernel(idx_ptr, hist_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
                   num_pairs, routed_pairs, e_start, num_local, num_chunks, padded_len, fill_per_prog,
                   BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, HIST_ROWS: tl.constexpr,
-                  SINGLE: tl.constexpr):
+                  SINGLE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     c = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
 
@@ -175,8 +183,8 @@ def align(idx: torch.Tensor, e_start: int, num_local: int, block_m: int, chunk: 
         num_chunks = max(1, triton.cdiv(padded_len, chunk))
         fill_per_prog = triton.cdiv(padded_len, num_chunks) if padded_len else 0
     if not single:
-        _count_kernel[(num_chunks,)](flat, hist, n, routed, e_start, num_local, E_PAD=e_pad, CHUNK=chunk)
+        _count_kernel[(num_chunks,)](flat, hist, n, routed, e_start, num_local, E_PAD=e_pad, CHUNK=chunk, **pdl.args(flat))
     _place_kernel[(num_chunks,)](flat, hist, sorted_ids, block_expert, num_blocks, n, routed, e_start, num_local,
                                  num_chunks, padded_len, fill_per_prog, BLOCK_M=block_m, E_PAD=e_pad,
-                                 CHUNK=chunk, HIST_ROWS=64, SINGLE=single)
+                                 CHUNK=chunk, HIST_ROWS=64, SINGLE=single, **pdl.args(flat))
     return Alignment(sorted_ids, block_expert, num_blocks, block_m, nb, n, routed)

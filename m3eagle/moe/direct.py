@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import pdl
 from .tuning import MoEConfig
 
 
@@ -40,11 +41,14 @@ from .tuning import MoEConfig
 def _direct_gate_up_kernel(x_ptr, idx_ptr, w_ptr, ws_ptr, act_ptr, T, e_start, num_local, hidden, inter,
                            stride_xt, stride_we, stride_wn, stride_at, alpha, limit,
                            TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """act[p, n-tile] = swiglu_oai(x[token(p)] @ [gate_n; up_n]) for pair p = program_id(0).
 
     w [E_local, 2I, H] (gate rows then up rows, unit stride along H); pairs p >= T*TOP_K are the shared
     expert's (ws [2I, H], same strides), token p - T*TOP_K. A pair of another rank's expert stores nothing."""
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     routed = p < T * TOP_K
@@ -90,12 +94,15 @@ def _direct_gate_up_kernel(x_ptr, idx_ptr, w_ptr, ws_ptr, act_ptr, T, e_start, n
 def _direct_down_kernel(act_ptr, idx_ptr, wts_ptr, w_ptr, ws_ptr, out_ptr, T, e_start, num_local, hidden, inter,
                         routed_scale, stride_at, stride_we, stride_wh, stride_ot,
                         TOP_K: tl.constexpr, K_PAD: tl.constexpr, HAS_SHARED: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """out[t, n-tile] = sum_j round(round(act[t*k+j] @ down[e_j]^T) * w[t, j] * routed_scale)
     (+ round(act[T*k+t] @ shared_down^T)), fp32 sum in one fixed order, for t = program_id(0).
 
     w [E_local, H, I] (unit stride along I). The k experts' tiles are one [K_PAD, BN, BK] load per K step
     (slots past TOP_K and other ranks' experts masked: never read)."""
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -173,12 +180,12 @@ def direct_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1
         x, idx, w13, s13, act, t, e_start, w13.shape[0], hidden, inter,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), float(alpha), float(limit),
         TOP_K=k, HAS_SHARED=shared is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=hidden % bk == 0,
-        num_warps=cfg.num_warps, num_stages=1)
+        num_warps=cfg.num_warps, num_stages=1, **pdl.args(x))
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     dbn, dbk = cfg.down_block_n or bn, cfg.down_block_k or bk
     _direct_down_kernel[(t, triton.cdiv(hidden, dbn))](
         act, idx, weights, w2, s2, out, t, e_start, w2.shape[0], hidden, inter, float(routed_scale),
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         TOP_K=k, K_PAD=triton.next_power_of_2(k), HAS_SHARED=shared is not None, BLOCK_N=dbn, BLOCK_K=dbk,
-        EVEN_K=inter % dbk == 0, num_warps=cfg.num_warps, num_stages=1)
+        EVEN_K=inter % dbk == 0, num_warps=cfg.num_warps, num_stages=1, **pdl.args(act))
     return out

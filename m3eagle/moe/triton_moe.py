@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import pdl
 from . import direct, tuning
 from .align import Alignment, align
 from .reference import local_experts
@@ -65,12 +66,15 @@ def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, block_expert_ptr,
                     stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_am, stride_ai,
                     alpha, limit,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr):
+                    GROUP_M: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
     """act[r, n] = swiglu_oai(x[token(r)] @ [gate_n; up_n]) for the rows r of one block of one expert.
 
     gate_up_proj [E, 2I, H] holds gate rows 0..I-1 then up rows I..2I-1; a program computes block_n gate
     columns and the same block_n up columns, so the activation happens in registers. Pair ids from
     routed_pairs on are the shared expert's (ws_ptr [2I, H]): token = pair - routed_pairs."""
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m, pid_n = _block_coords(tl.program_id(0), max_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return
@@ -112,7 +116,7 @@ def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, b
                  num_pairs, routed_pairs, shared_col, max_blocks, hidden, inter, routed_scale,
                  stride_am, stride_ai, stride_we, stride_wh, stride_wi, stride_cp, stride_ch,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr):
+                 DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
     """contrib[pair(r)] = weight(pair(r)) * (act[r] @ down_proj[e]^T) for the rows r of one block; a routed
     pair's weight is its routing weight times routed_scale, a shared-expert pair's is 1.
 
@@ -120,6 +124,9 @@ def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, b
     per-expert einsum result is. The weighted row is stored in the activation dtype too: half the traffic
     of fp32 for a [T*k, H] buffer that prefill writes and reads once; in bf16 that is one more rounding
     per pair, below the reference's own bf16 error."""
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m, pid_n = _block_coords(tl.program_id(0), max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return
@@ -155,10 +162,13 @@ def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, b
 @triton.jit(do_not_specialize=["routed_pairs"])
 def _combine_kernel(contrib_ptr, idx_ptr, out_ptr, hidden, e_start, num_local, routed_pairs,
                     stride_cp, stride_ch, stride_ot, stride_oh,
-                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SHARED: tl.constexpr):
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
     """out[t] = sum_j contrib[t*k + j] in fp32, j in order, over the pairs whose expert is local, then the
     shared expert's row routed_pairs + t when there is one. Rows of other ranks' pairs were never written
     (they hold garbage), so they are masked out, not multiplied."""
+    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
+        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = offs < hidden
@@ -212,7 +222,7 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, al: Alignment, top_k: int, alpha
         act.stride(0), act.stride(1), float(alpha), float(limit),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         DOT_PREC=_dot_precision(x.dtype), HAS_SHARED=shared_gate_up is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(x))
     return act
 
 
@@ -233,7 +243,7 @@ def down(act: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, al: Alignme
         contrib.stride(0), contrib.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         DOT_PREC=_dot_precision(act.dtype), HAS_SHARED=shared_down is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(act))
     return contrib
 
 
@@ -248,7 +258,7 @@ def combine(contrib: torch.Tensor, idx: torch.Tensor, e_start: int, num_local: i
     block_h = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(t, triton.cdiv(hidden, block_h))](
         contrib, idx, out, hidden, e_start, num_local, t * k, contrib.stride(0), contrib.stride(1),
-        out.stride(0), out.stride(1), TOP_K=k, BLOCK_H=block_h, HAS_SHARED=shared)
+        out.stride(0), out.stride(1), TOP_K=k, BLOCK_H=block_h, HAS_SHARED=shared, **pdl.args(contrib))
     return out
 
 

@@ -1,0 +1,60 @@
+"""Programmatic dependent launch (m3eagle/pdl.py) is opt-in and never reaches the CPU interpreter; every
+Triton kernel of the engine waits for its predecessor before touching memory when it is on.
+
+The wait-first rule is checked on the kernels' source (the GPU behaviour is the H200 run's: engine tokens
+with PDL on equal those with it off, `scripts/h200_check.sh PDL_AB=1`); compiling each kernel with PDL on for
+sm_90 is tests/test_kernels_compile.py's.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+
+import pytest
+import torch
+
+from m3eagle import pdl
+
+pytest.importorskip("triton")
+
+
+def kernels():
+    import triton
+
+    from m3eagle.attention import triton_kernels
+    from m3eagle.fused import gemv, triton_fused
+    from m3eagle.moe import align, direct, triton_moe
+
+    for mod in (triton_kernels, triton_fused, gemv, triton_moe, align, direct):
+        for name, fn in vars(mod).items():
+            if isinstance(fn, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
+                yield f"{mod.__name__}.{name}", fn
+
+
+def test_off_by_default_and_off_the_gpu(monkeypatch):
+    t = torch.zeros(1)
+    monkeypatch.delenv("M3EAGLE_PDL", raising=False)
+    assert pdl.args(t) == {"PDL": False}
+    monkeypatch.setenv("M3EAGLE_PDL", "1")
+    assert pdl.args(t) == {"PDL": False}  # CPU: no launch option, no wait (the interpreter knows neither)
+    assert not pdl.enabled(torch.device("cpu"))
+
+
+def test_every_kernel_waits_first_when_pdl_is_on():
+    """The first statement of every kernel (after its docstring) is `if PDL:` wait, then trigger: a kernel
+    that touched memory before waiting could race its predecessor once launched early, and one that
+    triggered before waiting would let its successor start before its own predecessor finished."""
+    seen = 0
+    for name, fn in kernels():
+        tree = ast.parse(inspect.getsource(fn.fn).lstrip())
+        body = tree.body[0].body
+        if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]  # the docstring
+        first = body[0]
+        assert isinstance(first, ast.If) and ast.unparse(first.test) == "PDL", name
+        assert [ast.unparse(x) for x in first.body] == ["tl.extra.cuda.gdc_wait()",
+                                                        "tl.extra.cuda.gdc_launch_dependents()"], name
+        assert "PDL" in inspect.signature(fn.fn).parameters, name
+        seen += 1
+    assert seen >= 26
