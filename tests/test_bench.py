@@ -48,6 +48,7 @@ SCHEMA = {
 ROW = {"batch": int, "mode": str, "num_draft_tokens": int, "tok_s": dict, "acceptance": (dict, type(None)),
        "step": dict, "roofline": dict}
 STEP = {"context": NUM, "tokens": int, "step_ms": NUM, "host_ms": NUM, "device_wait_ms": NUM,
+        "graph_launch_ms": (*NUM, type(None)),
         "torch_ops_per_step": NUM, "kernels_per_step": (*NUM, type(None)), "memcpy_per_step": (*NUM, type(None)),
         "gpu_busy_ms": (*NUM, type(None)), "gpu_busy_frac": (*NUM, type(None))}
 ROOF = {"bytes_per_step": NUM, "bytes": dict, "draft_bytes": (dict, type(None)), "experts_per_moe_layer": list,
@@ -94,6 +95,7 @@ def test_step_profile_on_cpu(tiny_doc):
         assert st["step_ms"] > 0 and 0 < st["host_ms"] <= st["step_ms"] + 1e-6
         assert st["torch_ops_per_step"] > 0
         assert st["kernels_per_step"] is None and st["gpu_busy_ms"] is None and st["gpu_busy_frac"] is None
+        assert st["graph_launch_ms"] is None  # no CUDA graph replays on a CPU device
         assert st["context"] > doc["settings"]["prompt_len"]
         # one target forward: a token per row plain, 1 + K per row when verifying
         assert st["tokens"] == r["batch"] * (1 + (k if r["mode"] == "spec" else 0))

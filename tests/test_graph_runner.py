@@ -294,3 +294,27 @@ def test_prefill_graph_shaped_steps_give_the_same_tokens(model_dir, head_dir, k,
     used = {b[1:] for b in seen if isinstance(b, tuple)}
     assert len({t for r, t in used if r == 2}) >= 2 and any(r > 2 for r, _ in used), used
     assert_clean(padded)
+
+
+def test_replay_launch_time_is_accounted_per_replay():
+    """GraphRunner sums the host time spent inside graph.replay() (the bench's graph_launch_ms) for every
+    replay, and only for replays: a fake graph that sleeps is timed, an eager step adds nothing."""
+    import time as _time
+    from types import SimpleNamespace
+
+    from m3eagle.engine.graph_runner import GraphRunner
+
+    class SlowGraph:
+        def replay(self):
+            _time.sleep(0.002)
+
+    static = SimpleNamespace(fresh=lambda: "out")
+    runner = SimpleNamespace(execute=lambda inp: "eager")
+    gr = GraphRunner.__new__(GraphRunner)  # only the replay path's state
+    gr.runner, gr.use_graphs, gr.num_replays, gr.launch_seconds = runner, True, 0, 0.0
+    gr.graphs = {(4, "m"): (SlowGraph(), static)}
+    inp = SimpleNamespace(mode="m")
+    assert gr._run(inp, 4) == "out" and gr._run(inp, 4) == "out"
+    assert gr.num_replays == 2 and gr.launch_seconds >= 0.004
+    before = gr.launch_seconds
+    assert gr._run(inp, None) == "eager" and gr.launch_seconds == before

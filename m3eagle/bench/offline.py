@@ -55,6 +55,8 @@ DEFINITIONS = {
     "host_ms": "step_ms minus the time the host thread is blocked waiting for the device (StepOutput.wait): "
                "scheduling, input building, kernel launches and output processing. host_ms close to step_ms "
                "means the step is host/launch-bound. On a CPU device the host does all the work",
+    "graph_launch_ms": "host time per step inside CUDA-graph replay (the driver's graph launch), part of "
+                       "host_ms; null when no timed step replayed a graph",
     "gpu_busy_ms": "union of GPU kernel and copy intervals per step, from torch.profiler over --profile-steps "
                    "steps; gpu_busy_frac = gpu_busy_ms / step_ms (null off CUDA)",
     "kernels_per_step": "GPU kernels per step from the profiler; memcpy/memset counted apart (null off CUDA)",
@@ -148,7 +150,8 @@ def _measure(a: argparse.Namespace, llm, geo: geometries.Geometry, dev: torch.de
             rows.append(_row(b, mode, km, thr, st, llm, dtype_bytes, bw["bytes_per_s"] * llm.tp.size))
             if mode == "plain":
                 first_tokens[b] = thr["first_tokens"]
-            say(f"batch {b} {mode}: step {st['step_ms']:.2f} ms, host {st['host_ms']:.2f} ms")
+            launch = f", graph launch {st['graph_launch_ms']:.3f} ms" if st["graph_launch_ms"] is not None else ""
+            say(f"batch {b} {mode}: step {st['step_ms']:.2f} ms, host {st['host_ms']:.2f} ms{launch}")
 
     hf = None
     if a.compare_hf:
@@ -328,12 +331,16 @@ def step_profile(engine: LLMEngine, target: torch.nn.Module, prompts: list[list[
         tp = engine.tp
         tp.timed, tp.comm_seconds = tp.size > 1 and dev.type != "cuda", 0.0  # CPU: gloo collectives block
         try:
+            graphs = engine.graphs
+            replays0, launch0 = graphs.num_replays, graphs.launch_seconds
             with device_wait_timer() as waited:
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     engine.step()
                 _sync(dev)
                 wall = time.perf_counter() - t0
+            launch_ms = ((graphs.launch_seconds - launch0) / steps * 1e3
+                         if graphs.num_replays > replays0 else None)
         finally:
             tp.timed = False
         ctx = (ctx0 + _mean_context(reqs)) / 2
@@ -348,7 +355,7 @@ def step_profile(engine: LLMEngine, target: torch.nn.Module, prompts: list[list[
         tp.comm_seconds * 1e3 / steps if tp.size > 1 else None)
     return {"context": ctx, "tokens": tokens if tokens is not None else len(prompts) * (k + 1),
             "step_ms": step_ms, "host_ms": step_ms - waited[0] / steps * 1e3,
-            "device_wait_ms": waited[0] / steps * 1e3, **prof,
+            "device_wait_ms": waited[0] / steps * 1e3, "graph_launch_ms": launch_ms, **prof,
             "gpu_busy_frac": busy / step_ms if busy is not None else None,
             "comm_ms": comm, "comm_frac": comm / step_ms if comm is not None else None,
             "experts_per_moe_layer": experts}

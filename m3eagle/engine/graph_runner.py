@@ -126,6 +126,7 @@ class GraphRunner:
         self.pool = None
         self.capture_seconds = 0.0
         self.num_replays = 0
+        self.launch_seconds = 0.0  # host time inside graph.replay() (cudaGraphLaunch), summed over replays
         if driver is not None:
             driver.attach(self)  # its shutdown releases these graphs before NCCL's teardown (release())
 
@@ -184,7 +185,9 @@ class GraphRunner:
         if bucket is None or not self.use_graphs:
             return self.runner.execute(inp)
         graph, static = self.graphs[(bucket, inp.mode)]
+        t0 = time.perf_counter()
         graph.replay()
+        self.launch_seconds += time.perf_counter() - t0
         self.num_replays += 1
         return static.fresh()
 
