@@ -5,9 +5,10 @@ each boundary costs the next kernel's launch and prologue after the previous one
 PDL (Hopper and later) a kernel may be scheduled while its predecessor's last blocks still run, and it
 waits in-kernel (`griddepcontrol.wait`) until the predecessor has completed and its writes are visible.
 
-Contract. Every Triton kernel of the engine takes a `PDL` constexpr; with PDL on, its first statements are
-`tl.extra.cuda.gdc_wait()`, before any global load or store, then `gdc_launch_dependents()` (the next
-kernel's blocks may now be scheduled, to wait in their turn), and it is launched with `launch_pdl=True`.
+Contract. Every Triton kernel of the engine takes a `PDL` constexpr and its first statement is
+`pdl_wait(PDL)`: with PDL on, `tl.extra.cuda.gdc_wait()` before any global load or store, then
+`gdc_launch_dependents()` (the next kernel's blocks may now be scheduled, to wait in their turn); it is
+launched with `launch_pdl=True`.
 Waiting first means a kernel touches no memory before every earlier kernel of the stream has finished
 (by induction: a kernel triggers only after its own wait; a predecessor that never triggers -- cuBLAS, a
 torch op -- triggers at its completion), so results are bit-equal to launches without PDL: only launch
@@ -24,6 +25,8 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 
 @functools.cache
@@ -43,3 +46,12 @@ def args(t: torch.Tensor) -> dict:
     if enabled(t.device):
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Every engine kernel's first statement. With PDL on: wait until the stream's previous kernel has
+    finished and its writes are visible, then let the next kernel's blocks be scheduled. Off: nothing."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -8,15 +8,19 @@ sm_90 is tests/test_kernels_compile.py's.
 
 from __future__ import annotations
 
-import ast
-import inspect
+import os
 
-import pytest
-import torch
+os.environ["TRITON_INTERPRET"] = "1"  # before the first `import triton`, as every kernel test module does
 
-from m3eagle import pdl
+import ast  # noqa: E402
+import inspect  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 pytest.importorskip("triton")
+
+from m3eagle import pdl  # noqa: E402  (imports triton)
 
 
 def kernels():
@@ -41,19 +45,21 @@ def test_off_by_default_and_off_the_gpu(monkeypatch):
 
 
 def test_every_kernel_waits_first_when_pdl_is_on():
-    """The first statement of every kernel (after its docstring) is `if PDL:` wait, then trigger: a kernel
-    that touched memory before waiting could race its predecessor once launched early, and one that
-    triggered before waiting would let its successor start before its own predecessor finished."""
+    """The first statement of every kernel (after its docstring) is `pdl_wait(PDL)`, which waits, then
+    triggers: a kernel that touched memory before waiting could race its predecessor once launched early,
+    and one that triggered before waiting would let its successor start before its own predecessor ended."""
     seen = 0
     for name, fn in kernels():
         tree = ast.parse(inspect.getsource(fn.fn).lstrip())
         body = tree.body[0].body
         if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
             body = body[1:]  # the docstring
-        first = body[0]
-        assert isinstance(first, ast.If) and ast.unparse(first.test) == "PDL", name
-        assert [ast.unparse(x) for x in first.body] == ["tl.extra.cuda.gdc_wait()",
-                                                        "tl.extra.cuda.gdc_launch_dependents()"], name
+        assert ast.unparse(body[0]) == "pdl_wait(PDL)", name
         assert "PDL" in inspect.signature(fn.fn).parameters, name
         seen += 1
     assert seen >= 26
+    # and the helper waits before it triggers
+    helper = ast.parse(inspect.getsource(pdl.pdl_wait.fn)).body[0].body[1]  # after the docstring
+    assert ast.unparse(helper.test) == "PDL"
+    assert [ast.unparse(x) for x in helper.body] == ["tl.extra.cuda.gdc_wait()",
+                                                     "tl.extra.cuda.gdc_launch_dependents()"]

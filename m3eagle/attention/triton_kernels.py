@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .. import pdl
+from ..pdl import pdl_wait
 from .metadata import AttnMetadata
 
 LOG2E = 1.4426950408889634
@@ -158,9 +159,7 @@ def _dense_attn_kernel(
     Split s covers keys [s * kps, (s + 1) * kps) with kps = cdiv(kv_len, splits) rounded up to whole
     key tiles, from the row's device kv_len: a grid sized for max_kv spreads a short row over as many
     programs as it can use, and the rest find an empty range and write an empty partial."""
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     pid = tl.program_id(0)
     row = pid // n_qtiles
     qtile = pid % n_qtiles
@@ -240,9 +239,7 @@ def _sparse_attn_kernel(
 
     Each iteration gathers SEL_CHUNK selected blocks at once (key tile of SEL_CHUNK * BLOCK_BS), so a
     decode token's short list of blocks costs few dependent load chains (sel -> page table -> K/V)."""
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     tok = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * HEADS
     split = tl.program_id(2)
@@ -293,9 +290,7 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr):
     """Grid (T, Hq): out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max)."""
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -430,9 +425,7 @@ def _indexer_kernel(
 
     A tile whose every token sees at most TOPK blocks selects all of them whatever the scores: it reads no
     index-K (a short row under a CUDA graph's long KV bound costs a launch, not a scan)."""
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     pid = tl.program_id(0)
     row = pid // n_qtiles
     qtile = pid % n_qtiles
@@ -547,9 +540,7 @@ def _index_merge_kernel(
     union holds the global top-TOPK. A token that sees at most TOPK blocks takes all of them without
     reading any list (the indexer wrote none when its whole tile was such tokens). When the live lists
     hold at most SMALL_C entries the emit runs at that width (its cost grows with the width it scans)."""
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_o = tl.arange(0, BLOCK_O)

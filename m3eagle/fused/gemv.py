@@ -60,6 +60,7 @@ import triton
 import triton.language as tl
 
 from .. import pdl
+from ..pdl import pdl_wait
 
 MAX_T = 32  # rows; past this a GEMM with weight-tile reuse (cuBLAS) is the right tool
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -110,9 +111,7 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, s
     stride_yt), part [n_split, T, N] fp32, cnt [>= cdiv(N, BLOCK_N)] int32 zero between launches. SPLIT
     (n_split > 1) is a constexpr and n_split a runtime value: one compile serves every split count.
     GEMV (not USE_DOT) takes BLOCK_T <= 4."""
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features

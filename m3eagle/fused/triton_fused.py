@@ -47,6 +47,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .. import pdl
+from ..pdl import pdl_wait
 from . import reference as _ref
 
 # ---- precise math helpers -----------------------------------------------------------------------------
@@ -97,9 +98,7 @@ def _add_norm_kernel(x_ptr, x2_ptr, res_ptr, w_ptr, y_ptr, r_ptr, n, x_scale, ep
                      PRECISE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One row: r = res + (x * x_scale + x2) (absent terms skipped), each step rounded to x's dtype as
     reference.add_residual rounds; store r (WRITE_R); y = rms_norm(r) (NORM)."""
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < n
@@ -133,9 +132,7 @@ def _add_norm_kernel(x_ptr, x2_ptr, res_ptr, w_ptr, y_ptr, r_ptr, n, x_scale, ep
 def _rope_table_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, rdim, mscale,
                        HAS_MSCALE: tl.constexpr, PRECISE: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """cos/sin [T, R] of one token: angle pos * inv_freq[i mod R/2] (NeoX: the halves repeat)."""
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_R)
     m = offs < rdim
@@ -208,9 +205,7 @@ def _qkv_rope_kernel(q_ptr, sq_t, sq_h, qo_ptr, sqo_t, sqo_h, qw_ptr, hq,
     slots[t]), then v's (copied to the V pool at slots[t]). nbk = 0 / hv = 0 when there is no k / v.
     INDEX: then the lightning indexer's q heads (normed, roped on their first rdim_i channels, to iqo) and
     its one k head (to the index-K pool at slots[t]) -- a sparse layer's five projections in one launch."""
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     cos_row = cos_ptr + t * sc_t
@@ -245,9 +240,7 @@ def _swiglu_kernel(gu_ptr, out_ptr, inter, stride_g, stride_o, alpha, limit,
                    PRECISE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[t, i] = (up + 1) * gate * sigmoid(alpha * gate), gate = gu[t, i], up = gu[t, I + i]; every
     intermediate rounded where reference.swiglu_oai's bf16 ops round."""
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < inter
@@ -267,9 +260,7 @@ def _swiglu_kernel(gu_ptr, out_ptr, inter, stride_g, stride_o, alpha, limit,
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, inter, stride_g, stride_u, stride_o,
                      PRECISE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < inter
@@ -319,9 +310,7 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, n_exp, stride_l,
                   TOP_K: tl.constexpr, PRECISE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                   PDL: tl.constexpr):
     """One token per program (`_route_row`)."""
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     t = tl.program_id(0).to(tl.int64)
     _route_row(logits_ptr + t * stride_l, bias_ptr, w_ptr + t * TOP_K, idx_ptr + t * TOP_K, n_exp, TOP_K, PRECISE,
                BLOCK_E, BLOCK_K, "")
@@ -339,9 +328,7 @@ def _step_inputs_kernel(ids_ptr, kv_ptr, q_ptr, tok_row_ptr, tok_col_ptr, pt_ptr
     position (kv_len - q_len + col) and cache slot (floor division as torch's), and with OVERLAP its input
     id (slot's last token at col 0 of a gather row, its drafts at cols 1..num_drafts). The programs after
     them write kv_out for BLOCK rows each. All int64: bit-exact with the reference."""
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     pid = tl.program_id(0)
     n_tok_blocks = tl.cdiv(n_tok, BLOCK)
     offs = tl.arange(0, BLOCK)
@@ -388,9 +375,7 @@ def _sample_pos_kernel(first_ptr, qlen_ptr, nd_ptr, pos_ptr, ids_ptr, idx_out, p
                        K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, PDL: tl.constexpr):
     """BLOCK_R rows x (K + 1) columns: column j samples token min(last - num_drafts + j, last); draft j - 1
     is token min(first + j, last) when j <= num_drafts, else 0."""
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     j = tl.arange(0, BLOCK_J)
     rm = r < n_rows
@@ -434,9 +419,7 @@ def _commit_kernel(new_ptr, nn_ptr, samples_ptr, slot_ptr, dump_slot, nd_ptr, fi
     """Programs [0, cdiv(B, BLOCK)): BLOCK rows each -- masked count, slot writes, and with DRAFT the last
     accepted index and the at table. Programs after them (DRAFT only): BLOCK tokens of the shifted ids;
     a token that is its row's last accepted one takes the bonus (or next known) token."""
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     pid = tl.program_id(0)
     n_row_blocks = tl.cdiv(n_rows, BLOCK)
     offs = tl.arange(0, BLOCK)
@@ -515,9 +498,7 @@ def commit_outputs(new_tokens: torch.Tensor, num_new: torch.Tensor, row_samples:
 @triton.jit(do_not_specialize=["n_rows"])
 def _accept_kernel(greedy_ptr, drafts_ptr, nd_ptr, out_ptr, n_rows, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """BLOCK rows: 1 + the number of leading drafts equal to the argmax of the position before them."""
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = r < n_rows
     nd = tl.load(nd_ptr + r, mask=m, other=0)
@@ -548,9 +529,7 @@ def _argmax_kernel(x_ptr, off_ptr, out_ptr, n_cols, stride_x, HAS_OFF: tl.conste
     """out[r] = the first index of row r's maximum (the first NaN if the row has one, as torch.argmax),
     + off[index] when HAS_OFF. One program per row; each lane keeps its own best (strict >, so the earlier
     column keeps a tie), then the lanes reduce to the max value and the least column holding it."""
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     row = x_ptr + r * stride_x
@@ -827,9 +806,7 @@ def _router_gemv_kernel(x_ptr, w_ptr, out_ptr, hidden, n_exp, stride_x, stride_w
     and its split-K reduction of the cuBLAS path in one launch. Each lane accumulates its own columns in
     fp32 and the lanes are summed once at the end (another order than cuBLAS: equal to ~1e-6 relative,
     not bit for bit)."""
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     t = tl.program_id(0).to(tl.int64)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     em = offs_e < n_exp
@@ -849,9 +826,7 @@ def _router_topk_kernel(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_p
     that reads n_prog - 1 sees every other program's logits (it loads them from L2, not L1); it resets
     the counter for the next launch. No float atomics: the routing is computed once, by one program,
     from the same logits as the two-launch path, so it is bit-equal to it."""
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     t = tl.program_id(0).to(tl.int64)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     em = offs_e < n_exp

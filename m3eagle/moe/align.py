@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from .. import pdl
+from ..pdl import pdl_wait
 
 
 @dataclass
@@ -73,9 +74,7 @@ def _pair_expert(idx_ptr, offs, num_pairs, routed_pairs, e_start, num_local):
 def _count_kernel(idx_ptr, hist_ptr, num_pairs, routed_pairs, e_start, num_local,
                   E_PAD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """hist[c, e] = pairs of chunk c routed to local expert e. Pairs of other ranks' experts count nowhere."""
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     c = tl.program_id(0)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     e = _pair_expert(idx_ptr, offs, num_pairs, routed_pairs, e_start, num_local)
@@ -89,9 +88,7 @@ def _place_kernel(idx_ptr, hist_ptr, sorted_ptr, block_expert_ptr, num_blocks_pt
                   num_pairs, routed_pairs, e_start, num_local, num_chunks, padded_len, fill_per_prog,
                   BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, HIST_ROWS: tl.constexpr,
                   SINGLE: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     c = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
 

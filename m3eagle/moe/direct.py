@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .. import pdl
+from ..pdl import pdl_wait
 from .tuning import MoEConfig
 
 
@@ -46,9 +47,7 @@ def _direct_gate_up_kernel(x_ptr, idx_ptr, w_ptr, ws_ptr, act_ptr, T, e_start, n
 
     w [E_local, 2I, H] (gate rows then up rows, unit stride along H); pairs p >= T*TOP_K are the shared
     expert's (ws [2I, H], same strides), token p - T*TOP_K. A pair of another rank's expert stores nothing."""
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     routed = p < T * TOP_K
@@ -100,9 +99,7 @@ def _direct_down_kernel(act_ptr, idx_ptr, wts_ptr, w_ptr, ws_ptr, out_ptr, T, e_
 
     w [E_local, H, I] (unit stride along I). The k experts' tiles are one [K_PAD, BN, BK] load per K step
     (slots past TOP_K and other ranks' experts masked: never read)."""
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -182,7 +179,8 @@ def direct_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1
         TOP_K=k, HAS_SHARED=shared is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=hidden % bk == 0,
         num_warps=cfg.num_warps, num_stages=1, **pdl.args(x))
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
-    dbn, dbk = cfg.down_block_n or bn, cfg.down_block_k or bk
+    dcfg = cfg.down()
+    dbn, dbk = dcfg.block_n, dcfg.block_k
     _direct_down_kernel[(t, triton.cdiv(hidden, dbn))](
         act, idx, weights, w2, s2, out, t, e_start, w2.shape[0], hidden, inter, float(routed_scale),
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .. import pdl
+from ..pdl import pdl_wait
 from . import direct, tuning
 from .align import Alignment, align
 from .reference import local_experts
@@ -72,9 +73,7 @@ def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, block_expert_ptr,
     gate_up_proj [E, 2I, H] holds gate rows 0..I-1 then up rows I..2I-1; a program computes block_n gate
     columns and the same block_n up columns, so the activation happens in registers. Pair ids from
     routed_pairs on are the shared expert's (ws_ptr [2I, H]): token = pair - routed_pairs."""
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     pid_m, pid_n = _block_coords(tl.program_id(0), max_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return
@@ -124,9 +123,7 @@ def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, b
     per-expert einsum result is. The weighted row is stored in the activation dtype too: half the traffic
     of fp32 for a [T*k, H] buffer that prefill writes and reads once; in bf16 that is one more rounding
     per pair, below the reference's own bf16 error."""
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     pid_m, pid_n = _block_coords(tl.program_id(0), max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return
@@ -166,9 +163,7 @@ def _combine_kernel(contrib_ptr, idx_ptr, out_ptr, hidden, e_start, num_local, r
     """out[t] = sum_j contrib[t*k + j] in fp32, j in order, over the pairs whose expert is local, then the
     shared expert's row routed_pairs + t when there is one. Rows of other ranks' pairs were never written
     (they hold garbage), so they are masked out, not multiplied."""
-    if PDL:  # programmatic dependent launch (m3eagle/pdl.py): wait before any memory access, then let the
-        tl.extra.cuda.gdc_wait()  # next kernel's blocks be scheduled (they wait for this one in turn)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = offs < hidden
