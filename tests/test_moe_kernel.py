@@ -73,11 +73,19 @@ def test_matches_reference(t, k, cfgs):
     assert (h[..., :I] > LIMIT).any() and (h[..., I:].abs() > LIMIT).any()
 
 
-def test_down_gemm_with_its_own_tiles():
+def test_down_gemm_with_its_own_tiles(monkeypatch):
     """down_block_n / down_block_k give the sorted path's down GEMM other tiles than gate_up's (same row
-    blocks, the alignment is shared): still the reference's result, with and without the shared expert."""
+    blocks, the alignment is shared): the down launch gets them, and the result is still the reference's,
+    with and without the shared expert."""
     cfg = MoEConfig(block_m=16, block_n=32, block_k=16, down_block_n=16, down_block_k=32)
     assert cfg.down() == MoEConfig(block_m=16, block_n=16, block_k=32) and SMALL.down() is SMALL
+    tiles, real_down = [], triton_moe.down
+
+    def spy(act, w2, weights, al, c, *a, **kw):
+        tiles.append((c.block_n, c.block_k))
+        return real_down(act, w2, weights, al, c, *a, **kw)
+
+    monkeypatch.setattr(triton_moe, "down", spy)
     x, w, idx = make_routing(31, 19, 2)
     w13, w2 = make_weights(31)
     assert_close(*run_both(x, w, idx, w13, w2, cfg))
@@ -88,6 +96,7 @@ def test_down_gemm_with_its_own_tiles():
         out, rest, _ = moe.forward_parts(x, Ops(attention=None, moe=backend.create("triton", config=cfg), fused=None))
         assert rest is None
         assert_close(out, moe(x))
+    assert tiles == [(16, 32), (16, 32)]
 
 
 def test_default_config_from_the_table():
