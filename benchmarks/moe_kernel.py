@@ -21,11 +21,12 @@ Shapes: m3-mini (hidden 2048, 32 experts, top-4, intermediate 1024, shared 1024)
    counts routed FLOPs (2 * T * k * 3 * I * H). For scale, the same run measures a dense bf16 torch.mm of
    the same FLOPs ([T*k, H] @ [H, 3I], its own LAYERS weights) and the HBM copy bandwidth of a 4 GiB
    device-to-device copy.
-4. --tune: per T bucket of the table, time the experts as the engine runs them (the shared expert fused in
-   when its width allows) for each candidate config (the sort-free direct path's tiles up to T = 4, decode
-   candidates with small row blocks up to T = 256, prefill candidates from 256 up), keep the fastest that matches the
-   reference, print the table, and with --write merge it into m3eagle/moe/tuned_configs.json under this
-   GPU's name. The timing pass then uses the tuned configs.
+4. --tune: per T bucket of the table, time the whole layer as the engine runs it (fused router, then the
+   experts with the shared expert fused in when its width allows, or all of it in one launch) for each
+   candidate config (the sort-free direct path's tiles and the one-launch layer up to T = 4, decode
+   candidates with small row blocks up to T = 256, prefill candidates from 256 up), keep the fastest that
+   matches the reference, print the table, and with --write merge it into m3eagle/moe/tuned_configs.json
+   under this GPU's name. The timing pass then uses the tuned configs.
 
 A readable table goes to stderr; one JSON line to stdout (and to --json FILE).
 """
@@ -113,6 +114,13 @@ def routed(impl, layer, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, exp
     return impl.experts(x, w, idx, e.gate_up_proj, e.down_proj, ALPHA, LIMIT, expert_range)
 
 
+def layer_as_engine(ops, layer, x: torch.Tensor) -> torch.Tensor:
+    """The whole layer as the engine's paged path runs it (SparseMoE.forward_parts with `ops`): the fused
+    router, then the experts with the shared expert fused -- or all of it in one launch (direct == 2)."""
+    a, b, scale = layer.forward_parts(x, ops)
+    return a if b is None else a * scale + b
+
+
 def experts_as_engine(impl, layer, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """routed * scale + shared with the routing given, as the engine runs it (SparseMoE.expert_parts): one
     fused pass when the impl and the layer allow it (what the tuning should time), else the two parts."""
@@ -192,6 +200,7 @@ def copy_bandwidth(dev: torch.device) -> float:
 def check(shape: Shape, layer, t: int, tri, dev: torch.device, dtype: torch.dtype) -> dict:
     """Errors of one step: routed triton and routed bf16 reference vs the fp32 oracle, layer vs layer, and
     two expert subsets vs the full routed output; the engine's layer (shared expert fused) vs fp32."""
+    from m3eagle.fused import backend as fused_backend
     from m3eagle.moe import backend, reference
     from m3eagle.ops import Ops
 
@@ -208,8 +217,7 @@ def check(shape: Shape, layer, t: int, tri, dev: torch.device, dtype: torch.dtyp
         layer_err = rel_err(layer(x, impl=tri), layer(x))
         # the engine's path: the shared expert inside the routed kernels (when its width allows), vs the
         # reference layer in fp32 (weights upcast) and in bf16
-        fused, rest, scale = layer.forward_parts(x, Ops(attention=None, moe=tri))
-        engine = fused.float() * scale + (rest.float() if rest is not None else 0.0)
+        engine = layer_as_engine(Ops(attention=None, moe=tri, fused=fused_backend.create("triton")), layer, x).float()
         layer32 = copy.deepcopy(layer).float()
         layer_oracle = layer32(x.float())
         engine_err, layer_ref_err = rel_err(engine, layer_oracle), rel_err(layer(x), layer_oracle)
@@ -229,27 +237,35 @@ def check_graph(shape: Shape, layer, impl_of: Callable[[int], object], dev: torc
                 dtype: torch.dtype) -> dict:
     """Capture the layer with the triton impl; replay on other inputs (other routing) == eager, bit for bit.
     Also one eager call with sync debug mode "error": any host sync would raise."""
+    from m3eagle.fused import backend as fused_backend
+    from m3eagle.ops import Ops
+
     if dev.type != "cuda":
         return {"graph_equal": None, "no_sync": None}
     res = {}
+    fused = fused_backend.create("triton")
     with torch.no_grad():
         for t in (1, 4, 37):  # each with its own bucket's config, as the engine picks it
             tri = impl_of(t)
+            ops = Ops(attention=None, moe=tri, fused=fused)
             xs = make_x(shape, t, dev, dtype, seed=7)
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
                 layer(xs, impl=tri)
+                layer_as_engine(ops, layer, xs)
             torch.cuda.current_stream().wait_stream(s)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
-                ys = layer(xs, impl=tri)
+                ys = layer(xs, impl=tri)  # reference router + the experts
+                zs = layer_as_engine(ops, layer, xs)  # the engine's path (one launch where tuned so)
             equal = True
             for seed in (8, 9):
                 x2 = make_x(shape, t, dev, dtype, seed=seed)
                 xs.copy_(x2)
                 g.replay()
                 equal &= bool(torch.equal(ys, layer(x2, impl=tri)))
+                equal &= bool(torch.equal(zs, layer_as_engine(ops, layer, x2)))
             res[f"graph_equal_T{t}"] = equal
             del g
         x = make_x(shape, 5, dev, dtype, seed=10)
@@ -258,6 +274,7 @@ def check_graph(shape: Shape, layer, impl_of: Callable[[int], object], dev: torc
         try:
             layer(x, impl=impl_of(1))
             layer(x, impl=impl_of(5))
+            layer_as_engine(Ops(attention=None, moe=impl_of(1), fused=fused), layer, x[:1])
             res["no_sync"] = True
         except RuntimeError as err:
             res["no_sync"] = False
@@ -343,9 +360,15 @@ def candidates(bucket: int, dev: torch.device):
               for dbn, dbk in ((8, 256), (16, 128), (2, 1024), (4, 512), (1, 1024), (2, 512))]
     direct += [C(16, 32, 256, direct=1, down_block_n=16, down_block_k=128, num_warps=8),
                C(16, 8, 1024, direct=1, down_block_n=4, down_block_k=1024, num_warps=8)]
-    if dev.type != "cuda":  # interpreter smoke test: three cheap configs
+    # the one-launch layer (router + experts, direct == 2): the same kinds of tiles, fewer and wider gate_up
+    # programs (each takes a ticket from one atomic counter)
+    direct += [C(16, bn, bk, direct=2, down_block_n=dbn, down_block_k=dbk, num_warps=w)
+               for bn, bk in ((4, 1024), (8, 512), (8, 1024), (16, 256), (16, 512))
+               for dbn, dbk in ((8, 256), (4, 512), (16, 128), (8, 512)) for w in (4, 8) if w == 4 or bn >= 8]
+    if dev.type != "cuda":  # interpreter smoke test: cheap configs
         return [C(16, 32, 32, 1, 4, 3), C(32, 16, 64, 4, 4, 3)] + (
-            [C(16, 16, 32, direct=1, down_block_n=8, down_block_k=32)] if bucket <= 4 else [])
+            [C(16, 16, 32, direct=1, down_block_n=8, down_block_k=32),
+             C(16, 16, 32, direct=2, down_block_n=8, down_block_k=32)] if bucket <= 4 else [])
     decode = [C(16, 16, 128, 1, 2, 4), C(16, 16, 256, 1, 4, 3), C(16, 32, 128, 1, 2, 4),
               C(16, 32, 64, 1, 4, 4), C(16, 32, 128, 1, 4, 4), C(16, 32, 256, 1, 4, 3), C(16, 64, 64, 1, 4, 4),
               C(16, 64, 128, 1, 4, 3), C(16, 64, 256, 1, 4, 2), C(16, 128, 128, 1, 8, 3),
@@ -373,24 +396,28 @@ def candidates(bucket: int, dev: torch.device):
 def tune_shape(shape: Shape, layers: list, dev: torch.device, dtype: torch.dtype, timer: Timer,
                buckets: tuple[int, ...]) -> tuple[dict, list]:
     """{bucket: best config dict} and the rows of every measurement."""
+    from m3eagle.fused import backend as fused_backend
     from m3eagle.moe import backend
+    from m3eagle.ops import Ops
 
+    fused = fused_backend.create("triton")
     best, rows = {}, []
     for b in buckets:
         x = make_x(shape, b, dev, dtype, seed=1000 + b)
         with torch.no_grad():
-            routes = [layer.gate(x) for layer in layers]
-            ref = experts_as_engine(backend.reference(), layers[0], x, *routes[0])
+            # the fused router's routing: every candidate routes with it (the one-launch layer bit-equally)
+            w0, idx0 = layers[0].gate(x, fused)
+            ref = experts_as_engine(backend.reference(), layers[0], x, w0, idx0)
         results = []
         for cfg in candidates(b, dev):
-            impl = backend.create("triton", config=cfg)
+            ops = Ops(attention=None, moe=backend.create("triton", config=cfg), fused=fused)
             try:
                 with torch.no_grad():
-                    err = rel_err(experts_as_engine(impl, layers[0], x, *routes[0]), ref)
+                    err = rel_err(layer_as_engine(ops, layers[0], x), ref)
 
-                    def run(impl=impl, x=x, routes=routes):
-                        for layer, (w, idx) in zip(layers, routes):
-                            experts_as_engine(impl, layer, x, w, idx)
+                    def run(ops=ops, x=x):  # the whole layer, router included: the one-launch path's scope
+                        for layer in layers:
+                            layer.forward_parts(x, ops)
 
                     us = timer(run, len(layers)) * 1e6
             except Exception as exc:  # a config past the GPU's shared memory or registers: skip it
