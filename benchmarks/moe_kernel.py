@@ -355,20 +355,24 @@ def candidates(bucket: int, dev: torch.device):
     # the sort-free decode path (m3eagle/moe/direct.py): gate_up tile x down tile, for up to 4 tokens
     # (few compiles: each kernel's tiles compile once and every pairing reuses them). Narrow, K-deep tiles put
     # a whole row segment's loads in flight at once, as fused/gemv.py's tuned configs do.
-    direct = [C(16, bn, bk, direct=1, down_block_n=dbn, down_block_k=dbk, num_warps=4)
+    # (num_stages 1: no software pipelining of the K loop; 2-3: the next tiles' loads in flight meanwhile)
+    direct = [C(16, bn, bk, num_stages=1, direct=1, down_block_n=dbn, down_block_k=dbk, num_warps=4)
               for bn, bk in ((16, 256), (8, 512), (4, 1024), (2, 1024), (8, 1024), (4, 512))
               for dbn, dbk in ((8, 256), (16, 128), (2, 1024), (4, 512), (1, 1024), (2, 512))]
-    direct += [C(16, 32, 256, direct=1, down_block_n=16, down_block_k=128, num_warps=8),
-               C(16, 8, 1024, direct=1, down_block_n=4, down_block_k=1024, num_warps=8)]
+    direct += [C(16, 32, 256, num_stages=1, direct=1, down_block_n=16, down_block_k=128, num_warps=8),
+               C(16, 8, 1024, num_stages=1, direct=1, down_block_n=4, down_block_k=1024, num_warps=8)]
+    direct += [C(16, bn, bk, num_stages=st, direct=1, down_block_n=dbn, down_block_k=dbk, num_warps=4)
+               for bn, bk in ((2, 1024), (8, 512), (16, 256), (8, 256)) for dbn, dbk in ((8, 256), (4, 512), (8, 128))
+               for st in (2, 3)]
     # the one-launch layer (router + experts, direct == 2): the same kinds of tiles, fewer and wider gate_up
     # programs (each takes a ticket from one atomic counter)
-    direct += [C(16, bn, bk, direct=2, down_block_n=dbn, down_block_k=dbk, num_warps=w)
-               for bn, bk in ((4, 1024), (8, 512), (8, 1024), (16, 256), (16, 512))
-               for dbn, dbk in ((8, 256), (4, 512), (16, 128), (8, 512)) for w in (4, 8) if w == 4 or bn >= 8]
+    direct += [C(16, bn, bk, num_stages=st, direct=2, down_block_n=dbn, down_block_k=dbk, num_warps=w)
+               for bn, bk in ((8, 1024), (16, 256), (16, 512)) for dbn, dbk in ((8, 256), (16, 128))
+               for w in (4, 8) for st in (1, 3)]
     if dev.type != "cuda":  # interpreter smoke test: cheap configs
         return [C(16, 32, 32, 1, 4, 3), C(32, 16, 64, 4, 4, 3)] + (
-            [C(16, 16, 32, direct=1, down_block_n=8, down_block_k=32),
-             C(16, 16, 32, direct=2, down_block_n=8, down_block_k=32)] if bucket <= 4 else [])
+            [C(16, 16, 32, num_stages=1, direct=1, down_block_n=8, down_block_k=32),
+             C(16, 16, 32, num_stages=1, direct=2, down_block_n=8, down_block_k=32)] if bucket <= 4 else [])
     decode = [C(16, 16, 128, 1, 2, 4), C(16, 16, 256, 1, 4, 3), C(16, 32, 128, 1, 2, 4),
               C(16, 32, 64, 1, 4, 4), C(16, 32, 128, 1, 4, 4), C(16, 32, 256, 1, 4, 3), C(16, 64, 64, 1, 4, 4),
               C(16, 64, 128, 1, 4, 3), C(16, 64, 256, 1, 4, 2), C(16, 128, 128, 1, 8, 3),

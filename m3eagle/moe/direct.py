@@ -219,7 +219,7 @@ def direct_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1
         x, idx, w13, s13, act, t, e_start, w13.shape[0], hidden, inter,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), float(alpha), float(limit),
         TOP_K=k, HAS_SHARED=shared is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=hidden % bk == 0,
-        num_warps=cfg.num_warps, num_stages=1, **pdl.args(x))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(x))
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     dcfg = cfg.down()
     dbn, dbk = dcfg.block_n, dcfg.block_k
@@ -227,7 +227,7 @@ def direct_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1
         act, idx, weights, w2, s2, out, t, e_start, w2.shape[0], hidden, inter, float(routed_scale),
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         TOP_K=k, K_PAD=triton.next_power_of_2(k), HAS_SHARED=shared is not None, BLOCK_N=dbn, BLOCK_K=dbk,
-        EVEN_K=inter % dbk == 0, num_warps=cfg.num_warps, num_stages=1, **pdl.args(act))
+        EVEN_K=inter % dbk == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(act))
     return out
 
 
@@ -373,5 +373,6 @@ def direct_layer(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, to
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), PRECISE=_tf._precise(),
         ROUTE_H=min(4096, triton.next_power_of_2(hidden)), E_ALL=triton.next_power_of_2(n_exp), BLOCK_N=bn,
         BLOCK_K=bk, EVEN_K=hidden % bk == 0, DOWN_N=dbn, DOWN_K=dbk, DOWN_EVEN_K=inter % dbk == 0,
-        ON_GPU=_tf._precise(), num_warps=cfg.num_warps, num_stages=1, **_tf._opts(), **pdl.args(x))
+        ON_GPU=_tf._precise(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_tf._opts(),
+        **pdl.args(x))
     return out

@@ -38,7 +38,8 @@ class MoEConfig:
     num_warps: int = 4
     num_stages: int = 3
     # 1: the sort-free decode path (`direct.py`): block_n / block_k tile its gate_up GEMV, down_block_n /
-    # down_block_k its down + combine; block_m, group_m and num_stages are unused. 2: the same tiles, and
+    # down_block_k its down + combine, num_stages pipelines their K loops (1: none); block_m and group_m
+    # are unused. 2: the same tiles, and
     # the router joins them in one launch (`direct.direct_layer`; for up to 4 tokens, shared expert fused,
     # one rank; where it does not apply -- a caller that routed first -- the two launches of 1 run).
     direct: int = 0
@@ -81,7 +82,7 @@ def heuristic_config(num_tokens: int, num_experts: int, top_k: int) -> MoEConfig
     the few chosen experts' weights; 64-row blocks and wide tiles once it is FLOP-bound."""
     per_expert = num_tokens * top_k / max(1, num_experts)
     if num_tokens <= 4:  # decode / batch-1 verify: no sorting, two launches (direct.py)
-        return MoEConfig(16, 16, 256, direct=1, down_block_n=16, down_block_k=128)
+        return MoEConfig(16, 16, 256, num_stages=1, direct=1, down_block_n=16, down_block_k=128)
     if per_expert <= 4:
         return MoEConfig(16, 32, 128, 1, 4, 4)
     if per_expert <= 16:
