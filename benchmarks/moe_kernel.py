@@ -22,11 +22,11 @@ Shapes: m3-mini (hidden 2048, 32 experts, top-4, intermediate 1024, shared 1024)
    the same FLOPs ([T*k, H] @ [H, 3I], its own LAYERS weights) and the HBM copy bandwidth of a 4 GiB
    device-to-device copy.
 4. --tune: per T bucket of the table, time the whole layer as the engine runs it (fused router, then the
-   experts with the shared expert fused in when its width allows, or all of it in one launch) for each
-   candidate config (the sort-free direct path's tiles and the one-launch layer up to T = 4, decode
-   candidates with small row blocks up to T = 256, prefill candidates from 256 up), keep the fastest that
-   matches the reference, print the table, and with --write merge it into m3eagle/moe/tuned_configs.json
-   under this GPU's name. The timing pass then uses the tuned configs.
+   experts with the shared expert fused in when its width allows) for each candidate config (the sort-free
+   direct path's tiles up to T = 4, decode candidates with small row blocks up to T = 256, prefill
+   candidates from 256 up), keep the fastest that matches the reference, print the table, and with --write
+   merge it into m3eagle/moe/tuned_configs.json under this GPU's name. The timing pass then uses the tuned
+   configs.
 
 A readable table goes to stderr; one JSON line to stdout (and to --json FILE).
 """
@@ -116,7 +116,7 @@ def routed(impl, layer, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, exp
 
 def layer_as_engine(ops, layer, x: torch.Tensor) -> torch.Tensor:
     """The whole layer as the engine's paged path runs it (SparseMoE.forward_parts with `ops`): the fused
-    router, then the experts with the shared expert fused -- or all of it in one launch (direct == 2)."""
+    router, then the experts with the shared expert fused."""
     a, b, scale = layer.forward_parts(x, ops)
     return a if b is None else a * scale + b
 
@@ -258,7 +258,7 @@ def check_graph(shape: Shape, layer, impl_of: Callable[[int], object], dev: torc
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 ys = layer(xs, impl=tri)  # reference router + the experts
-                zs = layer_as_engine(ops, layer, xs)  # the engine's path (one launch where tuned so)
+                zs = layer_as_engine(ops, layer, xs)  # the engine's path (fused router, shared expert fused)
             equal = True
             for seed in (8, 9):
                 x2 = make_x(shape, t, dev, dtype, seed=seed)
@@ -362,17 +362,10 @@ def candidates(bucket: int, dev: torch.device):
     direct += [C(16, 32, 256, num_stages=1, direct=1, down_block_n=16, down_block_k=128, num_warps=8),
                C(16, 8, 1024, num_stages=1, direct=1, down_block_n=4, down_block_k=1024, num_warps=8)]
     direct += [C(16, bn, bk, num_stages=st, direct=1, down_block_n=dbn, down_block_k=dbk, num_warps=4)
-               for bn, bk in ((2, 1024), (8, 512), (16, 256), (8, 256)) for dbn, dbk in ((8, 256), (4, 512), (8, 128))
-               for st in (2, 3)]
-    # the one-launch layer (router + experts, direct == 2): the same kinds of tiles, fewer and wider gate_up
-    # programs (each takes a ticket from one atomic counter)
-    direct += [C(16, bn, bk, num_stages=st, direct=2, down_block_n=dbn, down_block_k=dbk, num_warps=w)
-               for bn, bk in ((8, 1024), (16, 256), (16, 512)) for dbn, dbk in ((8, 256), (16, 128))
-               for w in (4, 8) for st in (1, 3)]
+               for bn, bk in ((2, 1024), (8, 256)) for dbn, dbk in ((8, 256), (4, 512)) for st in (2, 3)]
     if dev.type != "cuda":  # interpreter smoke test: cheap configs
         return [C(16, 32, 32, 1, 4, 3), C(32, 16, 64, 4, 4, 3)] + (
-            [C(16, 16, 32, num_stages=1, direct=1, down_block_n=8, down_block_k=32),
-             C(16, 16, 32, num_stages=1, direct=2, down_block_n=8, down_block_k=32)] if bucket <= 4 else [])
+            [C(16, 16, 32, num_stages=1, direct=1, down_block_n=8, down_block_k=32)] if bucket <= 4 else [])
     decode = [C(16, 16, 128, 1, 2, 4), C(16, 16, 256, 1, 4, 3), C(16, 32, 128, 1, 2, 4),
               C(16, 32, 64, 1, 4, 4), C(16, 32, 128, 1, 4, 4), C(16, 32, 256, 1, 4, 3), C(16, 64, 64, 1, 4, 4),
               C(16, 64, 128, 1, 4, 3), C(16, 64, 256, 1, 4, 2), C(16, 128, 128, 1, 8, 3),
@@ -409,7 +402,7 @@ def tune_shape(shape: Shape, layers: list, dev: torch.device, dtype: torch.dtype
     for b in buckets:
         x = make_x(shape, b, dev, dtype, seed=1000 + b)
         with torch.no_grad():
-            # the fused router's routing: every candidate routes with it (the one-launch layer bit-equally)
+            # the fused router's routing: every candidate routes with it
             w0, idx0 = layers[0].gate(x, fused)
             ref = experts_as_engine(backend.reference(), layers[0], x, w0, idx0)
         results = []
@@ -419,7 +412,7 @@ def tune_shape(shape: Shape, layers: list, dev: torch.device, dtype: torch.dtype
                 with torch.no_grad():
                     err = rel_err(layer_as_engine(ops, layers[0], x), ref)
 
-                    def run(ops=ops, x=x):  # the whole layer, router included: the one-launch path's scope
+                    def run(ops=ops, x=x):  # the whole layer, router included, as the engine runs it
                         for layer in layers:
                             layer.forward_parts(x, ops)
 

@@ -215,12 +215,10 @@ def _interpreting() -> bool:
 
 class SplitCounters:
     """The split-K tile counters that one owner (an engine's fused ops, a benchmark) hands to `linear`:
-    [size] int32 per device (MAX_TILES here; the one-launch MoE layer's few, `moe/direct.py`), zero between
-    launches (each launch leaves them zero). Calls sharing one object must be ordered (one stream at a
-    time), as an engine step's are; two engines own two."""
+    [MAX_TILES] int32 per device, zero between launches (each launch leaves them zero). Calls sharing one
+    object must be ordered (one stream at a time), as an engine step's are; two engines own two."""
 
-    def __init__(self, size: int = MAX_TILES) -> None:
-        self.size = size
+    def __init__(self) -> None:
         self._bufs: dict[torch.device, torch.Tensor] = {}
 
     def get(self, device: torch.device | str) -> torch.Tensor | None:
@@ -231,7 +229,7 @@ class SplitCounters:
         if c is None:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 return None
-            c = self._bufs[device] = torch.zeros(self.size, dtype=torch.int32, device=device)
+            c = self._bufs[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
         return c
 
 

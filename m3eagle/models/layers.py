@@ -254,15 +254,6 @@ class SparseMoE(nn.Module):
         standing for a * s + b, which the caller leaves to the next fused add + norm. Usually (routed,
         shared, routed_scaling_factor); a MoE backend that fuses the shared expert into the routed kernels
         returns the whole sum, (out, None, 1.0)."""
-        if (getattr(ops.moe, "fuses_router", False) and getattr(ops.fused, "name", "") == "triton"
-                and self.can_fuse_shared()):
-            # router + experts in one launch where the MoE backend's config for this step size says so
-            g, sh = self.gate, self.shared_experts
-            out = ops.moe.moe_layer(x, g.weight, g.e_score_correction_bias, g.top_k, self.experts.gate_up_proj,
-                                    self.experts.down_proj, sh.gate_up_proj.weight, sh.down_proj.weight, sh.alpha,
-                                    sh.limit, self.routed_scaling_factor)
-            if out is not None:
-                return out, None, 1.0
         w, idx = self.gate(x, ops.fused)
         return self.expert_parts(x, w, idx, ops.moe, ops.fused)
 

@@ -53,15 +53,12 @@ class TritonMoE:
 
     name = "triton"
     fuses_shared = True
-    fuses_router = True  # `moe_layer`: the router too, in the same launch (MoEConfig.direct == 2)
 
     def __init__(self, config: Any = None) -> None:
-        from ..fused.gemv import SplitCounters
-        from . import direct, triton_moe  # imports triton
+        from . import triton_moe  # imports triton
 
         self._mod = triton_moe
         self.config = config
-        self._layer_counters = SplitCounters(direct.COUNTERS)  # this engine's one-launch layer counters
 
     def experts(self, x, weights, idx, gate_up_proj, down_proj, alpha, limit, expert_range=None):
         return self._mod.fused_experts(x, weights, idx, gate_up_proj, down_proj, alpha, limit, expert_range,
@@ -75,15 +72,6 @@ class TritonMoE:
         return self._mod.fused_experts(x, weights, idx, gate_up_proj, down_proj, alpha, limit, None,
                                        config=self.config, shared=(shared_gate_up, shared_down),
                                        routed_scale=routed_scale)
-
-    def moe_layer(self, x, router_weight, router_bias, top_k, gate_up_proj, down_proj, shared_gate_up, shared_down,
-                  alpha, limit, routed_scale):
-        """The whole MoE layer, router included, in one launch -- when this step size's config says so
-        (MoEConfig.direct == 2) and the shapes allow it; else None, and the caller routes and then calls
-        `experts_and_shared`. Routes exactly as the fused router does. All experts, one rank."""
-        return self._mod.fused_layer(x, router_weight, router_bias, top_k, gate_up_proj, down_proj,
-                                     (shared_gate_up, shared_down), alpha, limit, routed_scale, self.config,
-                                     self._layer_counters)
 
 
 _FACTORIES: dict[str, Callable[..., MoEImpl]] = {"reference": ReferenceMoE, "triton": TritonMoE}

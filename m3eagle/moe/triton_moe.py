@@ -257,24 +257,6 @@ def combine(contrib: torch.Tensor, idx: torch.Tensor, e_start: int, num_local: i
     return out
 
 
-def fused_layer(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, top_k: int,
-                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, shared: Shared, alpha: float, limit: float,
-                routed_scale: float, config: MoEConfig | None, counters) -> torch.Tensor | None:
-    """Router + routed experts + shared expert in one launch (`direct.direct_layer`) when the step size's
-    config is MoEConfig.direct == 2 and `direct.layer_usable` holds; None means: route, then `fused_experts`.
-    Host ints only (no sync): the choice is fixed per step shape, so a CUDA graph captures one of the two."""
-    if gate_up_proj.dtype != x.dtype or down_proj.dtype != x.dtype:
-        return None  # fused_experts raises the clear error
-    if not direct.layer_usable(x, router_w, top_k, gate_up_proj, down_proj, shared):
-        return None
-    cfg = config or tuning.get_config(x.shape[0], gate_up_proj.shape[0], x.shape[1], down_proj.shape[2], top_k,
-                                      x.dtype, x.device)
-    if cfg.direct != 2:
-        return None
-    return direct.direct_layer(x, router_w, bias, top_k, gate_up_proj, down_proj, shared, alpha, limit,
-                               routed_scale, cfg, counters)
-
-
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
                   down_proj: torch.Tensor, alpha: float, limit: float,
                   expert_range: tuple[int, int] | None = None, config: MoEConfig | None = None,
@@ -297,8 +279,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gat
                         f"{w13.dtype}, down_proj {w2.dtype}")
     s13, s2 = _shared_weights(shared, w13, w2)
     cfg = config or tuning.get_config(t, num_local, x.shape[1], w2.shape[2], k, x.dtype, x.device)
-    if cfg.direct and direct.usable(w13, w2, shared):  # few tokens: no sort, two launches (also direct == 2:
-        # a caller that routed first)
+    if cfg.direct and direct.usable(w13, w2, shared):  # few tokens: no sort, two launches
         return direct.direct_experts(x, weights, idx, w13, w2, e0, alpha, limit, cfg,
                                      (s13, s2) if shared is not None else None, routed_scale)
     al = align(idx, e0, num_local, cfg.block_m, shared=shared is not None)
