@@ -132,7 +132,7 @@ def test_padding_rows_touch_only_trash_and_dump(model_dir, head_dir):
     assert again.input_ids.data_ptr() == inp.input_ids.data_ptr()
     assert again.meta.page_table.data_ptr() == inp.meta.page_table.data_ptr()
     assert again.sampling.temperature.data_ptr() == inp.sampling.temperature.data_ptr()
-    assert inp.input_ids.untyped_storage().data_ptr() == eng.buffers.d_int.untyped_storage().data_ptr()
+    assert inp.input_ids.untyped_storage().data_ptr() == eng.buffers.d_bytes.untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("k, overlap", [(0, False), (3, False), (3, True)])

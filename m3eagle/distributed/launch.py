@@ -177,11 +177,9 @@ def _mode_bits(mode: tuple[bool, ...]) -> int:
 
 def _broadcast_buffers(bufs: Any, rows: int, tokens: int, max_q: int, tp: TPGroup, penalties: bool = False,
                        n_stop: int = 0) -> None:
-    """Rank 0's step values, packed in its StepBuffers, into every rank's StepBuffers (in place)."""
-    flat = {"int": bufs.d_int, "float": bufs.d_float, "bool": bufs.d_bool}
-    for kind, n in bufs.shape((rows, tokens, max_q, bufs.table_width, penalties, n_stop))[1].items():
-        if n:
-            dist.broadcast(flat[kind][:n], 0, group=tp.group)
+    """Rank 0's step values, packed in its StepBuffers, into every rank's StepBuffers (in place): the step's
+    span of the byte buffer, one broadcast."""
+    dist.broadcast(bufs.shape((rows, tokens, max_q, bufs.table_width, penalties, n_stop)).d_span, 0, group=tp.group)
 
 
 class Driver:

@@ -93,6 +93,14 @@ class IncrementalDetokenizer:
                 return True
         return False
 
+    def extend(self, token_ids: list[int]) -> None:
+        """Feed tokens that cannot end the output (the engine checked: no stop strings here), as `add` would
+        one by one."""
+        if self.stop:
+            raise RuntimeError("extend() skips the stop-string check; feed a detokenizer with stop strings by add()")
+        for t in token_ids:
+            self.add(t, False)
+
     def finish(self, token_ids: list[int]) -> None:
         """The output ended: flush text the stream still holds back (a trailing partial character decodes
         to U+FFFD, as a full decode gives). One full decode, and only when something is held back."""
@@ -141,6 +149,9 @@ class FinalTextDetokenizer:
     def add(self, token_id: int, check_stop: bool = True) -> bool:
         self.pending += 1  # an int: a step that fails after this leaves a count, not text, ahead
         return False
+
+    def extend(self, token_ids: list[int]) -> None:
+        self.pending += len(token_ids)
 
     def finish(self, token_ids: list[int]) -> None:
         self.text = self.tokenizer.decode(token_ids)

@@ -1,13 +1,17 @@
 """ScheduledBatch (host) -> StepInput (plain device tensors + host ints), through preallocated buffers.
 
-Every step input lives in a device buffer allocated once for the engine's maxima (`StepBuffers`) and is
-filled in place: the host packs one step's ints, floats and bools into pinned staging arrays and makes
-three non-blocking copies. A StepInput holds views of those buffers and a few host ints -- no Request or
-ScheduledBatch -- which is what a CUDA graph captures and replays, and what a test builds by hand.
+Every step input lives in one device byte buffer allocated once for the engine's maxima (`StepBuffers`)
+and is filled in place: the host packs one step's ints, floats and bools into a pinned staging buffer and
+makes one non-blocking copy. A StepInput holds typed views of that buffer and a few host ints -- no
+Request or ScheduledBatch -- which is what a CUDA graph captures and replays, and what a test builds by
+hand.
 
-Layout: the views are carved from the buffers at offsets that depend only on the step's host shape
+Layout: the views are carved from the buffer at byte offsets that depend only on the step's host shape
 (rows, tokens, widest row). So two steps of the same shape read the same addresses, which is what lets
-a captured graph replay on freshly filled inputs.
+a captured graph replay on freshly filled inputs. Every value starts 16-byte aligned (the alignment of
+its type, and what a vectorised load wants); the values the host has as Python numbers come first, so
+that one `struct` call packs them all, and the values it has as numpy arrays (page table, token index)
+follow.
 
 Values that depend on the previous step's acceptance (positions, cache slots) are not built here: the
 runner derives them on the device (ModelRunner._apply_overlap_correction -> AttnMetadata.with_lengths).
@@ -16,7 +20,11 @@ runner derives them on the device (ModelRunner._apply_overlap_correction -> Attn
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
+from functools import reduce
+from itertools import chain
+from operator import or_
 from typing import Any
 
 import numpy as np
@@ -55,8 +63,116 @@ class StepInput:
         return self.any_random, self.want_logprobs, self.penalties is not None
 
 
+# Per kind: torch dtype, numpy dtype, struct code, bytes per element.
+_KINDS = {"int": (torch.int64, np.int64, "q", 8), "float": (torch.float32, np.float32, "f", 4),
+          "bool": (torch.bool, np.bool_, "?", 1)}
+_ALIGN = 16  # bytes: where every value starts
+# The values packed from Python numbers by one struct call, in layout order (step_layout puts them first).
+_PACKED = ("input_ids", "q_lens", "kv_lens", "row_slot", "row_num_drafts", "row_next_token", "seed", "top_k",
+           "temperature", "top_p", "min_p", "row_samples", "row_gather", "row_correct", "greedy")
+# SlotParams' mode bits: what changes what a step computes (the first three are its mode).
+_RANDOM, _LOGPROBS, _PENALTIES, _PROMPT_LOGPROBS = 1, 2, 4, 8
+# A padding row's seed, top_k, temperature, top_p, min_p, greedy and mode bits.
+_PAD_PARAMS = (0, 0, 0.0, 1.0, 0.0, True, 0)
+
+
+class SlotParams:
+    """Per slot, the sampling constants of the request that holds it: vLLM's persistent batch. A request's
+    SamplingParams (and seed) are read once, when a step first sees it in its slot, into one tuple
+    (seed, top_k, temperature, top_p, min_p, greedy, mode bits); a step then takes each row's tuple by slot
+    instead of reading seven fields and two properties of every row's params.
+
+    An entry is a function of (params, seed) alone, so it is current exactly when the request in the slot
+    has the params (the same object, or equal ones) and the seed it was read from; the entry is read again
+    otherwise -- when another request turns up in the slot, say. Entries hold the params, not the request
+    (a finished request must be garbage). NOTE: so, like vLLM, params changed in place after a request was
+    added are not seen.
+
+    Floats are stored as the float32 they are staged as (struct packs no out-of-range float; numpy turned
+    such a value into inf, which is what the conversion here does too)."""
+
+    def __init__(self, n: int):
+        self.read_params: list[Any] = [None] * n  # what each entry was read from
+        self.read_seed: list[int] = [0] * n
+        self.params: list[tuple] = [_PAD_PARAMS] * n
+
+    def rows(self, reqs: list, slots: list[int]) -> list[tuple]:
+        """Each row's entry, brought up to date."""
+        read_params, read_seed = self.read_params, self.read_seed
+        try:
+            current = ([read_params[s] for s in slots] == [q.params for q in reqs]
+                       and [read_seed[s] for s in slots] == [q.seed for q in reqs])
+        except IndexError:  # a slot past the table (hand-built steps): grow it
+            extra = max(slots) + 1 - len(read_params)
+            read_params += [None] * extra
+            read_seed += [0] * extra
+            self.params += [_PAD_PARAMS] * extra
+            current = False
+        if not current:
+            for q, s in zip(reqs, slots):
+                if read_params[s] is not q.params or read_seed[s] != q.seed:
+                    self._read(s, q)
+            if [read_params[s] for s in slots] != [q.params for q in reqs] or \
+                    [read_seed[s] for s in slots] != [q.seed for q in reqs]:
+                raise ValueError(f"two requests in one step hold the same slot (slots {slots})")
+        params = self.params
+        return [params[s] for s in slots]
+
+    def _read(self, s: int, req: Any) -> None:
+        p = req.params
+        f32 = np.array([p.temperature, p.top_p, p.min_p], np.float32).tolist()
+        bits = ((_RANDOM if not p.greedy else 0) | (_LOGPROBS if p.logprobs is not None else 0)
+                | (_PENALTIES if p.has_penalties else 0) | (_PROMPT_LOGPROBS if p.prompt_logprobs is not None else 0))
+        self.read_params[s], self.read_seed[s] = p, req.seed
+        self.params[s] = (req.seed, p.top_k, *f32, p.greedy, bits)
+
+
+def _mode_bits(entries: list[tuple]) -> int:
+    """The OR of the entries' mode bits (a batch has few distinct values: a set first)."""
+    return reduce(or_, {e[6] for e in entries}, 0)
+
+
+class _Shape:
+    """One step shape's layout in the byte buffers, and everything derived from it once: typed device
+    views, typed host views per staging, the struct that packs the Python values, and the spans to copy."""
+
+    __slots__ = ("layout", "offsets", "nbytes", "views", "host_views", "packer", "d_span", "h_spans")
+
+    def __init__(self, bufs: StepBuffers, layout: list[tuple[str, str, tuple[int, ...]]]):
+        self.layout = layout
+        self.offsets: dict[str, tuple[str, int, int]] = {}  # name -> (kind, first byte, elements)
+        fmt, end = ["="], 0
+        for i, (name, kind, shape) in enumerate(layout):
+            start = -(-end // _ALIGN) * _ALIGN
+            n = math.prod(shape)
+            self.offsets[name] = (kind, start, n)
+            if i < len(_PACKED):  # step_layout puts them first: the struct skips the alignment gaps
+                fmt.append(f"{start - end}x{n}{_KINDS[kind][2]}")
+            end = start + n * _KINDS[kind][3]
+        self.nbytes = -(-end // _ALIGN) * _ALIGN
+        if self.nbytes > bufs.nbytes:
+            raise ValueError(f"a step of this shape needs {self.nbytes} bytes of input buffer, more than the "
+                             f"{bufs.nbytes} allocated for max_tokens={bufs.max_tokens}, max_rows={bufs.max_rows}")
+        self.packer = struct.Struct("".join(fmt))
+        self.views = self._carve(bufs.d_bytes, torch)
+        self.host_views = [self._carve(h, np) for h in bufs.h_np]
+        self.d_span = bufs.d_bytes[:self.nbytes]
+        self.h_spans = [h[:self.nbytes] for h in bufs.h_bytes]
+
+    def _carve(self, flat: Any, lib: Any) -> dict[str, Any]:
+        """Typed views of a flat byte buffer (torch tensor or numpy array) at the layout's offsets."""
+        out = {}
+        for name, kind, shape in self.layout:
+            _, start, n = self.offsets[name]
+            dtype = _KINDS[kind][0] if lib is torch else _KINDS[kind][1]
+            view = flat[start:start + n * _KINDS[kind][3]].view(dtype)
+            out[name] = view.view(shape) if lib is torch and len(shape) > 1 else view
+        return out
+
+
 class StepBuffers:
-    """Device buffers for every step input, sized for the engine's maxima and allocated once.
+    """The device byte buffer every step input is carved from, sized for the engine's maxima and allocated
+    once, and its host staging.
 
     Host staging is pinned on CUDA and double-buffered: under overlap the host packs step N+1 while the
     copy of step N may still be queued behind step N-1 on the device; with two stagings, the one being
@@ -65,39 +181,42 @@ class StepBuffers:
     def __init__(self, max_tokens: int, max_rows: int, table_width: int, device: torch.device):
         self.max_tokens, self.max_rows, self.table_width, self.device = max_tokens, max_rows, table_width, device
         # ints: ids, tok_row, tok_col (T each); 12 per-row ints; min_tokens stop ids and their rows; the page
-        # table; q_index (B x Qmax <= T + B*... )
-        self.n_int = (3 * max_tokens + (12 + 2 * MAX_MIN_TOKENS_STOP_IDS) * max_rows + max_rows * table_width
-                      + max_rows * max_tokens)
-        self.n_float, self.n_bool = 6 * max_rows, 6 * max_rows + max_rows * max_tokens
+        # table; q_index (B x Qmax <= T + B*... ); floats: 6 per row; bools: 6 per row and q_valid; and each
+        # of the (at most 32) values' alignment.
+        n_int = (3 * max_tokens + (12 + 2 * MAX_MIN_TOKENS_STOP_IDS) * max_rows + max_rows * table_width
+                 + max_rows * max_tokens)
+        n_float, n_bool = 6 * max_rows, 6 * max_rows + max_rows * max_tokens
+        self.nbytes = 8 * n_int + 4 * n_float + n_bool + 32 * _ALIGN
         pin = device.type == "cuda"
-        self.d_int = torch.zeros(self.n_int, dtype=torch.int64, device=device)
-        self.d_float = torch.zeros(self.n_float, dtype=torch.float32, device=device)
-        self.d_bool = torch.zeros(self.n_bool, dtype=torch.bool, device=device)
-        self.h_int = [torch.zeros(self.n_int, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self.h_float = [torch.zeros(self.n_float, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
-        self.h_bool = [torch.zeros(self.n_bool, dtype=torch.bool, pin_memory=pin) for _ in range(2)]
+        self.d_bytes = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        self.h_bytes = [torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self.h_np = [h.numpy() for h in self.h_bytes]
         self._parity = 0
-        # numpy views of the stagings, and per step shape its layout, sizes, device views and staging plan:
-        # steps of one shape (every replay of a graph bucket) reuse them instead of re-slicing ~25 tensors.
-        self.h_np = [{"int": self.h_int[i].numpy(), "float": self.h_float[i].numpy(), "bool": self.h_bool[i].numpy()}
-                     for i in range(2)]
-        self._shapes: dict[tuple, tuple[dict, dict[str, int], dict[str, torch.Tensor], list]] = {}
+        # Per step shape its layout and views: steps of one shape (every replay of a graph bucket) reuse them
+        # instead of re-slicing ~25 tensors.
+        self._shapes: dict[tuple, _Shape] = {}
         self._token_index: dict[tuple[int, ...], tuple[np.ndarray, ...]] = {}
         # The last page table built, and per row the page list it was built from and that list's length.
         self._table = np.full((max_rows, table_width), TRASH_PAGE, dtype=np.int64)
         self._table_src: list[tuple[list[int], int] | None] = [None] * max_rows
+        self.slot_params = SlotParams(max_rows)
 
-    def shape(self, key: tuple) -> tuple[dict, dict[str, int], dict[str, torch.Tensor], list]:
-        """(layout, elements per buffer, device views, staging plan) of the step shape `key` = step_layout's
-        arguments."""
+    def shape(self, key: tuple) -> _Shape:
+        """The layout and views of the step shape `key` = step_layout's arguments."""
         got = self._shapes.get(key)
         if got is None:
             if len(self._shapes) >= 512:  # eager prompt shapes vary; keep the cache bounded
                 self._shapes.clear()
-            layout = step_layout(*key)
-            flat = {"int": self.d_int, "float": self.d_float, "bool": self.d_bool}
-            got = self._shapes[key] = (layout, layout_sizes(layout), _carve_views(flat, layout), _stage_plan(layout))
+            got = self._shapes[key] = _Shape(self, step_layout(*key))
         return got
+
+    def step_mode(self, rows: list) -> tuple[bool, bool, bool]:
+        """(any row samples with temperature > 0, any row wants logprobs, any row has penalties / min_tokens):
+        the host choices that change what a step computes, hence part of a CUDA-graph key; what
+        build_step_input computes for these rows."""
+        reqs = [r.req for r in rows]
+        bits = _mode_bits(self.slot_params.rows(reqs, [q.slot for q in reqs]))
+        return bool(bits & _RANDOM), bool(bits & _LOGPROBS), bool(bits & _PENALTIES)
 
     def page_table(self, rows: list, n_rows: int) -> np.ndarray:
         """[n_rows * table_width]: each row's pages, then the trash page (padding rows: trash only). A row is
@@ -131,65 +250,22 @@ class StepBuffers:
         return got
 
 
-_KINDS = ("int", "float", "bool")
-
-
 def step_layout(n_rows: int, n_tokens: int, max_q: int, table_width: int, penalties: bool = False,
-                n_stop: int = 0) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
-    """Where one step's values sit in the flat int / float / bool buffers: (name, shape) in order. It depends
-    only on the step's host shape (and whether it carries penalties, with how many min_tokens stop ids), so
-    a rank that receives the buffers carves the same views (`carve`)."""
+                n_stop: int = 0) -> list[tuple[str, str, tuple[int, ...]]]:
+    """Where one step's values sit in the byte buffer: (name, kind, shape) in order, the _PACKED values
+    first. It depends only on the step's host shape (and whether it carries penalties, with how many
+    min_tokens stop ids), so a rank that receives the buffer carves the same views (`carve`)."""
     b, t = n_rows, n_tokens
-    out = {"int": [("input_ids", (t,)), ("q_lens", (b,)), ("kv_lens", (b,)), ("page_table", (b, table_width)),
-                   ("tok_row", (t,)), ("tok_col", (t,)), ("q_index", (b, max_q)), ("row_slot", (b,)),
-                   ("row_first", (b,)), ("row_num_drafts", (b,)), ("row_next_token", (b,)), ("seed", (b,)),
-                   ("top_k", (b,))],
-           "float": [("temperature", (b,)), ("top_p", (b,)), ("min_p", (b,))],
-           "bool": [("row_samples", (b,)), ("row_gather", (b,)), ("row_correct", (b,)), ("greedy", (b,)),
-                    ("q_valid", (b, max_q))]}
+    out = [("input_ids", "int", (t,))] + [(name, "int", (b,)) for name in _PACKED[1:8]]
+    out += [(name, "float", (b,)) for name in _PACKED[8:11]] + [(name, "bool", (b,)) for name in _PACKED[11:]]
+    out += [("page_table", "int", (b, table_width)), ("tok_row", "int", (t,)), ("tok_col", "int", (t,)),
+            ("q_index", "int", (b, max_q)), ("row_first", "int", (b,)), ("q_valid", "bool", (b, max_q))]
     if penalties:
-        out["int"] += [("min_tokens", (b,)), ("prompt_len", (b,)), ("src_slot", (b,)), ("stop_ids", (n_stop,)),
-                       ("stop_rows", (n_stop,))]
-        out["float"] += [("presence", (b,)), ("frequency", (b,)), ("repetition", (b,))]
-        out["bool"] += [("ignore_eos", (b,)), ("reset", (b,))]
+        out += [("min_tokens", "int", (b,)), ("prompt_len", "int", (b,)), ("src_slot", "int", (b,)),
+                ("stop_ids", "int", (n_stop,)), ("stop_rows", "int", (n_stop,)), ("presence", "float", (b,)),
+                ("frequency", "float", (b,)), ("repetition", "float", (b,)), ("ignore_eos", "bool", (b,)),
+                ("reset", "bool", (b,))]
     return out
-
-
-def layout_sizes(layout: dict[str, list[tuple[str, tuple[int, ...]]]]) -> dict[str, int]:
-    """Elements used in each flat buffer."""
-    return {kind: sum(math.prod(shape) for _, shape in fields) for kind, fields in layout.items()}
-
-
-def _carve_views(flat: dict[str, torch.Tensor], layout: dict[str, list[tuple[str, tuple[int, ...]]]],
-                 ) -> dict[str, torch.Tensor]:
-    """Views of the flat buffers at the layout's offsets."""
-    out = {}
-    for kind, fields in layout.items():
-        off, dev = 0, flat[kind]
-        for name, shape in fields:
-            n = math.prod(shape)
-            view = dev[off:off + n]  # a view (contiguous slice)
-            out[name] = view.view(shape) if len(shape) > 1 else view
-            off += n
-    return out
-
-
-def _stage_plan(layout: dict[str, list[tuple[str, tuple[int, ...]]]]) -> list[tuple[str, str, int, int]]:
-    """(kind, name, start, end) of each value in the flat buffers."""
-    plan = []
-    for kind, fields in layout.items():
-        off = 0
-        for name, shape in fields:
-            n = math.prod(shape)
-            plan.append((kind, name, off, off + n))
-            off += n
-    return plan
-
-
-def _stage(host: dict[str, np.ndarray], plan: list[tuple[str, str, int, int]], values: dict[str, Any]) -> None:
-    """Write each value (a list or a 1-D array) into the numpy staging arrays at its place in the plan."""
-    for kind, name, start, end in plan:
-        host[kind][start:end] = values[name]
 
 
 def _token_index(q_lens: list[int], max_q: int = 0) -> tuple[np.ndarray, ...]:
@@ -211,10 +287,10 @@ def _token_index(q_lens: list[int], max_q: int = 0) -> tuple[np.ndarray, ...]:
 
 def carve(bufs: StepBuffers, n_rows: int, n_tokens: int, max_q: int, max_kv: int, page_size: int, ops: Any,
           mode: tuple[bool, bool, bool, bool], n_stop: int = 0) -> StepInput:
-    """The StepInput whose values already sit in `bufs`' device buffers (a tensor-parallel worker's, filled by
+    """The StepInput whose values already sit in `bufs`' device buffer (a tensor-parallel worker's, filled by
     broadcast): the same views `build_step_input` made on the rank that packed them. `mode` is (any_random,
     want_logprobs, penalties, want_prompt_logprobs)."""
-    v = bufs.shape((n_rows, n_tokens, max_q, bufs.table_width, mode[2], n_stop))[2]
+    v = bufs.shape((n_rows, n_tokens, max_q, bufs.table_width, mode[2], n_stop)).views
     return _assemble(v, n_rows, n_tokens, max_q, max_kv, page_size, ops, mode)
 
 
@@ -236,13 +312,6 @@ def _assemble(v: dict[str, torch.Tensor], n_rows: int, t: int, max_q: int, max_k
         row_samples=v["row_samples"], row_gather=v["row_gather"], row_correct=v["row_correct"],
         row_next_token=v["row_next_token"], sampling=st, any_random=any_random, want_logprobs=want_logprobs,
         penalties=pen, want_prompt_logprobs=want_prompt_lp)
-
-
-def step_mode(params: list) -> tuple[bool, bool, bool]:
-    """(any row samples with temperature > 0, any row wants logprobs, any row has penalties / min_tokens):
-    the host choices that change what a step computes, hence part of a CUDA-graph key."""
-    return (any(not p.greedy for p in params), any(p.logprobs is not None for p in params),
-            any(p.has_penalties for p in params))
 
 
 def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, device: torch.device,
@@ -273,41 +342,39 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
         bufs = StepBuffers(max(t, 1), max(n_rows, 1), table_width, device)
     if t > bufs.max_tokens or n_rows > bufs.max_rows:
         raise ValueError(f"step of {n_rows} rows / {t} tokens exceeds the buffers ({bufs.max_rows} / {bufs.max_tokens})")
-    ids: list[int] = []
-    for r in rows:
-        ids += r.tokens
+    ids = list(chain.from_iterable([r.tokens for r in rows]))
     ids += [0] * (t - len(ids))
-    tok_row, tok_col, first, q_index, q_valid = bufs.token_index(q_lens, max_q)
-    params = [r.req.params for r in rows]
-    any_random, want_logprobs, any_penalty = mode or step_mode(params)
-    want_prompt_lp = any(not r.gather and r.req.params.prompt_logprobs is not None
-                         and r.start + 1 < len(r.req.prompt_token_ids) for r in rows)
-    values = {
-        "input_ids": ids, "q_lens": q_lens, "kv_lens": kv_lens, "page_table": bufs.page_table(rows, n_rows),
-        "tok_row": tok_row, "tok_col": tok_col, "q_index": q_index,
-        "row_slot": [r.req.slot for r in rows] + [dump_slot] * pad,
-        "row_first": first,
-        "row_num_drafts": [r.num_drafts for r in rows] + [max(q - 1, 0) if pad_drafts is None else pad_drafts
-                                                          for q in pad_qs],
-        "row_next_token": [r.next_token for r in rows] + [0] * pad, "seed": [r.req.seed for r in rows] + [0] * pad,
-        "top_k": [p.top_k for p in params] + [0] * pad,
-        "temperature": [p.temperature for p in params] + [0.0] * pad, "top_p": [p.top_p for p in params] + [1.0] * pad,
-        "min_p": [p.min_p for p in params] + [0.0] * pad,
-        "row_samples": [r.samples for r in rows] + [False] * pad, "row_gather": [r.gather for r in rows] + [False] * pad,
-        "row_correct": [r.correct for r in rows] + [False] * pad, "greedy": [p.greedy for p in params] + [True] * pad,
-        "q_valid": q_valid}
-    n_stop = _penalty_values(rows, pad, dump_slot, values) if any_penalty else 0
-    # Fill the host staging (pinned on CUDA, alternating) at the layout's offsets, then three non-blocking copies.
-    _, sizes, views, plan = bufs.shape((n_rows, t, max_q, table_width, any_penalty, n_stop))
+    reqs = [r.req for r in rows]
+    slots = [q.slot for q in reqs]
+    params = bufs.slot_params.rows(reqs, slots)
+    bits = _mode_bits(params)
+    any_random, want_logprobs, any_penalty = mode or (bool(bits & _RANDOM), bool(bits & _LOGPROBS),
+                                                      bool(bits & _PENALTIES))
+    want_prompt_lp = bool(bits & _PROMPT_LOGPROBS) and any(
+        not r.gather and r.req.params.prompt_logprobs is not None and r.start + 1 < len(r.req.prompt_token_ids)
+        for r in rows)
+    seed, top_k, temperature, top_p, min_p, greedy, _ = zip(*params, *[_PAD_PARAMS] * pad) if n_rows else [()] * 7
+    nd_pad = [max(q - 1, 0) if pad_drafts is None else pad_drafts for q in pad_qs]
+    no = [False] * pad
+    packed = (ids, q_lens, kv_lens, slots, [dump_slot] * pad, [r.num_drafts for r in rows], nd_pad,
+              [r.next_token for r in rows], [0] * pad, seed, top_k, temperature, top_p, min_p,
+              [r.samples for r in rows], no, [r.gather for r in rows], no, [r.correct for r in rows], no, greedy)
+    extra: dict[str, Any] = {}
+    n_stop = _penalty_values(rows, pad, dump_slot, extra) if any_penalty else 0
+    # Fill the host staging (pinned on CUDA, alternating) -- the Python values in one struct call, the
+    # arrays at their views -- then one non-blocking copy.
+    shape = bufs.shape((n_rows, t, max_q, table_width, any_penalty, n_stop))
     par = bufs._parity
     bufs._parity ^= 1
-    _stage(bufs.h_np[par], plan, values)
-    host = {"int": bufs.h_int[par], "float": bufs.h_float[par], "bool": bufs.h_bool[par]}
-    dev = {"int": bufs.d_int, "float": bufs.d_float, "bool": bufs.d_bool}
-    for kind, n in sizes.items():
-        if n:
-            dev[kind][:n].copy_(host[kind][:n], non_blocking=dev[kind].is_cuda)
-    return _assemble(views, n_rows, t, max_q, max_kv or max(kv_lens, default=1), page_size, ops,
+    shape.packer.pack_into(bufs.h_np[par], 0, *chain.from_iterable(packed))
+    host = shape.host_views[par]
+    host["page_table"][:] = bufs.page_table(rows, n_rows)
+    (host["tok_row"][:], host["tok_col"][:], host["row_first"][:], host["q_index"][:],
+     host["q_valid"][:]) = bufs.token_index(q_lens, max_q)
+    for name, v in extra.items():
+        host[name][:] = v
+    shape.d_span.copy_(shape.h_spans[par], non_blocking=shape.d_span.is_cuda)
+    return _assemble(shape.views, n_rows, t, max_q, max_kv or max(kv_lens, default=1), page_size, ops,
                      (any_random, want_logprobs, any_penalty, want_prompt_lp))
 
 

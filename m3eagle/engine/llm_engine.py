@@ -164,6 +164,7 @@ class LLMEngine:
         if tp.is_driver:  # a worker captures when rank 0 tells it to, in rank 0's order
             self.graphs.capture_startup()
         self.eos_ids = set(target.cfg.eos_token_ids)
+        self._max_model_len = cfg.max_model_len  # read per row per step
         self._ids = itertools.count()
         self._pending: tuple[ScheduledBatch, StepOutput] | None = None
         self._lock = threading.RLock()  # the step lock
@@ -381,8 +382,8 @@ class LLMEngine:
 
     def _delta(self, req: Request, last_of_request: bool = True) -> RequestDelta:
         """Everything new since the completion's previous delta; text only up to what no stop can still cut."""
-        out, det = req.output_token_ids, req.detok
-        n0, n, done = req.num_tokens_sent, len(out), req.finished
+        out, det, group = req.output_token_ids, req.detok, req.group
+        n0, n, done = req.num_tokens_sent, len(out), req.status is Status.FINISHED
         lps = req.logprobs[n0:] if req.params.logprobs is not None else None
         text = ""
         if det is not None:  # req.text is req.detok.text: they are committed together
@@ -390,13 +391,14 @@ class LLMEngine:
             if end > req.num_text_sent:
                 text, req.num_text_sent = det.text[req.num_text_sent:end], end
         req.num_tokens_sent = n
-        all_done = done and last_of_request and (req.group is None or req.group.finished)
-        return RequestDelta(req.group_id, out[n0:], text, lps, req.finish_reason, len(req.prompt_token_ids), n,
-                            req.error, req.to_output() if all_done else None, req.index)
+        all_done = done and last_of_request and (group is None or group.finished)
+        return RequestDelta(req.request_id if group is None else group.request_id, out[n0:], text, lps,
+                            req.finish_reason, len(req.prompt_token_ids), n, req.error,
+                            req.to_output() if all_done else None, req.index)
 
     def _publish_load(self) -> None:
         sched = self.scheduler
-        running = sum(1 for r in sched.running if not r.finished)
+        running = len(sched.running) - [r.status for r in sched.running].count(Status.FINISHED)
         used = 1.0 - self.pool.num_free / self.pool.num_usable if self.pool.num_usable else 0.0
         self._load = EngineLoad(running, sched.num_waiting, max(0.0, used))
 
@@ -501,12 +503,13 @@ class LLMEngine:
         lp = {name: host[name].tolist() for name in host if name.startswith("lp_")} or None
         plp = {name: host[name].tolist() for name in host if name.startswith("plp_")} or None
         first, any_lp = 0, lp is not None or plp is not None
-        for i, row in enumerate(batch.rows):
+        finished = Status.FINISHED
+        for i, (row, row_tokens, n_new) in enumerate(zip(batch.rows, new_tokens, num_new)):
             req = row.req
             req.inflight_rows.remove(row)
             first, row_first = first + row.num_tokens, first
-            if req.finished:
-                if req.pending_free and not req.inflight:
+            if req.status is finished:
+                if req.pending_free and not req.inflight_rows:
                     self.scheduler.release(req)
                 continue
             try:
@@ -515,9 +518,9 @@ class LLMEngine:
                     if plp is not None and req.params.prompt_logprobs is not None and not row.gather:
                         self._record_prompt_logprobs(req, row, plp, row_first)
                     if lp is not None and req.params.logprobs is not None:
-                        lps = [self._position_logprobs(new_tokens[i][j], lp, (i, j), req.params.logprobs, "lp_")
-                               for j in range(num_new[i])]
-                self._process_row(req, row, new_tokens[i][: num_new[i]], lps)
+                        lps = [self._position_logprobs(row_tokens[j], lp, (i, j), req.params.logprobs, "lp_")
+                               for j in range(n_new)]
+                self._process_row(req, row, row_tokens[:n_new], lps)
             except Exception as e:  # this request's fault (a detokenizer error, say), not the engine's
                 self._fail(req, f"{type(e).__name__}: {e}")
             req.reproject()
@@ -569,11 +572,40 @@ class LLMEngine:
             drafted, accepted, total = req.drafted_per_position, req.accepted_per_position, c.accepted_per_pos
             for j in range(nd):
                 drafted[j] += 1
-            for j in range(min(a, nd)):
+            for j in range(a if a < nd else nd):
                 accepted[j] += 1
                 total[j] += 1
-        self._append(req, tokens, lps)
+        if self._may_stop(req, tokens):
+            self._append(req, tokens, lps)
+        else:
+            self._extend(req, tokens, lps)
         req.num_computed = start + row.num_tokens - nd + a
+
+    def _may_stop(self, req: Request, tokens: list[int]) -> bool:
+        """Whether anything could end the output inside `tokens`: a stop id or EOS among them, the length
+        limit within reach, or stop strings (which only the detokenizer can see). False is exact: then every
+        token is kept and the request stays unfinished, which `_extend` does without the per-token checks."""
+        p, det = req.params, req.detok
+        n = len(req.output_token_ids) + len(tokens)
+        return (n >= p.max_tokens or len(req.prompt_token_ids) + n >= self._max_model_len
+                or (det is not None and bool(det.stop))
+                or (not p.ignore_eos and not self.eos_ids.isdisjoint(tokens))
+                or (bool(p.stop_token_ids) and any(t in p.stop_token_ids for t in tokens)))
+
+    def _extend(self, req: Request, tokens: list[int], lps: list[PositionLogprobs] | None) -> None:
+        """`_append` for tokens that cannot end the output (`_may_stop` said so): all of them are kept, with
+        their text, in one go. Transactional like `_append`: the detokenizer fork is fed first and the
+        request changes only once that succeeded."""
+        det = req.detok
+        if det is not None:
+            det = det.fork()
+            det.extend(tokens)
+        req.output_token_ids += tokens
+        if lps is not None:
+            req.logprobs += lps
+        if det is not None:
+            req.detok, req.text = det, det.text
+        self._touched[req.request_id] = req
 
     def _append(self, req: Request, tokens: list[int], lps: list[PositionLogprobs] | None) -> None:
         """Decide first, then mutate: the kept tokens, the finish reason and the text are computed on a fork
@@ -585,7 +617,7 @@ class LLMEngine:
         n0 = len(out)
         det = req.detok.fork() if req.detok is not None else None
         reason, stop_reason = None, None
-        limit = min(p.max_tokens, self.cfg.max_model_len - len(req.prompt_token_ids))
+        limit = min(p.max_tokens, self._max_model_len - len(req.prompt_token_ids))
         # Read once per call, not per token.
         min_tokens, stop_ids, eos = p.min_tokens, p.stop_token_ids, () if p.ignore_eos else self.eos_ids
         n = n0

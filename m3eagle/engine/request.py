@@ -153,7 +153,7 @@ class Request:
     def reproject(self) -> None:
         """Projected lengths = host truth + the effect of every row still in flight, assuming all of
         its drafts are accepted (an upper bound the device corrects)."""
-        self.proj_computed, self.proj_known = self.num_computed, self.num_known
+        self.proj_computed, self.proj_known = self.num_computed, len(self.prompt_token_ids) + len(self.output_token_ids)
         for row in self.inflight_rows:
             self._fold(row)
 

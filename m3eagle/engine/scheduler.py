@@ -18,7 +18,7 @@ whose draft KV depends on the token each sample draws.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..kvcache.page_pool import PagePool
 from .request import Request, Status
@@ -30,7 +30,8 @@ class NeedSync(Exception):
 
 # eq=False: identity: rows are removed from a request's in-flight list by `is`, not by value. A row is
 # immutable once planned, so its sizes are computed once: they are read several times per row per step.
-@dataclass(eq=False, slots=True)
+# The __init__ is written out (no __post_init__): the scheduler makes one row per request per step.
+@dataclass(eq=False, slots=True, init=False)
 class ScheduledRow:
     req: Request
     start: int  # first position (host-projected)
@@ -40,12 +41,15 @@ class ScheduledRow:
     gather: bool  # first token + drafts come from the device slot buffers
     correct: bool  # the previous sampling step is still in flight -> correct kv_len on device
     next_token: int  # for non-sampling rows: the known token after the chunk (draft step 0 shift)
-    num_tokens: int = field(init=False)
-    kv_len: int = field(init=False)  # start + num_tokens
+    num_tokens: int  # len(tokens)
+    kv_len: int  # start + num_tokens
 
-    def __post_init__(self) -> None:
-        self.num_tokens = len(self.tokens)
-        self.kv_len = self.start + self.num_tokens
+    def __init__(self, req: Request, start: int, tokens: list[int], num_drafts: int, samples: bool, gather: bool,
+                 correct: bool, next_token: int) -> None:
+        self.req, self.start, self.tokens, self.num_drafts = req, start, tokens, num_drafts
+        self.samples, self.gather, self.correct, self.next_token = samples, gather, correct, next_token
+        self.num_tokens = n = len(tokens)
+        self.kv_len = start + n
 
 
 @dataclass
@@ -67,6 +71,7 @@ class Scheduler:
         self.k = num_draft_tokens
         self.max_pages_per_seq = max_pages_per_seq
         self._lookahead = max(num_draft_tokens - 1, 0)  # draft steps 1..K-1 write this far past a row
+        self._page_size = pool.page_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots = list(range(max_num_seqs))[::-1]
@@ -152,19 +157,21 @@ class Scheduler:
     # ---- planning ----------------------------------------------------------------------------
     def _pages_needed(self, req: Request, kv_len: int) -> int:
         # Draft steps 1..K-1 write K-1 positions past the row; reserve them too.
-        want = self.pool.pages_for(kv_len + self._lookahead)
-        return max(0, min(want, self.max_pages_per_seq) - len(req.pages))
+        end, held = kv_len + self._lookahead, len(req.pages)
+        if end <= held * self._page_size:  # the steady row: its pages already cover it
+            return 0
+        return max(0, min(self.pool.pages_for(end), self.max_pages_per_seq) - held)
 
     def _plan_row(self, req: Request, budget: int) -> ScheduledRow | None:
         start = req.proj_computed
         n_known = req.proj_known - start
+        if n_known == 1 and req.slot_valid and budget > 0:  # the steady state: token (+ drafts) from the slot
+            nd = self.k if budget > self.k else 0
+            return ScheduledRow(req, start, [0] * (1 + nd), nd, True, True, bool(req.inflight_rows), 0)
         n = min(n_known, budget)
         if n <= 0:
             return None
         samples = n == n_known
-        if samples and n_known == 1 and req.slot_valid:  # the steady state: token (+ drafts) from the slot
-            nd = self.k if budget > self.k else 0
-            return ScheduledRow(req, start, [0] * (1 + nd), nd, True, True, bool(req.inflight_rows), 0)
         ids = req.all_token_ids
         return ScheduledRow(req, start, ids[start:start + n], 0, samples, False, False, 0 if samples else ids[start + n])
 
@@ -172,28 +179,29 @@ class Scheduler:
         budget = self.max_num_tokens
         rows: list[ScheduledRow] = []
         preempted: list[Request] = []
+        running_, waiting_ = Status.RUNNING, Status.WAITING
         for req in list(self.running):
             # Finished, or preempted earlier in this loop: back to WAITING (a membership test of `running`
             # was O(rows^2)).
-            if req.status is not Status.RUNNING:
+            if req.status is not running_:
                 continue
             row = self._plan_row(req, budget)
             if row is None:
                 continue
             need = self._pages_needed(req, row.kv_len)
-            while need and need > self.pool.num_free:  # a steady row mostly needs no page: no free count
-                victim = next((r for r in reversed(self.running) if not r.finished), None)
-                if victim is None:
-                    break
-                if victim.inflight:
-                    raise NeedSync()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is req:
-                    break
-            if req.status is Status.WAITING:  # preempted itself to make room
-                continue
             if need:
+                while need > self.pool.num_free:
+                    victim = next((r for r in reversed(self.running) if not r.finished), None)
+                    if victim is None:
+                        break
+                    if victim.inflight:
+                        raise NeedSync()
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is req:
+                        break
+                if req.status is waiting_:  # preempted itself to make room
+                    continue
                 req.pages += self.pool.allocate(req.request_id, need)
             rows.append(row)
             budget -= row.num_tokens
