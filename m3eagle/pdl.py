@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the engine's Triton kernels: opt-in, `M3EAGLE_PDL=1`.
+"""Programmatic dependent launch (PDL) for the engine's Triton kernels, in small-batch CUDA graphs by default.
 
 Why. A decode step is a chain of ~90-150 small kernels (embedded / m3-mini) replayed from a CUDA graph;
 each boundary costs the next kernel's launch and prologue after the previous one has fully drained. With
@@ -15,14 +15,22 @@ torch op -- triggers at its completion), so results are bit-equal to launches wi
 latency and block scheduling overlap the predecessor's tail. Kernels not launched here (cuBLAS,
 torch) launch as before and wait for their predecessor in full.
 
-Off by default: enabled only on a CUDA device of compute capability >= 9 with M3EAGLE_PDL=1 (read at each
-launch, so a process can A/B it). Under the CPU interpreter PDL is always off (no launch option, no wait).
+When. Only on a CUDA device of compute capability >= 9; M3EAGLE_PDL (read at each launch, so a process can
+A/B it) says where: "1" every launch, "0" none, unset ("auto") only the launches captured into the CUDA
+graphs of small batch buckets (<= AUTO_MAX_BUCKET rows; the GraphRunner opens `scope(True)` around their
+capture). Why not everywhere: on the H200 PDL made the batch-1 steps faster (m3-mini 0.70 -> 0.63 ms per
+step, design note 35) but the m3-mini batch-32 K=3 step slower (2.43 -> 2.60 ms, docs/results/
+h200-2026-12-01c/pdl_ab) -- multi-wave kernels gain little from an earlier launch, and the cause of the
+loss is not known. Under the CPU interpreter PDL is always off (no launch option, no wait).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -34,10 +42,37 @@ def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+AUTO_MAX_BUCKET = 4  # "auto": graphs of batch buckets up to this many rows launch with PDL
+_SCOPE: contextvars.ContextVar[bool] = contextvars.ContextVar("m3eagle_pdl_scope", default=False)
+
+
+@contextlib.contextmanager
+def scope(on: bool) -> Iterator[None]:
+    """Launches inside take PDL under M3EAGLE_PDL=auto when `on` (the GraphRunner's small-bucket captures)."""
+    token = _SCOPE.set(on)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+def mode() -> str:
+    """M3EAGLE_PDL as "1", "0" or "auto" (unset); anything else is an error that names the choices."""
+    m = os.environ.get("M3EAGLE_PDL", "auto").strip().lower() or "auto"
+    if m not in ("0", "1", "auto"):
+        raise ValueError(f"M3EAGLE_PDL={m!r}: use 1 (every launch), 0 (none) or auto / unset (small-batch graphs)")
+    return m
+
+
 def enabled(device: torch.device) -> bool:
-    """PDL for launches on `device`: asked for (M3EAGLE_PDL=1) and supported (CUDA, sm_90+)."""
-    return (device.type == "cuda" and os.environ.get("M3EAGLE_PDL", "0") == "1"
-            and _capable(device.index if device.index is not None else torch.cuda.current_device()))
+    """PDL for a launch on `device` now: asked for (M3EAGLE_PDL=1, or auto inside `scope(True)`) and
+    supported (CUDA, sm_90+)."""
+    if device.type != "cuda":
+        return False
+    m = mode()
+    if m == "0" or (m == "auto" and not _SCOPE.get()):
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def args(t: torch.Tensor) -> dict:

@@ -1,6 +1,6 @@
-"""GPU check: the engine's tokens with programmatic dependent launch on (M3EAGLE_PDL=1) equal those with it
-off, bit for bit (PDL only overlaps launches: every kernel waits before touching memory), and the GPU time
-per step of each. One JSON line; exit 1 on a mismatch.
+"""GPU check: the engine's tokens with programmatic dependent launch everywhere (M3EAGLE_PDL=1) and in the
+default small-bucket graphs (auto) equal those with it off (0), bit for bit (PDL only overlaps launches:
+every kernel waits before touching memory). One JSON line; exit 1 on a mismatch.
 
     python scripts/pdl_check.py [--geometry embedded,m3-mini] [--device cpu]
 """
@@ -24,8 +24,8 @@ TEXTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def 
          "for i in range(10):", "# parse a csv file\n", "def add(a, b):\n    return"]
 
 
-def run(geometry: str, k: int, pdl: bool, device: str) -> list[list[int]]:
-    os.environ["M3EAGLE_PDL"] = "1" if pdl else "0"
+def run(geometry: str, k: int, pdl: str, device: str) -> list[list[int]]:
+    os.environ["M3EAGLE_PDL"] = pdl
     g = resolve(geometry)
     llm = LLM(g.model, g.draft if k else None, num_draft_tokens=k, device=device, load_format=g.load_format,
               dtype="bfloat16" if device == "cuda" else "float32", max_model_len=512, max_num_seqs=8)
@@ -50,10 +50,13 @@ def main() -> int:
     res, ok = {}, True
     for geo in a.geometry.split(","):
         for k in ((0, 3) if geo == "embedded" else (0,)):
-            off, on = run(geo, k, False, a.device), run(geo, k, True, a.device)
-            res[f"{geo} K={k}"] = off == on
-            ok &= off == on
-            print(f"{geo} K={k}: tokens with PDL on {'==' if off == on else '!='} off", file=sys.stderr, flush=True)
+            off = run(geo, k, "0", a.device)
+            for mode in ("1", "auto"):
+                same = run(geo, k, mode, a.device) == off
+                res[f"{geo} K={k} PDL={mode}"] = same
+                ok &= same
+                print(f"{geo} K={k}: tokens with M3EAGLE_PDL={mode} {'==' if same else '!='} 0", file=sys.stderr,
+                      flush=True)
     print(json.dumps({"pdl_tokens_equal": res, "ok": ok}))
     return 0 if ok else 1
 

@@ -35,13 +35,35 @@ def kernels():
                 yield f"{mod.__name__}.{name}", fn
 
 
-def test_off_by_default_and_off_the_gpu(monkeypatch):
+def test_off_by_default_outside_graphs_and_off_the_gpu(monkeypatch):
     t = torch.zeros(1)
     monkeypatch.delenv("M3EAGLE_PDL", raising=False)
     assert pdl.args(t) == {"PDL": False}
     monkeypatch.setenv("M3EAGLE_PDL", "1")
     assert pdl.args(t) == {"PDL": False}  # CPU: no launch option, no wait (the interpreter knows neither)
     assert not pdl.enabled(torch.device("cpu"))
+
+
+def test_modes_and_the_small_bucket_scope(monkeypatch):
+    """M3EAGLE_PDL: 1 everywhere, 0 nowhere, unset / auto only inside `pdl.scope(True)` (the GraphRunner's
+    captures of small batch buckets); a bad value names the choices. The device check is stubbed to sm_90."""
+    monkeypatch.setattr(pdl, "_capable", lambda index: True)
+    cuda = torch.device("cuda", 0)
+    for env, outside, inside in (("auto", False, True), ("", False, True), ("1", True, True), ("0", False, False)):
+        monkeypatch.setenv("M3EAGLE_PDL", env)
+        assert pdl.enabled(cuda) is outside, env
+        with pdl.scope(True):
+            assert pdl.enabled(cuda) is inside, env
+            with pdl.scope(False):
+                assert pdl.enabled(cuda) is outside, env
+        assert pdl.enabled(cuda) is outside, env
+    monkeypatch.delenv("M3EAGLE_PDL")
+    with pdl.scope(True):
+        assert pdl.enabled(cuda)
+        assert not pdl.enabled(torch.device("cpu"))
+    monkeypatch.setenv("M3EAGLE_PDL", "yes")
+    with pytest.raises(ValueError, match="M3EAGLE_PDL='yes'.*1.*0.*auto"):
+        pdl.enabled(cuda)
 
 
 def test_every_kernel_waits_first_when_pdl_is_on():
@@ -63,3 +85,10 @@ def test_every_kernel_waits_first_when_pdl_is_on():
     assert ast.unparse(helper.test) == "PDL"
     assert [ast.unparse(x) for x in helper.body] == ["tl.extra.cuda.gdc_wait()",
                                                      "tl.extra.cuda.gdc_launch_dependents()"]
+
+
+def test_graph_runner_captures_small_decode_buckets_with_pdl():
+    from m3eagle.engine.graph_runner import PREFILL, pdl_in_graph
+
+    assert [b for b in (1, 2, 4, 8, 16, 32) if pdl_in_graph(b)] == [1, 2, 4]
+    assert not pdl_in_graph((PREFILL, 1, 64)) and not pdl_in_graph(None)

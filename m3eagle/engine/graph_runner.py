@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 
-from .input_builder import StepBuffers, StepInput, build_step_input, step_mode
+from .. import pdl
+from .input_builder import StepBuffers, StepInput, build_step_input
 from .model_runner import ModelRunner, StepOutput
 from .scheduler import ScheduledBatch
 
@@ -100,9 +101,10 @@ def is_prefill_shaped(batch: ScheduledBatch) -> bool:
                                     for r in batch.rows)
 
 
-def mode_of(batch: ScheduledBatch) -> tuple[bool, bool, bool]:
-    """What build_step_input computes as the step's mode (input_builder.step_mode)."""
-    return step_mode([r.req.params for r in batch.rows])
+def pdl_in_graph(bucket: Any) -> bool:
+    """Whether the graph of `bucket` is captured with programmatic dependent launch under M3EAGLE_PDL=auto:
+    decode / verify buckets of up to pdl.AUTO_MAX_BUCKET rows (prefill graphs' buckets are tuples)."""
+    return isinstance(bucket, int) and bucket <= pdl.AUTO_MAX_BUCKET
 
 
 class GraphRunner:
@@ -170,8 +172,10 @@ class GraphRunner:
     def ensure(self, batch: ScheduledBatch, bucket: Any) -> None:
         """Capture the step's graph if it is missing -- before its inputs are built, since capturing fills
         the same buffers with padding rows."""
-        if bucket is not None and self.use_graphs and (bucket, mode_of(batch)) not in self.graphs:
-            self.capture(bucket, mode_of(batch))
+        if bucket is not None and self.use_graphs:
+            mode = self.bufs.step_mode(batch.rows)
+            if (bucket, mode) not in self.graphs:
+                self.capture(bucket, mode)
 
     def run(self, inp: StepInput, bucket: Any) -> StepOutput:
         """Execute one step: replay its graph, or run eagerly. The outputs are not yet copied to the host."""
@@ -233,7 +237,9 @@ class GraphRunner:
             self.pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.runner.device)
         side.wait_stream(torch.cuda.current_stream(self.runner.device))
-        with torch.cuda.stream(side):  # warm-up: triton compiles, cuBLAS picks its kernels
+        # Programmatic dependent launch inside the graphs of small decode buckets (m3eagle/pdl.py, "auto")
+        small = pdl_in_graph(bucket)
+        with pdl.scope(small), torch.cuda.stream(side):  # warm-up: triton compiles, cuBLAS picks its kernels
             for _ in range(2):
                 self.runner.execute(inp)
         torch.cuda.current_stream(self.runner.device).wait_stream(side)
@@ -242,7 +248,7 @@ class GraphRunner:
         # calls from invalidating the capture (only this thread's unsafe calls are errors).
         tp = getattr(self.runner.target, "tp", None)
         errors = "thread_local" if tp is not None and tp.size > 1 else "global"
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=errors):
+        with pdl.scope(small), torch.cuda.graph(graph, pool=self.pool, capture_error_mode=errors):
             static = self.runner.execute(inp)
         self.graphs[(bucket, mode)] = (graph, static)
         self.capture_seconds += time.perf_counter() - t0
