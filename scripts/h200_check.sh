@@ -20,7 +20,8 @@
 #    (e.g. "--buckets 1,4"); GEMV_ARGS runs benchmarks/gemv.py with those flags before stage 4;
 #    PREFILL=1 runs the embedded bench a second time with --prefill-graphs (A/B in one call); TESTS=0 /
 #    EMBEDDED=0 skip the GPU test file / the first embedded bench; TESTS_K selects tests (pytest -k),
-#    TESTS_TIMEOUT replaces their 240 s limit; PDL_TESTS=1 runs them with M3EAGLE_PDL=1. PDL_AB=1: first
+#    TESTS_TIMEOUT replaces their 240 s limit; PDL_TESTS=1 / 0 runs them with M3EAGLE_PDL=1 / 0 (default auto).
+#    MINI_PDL0=1 runs the m3-mini bench once more with M3EAGLE_PDL=0 (the default's A/B). PDL_AB=1: first
 #    scripts/pdl_check.py (tokens with programmatic dependent launch on == off), then the embedded and the
 #    m3-mini benches once more with M3EAGLE_PDL=1 (A/B in one call); MINI_BATCHES replaces "1,8,32".
 # Everything lands in $OUT/check.tgz (one file: the device tool brings back few, small files).
@@ -40,7 +41,7 @@ if [[ ${PDL_AB:-0} == 1 ]]; then
 fi
 if [[ ${TESTS:-1} == 1 ]]; then
   stamp "GPU tests${PDL_TESTS:+ (M3EAGLE_PDL=$PDL_TESTS)}"
-  M3EAGLE_PDL=${PDL_TESTS:-0} timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -m gpu tests/test_cuda_graphs.py tests/test_long_context.py -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} > "$W/cuda_graphs.log" 2>&1
+  M3EAGLE_PDL=${PDL_TESTS:-auto} timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -m gpu tests/test_cuda_graphs.py tests/test_long_context.py -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} > "$W/cuda_graphs.log" 2>&1
   stamp "GPU tests: exit $? ($(tail -1 "$W/cuda_graphs.log"))"
 fi
 if [[ ${MSA:-0} == 1 ]]; then
@@ -95,6 +96,12 @@ if (( SECONDS - t0 < ${MINI_DEADLINE:-420} )); then
     --repeats 5 --kernel-table 30 --json "$W/bench_m3-mini.json" > "$W/bench_m3-mini.log" 2>&1
   stamp "m3-mini bench: exit $?"
   grep -A 7 "^batch mode" "$W/bench_m3-mini.log"
+  if [[ ${MINI_PDL0:-0} == 1 ]]; then
+    M3EAGLE_PDL=0 timeout 140 python3 -m m3eagle bench --geometry m3-mini --batch-sizes "${MINI_BATCHES:-1,8,32}" \
+      --max-tokens 64 --repeats 5 --kernel-table 30 --json "$W/bench_m3-mini_pdl0.json" > "$W/bench_m3-mini_pdl0.log" 2>&1
+    stamp "m3-mini bench, M3EAGLE_PDL=0: exit $?"
+    grep -A 7 "^batch mode" "$W/bench_m3-mini_pdl0.log"
+  fi
   if [[ ${PDL_AB:-0} == 1 ]]; then
     M3EAGLE_PDL=1 timeout 140 python3 -m m3eagle bench --geometry m3-mini --batch-sizes "${MINI_BATCHES:-1,8,32}" \
       --max-tokens 64 --repeats 5 --kernel-table 30 --json "$W/bench_m3-mini_pdl.json" > "$W/bench_m3-mini_pdl.log" 2>&1
