@@ -43,7 +43,6 @@ from typing import Any
 
 import torch
 
-from .. import pdl
 from .input_builder import StepBuffers, StepInput, build_step_input
 from .model_runner import ModelRunner, StepOutput
 from .scheduler import ScheduledBatch
@@ -104,6 +103,9 @@ def is_prefill_shaped(batch: ScheduledBatch) -> bool:
 def pdl_in_graph(bucket: Any) -> bool:
     """Whether the graph of `bucket` is captured with programmatic dependent launch under M3EAGLE_PDL=auto:
     decode / verify buckets of up to pdl.AUTO_MAX_BUCKET rows (prefill graphs' buckets are tuples)."""
+    from .. import pdl  # here, not at the top: pdl.py defines a jit helper, and the engine must not import
+    # triton before a CPU test sets TRITON_INTERPRET (kernels and helpers decorate for the GPU otherwise)
+
     return isinstance(bucket, int) and bucket <= pdl.AUTO_MAX_BUCKET
 
 
@@ -238,6 +240,8 @@ class GraphRunner:
         side = torch.cuda.Stream(self.runner.device)
         side.wait_stream(torch.cuda.current_stream(self.runner.device))
         # Programmatic dependent launch inside the graphs of small decode buckets (m3eagle/pdl.py, "auto")
+        from .. import pdl  # (see pdl_in_graph)
+
         small = pdl_in_graph(bucket)
         with pdl.scope(small), torch.cuda.stream(side):  # warm-up: triton compiles, cuBLAS picks its kernels
             for _ in range(2):
