@@ -6,7 +6,7 @@ middle. This script splits one timed batch by step kind, so the gap between the 
     python benchmarks/step_timeline.py --geometry embedded --batch-sizes 1,32 --max-tokens 128 [--k 3]
 
 Per batch size and mode (plain; spec when the geometry has a head): wall time per kind of step (replay /
-replay-prefill (with --prefill-graphs) / eager-prefill / eager-mixed / eager-decode), the count, the
+replay-prefill (prefill graphs, on by default on CUDA) / eager-prefill / eager-mixed / eager-decode), the count, the
 tokens they scheduled, and the step wall time's median per kind. Wall time of a step is measured
 host-side between step() calls, so under overlap a step's time includes waiting for the previous one --
 the sum is exact, the split is approximate.
@@ -103,7 +103,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--max-num-tokens", type=int, default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--prefill-graphs", action="store_true", help="prompt and mixed steps replay graphs too")
+    ap.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="prompt and mixed steps replay graphs too (default: the engine's, on for CUDA)")
     a = ap.parse_args()
     dev = torch.device(a.device)
     bs = [int(x) for x in a.batch_sizes.split(",")]

@@ -18,7 +18,7 @@
 #    MSA=1 runs benchmarks/msa_step.py (MSA vs dense steps, kernel tables at 1k and 16k; MSA_ARGS replaces
 #    those flags, MSA_TIMEOUT its 240 s limit) after the tests; MOE_TUNE_ARGS adds flags to the tune
 #    (e.g. "--buckets 1,4"); GEMV_ARGS runs benchmarks/gemv.py with those flags before stage 4;
-#    PREFILL=1 runs the embedded bench a second time with --prefill-graphs (A/B in one call); TESTS=0 /
+#    PREFILL=1 runs the embedded bench a second time with --no-prefill-graphs (A/B in one call); TESTS=0 /
 #    EMBEDDED=0 skip the GPU test file / the first embedded bench; TESTS_K selects tests (pytest -k),
 #    TESTS_TIMEOUT replaces their 240 s limit; PDL_TESTS=1 / 0 runs them with M3EAGLE_PDL=1 / 0 (default auto).
 #    MINI_PDL0=1 runs the m3-mini bench once more with M3EAGLE_PDL=0 (the default's A/B). PDL_AB=1: first
@@ -64,9 +64,9 @@ if [[ ${EMBEDDED:-1} == 1 ]]; then
 fi
 if [[ ${PREFILL:-0} == 1 ]]; then
   timeout 150 python3 -m m3eagle bench --geometry embedded --batch-sizes 1,32 --max-tokens 128 --repeats 5 \
-    --kernel-table 25 --prefill-graphs --json "$W/bench_embedded_prefill_graphs.json" > "$W/bench_embedded_prefill_graphs.log" 2>&1
-  stamp "embedded bench --prefill-graphs: exit $?"
-  grep -A 6 "^batch mode" "$W/bench_embedded_prefill_graphs.log"
+    --kernel-table 25 --no-prefill-graphs --json "$W/bench_embedded_eager_prefill.json" > "$W/bench_embedded_eager_prefill.log" 2>&1
+  stamp "embedded bench --no-prefill-graphs: exit $?"
+  grep -A 6 "^batch mode" "$W/bench_embedded_eager_prefill.log"
 fi
 if [[ ${REPLAY:-1} == 1 ]]; then
   timeout 120 python3 benchmarks/replay_wall.py --profile > "$W/replay_wall.jsonl" 2> "$W/replay_wall.log"

@@ -46,7 +46,7 @@ SCHEMA = {
     "wall_s": NUM,
 }
 ROW = {"batch": int, "mode": str, "num_draft_tokens": int, "tok_s": dict, "acceptance": (dict, type(None)),
-       "step": dict, "roofline": dict}
+       "step": dict, "roofline": dict, "first_token_ms": NUM, "steps": NUM}
 STEP = {"context": NUM, "tokens": int, "step_ms": NUM, "host_ms": NUM, "device_wait_ms": NUM,
         "graph_launch_ms": (*NUM, type(None)),
         "torch_ops_per_step": NUM, "kernels_per_step": (*NUM, type(None)), "memcpy_per_step": (*NUM, type(None)),
@@ -81,6 +81,10 @@ def test_json_schema(tiny_doc):
         assert len(r["tok_s"]["samples"]) == 1
         assert (r["acceptance"] is None) == (r["mode"] == "plain")
         assert (r["roofline"]["draft_bytes"] is None) == (r["mode"] == "plain")
+        assert r["first_token_ms"] > 0
+        # 3 new tokens: a prompt step, then 2 more plain decode steps (or fewer when drafts were accepted),
+        # and under overlap at most one step more to drain
+        assert (r["steps"] in (3, 4)) if r["mode"] == "plain" else (2 <= r["steps"] <= 4), r["steps"]
     assert [s["batch"] for s in doc["speedup"]] == [1, 2]
     assert set(doc["definitions"]) >= {"tok_s", "step_ms", "host_ms", "gpu_busy_ms", "mbu", "roofline_tok_s"}
 

@@ -144,18 +144,22 @@ def test_closed_stdout_pipe_exits_quietly():
 
 
 def test_warmup_and_prefill_graph_flags_reach_the_llm(monkeypatch):
-    """--warmup / --prefill-graphs on an engine command build the LLM with warmup=True /
-    prefill_graphs=True (off without them)."""
+    """--warmup / --[no-]prefill-graphs on an engine command build the LLM with warmup=True /
+    prefill_graphs=True / False (None without them: the engine's default, on for one CUDA device);
+    --max-prefill-graph-tokens reaches it too and must be >= 16."""
     from m3eagle.entrypoints import cli
 
     seen = []
 
     class FakeLLM:
         def __init__(self, **kw):
-            seen.append((kw["warmup"], kw["prefill_graphs"]))
+            seen.append((kw["warmup"], kw["prefill_graphs"], kw["max_prefill_graph_tokens"]))
             raise RuntimeError("stop here")
 
     monkeypatch.setattr("m3eagle.LLM", FakeLLM)  # what _make_llm imports when it runs
-    for argv in (["generate", "x", "--warmup"], ["generate", "x", "--prefill-graphs"], ["generate", "x"]):
+    for argv in (["generate", "x", "--warmup"], ["generate", "x", "--prefill-graphs"],
+                 ["generate", "x", "--no-prefill-graphs", "--max-prefill-graph-tokens", "256"], ["generate", "x"]):
         assert cli.main(argv) == 2  # the fake's error, reported as one line
-    assert seen == [(True, False), (False, True), (False, False)]
+    assert seen == [(True, None, 512), (False, True, 512), (False, False, 256), (False, None, 512)]
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "x", "--max-prefill-graph-tokens", "8"])

@@ -225,8 +225,8 @@ def test_prefill_padding_rows_touch_only_trash_and_dump(model_dir, head_dir):
     """A 20-token prompt chunk takes (2 rows, 32 tokens): one padding row of 12 tokens on the trash page and
     the dump slot, verifying nothing, sampling nothing; max_q fixed at the bucket; the real row's values as
     unpadded. Three rows of 20 + 4 + 1 tokens (a prompt, a verify row, a prompt) take (4 rows, 32 tokens):
-    one padding row of 32 - 25 = 7 tokens. A step of all 8 sequences takes the buffers' ninth row. Off
-    unless asked."""
+    one padding row of 32 - 25 = 7 tokens. A step of all 8 sequences takes the buffers' ninth row. Off by
+    default on a CPU (on by default only on one CUDA device)."""
     llm = llm_for(model_dir, head_dir, 3, graph_shapes=True, prefill_graphs=True)
     eng = llm.engine
     row = ScheduledRow(_Req(1, [5, 6, 7, 8, 9]), 0, list(range(3, 23)), 0, True, False, False, 0)
@@ -259,7 +259,23 @@ def test_prefill_padding_rows_touch_only_trash_and_dump(model_dir, head_dir):
     inp = eng.graphs.build(ScheduledBatch([short] * 8, []), (PREFILL, 9, 16))
     assert inp.num_rows == 9 and inp.row_qlen.tolist() == [1] * 8 + [8]
     plain = llm_for(model_dir, head_dir, 3, graph_shapes=True).engine
-    assert plain.graphs.bucket(batch) is None and plain.buffers.max_rows == 8  # opt-in
+    assert plain.graphs.bucket(batch) is None and plain.buffers.max_rows == 8  # the CPU default: off
+    assert plain.cfg.prefill_graphs is False  # the resolved choice is the engine's config
+
+
+def test_prefill_graphs_stop_at_max_prefill_graph_tokens(model_dir, head_dir):
+    """Steps that would pad past max_prefill_graph_tokens run eagerly (bucket None); a cap under the
+    smallest bucket is refused, naming the option and the way to turn prefill graphs off."""
+    assert prefill_bucket_sizes(2048, 512)[-3:] == [256, 384, 512]
+    llm = llm_for(model_dir, head_dir, 3, graph_shapes=True, prefill_graphs=True, max_prefill_graph_tokens=32)
+    eng = llm.engine
+    assert eng.graphs.prefill_buckets == [16, 32]
+    fits = ScheduledRow(_Req(1, [5, 6, 7, 8, 9]), 0, list(range(3, 23)), 0, True, False, False, 0)
+    assert eng.graphs.bucket(ScheduledBatch([fits], [])) == (PREFILL, 2, 32)
+    big = ScheduledRow(_Req(2, [5, 6, 7, 8, 9]), 0, list(range(3, 35)), 0, True, False, False, 0)
+    assert eng.graphs.bucket(ScheduledBatch([big], [])) is None  # 32 tokens + a padding row > 32
+    with pytest.raises(ValueError, match="max_prefill_graph_tokens=8 .*prefill_graphs=False"):
+        llm_for(model_dir, head_dir, 3, prefill_graphs=True, max_prefill_graph_tokens=8)
 
 
 @pytest.mark.parametrize("k, overlap", [(0, False), (3, False), (3, True)])

@@ -50,6 +50,10 @@ STEADY_STEPS = 2  # samples every row has taken before a steady-state measuremen
 DEFINITIONS = {
     "tok_s": "generated tokens / wall time of one whole batch (prefill + decode), one sample per repeat, after "
              "a warm-up batch; median, min and max over --repeats",
+    "first_token_ms": "per repeat, wall time from the batch's submission until every request has its first "
+                      "output token (the prompt steps; under overlap, one step late): median over --repeats",
+    "steps": "engine steps per repeat (prompt, mixed and decode steps; a batch's slowest request decides): "
+             "median over --repeats",
     "step_ms": "wall time per engine step in a steady decode state (plain: 1 token per row; spec: verify 1+K "
                "tokens and draft K per row), over --decode-steps steps between device synchronizations",
     "host_ms": "step_ms minus the time the host thread is blocked waiting for the device (StepOutput.wait): "
@@ -114,7 +118,8 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
               page_size=a.page_size, max_num_tokens=a.max_num_tokens, max_model_len=mml, max_num_seqs=max_b,
               num_pages=1 + max_b * pages_per_seq, overlap=overlap, attention_backend=a.attention_backend,
               moe_backend=a.moe_backend, enforce_eager=a.enforce_eager, load_format=geo.load_format,
-              tensor_parallel_size=tp, prefill_graphs=getattr(a, "prefill_graphs", False))
+              tensor_parallel_size=tp, prefill_graphs=getattr(a, "prefill_graphs", None),
+              max_prefill_graph_tokens=getattr(a, "max_prefill_graph_tokens", 512))
     try:  # the measurements, then the workers stop (tensor parallel) whatever happened
         return _measure(a, llm, geo, dev, k, say, t0)
     finally:
@@ -180,7 +185,8 @@ def _measure(a: argparse.Namespace, llm, geo: geometries.Geometry, dev: torch.de
         "settings": {"batch_sizes": list(a.batch_sizes), "prompt_len": a.prompt_len, "max_tokens": a.max_tokens,
                      "repeats": a.repeats, "decode_steps": a.decode_steps, "profile_steps": a.profile_steps,
                      "kernel_table": getattr(a, "kernel_table", 0),
-                     "prefill_graphs": getattr(a, "prefill_graphs", False),
+                     "prefill_graphs": llm.engine.cfg.prefill_graphs,
+                     "max_prefill_graph_tokens": llm.engine.cfg.max_prefill_graph_tokens,
                      "num_draft_tokens": k, "prompts": prompt_source, "seed": a.seed},
         "bandwidth": bw,
         "build_s": build_s,
@@ -207,6 +213,7 @@ def _row(b: int, mode: str, k: int, thr: dict, st: dict, llm, dtype_bytes: int, 
     emitted = b * (acc["mean_acceptance_length"] if acc else 1.0)
     return {
         "batch": b, "mode": mode, "num_draft_tokens": k, "tok_s": thr["tok_s"],
+        "first_token_ms": thr["first_token_ms"], "steps": thr["steps"],
         "acceptance": ({key: acc[key] for key in ("mean_acceptance_length", "acceptance_rate", "per_position_rates")}
                        if acc else None),
         "step": {key: v for key, v in st.items() if key != "experts_per_moe_layer"},
@@ -277,24 +284,36 @@ def throughput(engine: LLMEngine, prompts: list[list[int]], batch: int, max_toke
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     _generate(engine, prompts[:batch], sp)  # compilation, autotuning, allocator growth
-    samples, outs = [], []
+    samples, outs, first, steps = [], [], [], []
     for r in range(repeats):
         chunk = prompts[(r + 1) * batch:(r + 2) * batch]
         _sync(dev)
         t0 = time.perf_counter()
-        reqs = _generate(engine, chunk, sp)
+        n0 = engine.num_steps
+        reqs = _generate(engine, chunk, sp, first)
         _sync(dev)
         dt = time.perf_counter() - t0
         samples.append(sum(len(q.output_token_ids) for q in reqs) / dt)
+        first[-1] -= t0
+        steps.append(engine.num_steps - n0)
         outs += [q.to_output() for q in reqs]
     return {"tok_s": summarize(samples), "acceptance": aggregate_stats(outs, k) if k else None,
+            "first_token_ms": statistics.median(first) * 1e3, "steps": statistics.median(steps),
             "first_tokens": list(outs[0].outputs[0].token_ids)}
 
 
-def _generate(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams) -> list[Request]:
+def _generate(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams,
+              first: list[float] | None = None) -> list[Request]:
+    """Run `prompts` to the end; `first` gets the perf_counter time when every request had a token."""
     reqs = [engine.add_request(list(p), sp, stream_text=False) for p in prompts]
+    waiting = first is not None
     while engine.has_work():
         engine.step()
+        if waiting and all(q.output_token_ids for q in reqs):
+            first.append(time.perf_counter())
+            waiting = False
+    if waiting:
+        first.append(time.perf_counter())
     failed = [q for q in reqs if q.finish_reason not in ("length", "stop")]
     if failed:
         q = failed[0]
@@ -573,7 +592,8 @@ def format_table(doc: dict[str, Any]) -> str:
         f"{s['repeats']} repeats (median [min, max])",
         "",
         f"{'batch':>5} {'mode':<5} {'tok/s [min, max]':>26} {'step ms':>8} {'host ms':>8} {'GPU busy ms':>14} "
-        f"{'kernels':>8} {'context':>7} {'GB/step':>8} {'MBU':>7} {'roofline tok/s':>14} {'accept':>6}"
+        f"{'kernels':>8} {'context':>7} {'GB/step':>8} {'MBU':>7} {'roofline tok/s':>14} {'accept':>6} "
+        f"{'1st tok ms':>10} {'steps':>6}"
         f"{'  comm ms (share)' if tp > 1 else ''}",
     ]
     for r in doc["results"]:
@@ -584,7 +604,8 @@ def format_table(doc: dict[str, Any]) -> str:
         rng = f"{_num(t['median'])} [{_num(t['min'])}, {_num(t['max'])}]"
         lines.append(f"{r['batch']:>5} {r['mode']:<5} {rng:>26} {st['step_ms']:>8.2f} {st['host_ms']:>8.2f} "
                      f"{busy:>14} {kern:>8} {st['context']:>7.0f} {rf['bytes_per_step'] / 1e9:>8.3f} "
-                     f"{rf['mbu']:>7.2%} {rf['roofline_tok_s']:>14,.0f} {acc:>6}"
+                     f"{rf['mbu']:>7.2%} {rf['roofline_tok_s']:>14,.0f} {acc:>6} "
+                     f"{r.get('first_token_ms', float('nan')):>10.1f} {r.get('steps', float('nan')):>6.0f}"
                      + (f"  {st['comm_ms']:.2f} ({st['comm_frac']:.0%})" if st.get("comm_ms") is not None else ""))
     if doc["speedup"]:
         lines.append("")
@@ -604,7 +625,8 @@ def format_table(doc: dict[str, Any]) -> str:
             for kr in top[: s["kernel_table"]]:
                 lines.append(f"  {kr['us_per_step']:>9.1f} us {kr['calls_per_step']:>6.1f}x  {kr['name']}")
     lines.append("host ms: step time minus time blocked on the device; GPU busy: profiler kernel time per step; "
-                 "MBU: bytes/step over step time and copy bandwidth (JSON 'definitions')")
+                 "MBU: bytes/step over step time and copy bandwidth; 1st tok ms: until every request of a repeat "
+                 "has a token; steps: per repeat (JSON 'definitions')")
     return "\n".join(lines)
 
 

@@ -15,17 +15,19 @@ buffer, which the host may still be reading under overlap).
 
 Graphs are keyed by (bucket, mode), mode = (any row samples, any row wants logprobs, any row has
 penalties); K is fixed per engine. All share one memory pool; the greedy graphs are captured at startup,
-largest bucket first, and the others on first use. Steps that are not graph-shaped (prompt chunks, mixed steps) run eagerly.
+largest bucket first, and the others on first use. Steps that are neither graph-shaped nor
+prefill-shaped run eagerly.
 
-Prefill graphs (opt-in, `prefill=True`): every other step -- prompt chunks, and mixed steps of prompt
-chunks and decode / verify rows -- without penalties or prompt logprobs, of R rows and L tokens, is padded
-to the next row bucket R' > R and the next token bucket T >= L + (R' - R) (`prefill_bucket_sizes`, up to
-the step buffers' width) with R' - R padding rows on the trash page (one token each, the last one takes
-the rest), and max_q fixed at T, so its launch shape is (R' rows, T tokens); it is captured on first use
-under the key (("prefill", R', T), mode). Prompt steps then replay instead of launching eagerly (on the
-H200 an eager prompt step of the embedded model costs milliseconds of host time; the one-row case took
-batch-1 plain from 2,949 to 3,837 tok/s: docs/results/h200-2026-11-30g/). The real rows compute what they
-compute unpadded (tokens of another row never reach them); padding rows sample and verify nothing. Like
+Prefill graphs (`prefill=True`, the default on one CUDA device): every other step -- prompt chunks, and
+mixed steps of prompt chunks and decode / verify rows -- without penalties or prompt logprobs, of R rows
+and L tokens, is padded to the next row bucket R' > R and the next token bucket T >= L + (R' - R)
+(`prefill_bucket_sizes`, up to `prefill_cap` tokens, 512 by default; larger steps run eagerly) with
+R' - R padding rows on the trash page (one token each, the last one takes the rest), and max_q fixed at
+T, so its launch shape is (R' rows, T tokens); it is captured on first use under the key
+(("prefill", R', T), mode). Prompt steps then replay instead of launching eagerly (on the H200 an eager
+prompt step of the embedded model costs milliseconds of host time; the one-row case took batch-1 plain
+from 2,949 to 3,837 tok/s: docs/results/h200-2026-11-30g/). The real rows compute what they compute
+unpadded (tokens of another row never reach them); padding rows sample and verify nothing. Like
 decode buckets, a padded step may round differently from the unpadded one in bf16 (GEMMs of another
 width), so greedy tokens can differ from an engine without prefill graphs, never between replay and eager.
 Graph-shaped steps get the same padding and KV bound when they run eagerly (enforce_eager), so eager and
@@ -114,7 +116,8 @@ class GraphRunner:
     and padding (so enforce_eager computes exactly what a replay computes) but never captures."""
 
     def __init__(self, runner: ModelRunner, bufs: StepBuffers, k: int, max_rows: int, page_size: int,
-                 table_width: int, graphs: bool, ops=None, driver=None, prefill: bool = False):
+                 table_width: int, graphs: bool, ops=None, driver=None, prefill: bool = False,
+                 prefill_cap: int = 4096):
         self.runner, self.bufs, self.k, self.driver = runner, bufs, k, driver
         self.page_size, self.table_width, self.ops = page_size, table_width, ops
         self.max_kv = table_width * page_size  # the fixed KV bound of every graph-shaped step
@@ -122,7 +125,7 @@ class GraphRunner:
         self.buckets = [b for b in bucket_sizes(max_rows) if b * (k + 1) <= bufs.max_tokens]
         # Prefill graphs need a padding row (so at least two rows); tensor parallel keeps them off (the
         # driver's broadcast protocol carries decode buckets only).
-        self.prefill_buckets = (prefill_bucket_sizes(bufs.max_tokens)
+        self.prefill_buckets = (prefill_bucket_sizes(bufs.max_tokens, prefill_cap)
                                 if prefill and bufs.max_rows >= 2 and driver is None else [])
         self.prefill_rows = bucket_sizes(bufs.max_rows)
         self.use_graphs = graphs and runner.device.type == "cuda"
@@ -256,4 +259,4 @@ class GraphRunner:
             static = self.runner.execute(inp)
         self.graphs[(bucket, mode)] = (graph, static)
         self.capture_seconds += time.perf_counter() - t0
-        log.debug("captured graph bucket=%d mode=%s in %.2f s", bucket, mode, time.perf_counter() - t0)
+        log.debug("captured graph bucket=%s mode=%s in %.2f s", bucket, mode, time.perf_counter() - t0)

@@ -72,9 +72,12 @@ class EngineConfig:
     # Pad steady decode / verify steps to graph buckets with a fixed KV bound (graph_runner.py). None: on
     # for CUDA, where replay and eager must launch identical shapes; tests turn it on for CPU.
     graph_shapes: bool | None = None
-    # Prompt and mixed steps replay CUDA graphs too, padded to row and token buckets (graph_runner.py).
-    # Opt-in: each new (rows, tokens) bucket is captured on first use.
-    prefill_graphs: bool = False
+    # Prompt and mixed steps of up to max_prefill_graph_tokens tokens replay CUDA graphs too, padded to row
+    # and token buckets (graph_runner.py); each new (rows, tokens) bucket is captured on first use. None: on
+    # for one CUDA device, as graph_shapes (enforce_eager then pads them alike but never captures); tensor
+    # parallel keeps them off (its broadcast carries decode buckets only).
+    prefill_graphs: bool | None = None
+    max_prefill_graph_tokens: int = 512  # larger prompt / mixed steps run eagerly (vLLM's max capture size)
     # The share of the device's memory this process may use; the KV pool gets what weights and the
     # activation reserve leave of it (kv_budget.py). CUDA only, and only when num_pages is 0.
     gpu_memory_utilization: float = 0.9
@@ -131,8 +134,15 @@ class LLMEngine:
         self.device = device
         if not 0.0 < cfg.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={cfg.gpu_memory_utilization} must be in (0, 1]")
-        num_pages = resolve_num_pages(cfg, target, draft if k else None, dtype, device, k, tp)
-        cfg = self.cfg = replace(cfg, num_pages=num_pages)  # the choice, so an engine built from it agrees
+        if cfg.max_prefill_graph_tokens < 16:
+            raise ValueError(f"max_prefill_graph_tokens={cfg.max_prefill_graph_tokens} must be >= 16 (the "
+                             "smallest prefill-graph bucket); turn prefill graphs off with prefill_graphs=False")
+        pg = cfg.prefill_graphs if cfg.prefill_graphs is not None else (
+            device.type == "cuda" and tp.size == 1)  # with enforce_eager too: eager pads as a replay would
+        num_pages = resolve_num_pages(replace(cfg, prefill_graphs=pg), target, draft if k else None, dtype,
+                                      device, k, tp)
+        # The choices, so an engine built from this config agrees.
+        cfg = self.cfg = replace(cfg, num_pages=num_pages, prefill_graphs=pg)
         self.pool = PagePool(num_pages, cfg.page_size)
         self.table_width = pages_per_seq(cfg, k) + 1
         if self.table_width - 1 > self.pool.num_usable:
@@ -149,7 +159,6 @@ class LLMEngine:
         # Step buffers hold the widest step: the token budget, or every sequence padded to 1 + K tokens;
         # with prefill graphs, a full-budget step plus a padding token for every row it may add, and one
         # row more than max_num_seqs (a step of every sequence still gets its padding row).
-        pg = cfg.prefill_graphs
         max_tokens = max(cfg.max_num_tokens + (cfg.max_num_seqs + 1 if pg else 0), cfg.max_num_seqs * (k + 1))
         max_rows = cfg.max_num_seqs + int(pg)
         self.runner = ModelRunner(target, draft, k, num_pages, cfg.page_size, cfg.max_num_seqs, dtype, device,
@@ -158,7 +167,7 @@ class LLMEngine:
         graph_shapes = cfg.graph_shapes if cfg.graph_shapes is not None else device.type == "cuda"
         self.graphs = GraphRunner(self.runner, self.buffers, k, cfg.max_num_seqs, cfg.page_size, self.table_width,
                                   graphs=not cfg.enforce_eager, ops=self.ops, driver=driver,
-                                  prefill=cfg.prefill_graphs)
+                                  prefill=pg, prefill_cap=cfg.max_prefill_graph_tokens)
         self.graph_shapes = graph_shapes
         self.tp = tp
         if tp.is_driver:  # a worker captures when rank 0 tells it to, in rank 0's order

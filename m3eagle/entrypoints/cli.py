@@ -116,9 +116,11 @@ def _device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", action="store_true",
                    help="at startup, run dummy prompts of every power-of-two chunk size once (Triton compiles "
                         "then, not on a request's first use of a shape)")
-    p.add_argument("--prefill-graphs", action="store_true",
-                   help="one-row prompt chunks replay CUDA graphs too (power-of-two token buckets, captured on "
-                        "first use); off by default until measured")
+    p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="prompt and mixed steps of up to --max-prefill-graph-tokens replay CUDA graphs too "
+                        "(row and token buckets, each captured on first use); default: on for one CUDA device")
+    p.add_argument("--max-prefill-graph-tokens", type=int_in(16), default=512,
+                   help="the largest prompt / mixed step replayed as a CUDA graph; larger ones run eagerly")
     p.add_argument("--tensor-parallel-size", "-tp", type=int_in(1, 1024), default=1,
                    help="split the target over N ranks (one per GPU; see docs/parallel.md)")
 
@@ -133,7 +135,7 @@ def _make_llm(a: argparse.Namespace):
                dtype=a.dtype, max_model_len=a.max_model_len, max_num_tokens=a.max_num_tokens,
                page_size=a.page_size, overlap=overlap, attention_backend=a.attention_backend,
                moe_backend=a.moe_backend, enforce_eager=a.enforce_eager, warmup=a.warmup,
-               prefill_graphs=a.prefill_graphs,
+               prefill_graphs=a.prefill_graphs, max_prefill_graph_tokens=a.max_prefill_graph_tokens,
                tensor_parallel_size=a.tensor_parallel_size, **extra)
 
 

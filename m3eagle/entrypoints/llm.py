@@ -65,8 +65,9 @@ class LLM:
     warmup: before returning, run dummy prompts of every power-of-two chunk size through the engine
     (LLMEngine.warmup), so Triton's first-use compiles happen at startup, not in the middle of serving.
     graph_shapes: pad steady decode steps to graph buckets (None: on for CUDA; True on CPU for tests).
-    prefill_graphs: one-row prompt chunks replay CUDA graphs too, padded to power-of-two token buckets
-    (captured on first use; off by default until measured on a GPU).
+    prefill_graphs: prompt and mixed steps of up to max_prefill_graph_tokens tokens (512) replay CUDA graphs
+    too, padded to row and token buckets, each captured on first use (None: on for one CUDA device; False:
+    they run eagerly). Padded steps round like their bucket in bf16, as decode buckets do.
     load_format: 'auto' reads the checkpoints; 'dummy' builds random seeded weights on the device from the
     configs alone (vLLM's dummy format, for benchmarks) -- then model / draft may also be an M3Config /
     Eagle3Config or a config.json dict.
@@ -83,7 +84,8 @@ class LLM:
                  overlap: bool | None = None, attention_backend: str = "auto", load_format: str = "auto",
                  moe_backend: str = "auto", enforce_eager: bool = False, graph_shapes: bool | None = None,
                  fused_backend: str = "auto", tensor_parallel_size: int = 1,
-                 gpu_memory_utilization: float = 0.9, warmup: bool = False, prefill_graphs: bool = False,
+                 gpu_memory_utilization: float = 0.9, warmup: bool = False, prefill_graphs: bool | None = None,
+                 max_prefill_graph_tokens: int = 512,
                  _worker: tuple[int, int, str] | None = None):
         # What a spawned worker needs to build its rank of this same LLM (_worker: its rank, size, rendezvous).
         spawn_kwargs = {k: v for k, v in locals().items() if k not in ("self", "_worker")}
@@ -123,7 +125,7 @@ class LLM:
         try:
             self._build(model, draft, num_draft_tokens, load_format, dev, page_size, max_num_tokens, max_model_len,
                         max_num_seqs, num_pages, overlap, enforce_eager, graph_shapes, gpu_memory_utilization,
-                        prefill_graphs)
+                        prefill_graphs, max_prefill_graph_tokens)
         except BaseException:
             self.shutdown()
             raise
@@ -187,7 +189,8 @@ class LLM:
     def _build(self, model: Any, draft: Any, num_draft_tokens: int, load_format: str, dev: torch.device,
                page_size: int, max_num_tokens: int, max_model_len: int | None, max_num_seqs: int, num_pages: int,
                overlap: bool | None, enforce_eager: bool, graph_shapes: bool | None,
-               gpu_memory_utilization: float, prefill_graphs: bool = False) -> None:
+               gpu_memory_utilization: float, prefill_graphs: bool | None = None,
+               max_prefill_graph_tokens: int = 512) -> None:
         """Weights (this rank's shard), tokenizer and engine."""
         tp = self.tp
         if load_format == "dummy":
@@ -218,7 +221,8 @@ class LLM:
                                    num_draft_tokens=num_draft_tokens if self.draft is not None else 0,
                                    overlap=(dev.type == "cuda") if overlap is None else overlap,
                                    enforce_eager=enforce_eager, graph_shapes=graph_shapes,
-                                   gpu_memory_utilization=gpu_memory_utilization, prefill_graphs=prefill_graphs)
+                                   gpu_memory_utilization=gpu_memory_utilization, prefill_graphs=prefill_graphs,
+                                   max_prefill_graph_tokens=max_prefill_graph_tokens)
         self.engine = LLMEngine(self.target, self.draft, self.tokenizer, self.config, self.dtype, dev, self.ops,
                                 tp=tp, driver=self._driver)
 
