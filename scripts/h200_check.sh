@@ -23,7 +23,8 @@
 #    TESTS_TIMEOUT replaces their 240 s limit; PDL_TESTS=1 / 0 runs them with M3EAGLE_PDL=1 / 0 (default auto).
 #    MINI_PDL0=1 runs the m3-mini bench once more with M3EAGLE_PDL=0 (the default's A/B). PDL_AB=1: first
 #    scripts/pdl_check.py (tokens with programmatic dependent launch on == off), then the embedded and the
-#    m3-mini benches once more with M3EAGLE_PDL=1 (A/B in one call); MINI_BATCHES replaces "1,8,32".
+#    m3-mini benches once more with M3EAGLE_PDL=1 (A/B in one call); MINI_BATCHES replaces "1,8,32";
+#    MINI_AB="<flags>" runs the m3-mini bench once more with those flags (e.g. --no-prefill-graphs).
 # Everything lands in $OUT/check.tgz (one file: the device tool brings back few, small files).
 set -uo pipefail
 OUT=${OUT:?set OUT}
@@ -101,6 +102,13 @@ if (( SECONDS - t0 < ${MINI_DEADLINE:-420} )); then
       --max-tokens 64 --repeats 5 --kernel-table 30 --json "$W/bench_m3-mini_pdl0.json" > "$W/bench_m3-mini_pdl0.log" 2>&1
     stamp "m3-mini bench, M3EAGLE_PDL=0: exit $?"
     grep -A 7 "^batch mode" "$W/bench_m3-mini_pdl0.log"
+  fi
+  if [[ -n ${MINI_AB:-} ]]; then
+    # shellcheck disable=SC2086  # MINI_AB is a list of flags, e.g. "--no-prefill-graphs"
+    timeout 140 python3 -m m3eagle bench --geometry m3-mini --batch-sizes "${MINI_BATCHES:-1,8,32}" --max-tokens 64 \
+      --repeats 5 --kernel-table 30 ${MINI_AB} --json "$W/bench_m3-mini_ab.json" > "$W/bench_m3-mini_ab.log" 2>&1
+    stamp "m3-mini bench ${MINI_AB}: exit $?"
+    grep -A 7 "^batch mode" "$W/bench_m3-mini_ab.log"
   fi
   if [[ ${PDL_AB:-0} == 1 ]]; then
     M3EAGLE_PDL=1 timeout 140 python3 -m m3eagle bench --geometry m3-mini --batch-sizes "${MINI_BATCHES:-1,8,32}" \
