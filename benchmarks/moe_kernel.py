@@ -363,17 +363,9 @@ def candidates(bucket: int, dev: torch.device):
                C(16, 8, 1024, num_stages=1, direct=1, down_block_n=4, down_block_k=1024, num_warps=8)]
     direct += [C(16, bn, bk, num_stages=st, direct=1, down_block_n=dbn, down_block_k=dbk, num_warps=4)
                for bn, bk in ((2, 1024), (8, 256)) for dbn, dbk in ((8, 256), (4, 512)) for st in (2, 3)]
-    # direct=2, the expert-major gate_up (design note 38): T = 2..4 only. Its accumulators are [4 tokens, BN, BK]
-    # per gate / up, so a tile of BN * BK = 2048 holds 64 fp32 registers per thread at 8 warps (128 at 4).
-    em = [C(16, bn, bk, num_stages=1, direct=2, down_block_n=dbn, down_block_k=dbk, num_warps=w)
-          for bn, bk, dbn, dbk, w in ((8, 256, 8, 256, 8), (16, 128, 8, 256, 8), (4, 512, 4, 512, 8),
-                                      (2, 1024, 1, 1024, 8), (8, 512, 8, 256, 8), (16, 256, 8, 256, 8),
-                                      (4, 256, 8, 256, 4), (2, 512, 4, 512, 4), (1, 1024, 1, 1024, 4),
-                                      (8, 256, 1, 1024, 4))]
     if dev.type != "cuda":  # interpreter smoke test: cheap configs
         return [C(16, 32, 32, 1, 4, 3), C(32, 16, 64, 4, 4, 3)] + (
-            [C(16, 16, 32, num_stages=1, direct=1, down_block_n=8, down_block_k=32),
-             C(16, 16, 32, num_stages=1, direct=2, down_block_n=8, down_block_k=32)] if bucket <= 4 else [])
+            [C(16, 16, 32, num_stages=1, direct=1, down_block_n=8, down_block_k=32)] if bucket <= 4 else [])
     decode = [C(16, 16, 128, 1, 2, 4), C(16, 16, 256, 1, 4, 3), C(16, 32, 128, 1, 2, 4),
               C(16, 32, 64, 1, 4, 4), C(16, 32, 128, 1, 4, 4), C(16, 32, 256, 1, 4, 3), C(16, 64, 64, 1, 4, 4),
               C(16, 64, 128, 1, 4, 3), C(16, 64, 256, 1, 4, 2), C(16, 128, 128, 1, 8, 3),
@@ -389,8 +381,8 @@ def candidates(bucket: int, dev: torch.device):
     prefill += [C(bm, bn, bk, g, w, st, down_block_n=dbn, down_block_k=dbk)
                 for bm, bn, bk, g, w, st in ((128, 128, 64, 16, 8, 3), (128, 128, 64, 8, 8, 3), (64, 256, 64, 8, 8, 3))
                 for dbn, dbk in ((64, 64), (256, 64), (128, 128), (64, 128), (256, 32)) if (dbn, dbk) != (bn, bk)]
-    if bucket <= 4:  # direct=2 refuses T > 4; at T = 1 most of its expert programs would only exit
-        return decode + direct + (em if bucket == 4 else [])
+    if bucket <= 4:
+        return decode + direct
     if bucket < 256:
         return decode
     if bucket == 256:

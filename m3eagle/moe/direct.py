@@ -1,9 +1,7 @@
 """Routed experts for a handful of tokens, without sorting: each (token, k) pair reads its expert directly.
 
     idx [T, k] ──_direct_gate_up_kernel──► act [T*k (+T), I]   grid (pairs, I-tiles): one GEMV per pair,
-                                                              SwiGLU-OAI in registers          (direct=1)
-           or ──_direct_gate_up_em_kernel──►                   grid (E_local (+1), I-tiles): one program
-                                                              per expert, all its tokens      (direct=2)
+                                                              SwiGLU-OAI in registers
     act ──_direct_down_kernel──► out [T, H]                    grid (T, H-tiles): the token's k experts
                                                               (+ the shared one) and their weighted sum
 
@@ -25,13 +23,6 @@ outputs run to run. The order of the K sums differs from the tl.dot path, so the
 rounding, not bit for bit: a step size uses one path or the other by its tuning-table entry
 (`MoEConfig.direct`), never both.
 
-Expert-major gate_up (`MoEConfig.direct == 2`, T <= 4 only; design note 38). Pairs that share an expert
-each stream its tiles under direct=1 (m3-mini T = 4: 16 pair reads + 4 shared-expert reads for ~12
-distinct experts). Here program (e, n-tile) compares the T*k ids with e (one small load), exits at once
-if no token picked e, else reads e's gate / up tiles once and computes every picking token's row (tokens
-padded to a constexpr T_PAD, so T stays a runtime int). It writes exactly the act rows direct=1 writes,
-with the same per-element fp32 arithmetic (bit-equal under the interpreter), so the down kernel is shared.
-
 Expert subset: pairs routed outside [e0, e0 + num_local) are skipped (no read, no contribution).
 No host sync, static shapes: capturable in a CUDA graph.
 """
@@ -45,9 +36,6 @@ import triton.language as tl
 from .. import pdl
 from ..pdl import pdl_wait
 from .tuning import MoEConfig
-
-EM_MAX_T = 4  # direct=2 serves steps of up to this many tokens (tuning bucket 4) ...
-EM_T_PAD = triton.next_power_of_2(EM_MAX_T)  # ... padded to this constexpr: one compiled variant for T = 1..4
 
 
 @triton.jit(do_not_specialize=["T", "e_start"])
@@ -99,76 +87,6 @@ def _direct_gate_up_kernel(x_ptr, idx_ptr, w_ptr, ws_ptr, act_ptr, T, e_start, n
     up = tl.minimum(tl.maximum(tl.sum(acc_u, axis=1), -limit), limit)
     act = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
     tl.store(act_ptr + p.to(tl.int64) * stride_at + offs_n, act.to(act_ptr.dtype.element_ty), mask=offs_n < inter)
-
-
-# [e, n-tile] program of the expert-major gate_up (direct=2): which act rows it writes
-#   e in [0, num_local)    row t*k + j for every (t, j) with idx[t, j] == e_start + e   (none: exits, reads nothing)
-#   e == num_local         rows T*k + t for t < T (the shared expert, when there is one)
-# Every row down reads is written by exactly one program: the same rows direct=1's pair programs write.
-@triton.jit(do_not_specialize=["T", "e_start"])
-def _direct_gate_up_em_kernel(x_ptr, idx_ptr, w_ptr, ws_ptr, act_ptr, T, e_start, num_local, hidden, inter,
-                              stride_xt, stride_we, stride_wn, stride_at, alpha, limit,
-                              TOP_K: tl.constexpr, K_PAD: tl.constexpr, T_PAD: tl.constexpr,
-                              HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    """act[p, n-tile] = swiglu_oai(x[t] @ [gate_n; up_n]) of expert e = program_id(0) for every pair p that
-    picked it: the expert's tiles are read once for all of them (T <= T_PAD tokens).
-
-    Same layouts and the same per-element arithmetic as `_direct_gate_up_kernel` (a [BLOCK_N, BLOCK_K] fp32
-    FMA tile per token, one reduction over K at the end), so act is the same to the bit under the
-    interpreter. A token whose k ids repeat an expert gets the row stored in each of those slots."""
-    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
-    e = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    tok = tl.arange(0, T_PAD)  # [TP]
-    slots = tl.arange(0, K_PAD)  # [KP]
-    tok_ok = tok < T
-    pair = tok[:, None] * TOP_K + slots[None, :]  # [TP, KP]
-    pair_ok = tok_ok[:, None] & (slots < TOP_K)[None, :]
-    ids = tl.load(idx_ptr + pair, mask=pair_ok, other=0).to(tl.int64) - e_start
-    hit = pair_ok & (ids == e)  # [TP, KP]; top-k ids are distinct: one slot per token (a repeat is served too)
-    routed = e < num_local  # else the shared expert's program
-    if routed & (tl.sum(hit.to(tl.int32)) == 0):
-        return  # no token picked this expert: not one weight byte read
-    has = tl.where(routed, tl.max(hit.to(tl.int32), axis=1) > 0, tok_ok)  # [TP]: tokens this program serves
-    base = w_ptr + tl.minimum(e, num_local - 1).to(tl.int64) * stride_we
-    if HAS_SHARED:
-        if not routed:
-            base = ws_ptr
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    rows = tl.minimum(offs_n, inter - 1)  # clamped, not masked: the weight stream carries no row predicate
-    offs_k = tl.arange(0, BLOCK_K)  # [BK]
-    g_ptrs = base + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
-    u_ptrs = g_ptrs + inter * stride_wn
-    x_ptrs = x_ptr + tok.to(tl.int64)[:, None, None] * stride_xt + offs_k[None, None, :]  # [TP, 1, BK]
-    x_ok = has[:, None, None]  # [TP, 1, 1]: tokens not served load zeros (their rows are not stored)
-    acc_g = tl.zeros([T_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([T_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        if EVEN_K:
-            xv = tl.load(x_ptrs, mask=x_ok, other=0.0).to(tl.float32)
-            g = tl.load(g_ptrs).to(tl.float32)
-            u = tl.load(u_ptrs).to(tl.float32)
-        else:
-            k_ok = (k0 + offs_k < hidden)[None, :]
-            xv = tl.load(x_ptrs, mask=x_ok & k_ok[None, :, :], other=0.0).to(tl.float32)
-            g = tl.load(g_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-            u = tl.load(u_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-        acc_g += g[None, :, :] * xv
-        acc_u += u[None, :, :] * xv
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-    # SwiGLU-OAI exactly as layers.swiglu_oai: gate clamped above only, up on both sides.
-    gate = tl.minimum(tl.sum(acc_g, axis=2), limit)  # [TP, BN]
-    up = tl.minimum(tl.maximum(tl.sum(acc_u, axis=2), -limit), limit)
-    act = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
-    # one masked [TP, KP, BN] store: routed rows at each hit (t, j); the shared expert's at T*k + t (slot 0)
-    out_row = tl.where(routed, pair, T * TOP_K + tok[:, None] + 0 * slots[None, :])  # [TP, KP]
-    out_ok = tl.where(routed, hit, tok_ok[:, None] & (slots == 0)[None, :])
-    a_ptrs = act_ptr + out_row.to(tl.int64)[:, :, None] * stride_at + offs_n[None, None, :]  # [TP, KP, BN]
-    tl.store(a_ptrs, act.to(act_ptr.dtype.element_ty)[:, None, :],
-             mask=out_ok[:, :, None] & (offs_n < inter)[None, None, :])
 
 
 @triton.jit(do_not_specialize=["T", "e_start"])
@@ -245,32 +163,21 @@ def direct_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1
                    ) -> torch.Tensor:
     """x [T, H], weights [T, k] fp32, idx [T, k] global ids, w13 [E_local, 2I, H], w2 [E_local, H, I] (experts
     e_start..) -> [T, H] in x.dtype: routed_scale * sum of the local pairs (+ the shared expert's output).
-    cfg.block_n / block_k tile gate_up; cfg.down_block_n / down_block_k tile down (0: the same). cfg.direct picks
-    the gate_up kernel: 1 one program per (pair, column tile), 2 one per (expert, column tile), T <= 4 only."""
+    cfg.block_n / block_k tile gate_up; cfg.down_block_n / down_block_k tile down (0: the same)."""
     t, k = idx.shape
     hidden, inter = x.shape[1], w2.shape[2]
     idx = idx.contiguous()  # the kernels read idx[t, j] at t * k + j
     x = x if x.stride(1) == 1 else x.contiguous()
     weights = weights.reshape(-1).float().contiguous()  # [T*k] fp32; no copy when it already is
     s13, s2 = shared if shared is not None else (w13, w2)
-    if cfg.direct not in (1, 2):
-        raise ValueError(f"MoEConfig.direct={cfg.direct} is not a direct path: 1 (pair-major gate_up) or "
-                         f"2 (expert-major, T <= {EM_MAX_T}); 0 takes the sorted path (triton_moe)")
-    if cfg.direct == 2 and t > EM_MAX_T:
-        raise ValueError(f"MoEConfig.direct=2 (expert-major gate_up) serves at most {EM_MAX_T} tokens, got T={t}: "
-                         f"use direct=1 or the sorted path (direct=0) for this step size ({cfg})")
     pairs = t * k + (t if shared is not None else 0)
-    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [pairs, I]; rows of other ranks' pairs unwritten
+    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [pairs, I]
     bn, bk = cfg.block_n, cfg.block_k
-    args = (x, idx, w13, s13, act, t, e_start, w13.shape[0], hidden, inter,
-            x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), float(alpha), float(limit))
-    opts = dict(TOP_K=k, HAS_SHARED=shared is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=hidden % bk == 0,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(x))
-    if cfg.direct == 2:  # one program per (local expert (+ the shared one), column tile)
-        grid = (w13.shape[0] + (shared is not None), triton.cdiv(inter, bn))
-        _direct_gate_up_em_kernel[grid](*args, K_PAD=triton.next_power_of_2(k), T_PAD=EM_T_PAD, **opts)
-    else:  # one program per (pair, column tile)
-        _direct_gate_up_kernel[(pairs, triton.cdiv(inter, bn))](*args, **opts)
+    _direct_gate_up_kernel[(pairs, triton.cdiv(inter, bn))](
+        x, idx, w13, s13, act, t, e_start, w13.shape[0], hidden, inter,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), float(alpha), float(limit),
+        TOP_K=k, HAS_SHARED=shared is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=hidden % bk == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(x))
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     dcfg = cfg.down()
     dbn, dbk = dcfg.block_n, dcfg.block_k

@@ -39,8 +39,7 @@ class MoEConfig:
     num_stages: int = 3
     # 1: the sort-free decode path (`direct.py`): block_n / block_k tile its gate_up GEMV, down_block_n /
     # down_block_k its down + combine, num_stages pipelines their K loops (1: none); block_m and group_m
-    # are unused. 2: the same with an expert-major gate_up (each chosen expert's tiles read once for all
-    # its tokens), for steps of at most 4 tokens only (direct_experts refuses more): a bucket-4 candidate.
+    # are unused.
     direct: int = 0
     # The down GEMM's own column / K tiles, on either path (0: block_n / block_k): its N is H and its K is I,
     # where gate_up's are 2I (block_n gate + block_n up columns) and H, so their best tiles can differ.
