@@ -4,6 +4,7 @@ capture, timing against the roofline, and block-size tuning.
     python benchmarks/moe_kernel.py --json moe.json                # check + time both shapes, ~1-2 min on an H200
     python benchmarks/moe_kernel.py --tune --write --json moe.json # sweep configs first, rewrite the table, < 4 min
     python benchmarks/moe_kernel.py --tune --buckets 1,4 --write   # some buckets only (the rest of the table kept)
+    python benchmarks/moe_kernel.py --shapes m3-mini --profile 1,4,2048   # + per-kernel GPU time at those T
     TRITON_INTERPRET=1 python benchmarks/moe_kernel.py --device cpu --tune   # tiny shape: a smoke test
 
 Shapes: m3-mini (hidden 2048, 32 experts, top-4, intermediate 1024, shared 1024) and m3-8b (hidden 4096,
@@ -102,6 +103,50 @@ def make_layer(shape: Shape, dev: torch.device, dtype: torch.dtype, seed: int):
     moe.experts.to(dtype)
     moe.shared_experts.to(dtype)
     return moe.eval()
+
+
+def profile_step(shape: Shape, layers: list, t: int, tri, dev: torch.device, dtype: torch.dtype,
+                 reps: int = 20) -> dict:
+    """Per-kernel GPU time (us per layer) of the routed path (align, GEMMs, combine) and of the engine's whole
+    layer (fused router, shared expert fused) at T tokens, from torch.profiler over `reps` graph replays of
+    all `layers` (graphs, so no launch gaps of eager mode are counted); logged as a table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from m3eagle.fused import backend as fused_backend
+    from m3eagle.ops import Ops
+
+    x = make_x(shape, t, dev, dtype, seed=t)
+    fused_ops = Ops(attention=None, moe=tri, fused=fused_backend.create("triton"))
+    out: dict = {"T": t}
+    with torch.no_grad():
+        routes = [layer.gate(x) for layer in layers]
+        fns = {"routed": lambda: [routed(tri, la, x, w, idx) for la, (w, idx) in zip(layers, routes)],
+               "engine_layer": lambda: [la.forward_parts(x, fused_ops) for la in layers]}
+        for name, fn in fns.items():
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                fn()
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            graph.replay()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(reps):
+                    graph.replay()
+                torch.cuda.synchronize()
+            per: dict[str, float] = {}
+            for e in prof.events():
+                if e.device_type == torch.autograd.DeviceType.CUDA:
+                    per[e.name] = per.get(e.name, 0.0) + e.device_time / (reps * len(layers))
+            out[name] = dict(sorted(per.items(), key=lambda kv: -kv[1]))
+            log(f"  profile T={t} {name}: {sum(per.values()):.1f} us of kernels per layer")
+            for k, v in out[name].items():
+                log(f"      {v:8.1f} us  {k[:90]}")
+            del graph
+    return out
 
 
 def make_x(shape: Shape, t: int, dev: torch.device, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -457,6 +502,8 @@ def main() -> None:
     ap.add_argument("--buckets", default=None, help="with --tune: comma list of T buckets (default: all)")
     ap.add_argument("--reps", type=int, default=None, help="timed graph replays per measurement (30; CPU 5)")
     ap.add_argument("--json", default=None, help="also write the JSON summary to this file")
+    ap.add_argument("--profile", default=None, metavar="T,T",
+                    help="CUDA: per-kernel GPU time of the routed path and of the engine's layer at these T")
     args = ap.parse_args()
 
     dev = torch.device(args.device)
@@ -534,9 +581,12 @@ def main() -> None:
                 f"{r['layer_us']:>9.1f} {r.get('ref_layer_us', math.nan):>9.1f} {r.get('speedup_vs_ref', math.nan):>7.2f}x "
                 f"{r['routed_GBps']:>11.0f} {r['layer_GBps']:>10.0f} {r['engine_layer_us']:>9.1f} "
                 f"{r['engine_layer_GBps']:>11.0f} {r['routed_TFLOPs']:>8.1f} {r['mm_TFLOPs']:>10.1f}")
-        summary["shapes"].append({"shape": s.name, "hidden": s.hidden, "experts": s.experts, "top_k": s.top_k,
-                                  "inter": s.inter, "shared": s.shared, "checks": checks, "graph": graph,
-                                  "timings": timings})
+        entry = {"shape": s.name, "hidden": s.hidden, "experts": s.experts, "top_k": s.top_k,
+                 "inter": s.inter, "shared": s.shared, "checks": checks, "graph": graph, "timings": timings}
+        if args.profile and dev.type == "cuda":
+            entry["profile"] = [profile_step(s, layers, int(t), impl_for(s, int(t)), dev, dtype)
+                                for t in args.profile.split(",")]
+        summary["shapes"].append(entry)
     summary["ok"] = ok
     summary["wall_s"] = time.perf_counter() - started
     log(f"\n{'all checks passed' if ok else 'SOME CHECKS FAILED'} in {summary['wall_s']:.0f} s")
