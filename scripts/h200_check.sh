@@ -17,7 +17,7 @@
 #    m3eagle/moe/tuned_configs.json as $OUT/tuned_configs.json, so the benches after it use the new table;
 #    MSA=1 runs benchmarks/msa_step.py (MSA vs dense steps, kernel tables at 1k and 16k; MSA_ARGS replaces
 #    those flags, MSA_TIMEOUT its 240 s limit) after the tests; MOE_TUNE_ARGS adds flags to the tune
-#    (e.g. "--buckets 1,4"); GEMV_ARGS runs benchmarks/gemv.py with those flags before stage 4;
+#    (e.g. "--buckets 1,4"), MOE_ARGS flags to every moe_kernel.py run (e.g. "--profile 1,4,2048"); GEMV_ARGS runs benchmarks/gemv.py with those flags before stage 4;
 #    PREFILL=1 runs the embedded bench a second time with --no-prefill-graphs (A/B in one call); TESTS=0 /
 #    EMBEDDED=0 skip the GPU test file / the first embedded bench; TESTS_K selects tests (pytest -k),
 #    TESTS_TIMEOUT replaces their 240 s limit; PDL_TESTS=1 / 0 runs them with M3EAGLE_PDL=1 / 0 (default auto).
@@ -86,10 +86,12 @@ if [[ ${MOE:-1} == 1 ]] && (( SECONDS - t0 < ${MOE_DEADLINE:-330} )); then
   tune=(); [[ ${MOE_TUNE:-0} == 1 ]] && tune=(--tune --write)
   # shellcheck disable=SC2206  # MOE_TUNE_ARGS is a list of flags, e.g. "--buckets 1,4"
   [[ ${MOE_TUNE:-0} == 1 && -n ${MOE_TUNE_ARGS:-} ]] && tune+=(${MOE_TUNE_ARGS})
+  # shellcheck disable=SC2206  # MOE_ARGS too, e.g. "--shapes m3-mini --profile 1,4,2048"
+  [[ -n ${MOE_ARGS:-} ]] && tune+=(${MOE_ARGS})
   timeout 330 python3 benchmarks/moe_kernel.py "${tune[@]}" --json "$W/moe_kernel.json" > /dev/null 2> "$W/moe_kernel.log"
   stamp "moe_kernel ${tune[*]}: exit $?"
   [[ ${MOE_TUNE:-0} == 1 ]] && cp m3eagle/moe/tuned_configs.json "$OUT/"
-  grep -E "best|^ +(T|[0-9]+) |HBM|check" "$W/moe_kernel.log"
+  grep -E "best|^ +(T|[0-9]+) |HBM|check|profile|^ +[0-9.]+ us" "$W/moe_kernel.log"
   pack
 fi
 if (( SECONDS - t0 < ${MINI_DEADLINE:-420} )); then
