@@ -1,13 +1,15 @@
 """Host time of one steady engine step, with the device's work taken out.
 
     python benchmarks/host_step.py [--batch 32] [--k 0] [--steps 200 (100 with --k > 0)] [--repeats 5] [--profile]
+                                   [--stream-text] [--no-fast-paths]
 
 At batch 32 the small models' steps are host-bound on the H200 (the GPU idles half the step while Python
 schedules, packs inputs and processes outputs). This measures exactly that Python: the embedded model on
 the CPU with graph-shaped steps, where every step after warm-up returns the output of an earlier real step
 of the same shape instead of running the model (the host code path is the engine's own: schedule, build,
 commit, process, deltas). Median of --repeats timings of --steps steps; --profile adds cProfile's top 20.
-One JSON line at the end.
+--no-fast-paths runs the engine's general paths (per-row output processing, the general plan) for an A/B in
+one tree. One JSON line at the end.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ def main() -> None:
     ap.add_argument("--stream-text", action="store_true",
                     help="detokenize every token as it comes (the server's streaming path); default: text at the "
                          "end, as LLM.generate and `m3eagle bench` run")
+    ap.add_argument("--no-fast-paths", action="store_true",
+                    help="the general paths only: every row through _process_row, every plan through the general loop")
     a = ap.parse_args()
     if a.steps is None:
         a.steps = 200 if a.k == 0 else 100
@@ -70,6 +74,8 @@ def main() -> None:
     llm = LLM(num_draft_tokens=a.k, device="cpu", max_num_seqs=a.batch, max_model_len=need + 128,
               num_pages=a.batch * -(-(need + 128) // 16) + 16, graph_shapes=True, overlap=True)
     eng = llm.engine
+    if a.no_fast_paths:
+        eng.fast_paths = eng.scheduler.fast_path = False
     sp = SamplingParams(temperature=0, max_tokens=need, ignore_eos=True)
     for i in range(a.batch):
         eng.add_request(list(range(3 + i, 60 + i)), sp, stream_text=a.stream_text)
@@ -89,7 +95,8 @@ def main() -> None:
           f"min {min(times):.3f}, max {max(times):.3f}), {ms / a.batch * 1e3:.1f} us per row", file=sys.stderr)
     if a.profile:
         print_profile(eng, a.steps, 20)
-    print(json.dumps({"batch": a.batch, "k": a.k, "stream_text": a.stream_text, "host_ms_per_step": ms,
+    print(json.dumps({"batch": a.batch, "k": a.k, "stream_text": a.stream_text, "fast_paths": not a.no_fast_paths,
+                      "host_ms_per_step": ms,
                       "samples_ms": times}))
 
 

@@ -95,11 +95,34 @@ class IncrementalDetokenizer:
 
     def extend(self, token_ids: list[int]) -> None:
         """Feed tokens that cannot end the output (the engine checked: no stop strings here), as `add` would
-        one by one."""
+        one by one: the same stream steps, without add's per-token checks, and the text joined once."""
         if self.stop:
             raise RuntimeError("extend() skips the stop-string check; feed a detokenizer with stop strings by add()")
-        for t in token_ids:
-            self.add(t, False)
+        if self.stopped and token_ids:
+            raise RuntimeError("a stopped detokenizer takes no more tokens")
+        stream, tok, pending, pieces = self._stream, self.tokenizer.tok, self.pending, []
+        try:
+            for t in token_ids:
+                try:
+                    piece = stream.step(tok, t)
+                except Exception as e:  # tokenizers raises a bare Exception
+                    piece = self._restart(t, e)
+                    stream = self._stream
+                if piece is None:
+                    pending += 1
+                else:
+                    pending = 0
+                    pieces.append(piece)
+        finally:  # what add() would have left, had it been called per token up to the failing one
+            self.pending = pending
+            if pieces:
+                self.text += "".join(pieces)
+
+    def extended(self, token_ids: list[int]) -> IncrementalDetokenizer:
+        """A fork fed `token_ids` by `extend` (the engine's step transaction, in one call)."""
+        new = self.fork()
+        new.extend(token_ids)
+        return new
 
     def finish(self, token_ids: list[int]) -> None:
         """The output ended: flush text the stream still holds back (a trailing partial character decodes
@@ -152,6 +175,11 @@ class FinalTextDetokenizer:
 
     def extend(self, token_ids: list[int]) -> None:
         self.pending += len(token_ids)
+
+    def extended(self, token_ids: list[int]) -> FinalTextDetokenizer:
+        """`fork` + `extend`: the object itself, with the count."""
+        self.pending += len(token_ids)
+        return self
 
     def finish(self, token_ids: list[int]) -> None:
         self.text = self.tokenizer.decode(token_ids)

@@ -38,7 +38,17 @@ from .graph_runner import GraphRunner
 from .input_builder import StepBuffers
 from .kv_budget import pages_per_seq, resolve_num_pages
 from .model_runner import ModelRunner, StepOutput
-from .request import Logprob, PositionLogprobs, Request, RequestDelta, RequestGroup, RequestOutput, Status
+from .request import (
+    Logprob,
+    PositionLogprobs,
+    Request,
+    RequestDelta,
+    RequestGroup,
+    RequestOutput,
+    Status,
+    StopConditions,
+    per_position_counts,
+)
 from .scheduler import NeedSync, ScheduledBatch, Scheduler
 
 log = logging.getLogger("m3eagle")
@@ -86,16 +96,23 @@ class EngineConfig:
 @dataclass
 class SpecCounters:
     """Running totals of speculation since the engine started (vLLM's spec_decode_* meanings): a verify
-    row is one draft; its K tokens are draft tokens; accepted ones count overall and per position."""
+    row is one draft; its K tokens are draft tokens; accepted ones count overall and per position. Per
+    position they are kept as a histogram of accepted drafts per verify row (one increment per row, not
+    one per accepted position); `accepted_per_pos` derives the counts."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
+    accept_hist: list[int] = field(default_factory=list)  # [K + 1]: verify rows that accepted i drafts
+
+    @property
+    def accepted_per_pos(self) -> list[int]:
+        """[K]: drafts accepted at draft position j (0-based) -- a fresh list, read-only in effect."""
+        return per_position_counts(self.accept_hist)
 
     def snapshot(self) -> SpecCounters:
         return SpecCounters(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                            list(self.accepted_per_pos))
+                            list(self.accept_hist))
 
 
 @dataclass(frozen=True)
@@ -173,7 +190,7 @@ class LLMEngine:
         if tp.is_driver:  # a worker captures when rank 0 tells it to, in rank 0's order
             self.graphs.capture_startup()
         self.eos_ids = set(target.cfg.eos_token_ids)
-        self._max_model_len = cfg.max_model_len  # read per row per step
+        self._max_model_len = cfg.max_model_len  # read into each request's StopConditions
         self._ids = itertools.count()
         self._pending: tuple[ScheduledBatch, StepOutput] | None = None
         self._lock = threading.RLock()  # the step lock
@@ -189,13 +206,16 @@ class LLMEngine:
         self._aborts: list[tuple[Request, str | None]] = []
         # Requests changed since the last step() returned (each gets one delta), in order of change.
         self._touched: dict[str, Request] = {}
-        self.counters = SpecCounters(accepted_per_pos=[0] * k)
+        self.counters = SpecCounters(accept_hist=[0] * (k + 1))
         self._load = EngineLoad()
         self.num_steps = 0
         # Who steps this engine when not the caller of LLM.generate: the server's engine thread sets it while
         # it runs (it alone may call step(); deltas of requests it does not know are dropped).
         self.owner: str | None = None
         self.sync_debug = False  # on CUDA: run execute() under torch.cuda.set_sync_debug_mode("error")
+        # Steady rows of a step without logprobs take `_process_plain`'s tight path; tests turn it off to hold
+        # it equal to the per-row path (tests/test_host_fast_paths.py).
+        self.fast_paths = True
 
     # ---- warm-up ------------------------------------------------------------------------------
     def warmup_shapes(self) -> list[tuple[int, int]]:
@@ -291,14 +311,16 @@ class LLMEngine:
                 req = Request(rid if i == 0 else f"{rid}#{i}", list(prompt_ids), params, seed_i, n, prompt,
                               index=i, group=group)
                 req.proj_known = req.num_known
-                req.accepted_per_position = [0] * self.k
-                req.drafted_per_position = [0] * self.k
+                req.draft_hist, req.accept_hist = [0] * (self.k + 1), [0] * (self.k + 1)
                 if self.tokenizer is not None and not stream_text and not params.stop:
                     req.detok = FinalTextDetokenizer(self.tokenizer)
                 elif self.tokenizer is not None:
                     req.detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
                 else:
                     req.text = None
+                # Read once here (params changed in place later are not seen, as for the sampling constants).
+                req.stops = StopConditions.of(params, len(prompt_ids), self._max_model_len, self.eos_ids,
+                                              req.detok is not None and bool(req.detok.stop))
                 if group is not None:
                     group.members.append(req)
                 self._live[req.request_id] = req
@@ -385,9 +407,24 @@ class LLMEngine:
     def _collect(self) -> list[RequestDelta]:
         touched, self._touched = list(self._touched.values()), {}
         self._publish_load()
-        # A finished request's output rides on its last delta; only samples of n share a request id.
-        last = {r.group_id: i for i, r in enumerate(touched) if r.group is not None}
-        return [self._delta(r, r.group is None or i == last[r.group_id]) for i, r in enumerate(touched)]
+        deltas, last, finished = [], None, Status.FINISHED
+        for i, req in enumerate(touched):
+            if req.group is None and req.status is not finished and req.params.logprobs is None:
+                # `_delta` of a running request of its own without logprobs (no output to build)
+                det, text = req.detok, ""
+                if det is not None and not det.deferred:  # a deferred text is "" until the request finishes
+                    end = det.safe_length(False)
+                    if end > req.num_text_sent:
+                        text, req.num_text_sent = det.text[req.num_text_sent:end], end
+                n0, out = req.num_tokens_sent, req.output_token_ids
+                req.num_tokens_sent = n = len(out)
+                deltas.append(RequestDelta(req.request_id, out[n0:], text, None, req.finish_reason,
+                                           len(req.prompt_token_ids), n, req.error, None, req.index))
+                continue
+            if last is None:  # a finished request's output rides on its last delta; only samples of n share an id
+                last = {r.group_id: j for j, r in enumerate(touched) if r.group is not None}
+            deltas.append(self._delta(req, req.group is None or i == last[req.group_id]))
+        return deltas
 
     def _delta(self, req: Request, last_of_request: bool = True) -> RequestDelta:
         """Everything new since the completion's previous delta; text only up to what no stop can still cut."""
@@ -511,6 +548,9 @@ class LLMEngine:
         new_tokens, num_new = host["new_tokens"].tolist(), host["num_new"].tolist()
         lp = {name: host[name].tolist() for name in host if name.startswith("lp_")} or None
         plp = {name: host[name].tolist() for name in host if name.startswith("plp_")} or None
+        if lp is None and plp is None and self.fast_paths:
+            self._process_plain(batch.rows, new_tokens, num_new)
+            return
         first, any_lp = 0, lp is not None or plp is not None
         finished = Status.FINISHED
         for i, (row, row_tokens, n_new) in enumerate(zip(batch.rows, new_tokens, num_new)):
@@ -533,6 +573,74 @@ class LLMEngine:
             except Exception as e:  # this request's fault (a detokenizer error, say), not the engine's
                 self._fail(req, f"{type(e).__name__}: {e}")
             req.reproject()
+
+    def _process_plain(self, rows: list, new_tokens: list[list[int]], num_new: list[int]) -> None:
+        """`_process` of a step without logprobs. A steady row -- it verified or sampled on the slot buffers
+        (so it is past its prompt) and nothing can end its output inside this step's tokens -- takes a tight
+        path: `_process_row` + `_extend` + `reproject` inlined, the projection adjusted instead of
+        recomputed. Every other row takes `_process_row`, in row order (the order of finishes, frees and
+        deltas is the per-row path's). tests/test_host_fast_paths.py holds the two equal."""
+        finished, release, touched = Status.FINISHED, self.scheduler.release, self._touched
+        c = self.counters
+        hist = c.accept_hist
+        drafts = draft_tokens = accepted = 0  # the engine's totals of the tight rows, added once
+        try:
+            for row, row_tokens, n_new in zip(rows, new_tokens, num_new):
+                req = row.req
+                req.inflight_rows.remove(row)
+                if req.status is finished:
+                    if req.pending_free and not req.inflight_rows:
+                        release(req)
+                    continue
+                if row.gather and row.samples:
+                    tokens = row_tokens[:n_new]
+                    st, out = req.stops, req.output_token_ids
+                    # `_may_stop` with the request's stop conditions read once: no stop id or EOS among the
+                    # tokens, the length limit out of reach, no stop strings.
+                    if len(out) + n_new < st.limit and not st.strings and st.any_id.isdisjoint(tokens):
+                        nd, a = row.num_drafts, n_new - 1
+                        if nd:
+                            acc = nd if a >= nd else (a if a > 0 else 0)
+                            req.num_accepted += a
+                            req.draft_hist[nd] += 1
+                            req.accept_hist[acc] += 1
+                            hist[acc] += 1
+                            drafts += 1
+                            draft_tokens += nd
+                            accepted += a
+                        det = req.detok
+                        if det is not None:
+                            try:  # the detokenizer first: a fault leaves the request as it was (`_extend`)
+                                det = det.extended(tokens)
+                            except Exception as e:  # this request's fault, not the engine's
+                                self._fail(req, f"{type(e).__name__}: {e}")
+                                req.reproject()
+                                continue
+                            req.detok, req.text = det, det.text
+                        out += tokens
+                        touched[req.request_id] = req
+                        req.num_computed += row.num_tokens - nd + a
+                        if a != nd:
+                            # The projection assumed every draft accepted. It is host truth + the folds of
+                            # the rows in flight; those are additive for gather rows, so it moves by exactly
+                            # what host truth moved less than projected. All accepted: it stands as it is.
+                            for r in req.inflight_rows:
+                                if not r.gather:  # a prompt chunk's fold sets the length: recompute
+                                    req.reproject()
+                                    break
+                            else:
+                                req.proj_computed -= nd - a
+                                req.proj_known -= nd - a
+                        continue
+                try:
+                    self._process_row(req, row, row_tokens[:n_new], None)
+                except Exception as e:  # this request's fault (a detokenizer error, say), not the engine's
+                    self._fail(req, f"{type(e).__name__}: {e}")
+                req.reproject()
+        finally:
+            c.num_drafts += drafts
+            c.num_draft_tokens += draft_tokens
+            c.num_accepted_tokens += accepted
 
     def _decode_token(self, t: int) -> str | None:
         return self.tokenizer.decode([t]) if self.tokenizer is not None else None
@@ -571,19 +679,16 @@ class LLMEngine:
             return
         a, nd = len(tokens) - 1, row.num_drafts
         if nd:
-            req.num_verify_steps += 1
-            req.num_drafted += nd
+            # One histogram entry per verify row: nd drafted, acc accepted (positions 0..acc-1).
+            acc = nd if a >= nd else (a if a > 0 else 0)
             req.num_accepted += a
+            req.draft_hist[nd] += 1
+            req.accept_hist[acc] += 1
             c = self.counters
             c.num_drafts += 1
             c.num_draft_tokens += nd
             c.num_accepted_tokens += a
-            drafted, accepted, total = req.drafted_per_position, req.accepted_per_position, c.accepted_per_pos
-            for j in range(nd):
-                drafted[j] += 1
-            for j in range(a if a < nd else nd):
-                accepted[j] += 1
-                total[j] += 1
+            c.accept_hist[acc] += 1
         if self._may_stop(req, tokens):
             self._append(req, tokens, lps)
         else:
@@ -594,12 +699,9 @@ class LLMEngine:
         """Whether anything could end the output inside `tokens`: a stop id or EOS among them, the length
         limit within reach, or stop strings (which only the detokenizer can see). False is exact: then every
         token is kept and the request stays unfinished, which `_extend` does without the per-token checks."""
-        p, det = req.params, req.detok
-        n = len(req.output_token_ids) + len(tokens)
-        return (n >= p.max_tokens or len(req.prompt_token_ids) + n >= self._max_model_len
-                or (det is not None and bool(det.stop))
-                or (not p.ignore_eos and not self.eos_ids.isdisjoint(tokens))
-                or (bool(p.stop_token_ids) and any(t in p.stop_token_ids for t in tokens)))
+        st = req.stops
+        return (len(req.output_token_ids) + len(tokens) >= st.limit or st.strings
+                or not st.any_id.isdisjoint(tokens))
 
     def _extend(self, req: Request, tokens: list[int], lps: list[PositionLogprobs] | None) -> None:
         """`_append` for tokens that cannot end the output (`_may_stop` said so): all of them are kept, with
@@ -607,8 +709,7 @@ class LLMEngine:
         request changes only once that succeeded."""
         det = req.detok
         if det is not None:
-            det = det.fork()
-            det.extend(tokens)
+            det = det.extended(tokens)
         req.output_token_ids += tokens
         if lps is not None:
             req.logprobs += lps
@@ -621,14 +722,12 @@ class LLMEngine:
         of the request's detokenizer, and adopted together only once all of it succeeded. An exception here
         (a tokenizer error) leaves the request exactly as it was. Before min_tokens tokens are out nothing
         stops the output but its length (vLLM; the sampler already gave EOS and stop ids probability 0)."""
-        p = req.params
         out = req.output_token_ids  # appended in place (a copy per step made long outputs quadratic) ...
         n0 = len(out)
         det = req.detok.fork() if req.detok is not None else None
         reason, stop_reason = None, None
-        limit = min(p.max_tokens, self._max_model_len - len(req.prompt_token_ids))
-        # Read once per call, not per token.
-        min_tokens, stop_ids, eos = p.min_tokens, p.stop_token_ids, () if p.ignore_eos else self.eos_ids
+        st = req.stops  # read once per request (add_request)
+        limit, min_tokens, stop_ids, eos = st.limit, st.min_tokens, st.stop_ids, st.eos
         n = n0
         try:
             for t in tokens:

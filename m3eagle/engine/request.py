@@ -99,6 +99,38 @@ class RequestDelta:
         return self.output is not None
 
 
+@dataclass(frozen=True, slots=True)
+class StopConditions:
+    """What can end a request's output, read once from its params when it is added (`of`), so that output
+    processing reads one object instead of five params fields and a length per row per step. NOTE: as for
+    the sampling constants (input_builder.SlotParams), params changed in place after add_request are not seen.
+    """
+
+    limit: int  # the output ends ("length") at this many tokens: max_tokens, or what max_model_len leaves
+    min_tokens: int  # no stop id, EOS or stop string ends the output before this many tokens are out
+    stop_ids: frozenset[int]  # stop_token_ids: they end it with stop_reason = the id
+    eos: frozenset[int]  # EOS ids (empty with ignore_eos): they end it with stop_reason None
+    any_id: frozenset[int]  # stop_ids | eos: one disjointness test tells that no id ends a step's tokens
+    strings: bool  # stop strings: only the detokenizer can see those
+
+    @classmethod
+    def of(cls, params: SamplingParams, prompt_len: int, max_model_len: int, eos_ids: set[int] | frozenset[int],
+           strings: bool) -> StopConditions:
+        stop_ids, eos = frozenset(params.stop_token_ids), frozenset(() if params.ignore_eos else eos_ids)
+        return cls(min(params.max_tokens, max_model_len - prompt_len), params.min_tokens, stop_ids, eos,
+                   stop_ids | eos, strings)
+
+
+def per_position_counts(hist: list[int]) -> list[int]:
+    """Counts per draft position from a histogram of per-step counts: entry j counts the steps whose count
+    exceeded j (hist[i]: steps of count i), a suffix sum of hist[1:]."""
+    out, run = [], 0
+    for h in reversed(hist[1:]):
+        run += h
+        out.append(run)
+    return out[::-1]
+
+
 # eq=False: a request is its identity. The generated __eq__ compares every field (token lists included),
 # and queues test membership with it: that was half of the host's time per step at batch 32.
 @dataclass(eq=False)
@@ -132,12 +164,12 @@ class Request:
     # What the deltas have handed out so far.
     num_tokens_sent: int = 0
     num_text_sent: int = 0
-    # speculative metrics
-    num_drafted: int = 0
+    # speculative metrics: per verify step one increment of each histogram, by the step's number of drafts and
+    # of accepted drafts (K + 1 entries each; the per-position counts and totals are derived from them)
     num_accepted: int = 0
-    num_verify_steps: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    drafted_per_position: list[int] = field(default_factory=list)
+    draft_hist: list[int] = field(default_factory=list)
+    accept_hist: list[int] = field(default_factory=list)
+    stops: StopConditions | None = None  # set by LLMEngine.add_request
     # n samples: completion `index` of the request `group` (SamplingParams.n); the group's id is the user's.
     index: int = 0
     group: RequestGroup | None = None
@@ -145,6 +177,26 @@ class Request:
     # (0 when it computes everything). Reset by preemption and recovery.
     fork_src: Request | None = None
     fork_len: int = 0
+
+    @property
+    def num_verify_steps(self) -> int:
+        """Steps in which this request verified drafts."""
+        return sum(self.draft_hist[1:])
+
+    @property
+    def num_drafted(self) -> int:
+        """Draft tokens proposed to the target."""
+        return sum(i * h for i, h in enumerate(self.draft_hist))
+
+    @property
+    def drafted_per_position(self) -> list[int]:
+        """Draft tokens proposed at draft position j (0-based), per j: a fresh list."""
+        return per_position_counts(self.draft_hist)
+
+    @property
+    def accepted_per_position(self) -> list[int]:
+        """Draft tokens accepted at draft position j (0-based), per j: a fresh list."""
+        return per_position_counts(self.accept_hist)
 
     @property
     def inflight(self) -> int:

@@ -35,7 +35,7 @@ class NeedSync(Exception):
 class ScheduledRow:
     req: Request
     start: int  # first position (host-projected)
-    tokens: list[int]  # host-known ids (placeholders where `gather` is set)
+    tokens: list[int] | tuple[int, ...]  # host-known ids (placeholders where `gather` is set); read-only
     num_drafts: int  # drafts appended to this row (0 or K)
     samples: bool  # the row reaches the end of the known tokens -> sample / verify
     gather: bool  # first token + drafts come from the device slot buffers
@@ -75,6 +75,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots = list(range(max_num_seqs))[::-1]
+        # The steady state's plan skips the general loop (`_schedule_steady`); tests turn it off to hold the
+        # two equal (tests/test_host_fast_paths.py).
+        self.fast_path = True
 
     # ---- queue management --------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -176,6 +179,53 @@ class Scheduler:
         return ScheduledRow(req, start, ids[start:start + n], 0, samples, False, False, 0 if samples else ids[start + n])
 
     def schedule(self) -> ScheduledBatch:
+        """The next step's rows: `_schedule_steady` when it applies, else the general plan (`_schedule`)."""
+        if self.fast_path and not self.waiting:
+            batch = self._schedule_steady()
+            if batch is not None:
+                return batch
+        return self._schedule()
+
+    def _schedule_steady(self) -> ScheduledBatch | None:
+        """The steady state's plan without the general loop, or None where it does not apply: nothing waits,
+        every running request continues on its slot buffers (one known token: last emitted + K drafts), all
+        of them fit the token budget with K drafts each, and the pages they need are free. Then the general
+        plan would give each request exactly this row, allocate the same pages in the same order, and
+        preempt nobody. Decides before it mutates: None leaves everything as it was."""
+        k1 = self.k + 1
+        running = self.running
+        if len(running) * k1 > self.max_num_tokens:
+            return None
+        rows: list[ScheduledRow] = []
+        grow: list[tuple[Request, int]] = []
+        running_, k, edge = Status.RUNNING, self.k, self.k + 1 + self._lookahead
+        new_row, ids = object.__new__, (0,) * k1  # the ids are placeholders: one tuple for the step's rows
+        page_size, num_grow = self._page_size, 0
+        for req in running:
+            if req.status is not running_:  # finished, its pages waiting for the step in flight
+                continue
+            start = req.proj_computed
+            if req.proj_known - start != 1 or not req.slot_valid:
+                return None
+            # ScheduledRow(req, start, ids, k, True, True, bool(req.inflight_rows), 0), without the call
+            row = new_row(ScheduledRow)
+            row.req, row.start, row.tokens, row.num_drafts, row.samples, row.gather = req, start, ids, k, True, True
+            row.correct, row.next_token, row.num_tokens, row.kv_len = bool(req.inflight_rows), 0, k1, start + k1
+            if start + edge > len(req.pages) * page_size:  # `_pages_needed`'s steady test, inlined
+                need = self._pages_needed(req, row.kv_len)
+                if need:
+                    grow.append((req, need))
+                    num_grow += need
+            rows.append(row)
+        if num_grow > self.pool.num_free:
+            return None
+        for req, need in grow:
+            req.pages += self.pool.allocate(req.request_id, need)
+        return ScheduledBatch(rows, [])
+
+    def _schedule(self) -> ScheduledBatch:
+        """The general plan: running requests first (FCFS), preempting the newest when pages run out, then
+        waiting ones while budget, pages and slots last."""
         budget = self.max_num_tokens
         rows: list[ScheduledRow] = []
         preempted: list[Request] = []
@@ -236,10 +286,13 @@ class Scheduler:
 
     def commit(self, batch: ScheduledBatch) -> None:
         """The batch was launched: project every row's effect (all drafts accepted)."""
-        for row in batch.rows:
-            row.req.project(row)
+        for row in batch.rows:  # Request.project inlined (once per row per step)
+            req = row.req
+            req.inflight_rows.append(row)
+            req.proj_computed = (req.proj_computed if row.gather else row.start) + row.num_tokens
             if row.samples:
-                row.req.slot_valid = True
+                req.proj_known += 1 + row.num_drafts
+                req.slot_valid = True
 
     def table_snapshot(self) -> dict[str, list[int]]:
         """Request id -> pages held, for every running request (finished ones awaiting a free included)."""
