@@ -1,5 +1,5 @@
 """Where the host spends a steady decode step (GPU): cProfile over engine.step() at batch 1 and 32, plain and
-K=3, plus the host cost of one CUDA-graph replay call. Usage: python scripts/profile_host.py
+K=3, plus the host cost of one CUDA-graph replay call. Usage: python scripts/profile_host.py [--time-only]
 
 With --eager-prefill: where an eager prompt step's time goes instead -- batches of 128-token prompts (1 and
 16 rows) with max_tokens=1 and prefill graphs off, timed, then under cProfile (host) and torch.profiler
@@ -70,6 +70,7 @@ def main() -> None:
     if "--eager-prefill" in sys.argv[1:]:
         eager_prefill()
         return
+    time_only = "--time-only" in sys.argv[1:]  # the steady step's wall time only (A/B runs), no cProfile
     for k in (0, 3):
         llm = LLM(device="cuda", num_draft_tokens=k, max_num_seqs=32, max_model_len=2048)
         eng = llm.engine
@@ -85,15 +86,16 @@ def main() -> None:
                 eng.step()
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) / n * 1e3
-            pr = cProfile.Profile()
-            pr.enable()
-            for _ in range(n):
-                eng.step()
-            pr.disable()
-            s = io.StringIO()
-            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(14)
             print(f"=== K={k} batch {b}: {wall:.3f} ms per step (no profiler); replays {eng.graphs.num_replays}")
-            print("\n".join(s.getvalue().splitlines()[4:26]))
+            if not time_only:
+                pr = cProfile.Profile()
+                pr.enable()
+                for _ in range(n):
+                    eng.step()
+                pr.disable()
+                s = io.StringIO()
+                pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(14)
+                print("\n".join(s.getvalue().splitlines()[4:26]))
             for rid in ids:
                 eng.abort(rid)
             eng.run()
