@@ -395,3 +395,68 @@ def test_tuning_table_is_well_formed():
     assert tuning.get_config(1, 32, 2048, 1024, 4, torch.bfloat16, cpu).block_m == 16
     assert tuning.get_config(8192, 32, 2048, 1024, 4, torch.bfloat16, cpu).block_m == 64
     assert tuning.bucket(1) == 1 and tuning.bucket(300) == 512 and tuning.bucket(10 ** 6) == tuning.BUCKETS[-1]
+
+
+# ---- inline alignment (MoEConfig.inline_align: each GEMM program derives its block's rows) ----------------
+
+INLINE = MoEConfig(block_m=16, block_n=32, block_k=16, group_m=1, inline_align=1)
+
+
+@pytest.mark.parametrize("t,k", [(1, 2), (2, 3), (4, 4), (5, 1)])
+@pytest.mark.parametrize("shared", [False, True])
+def test_inline_alignment_is_bit_equal_to_the_align_launch(t, k, shared):
+    """The in-kernel layout is align's: act rows, contributions and the output equal the align path to the
+    bit, with and without the shared expert, and the output equals the reference."""
+    w13, w2 = make_weights(40 + t)
+    s13, s2 = make_weights(50 + t, e=1)
+    sh = (s13[0], s2[0]) if shared else None
+    x, w, idx = make_routing(60 + t, t, k)
+    plain = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=SMALL, shared=sh, routed_scale=1.5)
+    inline = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=INLINE, shared=sh, routed_scale=1.5)
+    assert torch.equal(plain, inline)
+    ref = reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT) * 1.5
+    if shared:
+        ref = ref + reference.experts(x, torch.ones(t, 1), torch.zeros(t, 1, dtype=torch.long), s13, s2, ALPHA, LIMIT)
+    assert_close(inline, ref)
+    # the intermediate buffers too: the same rows written with the same values
+    al, il = align(idx, 0, E, 16, shared=shared), triton_moe.inline_layout(idx, 0, E, 16, shared)
+    assert il is not None and il.inline and il.max_blocks == al.max_blocks
+    a1 = triton_moe.gate_up(x, w13, al, k, ALPHA, LIMIT, SMALL, s13[0] if shared else None)
+    a2 = triton_moe.gate_up(x, w13, il, k, ALPHA, LIMIT, SMALL, s13[0] if shared else None)
+    live = al.sorted_ids < al.num_pairs
+    assert torch.equal(a1[live], a2[live])
+
+
+def test_inline_alignment_edge_cases():
+    """Every token on one expert (a segment over several blocks), experts without tokens, repeated ids of
+    one token, expert subsets (other ranks' pairs placed nowhere): equal to the align path to the bit."""
+    w13, w2 = make_weights(70)
+    x, w, _ = make_routing(71, 4, 2)
+    cases = [torch.full((4, 2), 5), torch.tensor([[1, 2], [1, 2], [2, 1], [1, 6]])]
+    for idx in cases:
+        want = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=SMALL)
+        assert torch.equal(triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=INLINE), want)
+    x, w, idx = make_routing(72, 4, 3)
+    for rng in [(0, 3), (3, 8), (2, 5)]:
+        want = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, rng, config=SMALL)
+        got = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, rng, config=INLINE)
+        assert torch.equal(got, want), rng
+    # local shards: the kernels see only experts [e0, e1)
+    e0, e1 = 2, 6
+    got = triton_moe.fused_experts(x, w, idx, w13[e0:e1], w2[e0:e1], ALPHA, LIMIT, (e0, e1), config=INLINE)
+    assert torch.equal(got, triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (e0, e1), config=SMALL))
+
+
+def test_inline_alignment_falls_back_past_its_tile():
+    """A step whose [pairs, experts] tile is over align.INLINE_TILE takes the align launch (same result);
+    the config round-trips through the table format."""
+    from m3eagle.moe.align import INLINE_TILE
+
+    idx = torch.zeros(INLINE_TILE // 16 + 1, 1, dtype=torch.long)  # > INLINE_TILE / 16 pairs, 16 columns
+    assert triton_moe.inline_layout(idx, 0, E, 16) is None
+    assert triton_moe.inline_layout(idx[:4], 0, E, 16) is not None
+    w13, w2 = make_weights(73)
+    x, w, idx = make_routing(74, 600, 1)
+    assert torch.equal(triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=INLINE),
+                       triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=SMALL))
+    assert MoEConfig.from_dict(INLINE.to_dict()) == INLINE and "inline_align" not in SMALL.to_dict()
