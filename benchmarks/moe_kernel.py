@@ -43,7 +43,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -409,7 +409,7 @@ def candidates(bucket: int, dev: torch.device):
     direct += [C(16, bn, bk, num_stages=st, direct=1, down_block_n=dbn, down_block_k=dbk, num_warps=4)
                for bn, bk in ((2, 1024), (8, 256)) for dbn, dbk in ((8, 256), (4, 512)) for st in (2, 3)]
     if dev.type != "cuda":  # interpreter smoke test: cheap configs
-        return [C(16, 32, 32, 1, 4, 3), C(32, 16, 64, 4, 4, 3), C(16, 32, 32, 1, 4, 3, inline_align=1)] + (
+        return [C(16, 32, 32, 1, 4, 3), C(32, 16, 64, 4, 4, 3)] + (
             [C(16, 16, 32, num_stages=1, direct=1, down_block_n=8, down_block_k=32)] if bucket <= 4 else [])
     decode = [C(16, 16, 128, 1, 2, 4), C(16, 16, 256, 1, 4, 3), C(16, 32, 128, 1, 2, 4),
               C(16, 32, 64, 1, 4, 4), C(16, 32, 128, 1, 4, 4), C(16, 32, 256, 1, 4, 3), C(16, 64, 64, 1, 4, 4),
@@ -426,12 +426,10 @@ def candidates(bucket: int, dev: torch.device):
     prefill += [C(bm, bn, bk, g, w, st, down_block_n=dbn, down_block_k=dbk)
                 for bm, bn, bk, g, w, st in ((128, 128, 64, 16, 8, 3), (128, 128, 64, 8, 8, 3), (64, 256, 64, 8, 8, 3))
                 for dbn, dbk in ((64, 64), (256, 64), (128, 128), (64, 128), (256, 32)) if (dbn, dbk) != (bn, bk)]
-    # decode-sized steps: the same tiles with the align launch folded into the GEMM programs (inline_align)
-    inline = [replace(c, inline_align=1) for c in decode] if bucket <= 16 else []
     if bucket <= 4:
-        return decode + inline + direct
+        return decode + direct
     if bucket < 256:
-        return decode + inline
+        return decode
     if bucket == 256:
         return decode + [c for c in prefill if c not in decode]
     return prefill

@@ -75,7 +75,6 @@ def workload() -> None:
     from m3eagle import LLM, SamplingParams
     from m3eagle.fused import gemv
     from m3eagle.moe import triton_moe
-    from m3eagle.moe.tuning import MoEConfig
 
     llm = LLM(None, device="cpu", dtype="bfloat16", attention_backend="triton", moe_backend="triton",
               fused_backend="triton", num_draft_tokens=3, page_size=16, max_model_len=256)
@@ -83,7 +82,7 @@ def workload() -> None:
     long_prompt = [(7 * i + 3) % 500 + 5 for i in range(80)]  # > 4 blocks of 16: the sparse path
     llm.generate([long_prompt, [12, 13, 14]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0.8, seed=1, max_tokens=3, ignore_eos=True))
-    # paths the run does not take: split-K and tl.dot GEMV, an expert subset of the MoE, inline alignment
+    # paths the run does not take: split-K and tl.dot GEMV, an expert subset of the MoE
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(8, 256, generator=g).bfloat16(), torch.randn(96, 256, generator=g).bfloat16()
     counters = gemv.SplitCounters()
@@ -93,10 +92,6 @@ def workload() -> None:
     xs = torch.randn(5, 64, generator=g).bfloat16()
     idx = torch.argsort(torch.rand(5, 8, generator=g), 1)[:, :2]
     triton_moe.fused_experts(xs, torch.full((5, 2), 0.5), idx, w13, w2, 1.702, 7.0, (2, 6))
-    # the sorted path with its alignment derived inside the GEMM programs (inline_align), shared expert fused
-    inline = MoEConfig(block_m=16, block_n=64, block_k=64, inline_align=1)
-    triton_moe.fused_experts(xs[:4], torch.full((4, 2), 0.5), idx[:4], w13, w2, 1.702, 7.0, config=inline,
-                             shared=(w13[0], w2[0]))
 
 
 def main() -> int:

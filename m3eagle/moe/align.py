@@ -45,22 +45,13 @@ from ..pdl import pdl_wait
 
 @dataclass
 class Alignment:
-    sorted_ids: torch.Tensor | None  # [max_blocks * block_m] int32, pair ids or num_pairs (padding)
-    block_expert: torch.Tensor | None  # [max_blocks] int32, local expert or -1
-    num_blocks: torch.Tensor | None  # [1] int32, blocks in use
+    sorted_ids: torch.Tensor  # [max_blocks * block_m] int32, pair ids or num_pairs (padding)
+    block_expert: torch.Tensor  # [max_blocks] int32, local expert or -1
+    num_blocks: torch.Tensor  # [1] int32, blocks in use
     block_m: int
     max_blocks: int  # host int: the static grid bound
     num_pairs: int  # T*k, or T*(k+1) with a shared expert
     routed_pairs: int  # T*k: pair ids from here on are the shared expert's (one per token)
-    # `inline_layout`: no buffers above; the GEMM programs derive their block's rows from idx (flat, [T*k])
-    idx: torch.Tensor | None = None
-    e_start: int = 0
-    e_pad: int = 0  # the in-kernel layout's tile: [p_pad pairs, e_pad local columns]
-    p_pad: int = 0
-
-    @property
-    def inline(self) -> bool:
-        return self.sorted_ids is None
 
 
 def max_blocks(num_pairs: int, num_local: int, block_m: int) -> int:
@@ -77,32 +68,6 @@ def _pair_expert(idx_ptr, offs, num_pairs, routed_pairs, e_start, num_local):
     e = tl.load(idx_ptr + offs, mask=ok & ~shared, other=-1).to(tl.int32) - e_start
     e = tl.where(ok & (e >= 0) & (e < n_routed), e, -1)  # -1 matches no column
     return tl.where(shared, num_local - 1, e)
-
-
-@triton.jit
-def inline_rows(idx_ptr, pid_m, num_pairs, routed_pairs, e_start, num_local,
-                BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr):
-    """Row block pid_m of the layout `align` writes, derived from idx in registers by the program that needs
-    it (steps of at most P_PAD pairs; `inline_layout`): (pair ids [BLOCK_M], num_pairs for padding rows;
-    the block's local column; whether the block is in use). The same stable order as `_place_kernel`'s
-    single-chunk case: segments by column, pairs in idx order within one, each padded to BLOCK_M."""
-    offs = tl.arange(0, P_PAD)
-    experts = tl.arange(0, E_PAD)
-    e = _pair_expert(idx_ptr, offs, num_pairs, routed_pairs, e_start, num_local)  # [P_PAD], -1: placed nowhere
-    hit = (e[:, None] == experts[None, :]).to(tl.int32)  # [P_PAD, E_PAD], one 1 per placed pair
-    padded = (tl.sum(hit, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E_PAD]
-    seg_end = tl.cumsum(padded, 0)
-    seg_start = seg_end - padded
-    rank = tl.cumsum(hit, 0) - hit  # pairs of the same column before this one
-    dest = tl.where(e >= 0, tl.sum(hit * (rank + seg_start[None, :]), 1), -1)  # [P_PAD] row of each pair
-    first = pid_m * BLOCK_M
-    rows = first + tl.arange(0, BLOCK_M)
-    match = dest[None, :] == rows[:, None]  # [BLOCK_M, P_PAD]
-    found = tl.sum(match.to(tl.int32), 1) > 0
-    pair = tl.where(found, tl.sum(tl.where(match, offs[None, :], 0), 1), num_pairs)
-    inside = (first >= seg_start) & (first < seg_end)  # [E_PAD]: the segment holding the block's first row
-    column = tl.sum(tl.where(inside, experts, 0), 0)
-    return pair, column, first < tl.sum(padded, 0)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "routed_pairs", "e_start"])
@@ -180,28 +145,6 @@ def _place_kernel(idx_ptr, hist_ptr, sorted_ptr, block_expert_ptr, num_blocks_pt
         tl.store(sorted_ptr + p, tl.full([CHUNK], 0, tl.int32) + num_pairs, mask=in_share & ~real)
         tl.store(block_expert_ptr + p // BLOCK_M, tl.where(has_seg, seg_e, -1),
                  mask=in_share & (p % BLOCK_M == 0))
-
-
-INLINE_TILE = 8192  # the in-kernel layout's [pairs, columns] one-hot tile, at most (registers per program)
-
-
-def inline_layout(idx: torch.Tensor, e_start: int, num_local: int, block_m: int,
-                  shared: bool = False) -> Alignment | None:
-    """The alignment of `align` without its launch: nothing is written, each GEMM program derives its row
-    block from idx (`inline_rows`), so a decode step saves the place kernel. None when the step's pairs and
-    local columns do not fit one register tile (then `align`)."""
-    flat = idx.reshape(-1)
-    if flat.dtype not in (torch.int32, torch.int64):
-        flat = flat.to(torch.int64)
-    flat = flat.contiguous()
-    routed = flat.numel()
-    n = routed + (idx.shape[0] if shared else 0)
-    cols = num_local + int(shared)
-    e_pad = max(16, triton.next_power_of_2(max(1, cols)))
-    p_pad = max(16, triton.next_power_of_2(max(1, n)))
-    if e_pad * p_pad > INLINE_TILE:
-        return None
-    return Alignment(None, None, None, block_m, max_blocks(n, cols, block_m), n, routed, flat, e_start, e_pad, p_pad)
 
 
 def align(idx: torch.Tensor, e_start: int, num_local: int, block_m: int, chunk: int | None = None,

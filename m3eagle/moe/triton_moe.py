@@ -1,8 +1,6 @@
 """Fused routed experts from Triton kernels: only the chosen experts are computed.
 
-    idx [T, k] ──align──► sorted_ids / block_expert / num_blocks   (align.py: by expert, padded to block_m;
-                                                                    `inline_align`: each GEMM program derives
-                                                                    its own block's rows, no align launch)
+    idx [T, k] ──align──► sorted_ids / block_expert / num_blocks   (align.py: by expert, padded to block_m)
     x [T, H] ──_gate_up_kernel──► act [max_blocks * block_m, I]     grouped GEMM, SwiGLU-OAI in the epilogue
     act ──_down_kernel──► contrib [T * k, H]                         grouped GEMM, times the routing weight
     contrib ──_combine_kernel──► out [T, H]                          sum over k in fp32, fixed order
@@ -30,7 +28,7 @@ import triton.language as tl
 from .. import pdl
 from ..pdl import pdl_wait
 from . import direct, tuning
-from .align import Alignment, align, inline_layout, inline_rows
+from .align import Alignment, align
 from .reference import local_experts
 from .tuning import MoEConfig
 
@@ -63,14 +61,13 @@ def _expert_base(w_ptr, ws_ptr, expert, stride_we, shared_col, HAS_SHARED: tl.co
     return base
 
 
-@triton.jit(do_not_specialize=["num_pairs", "routed_pairs", "max_blocks", "e_start"])
-def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr, idx_ptr,
-                    num_pairs, routed_pairs, shared_col, max_blocks, e_start, hidden, inter,
+@triton.jit(do_not_specialize=["num_pairs", "routed_pairs", "max_blocks"])
+def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
+                    num_pairs, routed_pairs, shared_col, max_blocks, hidden, inter,
                     stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_am, stride_ai,
                     alpha, limit,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr, INLINE: tl.constexpr,
-                    E_PAD: tl.constexpr, P_PAD: tl.constexpr, PDL: tl.constexpr):
+                    GROUP_M: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
     """act[r, n] = swiglu_oai(x[token(r)] @ [gate_n; up_n]) for the rows r of one block of one expert.
 
     gate_up_proj [E, 2I, H] holds gate rows 0..I-1 then up rows I..2I-1; a program computes block_n gate
@@ -78,20 +75,13 @@ def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, block_expert_ptr,
     routed_pairs on are the shared expert's (ws_ptr [2I, H]): token = pair - routed_pairs."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     pid_m, pid_n = _block_coords(tl.program_id(0), max_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
-    if INLINE:  # align's layout of this block, derived here (align.inline_rows): no align launch
-        pair, expert, used = inline_rows(idx_ptr, pid_m, num_pairs, routed_pairs, e_start,
-                                         shared_col + HAS_SHARED, BLOCK_M, E_PAD, P_PAD)
-        if not used:
-            return
-    else:
-        if pid_m >= tl.load(num_blocks_ptr):
-            return
-        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        expert = tl.load(block_expert_ptr + pid_m)
-    expert = expert.to(tl.int64)
+    if pid_m >= tl.load(num_blocks_ptr):
+        return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
     valid = pair < num_pairs  # padding rows load zeros and are not stored
     token = tl.where(pair < routed_pairs, pair // TOP_K, pair - routed_pairs).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     w_base = _expert_base(w_ptr, ws_ptr, expert, stride_we, shared_col, HAS_SHARED)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -120,13 +110,12 @@ def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, block_expert_ptr,
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs", "routed_pairs", "max_blocks", "e_start"])
+@triton.jit(do_not_specialize=["num_pairs", "routed_pairs", "max_blocks"])
 def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
-                 idx_ptr, num_pairs, routed_pairs, shared_col, max_blocks, e_start, hidden, inter, routed_scale,
+                 num_pairs, routed_pairs, shared_col, max_blocks, hidden, inter, routed_scale,
                  stride_am, stride_ai, stride_we, stride_wh, stride_wi, stride_cp, stride_ch,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr, INLINE: tl.constexpr, E_PAD: tl.constexpr,
-                 P_PAD: tl.constexpr, PDL: tl.constexpr):
+                 DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
     """contrib[pair(r)] = weight(pair(r)) * (act[r] @ down_proj[e]^T) for the rows r of one block; a routed
     pair's weight is its routing weight times routed_scale, a shared-expert pair's is 1.
 
@@ -136,19 +125,12 @@ def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, b
     per pair, below the reference's own bf16 error."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     pid_m, pid_n = _block_coords(tl.program_id(0), max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
-    if INLINE:  # align's layout of this block, derived here (align.inline_rows): no align launch
-        pair, expert, used = inline_rows(idx_ptr, pid_m, num_pairs, routed_pairs, e_start,
-                                         shared_col + HAS_SHARED, BLOCK_M, E_PAD, P_PAD)
-        if not used:
-            return
-    else:
-        if pid_m >= tl.load(num_blocks_ptr):
-            return
-        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        expert = tl.load(block_expert_ptr + pid_m)
-    expert = expert.to(tl.int64)
+    if pid_m >= tl.load(num_blocks_ptr):
+        return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
     valid = pair < num_pairs
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     w_base = _expert_base(w_ptr, ws_ptr, expert, stride_we, shared_col, HAS_SHARED)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -219,14 +201,6 @@ def _shared_weights(shared: Shared | None, w13: torch.Tensor, w2: torch.Tensor,
     return s13, s2
 
 
-def _layout_args(al: Alignment) -> tuple[torch.Tensor, ...]:
-    """The kernels' sorted_ptr, block_expert_ptr, num_blocks_ptr and idx_ptr: align's buffers and (unread)
-    sorted_ids as idx, or, inline, idx for all four (only idx is read)."""
-    if al.inline:
-        return al.idx, al.idx, al.idx, al.idx
-    return al.sorted_ids, al.block_expert, al.num_blocks, al.sorted_ids
-
-
 def gate_up(x: torch.Tensor, w13: torch.Tensor, al: Alignment, top_k: int, alpha: float, limit: float,
             cfg: MoEConfig, shared_gate_up: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] -> act [max_blocks * block_m, I] (rows of padding entries unwritten).
@@ -237,13 +211,13 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, al: Alignment, top_k: int, alpha
     act = torch.empty(al.max_blocks * al.block_m, inter, dtype=x.dtype, device=x.device)
     grid = (al.max_blocks * triton.cdiv(inter, cfg.block_n),)
     _gate_up_kernel[grid](
-        x, w13, ws, act, *_layout_args(al), al.num_pairs, al.routed_pairs,
-        w13.shape[0], al.max_blocks, al.e_start,
+        x, w13, ws, act, al.sorted_ids, al.block_expert, al.num_blocks, al.num_pairs, al.routed_pairs,
+        w13.shape[0], al.max_blocks,
         x.shape[1], inter, x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
         act.stride(0), act.stride(1), float(alpha), float(limit),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        DOT_PREC=_dot_precision(x.dtype), HAS_SHARED=shared_gate_up is not None, INLINE=al.inline,
-        E_PAD=al.e_pad, P_PAD=al.p_pad, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(x))
+        DOT_PREC=_dot_precision(x.dtype), HAS_SHARED=shared_gate_up is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(x))
     return act
 
 
@@ -258,13 +232,13 @@ def down(act: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, al: Alignme
     contrib = torch.empty(al.num_pairs, hidden, dtype=act.dtype, device=act.device)
     grid = (al.max_blocks * triton.cdiv(hidden, cfg.block_n),)
     _down_kernel[grid](
-        act, w2, ws, contrib, weights, *_layout_args(al), al.num_pairs,
-        al.routed_pairs, w2.shape[0], al.max_blocks, al.e_start, hidden, inter, float(routed_scale),
+        act, w2, ws, contrib, weights, al.sorted_ids, al.block_expert, al.num_blocks, al.num_pairs,
+        al.routed_pairs, w2.shape[0], al.max_blocks, hidden, inter, float(routed_scale),
         act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         contrib.stride(0), contrib.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        DOT_PREC=_dot_precision(act.dtype), HAS_SHARED=shared_down is not None, INLINE=al.inline,
-        E_PAD=al.e_pad, P_PAD=al.p_pad, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(act))
+        DOT_PREC=_dot_precision(act.dtype), HAS_SHARED=shared_down is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(act))
     return contrib
 
 
@@ -308,9 +282,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gat
     if cfg.direct and direct.usable(w13, w2, shared):  # few tokens: no sort, two launches
         return direct.direct_experts(x, weights, idx, w13, w2, e0, alpha, limit, cfg,
                                      (s13, s2) if shared is not None else None, routed_scale)
-    al = inline_layout(idx, e0, num_local, cfg.block_m, shared is not None) if cfg.inline_align else None
-    if al is None:
-        al = align(idx, e0, num_local, cfg.block_m, shared=shared is not None)
+    al = align(idx, e0, num_local, cfg.block_m, shared=shared is not None)
     act = gate_up(x, w13, al, k, alpha, limit, cfg, s13 if shared is not None else None)
     contrib = down(act, w2, weights, al, cfg.down(), s2 if shared is not None else None, routed_scale)
     return combine(contrib, idx, e0, num_local, x.dtype, shared is not None)

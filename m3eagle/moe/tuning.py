@@ -45,9 +45,6 @@ class MoEConfig:
     # where gate_up's are 2I (block_n gate + block_n up columns) and H, so their best tiles can differ.
     down_block_n: int = 0
     down_block_k: int = 0
-    # 1: the sorted path skips the align launch: each GEMM program derives its row block's pairs from idx
-    # in registers (align.inline_layout / inline_rows; steps whose [pairs, experts] tile fits, else align).
-    inline_align: int = 0
 
     def down(self) -> MoEConfig:
         """The config the sorted path's down GEMM runs with (block_m, group_m, warps, stages shared)."""
@@ -63,7 +60,7 @@ class MoEConfig:
     def to_dict(self) -> dict:
         """Fields at their defaults are left out, so the table's sorted-path rows stay as they were."""
         d = asdict(self)
-        for f in ("direct", "down_block_n", "down_block_k", "inline_align"):
+        for f in ("direct", "down_block_n", "down_block_k"):
             if d[f] == 0:
                 del d[f]
         return d
