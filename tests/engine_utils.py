@@ -1,6 +1,9 @@
-"""Engine test helpers shared by several test modules: the page-leak check and a preemption counter."""
+"""Engine test helpers shared by several test modules: the page-leak check, a preemption counter and the
+chi-square survival function of the distribution tests."""
 
 from __future__ import annotations
+
+import torch
 
 from m3eagle import LLM
 
@@ -51,3 +54,10 @@ class Counters:
                 raise
 
         sched._preempt, sched.schedule = counted_preempt, counted_schedule
+
+
+def chi2_sf(x: float, df: int) -> float:
+    """The chi-square survival function P(X >= x) with df degrees of freedom: Q(df / 2, x / 2), the
+    regularized upper incomplete gamma, which torch has -- exact, and the tests need no scipy."""
+    return torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                   torch.tensor(x / 2, dtype=torch.float64)).item()

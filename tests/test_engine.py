@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_utils import Counters, assert_clean
+from engine_utils import Counters, assert_clean, chi2_sf
 
 from m3eagle import LLM, SamplingParams
 
@@ -172,12 +172,7 @@ def chi_square_passes(counts: dict, probs: dict, alpha: float = 1e-3) -> bool:
     n = sum(counts.values())
     x = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in probs.items())
     df = len(probs) - 1
-    try:
-        from scipy.stats import chi2
-
-        return chi2.sf(x, df) > alpha
-    except ImportError:  # Wilson-Hilferty: the p = 0.001 critical value
-        return x < df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3
+    return chi2_sf(x, df) > alpha
 
 
 def sample_continuations(llm: LLM, prompt: list[int], n: int, depth: int, top_k: int, temperature: float,

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from engine_utils import chi2_sf
 
 from m3eagle.sampling.params import SamplingParams
 from m3eagle.sampling.sampler import (
@@ -46,10 +47,7 @@ def chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
 
 def passes_chi_square(tokens: torch.Tensor, probs: torch.Tensor, alpha: float = 1e-3) -> bool:
     x, df = chi_square(tokens, probs)
-    # chi2.sf(x, df) is the regularized upper incomplete gamma Q(df / 2, x / 2): torch has it, so the test
-    # needs no scipy (a fixed table of critical values covered only df <= 9 and failed without scipy).
-    sf = torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(x / 2, dtype=torch.float64))
-    return sf.item() > alpha
+    return chi2_sf(x, df) > alpha  # (a table of critical values stopped at df 9 and failed without scipy)
 
 
 def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
