@@ -164,9 +164,10 @@ def test_graph_shaped_steps_give_the_same_tokens(model_dir, head_dir, k, overlap
 
 
 def test_page_table_cache_equals_a_fresh_table_through_every_kind_of_change():
-    """StepBuffers.page_table rewrites a row only when its page list is another list or grew; after any
-    sequence of growth in place, replacement, row reordering and fewer rows it must equal the table built
-    from scratch (each row's pages, then the trash page; padding rows trash only)."""
+    """StepBuffers.page_table rewrites a row only when its page list is another list, and only the new tail
+    when the same list grew; after any sequence of growth in place, replacement, row reordering and fewer
+    rows it must equal the table built from scratch (each row's pages, then the trash page; padding rows
+    trash only)."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -192,6 +193,10 @@ def test_page_table_cache_equals_a_fresh_table_through_every_kind_of_change():
         ([b], 2, None),  # fewer rows: the old rows must become padding
         ([b], 2, lambda: setattr(b, "pages", [])),  # replaced by an empty list
         ([a, c], 3, None),
+        ([a, c], 3, lambda: a.pages.extend([10, 11])),  # grown by two in place: only the tail is written
+        ([a, c], 3, lambda: a.pages.append(12)),
+        ([c, a], 3, lambda: c.pages.append(13)),  # grown and moved to another row
+        ([c, a], 3, lambda: a.pages.pop()),  # shrunk in place (the engine never does): the whole row
     ]
     for reqs, n_rows, change in steps:
         if change:

@@ -220,17 +220,25 @@ class StepBuffers:
 
     def page_table(self, rows: list, n_rows: int) -> np.ndarray:
         """[n_rows * table_width]: each row's pages, then the trash page (padding rows: trash only). A row is
-        rewritten only when its page list is another list or has grown since the last step (a request's list
-        only grows in place or is replaced), so a steady step rewrites the rows that got a page, not all."""
+        rewritten only when its page list is another list, and only its new tail when the same list grew
+        since the last step (a request's list only grows in place or is replaced), so a steady step writes
+        the pages rows got, nothing else."""
         table, src = self._table, self._table_src
         for i, r in enumerate(rows):
             pages = r.req.pages
             s = src[i]
-            if s is None or s[0] is not pages or s[1] != len(pages):
-                n = len(pages)
-                table[i, :n] = pages
-                table[i, n:] = TRASH_PAGE
-                src[i] = (pages, n)
+            if s is not None and s[0] is pages:
+                n0, n = s[1], len(pages)
+                if n == n0:
+                    continue
+                if n > n0:  # grown in place: the row already holds pages[:n0] and trash after them
+                    table[i, n0:n] = pages[n0:]
+                    src[i] = (pages, n)
+                    continue
+            n = len(pages)  # another list (or, defensively, a shorter one): the whole row
+            table[i, :n] = pages
+            table[i, n:] = TRASH_PAGE
+            src[i] = (pages, n)
         for i in range(len(rows), n_rows):
             if src[i] is not None:
                 table[i] = TRASH_PAGE
