@@ -123,15 +123,7 @@ def profile_step(shape: Shape, layers: list, t: int, tri, dev: torch.device, dty
         fns = {"routed": lambda: [routed(tri, la, x, w, idx) for la, (w, idx) in zip(layers, routes)],
                "engine_layer": lambda: [la.forward_parts(x, fused_ops) for la in layers]}
         for name, fn in fns.items():
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fn()
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            graph.replay()
+            graph = capture(fn)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(reps):
@@ -176,6 +168,21 @@ def experts_as_engine(impl, layer, x: torch.Tensor, w: torch.Tensor, idx: torch.
 # ---- timing ---------------------------------------------------------------------------------------------
 
 
+def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """fn captured in a CUDA graph after a warm-up on a side stream (Triton compiles, cuBLAS picks its
+    kernels), then replayed once."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    return graph
+
+
 class Timer:
     """Median seconds per call of fn. CUDA: fn captured in a CUDA graph (after a warm-up that compiles the
     kernels), replays timed with events. CPU: wall clock."""
@@ -192,15 +199,7 @@ class Timer:
                 fn()
                 ts.append(time.perf_counter() - t0)
             return statistics.median(ts) / calls_per_fn
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        graph.replay()
+        graph = capture(fn)
         ts = []
         for _ in range(self.reps):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
