@@ -177,8 +177,8 @@ class FinalTextDetokenizer:
         self.pending += len(token_ids)
 
     def extended(self, token_ids: list[int]) -> FinalTextDetokenizer:
-        """`fork` + `extend`: the object itself, with the count."""
-        self.pending += len(token_ids)
+        """`fork` + `extend`: the object itself (its fork), with the count."""
+        self.extend(token_ids)
         return self
 
     def finish(self, token_ids: list[int]) -> None:
