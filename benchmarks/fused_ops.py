@@ -215,6 +215,40 @@ def time_ops(dev: torch.device, dtype: torch.dtype, tokens: list[int], reps: int
     return rows
 
 
+# (name, experts, hidden): the MoE routers of the geometries, and MiniMax-M3's own
+ROUTERS = [("m3-mini", 32, 2048), ("m3-8b", 16, 4096), ("minimax-m3", 128, 6144)]
+
+
+def router_sweep(dev: torch.device, tokens: list[int], reps: int) -> list[dict]:
+    """Prompt-sized routers: the cast + cuBLAS fp32 GEMM + route path (what steps past ROUTER_GEMV_MAX_T
+    took before the tiled router) against `route_tiles` per dot precision and block_m, same inputs."""
+    from m3eagle.fused import reference as fref
+    from m3eagle.fused import triton_fused
+
+    tri = backend.create("triton")
+    rows = []
+    for name, n_exp, hid in ROUTERS:
+        g = torch.Generator(device=dev).manual_seed(n_exp)
+        w = (torch.randn(n_exp, hid, generator=g, device=dev) * hid ** -0.5).float()
+        bias = (torch.randn(n_exp, generator=g, device=dev) * 0.1).float()
+        for t in tokens:
+            x = torch.randn(t, hid, generator=g, device=dev).to(torch.bfloat16)
+            base = lambda x=x, w=w, bias=bias: tri.route(fref.router_logits(x, w), bias, 4)  # noqa: E731
+            bw, bi = base()
+            row: dict[str, Any] = {"router": name, "E": n_exp, "H": hid, "T": t,
+                                   "cublas_us": time_fn(base, dev, reps) * 1e6}
+            for prec in ("ieee", "tf32x3"):
+                for bm in (16, 32, 64):
+                    fn = lambda x=x, w=w, bias=bias, prec=prec, bm=bm: triton_fused.route_tiles(  # noqa: E731
+                        x, w, bias, 4, prec, bm)
+                    tw, ti = fn()
+                    row[f"{prec}_bm{bm}_us"] = time_fn(fn, dev, reps) * 1e6
+                    row[f"{prec}_bm{bm}_same_order"] = (ti == bi).all(1).float().mean().item()
+                    row[f"{prec}_bm{bm}_w_max_abs"] = (tw - bw).abs().max().item()
+            rows.append(row)
+    return rows
+
+
 # ---- launches per step --------------------------------------------------------------------------------
 
 
@@ -370,6 +404,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=50, help="timed graph replays per measurement")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--router-sweep", action="store_true",
+                    help="only the prompt-sized router sweep (cuBLAS path vs route_tiles), T = 256, 2048, 8192")
     args = ap.parse_args()
     dev = torch.device(args.device)
     cpu = dev.type != "cuda"
@@ -379,6 +415,18 @@ def main() -> None:
     tokens = [3] if cpu else [1, 8, 256]
     t0 = time.time()
     doc: dict[str, Any] = {"device": torch.cuda.get_device_name() if not cpu else "cpu", "dtype": str(dtype)}
+    if args.router_sweep:
+        doc["router_sweep"] = router_sweep(dev, [65] if cpu else [256, 2048, 8192], args.reps)
+        for r in doc["router_sweep"]:
+            best = min((k for k in r if k.endswith("_us") and k != "cublas_us"), key=r.get)
+            log(f"  {r['router']:10s} T={r['T']:<5d} cuBLAS path {r['cublas_us']:7.1f} us  "
+                + "  ".join(f"{k[:-3]} {r[k]:.1f}" for k in r if k.endswith("_us") and k != "cublas_us")
+                + f"  | best {best[:-3]}: same order {r[best[:-3] + '_same_order']:.4f}, "
+                f"w max |diff| {r[best[:-3] + '_w_max_abs']:.1e}")
+        print(json.dumps(doc))
+        if args.json:
+            args.json.write_text(json.dumps(doc) + "\n")
+        return
 
     log(f"== exactness ({dtype}; equal = bit-equal fraction, ulp = max |diff| in reference bf16 ulps)")
     doc["exactness"] = check_ops(dev, dtype, tokens)

@@ -43,7 +43,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -425,6 +425,8 @@ def candidates(bucket: int, dev: torch.device):
     prefill += [C(bm, bn, bk, g, w, st, down_block_n=dbn, down_block_k=dbk)
                 for bm, bn, bk, g, w, st in ((128, 128, 64, 16, 8, 3), (128, 128, 64, 8, 8, 3), (64, 256, 64, 8, 8, 3))
                 for dbn, dbk in ((64, 64), (256, 64), (128, 128), (64, 128), (256, 32)) if (dbn, dbk) != (bn, bk)]
+    # half-height tiles for the experts' padded last blocks (MoEConfig.split_tail)
+    prefill += [replace(c, split_tail=1) for c in prefill if c.block_m >= 64]
     if bucket <= 4:
         return decode + direct
     if bucket < 256:

@@ -620,7 +620,8 @@ def test_engine_tokens_equal_with_triton_fused_ops(make_llm):
 def test_route_tokens_one_launch_equals_the_two(t, e, h, k):
     """The fused router (GEMV, then the token's last program routes it) gives exactly what router_logits +
     route give on the same backend, and the reference's experts; its per-token counters are back at zero
-    after every launch (the next launch depends on it). T = 65 takes the two-launch path itself.
+    after every launch (the next launch depends on it). T = 65 takes the tiled router (its own GEMM order:
+    the reference's experts, weights to fp32 rounding; test_route_tiles_* hold it).
     NOTE: the interpreter's barrier and atomics let every program see every other's logits, so routing
     by the wrong program would pass here (checked); benchmarks/fused_ops.py checks the experts on the GPU."""
     from m3eagle.fused import triton_fused
@@ -632,7 +633,8 @@ def test_route_tokens_one_launch_equals_the_two(t, e, h, k):
         bias = torch.randn(e, generator=gen(seed + e)) * 0.1
         got_w, got_idx = fused.route_tokens(x, w, bias, k)
         want_w, want_idx = fused.route(fused.router_logits(x, w), bias, k)
-        assert torch.equal(got_idx, want_idx) and torch.equal(got_w, want_w)
+        if t <= triton_fused.ROUTER_GEMV_MAX_T:
+            assert torch.equal(got_idx, want_idx) and torch.equal(got_w, want_w)
         ref_w, ref_idx = reference.route_tokens(x, w, bias, k)
         assert torch.equal(got_idx, ref_idx)
         assert_close(got_w, ref_w)
@@ -640,3 +642,74 @@ def test_route_tokens_one_launch_equals_the_two(t, e, h, k):
     counters = fused._counters.get(torch.device("cpu"))
     if t <= triton_fused.ROUTER_GEMV_MAX_T:
         assert counters is not None and not counters.any()
+
+
+# ---- the tiled router (prompt-sized steps) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t,e,h,k", [(65, 8, 32, 2), (300, 32, 200, 4), (100, 128, 64, 8), (70, 3, 50, 2),
+                                     (129, 256, 40, 4), (17, 34, 130, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_tiles_match_the_reference(t, e, h, k, dtype):
+    """One launch for the cast, the fp32 router GEMM and the route, BLOCK_M tokens per program: the
+    reference's experts in its order, its weights to fp32 rounding. Shapes: a partial last tile (65, 300,
+    17), E not a power of two and below the dot's 16 columns (3, 34), E = 256 (the tile's limit), H not a
+    multiple of the 64-wide chunk (200, 50, 130), k up to 8; block_m 16 and 32."""
+    from m3eagle.fused import triton_fused
+
+    for seed in range(2):
+        x = torch.randn(t, h, generator=gen(seed + t)).to(dtype)
+        w = torch.randn(e, h, generator=gen(seed + h)) / h**0.5  # logits ~ N(0, 1)
+        bias = torch.randn(e, generator=gen(seed + e)) * 0.1
+        ref_w, ref_idx = reference.route_tokens(x, w, bias, k)
+        for block_m in (16, 32):
+            got_w, got_idx = triton_fused.route_tiles(x, w, bias, k, block_m=block_m)
+            assert got_idx.dtype == torch.int64 and torch.equal(got_idx, ref_idx)
+            assert_close(got_w, ref_w)
+        assert ref_w.std() > 0.01  # distinct weights: not a saturated (all-tied) router
+
+
+def test_route_tiles_ties_nan_and_minus_inf():
+    """The tie rule on whole tiles: equal logits (identical weight rows) go to the lowest ids in order; a
+    NaN logit ranks first (torch.sort's place for NaN); -inf-biased experts fill the top-k only when they
+    must, each once. Rows of one tile get their own routing (a row of ties next to ordinary rows)."""
+    from m3eagle.fused import triton_fused
+
+    t, e, h, k = 40, 6, 32, 3
+    x = torch.randn(t, h, generator=gen(1))
+    w = torch.randn(e, h, generator=gen(2)) / h**0.5
+    w[3] = w[1]  # experts 1 and 3 always tie
+    x[5] = 0.0  # every logit 0: all six tie
+    x[7, 0] = float("nan")  # every logit NaN
+    for bias in (torch.zeros(e), torch.tensor([float("-inf"), 0.0, float("-inf"), 0.0, float("-inf"),
+                                               float("-inf")])):
+        ref_w, ref_idx = reference.route_tokens(x, w, bias, k)
+        got_w, got_idx = triton_fused.route_tiles(x, w, bias, k)
+        assert torch.equal(got_idx, ref_idx)
+        assert torch.allclose(got_w, ref_w, rtol=2e-6, atol=0, equal_nan=True)
+        assert got_idx[5].tolist() == ([0, 1, 2] if not bias[0] else [1, 3, 0])
+        assert got_idx[7].tolist() == [0, 1, 2] and got_w[7].isnan().all()
+    both = (got_idx == 1).any(1) & (got_idx == 3).any(1)
+    assert both.sum() > 5 and ((got_idx == 1).int().argmax(1) < (got_idx == 3).int().argmax(1))[both].all()
+
+
+def test_route_tokens_takes_the_tiled_router_past_the_gemv_limit(monkeypatch):
+    """TritonFused.route_tokens: T <= ROUTER_GEMV_MAX_T -> the one-launch GEMV router; above it the tiled
+    router when the weight is fp32 with E <= ROUTER_TILE_MAX_E, else the reference's cast + GEMM + route."""
+    from m3eagle.fused import triton_fused
+
+    calls = []
+    real = triton_fused.route_tiles
+    monkeypatch.setattr(triton_fused, "route_tiles", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    fused = triton_fused.TritonFused()
+    lim = triton_fused.ROUTER_GEMV_MAX_T
+    for t, e, tiled in ((lim, 8, False), (lim + 1, 8, True), (lim + 1, triton_fused.ROUTER_TILE_MAX_E + 1, False)):
+        x = torch.randn(t, 32, generator=gen(t))
+        w = torch.randn(e, 32, generator=gen(e)) / 32**0.5
+        bias = torch.zeros(e)
+        calls.clear()
+        got_w, got_idx = fused.route_tokens(x, w, bias, 2)
+        ref_w, ref_idx = reference.route_tokens(x, w, bias, 2)
+        assert bool(calls) == tiled, (t, e)
+        assert torch.equal(got_idx, ref_idx)
+        assert_close(got_w, ref_w)

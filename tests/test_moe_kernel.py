@@ -99,6 +99,41 @@ def test_down_gemm_with_its_own_tiles(monkeypatch):
     assert tiles == [(16, 32), (16, 32)]
 
 
+def test_split_tail_blocks_match_the_reference():
+    """split_tail: row blocks holding at most block_m / 2 pairs run a half-height tile in both GEMMs. The
+    routing forces each case -- tails of 8 and exactly 16 pairs (half tiles), 28 and 17 (full tiles), a
+    full block with no tail, an expert with no pairs -- and the output is the reference's, with the expert
+    subset mode and with the shared expert (its 83 rows end in a 19-row tail)."""
+
+    cfg = MoEConfig(block_m=32, block_n=16, block_k=16, group_m=2, split_tail=1)
+    counts = {0: 40, 1: 60, 2: 16, 3: 17, 4: 32, 5: 0, 6: 1, 7: 0}  # pairs per expert, k = 2
+    slots = torch.tensor([e for e, c in counts.items() for _ in range(c)])
+    order = torch.randperm(slots.numel(), generator=torch.Generator().manual_seed(3))
+    first, second = slots[order[0::2]], slots[order[1::2]]
+    t = first.numel()
+    assert t == second.numel() and t == 83
+    idx = torch.stack([first, second], 1)
+    # a token's two experts must differ: swap seconds with a later token's until they do
+    for i in range(t):
+        if idx[i, 0] == idx[i, 1]:
+            j = next(j for j in range(t) if idx[j, 1] != idx[i, 0] and idx[j, 0] != idx[i, 1] and j != i)
+            idx[i, 1], idx[j, 1] = idx[j, 1].clone(), idx[i, 1].clone()
+    assert (idx[:, 0] != idx[:, 1]).all() and torch.bincount(idx.flatten(), minlength=E).tolist() == list(counts.values())
+    al = align(idx, 0, E, 32)
+    valid = (al.sorted_ids[: int(al.num_blocks) * 32].view(-1, 32) < al.num_pairs).sum(1).tolist()
+    assert sorted(valid) == sorted([32, 8, 32, 28, 16, 17, 32, 1]), valid  # half tiles: 8, 16, 1
+    x, w, _ = make_routing(40, t, 2)
+    w13, w2 = make_weights(41)
+    assert_close(*run_both(x, w, idx, w13, w2, cfg))
+    assert_close(*run_both(x, w, idx, w13, w2, cfg, expert_range=(1, 5)))
+    moe = make_layer(42)
+    with torch.no_grad():
+        ref = moe.experts(x, w, idx) * moe.routed_scaling_factor + moe.shared_experts(x)
+        out, rest, _ = moe.expert_parts(x, w, idx, backend.create("triton", config=cfg))
+        assert rest is None
+        assert_close(out, ref)
+
+
 def test_default_config_from_the_table():
     x, w, idx = make_routing(5, 9, 2)
     assert_close(*run_both(x, w, idx, *make_weights(5), None))

@@ -9,6 +9,7 @@
     _router_gemv_kernel router_logits (fp32 cast + GEMV, T <= 64)       3 -> 1 (cuBLAS: cast, dot, reduce)
     _route_kernel       sigmoid, + bias, top-k, gather, renormalise     6 -> 1 (after the router GEMM)
     _router_topk_kernel the two above in one launch (T <= 64): the last program of a token routes it
+    _router_tile_kernel the cast, the router GEMM and the route (T > 64)  3-4 -> 1 (no fp32 copy of x)
     _step_inputs_kernel overlap_ids_kv + derive_positions_and_slots     25 (K=0) / 46 (K=3) -> 1 (int64, exact)
                         (or the positions and slots alone)              9 -> 1
     _sample_pos_kernel  sample_positions (sampled tokens, positions, drafts)  8 (K=0) / 13 (K>0) -> 1
@@ -780,7 +781,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 MAX_EXPERTS, MAX_TOP_K = 1024, 16
-ROUTER_GEMV_MAX_T = 64  # larger steps take the reference (cast + cuBLAS), whose GEMM reuses weight tiles
+ROUTER_GEMV_MAX_T = 64  # larger steps take the tiled router (or the reference's cast + cuBLAS)
+ROUTER_TILE_MAX_E = 256  # every expert's logit of a row in one program's registers
+ROUTER_TILE_PRECISION = "ieee"
 
 
 @triton.jit
@@ -840,6 +843,54 @@ def _router_topk_kernel(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_p
                    PRECISE, BLOCK_ALL, BLOCK_K, ".cg")
 
 
+@triton.jit(do_not_specialize=["n_tok"])  # the prompt chunk's length: one compiled variant
+def _router_tile_kernel(x_ptr, w_ptr, bias_ptr, wout_ptr, idx_ptr, n_tok, hidden, n_exp, stride_x, stride_w,
+                        TOP_K: tl.constexpr, PRECISE: tl.constexpr, DOT_PREC: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """The whole router for BLOCK_M tokens of a prompt-sized step: logits [BLOCK_M, E] = fp32(x) @ w^T as a
+    tl.dot in fp32 (every expert's column in one tile: E <= ROUTER_TILE_MAX_E), then `_route_row`'s k
+    rounds on every row of the tile at once -- the fp32 cast, the cuBLAS GEMM and the route launch of the
+    reference path in one launch, with no [T, H] fp32 copy of x."""
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm = rows < n_tok
+    offs_e = tl.arange(0, BLOCK_E)
+    em = offs_e < n_exp
+    acc = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        hm = offs_h < hidden
+        xv = tl.load(x_ptr + rows[:, None] * stride_x + offs_h[None, :], mask=rm[:, None] & hm[None, :],
+                     other=0.0).to(tl.float32)  # [BM, BH]
+        wv = tl.load(w_ptr + offs_e[None, :].to(tl.int64) * stride_w + offs_h[:, None],
+                     mask=em[None, :] & hm[:, None], other=0.0)  # [BH, BE] fp32
+        acc = tl.dot(xv, wv, acc, input_precision=DOT_PREC)
+
+    # _route_row on every row: the highest untaken biased score, lowest id among equals, k times.
+    score = tl.math.div_rn(1.0, 1.0 + _exp(-acc, PRECISE))  # [BM, BE] torch's sigmoid
+    biased = score + tl.load(bias_ptr + offs_e, mask=em, other=0.0).to(tl.float32)[None, :]
+    biased = tl.where(biased != biased, float("inf"), biased)  # NaN ranks first, as torch.sort puts it
+    ids = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.int32) + offs_e[None, :]
+    taken = ids >= n_exp  # padding lanes never compete
+    ks = tl.arange(0, BLOCK_K)
+    wv = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    iv = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        top = tl.max(tl.where(taken, float("-inf"), biased), axis=1)  # [BM]
+        pick = tl.min(tl.where((biased == top[:, None]) & ~taken, ids, BLOCK_E), axis=1)  # [BM]
+        hit = ids == pick[:, None]
+        taken = taken | hit
+        wv = tl.where(ks[None, :] == j, tl.sum(tl.where(hit, score, 0.0), axis=1)[:, None], wv)
+        iv = tl.where(ks[None, :] == j, pick.to(tl.int64)[:, None], iv)
+    km = ks < TOP_K
+    total = tl.sum(tl.where(km[None, :], wv, 0.0), axis=1)
+    out = rows[:, None] * TOP_K + ks[None, :]
+    m = rm[:, None] & km[None, :]
+    tl.store(wout_ptr + out, tl.math.div_rn(wv, total[:, None]), mask=m)
+    tl.store(idx_ptr + out, iv, mask=m)
+
+
 def _gemv_blocks(t: int, n_exp: int, hidden: int) -> tuple[int, int, int]:
     """(BLOCK_E, BLOCK_H, warps) of the router GEMV. Decode: one expert row per program, read in one or two
     wide loads (latency is the cost: 4 rows of 512-wide chunks per program took 7.7 us per m3-8b layer on an
@@ -854,6 +905,36 @@ def _gemv_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.stride(-1) == 1)
 
 
+def _tile_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (weight.dtype == torch.float32 and weight.shape[0] <= ROUTER_TILE_MAX_E and weight.stride(-1) == 1
+            and x.stride(-1) == 1)
+
+
+def route_tiles(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
+                precision: str = ROUTER_TILE_PRECISION, block_m: int | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """route(router_logits(x, weight), bias, k) in one launch for prompt-sized steps (`_router_tile_kernel`):
+    x [T, H] (any float dtype), weight [E, H] fp32, E <= ROUTER_TILE_MAX_E -> (weights [T, k] fp32, experts
+    [T, k] int64). precision: the fp32 tl.dot's input_precision ("ieee": plain fp32 products; "tf32x3":
+    three TF32 tensor-core products per fp32 one, ~2^-22 relative per product); block_m: tokens per program
+    (16 by default: a 2,048-token chunk is one wave of 128 programs on an H200)."""
+    t, hidden = x.shape
+    n_exp = weight.shape[0]
+    if not 1 <= k <= min(n_exp, MAX_TOP_K):
+        raise ValueError(f"triton route supports 1 <= top_k <= min(E, {MAX_TOP_K}), got top_k={k}, E={n_exp}; "
+                         f"use fused_backend='reference'")
+    w = torch.empty(t, k, dtype=torch.float32, device=x.device)
+    idx = torch.empty(t, k, dtype=torch.int64, device=x.device)
+    if t:
+        block_e = max(16, triton.next_power_of_2(n_exp))
+        block_m = block_m or 16
+        _router_tile_kernel[(triton.cdiv(t, block_m),)](
+            x, weight, bias, w, idx, t, hidden, n_exp, x.stride(0), weight.stride(0), TOP_K=k,
+            PRECISE=_precise(), DOT_PREC=precision, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_H=64,
+            BLOCK_K=triton.next_power_of_2(k), num_warps=4, **_opts(), **pdl.args(x))
+    return w, idx
+
+
 def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, counters: torch.Tensor,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """route(router_logits(x, weight), bias, k) in one launch for decode / verify-sized steps (T <= 64):
@@ -862,6 +943,8 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: i
     t, hidden = x.shape
     n_exp = weight.shape[0]
     if not _gemv_ok(x, weight) or not t:
+        if t > ROUTER_GEMV_MAX_T and _tile_ok(x, weight):
+            return route_tiles(x, weight, bias, k)
         return route(router_logits(x, weight), bias, k)
     if not 1 <= k <= min(n_exp, MAX_TOP_K) or n_exp > MAX_EXPERTS:
         raise ValueError(f"triton route supports 1 <= top_k <= min(E, {MAX_TOP_K}) and E <= {MAX_EXPERTS}, got "

@@ -61,28 +61,23 @@ def _expert_base(w_ptr, ws_ptr, expert, stride_we, shared_col, HAS_SHARED: tl.co
     return base
 
 
-@triton.jit(do_not_specialize=["num_pairs", "routed_pairs", "max_blocks"])
-def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
-                    num_pairs, routed_pairs, shared_col, max_blocks, hidden, inter,
-                    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_am, stride_ai,
-                    alpha, limit,
-                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
-    """act[r, n] = swiglu_oai(x[token(r)] @ [gate_n; up_n]) for the rows r of one block of one expert.
-
-    gate_up_proj [E, 2I, H] holds gate rows 0..I-1 then up rows I..2I-1; a program computes block_n gate
-    columns and the same block_n up columns, so the activation happens in registers. Pair ids from
-    routed_pairs on are the shared expert's (ws_ptr [2I, H]): token = pair - routed_pairs."""
-    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
-    pid_m, pid_n = _block_coords(tl.program_id(0), max_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
-    if pid_m >= tl.load(num_blocks_ptr):
-        return
+@triton.jit
+def _valid_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
+    """How many entries of row block pid_m are pairs, not padding (the align puts them first)."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    return tl.sum((tl.load(sorted_ptr + rows) < num_pairs).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _gate_up_tile(x_ptr, w_base, act_ptr, sorted_ptr, row0, pid_n, num_pairs, routed_pairs, hidden, inter,
+                  stride_xt, stride_xh, stride_wn, stride_wh, stride_am, stride_ai, alpha, limit,
+                  TOP_K: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DOT_PREC: tl.constexpr):
+    """The act rows row0 .. row0 + BM - 1, columns of tile pid_n, of one expert (weights at w_base)."""
+    rows = row0 + tl.arange(0, BM)
     pair = tl.load(sorted_ptr + rows)
     valid = pair < num_pairs  # padding rows load zeros and are not stored
     token = tl.where(pair < routed_pairs, pair // TOP_K, pair - routed_pairs).to(tl.int64)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    w_base = _expert_base(w_ptr, ws_ptr, expert, stride_we, shared_col, HAS_SHARED)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
@@ -90,8 +85,8 @@ def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, block_expert_ptr,
     a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xh  # [BM, BK]
     g_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wh  # [BK, BN]
     u_ptrs = g_ptrs + inter * stride_wn
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_g = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         k_ok = offs_k < hidden - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
@@ -111,34 +106,51 @@ def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, block_expert_ptr,
 
 
 @triton.jit(do_not_specialize=["num_pairs", "routed_pairs", "max_blocks"])
-def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
-                 num_pairs, routed_pairs, shared_col, max_blocks, hidden, inter, routed_scale,
-                 stride_am, stride_ai, stride_we, stride_wh, stride_wi, stride_cp, stride_ch,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
-    """contrib[pair(r)] = weight(pair(r)) * (act[r] @ down_proj[e]^T) for the rows r of one block; a routed
-    pair's weight is its routing weight times routed_scale, a shared-expert pair's is 1.
+def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
+                    num_pairs, routed_pairs, shared_col, max_blocks, hidden, inter,
+                    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_am, stride_ai,
+                    alpha, limit,
+                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr,
+                    SPLIT_TAIL: tl.constexpr, PDL: tl.constexpr):
+    """act[r, n] = swiglu_oai(x[token(r)] @ [gate_n; up_n]) for the rows r of one block of one expert.
 
-    The expert output is rounded to the activation dtype before the fp32 weighting, as the reference's
-    per-expert einsum result is. The weighted row is stored in the activation dtype too: half the traffic
-    of fp32 for a [T*k, H] buffer that prefill writes and reads once; in bf16 that is one more rounding
-    per pair, below the reference's own bf16 error."""
+    gate_up_proj [E, 2I, H] holds gate rows 0..I-1 then up rows I..2I-1; a program computes block_n gate
+    columns and the same block_n up columns, so the activation happens in registers. Pair ids from
+    routed_pairs on are the shared expert's (ws_ptr [2I, H]): token = pair - routed_pairs.
+    SPLIT_TAIL: a block with at most BLOCK_M / 2 pairs (an expert's last, padded block) runs a half-height
+    tile -- the same rows, half the MMA work on padding."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
-    pid_m, pid_n = _block_coords(tl.program_id(0), max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    pid_m, pid_n = _block_coords(tl.program_id(0), max_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     w_base = _expert_base(w_ptr, ws_ptr, expert, stride_we, shared_col, HAS_SHARED)
+    if SPLIT_TAIL and _valid_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M) <= BLOCK_M // 2:
+        _gate_up_tile(x_ptr, w_base, act_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs, routed_pairs, hidden,
+                      inter, stride_xt, stride_xh, stride_wn, stride_wh, stride_am, stride_ai, alpha, limit, TOP_K,
+                      BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PREC)
+    else:
+        _gate_up_tile(x_ptr, w_base, act_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs, routed_pairs, hidden,
+                      inter, stride_xt, stride_xh, stride_wn, stride_wh, stride_am, stride_ai, alpha, limit, TOP_K,
+                      BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
+
+
+@triton.jit
+def _down_tile(act_ptr, w_base, contrib_ptr, weights_ptr, sorted_ptr, row0, pid_n, num_pairs, routed_pairs, hidden,
+               inter, routed_scale, stride_am, stride_ai, stride_wh, stride_wi, stride_cp, stride_ch,
+               BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The contrib rows of the pairs in act rows row0 .. row0 + BM - 1, columns of tile pid_n."""
+    rows = row0 + tl.arange(0, BM)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ai  # [BM, BK]
     w_ptrs = w_base + offs_n[None, :] * stride_wh + offs_k[:, None] * stride_wi  # [BK, BN]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k_ok = offs_k < inter - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
@@ -154,6 +166,36 @@ def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, b
     y = acc.to(out_ty).to(tl.float32) * route_w[:, None]
     out_ptrs = contrib_ptr + pair.to(tl.int64)[:, None] * stride_cp + offs_n[None, :] * stride_ch
     tl.store(out_ptrs, y.to(out_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "routed_pairs", "max_blocks"])
+def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
+                 num_pairs, routed_pairs, shared_col, max_blocks, hidden, inter, routed_scale,
+                 stride_am, stride_ai, stride_we, stride_wh, stride_wi, stride_cp, stride_ch,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                 DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr, SPLIT_TAIL: tl.constexpr, PDL: tl.constexpr):
+    """contrib[pair(r)] = weight(pair(r)) * (act[r] @ down_proj[e]^T) for the rows r of one block; a routed
+    pair's weight is its routing weight times routed_scale, a shared-expert pair's is 1. SPLIT_TAIL as in
+    `_gate_up_kernel`.
+
+    The expert output is rounded to the activation dtype before the fp32 weighting, as the reference's
+    per-expert einsum result is. The weighted row is stored in the activation dtype too: half the traffic
+    of fp32 for a [T*k, H] buffer that prefill writes and reads once; in bf16 that is one more rounding
+    per pair, below the reference's own bf16 error."""
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
+    pid_m, pid_n = _block_coords(tl.program_id(0), max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    if pid_m >= tl.load(num_blocks_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    w_base = _expert_base(w_ptr, ws_ptr, expert, stride_we, shared_col, HAS_SHARED)
+    if SPLIT_TAIL and _valid_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M) <= BLOCK_M // 2:
+        _down_tile(act_ptr, w_base, contrib_ptr, weights_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs,
+                   routed_pairs, hidden, inter, routed_scale, stride_am, stride_ai, stride_wh, stride_wi, stride_cp,
+                   stride_ch, BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PREC)
+    else:
+        _down_tile(act_ptr, w_base, contrib_ptr, weights_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs,
+                   routed_pairs, hidden, inter, routed_scale, stride_am, stride_ai, stride_wh, stride_wi, stride_cp,
+                   stride_ch, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
 
 
 @triton.jit(do_not_specialize=["routed_pairs"])
@@ -217,7 +259,8 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, al: Alignment, top_k: int, alpha
         act.stride(0), act.stride(1), float(alpha), float(limit),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         DOT_PREC=_dot_precision(x.dtype), HAS_SHARED=shared_gate_up is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(x))
+        SPLIT_TAIL=bool(cfg.split_tail) and cfg.block_m >= 32, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl.args(x))
     return act
 
 
@@ -238,7 +281,8 @@ def down(act: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, al: Alignme
         contrib.stride(0), contrib.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         DOT_PREC=_dot_precision(act.dtype), HAS_SHARED=shared_down is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(act))
+        SPLIT_TAIL=bool(cfg.split_tail) and cfg.block_m >= 32, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl.args(act))
     return contrib
 
 

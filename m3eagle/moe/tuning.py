@@ -45,6 +45,9 @@ class MoEConfig:
     # where gate_up's are 2I (block_n gate + block_n up columns) and H, so their best tiles can differ.
     down_block_n: int = 0
     down_block_k: int = 0
+    # 1: on the sorted path, a row block holding at most block_m / 2 pairs (an expert's padded last block)
+    # runs a half-height tile in both GEMMs (block_m >= 32 only): less MMA work on padding rows.
+    split_tail: int = 0
 
     def down(self) -> MoEConfig:
         """The config the sorted path's down GEMM runs with (block_m, group_m, warps, stages shared)."""
@@ -60,7 +63,7 @@ class MoEConfig:
     def to_dict(self) -> dict:
         """Fields at their defaults are left out, so the table's sorted-path rows stay as they were."""
         d = asdict(self)
-        for f in ("direct", "down_block_n", "down_block_k"):
+        for f in ("direct", "down_block_n", "down_block_k", "split_tail"):
             if d[f] == 0:
                 del d[f]
         return d
