@@ -219,9 +219,12 @@ def time_ops(dev: torch.device, dtype: torch.dtype, tokens: list[int], reps: int
 ROUTERS = [("m3-mini", 32, 2048), ("m3-8b", 16, 4096), ("minimax-m3", 128, 6144)]
 
 
+ROUTER_TILES = [(bm, bh, w, st) for bm in (16, 32, 64) for bh in (64, 128, 256) for w, st in ((4, 3), (8, 3))]
+
+
 def router_sweep(dev: torch.device, tokens: list[int], reps: int) -> list[dict]:
     """Prompt-sized routers: the cast + cuBLAS fp32 GEMM + route path (what steps past ROUTER_GEMV_MAX_T
-    took before the tiled router) against `route_tiles` per dot precision and block_m, same inputs."""
+    took before the tiled router) against `route_tiles` per (block_m, block_h, warps, stages), same inputs."""
     from m3eagle.fused import reference as fref
     from m3eagle.fused import triton_fused
 
@@ -230,21 +233,26 @@ def router_sweep(dev: torch.device, tokens: list[int], reps: int) -> list[dict]:
     for name, n_exp, hid in ROUTERS:
         g = torch.Generator(device=dev).manual_seed(n_exp)
         w = (torch.randn(n_exp, hid, generator=g, device=dev) * hid ** -0.5).float()
+        w3 = triton_fused.router_split(w)
         bias = (torch.randn(n_exp, generator=g, device=dev) * 0.1).float()
         for t in tokens:
             x = torch.randn(t, hid, generator=g, device=dev).to(torch.bfloat16)
             base = lambda x=x, w=w, bias=bias: tri.route(fref.router_logits(x, w), bias, 4)  # noqa: E731
             bw, bi = base()
             row: dict[str, Any] = {"router": name, "E": n_exp, "H": hid, "T": t,
-                                   "cublas_us": time_fn(base, dev, reps) * 1e6}
-            for prec in ("ieee", "tf32x3"):
-                for bm in (16, 32, 64):
-                    fn = lambda x=x, w=w, bias=bias, prec=prec, bm=bm: triton_fused.route_tiles(  # noqa: E731
-                        x, w, bias, 4, prec, bm)
+                                   "cublas_us": time_fn(base, dev, reps) * 1e6, "tiles": {}}
+            for bm, bh, nw, st in ROUTER_TILES if not dev.type == "cpu" else ROUTER_TILES[:1]:
+                fn = lambda x=x, w3=w3, bias=bias, c=(bm, bh, nw, st): triton_fused.route_tiles(  # noqa: E731
+                    x, w3, bias, 4, *c)
+                try:
                     tw, ti = fn()
-                    row[f"{prec}_bm{bm}_us"] = time_fn(fn, dev, reps) * 1e6
-                    row[f"{prec}_bm{bm}_same_order"] = (ti == bi).all(1).float().mean().item()
-                    row[f"{prec}_bm{bm}_w_max_abs"] = (tw - bw).abs().max().item()
+                    us = time_fn(fn, dev, reps) * 1e6
+                except Exception as exc:  # past the GPU's shared memory or registers
+                    log(f"  {name} T={t} tile {(bm, bh, nw, st)}: skipped ({type(exc).__name__})")
+                    continue
+                row["tiles"][f"{bm},{bh},{nw},{st}"] = {
+                    "us": us, "same_order": (ti == bi).all(1).float().mean().item(),
+                    "w_max_abs": (tw - bw).abs().max().item()}
             rows.append(row)
     return rows
 
@@ -416,13 +424,17 @@ def main() -> None:
     t0 = time.time()
     doc: dict[str, Any] = {"device": torch.cuda.get_device_name() if not cpu else "cpu", "dtype": str(dtype)}
     if args.router_sweep:
+        from m3eagle.fused import triton_fused
+
         doc["router_sweep"] = router_sweep(dev, [65] if cpu else [256, 2048, 8192], args.reps)
         for r in doc["router_sweep"]:
-            best = min((k for k in r if k.endswith("_us") and k != "cublas_us"), key=r.get)
-            log(f"  {r['router']:10s} T={r['T']:<5d} cuBLAS path {r['cublas_us']:7.1f} us  "
-                + "  ".join(f"{k[:-3]} {r[k]:.1f}" for k in r if k.endswith("_us") and k != "cublas_us")
-                + f"  | best {best[:-3]}: same order {r[best[:-3] + '_same_order']:.4f}, "
-                f"w max |diff| {r[best[:-3] + '_w_max_abs']:.1e}")
+            tiles = sorted(r["tiles"].items(), key=lambda kv: kv[1]["us"])
+            d = dict(tiles)
+            log(f"  {r['router']:10s} T={r['T']:<5d} cuBLAS path {r['cublas_us']:7.1f} us | tiles (block_m, block_h,"
+                f" warps, stages), best first: " + "  ".join(f"{c} {v['us']:.1f}" for c, v in tiles[:6])
+                + f" | default {d.get('{},{},4,3'.format(*triton_fused.ROUTER_TILE_BLOCKS), {}).get('us', float('nan')):.1f}"
+                + (f" | best: same order {tiles[0][1]['same_order']:.4f}, w max |diff| {tiles[0][1]['w_max_abs']:.1e}"
+                   if tiles else ""))
         print(json.dumps(doc))
         if args.json:
             args.json.write_text(json.dumps(doc) + "\n")

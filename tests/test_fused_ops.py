@@ -647,23 +647,35 @@ def test_route_tokens_one_launch_equals_the_two(t, e, h, k):
 # ---- the tiled router (prompt-sized steps) ----------------------------------------------------------------
 
 
+def test_router_split_is_exact():
+    """Three bf16 parts sum to the fp32 weight exactly (in fp32, in order), across magnitudes from 1e-25 to
+    1e30, signs, and values that round up in bf16 (the parts change sign)."""
+    from m3eagle.fused import triton_fused
+
+    w = torch.randn(64, 300, generator=gen(3)) * torch.logspace(-25, 30, 300)[None, :]
+    w[0, :8] = torch.tensor([1 + 2**-8, 1 + 2**-9 + 2**-23, -(1 - 2**-24), 3.0, 0.0, -0.0, 2**-110, 1e38])
+    parts = triton_fused.router_split(w)
+    assert parts.shape == (3, 64, 300) and parts.dtype == torch.bfloat16
+    assert torch.equal(parts[0].float() + parts[1].float() + parts[2].float(), w)
+
+
 @pytest.mark.parametrize("t,e,h,k", [(65, 8, 32, 2), (300, 32, 200, 4), (100, 128, 64, 8), (70, 3, 50, 2),
                                      (129, 256, 40, 4), (17, 34, 130, 3)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_route_tiles_match_the_reference(t, e, h, k, dtype):
-    """One launch for the cast, the fp32 router GEMM and the route, BLOCK_M tokens per program: the
-    reference's experts in its order, its weights to fp32 rounding. Shapes: a partial last tile (65, 300,
-    17), E not a power of two and below the dot's 16 columns (3, 34), E = 256 (the tile's limit), H not a
-    multiple of the 64-wide chunk (200, 50, 130), k up to 8; block_m 16 and 32."""
+def test_route_tiles_match_the_reference(t, e, h, k):
+    """One launch for the router GEMM (bf16 x times the three bf16 parts of the fp32 weight, fp32
+    accumulation) and the route, BLOCK_M tokens per program: the reference's experts (cast + fp32 GEMM +
+    route) in its order, its weights to fp32 rounding. Shapes: a partial last tile (65, 300, 17), E not a
+    power of two and below the dot's 16 columns (3, 34), E = 256 (the tile's limit), H not a multiple of
+    the chunk (200, 50, 130), k up to 8; block_m 16 and 64, block_h 32 and 128."""
     from m3eagle.fused import triton_fused
 
     for seed in range(2):
-        x = torch.randn(t, h, generator=gen(seed + t)).to(dtype)
+        x = torch.randn(t, h, generator=gen(seed + t)).to(torch.bfloat16)
         w = torch.randn(e, h, generator=gen(seed + h)) / h**0.5  # logits ~ N(0, 1)
         bias = torch.randn(e, generator=gen(seed + e)) * 0.1
         ref_w, ref_idx = reference.route_tokens(x, w, bias, k)
-        for block_m in (16, 32):
-            got_w, got_idx = triton_fused.route_tiles(x, w, bias, k, block_m=block_m)
+        for block_m, block_h in ((16, 32), (64, 128)):
+            got_w, got_idx = triton_fused.route_tiles(x, triton_fused.router_split(w), bias, k, block_m, block_h)
             assert got_idx.dtype == torch.int64 and torch.equal(got_idx, ref_idx)
             assert_close(got_w, ref_w)
         assert ref_w.std() > 0.01  # distinct weights: not a saturated (all-tied) router
@@ -676,7 +688,7 @@ def test_route_tiles_ties_nan_and_minus_inf():
     from m3eagle.fused import triton_fused
 
     t, e, h, k = 40, 6, 32, 3
-    x = torch.randn(t, h, generator=gen(1))
+    x = torch.randn(t, h, generator=gen(1)).to(torch.bfloat16)
     w = torch.randn(e, h, generator=gen(2)) / h**0.5
     w[3] = w[1]  # experts 1 and 3 always tie
     x[5] = 0.0  # every logit 0: all six tie
@@ -684,7 +696,7 @@ def test_route_tiles_ties_nan_and_minus_inf():
     for bias in (torch.zeros(e), torch.tensor([float("-inf"), 0.0, float("-inf"), 0.0, float("-inf"),
                                                float("-inf")])):
         ref_w, ref_idx = reference.route_tokens(x, w, bias, k)
-        got_w, got_idx = triton_fused.route_tiles(x, w, bias, k)
+        got_w, got_idx = triton_fused.route_tiles(x, triton_fused.router_split(w), bias, k)
         assert torch.equal(got_idx, ref_idx)
         assert torch.allclose(got_w, ref_w, rtol=2e-6, atol=0, equal_nan=True)
         assert got_idx[5].tolist() == ([0, 1, 2] if not bias[0] else [1, 3, 0])
@@ -695,21 +707,33 @@ def test_route_tiles_ties_nan_and_minus_inf():
 
 def test_route_tokens_takes_the_tiled_router_past_the_gemv_limit(monkeypatch):
     """TritonFused.route_tokens: T <= ROUTER_GEMV_MAX_T -> the one-launch GEMV router; above it the tiled
-    router when the weight is fp32 with E <= ROUTER_TILE_MAX_E, else the reference's cast + GEMM + route."""
+    router for bf16 activations and an fp32 weight with E <= ROUTER_TILE_MAX_E, else the reference's cast +
+    GEMM + route. The weight's split is made once and again after an in-place change of the weight."""
     from m3eagle.fused import triton_fused
 
-    calls = []
-    real = triton_fused.route_tiles
-    monkeypatch.setattr(triton_fused, "route_tiles", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    calls, splits = [], []
+    real_tiles, real_split = triton_fused.route_tiles, triton_fused.router_split
+    monkeypatch.setattr(triton_fused, "route_tiles", lambda *a, **kw: calls.append(1) or real_tiles(*a, **kw))
+    monkeypatch.setattr(triton_fused, "router_split", lambda w: splits.append(1) or real_split(w))
     fused = triton_fused.TritonFused()
-    lim = triton_fused.ROUTER_GEMV_MAX_T
-    for t, e, tiled in ((lim, 8, False), (lim + 1, 8, True), (lim + 1, triton_fused.ROUTER_TILE_MAX_E + 1, False)):
-        x = torch.randn(t, 32, generator=gen(t))
+    lim, big = triton_fused.ROUTER_GEMV_MAX_T, triton_fused.ROUTER_TILE_MAX_E + 1
+    for t, e, dtype, tiled in ((lim, 8, torch.bfloat16, False), (lim + 1, 8, torch.bfloat16, True),
+                               (lim + 1, 8, torch.float32, False), (lim + 1, big, torch.bfloat16, False)):
+        x = torch.randn(t, 32, generator=gen(t)).to(dtype)
         w = torch.randn(e, 32, generator=gen(e)) / 32**0.5
         bias = torch.zeros(e)
         calls.clear()
         got_w, got_idx = fused.route_tokens(x, w, bias, 2)
         ref_w, ref_idx = reference.route_tokens(x, w, bias, 2)
-        assert bool(calls) == tiled, (t, e)
+        assert bool(calls) == tiled, (t, e, dtype)
         assert torch.equal(got_idx, ref_idx)
         assert_close(got_w, ref_w)
+    x = torch.randn(lim + 1, 32, generator=gen(0)).to(torch.bfloat16)
+    w = torch.randn(8, 32, generator=gen(1))
+    splits.clear()
+    fused.route_tokens(x, w, torch.zeros(8), 2)
+    fused.route_tokens(x, w, torch.zeros(8), 2)
+    assert len(splits) == 1
+    w.mul_(-1.0)  # in place: the cached split is stale
+    _, idx = fused.route_tokens(x, w, torch.zeros(8), 2)
+    assert len(splits) == 2 and torch.equal(idx, reference.route_tokens(x, w, torch.zeros(8), 2)[1])

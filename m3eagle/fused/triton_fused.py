@@ -9,7 +9,8 @@
     _router_gemv_kernel router_logits (fp32 cast + GEMV, T <= 64)       3 -> 1 (cuBLAS: cast, dot, reduce)
     _route_kernel       sigmoid, + bias, top-k, gather, renormalise     6 -> 1 (after the router GEMM)
     _router_topk_kernel the two above in one launch (T <= 64): the last program of a token routes it
-    _router_tile_kernel the cast, the router GEMM and the route (T > 64)  3-4 -> 1 (no fp32 copy of x)
+    _router_tile_kernel the cast, the router GEMM and the route (T > 64)  3-4 -> 1 (bf16 MMAs, exact fp32
+                        products: the fp32 weight as three bf16 parts; no fp32 copy of x)
     _step_inputs_kernel overlap_ids_kv + derive_positions_and_slots     25 (K=0) / 46 (K=3) -> 1 (int64, exact)
                         (or the positions and slots alone)              9 -> 1
     _sample_pos_kernel  sample_positions (sampled tokens, positions, drafts)  8 (K=0) / 13 (K>0) -> 1
@@ -39,6 +40,7 @@ CUDA graph. Inference only: no autograd.
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import replace
 from typing import Any
 
@@ -783,7 +785,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 MAX_EXPERTS, MAX_TOP_K = 1024, 16
 ROUTER_GEMV_MAX_T = 64  # larger steps take the tiled router (or the reference's cast + cuBLAS)
 ROUTER_TILE_MAX_E = 256  # every expert's logit of a row in one program's registers
-ROUTER_TILE_PRECISION = "ieee"
+ROUTER_TILE_BLOCKS = (32, 128)  # (block_m, block_h) of the tiled router
 
 
 @triton.jit
@@ -844,28 +846,37 @@ def _router_topk_kernel(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_p
 
 
 @triton.jit(do_not_specialize=["n_tok"])  # the prompt chunk's length: one compiled variant
-def _router_tile_kernel(x_ptr, w_ptr, bias_ptr, wout_ptr, idx_ptr, n_tok, hidden, n_exp, stride_x, stride_w,
-                        TOP_K: tl.constexpr, PRECISE: tl.constexpr, DOT_PREC: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """The whole router for BLOCK_M tokens of a prompt-sized step: logits [BLOCK_M, E] = fp32(x) @ w^T as a
-    tl.dot in fp32 (every expert's column in one tile: E <= ROUTER_TILE_MAX_E), then `_route_row`'s k
-    rounds on every row of the tile at once -- the fp32 cast, the cuBLAS GEMM and the route launch of the
-    reference path in one launch, with no [T, H] fp32 copy of x."""
+def _router_tile_kernel(x_ptr, w3_ptr, bias_ptr, wout_ptr, idx_ptr, n_tok, hidden, n_exp, stride_x, stride_ws,
+                        stride_we, TOP_K: tl.constexpr, PRECISE: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """The whole router for BLOCK_M tokens of a prompt-sized step, in one launch.
+
+    Logits [BLOCK_M, E] = x @ w^T in fp32 from bf16 tensor-core products: x is bf16 and the fp32 router
+    weight is held as three bf16 parts w = w3[0] + w3[1] + w3[2] (exactly: `router_split`), so every
+    product x * w3[i] is exact in fp32 and the one fp32 accumulator sums the three products of each term
+    -- an fp32 GEMM in another summation order, from bf16 MMAs. Then `_route_row`'s k rounds on every row
+    of the tile at once (every expert's column is in the tile: E <= ROUTER_TILE_MAX_E)."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rm = rows < n_tok
     offs_e = tl.arange(0, BLOCK_E)
     em = offs_e < n_exp
+    offs_h = tl.arange(0, BLOCK_H)
+    x_ptrs = x_ptr + rows[:, None] * stride_x + offs_h[None, :]  # [BM, BH]
+    w_ptrs = w3_ptr + offs_e[None, :].to(tl.int64) * stride_we + offs_h[:, None]  # [BH, BE], part 0
     acc = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
     for h0 in range(0, hidden, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        hm = offs_h < hidden
-        xv = tl.load(x_ptr + rows[:, None] * stride_x + offs_h[None, :], mask=rm[:, None] & hm[None, :],
-                     other=0.0).to(tl.float32)  # [BM, BH]
-        wv = tl.load(w_ptr + offs_e[None, :].to(tl.int64) * stride_w + offs_h[:, None],
-                     mask=em[None, :] & hm[:, None], other=0.0)  # [BH, BE] fp32
-        acc = tl.dot(xv, wv, acc, input_precision=DOT_PREC)
+        hm = offs_h < hidden - h0
+        xv = tl.load(x_ptrs, mask=rm[:, None] & hm[None, :], other=0.0)
+        wm = em[None, :] & hm[:, None]
+        for i in tl.static_range(3):
+            wv = tl.load(w_ptrs + i * stride_ws, mask=wm, other=0.0)
+            if PRECISE:
+                acc = tl.dot(xv, wv, acc)
+            else:  # the CPU interpreter's bf16 dot is wrong; fp32 operands hold the same values exactly
+                acc = tl.dot(xv.to(tl.float32), wv.to(tl.float32), acc, input_precision="ieee")
+        x_ptrs += BLOCK_H
+        w_ptrs += BLOCK_H
 
     # _route_row on every row: the highest untaken biased score, lowest id among equals, k times.
     score = tl.math.div_rn(1.0, 1.0 + _exp(-acc, PRECISE))  # [BM, BE] torch's sigmoid
@@ -906,45 +917,57 @@ def _gemv_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _tile_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (weight.dtype == torch.float32 and weight.shape[0] <= ROUTER_TILE_MAX_E and weight.stride(-1) == 1
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.float32 and weight.shape[0] <= ROUTER_TILE_MAX_E
             and x.stride(-1) == 1)
 
 
-def route_tiles(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
-                precision: str = ROUTER_TILE_PRECISION, block_m: int | None = None,
+def router_split(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 router weight [E, H] as three bf16 parts [3, E, H] whose fp32 sum is exactly the weight: each
+    part is the bf16 rounding of what the parts before it left (8 significant bits each, 24 in all = fp32's
+    mantissa). bf16 has fp32's exponent range, so this holds for |w| >= 2^-110 (~8e-34); below that the
+    last part is a bf16 subnormal and may drop bits (an error under 2^-133 absolute)."""
+    parts, rest = [], weight.float()
+    for _ in range(3):
+        part = rest.to(torch.bfloat16)
+        parts.append(part)
+        rest = rest - part.float()
+    return torch.stack(parts).contiguous()
+
+
+def route_tiles(x: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor, k: int, block_m: int | None = None,
+                block_h: int | None = None, num_warps: int = 4, num_stages: int = 3,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """route(router_logits(x, weight), bias, k) in one launch for prompt-sized steps (`_router_tile_kernel`):
-    x [T, H] (any float dtype), weight [E, H] fp32, E <= ROUTER_TILE_MAX_E -> (weights [T, k] fp32, experts
-    [T, k] int64). precision: the fp32 tl.dot's input_precision ("ieee": plain fp32 products; "tf32x3":
-    three TF32 tensor-core products per fp32 one, ~2^-22 relative per product); block_m: tokens per program
-    (16 by default: a 2,048-token chunk is one wave of 128 programs on an H200)."""
+    x [T, H] bf16, w3 = router_split(weight) [3, E, H] bf16 with E <= ROUTER_TILE_MAX_E -> (weights [T, k]
+    fp32, experts [T, k] int64). Blocks: None takes ROUTER_TILE_BLOCKS (measured, benchmarks/fused_ops.py)."""
     t, hidden = x.shape
-    n_exp = weight.shape[0]
+    n_exp = w3.shape[1]
     if not 1 <= k <= min(n_exp, MAX_TOP_K):
         raise ValueError(f"triton route supports 1 <= top_k <= min(E, {MAX_TOP_K}), got top_k={k}, E={n_exp}; "
                          f"use fused_backend='reference'")
     w = torch.empty(t, k, dtype=torch.float32, device=x.device)
     idx = torch.empty(t, k, dtype=torch.int64, device=x.device)
     if t:
-        block_e = max(16, triton.next_power_of_2(n_exp))
-        block_m = block_m or 16
-        _router_tile_kernel[(triton.cdiv(t, block_m),)](
-            x, weight, bias, w, idx, t, hidden, n_exp, x.stride(0), weight.stride(0), TOP_K=k,
-            PRECISE=_precise(), DOT_PREC=precision, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_H=64,
-            BLOCK_K=triton.next_power_of_2(k), num_warps=4, **_opts(), **pdl.args(x))
+        bm, bh = block_m or ROUTER_TILE_BLOCKS[0], block_h or ROUTER_TILE_BLOCKS[1]
+        _router_tile_kernel[(triton.cdiv(t, bm),)](
+            x, w3, bias, w, idx, t, hidden, n_exp, x.stride(0), w3.stride(0), w3.stride(1), TOP_K=k,
+            PRECISE=_precise(), BLOCK_M=bm, BLOCK_E=max(16, triton.next_power_of_2(n_exp)), BLOCK_H=bh,
+            BLOCK_K=triton.next_power_of_2(k), num_warps=num_warps, num_stages=num_stages, **_opts(),
+            **pdl.args(x))
     return w, idx
 
 
 def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, counters: torch.Tensor,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 split: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """route(router_logits(x, weight), bias, k) in one launch for decode / verify-sized steps (T <= 64):
     x [T, H] -> (weights [T, k] fp32, experts [T, k] int64). counters [>= 64] int32, zero between launches
-    (each launch leaves them zero), owned by the caller and used by one stream at a time."""
+    (each launch leaves them zero), owned by the caller and used by one stream at a time. Larger steps of
+    bf16 activations take the tiled router (one launch too) when `split` = router_split(weight) is given."""
     t, hidden = x.shape
     n_exp = weight.shape[0]
     if not _gemv_ok(x, weight) or not t:
-        if t > ROUTER_GEMV_MAX_T and _tile_ok(x, weight):
-            return route_tiles(x, weight, bias, k)
+        if t > ROUTER_GEMV_MAX_T and split is not None and _tile_ok(x, weight):
+            return route_tiles(x, split, bias, k)
         return route(router_logits(x, weight), bias, k)
     if not 1 <= k <= min(n_exp, MAX_TOP_K) or n_exp > MAX_EXPERTS:
         raise ValueError(f"triton route supports 1 <= top_k <= min(E, {MAX_TOP_K}) and E <= {MAX_EXPERTS}, got "
@@ -1017,6 +1040,9 @@ class TritonFused:
         self._gemv_counters = gemv.SplitCounters()  # this engine's split-K tile counters
         self._inv_freq: dict[Any, tuple[torch.Tensor, float]] = {}
         self._counters: dict[torch.device, torch.Tensor] = {}  # route_tokens' per-token counters, per device
+        # id(router weight) -> (a weak reference to it, its version, router_split of it): the tiled router's
+        # parts (a dead weight's id may be reused, hence the reference check)
+        self._splits: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
         # linear(): steps of up to this many rows may run `gemv.linear` instead of cuBLAS, where
         # `gemv.prefers` says it wins (0: never). None: gemv.MAX_T on CUDA, 0 elsewhere -- under the CPU
         # interpreter the kernel is a test subject (tests/test_gemv.py), not a speed-up: an engine test
@@ -1086,7 +1112,23 @@ class TritonFused:
                 # steps allocate the counters first; anything else takes the two-launch path here
                 return route(router_logits(x, weight), bias, k)
             c = self._counters[x.device] = torch.zeros(ROUTER_GEMV_MAX_T, dtype=torch.int32, device=x.device)
-        return route_tokens(x, weight, bias, k, c)
+        split = None
+        if x.shape[0] > ROUTER_GEMV_MAX_T and _tile_ok(x, weight):
+            split = self._router_split(weight)
+        return route_tokens(x, weight, bias, k, c, split)
+
+    def _router_split(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """router_split(weight), made once per weight (and again if it is modified in place); None while a
+        CUDA graph is being captured without one (a split made then would be filled only at replay: the
+        graph runner's eager warm-up of the same step makes it first)."""
+        hit = self._splits.get(id(weight))
+        if hit is not None and hit[0]() is weight and hit[1] == weight._version:
+            return hit[2]
+        if weight.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        split = router_split(weight)
+        self._splits[id(weight)] = (weakref.ref(weight), weight._version, split)
+        return split
 
     def positions_slots(self, kv_lens, q_lens, tok_row, tok_col, page_table, page_size):
         return step_inputs(kv_lens, q_lens, tok_row, tok_col, page_table, page_size)[2:]
