@@ -429,10 +429,10 @@ def main() -> None:
         doc["router_sweep"] = router_sweep(dev, [65] if cpu else [256, 2048, 8192], args.reps)
         for r in doc["router_sweep"]:
             tiles = sorted(r["tiles"].items(), key=lambda kv: kv[1]["us"])
-            d = dict(tiles)
+            default = dict(tiles).get("{},{},4,3".format(*triton_fused._tile_blocks(r["T"], max(16, r["E"]))), {})
             log(f"  {r['router']:10s} T={r['T']:<5d} cuBLAS path {r['cublas_us']:7.1f} us | tiles (block_m, block_h,"
                 f" warps, stages), best first: " + "  ".join(f"{c} {v['us']:.1f}" for c, v in tiles[:6])
-                + f" | default {d.get('{},{},4,3'.format(*triton_fused.ROUTER_TILE_BLOCKS), {}).get('us', float('nan')):.1f}"
+                + f" | default {default.get('us', float('nan')):.1f}"
                 + (f" | best: same order {tiles[0][1]['same_order']:.4f}, w max |diff| {tiles[0][1]['w_max_abs']:.1e}"
                    if tiles else ""))
         print(json.dumps(doc))

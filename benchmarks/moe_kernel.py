@@ -19,9 +19,11 @@ Shapes: m3-mini (hidden 2048, 32 experts, top-4, intermediate 1024, shared 1024)
    their own weights and routing, so the chosen experts stream from HBM rather than from the 50 MB L2 (as
    consecutive layers of a model do); times are per layer. Bandwidth counts the weights of the distinct
    experts the routing actually chose, plus the shared expert (and router) for the whole layer. TFLOP/s
-   counts routed FLOPs (2 * T * k * 3 * I * H). For scale, the same run measures a dense bf16 torch.mm of
-   the same FLOPs ([T*k, H] @ [H, 3I], its own LAYERS weights) and the HBM copy bandwidth of a 4 GiB
-   device-to-device copy.
+   counts routed FLOPs (2 * T * k * 3 * I * H) over the routed kernels' time; engine TFLOP/s the FLOPs of
+   the experts the engine layer computes (the routed pairs plus the shared expert fused into the same
+   GEMMs: k + 1 per token) over the whole engine layer's time, router included. For scale, the same run
+   measures a dense bf16 torch.mm of the same FLOPs ([T*k, H] @ [H, 3I] and [T*(k+1), H] @ [H, 3I], its own
+   LAYERS weights) and the HBM copy bandwidth of a 4 GiB device-to-device copy.
 4. --tune: per T bucket of the table, time the whole layer as the engine runs it (fused router, then the
    experts with the shared expert fused in when its width allows) for each candidate config (the sort-free
    direct path's tiles up to T = 4, decode candidates with small row blocks up to T = 256, prefill
@@ -367,6 +369,14 @@ def time_step(shape: Shape, layers: list, t: int, tri, timer: Timer, dev: torch.
             for b in mats:
                 torch.mm(a, b)
 
+        # the engine layer's expert FLOPs: the routed pairs and, fused into the same GEMMs, the shared expert
+        n_eng = t * (shape.top_k + (1 if layers[0].can_fuse_shared() else 0))
+        a_eng = torch.randn(n_eng, shape.hidden, device=dev).to(dtype)  # [T*(k+1), H]
+
+        def mm_engine_all():
+            for b in mats:
+                torch.mm(a_eng, b)
+
         r = {"T": t, "distinct_experts": distinct}
         r["routed_us"] = timer(routed_all, len(layers)) * 1e6
         r["routed_eager_us"] = timer.eager(routed_all, len(layers)) * 1e6
@@ -376,7 +386,9 @@ def time_step(shape: Shape, layers: list, t: int, tri, timer: Timer, dev: torch.
         if with_reference:
             r["ref_layer_us"] = timer(lambda: layer_all(ref_impl), len(layers)) * 1e6
         r["mm_us"] = timer(mm_all, len(layers)) * 1e6
+        r["mm_engine_us"] = timer(mm_engine_all, len(layers)) * 1e6
     flops = 2 * n * k3 * shape.hidden
+    engine_flops = 2 * n_eng * k3 * shape.hidden
     routed_bytes = distinct * shape.expert_bytes(itemsize)
     layer_bytes = (routed_bytes + 3 * shape.shared * shape.hidden * itemsize + shape.experts * shape.hidden * 4
                    + 2 * t * shape.hidden * itemsize)
@@ -385,6 +397,9 @@ def time_step(shape: Shape, layers: list, t: int, tri, timer: Timer, dev: torch.
     r["engine_layer_GBps"] = layer_bytes / (r["engine_layer_us"] * 1e-6) / 1e9
     r["routed_TFLOPs"] = flops / (r["routed_us"] * 1e-6) / 1e12
     r["mm_TFLOPs"] = flops / (r["mm_us"] * 1e-6) / 1e12
+    # the whole layer as the engine runs it (router, align, combine included) on its expert FLOPs
+    r["engine_TFLOPs"] = engine_flops / (r["engine_layer_us"] * 1e-6) / 1e12
+    r["mm_engine_TFLOPs"] = engine_flops / (r["mm_engine_us"] * 1e-6) / 1e12
     if "ref_layer_us" in r:
         r["speedup_vs_ref"] = r["ref_layer_us"] / r["layer_us"]
     return r
@@ -573,7 +588,7 @@ def main() -> None:
         ok &= all(c["ok"] for c in checks) and graph["graph_equal"] is not False and graph["no_sync"] is not False
         log(f"  {'T':>5} {'experts':>7} {'routed us':>10} {'eager us':>9} {'layer us':>9} {'ref us':>9} "
             f"{'speedup':>8} {'routed GB/s':>11} {'layer GB/s':>10} {'engine us':>9} {'engine GB/s':>11} "
-            f"{'TFLOP/s':>8} {'mm TFLOP/s':>10}")
+            f"{'TFLOP/s':>8} {'mm TFLOP/s':>10} {'engine TFLOP/s':>14} {'mm (same) TFLOP/s':>17}")
         timings = []
         for t in s.tokens:
             r = time_step(s, layers, t, impl_for(s, t), timer, dev, dtype)
@@ -581,7 +596,8 @@ def main() -> None:
             log(f"  {t:>5} {r['distinct_experts']:>7.1f} {r['routed_us']:>10.1f} {r['routed_eager_us']:>9.1f} "
                 f"{r['layer_us']:>9.1f} {r.get('ref_layer_us', math.nan):>9.1f} {r.get('speedup_vs_ref', math.nan):>7.2f}x "
                 f"{r['routed_GBps']:>11.0f} {r['layer_GBps']:>10.0f} {r['engine_layer_us']:>9.1f} "
-                f"{r['engine_layer_GBps']:>11.0f} {r['routed_TFLOPs']:>8.1f} {r['mm_TFLOPs']:>10.1f}")
+                f"{r['engine_layer_GBps']:>11.0f} {r['routed_TFLOPs']:>8.1f} {r['mm_TFLOPs']:>10.1f} "
+                f"{r['engine_TFLOPs']:>14.1f} {r['mm_engine_TFLOPs']:>17.1f}")
         entry = {"shape": s.name, "hidden": s.hidden, "experts": s.experts, "top_k": s.top_k,
                  "inter": s.inter, "shared": s.shared, "checks": checks, "graph": graph, "timings": timings}
         if args.profile and dev.type == "cuda":

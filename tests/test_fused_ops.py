@@ -707,8 +707,8 @@ def test_route_tiles_ties_nan_and_minus_inf():
 
 def test_route_tokens_takes_the_tiled_router_past_the_gemv_limit(monkeypatch):
     """TritonFused.route_tokens: T <= ROUTER_GEMV_MAX_T -> the one-launch GEMV router; above it the tiled
-    router for bf16 activations and an fp32 weight with E <= ROUTER_TILE_MAX_E, else the reference's cast +
-    GEMM + route. The weight's split is made once and again after an in-place change of the weight."""
+    router for bf16 activations, an fp32 weight with E <= ROUTER_TILE_MAX_E and T >= H / 4, else the
+    reference's cast + GEMM + route. The weight's split is made once and again after an in-place change."""
     from m3eagle.fused import triton_fused
 
     calls, splits = [], []
@@ -717,15 +717,17 @@ def test_route_tokens_takes_the_tiled_router_past_the_gemv_limit(monkeypatch):
     monkeypatch.setattr(triton_fused, "router_split", lambda w: splits.append(1) or real_split(w))
     fused = triton_fused.TritonFused()
     lim, big = triton_fused.ROUTER_GEMV_MAX_T, triton_fused.ROUTER_TILE_MAX_E + 1
-    for t, e, dtype, tiled in ((lim, 8, torch.bfloat16, False), (lim + 1, 8, torch.bfloat16, True),
-                               (lim + 1, 8, torch.float32, False), (lim + 1, big, torch.bfloat16, False)):
-        x = torch.randn(t, 32, generator=gen(t)).to(dtype)
-        w = torch.randn(e, 32, generator=gen(e)) / 32**0.5
+    wide = (lim + 1) * triton_fused.ROUTER_TILE_MIN_T_PER_H
+    for t, e, h, dtype, tiled in ((lim, 8, 32, torch.bfloat16, False), (lim + 1, 8, 32, torch.bfloat16, True),
+                                  (lim + 1, 8, 32, torch.float32, False), (lim + 1, big, 32, torch.bfloat16, False),
+                                  (lim + 1, 8, wide, torch.bfloat16, True), (lim + 1, 8, wide + 1, torch.bfloat16, False)):
+        x = torch.randn(t, h, generator=gen(t)).to(dtype)
+        w = torch.randn(e, h, generator=gen(e)) / h**0.5
         bias = torch.zeros(e)
         calls.clear()
         got_w, got_idx = fused.route_tokens(x, w, bias, 2)
         ref_w, ref_idx = reference.route_tokens(x, w, bias, 2)
-        assert bool(calls) == tiled, (t, e, dtype)
+        assert bool(calls) == tiled, (t, e, h, dtype)
         assert torch.equal(got_idx, ref_idx)
         assert_close(got_w, ref_w)
     x = torch.randn(lim + 1, 32, generator=gen(0)).to(torch.bfloat16)

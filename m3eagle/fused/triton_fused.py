@@ -785,7 +785,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 MAX_EXPERTS, MAX_TOP_K = 1024, 16
 ROUTER_GEMV_MAX_T = 64  # larger steps take the tiled router (or the reference's cast + cuBLAS)
 ROUTER_TILE_MAX_E = 256  # every expert's logit of a row in one program's registers
-ROUTER_TILE_BLOCKS = (32, 128)  # (block_m, block_h) of the tiled router
+# The tiled router's serial loop over H costs it latency that the cast + cuBLAS path does not pay, and its
+# advantage grows with T (H200, benchmarks/fused_ops.py --router-sweep): m3-mini (H 2048) 12.4 vs 12.8 us
+# at T = 256, 12.6 vs 31.5 at 2048; MiniMax-M3's router (E 128, H 6144) 55 vs 29 us at 256, 55 vs 122 at
+# 2048. So it takes steps of at least H / ROUTER_TILE_MIN_T_PER_H tokens.
+ROUTER_TILE_MIN_T_PER_H = 4
 
 
 @triton.jit
@@ -918,7 +922,14 @@ def _gemv_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _tile_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.dtype == torch.bfloat16 and weight.dtype == torch.float32 and weight.shape[0] <= ROUTER_TILE_MAX_E
-            and x.stride(-1) == 1)
+            and x.stride(-1) == 1 and x.shape[0] * ROUTER_TILE_MIN_T_PER_H >= x.shape[1])
+
+
+def _tile_blocks(t: int, block_e: int) -> tuple[int, int]:
+    """(block_m, block_h) of the tiled router, from the H200 sweep: about one wave of programs (16-token
+    tiles up to T = 2048, then 32, then 64), 128-wide H chunks unless the [block_m, E] tile is large."""
+    bm = 16 if t <= 2048 else 32 if t <= 4096 else 64
+    return bm, 64 if bm * block_e > 4096 else 128
 
 
 def router_split(weight: torch.Tensor) -> torch.Tensor:
@@ -939,7 +950,7 @@ def route_tiles(x: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor, k: int, b
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """route(router_logits(x, weight), bias, k) in one launch for prompt-sized steps (`_router_tile_kernel`):
     x [T, H] bf16, w3 = router_split(weight) [3, E, H] bf16 with E <= ROUTER_TILE_MAX_E -> (weights [T, k]
-    fp32, experts [T, k] int64). Blocks: None takes ROUTER_TILE_BLOCKS (measured, benchmarks/fused_ops.py)."""
+    fp32, experts [T, k] int64). Blocks: None takes `_tile_blocks` (measured, benchmarks/fused_ops.py)."""
     t, hidden = x.shape
     n_exp = w3.shape[1]
     if not 1 <= k <= min(n_exp, MAX_TOP_K):
@@ -948,10 +959,12 @@ def route_tiles(x: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor, k: int, b
     w = torch.empty(t, k, dtype=torch.float32, device=x.device)
     idx = torch.empty(t, k, dtype=torch.int64, device=x.device)
     if t:
-        bm, bh = block_m or ROUTER_TILE_BLOCKS[0], block_h or ROUTER_TILE_BLOCKS[1]
+        block_e = max(16, triton.next_power_of_2(n_exp))
+        bm, bh = _tile_blocks(t, block_e)
+        bm, bh = block_m or bm, block_h or bh
         _router_tile_kernel[(triton.cdiv(t, bm),)](
             x, w3, bias, w, idx, t, hidden, n_exp, x.stride(0), w3.stride(0), w3.stride(1), TOP_K=k,
-            PRECISE=_precise(), BLOCK_M=bm, BLOCK_E=max(16, triton.next_power_of_2(n_exp)), BLOCK_H=bh,
+            PRECISE=_precise(), BLOCK_M=bm, BLOCK_E=block_e, BLOCK_H=bh,
             BLOCK_K=triton.next_power_of_2(k), num_warps=num_warps, num_stages=num_stages, **_opts(),
             **pdl.args(x))
     return w, idx
