@@ -121,7 +121,7 @@ def profile_step(shape: Shape, layers: list, t: int, tri, dev: torch.device, dty
     fused_ops = Ops(attention=None, moe=tri, fused=fused_backend.create("triton"))
     out: dict = {"T": t}
     with torch.no_grad():
-        routes = [layer.gate(x) for layer in layers]
+        routes = [tuple(r.contiguous() for r in layer.gate(x)) for layer in layers]  # as in time_step
         fns = {"routed": lambda: [routed(tri, la, x, w, idx) for la, (w, idx) in zip(layers, routes)],
                "engine_layer": lambda: [la.forward_parts(x, fused_ops) for la in layers]}
         for name, fn in fns.items():
@@ -344,7 +344,9 @@ def time_step(shape: Shape, layers: list, t: int, tri, timer: Timer, dev: torch.
     itemsize = torch.finfo(dtype).bits // 8
     x = make_x(shape, t, dev, dtype, seed=t)
     with torch.no_grad():
-        routes = [layer.gate(x) for layer in layers]
+        # contiguous, as the engine's fused routers write them (the reference router's idx is a strided slice
+        # of its sort, which align and combine would copy: an elementwise launch the engine never runs)
+        routes = [tuple(r.contiguous() for r in layer.gate(x)) for layer in layers]
         distinct = statistics.mean(int(idx.unique().numel()) for _, idx in routes)
 
         def routed_all(impl=tri):
