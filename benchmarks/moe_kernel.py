@@ -23,9 +23,13 @@ Shapes: m3-mini (hidden 2048, 32 experts, top-4, intermediate 1024, shared 1024)
    the experts the engine layer computes (the routed pairs plus the shared expert fused into the same
    GEMMs: k + 1 per token) over the whole engine layer's time, router included. For scale, the same run
    measures a dense bf16 torch.mm of the same FLOPs ([T*k, H] @ [H, 3I] and [T*(k+1), H] @ [H, 3I], its own
-   LAYERS weights) and the HBM copy bandwidth of a 4 GiB device-to-device copy.
+   LAYERS weights) and the HBM copy bandwidth of a 4 GiB device-to-device copy. Decode-sized steps
+   (T <= 16) are timed once more with programmatic dependent launch ("PDL us"), as the engine captures the
+   graphs of batches of up to 4 rows under M3EAGLE_PDL=auto (m3eagle/pdl.py); the column is empty where
+   the GPU cannot (before sm_90) or M3EAGLE_PDL=0.
 4. --tune: per T bucket of the table, time the whole layer as the engine runs it (fused router, then the
-   experts with the shared expert fused in when its width allows) for each candidate config (the sort-free
+   experts with the shared expert fused in when its width allows; buckets of up to 4 tokens with PDL, as
+   the engine's small-batch graphs launch them) for each candidate config (the sort-free
    direct path's tiles up to T = 4, decode candidates with small row blocks up to T = 256, prefill
    candidates from 256 up), keep the fastest that matches the reference, print the table, and with --write
    merge it into m3eagle/moe/tuned_configs.json under this GPU's name. The timing pass then uses the tuned
@@ -53,6 +57,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 LAYERS = 4
+PDL_MAX_T = 16  # steps of up to this many tokens are also timed with PDL (decode graphs of <= 4 rows, K <= 3)
 ALPHA, LIMIT, SCALING = 1.702, 7.0, 2.0
 
 
@@ -336,6 +341,7 @@ def check_graph(shape: Shape, layer, impl_of: Callable[[int], object], dev: torc
 
 def time_step(shape: Shape, layers: list, t: int, tri, timer: Timer, dev: torch.device, dtype: torch.dtype,
               with_reference: bool = True) -> dict:
+    from m3eagle import pdl
     from m3eagle.fused import backend as fused_backend
     from m3eagle.moe import backend
     from m3eagle.ops import Ops
@@ -384,6 +390,13 @@ def time_step(shape: Shape, layers: list, t: int, tri, timer: Timer, dev: torch.
         r["routed_eager_us"] = timer.eager(routed_all, len(layers)) * 1e6
         r["layer_us"] = timer(layer_all, len(layers)) * 1e6
         r["engine_layer_us"] = timer(engine_layer_all, len(layers)) * 1e6
+        with pdl.scope(True):
+            pdl_on = pdl.enabled(dev)  # sm_90+ and not M3EAGLE_PDL=0
+        if t <= PDL_MAX_T and pdl_on:
+            # as the engine runs decode-sized layers: its graphs of <= pdl.AUTO_MAX_BUCKET rows (T <= 16 at
+            # K <= 3) are captured with programmatic dependent launch (m3eagle/pdl.py, M3EAGLE_PDL=auto)
+            with pdl.scope(True):
+                r["engine_layer_pdl_us"] = timer(engine_layer_all, len(layers)) * 1e6
         r["shared_fused"] = bool(layers[0].can_fuse_shared())
         if with_reference:
             r["ref_layer_us"] = timer(lambda: layer_all(ref_impl), len(layers)) * 1e6
@@ -397,6 +410,8 @@ def time_step(shape: Shape, layers: list, t: int, tri, timer: Timer, dev: torch.
     r["routed_GBps"] = routed_bytes / (r["routed_us"] * 1e-6) / 1e9
     r["layer_GBps"] = layer_bytes / (r["layer_us"] * 1e-6) / 1e9
     r["engine_layer_GBps"] = layer_bytes / (r["engine_layer_us"] * 1e-6) / 1e9
+    if "engine_layer_pdl_us" in r:
+        r["engine_layer_pdl_GBps"] = layer_bytes / (r["engine_layer_pdl_us"] * 1e-6) / 1e9
     r["routed_TFLOPs"] = flops / (r["routed_us"] * 1e-6) / 1e12
     r["mm_TFLOPs"] = flops / (r["mm_us"] * 1e-6) / 1e12
     # the whole layer as the engine runs it (router, align, combine included) on its expert FLOPs
@@ -456,6 +471,7 @@ def candidates(bucket: int, dev: torch.device):
 def tune_shape(shape: Shape, layers: list, dev: torch.device, dtype: torch.dtype, timer: Timer,
                buckets: tuple[int, ...]) -> tuple[dict, list]:
     """{bucket: best config dict} and the rows of every measurement."""
+    from m3eagle import pdl
     from m3eagle.fused import backend as fused_backend
     from m3eagle.moe import backend
     from m3eagle.ops import Ops
@@ -479,7 +495,10 @@ def tune_shape(shape: Shape, layers: list, dev: torch.device, dtype: torch.dtype
                         for layer in layers:
                             layer.forward_parts(x, ops)
 
-                    us = timer(run, len(layers)) * 1e6
+                    # buckets of up to pdl.AUTO_MAX_BUCKET tokens run in the engine's PDL graphs (M3EAGLE_PDL
+                    # auto): time their candidates that way too (a layout can win or lose by it, note 39)
+                    with pdl.scope(b <= pdl.AUTO_MAX_BUCKET):
+                        us = timer(run, len(layers)) * 1e6
             except Exception as exc:  # a config past the GPU's shared memory or registers: skip it
                 log(f"  {shape.name} T={b} {cfg}: skipped ({type(exc).__name__})")
                 continue
@@ -590,6 +609,7 @@ def main() -> None:
         ok &= all(c["ok"] for c in checks) and graph["graph_equal"] is not False and graph["no_sync"] is not False
         log(f"  {'T':>5} {'experts':>7} {'routed us':>10} {'eager us':>9} {'layer us':>9} {'ref us':>9} "
             f"{'speedup':>8} {'routed GB/s':>11} {'layer GB/s':>10} {'engine us':>9} {'engine GB/s':>11} "
+            f"{'PDL us':>7} {'PDL GB/s':>8} "
             f"{'TFLOP/s':>8} {'mm TFLOP/s':>10} {'engine TFLOP/s':>14} {'mm (same) TFLOP/s':>17}")
         timings = []
         for t in s.tokens:
@@ -598,7 +618,8 @@ def main() -> None:
             log(f"  {t:>5} {r['distinct_experts']:>7.1f} {r['routed_us']:>10.1f} {r['routed_eager_us']:>9.1f} "
                 f"{r['layer_us']:>9.1f} {r.get('ref_layer_us', math.nan):>9.1f} {r.get('speedup_vs_ref', math.nan):>7.2f}x "
                 f"{r['routed_GBps']:>11.0f} {r['layer_GBps']:>10.0f} {r['engine_layer_us']:>9.1f} "
-                f"{r['engine_layer_GBps']:>11.0f} {r['routed_TFLOPs']:>8.1f} {r['mm_TFLOPs']:>10.1f} "
+                f"{r['engine_layer_GBps']:>11.0f} {r.get('engine_layer_pdl_us', math.nan):>7.1f} "
+                f"{r.get('engine_layer_pdl_GBps', math.nan):>8.0f} {r['routed_TFLOPs']:>8.1f} {r['mm_TFLOPs']:>10.1f} "
                 f"{r['engine_TFLOPs']:>14.1f} {r['mm_engine_TFLOPs']:>17.1f}")
         entry = {"shape": s.name, "hidden": s.hidden, "experts": s.experts, "top_k": s.top_k,
                  "inter": s.inter, "shared": s.shared, "checks": checks, "graph": graph, "timings": timings}
