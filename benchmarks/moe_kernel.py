@@ -468,6 +468,30 @@ def candidates(bucket: int, dev: torch.device):
     return prefill
 
 
+def align_sweep(dev: torch.device, timer: Timer) -> list[dict]:
+    """The alignment alone (count + place, graph replay) at prompt sizes per one-hot tile size
+    (m3eagle.moe.align.ALIGN_TILE: chunk = tile / e_pad pairs per program), routed only and with a shared
+    expert, on m3-mini's routing shape (32 experts, top-4, block_m 128)."""
+    from m3eagle.moe import align as al
+
+    rows, default = [], al.ALIGN_TILE
+    try:
+        for t in (512, 2048, 8192):
+            g = torch.Generator(device=dev).manual_seed(t)
+            idx = torch.rand(t, 32, generator=g, device=dev).argsort(1)[:, :4].contiguous()
+            for shared in (False, True):
+                row = {"T": t, "shared": shared}
+                for tile in (2048, 4096, 8192, 16384):
+                    al.ALIGN_TILE = tile
+                    row[tile] = timer(lambda idx=idx, shared=shared: al.align(idx, 0, 32, 128, shared=shared)) * 1e6
+                rows.append(row)
+                log(f"  align T={t:<5} shared={shared!s:5}: " + "  ".join(
+                    f"tile {k} {v:.1f} us" for k, v in row.items() if isinstance(k, int)))
+    finally:
+        al.ALIGN_TILE = default
+    return rows
+
+
 def tune_shape(shape: Shape, layers: list, dev: torch.device, dtype: torch.dtype, timer: Timer,
                buckets: tuple[int, ...]) -> tuple[dict, list]:
     """{bucket: best config dict} and the rows of every measurement."""
@@ -541,6 +565,8 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the JSON summary to this file")
     ap.add_argument("--profile", default=None, metavar="T,T",
                     help="CUDA: per-kernel GPU time of the routed path and of the engine's layer at these T")
+    ap.add_argument("--align-sweep", action="store_true",
+                    help="only time the alignment per one-hot tile size (align.ALIGN_TILE) at prompt sizes")
     args = ap.parse_args()
 
     dev = torch.device(args.device)
@@ -563,6 +589,13 @@ def main() -> None:
     if dev.type == "cuda":
         summary["hbm_copy_GBps"] = copy_bandwidth(dev)
         log(f"HBM copy bandwidth (4 GiB device-to-device): {summary['hbm_copy_GBps']:.0f} GB/s")
+
+    if args.align_sweep:
+        summary["align_sweep"] = align_sweep(dev, timer)
+        print(json.dumps(summary, default=float))
+        if args.json:
+            Path(args.json).write_text(json.dumps(summary, default=float) + "\n")
+        return
 
     layers_of = {s.name: [make_layer(s, dev, dtype, seed=j) for j in range(LAYERS)] for s in shapes}
 

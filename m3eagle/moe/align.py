@@ -54,6 +54,9 @@ class Alignment:
     routed_pairs: int  # T*k: pair ids from here on are the shared expert's (one per token)
 
 
+ALIGN_TILE = 8192  # elements of a program's [chunk, e_pad] one-hot tile (benchmarks/moe_kernel.py --align-sweep)
+
+
 def max_blocks(num_pairs: int, num_local: int, block_m: int) -> int:
     return triton.cdiv(num_pairs + min(num_local, num_pairs) * (block_m - 1), block_m)
 
@@ -165,9 +168,10 @@ def align(idx: torch.Tensor, e_start: int, num_local: int, block_m: int, chunk: 
     nb = max_blocks(n, num_local, block_m)
     dev = idx.device
     e_pad = max(16, triton.next_power_of_2(max(1, num_local)))
-    # A [chunk, e_pad] one-hot tile stays ~8K elements; few pairs (decode) get a tile just big enough, since
-    # the single program's latency is the whole cost there (a 512-wide tile for 4 pairs cost 12 us on an H200).
-    chunk = chunk or max(16, min(1024, 8192 // e_pad, triton.next_power_of_2(max(1, n))))
+    # A [chunk, e_pad] one-hot tile stays ~ALIGN_TILE elements; few pairs (decode) get a tile just big enough,
+    # since the single program's latency is the whole cost there (a 512-wide tile for 4 pairs cost 12 us on
+    # an H200).
+    chunk = chunk or max(16, min(1024, ALIGN_TILE // e_pad, triton.next_power_of_2(max(1, n))))
     num_chunks = max(1, triton.cdiv(n, chunk))
     padded_len = nb * block_m
     fill_per_prog = triton.cdiv(padded_len, num_chunks) if padded_len else 0
