@@ -469,26 +469,23 @@ def candidates(bucket: int, dev: torch.device):
 
 
 def align_sweep(dev: torch.device, timer: Timer) -> list[dict]:
-    """The alignment alone (count + place, graph replay) at prompt sizes per one-hot tile size
-    (m3eagle.moe.align.ALIGN_TILE: chunk = tile / e_pad pairs per program), routed only and with a shared
-    expert, on m3-mini's routing shape (32 experts, top-4, block_m 128)."""
+    """The alignment alone (count + place, graph replay) at prompt sizes per chunk (pairs per program;
+    m3eagle.moe.align.chunk_size picks one), routed only and with a shared expert, on m3-mini's routing
+    shape (32 experts, top-4, block_m 128)."""
     from m3eagle.moe import align as al
 
-    rows, default = [], al.ALIGN_TILE
-    try:
-        for t in (512, 2048, 8192):
-            g = torch.Generator(device=dev).manual_seed(t)
-            idx = torch.rand(t, 32, generator=g, device=dev).argsort(1)[:, :4].contiguous()
-            for shared in (False, True):
-                row = {"T": t, "shared": shared}
-                for tile in (2048, 4096, 8192, 16384):
-                    al.ALIGN_TILE = tile
-                    row[tile] = timer(lambda idx=idx, shared=shared: al.align(idx, 0, 32, 128, shared=shared)) * 1e6
-                rows.append(row)
-                log(f"  align T={t:<5} shared={shared!s:5}: " + "  ".join(
-                    f"tile {k} {v:.1f} us" for k, v in row.items() if isinstance(k, int)))
-    finally:
-        al.ALIGN_TILE = default
+    rows = []
+    for t in (512, 2048, 8192):
+        g = torch.Generator(device=dev).manual_seed(t)
+        idx = torch.rand(t, 32, generator=g, device=dev).argsort(1)[:, :4].contiguous()
+        for shared in (False, True):
+            pick = al.chunk_size(t * (4 + shared), 64 if shared else 32)
+            row = {"T": t, "shared": shared, "chunk_size": pick}
+            for chunk in (32, 64, 128, 256, 512):
+                row[chunk] = timer(lambda idx=idx, s=shared, c=chunk: al.align(idx, 0, 32, 128, chunk=c, shared=s)) * 1e6
+            rows.append(row)
+            log(f"  align T={t:<5} shared={shared!s:5} (chunk_size picks {pick}): " + "  ".join(
+                f"chunk {k} {v:.1f} us" for k, v in row.items() if isinstance(k, int)))
     return rows
 
 
@@ -566,7 +563,7 @@ def main() -> None:
     ap.add_argument("--profile", default=None, metavar="T,T",
                     help="CUDA: per-kernel GPU time of the routed path and of the engine's layer at these T")
     ap.add_argument("--align-sweep", action="store_true",
-                    help="only time the alignment per one-hot tile size (align.ALIGN_TILE) at prompt sizes")
+                    help="only time the alignment per chunk size (pairs per program) at prompt sizes")
     args = ap.parse_args()
 
     dev = torch.device(args.device)

@@ -227,11 +227,12 @@ def test_unwritten_rows_are_never_read():
     assert_close(out, reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT, (e0, e1)))
 
 
-# chunk: pairs per alignment program; 16 spreads a few pairs over many programs (histogram path)
+# chunk: pairs per alignment program; 16 spreads a few pairs over many programs (histogram path); None takes
+# align.chunk_size's (1,100 x 4 pairs: 35 programs of 128)
 @pytest.mark.parametrize("t,k,e0,e1,bm,chunk", [(1, 2, 0, 8, 16, None), (37, 3, 0, 8, 16, None),
                                                 (37, 3, 0, 8, 16, 16), (300, 4, 2, 7, 32, None),
                                                 (300, 4, 2, 7, 16, 64), (5, 2, 0, 8, 64, None),
-                                                (40, 1, 6, 7, 16, 16)])
+                                                (40, 1, 6, 7, 16, 16), (1100, 4, 0, 8, 32, None)])
 def test_alignment_invariants(t, k, e0, e1, bm, chunk):
     g = torch.Generator().manual_seed(t * 7 + bm)
     idx = torch.argsort(torch.rand(t, E, generator=g), dim=1)[:, :k]

@@ -54,7 +54,18 @@ class Alignment:
     routed_pairs: int  # T*k: pair ids from here on are the shared expert's (one per token)
 
 
-ALIGN_TILE = 8192  # elements of a program's [chunk, e_pad] one-hot tile (benchmarks/moe_kernel.py --align-sweep)
+MAX_TILE = 16384  # elements of a program's [chunk, e_pad] one-hot tile, at most
+
+
+def chunk_size(num_pairs: int, e_pad: int) -> int:
+    """Pairs per program. Few pairs (decode) get one chunk just big enough: the single program's latency is
+    the whole cost there (a 512-wide tile for 4 pairs cost 12 us on an H200). Past that a program's one-hot
+    work grows with the chunk and every program's histogram reduction with the number of chunks, so the
+    chunk grows slowly with the pairs: `benchmarks/moe_kernel.py --align-sweep` on the H200 put the best at
+    64 pairs up to ~4K pairs and 128 from 8K to 40K (m3-mini, with and without the shared expert:
+    docs/results/h200-2026-12-01e/call6/); 256 past 64K is an extrapolation."""
+    want = 64 if num_pairs <= 4096 else 128 if num_pairs <= 65536 else 256
+    return max(16, min(want, MAX_TILE // e_pad, triton.next_power_of_2(max(1, num_pairs))))
 
 
 def max_blocks(num_pairs: int, num_local: int, block_m: int) -> int:
@@ -168,10 +179,7 @@ def align(idx: torch.Tensor, e_start: int, num_local: int, block_m: int, chunk: 
     nb = max_blocks(n, num_local, block_m)
     dev = idx.device
     e_pad = max(16, triton.next_power_of_2(max(1, num_local)))
-    # A [chunk, e_pad] one-hot tile stays ~ALIGN_TILE elements; few pairs (decode) get a tile just big enough,
-    # since the single program's latency is the whole cost there (a 512-wide tile for 4 pairs cost 12 us on
-    # an H200).
-    chunk = chunk or max(16, min(1024, ALIGN_TILE // e_pad, triton.next_power_of_2(max(1, n))))
+    chunk = chunk or chunk_size(n, e_pad)
     num_chunks = max(1, triton.cdiv(n, chunk))
     padded_len = nb * block_m
     fill_per_prog = triton.cdiv(padded_len, num_chunks) if padded_len else 0
