@@ -6,7 +6,8 @@ Why: the CPU suite runs the kernels under the Triton interpreter, which accepts 
 rejects (tl.dot tiles under 16, layouts and types only the compiler checks).
 This script runs the embedded pair with every fast path on (triton attention, MoE and fused ops; bf16, as
 on the GPU; K=3 speculation; a prompt past the indexer's top-k blocks so the sparse kernels run; a few
-direct calls for paths the run does not take: split-K GEMV, an expert subset) under the interpreter and
+direct calls for paths the run does not take: split-K GEMV, an expert subset, the MoE's split-tail tiles, the
+tiled router's other block shapes) under the interpreter and
 writes each distinct launch -- kernel, argument types, constexpr values, launch options -- as JSON. The
 test compiles every recorded launch for sm_90 without a GPU. Re-run it after changing a kernel's
 parameters (the test says so when a record no longer matches its kernel).
@@ -92,6 +93,20 @@ def workload() -> None:
     xs = torch.randn(5, 64, generator=g).bfloat16()
     idx = torch.argsort(torch.rand(5, 8, generator=g), 1)[:, :2]
     triton_moe.fused_experts(xs, torch.full((5, 2), 0.5), idx, w13, w2, 1.702, 7.0, (2, 6))
+    # the sorted GEMMs' half-height tail tiles (MoEConfig.split_tail: 64-row blocks, 32-row tails)
+    from m3eagle.moe.tuning import MoEConfig
+
+    xt = torch.randn(40, 64, generator=g).bfloat16()
+    idx = torch.argsort(torch.rand(40, 8, generator=g), 1)[:, :2]
+    triton_moe.fused_experts(xt, torch.full((40, 2), 0.5), idx, w13, w2, 1.702, 7.0,
+                             config=MoEConfig(64, 32, 32, 4, 4, 3, split_tail=1))
+    # the tiled router's other block shapes (long prompts, MiniMax-M3's 128 experts)
+    from m3eagle.fused import triton_fused
+
+    xr = torch.randn(70, 256, generator=g).bfloat16()
+    for n_exp, bm, bh in ((128, None, None), (32, 64, 128), (128, 64, 64)):
+        wr = torch.randn(n_exp, 256, generator=g) / 16
+        triton_fused.route_tiles(xr, triton_fused.router_split(wr), torch.zeros(n_exp), 8, bm, bh)
 
 
 def main() -> int:

@@ -89,4 +89,4 @@ def test_the_records_cover_the_decode_path():
     assert all("PDL" in r[4] for r in records), sorted({r[1] for r in records if "PDL" not in r[4]})
     assert {"_linear_kernel", "_gate_up_kernel", "_down_kernel", "_place_kernel", "_router_topk_kernel",
             "_dense_attn_kernel", "_sparse_attn_kernel", "_indexer_kernel", "_add_norm_kernel",
-            "_qkv_rope_kernel", "_step_inputs_kernel", "_commit_kernel"} <= names
+            "_qkv_rope_kernel", "_step_inputs_kernel", "_commit_kernel", "_router_tile_kernel"} <= names
