@@ -708,7 +708,8 @@ def test_route_tiles_ties_nan_and_minus_inf():
 def test_route_tokens_takes_the_tiled_router_past_the_gemv_limit(monkeypatch):
     """TritonFused.route_tokens: T <= ROUTER_GEMV_MAX_T -> the one-launch GEMV router; above it the tiled
     router for bf16 activations, an fp32 weight with E <= ROUTER_TILE_MAX_E and T >= H / 4, else the
-    reference's cast + GEMM + route. The weight's split is made once and again after an in-place change."""
+    reference's cast + GEMM + route. The weight's split is made once, again after an in-place change, and
+    dropped with the weight."""
     from m3eagle.fused import triton_fused
 
     calls, splits = [], []
@@ -739,3 +740,7 @@ def test_route_tokens_takes_the_tiled_router_past_the_gemv_limit(monkeypatch):
     w.mul_(-1.0)  # in place: the cached split is stale
     _, idx = fused.route_tokens(x, w, torch.zeros(8), 2)
     assert len(splits) == 2 and torch.equal(idx, reference.route_tokens(x, w, torch.zeros(8), 2)[1])
+    assert id(w) in fused._splits
+    key = id(w)
+    del w  # the cached split goes with its weight
+    assert key not in fused._splits

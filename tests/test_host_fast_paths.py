@@ -186,16 +186,59 @@ def _run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tu
     return outs, [d[1:] for d in deltas]
 
 
+class _OracleDrafts:
+    """Within the block, every sampling row's K drafts are the target's own greedy continuation (`seqs`: prompt
+    -> prompt + greedy output), written over what the head proposed: under greedy verification each draft
+    is accepted, so steps deliver K + 1 tokens whatever the trained head would have guessed. Greedy outputs
+    do not depend on the drafts (verification is lossless), so `seqs` stays the truth inside the block."""
+
+    def __init__(self, llm: LLM, seqs: dict[tuple[int, ...], list[int]]):
+        self.runner, self.eng, self.seqs = llm.engine.runner, llm.engine, seqs
+
+    def __enter__(self) -> _OracleDrafts:
+        runner, orig = self.runner, self.runner._draft
+
+        def draft(inp, meta, aux, s, last_idx, shifted, at):
+            drafts = orig(inp, meta, aux, s, last_idx, shifted, at)  # [B, K]; the head's caches as usual
+            by_slot = {r.slot: r for r in self.eng.scheduler.running}
+            # at[0]: position of the row's last accepted input token; the bonus token the step sampled sits
+            # at at[0] + 1, so draft j is the token at at[0] + 2 + j
+            for i, (slot, pos) in enumerate(zip(s.tolist(), at[0].tolist())):
+                req = by_slot.get(slot)
+                if req is not None:
+                    seq = self.seqs[tuple(req.prompt_token_ids)]
+                    drafts[i] = torch.tensor([seq[p] if p < len(seq) else 0
+                                              for p in range(pos + 2, pos + 2 + drafts.shape[1])])
+            runner.slot_drafts.index_copy_(0, s, drafts)
+            return drafts
+
+        runner._draft = draft
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.runner._draft  # the class's method again
+
+
 def test_stops_inside_verify_steps_equal_the_per_token_path(default_llms):
-    """Speculation with the trained head: steps deliver several tokens. A stop id, a stop string, max_tokens
-    and min_tokens placed inside such a step give the same outputs, finish reasons, text, logprobs,
-    acceptance and streamed deltas with the fast path as with the per-token path."""
+    """Speculation with steps that deliver several tokens -- forced: the drafts are the target's own greedy
+    continuation (`_OracleDrafts`), so every draft is accepted. A stop id, a stop string, max_tokens and
+    min_tokens placed inside such a step give the same outputs, finish reasons, text, logprobs, acceptance
+    and streamed deltas with the fast path as with the per-token path."""
     from m3eagle.training.evaluate import stdlib_code_prompts
     from m3eagle.training.tokenizer import load_tokenizer
 
     fast, plain = default_llms
     prompts = [p.ids for p in stdlib_code_prompts(load_tokenizer(TARGET), 6, seed=7)]
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    seqs = {tuple(p): list(p) + [t for c in chunks for t in c] for p, chunks in zip(prompts, _chunks(fast, prompts, greedy))}
+    with _OracleDrafts(fast, seqs), _OracleDrafts(plain, seqs):
+        _test_stops_inside_verify_steps(fast, plain, prompts, seqs)
+
+
+def _test_stops_inside_verify_steps(fast: LLM, plain: LLM, prompts: list[list[int]], seqs: dict) -> None:
     ref = _chunks(fast, prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert [list(p) + [t for c in chunks for t in c] for p, chunks in zip(prompts, ref)] == list(seqs.values())
+    assert max(len(c) for chunks in ref for c in chunks) == fast.engine.k + 1  # the oracle's drafts were taken
     params = []
     for i, chunks in enumerate(ref):
         flat = [t for c in chunks for t in c]
@@ -206,7 +249,7 @@ def test_stops_inside_verify_steps_equal_the_per_token_path(default_llms):
                 if at is None and len(c) > 1 and t not in flat[:pos + j]:
                     at = pos + j
             pos += len(c)
-        assert at is not None, chunks  # the trained head accepts drafts: some step delivered several tokens
+        assert at is not None, chunks  # the oracle's drafts: steps deliver several tokens
         stop_text = fast.engine.tokenizer.decode([flat[at]]).strip()
         kind = i % 4
         if kind == 0:

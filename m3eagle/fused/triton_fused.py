@@ -1054,7 +1054,7 @@ class TritonFused:
         self._inv_freq: dict[Any, tuple[torch.Tensor, float]] = {}
         self._counters: dict[torch.device, torch.Tensor] = {}  # route_tokens' per-token counters, per device
         # id(router weight) -> (a weak reference to it, its version, router_split of it): the tiled router's
-        # parts (a dead weight's id may be reused, hence the reference check)
+        # parts, dropped when the weight is freed
         self._splits: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
         # linear(): steps of up to this many rows may run `gemv.linear` instead of cuBLAS, where
         # `gemv.prefers` says it wins (0: never). None: gemv.MAX_T on CUDA, 0 elsewhere -- under the CPU
@@ -1140,6 +1140,8 @@ class TritonFused:
         if weight.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         split = router_split(weight)
+        if hit is None or hit[0]() is not weight:  # drop the entry with the weight (new versions replace it)
+            weakref.finalize(weight, self._splits.pop, id(weight), None)
         self._splits[id(weight)] = (weakref.ref(weight), weight._version, split)
         return split
 

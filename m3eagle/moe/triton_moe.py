@@ -243,6 +243,11 @@ def _shared_weights(shared: Shared | None, w13: torch.Tensor, w2: torch.Tensor,
     return s13, s2
 
 
+def _split_tail(cfg: MoEConfig) -> bool:
+    """Half-height tail tiles: asked for, and block_m / 2 still at least tl.dot's 16 rows."""
+    return bool(cfg.split_tail) and cfg.block_m >= 32
+
+
 def gate_up(x: torch.Tensor, w13: torch.Tensor, al: Alignment, top_k: int, alpha: float, limit: float,
             cfg: MoEConfig, shared_gate_up: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] -> act [max_blocks * block_m, I] (rows of padding entries unwritten).
@@ -259,7 +264,7 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, al: Alignment, top_k: int, alpha
         act.stride(0), act.stride(1), float(alpha), float(limit),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         DOT_PREC=_dot_precision(x.dtype), HAS_SHARED=shared_gate_up is not None,
-        SPLIT_TAIL=bool(cfg.split_tail) and cfg.block_m >= 32, num_warps=cfg.num_warps,
+        SPLIT_TAIL=_split_tail(cfg), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl.args(x))
     return act
 
@@ -281,7 +286,7 @@ def down(act: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, al: Alignme
         contrib.stride(0), contrib.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         DOT_PREC=_dot_precision(act.dtype), HAS_SHARED=shared_down is not None,
-        SPLIT_TAIL=bool(cfg.split_tail) and cfg.block_m >= 32, num_warps=cfg.num_warps,
+        SPLIT_TAIL=_split_tail(cfg), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl.args(act))
     return contrib
 
