@@ -53,9 +53,8 @@ for mod, name, params, types, consts, opts in json.load(open(sys.argv[1])):
         continue
     sig = {p: ("constexpr" if p in consts else types[p]) for p in params}
     variants = [(consts, opts)]
-    if "PDL" in consts:  # recorded off the GPU (PDL off): also the programmatic-dependent-launch variant,
-        # with the weight prefetch before the wait (pdl.PREFETCH = 2, the engine's default with PDL on)
-        variants.append(({**consts, "PDL": 2}, {**opts, "launch_pdl": True}))
+    if "PDL" in consts:  # recorded off the GPU (PDL off): also the programmatic-dependent-launch variant
+        variants.append(({**consts, "PDL": True}, {**opts, "launch_pdl": True}))
     for c, o in variants:
         src = ASTSource(fn, sig, constexprs={(params.index(k),): v for k, v in c.items()})
         try:

@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from .. import pdl
-from ..pdl import pdl_wait, prefetch_rows
+from ..pdl import pdl_wait
 
 MAX_T = 32  # rows; past this a GEMM with weight-tile reuse (cuBLAS) is the right tool
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -111,6 +111,7 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, s
     stride_yt), part [n_split, T, N] fp32, cnt [>= cdiv(N, BLOCK_N)] int32 zero between launches. SPLIT
     (n_split > 1) is a constexpr and n_split a runtime value: one compile serves every split count.
     GEMV (not USE_DOT) takes BLOCK_T <= 4."""
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
@@ -119,9 +120,6 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, s
     rows_n = tl.minimum(offs_n, N - 1)
     k0 = pid_s * k_split
     k_end = tl.minimum(k0 + k_split, K)
-    # launched early under PDL: this program's weight slice heads for L2 while the predecessor finishes
-    prefetch_rows(w_ptr + rows_n.to(tl.int64) * stride_wn + k0, k_end - k0, PDL, 8)
-    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any other memory access
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]  # [BN, BK]
     if USE_DOT:

@@ -50,7 +50,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .. import pdl
-from ..pdl import pdl_wait, prefetch_rows
+from ..pdl import pdl_wait
 from . import reference as _ref
 
 # ---- precise math helpers -----------------------------------------------------------------------------
@@ -815,12 +815,10 @@ def _router_gemv_kernel(x_ptr, w_ptr, out_ptr, hidden, n_exp, stride_x, stride_w
     and its split-K reduction of the cuBLAS path in one launch. Each lane accumulates its own columns in
     fp32 and the lanes are summed once at the end (another order than cuBLAS: equal to ~1e-6 relative,
     not bit for bit)."""
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     t = tl.program_id(0).to(tl.int64)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     em = offs_e < n_exp
-    # launched early under PDL: the router's weight rows head for L2 while the norm before it runs
-    prefetch_rows(w_ptr + tl.minimum(offs_e, n_exp - 1).to(tl.int64) * stride_w, hidden, PDL, 8)
-    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any other memory access
     logits = _router_gemv_rows(x_ptr, w_ptr, t, offs_e, em, hidden, stride_x, stride_w, BLOCK_E, BLOCK_H)
     tl.store(out_ptr + t * stride_o + offs_e, logits, mask=em)
 
@@ -837,12 +835,10 @@ def _router_topk_kernel(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_p
     that reads n_prog - 1 sees every other program's logits (it loads them from L2, not L1); it resets
     the counter for the next launch. No float atomics: the routing is computed once, by one program,
     from the same logits as the two-launch path, so it is bit-equal to it."""
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     t = tl.program_id(0).to(tl.int64)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     em = offs_e < n_exp
-    # launched early under PDL: the router's weight rows head for L2 while the norm before it runs
-    prefetch_rows(w_ptr + tl.minimum(offs_e, n_exp - 1).to(tl.int64) * stride_w, hidden, PDL, 8)
-    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any other memory access
     logits = _router_gemv_rows(x_ptr, w_ptr, t, offs_e, em, hidden, stride_x, stride_w, BLOCK_E, BLOCK_H)
     tl.store(lg_ptr + t * n_exp + offs_e, logits, mask=em)
     tl.debug_barrier()

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .. import pdl
-from ..pdl import pdl_wait, prefetch_rows
+from ..pdl import pdl_wait
 from .tuning import MoEConfig
 
 
@@ -47,17 +47,10 @@ def _direct_gate_up_kernel(x_ptr, idx_ptr, w_ptr, ws_ptr, act_ptr, T, e_start, n
 
     w [E_local, 2I, H] (gate rows then up rows, unit stride along H); pairs p >= T*TOP_K are the shared
     expert's (ws [2I, H], same strides), token p - T*TOP_K. A pair of another rank's expert stores nothing."""
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     routed = p < T * TOP_K
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    rows = tl.minimum(offs_n, inter - 1)  # clamped, not masked: the weight stream carries no row predicate
-    if HAS_SHARED:
-        if not routed:  # the shared expert's rows do not wait for the router: to L2 while it runs (PDL)
-            s_rows = ws_ptr + rows.to(tl.int64) * stride_wn  # [BN] gate rows
-            prefetch_rows(s_rows, hidden, PDL, 8)
-            prefetch_rows(s_rows + inter * stride_wn, hidden, PDL, 8)  # up rows
-    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any other memory access
     token = tl.where(routed, p // TOP_K, p - T * TOP_K)
     e = tl.load(idx_ptr + p, mask=routed, other=0).to(tl.int64) - e_start
     if routed & ((e < 0) | (e >= num_local)):
@@ -66,6 +59,8 @@ def _direct_gate_up_kernel(x_ptr, idx_ptr, w_ptr, ws_ptr, act_ptr, T, e_start, n
     if HAS_SHARED:
         if not routed:
             base = ws_ptr
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    rows = tl.minimum(offs_n, inter - 1)  # clamped, not masked: the weight stream carries no row predicate
     offs_k = tl.arange(0, BLOCK_K)  # [BK]
     g_ptrs = base + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
     u_ptrs = g_ptrs + inter * stride_wn
@@ -104,6 +99,7 @@ def _direct_down_kernel(act_ptr, idx_ptr, wts_ptr, w_ptr, ws_ptr, out_ptr, T, e_
 
     w [E_local, H, I] (unit stride along I). The k experts' tiles are one [K_PAD, BN, BK] load per K step
     (slots past TOP_K and other ranks' experts masked: never read)."""
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -111,19 +107,9 @@ def _direct_down_kernel(act_ptr, idx_ptr, wts_ptr, w_ptr, ws_ptr, out_ptr, T, e_
     offs_k = tl.arange(0, BLOCK_K)  # [BK]
     slots = tl.arange(0, K_PAD)  # [KP]
     pair = t * TOP_K + slots  # [KP]
-    # Before the wait (m3eagle/pdl.py): idx was written by the router, which completed before the gate_up
-    # launch that precedes this one let it be scheduled; .cg reads it from L2, where that write is.
-    e = tl.load(idx_ptr + pair, mask=slots < TOP_K, other=0, cache_modifier=".cg").to(tl.int64) - e_start
+    e = tl.load(idx_ptr + pair, mask=slots < TOP_K, other=0).to(tl.int64) - e_start
     live = (slots < TOP_K) & (e >= 0) & (e < num_local)  # [KP]
     e = tl.where(live, e, 0)
-    # this program's rows of its k experts (dead slots repeat a live one) and the shared expert's, to L2
-    # while gate_up runs
-    e_pf = tl.where(live, e, tl.maximum(tl.max(tl.where(live, e, -1), axis=0), 0))  # [KP]
-    prefetch_rows(tl.reshape(w_ptr + e_pf[:, None] * stride_we + rows.to(tl.int64)[None, :] * stride_wh,
-                             [K_PAD * BLOCK_N]), inter, PDL, 8)
-    if HAS_SHARED:
-        prefetch_rows(ws_ptr + rows.to(tl.int64) * stride_wh, inter, PDL, 8)
-    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any other memory access
     live3 = live[:, None, None] & (rows >= 0)[None, :, None]  # [KP, BN, 1]
     w_ptrs = (w_ptr + e[:, None, None] * stride_we + rows.to(tl.int64)[None, :, None] * stride_wh
               + offs_k[None, None, :])  # [KP, BN, BK]

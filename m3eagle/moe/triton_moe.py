@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .. import pdl
-from ..pdl import pdl_wait, prefetch_rows
+from ..pdl import pdl_wait
 from . import direct, tuning
 from .align import Alignment, align
 from .reference import local_experts
@@ -182,19 +182,12 @@ def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, b
     per-expert einsum result is. The weighted row is stored in the activation dtype too: half the traffic
     of fp32 for a [T*k, H] buffer that prefill writes and reads once; in bf16 that is one more rounding
     per pair, below the reference's own bf16 error."""
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     pid_m, pid_n = _block_coords(tl.program_id(0), max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
-    # Before the wait (m3eagle/pdl.py): the alignment that wrote these completed before the gate_up launch
-    # that precedes this one let it be scheduled; .cg reads them from L2. A used block's weight rows head
-    # for L2 while gate_up runs.
-    used = pid_m < tl.load(num_blocks_ptr, cache_modifier=".cg")
-    expert = tl.load(block_expert_ptr + pid_m, mask=used, other=-1, cache_modifier=".cg").to(tl.int64)
-    w_base = _expert_base(w_ptr, ws_ptr, expert, stride_we, shared_col, HAS_SHARED)
-    if (expert >= 0) & (stride_wi == 1):
-        rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), hidden - 1)  # [BN]
-        prefetch_rows(w_base + rows.to(tl.int64) * stride_wh, inter, PDL, 8)
-    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any other memory access
-    if not used:
+    if pid_m >= tl.load(num_blocks_ptr):
         return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    w_base = _expert_base(w_ptr, ws_ptr, expert, stride_we, shared_col, HAS_SHARED)
     if SPLIT_TAIL and _valid_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M) <= BLOCK_M // 2:
         _down_tile(act_ptr, w_base, contrib_ptr, weights_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs,
                    routed_pairs, hidden, inter, routed_scale, stride_am, stride_ai, stride_wh, stride_wi, stride_cp,
