@@ -270,6 +270,49 @@ def test_alignment_invariants(t, k, e0, e1, bm, chunk):
         assert len(seg) == -(-counts[e] // bm) * bm and seg[:len(real)] == real and len(real) == counts[e]
 
 
+def expected_alignment(idx: torch.Tensor, e0: int, num_local: int, bm: int, shared: bool) -> tuple[list, list, int]:
+    """The layout align() must write, in plain Python: each local routed expert's pairs in idx order, padded
+    to bm, experts ascending; with `shared` the T pairs T*k + t (in order) as column num_local, last.
+    -> (sorted ids of the used blocks, their experts, used blocks)."""
+    flat = idx.reshape(-1).tolist()
+    routed = len(flat)
+    n = routed + (idx.shape[0] if shared else 0)
+    segs = [(e, [p for p in range(routed) if flat[p] - e0 == e]) for e in range(num_local)]
+    if shared:
+        segs.append((num_local, list(range(routed, n))))
+    ids, blocks = [], []
+    for e, pairs in segs:
+        nblk = -(-len(pairs) // bm)
+        ids += pairs + [n] * (nblk * bm - len(pairs))
+        blocks += [e] * nblk
+    return ids, blocks, len(blocks)
+
+
+# (t, k, e0, e1, bm, chunk): a single placing program (decode), the histogram path over several chunks,
+# a rank's expert subset, every token on one expert, a segment longer than a block
+@pytest.mark.parametrize("t,k,e0,e1,bm,chunk", [(1, 2, 0, 8, 16, None), (4, 4, 0, 8, 32, None),
+                                                (37, 3, 0, 8, 16, 16), (300, 4, 2, 7, 16, 64),
+                                                (40, 1, 6, 7, 16, 16), (5, 2, 0, 8, 64, None)])
+@pytest.mark.parametrize("shared", [False, True])
+def test_alignment_equals_the_plain_layout(t, k, e0, e1, bm, chunk, shared):
+    """sorted_ids / block_expert / num_blocks equal expected_alignment exactly, padding past the used blocks
+    included: with a shared expert its segment is placed by arithmetic (no one-hot column), and must come
+    out as the column-of-its-own layout did."""
+    if shared and (e0, e1) != (0, E):
+        e0, e1 = 0, E  # the shared expert is fused only with all experts local
+    g = torch.Generator().manual_seed(t * 13 + bm + shared)
+    idx = torch.argsort(torch.rand(t, E, generator=g), dim=1)[:, :k]
+    if t == 40:
+        idx[:] = e0
+    al = align(idx, e0, e1 - e0, bm, chunk, shared=shared)
+    ids, blocks, used = expected_alignment(idx, e0, e1 - e0, bm, shared)
+    n = t * k + (t if shared else 0)
+    assert (al.num_pairs, al.routed_pairs, int(al.num_blocks)) == (n, t * k, used)
+    assert al.max_blocks == max_blocks(n, e1 - e0 + shared, bm)
+    assert al.sorted_ids.tolist() == ids + [n] * (al.max_blocks * bm - len(ids))
+    assert al.block_expert.tolist() == blocks + [-1] * (al.max_blocks - used)
+
+
 def make_layer(seed: int, shared_inter: int = I, scaling: float = 2.5) -> SparseMoE:
     """A SparseMoE with random weights (a random router too, so routing is not a tie)."""
     moe = SparseMoE(H, I, shared_inter, E, 2, scaling=scaling, alpha=ALPHA, limit=LIMIT)
