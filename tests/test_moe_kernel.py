@@ -313,6 +313,53 @@ def test_alignment_equals_the_plain_layout(t, k, e0, e1, bm, chunk, shared):
     assert al.block_expert.tolist() == blocks + [-1] * (al.max_blocks - used)
 
 
+@pytest.mark.parametrize("t,k,cfg,shared,expert_range", [(1, 2, SMALL, False, None), (3, 4, WIDE, True, None),
+                                                          (4, 2, SMALL, True, None), (16, 2, WIDE, False, (2, 7)),
+                                                          (16, 3, SMALL, True, None)])
+def test_combine_fused_into_down_is_bit_equal_and_leaves_counters_zero(t, k, cfg, shared, expert_range):
+    """Steps of up to COMBINE_FUSE_MAX_T tokens sum their rows in the down launch's last program per column
+    tile: bit-equal to the separate combine (one helper sums both), again on a second call (the counters
+    were zeroed: a stale count would leave out unwritten), with a shared expert and with an expert subset
+    (other ranks' rows masked); the reference within fp32 rounding."""
+    w13, w2 = make_weights(40 + t)
+    s13, s2 = make_weights(41 + t, e=1)
+    x, w, idx = make_routing(42 + t, t, k)
+    sh = (s13[0], s2[0]) if shared else None
+    counters = triton_moe.new_combine_counters("cpu")
+    plain = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, expert_range, config=cfg, shared=sh,
+                                     routed_scale=1.5)
+    for _ in range(2):
+        fused = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, expert_range, config=cfg, shared=sh,
+                                         routed_scale=1.5, combine_counters=counters)
+        assert torch.equal(fused, plain)
+        assert not counters.any()
+    ref = reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT, expert_range) * 1.5
+    if shared:
+        ref = ref + reference.experts(x, torch.ones(t, 1), torch.zeros(t, 1, dtype=torch.long), s13, s2, ALPHA, LIMIT)
+    assert_close(fused, ref)
+
+
+def test_fused_combine_refuses_what_it_cannot_do():
+    """Past COMBINE_FUSE_MAX_T tokens fused_experts takes the separate combine; down() itself names the
+    limits; the backend makes its counters on the first eager call and can be told not to fuse."""
+    w13, w2 = make_weights(50)
+    t = triton_moe.COMBINE_FUSE_MAX_T + 1
+    x, w, idx = make_routing(51, t, 2)
+    counters = triton_moe.new_combine_counters("cpu")
+    out = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=SMALL, combine_counters=counters)
+    assert torch.equal(out, triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=SMALL))
+    al = align(idx, 0, E, SMALL.block_m)
+    act = triton_moe.gate_up(x, w13, al, 2, ALPHA, LIMIT, SMALL)
+    with pytest.raises(ValueError, match="fused combine: 17 tokens"):
+        triton_moe.down(act, w2, w, al, SMALL, combine_into=(idx.contiguous(), torch.empty_like(x), counters, 0, E))
+    impl = backend.create("triton", config=SMALL)
+    impl.experts(x[:2], w[:2], idx[:2], w13, w2, ALPHA, LIMIT)
+    assert set(impl._counters) == {torch.device("cpu")}
+    off = backend.create("triton", config=SMALL, fuse_combine=False)
+    off.experts(x[:2], w[:2], idx[:2], w13, w2, ALPHA, LIMIT)
+    assert not off._counters
+
+
 def make_layer(seed: int, shared_inter: int = I, scaling: float = 2.5) -> SparseMoE:
     """A SparseMoE with random weights (a random router too, so routing is not a tie)."""
     moe = SparseMoE(H, I, shared_inter, E, 2, scaling=scaling, alpha=ALPHA, limit=LIMIT)

@@ -54,15 +54,28 @@ class TritonMoE:
     name = "triton"
     fuses_shared = True
 
-    def __init__(self, config: Any = None) -> None:
+    def __init__(self, config: Any = None, fuse_combine: bool = True) -> None:
         from . import triton_moe  # imports triton
 
         self._mod = triton_moe
         self.config = config
+        self.fuse_combine = fuse_combine  # decode-sized steps sum in the down launch (triton_moe docstring)
+        self._counters: dict[torch.device, torch.Tensor] = {}  # this backend's fused-combine counters
+
+    def _combine_counters(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The zeroed counters of x's device, made on the first eager call; None while a CUDA graph is being
+        captured without them (a zero-fill made then would run only at replay: the engine's eager warm-up
+        steps make them first) or with the fusion off -- those calls run the separate combine."""
+        if not self.fuse_combine:
+            return None
+        c = self._counters.get(x.device)
+        if c is None and not (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            c = self._counters[x.device] = self._mod.new_combine_counters(x.device)
+        return c
 
     def experts(self, x, weights, idx, gate_up_proj, down_proj, alpha, limit, expert_range=None):
         return self._mod.fused_experts(x, weights, idx, gate_up_proj, down_proj, alpha, limit, expert_range,
-                                       config=self.config)
+                                       config=self.config, combine_counters=self._combine_counters(x))
 
     def experts_and_shared(self, x, weights, idx, gate_up_proj, down_proj, shared_gate_up, shared_down, alpha,
                            limit, routed_scale):
@@ -71,7 +84,7 @@ class TritonMoE:
         expert that every token uses (`triton_moe.fused_experts(shared=...)`). All experts, one rank."""
         return self._mod.fused_experts(x, weights, idx, gate_up_proj, down_proj, alpha, limit, None,
                                        config=self.config, shared=(shared_gate_up, shared_down),
-                                       routed_scale=routed_scale)
+                                       routed_scale=routed_scale, combine_counters=self._combine_counters(x))
 
 
 _FACTORIES: dict[str, Callable[..., MoEImpl]] = {"reference": ReferenceMoE, "triton": TritonMoE}

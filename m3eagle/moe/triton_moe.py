@@ -4,6 +4,8 @@
     x [T, H] ──_gate_up_kernel──► act [max_blocks * block_m, I]     grouped GEMM, SwiGLU-OAI in the epilogue
     act ──_down_kernel──► contrib [T * k, H]                         grouped GEMM, times the routing weight
     contrib ──_combine_kernel──► out [T, H]                          sum over k in fp32, fixed order
+                                                                   (steps of <= COMBINE_FUSE_MAX_T tokens:
+                                                                   by down's last program per column tile)
 
 `reference.experts` is the oracle; tests/test_moe_kernel.py holds these kernels equal to it. Steps of a
 few tokens whose tuning entry says `direct` skip the sort and the combine (`direct.py`: two launches).
@@ -14,6 +16,16 @@ value `num_blocks` exit at once. So a step can be captured in a CUDA graph and r
 
 Determinism: every (token, k) contribution is written once to its own row of `contrib` and the k rows are
 summed in order (no float atomics), so equal inputs give bit-equal outputs.
+
+Fused combine (decode / verify steps). A combine launch for 1-16 tokens is mostly latency (1.6 us of a ~54 us
+m3-mini T = 4 layer on an H200), so there the down launch sums the rows itself: each program, after storing
+its contrib tile, counts itself in (CTA barrier, then an acquire-release atomic at GPU scope on its column
+tile's counter, as `fused/gemv.py`'s split-K does), and the program that completes the count -- every used
+row block of that column tile is then stored and visible -- reads the tile's rows for all tokens from L2
+and writes out; it zeroes the counter for the next launch / replay. The sum is `_combine_tile`, the combine
+kernel's own code, so the two are bit-equal. The counters (one int32 per column tile) are the caller's:
+`TritonMoE` owns one zeroed buffer per device, made on the first eager call (a zero-fill recorded into a
+CUDA graph would only run at replay), and a call without them runs the separate combine.
 
 Expert subset (tensor / expert parallelism): with expert_range [e0, e1) only those experts are aligned and
 computed; the combine skips pairs routed elsewhere, so they contribute zero.
@@ -168,15 +180,20 @@ def _down_tile(act_ptr, w_base, contrib_ptr, weights_ptr, sorted_ptr, row0, pid_
     tl.store(out_ptrs, y.to(out_ty), mask=valid[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs", "routed_pairs", "max_blocks"])
+@triton.jit(do_not_specialize=["num_pairs", "routed_pairs", "max_blocks", "n_tok", "e_start"])
 def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
-                 num_pairs, routed_pairs, shared_col, max_blocks, hidden, inter, routed_scale,
-                 stride_am, stride_ai, stride_we, stride_wh, stride_wi, stride_cp, stride_ch,
+                 idx_ptr, out_ptr, cnt_ptr,
+                 num_pairs, routed_pairs, shared_col, max_blocks, hidden, inter, routed_scale, n_tok, e_start,
+                 num_local, stride_am, stride_ai, stride_we, stride_wh, stride_wi, stride_cp, stride_ch,
+                 stride_ot, stride_oh,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr, SPLIT_TAIL: tl.constexpr, PDL: tl.constexpr):
+                 DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr, SPLIT_TAIL: tl.constexpr, TOP_K: tl.constexpr,
+                 FUSE_COMBINE: tl.constexpr, T_PAD: tl.constexpr, PDL: tl.constexpr):
     """contrib[pair(r)] = weight(pair(r)) * (act[r] @ down_proj[e]^T) for the rows r of one block; a routed
     pair's weight is its routing weight times routed_scale, a shared-expert pair's is 1. SPLIT_TAIL as in
-    `_gate_up_kernel`.
+    `_gate_up_kernel`. FUSE_COMBINE (n_tok <= T_PAD tokens, cnt [cdiv(hidden, BLOCK_N)] int32 zero between
+    launches): the last program of each column tile also writes out[:, tile] (module docstring); idx_ptr,
+    out_ptr, e_start, num_local and the out strides serve only that.
 
     The expert output is rounded to the activation dtype before the fp32 weighting, as the reference's
     per-expert einsum result is. The weighted row is stored in the activation dtype too: half the traffic
@@ -184,7 +201,8 @@ def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, b
     per pair, below the reference's own bf16 error."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     pid_m, pid_n = _block_coords(tl.program_id(0), max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
-    if pid_m >= tl.load(num_blocks_ptr):
+    used_blocks = tl.load(num_blocks_ptr)
+    if pid_m >= used_blocks:
         return
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     w_base = _expert_base(w_ptr, ws_ptr, expert, stride_we, shared_col, HAS_SHARED)
@@ -196,31 +214,56 @@ def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, b
         _down_tile(act_ptr, w_base, contrib_ptr, weights_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs,
                    routed_pairs, hidden, inter, routed_scale, stride_am, stride_ai, stride_wh, stride_wi, stride_cp,
                    stride_ch, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
+    if FUSE_COMBINE:
+        tl.debug_barrier()  # every thread's contrib stores are issued before the release below
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == used_blocks - 1:  # every used row block of this column tile is stored: sum the tokens
+            tl.store(cnt_ptr + pid_n, 0)  # zero again for the next launch / graph replay
+            tok = tl.arange(0, T_PAD)  # [TP]
+            offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+            ok = (tok < n_tok)[:, None] & (offs < hidden)[None, :]  # [TP, BN]
+            acc = _combine_tile(contrib_ptr, idx_ptr, tok, tok < n_tok, offs, ok, e_start, num_local, routed_pairs,
+                                stride_cp, stride_ch, TOP_K, HAS_SHARED, ".cg")  # other programs' rows: from L2
+            tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_ot + offs[None, :] * stride_oh,
+                     acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _combine_tile(contrib_ptr, idx_ptr, tok, tok_ok, offs, ok, e_start, num_local, routed_pairs, stride_cp,
+                  stride_ch, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, CACHE: tl.constexpr):
+    """[TP, BN] fp32: for tokens tok [TP] (tok_ok: which are real) and columns offs [BN] (ok [TP, BN]: which
+    entries are real), sum_j contrib[t*k + j]
+    in order over the pairs whose expert is local, then the shared expert's row routed_pairs + t when there
+    is one. Rows of other ranks' pairs were never written (they hold garbage), so they are masked out, not
+    multiplied. The combine kernel and down's fused combine both sum here: bit-equal by construction."""
+    t = tok.to(tl.int64)
+    acc = tl.zeros(ok.shape, dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        e = tl.load(idx_ptr + t * TOP_K + j, mask=tok_ok, other=0, cache_modifier=CACHE) - e_start  # [TP]
+        mine = (e >= 0) & (e < num_local)
+        # tl.where, not `ok & mine`: the interpreter turns bool-vector & bool-scalar into an int mask.
+        v = tl.load(contrib_ptr + (t * TOP_K + j)[:, None] * stride_cp + offs[None, :] * stride_ch,
+                    mask=tl.where(mine[:, None], ok, False), other=0.0, cache_modifier=CACHE)
+        acc += v.to(tl.float32)
+    if HAS_SHARED:
+        acc += tl.load(contrib_ptr + (routed_pairs + t)[:, None] * stride_cp + offs[None, :] * stride_ch, mask=ok,
+                       other=0.0, cache_modifier=CACHE).to(tl.float32)
+    return acc
 
 
 @triton.jit(do_not_specialize=["routed_pairs"])
 def _combine_kernel(contrib_ptr, idx_ptr, out_ptr, hidden, e_start, num_local, routed_pairs,
                     stride_cp, stride_ch, stride_ot, stride_oh,
                     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
-    """out[t] = sum_j contrib[t*k + j] in fp32, j in order, over the pairs whose expert is local, then the
-    shared expert's row routed_pairs + t when there is one. Rows of other ranks' pairs were never written
-    (they hold garbage), so they are masked out, not multiplied."""
+    """out[t] = `_combine_tile` of token t = program_id(0), BLOCK_H columns per program."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    ok = offs < hidden
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        e = tl.load(idx_ptr + t * TOP_K + j) - e_start
-        mine = (e >= 0) & (e < num_local)
-        # tl.where, not `ok & mine`: the interpreter turns bool-vector & bool-scalar into an int mask.
-        v = tl.load(contrib_ptr + (t * TOP_K + j) * stride_cp + offs * stride_ch, mask=tl.where(mine, ok, False),
-                    other=0.0)
-        acc += v.to(tl.float32)
-    if HAS_SHARED:
-        acc += tl.load(contrib_ptr + (routed_pairs + t) * stride_cp + offs * stride_ch, mask=ok,
-                       other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_ot + offs * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    tok = tl.program_id(0) + tl.arange(0, 1)  # [1]
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
+    ok = (offs < hidden)[None, :] & (tok >= 0)[:, None]  # [1, BH]
+    acc = _combine_tile(contrib_ptr, idx_ptr, tok, tok >= 0, offs, ok, e_start, num_local, routed_pairs,
+                        stride_cp, stride_ch, TOP_K, HAS_SHARED, "")
+    tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_ot + offs[None, :] * stride_oh,
+             acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 Shared = tuple[torch.Tensor, torch.Tensor]
@@ -269,24 +312,48 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, al: Alignment, top_k: int, alpha
     return act
 
 
+COMBINE_FUSE_MAX_T = 16  # steps of up to this many tokens sum in down's last programs (module docstring)
+MAX_COMBINE_TILES = 4096  # column tiles with a fused-combine counter: one int32 each, 16 KB per device
+
+
+def new_combine_counters(device: torch.device | str) -> torch.Tensor:
+    """Zeroed counters for `down(combine_into=...)`, one per column tile; each fused launch leaves them zero."""
+    return torch.zeros(MAX_COMBINE_TILES, dtype=torch.int32, device=device)
+
+
 def down(act: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, al: Alignment, cfg: MoEConfig,
-         shared_down: torch.Tensor | None = None, routed_scale: float = 1.0) -> torch.Tensor:
+         shared_down: torch.Tensor | None = None, routed_scale: float = 1.0,
+         combine_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None = None) -> torch.Tensor:
     """act [rows, I], w2 [E, H, I], weights [T, k] (or flat [T*k]) -> contrib [num_pairs, H] in act.dtype
     (rows of non-local pairs unwritten): routed rows weighted by weight * routed_scale, the shared expert's
-    rows (`shared_down` [H, I], alignment made with shared=True) by 1."""
+    rows (`shared_down` [H, I], alignment made with shared=True) by 1.
+
+    combine_into = (idx [T, k] contiguous, out [T, H], counters, e_start, num_local) also writes
+    combine(contrib, idx, e_start, num_local, out.dtype, shared) into out, from the same launch (T <=
+    COMBINE_FUSE_MAX_T, cdiv(H, block_n) <= counters.numel(); counters zero, used by one stream at a time)."""
     weights = weights.reshape(-1).float().contiguous()  # [T*k] fp32; no copy when it already is
     hidden, inter = w2.shape[1], w2.shape[2]
     ws = w2 if shared_down is None else shared_down
     contrib = torch.empty(al.num_pairs, hidden, dtype=act.dtype, device=act.device)
-    grid = (al.max_blocks * triton.cdiv(hidden, cfg.block_n),)
+    n_tiles = triton.cdiv(hidden, cfg.block_n)
+    grid = (al.max_blocks * n_tiles,)
+    if combine_into is not None:
+        idx, out, counters, e_start, num_local = combine_into
+        n_tok, top_k = idx.shape
+        if n_tok > COMBINE_FUSE_MAX_T or n_tiles > counters.numel() or not idx.is_contiguous():
+            raise ValueError(f"fused combine: {n_tok} tokens (<= {COMBINE_FUSE_MAX_T}), {n_tiles} column tiles "
+                             f"(<= {counters.numel()} counters), contiguous idx ({idx.is_contiguous()})")
+    else:  # placeholders the kernel never reads (FUSE_COMBINE off)
+        idx, out, counters, e_start, num_local, n_tok, top_k = weights, contrib, weights, 0, 0, 0, 1
     _down_kernel[grid](
-        act, w2, ws, contrib, weights, al.sorted_ids, al.block_expert, al.num_blocks, al.num_pairs,
-        al.routed_pairs, w2.shape[0], al.max_blocks, hidden, inter, float(routed_scale),
-        act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
-        contrib.stride(0), contrib.stride(1),
+        act, w2, ws, contrib, weights, al.sorted_ids, al.block_expert, al.num_blocks, idx, out, counters,
+        al.num_pairs, al.routed_pairs, w2.shape[0], al.max_blocks, hidden, inter, float(routed_scale), n_tok,
+        e_start, num_local, act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+        contrib.stride(0), contrib.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         DOT_PREC=_dot_precision(act.dtype), HAS_SHARED=shared_down is not None,
-        SPLIT_TAIL=_split_tail(cfg), num_warps=cfg.num_warps,
+        SPLIT_TAIL=_split_tail(cfg), TOP_K=top_k, FUSE_COMBINE=combine_into is not None,
+        T_PAD=max(1, triton.next_power_of_2(n_tok)), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl.args(act))
     return contrib
 
@@ -309,12 +376,15 @@ def combine(contrib: torch.Tensor, idx: torch.Tensor, e_start: int, num_local: i
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
                   down_proj: torch.Tensor, alpha: float, limit: float,
                   expert_range: tuple[int, int] | None = None, config: MoEConfig | None = None,
-                  shared: Shared | None = None, routed_scale: float = 1.0) -> torch.Tensor:
+                  shared: Shared | None = None, routed_scale: float = 1.0,
+                  combine_counters: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `reference.experts`: x [T, H], weights [T, k] fp32, idx [T, k] -> [T, H] x.dtype.
 
     With `shared` (a shared expert of the routed experts' shape; all experts, no expert_range) it returns
     routed_scale * routed + shared_expert(x) -- `SparseMoE`'s whole output -- from the same three launches.
-    `config` pins the block sizes; None looks them up by (device, shape, T bucket) in the tuning table."""
+    `config` pins the block sizes; None looks them up by (device, shape, T bucket) in the tuning table.
+    `combine_counters` (`new_combine_counters`, the caller's, one stream at a time): steps of up to
+    COMBINE_FUSE_MAX_T tokens on the sorted path sum their rows in the down launch (no combine launch)."""
     w13, w2, e0 = local_experts(gate_up_proj, down_proj, expert_range)
     t, k = idx.shape
     num_local = w13.shape[0]
@@ -333,5 +403,12 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gat
                                      (s13, s2) if shared is not None else None, routed_scale)
     al = align(idx, e0, num_local, cfg.block_m, shared=shared is not None)
     act = gate_up(x, w13, al, k, alpha, limit, cfg, s13 if shared is not None else None)
-    contrib = down(act, w2, weights, al, cfg.down(), s2 if shared is not None else None, routed_scale)
+    dcfg = cfg.down()
+    s_down = s2 if shared is not None else None
+    if (combine_counters is not None and t <= COMBINE_FUSE_MAX_T
+            and triton.cdiv(w2.shape[1], dcfg.block_n) <= combine_counters.numel()):
+        out = torch.empty(t, x.shape[1], dtype=x.dtype, device=x.device)
+        down(act, w2, weights, al, dcfg, s_down, routed_scale, (idx.contiguous(), out, combine_counters, e0, num_local))
+        return out
+    contrib = down(act, w2, weights, al, dcfg, s_down, routed_scale)
     return combine(contrib, idx, e0, num_local, x.dtype, shared is not None)
