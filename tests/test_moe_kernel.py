@@ -315,8 +315,9 @@ def test_alignment_equals_the_plain_layout(t, k, e0, e1, bm, chunk, shared):
 
 @pytest.mark.parametrize("t,k,cfg,shared,expert_range", [(1, 2, SMALL, False, None), (3, 4, WIDE, True, None),
                                                           (4, 2, SMALL, True, None), (16, 2, WIDE, False, (2, 7)),
-                                                          (16, 3, SMALL, True, None)])
-def test_combine_fused_into_down_is_bit_equal_and_leaves_counters_zero(t, k, cfg, shared, expert_range):
+                                                          (16, 3, SMALL, True, None), (5, 2, SMALL, False, (6, 8))])
+def test_combine_fused_into_down_is_bit_equal_and_leaves_counters_zero(t, k, cfg, shared, expert_range,
+                                                                       monkeypatch):
     """Steps of up to COMBINE_FUSE_MAX_T tokens sum their rows in the down launch's last program per column
     tile: bit-equal to the separate combine (one helper sums both), again on a second call (the counters
     were zeroed: a stale count would leave out unwritten), with a shared expert and with an expert subset
@@ -324,8 +325,17 @@ def test_combine_fused_into_down_is_bit_equal_and_leaves_counters_zero(t, k, cfg
     w13, w2 = make_weights(40 + t)
     s13, s2 = make_weights(41 + t, e=1)
     x, w, idx = make_routing(42 + t, t, k)
+    if expert_range == (6, 8):  # every pair on another rank's experts: no block in use, out must be zeros
+        idx = idx % 6
     sh = (s13[0], s2[0]) if shared else None
     counters = triton_moe.new_combine_counters("cpu")
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):  # every float buffer starts as NaN: an unwritten output cannot pass
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", poisoned)
     plain = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, expert_range, config=cfg, shared=sh,
                                      routed_scale=1.5)
     for _ in range(2):
@@ -333,7 +343,10 @@ def test_combine_fused_into_down_is_bit_equal_and_leaves_counters_zero(t, k, cfg
                                          routed_scale=1.5, combine_counters=counters)
         assert torch.equal(fused, plain)
         assert not counters.any()
+    monkeypatch.undo()
     ref = reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT, expert_range) * 1.5
+    if expert_range == (6, 8):
+        assert not ref.any() and not fused.any()
     if shared:
         ref = ref + reference.experts(x, torch.ones(t, 1), torch.zeros(t, 1, dtype=torch.long), s13, s2, ALPHA, LIMIT)
     assert_close(fused, ref)

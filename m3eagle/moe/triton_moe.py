@@ -203,6 +203,14 @@ def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, b
     pid_m, pid_n = _block_coords(tl.program_id(0), max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     used_blocks = tl.load(num_blocks_ptr)
     if pid_m >= used_blocks:
+        if FUSE_COMBINE:
+            if (used_blocks == 0) & (pid_m == 0):  # no local pair at all (another rank's experts): out = 0,
+                # as the combine would sum it; nobody else writes this column tile
+                tok = tl.arange(0, T_PAD)
+                offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_ot + offs[None, :] * stride_oh,
+                         tl.zeros([T_PAD, BLOCK_N], dtype=out_ptr.dtype.element_ty),
+                         mask=(tok < n_tok)[:, None] & (offs < hidden)[None, :])
         return
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     w_base = _expert_base(w_ptr, ws_ptr, expert, stride_we, shared_col, HAS_SHARED)
@@ -232,10 +240,10 @@ def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, b
 def _combine_tile(contrib_ptr, idx_ptr, tok, tok_ok, offs, ok, e_start, num_local, routed_pairs, stride_cp,
                   stride_ch, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, CACHE: tl.constexpr):
     """[TP, BN] fp32: for tokens tok [TP] (tok_ok: which are real) and columns offs [BN] (ok [TP, BN]: which
-    entries are real), sum_j contrib[t*k + j]
-    in order over the pairs whose expert is local, then the shared expert's row routed_pairs + t when there
-    is one. Rows of other ranks' pairs were never written (they hold garbage), so they are masked out, not
-    multiplied. The combine kernel and down's fused combine both sum here: bit-equal by construction."""
+    entries are real), sum_j contrib[t*k + j] in order over the pairs whose expert is local, then the shared
+    expert's row routed_pairs + t when there is one. Rows of other ranks' pairs were never written (they
+    hold garbage), so they are masked out, not multiplied. The combine kernel and down's fused combine both
+    sum here: bit-equal by construction."""
     t = tok.to(tl.int64)
     acc = tl.zeros(ok.shape, dtype=tl.float32)
     for j in tl.static_range(TOP_K):
