@@ -22,6 +22,10 @@ capture). Why not everywhere: on the H200 PDL made the batch-1 steps faster (m3-
 step, design note 35) but the m3-mini batch-32 K=3 step slower (2.43 -> 2.60 ms, docs/results/
 h200-2026-12-01c/pdl_ab) -- multi-wave kernels gain little from an earlier launch, and the cause of the
 loss is not known. Under the CPU interpreter PDL is always off (no launch option, no wait).
+
+Not done here: prefetching weights into L2 before the wait (the early blocks idle there). Built and measured
+on the H200, it made every decode layer slower -- the predecessor is itself streaming tens of MB, so the
+prefetched lines are evicted before use (design note 41).
 """
 
 from __future__ import annotations
