@@ -26,7 +26,8 @@ Shapes: m3-mini (hidden 2048, 32 experts, top-4, intermediate 1024, shared 1024)
    LAYERS weights) and the HBM copy bandwidth of a 4 GiB device-to-device copy. Decode-sized steps
    (T <= 16) are timed once more with programmatic dependent launch ("PDL us"), as the engine captures the
    graphs of batches of up to 4 rows under M3EAGLE_PDL=auto (m3eagle/pdl.py); the column is empty where
-   the GPU cannot (before sm_90) or M3EAGLE_PDL=0.
+   the GPU cannot (before sm_90) or M3EAGLE_PDL=0. A line under each shape's table states the issue's
+   bars: decode-sized layers as % of the copy bandwidth (with and without PDL), T >= 256 as % of torch.mm.
 4. --tune: per T bucket of the table, time the whole layer as the engine runs it (fused router, then the
    experts with the shared expert fused in when its width allows; buckets of up to 4 tokens with PDL, as
    the engine's small-batch graphs launch them) for each candidate config (the sort-free
@@ -656,6 +657,24 @@ def main() -> None:
                 f"{r['engine_layer_GBps']:>11.0f} {r.get('engine_layer_pdl_us', math.nan):>7.1f} "
                 f"{r.get('engine_layer_pdl_GBps', math.nan):>8.0f} {r['routed_TFLOPs']:>8.1f} {r['mm_TFLOPs']:>10.1f} "
                 f"{r['engine_TFLOPs']:>14.1f} {r['mm_engine_TFLOPs']:>17.1f}")
+        # the bars, spelled out: decode-sized layers on copy bandwidth, prompt-sized ones on torch.mm
+        copy = summary.get("hbm_copy_GBps")
+        bars = []
+        for r in timings:
+            if copy and r["T"] <= PDL_MAX_T:
+                r["engine_pct_of_copy"] = 100 * r["engine_layer_GBps"] / copy
+                text = f"T={r['T']}: engine layer {r['engine_pct_of_copy']:.1f}% of copy"
+                if "engine_layer_pdl_GBps" in r:
+                    r["engine_pdl_pct_of_copy"] = 100 * r["engine_layer_pdl_GBps"] / copy
+                    text += f", {r['engine_pdl_pct_of_copy']:.1f}% with PDL"
+                bars.append(text)
+            elif r["T"] >= 256:
+                r["routed_pct_of_mm"] = 100 * r["routed_TFLOPs"] / r["mm_TFLOPs"]
+                r["engine_pct_of_mm"] = 100 * r["engine_TFLOPs"] / r["mm_engine_TFLOPs"]
+                bars.append(f"T={r['T']}: routed {r['routed_pct_of_mm']:.1f}% of torch.mm, engine layer "
+                            f"{r['engine_pct_of_mm']:.1f}% of torch.mm on its FLOPs")
+        if bars:
+            log("  " + "; ".join(bars))
         entry = {"shape": s.name, "hidden": s.hidden, "experts": s.experts, "top_k": s.top_k,
                  "inter": s.inter, "shared": s.shared, "checks": checks, "graph": graph, "timings": timings}
         if args.profile and dev.type == "cuda":
