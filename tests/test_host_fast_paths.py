@@ -313,6 +313,34 @@ def test_slot_params_stage_each_rows_own_values():
         assert inp.row_slot.tolist() == slots + [0] * (8 - n)
 
 
+def test_a_graph_step_looks_its_rows_up_once(monkeypatch):
+    """The GraphRunner asks for a step's mode (its graph key) and then builds its inputs from the same rows:
+    the slot entries are looked up once for both, and looked up again for the next build (the memo lives
+    for one step: a slot that changes hands between steps is re-read)."""
+    from m3eagle.engine.input_builder import SlotParams, StepBuffers, build_step_input
+    from m3eagle.engine.scheduler import ScheduledBatch, ScheduledRow
+
+    calls = []
+    real = SlotParams.rows
+    monkeypatch.setattr(SlotParams, "rows", lambda self, reqs, slots: calls.append(slots) or real(self, reqs, slots))
+    bufs = StepBuffers(max_tokens=16, max_rows=4, table_width=4, device=torch.device("cpu"))
+
+    def req(slot, temperature):
+        return SimpleNamespace(slot=slot, seed=slot, params=SamplingParams(temperature=temperature), pages=[1],
+                               prompt_token_ids=[1, 2], fork_len=0, fork_src=None)
+
+    a, b = req(0, 0.0), req(1, 0.0)
+    rows = [ScheduledRow(q, 2, [0], 0, True, True, False, 0) for q in (a, b)]
+    assert bufs.step_mode(rows) == (False, False, False)
+    inp = build_step_input(ScheduledBatch(rows, []), 4, 4, torch.device("cpu"), bufs)
+    assert len(calls) == 1 and not inp.any_random
+    # the next step: another request (random sampling) took slot 1; the same rows list object is re-read
+    rows[1] = ScheduledRow(req(1, 0.7), 2, [0], 0, True, True, False, 0)
+    assert bufs.step_mode(rows) == (True, False, False)
+    assert build_step_input(ScheduledBatch(rows, []), 4, 4, torch.device("cpu"), bufs).any_random
+    assert len(calls) == 2
+
+
 # ------------------------------------------------------------------------------------------------
 # the tight path of `_process` and the steady plan, end to end without a device
 # ------------------------------------------------------------------------------------------------

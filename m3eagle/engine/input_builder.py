@@ -200,6 +200,18 @@ class StepBuffers:
         self._table = np.full((max_rows, table_width), TRASH_PAGE, dtype=np.int64)
         self._table_src: list[tuple[list[int], int] | None] = [None] * max_rows
         self.slot_params = SlotParams(max_rows)
+        # The rows list whose entries were last looked up, and those entries: a graph step asks twice (its
+        # mode for the graph key, then its inputs), ~5 us of Python each time at 32 rows. Cleared when the
+        # inputs are built, so only the lookups of one step share it.
+        self._memo_rows: list | None = None
+        self._memo_params: list[tuple] = []
+
+    def row_params(self, rows: list) -> list[tuple]:
+        """Each row's SlotParams entry (`SlotParams.rows`), once per step for a step's rows list."""
+        if rows is not self._memo_rows:
+            reqs = [r.req for r in rows]
+            self._memo_rows, self._memo_params = rows, self.slot_params.rows(reqs, [q.slot for q in reqs])
+        return self._memo_params
 
     def shape(self, key: tuple) -> _Shape:
         """The layout and views of the step shape `key` = step_layout's arguments."""
@@ -214,8 +226,7 @@ class StepBuffers:
         """(any row samples with temperature > 0, any row wants logprobs, any row has penalties / min_tokens):
         the host choices that change what a step computes, hence part of a CUDA-graph key; what
         build_step_input computes for these rows."""
-        reqs = [r.req for r in rows]
-        bits = _mode_bits(self.slot_params.rows(reqs, [q.slot for q in reqs]))
+        bits = _mode_bits(self.row_params(rows))
         return bool(bits & _RANDOM), bool(bits & _LOGPROBS), bool(bits & _PENALTIES)
 
     def page_table(self, rows: list, n_rows: int) -> np.ndarray:
@@ -352,9 +363,9 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
         raise ValueError(f"step of {n_rows} rows / {t} tokens exceeds the buffers ({bufs.max_rows} / {bufs.max_tokens})")
     ids = list(chain.from_iterable([r.tokens for r in rows]))
     ids += [0] * (t - len(ids))
-    reqs = [r.req for r in rows]
-    slots = [q.slot for q in reqs]
-    params = bufs.slot_params.rows(reqs, slots)
+    slots = [r.req.slot for r in rows]
+    params = bufs.row_params(rows)  # the entries step_mode looked up for these rows, if it did
+    bufs._memo_rows = None  # the next step looks its rows up again
     bits = _mode_bits(params)
     any_random, want_logprobs, any_penalty = mode or (bool(bits & _RANDOM), bool(bits & _LOGPROBS),
                                                       bool(bits & _PENALTIES))
