@@ -22,6 +22,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from m3eagle.fused.gemv import SplitCounters  # noqa: E402
 from m3eagle.models.layers import SparseMoE  # noqa: E402
 from m3eagle.moe import backend, reference, triton_moe, tuning  # noqa: E402
 from m3eagle.moe.align import align, max_blocks  # noqa: E402
@@ -313,6 +314,19 @@ def test_alignment_equals_the_plain_layout(t, k, e0, e1, bm, chunk, shared):
     assert al.block_expert.tolist() == blocks + [-1] * (al.max_blocks - used)
 
 
+def count_combines(monkeypatch) -> list[int]:
+    """Counts the separate combine's launches (one list entry, incremented per call)."""
+    calls = [0]
+    real = triton_moe.combine
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_moe, "combine", counted)
+    return calls
+
+
 @pytest.mark.parametrize("t,k,cfg,shared,expert_range", [(1, 2, SMALL, False, None), (3, 4, WIDE, True, None),
                                                           (4, 2, SMALL, True, None), (16, 2, WIDE, False, (2, 7)),
                                                           (16, 3, SMALL, True, None), (5, 2, SMALL, False, (6, 8))])
@@ -328,7 +342,7 @@ def test_combine_fused_into_down_is_bit_equal_and_leaves_counters_zero(t, k, cfg
     if expert_range == (6, 8):  # every pair on another rank's experts: no block in use, out must be zeros
         idx = idx % 6
     sh = (s13[0], s2[0]) if shared else None
-    counters = triton_moe.new_combine_counters("cpu")
+    counters = SplitCounters().get("cpu")
     empty = torch.empty
 
     def poisoned(*args, **kwargs):  # every float buffer starts as NaN: an unwritten output cannot pass
@@ -336,11 +350,14 @@ def test_combine_fused_into_down_is_bit_equal_and_leaves_counters_zero(t, k, cfg
         return out.fill_(float("nan")) if out.is_floating_point() else out
 
     monkeypatch.setattr(torch, "empty", poisoned)
+    combines = count_combines(monkeypatch)
     plain = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, expert_range, config=cfg, shared=sh,
                                      routed_scale=1.5)
+    assert combines == [1]  # the separate combine ran for the unfused result
     for _ in range(2):
         fused = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, expert_range, config=cfg, shared=sh,
                                          routed_scale=1.5, combine_counters=counters)
+        assert combines == [1]  # and never for the fused one
         assert torch.equal(fused, plain)
         assert not counters.any()
     monkeypatch.undo()
@@ -352,25 +369,28 @@ def test_combine_fused_into_down_is_bit_equal_and_leaves_counters_zero(t, k, cfg
     assert_close(fused, ref)
 
 
-def test_fused_combine_refuses_what_it_cannot_do():
+def test_fused_combine_refuses_what_it_cannot_do(monkeypatch):
     """Past COMBINE_FUSE_MAX_T tokens fused_experts takes the separate combine; down() itself names the
     limits; the backend makes its counters on the first eager call and can be told not to fuse."""
     w13, w2 = make_weights(50)
     t = triton_moe.COMBINE_FUSE_MAX_T + 1
     x, w, idx = make_routing(51, t, 2)
-    counters = triton_moe.new_combine_counters("cpu")
+    counters = SplitCounters().get("cpu")
+    combines = count_combines(monkeypatch)
     out = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=SMALL, combine_counters=counters)
+    assert combines == [1]  # 17 tokens: the separate combine, counters or not
     assert torch.equal(out, triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=SMALL))
     al = align(idx, 0, E, SMALL.block_m)
     act = triton_moe.gate_up(x, w13, al, 2, ALPHA, LIMIT, SMALL)
     with pytest.raises(ValueError, match="fused combine: 17 tokens"):
         triton_moe.down(act, w2, w, al, SMALL, combine_into=(idx.contiguous(), torch.empty_like(x), counters, 0, E))
+    combines[0] = 0
     impl = backend.create("triton", config=SMALL)
     impl.experts(x[:2], w[:2], idx[:2], w13, w2, ALPHA, LIMIT)
-    assert set(impl._counters) == {torch.device("cpu")}
+    assert set(impl._counters._bufs) == {torch.device("cpu")} and combines == [0]  # fused
     off = backend.create("triton", config=SMALL, fuse_combine=False)
     off.experts(x[:2], w[:2], idx[:2], w13, w2, ALPHA, LIMIT)
-    assert not off._counters
+    assert not off._counters._bufs and combines == [1]  # told not to fuse: the combine launch
 
 
 def make_layer(seed: int, shared_inter: int = I, scaling: float = 2.5) -> SparseMoE:

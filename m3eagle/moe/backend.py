@@ -55,23 +55,19 @@ class TritonMoE:
     fuses_shared = True
 
     def __init__(self, config: Any = None, fuse_combine: bool = True) -> None:
+        from ..fused.gemv import SplitCounters
         from . import triton_moe  # imports triton
 
         self._mod = triton_moe
         self.config = config
         self.fuse_combine = fuse_combine  # decode-sized steps sum in the down launch (triton_moe docstring)
-        self._counters: dict[torch.device, torch.Tensor] = {}  # this backend's fused-combine counters
+        self._counters = SplitCounters()  # this backend's fused-combine counters, per device
 
     def _combine_counters(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The zeroed counters of x's device, made on the first eager call; None while a CUDA graph is being
-        captured without them (a zero-fill made then would run only at replay: the engine's eager warm-up
-        steps make them first) or with the fusion off -- those calls run the separate combine."""
-        if not self.fuse_combine:
-            return None
-        c = self._counters.get(x.device)
-        if c is None and not (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            c = self._counters[x.device] = self._mod.new_combine_counters(x.device)
-        return c
+        """The zeroed counters of x's device (made on the first eager call; None while a CUDA graph is being
+        captured without them: the engine's eager warm-up steps make them first), or None with the fusion
+        off -- calls without them run the separate combine."""
+        return self._counters.get(x.device) if self.fuse_combine else None
 
     def experts(self, x, weights, idx, gate_up_proj, down_proj, alpha, limit, expert_range=None):
         return self._mod.fused_experts(x, weights, idx, gate_up_proj, down_proj, alpha, limit, expert_range,

@@ -24,8 +24,9 @@ tile's counter, as `fused/gemv.py`'s split-K does), and the program that complet
 row block of that column tile is then stored and visible -- reads the tile's rows for all tokens from L2
 and writes out; it zeroes the counter for the next launch / replay. The sum is `_combine_tile`, the combine
 kernel's own code, so the two are bit-equal. The counters (one int32 per column tile) are the caller's:
-`TritonMoE` owns one zeroed buffer per device, made on the first eager call (a zero-fill recorded into a
-CUDA graph would only run at replay), and a call without them runs the separate combine.
+`TritonMoE` owns a `fused/gemv.py` `SplitCounters` (the split-K GEMV's: zeroed per device on the first eager
+call, since a zero-fill recorded into a CUDA graph would only run at replay), and a call without them runs
+the separate combine.
 
 Expert subset (tensor / expert parallelism): with expert_range [e0, e1) only those experts are aligned and
 computed; the combine skips pairs routed elsewhere, so they contribute zero.
@@ -321,12 +322,6 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, al: Alignment, top_k: int, alpha
 
 
 COMBINE_FUSE_MAX_T = 16  # steps of up to this many tokens sum in down's last programs (module docstring)
-MAX_COMBINE_TILES = 4096  # column tiles with a fused-combine counter: one int32 each, 16 KB per device
-
-
-def new_combine_counters(device: torch.device | str) -> torch.Tensor:
-    """Zeroed counters for `down(combine_into=...)`, one per column tile; each fused launch leaves them zero."""
-    return torch.zeros(MAX_COMBINE_TILES, dtype=torch.int32, device=device)
 
 
 def down(act: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, al: Alignment, cfg: MoEConfig,
@@ -391,7 +386,8 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gat
     With `shared` (a shared expert of the routed experts' shape; all experts, no expert_range) it returns
     routed_scale * routed + shared_expert(x) -- `SparseMoE`'s whole output -- from the same three launches.
     `config` pins the block sizes; None looks them up by (device, shape, T bucket) in the tuning table.
-    `combine_counters` (`new_combine_counters`, the caller's, one stream at a time): steps of up to
+    `combine_counters` (zeroed int32, one per column tile: `fused/gemv.py`'s `SplitCounters`, the caller's,
+    one stream at a time): steps of up to
     COMBINE_FUSE_MAX_T tokens on the sorted path sum their rows in the down launch (no combine launch)."""
     w13, w2, e0 = local_experts(gate_up_proj, down_proj, expert_range)
     t, k = idx.shape

@@ -5,11 +5,11 @@ import runpy
 import sys
 import types
 
-from m3eagle import pdl as real
 import m3eagle.fused.gemv as g
 import m3eagle.fused.triton_fused as tf
 import m3eagle.moe.direct as d
 import m3eagle.moe.triton_moe as tm
+from m3eagle import pdl as real
 
 which = {m for m in os.environ.get("PF_MODULES", "").split(",") if m}
 
