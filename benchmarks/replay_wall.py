@@ -1,6 +1,6 @@
 """Is a steady decode step bound by the device or by the host? (GPU only)
 
-    python benchmarks/replay_wall.py [--batch-sizes 1,32] [--k 0,3] [--steps 100]
+    python benchmarks/replay_wall.py [--batch-sizes 1,32] [--k 0,3] [--steps 100] [--num-scheduler-steps N]
 
 For each (K, batch) it prints four times per step on the embedded pair: the engine's steady step
 (`engine.step()`, overlap on, graphs); the same loop with the replay taken out (each step returns an earlier
@@ -10,7 +10,8 @@ with no host work; and the profiler's kernel time of one replay. Reading: engine
 host-bound (then the host-only step vs host_step.py's CPU number says whether CUDA calls or Python cost
 it); engine step ~ replay wall >> kernel time => gaps inside the graph; engine step ~ host-only + replay
 => host and device are not overlapping. One JSON line per case; --profile adds cProfile's top 25 of the
-host-only loop (builtins included).
+host-only loop (builtins included). With --num-scheduler-steps N the engine and host-only times are per
+device step (an engine step runs N).
 """
 
 from __future__ import annotations
@@ -57,23 +58,28 @@ def main() -> None:
     ap.add_argument("--k", default="0,3", help="draft tokens per step, comma-separated")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--num-scheduler-steps", type=int, default=1)
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("replay_wall.py needs a CUDA device (it times CUDA-graph replays)")
     for k in (int(x) for x in a.k.split(",")):
-        llm = LLM(device="cuda", num_draft_tokens=k, max_num_seqs=32, max_model_len=2048)
+        n = a.num_scheduler_steps
+        llm = LLM(device="cuda", num_draft_tokens=k, max_num_seqs=32, max_model_len=4096, num_scheduler_steps=n)
         eng = llm.engine
         for b in (int(x) for x in a.batch_sizes.split(",")):
-            sp = SamplingParams(temperature=0, max_tokens=a.steps * (k + 1) * 3 + 100, ignore_eos=True)
+            sp = SamplingParams(temperature=0, max_tokens=min(a.steps * (k + 1) * 3 * n + 100, 3900),
+                                ignore_eos=True)
             ids = [eng.add_request(llm.encode(f"def f(x):\n    return x + {i}\n"), sp, stream_text=False).request_id
                    for i in range(b)]  # text at the end, as `m3eagle bench` runs
             for _ in range(10):  # prompts done, this bucket's graph captured
                 eng.step()
-            step = timed(eng.step, a.steps)
+            n0 = eng.num_steps
+            step = timed(eng.step, a.steps) * a.steps / (eng.num_steps - n0)  # per device step
             real = eng.graphs.run
             eng.graphs.run = without_device(real)
             eng.step()
-            host_only = timed(eng.step, a.steps)
+            n0 = eng.num_steps
+            host_only = timed(eng.step, a.steps) * a.steps / (eng.num_steps - n0)
             if a.profile:
                 print_profile(eng, a.steps, 25)
             eng.graphs.run = real
@@ -81,10 +87,10 @@ def main() -> None:
             graph = eng.graphs.graphs[key][0]
             replay = timed(graph.replay, 2 * a.steps)
             busy = kernel_ms(graph)
-            print(f"K={k} batch {b}: engine step {step:.3f} ms | host-only step {host_only:.3f} ms | back-to-back "
+            print(f"K={k} batch {b} N={n}: engine step {step:.3f} ms | host-only step {host_only:.3f} ms | back-to-back "
                   f"replay {replay:.3f} ms | kernel time {busy:.3f} ms", file=sys.stderr)
-            print(json.dumps({"k": k, "batch": b, "engine_step_ms": step, "host_only_step_ms": host_only,
-                              "replay_ms": replay, "kernel_ms": busy}))
+            print(json.dumps({"k": k, "batch": b, "num_scheduler_steps": n, "engine_step_ms": step,
+                              "host_only_step_ms": host_only, "replay_ms": replay, "kernel_ms": busy}))
             for rid in ids:  # the replays rewrote these rows' state: they are dropped, not finished
                 eng.abort(rid)
             eng.run()

@@ -37,7 +37,7 @@ class Counters:
             self.preempted += 1
             preempt(req)
 
-        def counted_schedule():
+        def counted_schedule(*args):
             self.plans += 1
             if force_every and self.plans % force_every == 0:
                 victim = next((r for r in reversed(sched.running) if not r.finished and r.num_computed), None)
@@ -48,7 +48,7 @@ class Counters:
                         raise NeedSync()
                     sched._preempt(victim)
             try:
-                return schedule()
+                return schedule(*args)
             except NeedSync:
                 self.needsync += 1
                 raise

@@ -10,16 +10,17 @@ from m3eagle.attention.metadata import build_metadata
 
 
 def step_case(seed: int, k: int, page_size: int, n_slots: int = 6, device: torch.device | str = "cpu"):
-    """A mixed step: verify rows (gather, 1 + num_drafts tokens, some corrected), prompt chunks and a padding
-    row (dump slot), random slot buffers, a page table narrower than some rows' lengths (clamped lookups)."""
+    """A mixed step: verify rows (gather, 1 + num_drafts tokens, some corrected, some chained -- a later
+    sub-step, whose correction is off), prompt chunks and a padding row (dump slot), random slot buffers
+    (deviations of either sign), a page table narrower than some rows' lengths (clamped lookups)."""
     g = torch.Generator().manual_seed(seed)
     r = lambda lo, hi, *shape: torch.randint(lo, hi, shape, generator=g)  # noqa: E731
-    rows = []  # (q_len, gather, num_drafts, correct, slot)
+    rows = []  # (q_len, gather, num_drafts, correct, slot, chained)
     for i in range(5):
         nd = int(r(0, k + 1))
-        rows.append((1 + nd, True, nd, i == 0 or bool(r(0, 2)), i))
-    rows += [(int(r(1, 9)), False, 0, False, 5), (3, False, 0, False, 2)]
-    rows.append((k + 1, False, k, False, n_slots))  # padding row: the dump slot
+        rows.append((1 + nd, True, nd, i == 0 or bool(r(0, 2)), i, i == 4 or (i > 0 and bool(r(0, 2)))))
+    rows += [(int(r(1, 9)), False, 0, False, 5, False), (3, False, 0, False, 2, False)]
+    rows.append((k + 1, False, k, False, n_slots, False))  # padding row: the dump slot
     q_lens = [q for q, *_ in rows]
     kv = torch.tensor([q + int(r(0, 40)) for q in q_lens])
     width = 6
@@ -27,8 +28,10 @@ def step_case(seed: int, k: int, page_size: int, n_slots: int = 6, device: torch
     t = sum(q_lens)
     first = torch.tensor([0] + q_lens[:-1]).cumsum(0)
     flags = lambda j: torch.tensor([row[j] for row in rows])  # noqa: E731
-    inputs = (r(3, 500, t), flags(4), first, flags(1), flags(2), flags(3),
-              r(0, 500, n_slots + 1, k + 1), r(1, k + 2, n_slots + 1), r(2, k + 3, n_slots + 1),
+    dev = r(-3 * (k + 1), 3, n_slots + 1)
+    dev[0] = -1  # row 0 is corrected and not chained: it moves
+    inputs = (r(3, 500, t), flags(4), first, flags(1), flags(2), flags(3), flags(5),
+              r(0, 500, n_slots + 1, k + 1), r(1, k + 2, n_slots + 1), dev,
               r(0, 500, n_slots + 1, max(k, 1)), k)
     dev = torch.device(device)
     return meta, tuple(x.to(dev) if isinstance(x, torch.Tensor) else x for x in inputs)
@@ -72,5 +75,17 @@ def commit_case(seed: int, k: int, draft: bool, device: torch.device | str = "cp
     tok_row = torch.repeat_interleave(torch.arange(b), torch.tensor(q))
     args = (r(3, 500, b, k + 1), num_new, torch.tensor(samples), slots, n_slots, torch.tensor(nd), first,
             torch.tensor(q), r(3, 500, b), r(3, 500, t), r(0, 10_000, t), r(0, 500, n_slots + 1, k + 1),
-            r(1, 5, n_slots + 1), r(1, 5, n_slots + 1), k, draft)
+            r(1, 5, n_slots + 1), r(-5, 3, n_slots + 1), k, draft)
     return tuple(x.to(dev) if isinstance(x, torch.Tensor) else x for x in args), tok_row.to(dev)
+
+
+def chain_case(seed: int, b: int, device: torch.device | str = "cpu"):
+    """commit_outputs' `chain` for b rows, as the engine passes it: (row_chained, the step's corrected
+    kv_lens, the kv_len input view, row_chained again) -- some rows chained, every kv_len distinct."""
+    g = torch.Generator().manual_seed(seed + 100)
+    chained = torch.randint(0, 2, (b,), generator=g).bool()
+    kv = torch.randperm(10 * b, generator=g)[:b] + 4
+    kv_in = kv - torch.randint(0, 4, (b,), generator=g)  # the host's lengths before the correction
+    dev = torch.device(device)
+    chained, kv, kv_in = chained.to(dev), kv.to(dev), kv_in.to(dev)
+    return chained, kv, kv_in, chained

@@ -67,6 +67,57 @@ def test_graph_replay_equals_eager(k, overlap, sampled):
     assert_clean(eager)
 
 
+def first_tokens(llm: LLM, sps: list[SamplingParams], n: int = 48) -> list[list[int]]:
+    """Every prompt at once, run until each request has n tokens (none finishes: max_tokens is raised), then
+    aborted: the first n tokens of each, computed in steps whose batch never changed."""
+    from dataclasses import replace
+
+    eng = llm.engine
+    reqs = [eng.add_request(llm.encode(t), replace(sp, max_tokens=400)) for t, sp in zip(TEXTS, sps)]
+    while min(len(r.output_token_ids) for r in reqs) < n:
+        eng.step()
+    out = [r.output_token_ids[:n] for r in reqs]
+    for r in reqs:
+        eng.abort(r.request_id)
+    eng.run()
+    return out
+
+
+@pytest.mark.parametrize("k", [0, 3])
+@pytest.mark.parametrize("sampled", [False, True, "penalized"], ids=["greedy", "seeded", "penalized"])
+def test_multi_step_replays_equal_one_step_at_a_time(k, sampled):
+    """num_scheduler_steps=4: each iteration replays its graph four times, the device advancing the rows'
+    lengths in the captured input buffer between replays (the Triton commit kernel's chain). Over a batch
+    that never changes the tokens equal one replay per host plan's. (Arrivals and finishes do change it
+    differently: a multi-step iteration admits new requests and drops finished ones only at its end, and
+    in bf16 a step's rounding depends on its batch -- on the H200 seeded K=0 flipped a draw at a mixed
+    step that only the one-step engine had. The CPU tests (fp32) compare those cases token for token.)"""
+    sps = params(sampled)
+    one = make(k, True, False)
+    multi = make(k, True, False, num_scheduler_steps=4)
+    want = first_tokens(one, sps)
+    assert first_tokens(multi, sps) == want
+    eng = multi.engine
+    assert eng.graphs.num_replays > 0 and eng.num_iterations < eng.num_steps
+    for llm in (one, multi):
+        assert_clean(llm)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+@pytest.mark.parametrize("sampled", [False, True, "penalized"], ids=["greedy", "seeded", "penalized"])
+def test_multi_step_replay_equals_eager_with_arrivals(k, sampled):
+    """Multi-step iterations with requests joining and leaving: graph replay equals the eager engine
+    (enforce_eager, the same iterations, the same batches) token for token."""
+    sps = params(sampled)
+    graph = make(k, True, False, num_scheduler_steps=4)
+    eager = make(k, True, True, num_scheduler_steps=4)
+    assert run_with_arrivals(graph, sps) == run_with_arrivals(eager, sps)
+    eng = graph.engine
+    assert eng.graphs.num_replays > 0 and eng.num_iterations < eng.num_steps
+    for llm in (graph, eager):
+        assert_clean(llm)
+
+
 @pytest.mark.parametrize("k", [0, 3])
 def test_graph_replay_under_preemption_churn(k):
     """A preemption forced every 5th plan (recompute, NeedSync under overlap) between replays."""
@@ -80,10 +131,11 @@ def test_graph_replay_under_preemption_churn(k):
     assert_clean(llm)
 
 
-def test_steady_state_makes_no_host_sync():
-    llm = make(3, True, False)
+@pytest.mark.parametrize("steps", [1, 4])
+def test_steady_state_makes_no_host_sync(steps):
+    llm = make(3, True, False, num_scheduler_steps=steps)
     eng = llm.engine
-    sp = SamplingParams(temperature=0.7, max_tokens=40, seed=1, ignore_eos=True)
+    sp = SamplingParams(temperature=0.7, max_tokens=200, seed=1, ignore_eos=True)
     for t in TEXTS:
         eng.add_request(llm.encode(t), sp)
     for _ in range(4):  # prompts done, graphs for this mode captured
@@ -93,7 +145,7 @@ def test_steady_state_makes_no_host_sync():
     for _ in range(10):
         eng.step()
     eng.sync_debug = False
-    assert eng.graphs.num_replays >= replays + 8
+    assert eng.graphs.num_replays >= replays + 8 * steps
     eng.run()
     assert_clean(llm)
 
@@ -168,7 +220,7 @@ def test_fused_step_inputs_equal_reference_on_cuda(k):
     tests run them under the interpreter only)."""
     from dataclasses import replace
 
-    from step_cases import commit_case, sample_case, step_case
+    from step_cases import chain_case, commit_case, sample_case, step_case
 
     from m3eagle.attention.metadata import derive_positions_and_slots
     from m3eagle.ops import make_ops
@@ -192,12 +244,15 @@ def test_fused_step_inputs_equal_reference_on_cuda(k):
         for draft in (False, True):
             args, tok_row = commit_case(seed, k, draft, device="cuda")
             bufs = [[x.clone() for x in args[11:14]] for _ in range(2)]
-            want = ref.fused.commit_outputs(*args[:11], *bufs[0], *args[14:])
-            got = fast.fused.commit_outputs(*args[:11], *bufs[1], *args[14:], tok_row=tok_row)
+            chained, kv, kv_in, _ = chain_case(seed, args[1].shape[0], device="cuda")
+            chains = [(c := chained.clone(), kv, kv_in.clone(), c) for _ in range(2)]
+            want = ref.fused.commit_outputs(*args[:11], *bufs[0], *args[14:], chain=chains[0])
+            got = fast.fused.commit_outputs(*args[:11], *bufs[1], *args[14:], tok_row=tok_row, chain=chains[1])
             for a, b in zip(got, want):
                 assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
             for a, b in zip(bufs[1], bufs[0]):
                 assert torch.equal(a[:-1], b[:-1])  # the dump row has several writers
+            assert torch.equal(chains[1][0], chains[0][0]) and torch.equal(chains[1][2], chains[0][2])
         greedy_tok = torch.randint(0, 4, (300, k + 1), device="cuda")  # 4 ids: many matches
         drafts = torch.randint(0, 4, (300, k), device="cuda")
         nd = torch.randint(0, k + 1, (300,), device="cuda")

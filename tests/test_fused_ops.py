@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from step_cases import commit_case, sample_case, step_case  # noqa: E402
+from step_cases import chain_case, commit_case, sample_case, step_case  # noqa: E402
 
 from m3eagle.attention.metadata import build_metadata  # noqa: E402
 from m3eagle.fused import backend, reference  # noqa: E402
@@ -346,21 +346,38 @@ def test_sample_positions_equal_reference(k, seed):
 
 @pytest.mark.parametrize("k", [0, 1, 3, 5])
 @pytest.mark.parametrize("draft", [False, True])
-def test_commit_outputs_equal_reference(k, draft):
-    """After verification: masked counts, the slots written and their contents, and with a drafter its
-    inputs (last accepted index, ids shifted with the bonus / next token, the position table): bit-equal.
-    The dump row has several writers in both paths, so its contents are not compared."""
+@pytest.mark.parametrize("chain", [False, True])
+def test_commit_outputs_equal_reference(k, draft, chain):
+    """After verification: masked counts, the slots written and their contents (tokens, counts, deviations),
+    with a drafter its inputs (last accepted index, ids shifted with the bonus / next token, the position
+    table), and with `chain` the step's kv_len / chained inputs advanced in place: bit-equal. The dump row
+    has several writers in both paths, so its contents are not compared."""
     for seed in range(3):
         args, tok_row = commit_case(seed, k, draft)
+        b = args[1].shape[0]
         ref_bufs = [x.clone() for x in args[11:14]]
         fast_bufs = [x.clone() for x in args[11:14]]
-        want = REFERENCE.fused.commit_outputs(*args[:11], *ref_bufs, *args[14:])
-        got = TRITON.fused.commit_outputs(*args[:11], *fast_bufs, *args[14:], tok_row=tok_row)
-        for a, b in zip(got, want):
-            assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
-        for a, b, orig in zip(fast_bufs, ref_bufs, args[11:14]):
-            assert torch.equal(a[:-1], b[:-1]) and not torch.equal(b[:-1], orig[:-1])
+        ref_chain = fast_chain = None
+        if chain:
+            chained, kv, kv_in, _ = chain_case(seed, b)
+            ref_chain = (c := chained.clone(), kv, kv_in.clone(), c)
+            fast_chain = (c := chained.clone(), kv, kv_in.clone(), c)
+        want = REFERENCE.fused.commit_outputs(*args[:11], *ref_bufs, *args[14:], chain=ref_chain)
+        got = TRITON.fused.commit_outputs(*args[:11], *fast_bufs, *args[14:], tok_row=tok_row, chain=fast_chain)
+        for a, b_ in zip(got, want):
+            assert (a is None) == (b_ is None) and (a is None or torch.equal(a, b_))
+        for a, b_, orig in zip(fast_bufs, ref_bufs, args[11:14]):
+            assert torch.equal(a[:-1], b_[:-1]) and not torch.equal(b_[:-1], orig[:-1])
         assert draft == (want[3] is not None)
+        # what the reference itself must do (the oracle is checked too, not only the kernel against it)
+        samples, slots, nd, dev0 = args[2], args[3], args[5], args[13]
+        nn = torch.where(samples, args[1], 0)
+        want_dev = nn - nd - 1 + torch.where(chained, dev0[slots], 0) if chain else nn - nd - 1
+        assert torch.equal(ref_bufs[2][slots[samples]], want_dev[samples])
+        if chain:
+            for got_chain in (ref_chain, fast_chain):
+                assert torch.equal(got_chain[2], torch.where(samples, kv + nn, kv_in))
+                assert torch.equal(got_chain[0], chained | samples)
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 5])

@@ -166,8 +166,8 @@ def test_seeded_sampling_independent_of_batch_mates(make_llm, setups, prompts, k
     undrafted = []  # request ids of continuing rows planned without drafts
     schedule = crowded.engine.scheduler.schedule
 
-    def spy():
-        batch = schedule()
+    def spy(*args):
+        batch = schedule(*args)
         undrafted.extend(r.req.request_id for r in batch.rows if r.gather and r.num_drafts == 0)
         return batch
 
@@ -328,13 +328,13 @@ def test_overlap_correction_matches_from_scratch_metadata(make_llm, setups, seed
             prev_k = rng.choice([0, k])  # the step in flight was a plain sample or a verify row
             num_new = rng.randint(1, prev_k + 1)
             runner.slot_num_new[b] = num_new
-            runner.slot_expected[b] = prev_k + 1
+            runner.slot_dev[b] = num_new - (prev_k + 1)
             opt_start = true_start + (prev_k + 1 - num_new)
             correct = True
         else:
             num_new = rng.randint(1, k + 1)
             runner.slot_num_new[b] = num_new
-            runner.slot_expected[b] = k + 1
+            runner.slot_dev[b] = num_new - (k + 1)
             opt_start, correct = true_start, False
         runner.slot_tokens[b] = torch.randint(3, 96, (k + 1,))
         runner.slot_drafts[b] = torch.randint(3, 96, (k,))

@@ -52,9 +52,10 @@ DEFINITIONS = {
              "a warm-up batch; median, min and max over --repeats",
     "first_token_ms": "per repeat, wall time from the batch's submission until every request has its first "
                       "output token (the prompt steps; under overlap, one step late): median over --repeats",
-    "steps": "engine steps per repeat (prompt, mixed and decode steps; a batch's slowest request decides): "
-             "median over --repeats",
-    "step_ms": "wall time per engine step in a steady decode state (plain: 1 token per row; spec: verify 1+K "
+    "steps": "device steps per repeat (prompt, mixed and decode steps, the sub-steps of a multi-step "
+             "iteration counted one each; a batch's slowest request decides): median over --repeats",
+    "step_ms": "wall time per device step (with --num-scheduler-steps N, an engine step's N sub-steps count "
+               "one each) in a steady decode state (plain: 1 token per row; spec: verify 1+K "
                "tokens and draft K per row), over --decode-steps steps between device synchronizations",
     "host_ms": "step_ms minus the time the host thread is blocked waiting for the device (StepOutput.wait): "
                "scheduling, input building, kernel launches and output processing. host_ms close to step_ms "
@@ -99,7 +100,8 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
     tcfg = target_config(geo.model)
     max_b = max(a.batch_sizes)
     # The steady-state measurement keeps every row alive through all its steps (K+1 tokens a step at most).
-    step_len = (STEADY_STEPS + 2 + a.decode_steps + a.profile_steps + 2) * (k + 1)
+    step_len = ((STEADY_STEPS + 2 + a.decode_steps + a.profile_steps + 2) * (k + 1)
+                * getattr(a, "num_scheduler_steps", 1))  # a multi-step iteration runs N steps per engine step
     mml = a.prompt_len + max(a.max_tokens, step_len) + 2 * (k + 1) + 1
     if mml > tcfg.max_position_embeddings:
         raise ValueError(f"--prompt-len {a.prompt_len} + --max-tokens {a.max_tokens} (and {step_len} tokens of "
@@ -119,7 +121,8 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
               num_pages=1 + max_b * pages_per_seq, overlap=overlap, attention_backend=a.attention_backend,
               moe_backend=a.moe_backend, enforce_eager=a.enforce_eager, load_format=geo.load_format,
               tensor_parallel_size=tp, prefill_graphs=getattr(a, "prefill_graphs", None),
-              max_prefill_graph_tokens=getattr(a, "max_prefill_graph_tokens", 512))
+              max_prefill_graph_tokens=getattr(a, "max_prefill_graph_tokens", 512),
+              num_scheduler_steps=getattr(a, "num_scheduler_steps", 1))
     try:  # the measurements, then the workers stop (tensor parallel) whatever happened
         return _measure(a, llm, geo, dev, k, say, t0)
     finally:
@@ -187,7 +190,8 @@ def _measure(a: argparse.Namespace, llm, geo: geometries.Geometry, dev: torch.de
                      "kernel_table": getattr(a, "kernel_table", 0),
                      "prefill_graphs": llm.engine.cfg.prefill_graphs,
                      "max_prefill_graph_tokens": llm.engine.cfg.max_prefill_graph_tokens,
-                     "num_draft_tokens": k, "prompts": prompt_source, "seed": a.seed},
+                     "num_scheduler_steps": llm.engine.cfg.num_scheduler_steps, "num_draft_tokens": k,
+                     "prompts": prompt_source, "seed": a.seed},
         "bandwidth": bw,
         "build_s": build_s,
         "results": rows,
@@ -333,7 +337,9 @@ def summarize(samples: list[float]) -> dict[str, Any]:
 def step_profile(engine: LLMEngine, target: torch.nn.Module, prompts: list[list[int]], k: int, steps: int,
                  profile_steps: int, dev: torch.device) -> dict[str, Any]:
     """Bring `prompts` to a steady decode state, then measure (see DEFINITIONS). Aborts them at the end."""
-    need = (STEADY_STEPS + 2 + steps + profile_steps + 2) * (k + 1)
+    # Rows stay alive through every step (K+1 tokens a step at most; N steps per engine.step() with
+    # num_scheduler_steps).
+    need = (STEADY_STEPS + 2 + steps + profile_steps + 2) * (k + 1) * engine.cfg.num_scheduler_steps
     sp = SamplingParams(temperature=0.0, max_tokens=need, ignore_eos=True)
     reqs = [engine.add_request(list(p), sp, stream_text=False) for p in prompts]
     try:
@@ -351,14 +357,15 @@ def step_profile(engine: LLMEngine, target: torch.nn.Module, prompts: list[list[
         tp.timed, tp.comm_seconds = tp.size > 1 and dev.type != "cuda", 0.0  # CPU: gloo collectives block
         try:
             graphs = engine.graphs
-            replays0, launch0 = graphs.num_replays, graphs.launch_seconds
+            replays0, launch0, n0 = graphs.num_replays, graphs.launch_seconds, engine.num_steps
             with device_wait_timer() as waited:
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     engine.step()
                 _sync(dev)
                 wall = time.perf_counter() - t0
-            launch_ms = ((graphs.launch_seconds - launch0) / steps * 1e3
+            dsteps = engine.num_steps - n0  # device steps: more than `steps` with num_scheduler_steps > 1
+            launch_ms = ((graphs.launch_seconds - launch0) / dsteps * 1e3
                          if graphs.num_replays > replays0 else None)
         finally:
             tp.timed = False
@@ -368,13 +375,13 @@ def step_profile(engine: LLMEngine, target: torch.nn.Module, prompts: list[list[
         for q in reqs:
             engine.abort(q.request_id)
         engine.run()
-    step_ms = wall / steps * 1e3
+    step_ms = wall / dsteps * 1e3
     busy = prof["gpu_busy_ms"]
     comm = prof["comm_ms"] if prof["comm_ms"] is not None else (
-        tp.comm_seconds * 1e3 / steps if tp.size > 1 else None)
+        tp.comm_seconds * 1e3 / dsteps if tp.size > 1 else None)
     return {"context": ctx, "tokens": tokens if tokens is not None else len(prompts) * (k + 1),
-            "step_ms": step_ms, "host_ms": step_ms - waited[0] / steps * 1e3,
-            "device_wait_ms": waited[0] / steps * 1e3, "graph_launch_ms": launch_ms, **prof,
+            "step_ms": step_ms, "host_ms": step_ms - waited[0] / dsteps * 1e3,
+            "device_wait_ms": waited[0] / dsteps * 1e3, "graph_launch_ms": launch_ms, **prof,
             "gpu_busy_frac": busy / step_ms if busy is not None else None,
             "comm_ms": comm, "comm_frac": comm / step_ms if comm is not None else None,
             "experts_per_moe_layer": experts}
@@ -447,10 +454,12 @@ def profile_window(engine: LLMEngine, steps: int, dev: torch.device) -> dict[str
     cuda, tp = dev.type == "cuda", engine.tp
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     _sync(dev)
+    n0 = engine.num_steps
     with profile(activities=acts) as prof:
         for _ in range(steps):
             engine.step()
         _sync(dev)
+    steps = engine.num_steps - n0  # per device step (an engine step runs N with num_scheduler_steps)
     events = prof.events()
     ops = sum(1 for e in events if e.device_type == DeviceType.CPU and e.cpu_parent is None
               and e.name.startswith("aten::"))

@@ -153,10 +153,13 @@ class GraphRunner:
         return None
 
     def build(self, batch: ScheduledBatch, bucket: Any) -> StepInput:
-        """The step's inputs: padded to its bucket with the fixed KV bound, or as they are."""
+        """The step's inputs: padded to its bucket with the fixed KV bound, or as they are (a multi-step
+        iteration's KV bound then covers its last sub-step, whose rows end (steps - 1) x (1 + K) further)."""
         if bucket is None:
+            max_kv = 0 if batch.steps == 1 else (max(r.kv_len for r in batch.rows)
+                                                  + (batch.steps - 1) * (self.k + 1))
             return build_step_input(batch, self.page_size, self.table_width, self.runner.device, self.bufs,
-                                    dump_slot=self.runner.dump_slot, ops=self.ops)
+                                    dump_slot=self.runner.dump_slot, ops=self.ops, max_kv=max_kv)
         return build_step_input(batch, self.page_size, self.table_width, self.runner.device, self.bufs,
                                 max_kv=self.max_kv, dump_slot=self.runner.dump_slot, ops=self.ops,
                                 **self._padding(bucket, batch))

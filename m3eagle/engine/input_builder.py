@@ -49,7 +49,8 @@ class StepInput:
     row_num_drafts: torch.Tensor  # [B] 0 or K
     row_samples: torch.Tensor  # [B] bool
     row_gather: torch.Tensor  # [B] bool: first token + drafts from the slot buffers
-    row_correct: torch.Tensor  # [B] bool: kv_len += num_new_prev - expected_prev on device
+    row_correct: torch.Tensor  # [B] bool: kv_len += the slot's deviation (steps in flight) on device
+    row_chained: torch.Tensor  # [B] bool: False as built; the device sets it when it advances kv_len itself
     row_next_token: torch.Tensor  # [B] token after a non-sampling chunk
     sampling: SamplingTensors
     any_random: bool  # some row samples with temperature > 0 (draft probs are needed)
@@ -69,7 +70,7 @@ _KINDS = {"int": (torch.int64, np.int64, "q", 8), "float": (torch.float32, np.fl
 _ALIGN = 16  # bytes: where every value starts
 # The values packed from Python numbers by one struct call, in layout order (step_layout puts them first).
 _PACKED = ("input_ids", "q_lens", "kv_lens", "row_slot", "row_num_drafts", "row_next_token", "seed", "top_k",
-           "temperature", "top_p", "min_p", "row_samples", "row_gather", "row_correct", "greedy")
+           "temperature", "top_p", "min_p", "row_samples", "row_gather", "row_correct", "row_chained", "greedy")
 # SlotParams' mode bits: what changes what a step computes (the first three are its mode).
 _RANDOM, _LOGPROBS, _PENALTIES, _PROMPT_LOGPROBS = 1, 2, 4, 8
 # A padding row's seed, top_k, temperature, top_p, min_p, greedy and mode bits.
@@ -181,12 +182,12 @@ class StepBuffers:
     def __init__(self, max_tokens: int, max_rows: int, table_width: int, device: torch.device):
         self.max_tokens, self.max_rows, self.table_width, self.device = max_tokens, max_rows, table_width, device
         # ints: ids, tok_row, tok_col (T each); 12 per-row ints; min_tokens stop ids and their rows; the page
-        # table; q_index (B x Qmax <= T + B*... ); floats: 6 per row; bools: 6 per row and q_valid; and each
-        # of the (at most 32) values' alignment.
+        # table; q_index (B x Qmax <= T + B*... ); floats: 6 per row; bools: 7 per row and q_valid; and each
+        # of the (at most 40) values' alignment.
         n_int = (3 * max_tokens + (12 + 2 * MAX_MIN_TOKENS_STOP_IDS) * max_rows + max_rows * table_width
                  + max_rows * max_tokens)
-        n_float, n_bool = 6 * max_rows, 6 * max_rows + max_rows * max_tokens
-        self.nbytes = 8 * n_int + 4 * n_float + n_bool + 32 * _ALIGN
+        n_float, n_bool = 6 * max_rows, 7 * max_rows + max_rows * max_tokens
+        self.nbytes = 8 * n_int + 4 * n_float + n_bool + 40 * _ALIGN
         pin = device.type == "cuda"
         self.d_bytes = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
         self.h_bytes = [torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
@@ -329,8 +330,8 @@ def _assemble(v: dict[str, torch.Tensor], n_rows: int, t: int, max_q: int, max_k
         num_rows=n_rows, num_tokens=t, input_ids=v["input_ids"], meta=meta, row_slot=v["row_slot"],
         row_first=v["row_first"], row_qlen=v["q_lens"], row_num_drafts=v["row_num_drafts"],
         row_samples=v["row_samples"], row_gather=v["row_gather"], row_correct=v["row_correct"],
-        row_next_token=v["row_next_token"], sampling=st, any_random=any_random, want_logprobs=want_logprobs,
-        penalties=pen, want_prompt_logprobs=want_prompt_lp)
+        row_chained=v["row_chained"], row_next_token=v["row_next_token"], sampling=st, any_random=any_random,
+        want_logprobs=want_logprobs, penalties=pen, want_prompt_logprobs=want_prompt_lp)
 
 
 def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, device: torch.device,
@@ -377,7 +378,8 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
     no = [False] * pad
     packed = (ids, q_lens, kv_lens, slots, [dump_slot] * pad, [r.num_drafts for r in rows], nd_pad,
               [r.next_token for r in rows], [0] * pad, seed, top_k, temperature, top_p, min_p,
-              [r.samples for r in rows], no, [r.gather for r in rows], no, [r.correct for r in rows], no, greedy)
+              [r.samples for r in rows], no, [r.gather for r in rows], no, [r.correct for r in rows], no,
+              [False] * n_rows, greedy)
     extra: dict[str, Any] = {}
     n_stop = _penalty_values(rows, pad, dump_slot, extra) if any_penalty else 0
     # Fill the host staging (pinned on CUDA, alternating) -- the Python values in one struct call, the

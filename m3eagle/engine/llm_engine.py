@@ -91,6 +91,11 @@ class EngineConfig:
     # The share of the device's memory this process may use; the KV pool gets what weights and the
     # activation reserve leave of it (kv_budget.py). CUDA only, and only when num_pages is 0.
     gpu_memory_utilization: float = 0.9
+    # Steady decode / verify steps run this many sub-steps per host iteration (vLLM's num_scheduler_steps):
+    # the host plans, packs and launches once, the device advances each row's lengths itself between the
+    # sub-steps, and the host then processes their outputs in order. Tokens are the same as one step at a
+    # time; streams get them up to N steps at once. 1: every step is planned by the host.
+    num_scheduler_steps: int = 1
 
 
 @dataclass
@@ -151,6 +156,12 @@ class LLMEngine:
         self.device = device
         if not 0.0 < cfg.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={cfg.gpu_memory_utilization} must be in (0, 1]")
+        if not isinstance(cfg.num_scheduler_steps, int) or cfg.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps={cfg.num_scheduler_steps!r} must be an int >= 1 (1: a host "
+                             "plan for every step)")
+        if cfg.num_scheduler_steps > 1 and tp.size > 1:
+            raise ValueError(f"num_scheduler_steps={cfg.num_scheduler_steps} is not supported with tensor "
+                             "parallelism (the workers replay one step per broadcast); use num_scheduler_steps=1")
         if cfg.max_prefill_graph_tokens < 16:
             raise ValueError(f"max_prefill_graph_tokens={cfg.max_prefill_graph_tokens} must be >= 16 (the "
                              "smallest prefill-graph bucket); turn prefill graphs off with prefill_graphs=False")
@@ -179,7 +190,8 @@ class LLMEngine:
         max_tokens = max(cfg.max_num_tokens + (cfg.max_num_seqs + 1 if pg else 0), cfg.max_num_seqs * (k + 1))
         max_rows = cfg.max_num_seqs + int(pg)
         self.runner = ModelRunner(target, draft, k, num_pages, cfg.page_size, cfg.max_num_seqs, dtype, device,
-                                  max_num_tokens=max_tokens, max_rows=max_rows)
+                                  max_num_tokens=max_tokens, max_rows=max_rows,
+                                  host_sets=2 * cfg.num_scheduler_steps)
         self.buffers = StepBuffers(max_tokens, max_rows, self.table_width, device)
         graph_shapes = cfg.graph_shapes if cfg.graph_shapes is not None else device.type == "cuda"
         self.graphs = GraphRunner(self.runner, self.buffers, k, cfg.max_num_seqs, cfg.page_size, self.table_width,
@@ -192,7 +204,8 @@ class LLMEngine:
         self.eos_ids = set(target.cfg.eos_token_ids)
         self._max_model_len = cfg.max_model_len  # read into each request's StopConditions
         self._ids = itertools.count()
-        self._pending: tuple[ScheduledBatch, StepOutput] | None = None
+        # Under overlap, the iteration launched last: its plan and one output per sub-step.
+        self._pending: tuple[ScheduledBatch, list[StepOutput]] | None = None
         self._lock = threading.RLock()  # the step lock
         # Intake, guarded by its own lock so that adding or aborting never waits for a step:
         # - _live: every unfinished request by id (intake, waiting or running); finished requests are
@@ -208,7 +221,8 @@ class LLMEngine:
         self._touched: dict[str, Request] = {}
         self.counters = SpecCounters(accept_hist=[0] * (k + 1))
         self._load = EngineLoad()
-        self.num_steps = 0
+        self.num_steps = 0  # device steps launched (each sub-step of a multi-step iteration counts)
+        self.num_iterations = 0  # host iterations that launched steps (< num_steps with num_scheduler_steps > 1)
         # Who steps this engine when not the caller of LLM.generate: the server's engine thread sets it while
         # it runs (it alone may call step(); deltas of requests it does not know are dropped).
         self.owner: str | None = None
@@ -241,7 +255,7 @@ class LLMEngine:
         moves first-use Triton compiles to startup; what it buys on a GPU has not been measured yet."""
         if not self.is_idle_and_clean():
             raise RuntimeError("warmup() runs on an idle engine only (before any request)")
-        t0, counters, steps = time.perf_counter(), self.counters.snapshot(), self.num_steps
+        t0, counters, steps, iters = time.perf_counter(), self.counters.snapshot(), self.num_steps, self.num_iterations
         vocab = self.target_cfg.vocab_size
         sp = SamplingParams(temperature=0.0, max_tokens=self.k + 2, ignore_eos=True)
         shapes = self.warmup_shapes()
@@ -254,7 +268,7 @@ class LLMEngine:
                     if d.finish_reason not in (None, "length"):
                         raise RuntimeError(f"warm-up request {d.request_id} ended with {d.finish_reason}: {d.error}")
         info = {"shapes": shapes, "steps": self.num_steps - steps, "seconds": time.perf_counter() - t0}
-        self.counters, self.num_steps = counters, steps
+        self.counters, self.num_steps, self.num_iterations = counters, steps, iters
         log.info("warm-up: %d prompt batches (rows x tokens: %s) in %.1f s", len(shapes),
                  ", ".join(f"{r}x{n}" for r, n in shapes), info["seconds"])
         return info
@@ -449,11 +463,12 @@ class LLMEngine:
         self._load = EngineLoad(running, sched.num_waiting, max(0.0, used))
 
     def _step(self) -> None:
+        steps = self.cfg.num_scheduler_steps
         try:
-            batch = self.scheduler.schedule()
+            batch = self.scheduler.schedule(steps)
         except NeedSync:
             self._drain()
-            batch = self.scheduler.schedule()
+            batch = self.scheduler.schedule(steps)
         if not batch.rows:
             if self._pending is not None:
                 self._drain()
@@ -466,15 +481,22 @@ class LLMEngine:
         bucket = self.graphs.bucket(batch) if self.graph_shapes else None
         self.graphs.ensure(batch, bucket)
         inp = self.graphs.build(batch, bucket)
-        self.scheduler.commit(batch)
-        out = self.runner.to_host(self._execute(inp, bucket))
-        self.num_steps += 1
+        # A multi-step iteration runs the same inputs batch.steps times: each sub-step's commit advances the
+        # rows' lengths in the input buffer on the device (ModelRunner.execute), and each is folded into the
+        # host's projection like a step of its own (all drafts accepted).
+        outs = []
+        for _ in range(batch.steps):
+            self.scheduler.commit(batch)
+        for _ in range(batch.steps):
+            outs.append(self.runner.to_host(self._execute(inp, bucket)))
+        self.num_steps += batch.steps
+        self.num_iterations += 1
         if self.cfg.overlap:
-            pending, self._pending = self._pending, (batch, out)
+            pending, self._pending = self._pending, (batch, outs)
             if pending is not None:
-                self._process(*pending)
+                self._process_iteration(*pending)
         else:
-            self._process(batch, out)
+            self._process_iteration(batch, outs)
 
     def _execute(self, inp, bucket: int | None) -> StepOutput:
         if self.sync_debug and self.device.type == "cuda":
@@ -488,7 +510,12 @@ class LLMEngine:
     def _drain(self) -> None:
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            self._process(*pending)
+            self._process_iteration(*pending)
+
+    def _process_iteration(self, batch: ScheduledBatch, outs: list[StepOutput]) -> None:
+        """The outputs of one iteration's sub-steps, in order (a request finished by one skips the rest)."""
+        for out in outs:
+            self._process(batch, out)
 
     def run(self) -> list[RequestOutput]:
         """Step until idle; returns the outputs of the requests that finished meanwhile."""

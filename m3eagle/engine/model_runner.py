@@ -96,7 +96,7 @@ def _fused(meta: AttnMetadata):
 class ModelRunner:
     def __init__(self, target: MiniMaxM3, draft, num_draft_tokens: int, num_pages: int, page_size: int,
                  max_num_seqs: int, dtype: torch.dtype, device: torch.device, max_num_tokens: int = 512,
-                 max_rows: int | None = None):
+                 max_rows: int | None = None, host_sets: int = 2):
         self.target, self.draft = target, draft
         self.k = num_draft_tokens if draft is not None else 0
         self.page_size, self.device, self.dtype = page_size, device, dtype
@@ -108,7 +108,9 @@ class ModelRunner:
         n, k1 = max_num_seqs + 1, self.k + 1
         self.slot_tokens = torch.zeros(n, k1, dtype=torch.int64, device=device)  # [S+1, K+1]
         self.slot_num_new = torch.ones(n, dtype=torch.int64, device=device)  # [S+1]
-        self.slot_expected = torch.ones(n, dtype=torch.int64, device=device)  # [S+1]
+        # [S+1] tokens emitted minus tokens the host assumed (every draft accepted), summed over a slot's
+        # steps since the host last planned it: what a planned row in flight corrects its kv_len by
+        self.slot_dev = torch.zeros(n, dtype=torch.int64, device=device)
         self.slot_drafts = torch.zeros(n, max(self.k, 1), dtype=torch.int64, device=device)  # [S+1, K]
         self.dump_slot = max_num_seqs
         cfg = target.cfg
@@ -118,8 +120,9 @@ class ModelRunner:
         self.aux_ids: tuple[int, ...] = tuple(draft.cfg.aux_layer_ids) if draft is not None else ()
         self.aux_width = len(self.aux_ids) * cfg.hidden_size
         # Everything a step writes besides the model's own intermediates is allocated here, once: the
-        # aux-hidden buffer, the draft probabilities of sampled rows, and the pinned host outputs (two
-        # sets, alternated per step, since under overlap the host reads step N while N+1 copies).
+        # aux-hidden buffer, the draft probabilities of sampled rows, and the pinned host outputs (host_sets
+        # sets, used in turn: under overlap the host reads one iteration's outputs while the next copies, and
+        # a multi-step iteration of N sub-steps copies N, so the engine asks for 2N).
         self.aux_buf = (torch.zeros(max_num_tokens, self.aux_width, dtype=dtype, device=device)
                         if self.k else None)  # [T_max, 3H]
         self.slot_draft_probs = (torch.zeros(n, self.k, cfg.vocab_size, device=device)
@@ -133,7 +136,7 @@ class ModelRunner:
                            "lp_rank": torch.zeros(rows, k1, dtype=torch.int64, pin_memory=pin),
                            "lp_top_logprobs": torch.zeros(rows, k1, nt, dtype=torch.float32, pin_memory=pin),
                            "lp_top_ids": torch.zeros(rows, k1, nt, dtype=torch.int64, pin_memory=pin)}
-                          for _ in range(2)]
+                          for _ in range(host_sets)]
         self._host_parity = 0
         # Constant index tensors, made once: inside a captured step each fresh arange / ones would be one
         # more kernel per replay. Rows take views of the first B entries.
@@ -145,19 +148,20 @@ class ModelRunner:
     def to_host(self, out: StepOutput) -> StepOutput:
         """Launch the step's device->host copy (after execute, or after a graph replay)."""
         out.copy_to_host(self.host_bufs[self._host_parity])
-        self._host_parity ^= 1
+        self._host_parity = (self._host_parity + 1) % len(self.host_bufs)
         return out
 
     # ---- overlap correction ---------------------------------------------------------------------
     def _apply_overlap_correction(self, inp: StepInput) -> tuple[torch.Tensor, AttnMetadata]:
         """Fill gathered input ids from the slot buffers and correct optimistic KV lengths.
 
-        kv_len += num_new_prev - (k_prev + 1) on rows whose previous sampling step was still in flight
-        when the host planned this one; the metadata hook then re-derives positions and slots."""
+        kv_len += slot_dev (emitted - assumed over the steps in flight when the host planned this one) on
+        rows whose sampling steps were still in flight then; chained rows (later sub-steps of a multi-step
+        iteration) already hold exact lengths. The metadata hook then re-derives positions and slots."""
         meta = inp.meta
         return _fused(meta).overlap_inputs(inp.input_ids, meta, inp.row_slot, inp.row_first, inp.row_gather,
-                                    inp.row_num_drafts, inp.row_correct, self.slot_tokens, self.slot_num_new,
-                                    self.slot_expected, self.slot_drafts, self.k)
+                                    inp.row_num_drafts, inp.row_correct, inp.row_chained, self.slot_tokens,
+                                    self.slot_num_new, self.slot_dev, self.slot_drafts, self.k)
 
     # ---- the step -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -190,11 +194,14 @@ class ModelRunner:
 
         # Remember each sampling row's outputs for the next step (gathered on device), and the drafter's
         # inputs: the last accepted token of each row, the ids shifted by one with the bonus token after it.
+        # The step's own kv_len / chained inputs advance in place, so replaying these inputs runs the next
+        # sub-step of a multi-step iteration (a host-built step overwrites them).
         drafting = self.draft is not None and k > 0
         num_new, s, last_idx, shifted, at = fused.commit_outputs(
             new_tokens, num_new, inp.row_samples, inp.row_slot, self.dump_slot, inp.row_num_drafts, inp.row_first,
             inp.row_qlen, inp.row_next_token, ids, meta.positions, self.slot_tokens, self.slot_num_new,
-            self.slot_expected, k, drafting, tok_row=meta.tok_row)
+            self.slot_dev, k, drafting, tok_row=meta.tok_row,
+            chain=(inp.row_chained, meta.kv_lens, inp.meta.kv_lens, inp.row_chained))
         if pen is not None:
             self.penalty.record_outputs(new_tokens, num_new, s)
 

@@ -56,6 +56,9 @@ class ScheduledRow:
 class ScheduledBatch:
     rows: list[ScheduledRow]
     preempted: list[Request]
+    # Sub-steps this plan runs back to back on the device (a multi-step iteration, num_scheduler_steps):
+    # the rows' pages cover all of them, and the engine commits the rows once per sub-step.
+    steps: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -178,27 +181,39 @@ class Scheduler:
         ids = req.all_token_ids
         return ScheduledRow(req, start, ids[start:start + n], 0, samples, False, False, 0 if samples else ids[start + n])
 
-    def schedule(self) -> ScheduledBatch:
-        """The next step's rows: `_schedule_steady` when it applies, else the general plan (`_schedule`)."""
+    def schedule(self, steps: int = 1) -> ScheduledBatch:
+        """The next step's rows: `_schedule_steady` when it applies, else the general plan (`_schedule`).
+        steps > 1 asks for a multi-step iteration, which only the steady plan makes (with fewer sub-steps
+        where a row would outgrow its page table); otherwise the plan is one step."""
         if self.fast_path and not self.waiting:
-            batch = self._schedule_steady()
+            batch = self._schedule_steady(steps) if steps > 1 else None
+            if batch is None:
+                batch = self._schedule_steady()
             if batch is not None:
                 return batch
         return self._schedule()
 
-    def _schedule_steady(self) -> ScheduledBatch | None:
+    def _schedule_steady(self, steps: int = 1) -> ScheduledBatch | None:
         """The steady state's plan without the general loop, or None where it does not apply: nothing waits,
         every running request continues on its slot buffers (one known token: last emitted + K drafts), all
         of them fit the token budget with K drafts each, and the pages they need are free. Then the general
         plan would give each request exactly this row, allocate the same pages in the same order, and
-        preempt nobody. Decides before it mutates: None leaves everything as it was."""
+        preempt nobody. Decides before it mutates: None leaves everything as it was.
+
+        steps > 1: the same rows for up to that many sub-steps (`_iteration_steps`), each request's pages
+        reserved for all of them (with every draft accepted); None when not even two are worth running."""
         k1 = self.k + 1
         running = self.running
         if len(running) * k1 > self.max_num_tokens:
             return None
+        if steps > 1:
+            steps = self._iteration_steps(steps, k1)
+            if steps < 2:
+                return None
         rows: list[ScheduledRow] = []
         grow: list[tuple[Request, int]] = []
-        running_, k, edge = Status.RUNNING, self.k, self.k + 1 + self._lookahead
+        running_, k, edge = Status.RUNNING, self.k, steps * k1 + self._lookahead
+        ahead = (steps - 1) * k1  # the last sub-step's row ends this far past the first one's
         new_row, ids = object.__new__, (0,) * k1  # the ids are placeholders: one tuple for the step's rows
         page_size, num_grow = self._page_size, 0
         for req in running:
@@ -212,7 +227,7 @@ class Scheduler:
             row.req, row.start, row.tokens, row.num_drafts, row.samples, row.gather = req, start, ids, k, True, True
             row.correct, row.next_token, row.num_tokens, row.kv_len = bool(req.inflight_rows), 0, k1, start + k1
             if start + edge > len(req.pages) * page_size:  # `_pages_needed`'s steady test, inlined
-                need = self._pages_needed(req, row.kv_len)
+                need = self._pages_needed(req, row.kv_len + ahead)
                 if need:
                     grow.append((req, need))
                     num_grow += need
@@ -221,7 +236,25 @@ class Scheduler:
             return None
         for req, need in grow:
             req.pages += self.pool.allocate(req.request_id, need)
-        return ScheduledBatch(rows, [])
+        return ScheduledBatch(rows, [], steps)
+
+    def _iteration_steps(self, steps: int, k1: int) -> int:
+        """How many of `steps` sub-steps a multi-step iteration of the running requests runs. A request may
+        reach its output limit (or a stop) inside the iteration: its later sub-steps run and the host drops
+        their tokens, as it drops a step in flight under overlap. But no more sub-steps than the request
+        with the most left could use if every draft were accepted (ceil(left / (1 + K))): past that, all of
+        them are probably done (the rest, if drafts were rejected, take the next iteration), and none that
+        would carry the furthest row past its page table (max_model_len plus the speculative slack)."""
+        top, use = 0, 0
+        for r in self.running:
+            if r.status is not Status.RUNNING:
+                continue
+            top = max(top, r.proj_computed)
+            st = r.stops
+            left = steps * k1 if st is None else len(r.prompt_token_ids) + st.limit - r.proj_known
+            use = max(use, -(-left // k1))
+        fit = (self.max_pages_per_seq * self._page_size - self._lookahead - top) // k1
+        return min(steps, use, fit)
 
     def _schedule(self) -> ScheduledBatch:
         """The general plan: running requests first (FCFS), preempting the newest when pages run out, then

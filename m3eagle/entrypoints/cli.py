@@ -121,6 +121,9 @@ def _device_args(p: argparse.ArgumentParser) -> None:
                         "(row and token buckets, each captured on first use); default: on for one CUDA device")
     p.add_argument("--max-prefill-graph-tokens", type=int_in(16), default=512,
                    help="the largest prompt / mixed step replayed as a CUDA graph; larger ones run eagerly")
+    p.add_argument("--num-scheduler-steps", type=int_in(1, 64), default=1,
+                   help="steady decode / verify steps run N at a time per host iteration (one plan, N graph "
+                        "replays): for host-bound batches; same tokens, streamed N steps at a time")
     p.add_argument("--tensor-parallel-size", "-tp", type=int_in(1, 1024), default=1,
                    help="split the target over N ranks (one per GPU; see docs/parallel.md)")
 
@@ -136,7 +139,7 @@ def _make_llm(a: argparse.Namespace):
                page_size=a.page_size, overlap=overlap, attention_backend=a.attention_backend,
                moe_backend=a.moe_backend, enforce_eager=a.enforce_eager, warmup=a.warmup,
                prefill_graphs=a.prefill_graphs, max_prefill_graph_tokens=a.max_prefill_graph_tokens,
-               tensor_parallel_size=a.tensor_parallel_size, **extra)
+               num_scheduler_steps=a.num_scheduler_steps, tensor_parallel_size=a.tensor_parallel_size, **extra)
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:

@@ -68,6 +68,11 @@ class LLM:
     prefill_graphs: prompt and mixed steps of up to max_prefill_graph_tokens tokens (512) replay CUDA graphs
     too, padded to row and token buckets, each captured on first use (None: on for one CUDA device; False:
     they run eagerly). Padded steps round like their bucket in bf16, as decode buckets do.
+    num_scheduler_steps: N > 1 runs steady decode / verify steps N at a time per host iteration (vLLM's
+    multi-step scheduling): one plan, one input copy and N graph replays, the device advancing each row's
+    lengths between them; the host then processes the N outputs. Same tokens as N = 1; streamed output
+    arrives up to N steps at a time, and the last steps before a request's length limit run one at a time.
+    For host-bound batches (small models, many rows). Not with tensor parallelism.
     load_format: 'auto' reads the checkpoints; 'dummy' builds random seeded weights on the device from the
     configs alone (vLLM's dummy format, for benchmarks) -- then model / draft may also be an M3Config /
     Eagle3Config or a config.json dict.
@@ -85,7 +90,7 @@ class LLM:
                  moe_backend: str = "auto", enforce_eager: bool = False, graph_shapes: bool | None = None,
                  fused_backend: str = "auto", tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.9, warmup: bool = False, prefill_graphs: bool | None = None,
-                 max_prefill_graph_tokens: int = 512,
+                 max_prefill_graph_tokens: int = 512, num_scheduler_steps: int = 1,
                  _worker: tuple[int, int, str] | None = None):
         # What a spawned worker needs to build its rank of this same LLM (_worker: its rank, size, rendezvous).
         spawn_kwargs = {k: v for k, v in locals().items() if k not in ("self", "_worker")}
@@ -125,7 +130,7 @@ class LLM:
         try:
             self._build(model, draft, num_draft_tokens, load_format, dev, page_size, max_num_tokens, max_model_len,
                         max_num_seqs, num_pages, overlap, enforce_eager, graph_shapes, gpu_memory_utilization,
-                        prefill_graphs, max_prefill_graph_tokens)
+                        prefill_graphs, max_prefill_graph_tokens, num_scheduler_steps)
         except BaseException:
             self.shutdown()
             raise
@@ -190,7 +195,7 @@ class LLM:
                page_size: int, max_num_tokens: int, max_model_len: int | None, max_num_seqs: int, num_pages: int,
                overlap: bool | None, enforce_eager: bool, graph_shapes: bool | None,
                gpu_memory_utilization: float, prefill_graphs: bool | None = None,
-               max_prefill_graph_tokens: int = 512) -> None:
+               max_prefill_graph_tokens: int = 512, num_scheduler_steps: int = 1) -> None:
         """Weights (this rank's shard), tokenizer and engine."""
         tp = self.tp
         if load_format == "dummy":
@@ -222,7 +227,8 @@ class LLM:
                                    overlap=(dev.type == "cuda") if overlap is None else overlap,
                                    enforce_eager=enforce_eager, graph_shapes=graph_shapes,
                                    gpu_memory_utilization=gpu_memory_utilization, prefill_graphs=prefill_graphs,
-                                   max_prefill_graph_tokens=max_prefill_graph_tokens)
+                                   max_prefill_graph_tokens=max_prefill_graph_tokens,
+                                   num_scheduler_steps=num_scheduler_steps)
         self.engine = LLMEngine(self.target, self.draft, self.tokenizer, self.config, self.dtype, dev, self.ops,
                                 tp=tp, driver=self._driver)
 

@@ -81,8 +81,8 @@ class FusedOps(Protocol):
 
     def overlap_inputs(self, input_ids: torch.Tensor, meta: Any, row_slot: torch.Tensor, row_first: torch.Tensor,
                        row_gather: torch.Tensor, row_num_drafts: torch.Tensor, row_correct: torch.Tensor,
-                       slot_tokens: torch.Tensor, slot_num_new: torch.Tensor, slot_expected: torch.Tensor,
-                       slot_drafts: torch.Tensor, k: int) -> tuple[torch.Tensor, Any]:
+                       row_chained: torch.Tensor, slot_tokens: torch.Tensor, slot_num_new: torch.Tensor,
+                       slot_dev: torch.Tensor, slot_drafts: torch.Tensor, k: int) -> tuple[torch.Tensor, Any]:
         """reference.overlap_ids_kv, then meta.with_lengths(kv_lens): (ids [T], the corrected metadata)."""
         ...
 
@@ -96,10 +96,11 @@ class FusedOps(Protocol):
                        row_slot: torch.Tensor, dump_slot: int, row_num_drafts: torch.Tensor,
                        row_first: torch.Tensor, row_qlen: torch.Tensor, row_next_token: torch.Tensor,
                        ids: torch.Tensor, positions: torch.Tensor, slot_tokens: torch.Tensor,
-                       slot_num_new: torch.Tensor, slot_expected: torch.Tensor, k: int, draft: bool,
-                       tok_row: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        """reference.commit_outputs: (num_new, s, last_idx, shifted, at); slot buffers written in place.
-        `tok_row` [T]: the step's (a fused kernel needs it with `draft`)."""
+                       slot_num_new: torch.Tensor, slot_dev: torch.Tensor, k: int, draft: bool,
+                       tok_row: torch.Tensor | None = None, chain: tuple | None = None) -> tuple[torch.Tensor, ...]:
+        """reference.commit_outputs: (num_new, s, last_idx, shifted, at); slot buffers (and with `chain` the
+        step's kv_len / chained input views) written in place. `tok_row` [T]: the step's (a fused kernel
+        needs it with `draft`)."""
         ...
 
     def greedy_accept(self, greedy_tok: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
@@ -170,17 +171,17 @@ class ReferenceFused:
         return derive_positions_and_slots(kv_lens, q_lens, tok_row, tok_col, page_table, page_size)
 
     def overlap_inputs(self, input_ids, meta, row_slot, row_first, row_gather, row_num_drafts, row_correct,
-                       slot_tokens, slot_num_new, slot_expected, slot_drafts, k):
+                       row_chained, slot_tokens, slot_num_new, slot_dev, slot_drafts, k):
         ids, kv = reference.overlap_ids_kv(input_ids, meta.kv_lens, row_slot, row_first, row_gather,
-                                           row_num_drafts, row_correct, slot_tokens, slot_num_new, slot_expected,
-                                           slot_drafts, k)
+                                           row_num_drafts, row_correct, row_chained, slot_tokens, slot_num_new,
+                                           slot_dev, slot_drafts, k)
         return ids, meta.with_lengths(kv)
 
     def sample_positions(self, row_first, row_qlen, row_num_drafts, positions, ids, k):
         return reference.sample_positions(row_first, row_qlen, row_num_drafts, positions, ids, k)
 
-    def commit_outputs(self, *args, tok_row=None):
-        return reference.commit_outputs(*args)
+    def commit_outputs(self, *args, tok_row=None, chain=None):
+        return reference.commit_outputs(*args, chain=chain)
 
     def greedy_accept(self, greedy_tok, drafts, num_drafts):
         return reference.greedy_accept(greedy_tok, drafts, num_drafts)

@@ -324,7 +324,7 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, n_exp, stride_l,
 
 @triton.jit(do_not_specialize=["n_tok", "n_rows"])  # per-step counts: one compiled variant (design note 17)
 def _step_inputs_kernel(ids_ptr, kv_ptr, q_ptr, tok_row_ptr, tok_col_ptr, pt_ptr, stride_pt, table_w, page_size,
-                        slot_ptr, gather_ptr, nd_ptr, correct_ptr, st_ptr, stride_st, nn_ptr, exp_ptr,
+                        slot_ptr, gather_ptr, nd_ptr, correct_ptr, chained_ptr, st_ptr, stride_st, nn_ptr, dev_ptr,
                         sd_ptr, stride_sd, ids_out, kv_out, pos_out, slots_out, n_tok, n_rows,
                         K: tl.constexpr, OVERLAP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Programs [0, cdiv(T, BLOCK)) take BLOCK tokens each: the corrected kv_len of the token's row, its
@@ -344,8 +344,9 @@ def _step_inputs_kernel(ids_ptr, kv_ptr, q_ptr, tok_row_ptr, tok_col_ptr, pt_ptr
         if OVERLAP:
             slot = tl.load(slot_ptr + row, mask=m, other=0)
             nn = tl.load(nn_ptr + slot, mask=m, other=1)
-            correct = tl.load(correct_ptr + row, mask=m, other=0) != 0
-            kv = kv + tl.where(correct, nn - tl.load(exp_ptr + slot, mask=m, other=0), 0)
+            correct = (tl.load(correct_ptr + row, mask=m, other=0) != 0) & (tl.load(chained_ptr + row, mask=m,
+                                                                                    other=0) == 0)
+            kv = kv + tl.where(correct, tl.load(dev_ptr + slot, mask=m & correct, other=0), 0)
         pos = kv - tl.load(q_ptr + row, mask=m, other=0) + col
         pc = pos // page_size
         pc = tl.where((pc * page_size != pos) & (pos < 0), pc - 1, pc)  # floor, not truncation
@@ -367,9 +368,9 @@ def _step_inputs_kernel(ids_ptr, kv_ptr, q_ptr, tok_row_ptr, tok_col_ptr, pt_ptr
         kv = tl.load(kv_ptr + r, mask=m, other=0)
         if OVERLAP:
             slot = tl.load(slot_ptr + r, mask=m, other=0)
-            correct = tl.load(correct_ptr + r, mask=m, other=0) != 0
-            kv = kv + tl.where(correct, tl.load(nn_ptr + slot, mask=m, other=0) - tl.load(exp_ptr + slot, mask=m,
-                                                                                          other=0), 0)
+            correct = (tl.load(correct_ptr + r, mask=m, other=0) != 0) & (tl.load(chained_ptr + r, mask=m,
+                                                                                  other=0) == 0)
+            kv = kv + tl.where(correct, tl.load(dev_ptr + slot, mask=m & correct, other=0), 0)
         tl.store(kv_out + r, kv, mask=m)
 
 
@@ -416,12 +417,15 @@ def sample_positions(row_first: torch.Tensor, row_qlen: torch.Tensor, row_num_dr
 
 @triton.jit(do_not_specialize=["n_rows", "n_tok"])
 def _commit_kernel(new_ptr, nn_ptr, samples_ptr, slot_ptr, dump_slot, nd_ptr, first_ptr, qlen_ptr, next_ptr,
-                   ids_ptr, pos_ptr, tok_row_ptr, st_ptr, stride_st, snn_ptr, sexp_ptr,
-                   nn_out, s_out, last_out, shifted_out, at_out, n_rows, n_tok,
-                   K: tl.constexpr, DRAFT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_J: tl.constexpr, PDL: tl.constexpr):
-    """Programs [0, cdiv(B, BLOCK)): BLOCK rows each -- masked count, slot writes, and with DRAFT the last
-    accepted index and the at table. Programs after them (DRAFT only): BLOCK tokens of the shifted ids;
-    a token that is its row's last accepted one takes the bonus (or next known) token."""
+                   ids_ptr, pos_ptr, tok_row_ptr, st_ptr, stride_st, snn_ptr, sdev_ptr, chained_ptr, kv_ptr,
+                   kv_out, chained_out, nn_out, s_out, last_out, shifted_out, at_out, n_rows, n_tok,
+                   K: tl.constexpr, DRAFT: tl.constexpr, CHAIN: tl.constexpr, BLOCK: tl.constexpr,
+                   BLOCK_J: tl.constexpr, PDL: tl.constexpr):
+    """Programs [0, cdiv(B, BLOCK)): BLOCK rows each -- masked count, slot writes (tokens, count, deviation),
+    with CHAIN the advance of the step's kv_len / chained inputs, and with DRAFT the last accepted index
+    and the at table. Programs after them (DRAFT only): BLOCK tokens of the shifted ids; a token that is
+    its row's last accepted one takes the bonus (or next known) token. A row reads and writes only its own
+    slot's deviation and its own input entries, so programs never race (the dump slot's writers aside)."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     pid = tl.program_id(0)
     n_row_blocks = tl.cdiv(n_rows, BLOCK)
@@ -440,7 +444,15 @@ def _commit_kernel(new_ptr, nn_ptr, samples_ptr, slot_ptr, dump_slot, nd_ptr, fi
         toks = tl.load(new_ptr + r[:, None] * (K + 1) + j[None, :], mask=jm, other=0)
         tl.store(st_ptr + s[:, None] * stride_st + j[None, :], toks, mask=jm)
         tl.store(snn_ptr + s, nn, mask=m)
-        tl.store(sexp_ptr + s, nd + 1, mask=m)
+        dev = nn - (nd + 1)
+        if CHAIN:
+            chained = tl.load(chained_ptr + r, mask=m, other=0) != 0
+            slot = tl.load(slot_ptr + r, mask=m, other=0)
+            dev += tl.load(sdev_ptr + slot, mask=m & chained, other=0)
+            kv = tl.load(kv_ptr + r, mask=m, other=0)
+            tl.store(kv_out + r, kv + nn, mask=m & samples)
+            tl.store(chained_out + r, (chained | samples).to(tl.int1), mask=m)
+        tl.store(sdev_ptr + s, dev, mask=m)
         if DRAFT:
             last = (tl.load(first_ptr + r, mask=m, other=0) + tl.load(qlen_ptr + r, mask=m, other=1) - 1 - nd
                     + tl.maximum(nn - 1, 0))
@@ -464,11 +476,17 @@ def _commit_kernel(new_ptr, nn_ptr, samples_ptr, slot_ptr, dump_slot, nd_ptr, fi
         tl.store(shifted_out + t, tid, mask=m)
 
 
+def _unit_stride_error(x: torch.Tensor) -> torch.Tensor:
+    # chain's tensors are written in place: a contiguous copy would take the writes away from the caller
+    raise ValueError(f"commit_outputs(chain=...) needs unit-stride vectors, got stride {x.stride()}")
+
+
 def commit_outputs(new_tokens: torch.Tensor, num_new: torch.Tensor, row_samples: torch.Tensor,
                    row_slot: torch.Tensor, dump_slot: int, row_num_drafts: torch.Tensor, row_first: torch.Tensor,
                    row_qlen: torch.Tensor, row_next_token: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
-                   slot_tokens: torch.Tensor, slot_num_new: torch.Tensor, slot_expected: torch.Tensor, k: int,
-                   draft: bool, tok_row: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                   slot_tokens: torch.Tensor, slot_num_new: torch.Tensor, slot_dev: torch.Tensor, k: int,
+                   draft: bool, tok_row: torch.Tensor | None = None, chain: tuple | None = None,
+                   ) -> tuple[torch.Tensor, ...]:
     """reference.commit_outputs in one launch (int64, exact). `tok_row` [T] (the step's) is needed with
     `draft`. Slot buffers: [S+1, K+1] with unit inner stride, [S+1], [S+1]."""
     new_tokens, num_new, row_samples, row_slot, row_num_drafts, row_first, row_qlen, row_next_token = (
@@ -486,14 +504,19 @@ def commit_outputs(new_tokens: torch.Tensor, num_new: torch.Tensor, row_samples:
     else:
         last = shifted = at = None
         tok_row = num_new  # never read
+    if chain is not None:  # (row_chained, kv_lens, kv_out, chained_out): the kernel steps them with unit stride
+        chain_args = tuple(x if x.stride(0) == 1 else _unit_stride_error(x) for x in chain)
+    else:
+        chain_args = (num_new,) * 4  # never read (CHAIN=False)
     block = 64
     grid = triton.cdiv(b, block) + (triton.cdiv(t, block) if draft else 0)
     if b:
         _commit_kernel[(grid,)](new_tokens, num_new, row_samples, row_slot, dump_slot, row_num_drafts, row_first,
                                 row_qlen, row_next_token, ids, positions, tok_row, slot_tokens, slot_tokens.stride(0),
-                                slot_num_new, slot_expected, nn_out, s_out,
+                                slot_num_new, slot_dev, *chain_args, nn_out, s_out,
                                 last if draft else nn_out, shifted if draft else nn_out, at if draft else nn_out,
-                                b, t, K=k, DRAFT=draft, BLOCK=block, BLOCK_J=triton.next_power_of_2(k + 1),
+                                b, t, K=k, DRAFT=draft, CHAIN=chain is not None, BLOCK=block,
+                                BLOCK_J=triton.next_power_of_2(k + 1),
                                 num_warps=2, **pdl.args(new_tokens))
     return nn_out, s_out, last, shifted, at
 
@@ -579,7 +602,7 @@ def step_inputs(kv_lens: torch.Tensor, q_lens: torch.Tensor, tok_row: torch.Tens
                 page_table: torch.Tensor, page_size: int, overlap: tuple | None = None,
                 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids [T] or None, kv_lens [B], positions [T], slots [T]). `overlap` = (input_ids, row_slot, row_first,
-    row_gather, row_num_drafts, row_correct, slot_tokens, slot_num_new, slot_expected, slot_drafts, k) adds
+    row_gather, row_num_drafts, row_correct, row_chained, slot_tokens, slot_num_new, slot_dev, slot_drafts, k) adds
     reference.overlap_ids_kv's ids and length correction; None derives positions and slots from kv_lens as
     they are (then kv_lens comes back unchanged). Index tensors are int64, flags bool; slot buffers have unit
     inner stride."""
@@ -592,13 +615,13 @@ def step_inputs(kv_lens: torch.Tensor, q_lens: torch.Tensor, tok_row: torch.Tens
     pt = page_table if page_table.stride(-1) == 1 else page_table.contiguous()
     if overlap is None:  # positions and slots only: the overlap pointers are never read (OVERLAP=False)
         ids, kv_out, ids_in, k = None, kv_lens, kv_lens, 0
-        rest = (kv_lens, kv_lens, kv_lens, kv_lens, kv_lens, 0, kv_lens, kv_lens, kv_lens, 0)
+        rest = (kv_lens, kv_lens, kv_lens, kv_lens, kv_lens, kv_lens, 0, kv_lens, kv_lens, kv_lens, 0)
         grid = triton.cdiv(n_tok, STEP_BLOCK)
     else:
-        ids_in, row_slot, _first, gather, nd, correct, st, nn, ex, sd, k = (
+        ids_in, row_slot, _first, gather, nd, correct, chained, st, nn, dev_, sd, k = (
             x.contiguous() if isinstance(x, torch.Tensor) else x for x in overlap)
         ids, kv_out = torch.empty_like(ids_in), torch.empty_like(kv_lens)
-        rest = (row_slot, gather, nd, correct, st, st.stride(0), nn, ex, sd, sd.stride(0))
+        rest = (row_slot, gather, nd, correct, chained, st, st.stride(0), nn, dev_, sd, sd.stride(0))
         grid = triton.cdiv(n_tok, STEP_BLOCK) + triton.cdiv(n_rows, STEP_BLOCK)
     if grid:
         _step_inputs_kernel[(grid,)](ids_in, kv_lens, q_lens, tok_row, tok_col, pt, pt.stride(0), pt.shape[1],
@@ -1149,18 +1172,18 @@ class TritonFused:
         return step_inputs(kv_lens, q_lens, tok_row, tok_col, page_table, page_size)[2:]
 
     def overlap_inputs(self, input_ids, meta, row_slot, row_first, row_gather, row_num_drafts, row_correct,
-                       slot_tokens, slot_num_new, slot_expected, slot_drafts, k):
+                       row_chained, slot_tokens, slot_num_new, slot_dev, slot_drafts, k):
         ids, kv, pos, slots = step_inputs(meta.kv_lens, meta.q_lens, meta.tok_row, meta.tok_col, meta.page_table,
                                           meta.page_size, (input_ids, row_slot, row_first, row_gather,
-                                                           row_num_drafts, row_correct, slot_tokens, slot_num_new,
-                                                           slot_expected, slot_drafts, k))
+                                                           row_num_drafts, row_correct, row_chained, slot_tokens,
+                                                           slot_num_new, slot_dev, slot_drafts, k))
         return ids, replace(meta, kv_lens=kv, positions=pos, slot_mapping=slots)
 
     def sample_positions(self, row_first, row_qlen, row_num_drafts, positions, ids, k):
         return sample_positions(row_first, row_qlen, row_num_drafts, positions, ids, k)
 
-    def commit_outputs(self, *args, tok_row=None):
-        return commit_outputs(*args, tok_row=tok_row)
+    def commit_outputs(self, *args, tok_row=None, chain=None):
+        return commit_outputs(*args, tok_row=tok_row, chain=chain)
 
     def greedy_accept(self, greedy_tok, drafts, num_drafts):
         return greedy_accept(greedy_tok, drafts, num_drafts)
