@@ -269,16 +269,23 @@ def test_prefill_padding_rows_touch_only_trash_and_dump(model_dir, head_dir):
 
 
 def test_prefill_graphs_stop_at_max_prefill_graph_tokens(model_dir, head_dir):
-    """Steps that would pad past max_prefill_graph_tokens run eagerly (bucket None); a cap under the
+    """Steps of more than max_prefill_graph_tokens real tokens run eagerly (bucket None); a step of exactly
+    that many replays, its padding rows in a last bucket of cap + (buffer rows) tokens; a cap under the
     smallest bucket is refused, naming the option and the way to turn prefill graphs off."""
     assert prefill_bucket_sizes(2048, 512)[-3:] == [256, 384, 512]
+    assert prefill_bucket_sizes(2048, 512, 33)[-3:] == [384, 512, 545]
+    assert prefill_bucket_sizes(2081, 2048, 33)[-2:] == [2048, 2081]  # a full 2048-token budget's step fits
+    assert prefill_bucket_sizes(530, 512, 33)[-2:] == [512, 530]  # never past the buffers
     llm = llm_for(model_dir, head_dir, 3, graph_shapes=True, prefill_graphs=True, max_prefill_graph_tokens=32)
     eng = llm.engine
-    assert eng.graphs.prefill_buckets == [16, 32]
+    slack = eng.buffers.max_rows
+    assert eng.graphs.prefill_buckets == [16, 32, 32 + slack]
     fits = ScheduledRow(_Req(1, [5, 6, 7, 8, 9]), 0, list(range(3, 23)), 0, True, False, False, 0)
     assert eng.graphs.bucket(ScheduledBatch([fits], [])) == (PREFILL, 2, 32)
-    big = ScheduledRow(_Req(2, [5, 6, 7, 8, 9]), 0, list(range(3, 35)), 0, True, False, False, 0)
-    assert eng.graphs.bucket(ScheduledBatch([big], [])) is None  # 32 tokens + a padding row > 32
+    full = ScheduledRow(_Req(2, [5, 6, 7, 8, 9]), 0, list(range(3, 35)), 0, True, False, False, 0)
+    assert eng.graphs.bucket(ScheduledBatch([full], [])) == (PREFILL, 2, 32 + slack)  # 32 + a padding row
+    big = ScheduledRow(_Req(2, [5, 6, 7, 8, 9]), 0, list(range(3, 36)), 0, True, False, False, 0)
+    assert eng.graphs.bucket(ScheduledBatch([big], [])) is None  # 33 real tokens > 32
     with pytest.raises(ValueError, match="max_prefill_graph_tokens=8 .*prefill_graphs=False"):
         llm_for(model_dir, head_dir, 3, prefill_graphs=True, max_prefill_graph_tokens=8)
 

@@ -47,9 +47,10 @@ def test_pages_from_memory_budget_capped_by_request_shape(models):
     # Tight: (free - (1 - util) * total - reserve) // bytes per page.
     free, total = 40 * GiB + reserve + 100 * per_page + 5, 80 * GiB
     assert resolve_num_pages(cfg, target, draft, torch.bfloat16, CUDA, 3, mem_info=lambda: (free, total)) == 100
-    # Prefill graphs keep a prefill step's activations in the graphs' private pool: reserved as well.
+    # Prefill graphs keep a prefill step's activations in the graphs' private pool: reserved as well (its
+    # largest bucket: 128 real tokens and a token for each padding row, max_num_seqs + 1 at most).
     pg = dataclasses.replace(cfg, prefill_graphs=True, max_prefill_graph_tokens=128)
-    free += activation_reserve(target.cfg, 128, 4, 3)
+    free += activation_reserve(target.cfg, 128 + 4 + 1, 4, 3)
     assert resolve_num_pages(pg, target, draft, torch.bfloat16, CUDA, 3, mem_info=lambda: (free, total)) == 100
     assert resolve_num_pages(pg, target, draft, torch.bfloat16, CUDA, 3, mem_info=lambda: (free - 6, total)) == 99
     # An explicit num_pages wins; on a CPU the request shape decides.

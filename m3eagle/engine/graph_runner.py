@@ -21,7 +21,8 @@ prefill-shaped run eagerly.
 Prefill graphs (`prefill=True`, the default on one CUDA device): every other step -- prompt chunks, and
 mixed steps of prompt chunks and decode / verify rows -- without penalties or prompt logprobs, of R rows
 and L tokens, is padded to the next row bucket R' > R and the next token bucket T >= L + (R' - R)
-(`prefill_bucket_sizes`, up to `prefill_cap` tokens, 512 by default; larger steps run eagerly) with
+(`prefill_bucket_sizes`: steps of up to `prefill_cap` real tokens, 512 by default, the last bucket with
+room for their padding rows; larger steps run eagerly) with
 R' - R padding rows on the trash page (one token each, the last one takes the rest), and max_q fixed at
 T, so its launch shape is (R' rows, T tokens); it is captured on first use under the key
 (("prefill", R', T), mode). Prompt steps then replay instead of launching eagerly (on the H200 an eager
@@ -79,12 +80,16 @@ def is_graph_shaped(batch: ScheduledBatch, k: int) -> bool:
 PREFILL = "prefill"  # the first field of a prefill graph's bucket key: (PREFILL, rows, tokens)
 
 
-def prefill_bucket_sizes(max_tokens: int, cap: int = 4096) -> list[int]:
+def prefill_bucket_sizes(max_tokens: int, cap: int = 4096, slack: int = 0) -> list[int]:
     """Token buckets of prefill graphs, up to top = min(max_tokens, cap): 16, then every 32 tokens to 256,
     then 1.5x steps (384, 512, 768, 1024, ...), and top itself last. A step of L tokens whose padding needs
     p rows takes the first bucket >= L + p (each padding row holds a token), so a 128-token prompt pads to
-    160, not 256."""
+    160, not 256. `slack` > 0 adds a last bucket of min(max_tokens, cap + slack): room for the padding rows
+    of a step of cap real tokens (a full-budget step of a cap >= the token budget fits)."""
     top = min(max_tokens, cap)
+    extra = min(max_tokens, cap + slack)
+    if slack and extra > top:
+        return prefill_bucket_sizes(max_tokens, cap) + [extra]
     out = [16] + list(range(32, 257, 32))
     t = 256
     while t < top:
@@ -125,7 +130,9 @@ class GraphRunner:
         self.buckets = [b for b in bucket_sizes(max_rows) if b * (k + 1) <= bufs.max_tokens]
         # Prefill graphs need a padding row (so at least two rows); tensor parallel keeps them off (the
         # driver's broadcast protocol carries decode buckets only).
-        self.prefill_buckets = (prefill_bucket_sizes(bufs.max_tokens, prefill_cap)
+        # A step of up to prefill_cap real tokens replays: the last bucket has room for its padding rows.
+        self.prefill_cap = prefill_cap
+        self.prefill_buckets = (prefill_bucket_sizes(bufs.max_tokens, prefill_cap, bufs.max_rows)
                                 if prefill and bufs.max_rows >= 2 and driver is None else [])
         self.prefill_rows = bucket_sizes(bufs.max_rows)
         self.use_graphs = graphs and runner.device.type == "cuda"
@@ -148,7 +155,10 @@ class GraphRunner:
             rows = bucket_for(n + 1, self.prefill_rows)  # >= 1 padding row
             if rows is None:
                 return None
-            t = bucket_for(sum(r.num_tokens for r in batch.rows) + rows - n, self.prefill_buckets)  # >= 1 token each
+            real = sum(r.num_tokens for r in batch.rows)
+            if real > self.prefill_cap:
+                return None
+            t = bucket_for(real + rows - n, self.prefill_buckets)  # >= 1 token each
             return (PREFILL, rows, t) if t is not None else None
         return None
 

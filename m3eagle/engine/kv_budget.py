@@ -65,9 +65,10 @@ def resolve_num_pages(cfg: Any, target: Any, draft: Any, dtype: torch.dtype, dev
     free, total = mem_info() if mem_info is not None else torch.cuda.mem_get_info(device)
     per_page = bytes_per_slot(target, draft, dtype) * cfg.page_size
     reserve = FIXED_RESERVE + activation_reserve(target.cfg, cfg.max_num_tokens, cfg.max_num_seqs, k)
-    if cfg.prefill_graphs:  # the graphs' private pool holds a prefill step's activations too
-        reserve += activation_reserve(target.cfg, min(cfg.max_prefill_graph_tokens, cfg.max_num_tokens),
-                                      cfg.max_num_seqs, k)
+    if cfg.prefill_graphs:  # the graphs' private pool holds a prefill step's activations too (its padding rows'
+        # tokens included: the largest bucket holds max_prefill_graph_tokens real ones and a token per row)
+        reserve += activation_reserve(target.cfg, min(cfg.max_prefill_graph_tokens, cfg.max_num_tokens)
+                                      + cfg.max_num_seqs + 1, cfg.max_num_seqs, k)
     budget = free - (1.0 - util) * total - reserve
     want = 1 + per_seq * cfg.max_num_seqs
     pages = max(0, min(want, int(budget // per_page)))
