@@ -93,8 +93,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     # Steady decode / verify steps run this many sub-steps per host iteration (vLLM's num_scheduler_steps):
     # the host plans, packs and launches once, the device advances each row's lengths itself between the
-    # sub-steps, and the host then processes their outputs in order. Tokens are the same as one step at a
-    # time; streams get them up to N steps at once. 1: every step is planned by the host.
+    # sub-steps, and the host then processes their outputs in order. The same tokens as one step at a time
+    # for the same batches (arrivals wait for an iteration's end, so in bf16 a step may see another batch
+    # and round differently); streams get them up to N steps at once. 1: every step is planned by the host.
     num_scheduler_steps: int = 1
 
 

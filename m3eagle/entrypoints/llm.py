@@ -113,6 +113,13 @@ class LLM:
                              "(an Eagle3 checkpoint) or num_draft_tokens=0")
         if page_size < 1:
             raise ValueError(f"page_size={page_size} must be >= 1")
+        if not isinstance(num_scheduler_steps, int) or num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps={num_scheduler_steps!r} must be an int >= 1 (1: a host plan "
+                             "for every step)")
+        if num_scheduler_steps > 1 and tensor_parallel_size != 1:  # before any worker is spawned
+            raise ValueError(f"num_scheduler_steps={num_scheduler_steps} is not supported with "
+                             f"tensor_parallel_size={tensor_parallel_size} (the workers replay one step per "
+                             "broadcast); use num_scheduler_steps=1")
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={load_format!r}: choose 'auto' (read the checkpoint) or 'dummy' "
                              "(random weights built on the device)")
