@@ -24,8 +24,9 @@ def prompts():
 
 
 def build(steps: int, k: int, overlap: bool = True, graph_shapes: bool = True, **kw) -> LLM:
+    kw = {"max_num_seqs": 8, **kw}
     return LLM(TARGET, draft=HEAD if k else None, num_draft_tokens=k, device="cpu", max_model_len=256,
-               max_num_seqs=8, overlap=overlap, graph_shapes=graph_shapes, num_scheduler_steps=steps, **kw)
+               overlap=overlap, graph_shapes=graph_shapes, num_scheduler_steps=steps, **kw)
 
 
 class Wasted:
@@ -217,3 +218,38 @@ def test_scheduler_reserves_every_sub_step_and_falls_back(k):
     s, pool, r = _steady(k, 1 + pool.pages_for(6 + k1 + la))
     b = s.schedule(4)
     assert b.steps == 1 and len(b.rows) == 1 and pool.num_free == 0
+
+
+def test_served_streams_equal_one_step_at_a_time():
+    """`m3eagle serve --num-scheduler-steps 4`: eight concurrent streamed completions through the official
+    openai client (requests arriving while iterations run) give the texts an N = 1 engine gives offline, and
+    the engine ends idle with every page back."""
+    import threading
+
+    import openai
+
+    from m3eagle.entrypoints.server import OpenAIServer, ServerThread
+
+    texts = ["def add(a, b):", "import os\n", "class Stack:", "for i in range(10):", "def fib(n):\n    if n",
+             "while True:", "x = [1, 2, 3]\n", "def main():\n    args ="]
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    want = [o.outputs[0].text for o in build(1, 3).generate(texts, sp, use_tqdm=False)]
+    llm = build(4, 3, max_num_seqs=16)
+    got = [None] * len(texts)
+    with ServerThread(OpenAIServer(llm, log_interval=0)) as st:
+        c = openai.OpenAI(base_url=st.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+        def one(i: int) -> None:
+            parts = [ch.choices[0].text for ch in c.completions.create(
+                model="m3eagle-default", prompt=texts[i], max_tokens=24, temperature=0, stream=True) if ch.choices]
+            got[i] = "".join(parts)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(texts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert got == want
+    eng = llm.engine
+    assert eng.num_iterations < eng.num_steps
+    assert eng.is_idle_and_clean() and eng.owner is None
