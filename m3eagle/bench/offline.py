@@ -595,7 +595,9 @@ def format_table(doc: dict[str, Any]) -> str:
         f"  {head}",
         f"  {env['device_name']}{f' x {tp} (tensor parallel)' if tp > 1 else ''}, {env['dtype']}, "
         f"{env['attention_backend']} attention, overlap "
-        f"{'on' if env['overlap'] else 'off'}; copy bandwidth {bw['bytes_per_s'] / 1e12:.3f} TB/s "
+        f"{'on' if env['overlap'] else 'off'}"
+        f"{f', {ms} steps per iteration' if (ms := s.get('num_scheduler_steps', 1)) > 1 else ''}"
+        f"; copy bandwidth {bw['bytes_per_s'] / 1e12:.3f} TB/s "
         f"({bw['buffer_bytes'] / roofline.GiB:g} GiB buffer)",
         f"  prompts: {s['prompt_len']} tokens of {s['prompts']}, {s['max_tokens']} new tokens, greedy; "
         f"{s['repeats']} repeats (median [min, max])",
