@@ -156,10 +156,14 @@ def _inject(monkeypatch, llm: LLM, where: str, n: int, exc: BaseException) -> On
 
 @pytest.mark.parametrize("exc", [KeyboardInterrupt(), RuntimeError("injected")], ids=["ctrl-c", "error"])
 @pytest.mark.parametrize("where", ["schedule", "build", "execute", "execute_after", "process"])
-@pytest.mark.parametrize("k, overlap", [(0, False), (3, True)], ids=["plain", "spec-overlap"])
+@pytest.mark.parametrize("k, overlap, steps", [(0, False, 1), (3, True, 1), (0, True, 4), (3, True, 4)],
+                         ids=["plain", "spec-overlap", "plain-multistep", "spec-multistep"])
 def test_a_fault_anywhere_in_a_step_leaves_the_engine_consistent(monkeypatch, model_dir, head_dir, reference, where,
-                                                                 exc, k, overlap):
-    llm = small_llm(model_dir, head_dir, k, overlap)
+                                                                 exc, k, overlap, steps):
+    """With num_scheduler_steps=4 the n-th execute is a sub-step inside an iteration (the budget of 32
+    tokens holds every row with its drafts, so iterations run; asserted)."""
+    kw = {"num_scheduler_steps": steps, "max_num_tokens": 32} if steps > 1 else {}
+    llm = small_llm(model_dir, head_dir, k, overlap, **kw)
     for n in (2, 5):  # two faults, at different steps, on the same engine
         once = _inject(monkeypatch, llm, where, n, exc)
         with pytest.raises(type(exc)):
@@ -169,6 +173,8 @@ def test_a_fault_anywhere_in_a_step_leaves_the_engine_consistent(monkeypatch, mo
         assert_clean(llm)
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
         assert_clean(llm)
+    eng = llm.engine
+    assert (eng.num_iterations < eng.num_steps) == (steps > 1)
 
 
 def test_repeated_interrupts_never_stop_admission(monkeypatch, model_dir, head_dir, reference):
