@@ -375,10 +375,10 @@ class _NoDevice:
         self.total = [0] * eng.k
         commit, process = eng.scheduler.commit, eng._process
 
-        def commit_(batch):
+        def commit_(batch, times=1):
             self.batch = batch
-            self.plans.append(_plan(batch))
-            commit(batch)
+            self.plans.append(_plan(batch) + (times,))
+            commit(batch, times)
 
         def process_(batch, out):
             # the engine counts a verify row unless its request finished before the step was processed
@@ -540,6 +540,70 @@ def test_fast_paths_equal_the_general_ones_end_to_end(cfg):
     # steady rows: the tight path took most, the per-row path some (a stop within reach, logprobs)
     tight = devices[0].steady_rows - general_rows[0]
     assert tight > 500 and general_rows[0] > 100, (tight, general_rows)
+
+
+@pytest.mark.parametrize("k", [3, 0])
+def test_multi_step_processing_equals_per_step_end_to_end(k):
+    """num_scheduler_steps=4 on two engines with the same plans (the steady plan's multi-step iterations on
+    both), fed the same random requests, aborts and device outputs: one processes an iteration's sub-steps
+    with `_process_plain_steps` (a row that nothing can stop inside the iteration taken once for all of
+    them), the other sub-step by sub-step through the per-row path. After every step the same deltas,
+    plans, requests (tokens, text, reasons, lengths, projections, pages, counts) and engine state. Rows
+    taken once for the iteration and rows taken sub-step by sub-step (stops within reach, finished
+    requests) both occur (counted); two mutations (no projection adjustment; the sub-step rows' first
+    sub-step after the combined rows) fail it."""
+    cfg = dict(num_draft_tokens=k, overlap=True, max_num_tokens=64, num_pages=45, num_scheduler_steps=4)
+    engines = [LLM(device="cpu", max_model_len=256, max_num_seqs=8, **cfg).engine for _ in range(2)]
+    fast, plain = engines
+    plain.fast_paths = False  # every sub-step, every row through `_process_row`; the plans stay the same
+    tok = fast.tokenizer
+    s_id, t_id = tok.encode("S")[0], tok.encode("T")[0]
+    pool = [0, 7, 11, s_id, t_id, s_id, t_id] + list(range(40, 100))
+    devices = [_NoDevice(eng, 5, pool) for eng in engines]
+    seen = {"rows": 0, "one_by_one": 0}
+    steps_, plain_ = fast._process_plain_steps, fast._process_plain
+    inside = [False]
+
+    def count_steps(rows, new_tokens, num_new):
+        seen["rows"] += len(rows) * len(num_new)
+        inside[0] = True
+        try:
+            steps_(rows, new_tokens, num_new)
+        finally:
+            inside[0] = False
+
+    def count_plain(rows, new_tokens, num_new):
+        seen["one_by_one"] += len(rows) if inside[0] else 0
+        plain_(rows, new_tokens, num_new)
+
+    fast._process_plain_steps, fast._process_plain = count_steps, count_plain
+    rng = random.Random(17 + k)
+    reqs: list[list[Request]] = [[], []]
+    steps = 0
+    while steps < 500 or any(eng.has_work() for eng in engines):
+        steps += 1
+        if steps < 450 and rng.random() < 0.12:
+            prompt, sp, stream = _random_request(rng, s_id, t_id)
+            for eng, mine in zip(engines, reqs):
+                first = eng.add_request(list(prompt), sp, stream_text=stream)
+                mine += first.group.members if first.group is not None else [first]
+        if rng.random() < 0.04 and fast.request_ids():
+            rid = rng.choice(fast.request_ids())
+            for eng in engines:
+                eng.abort(rid.split("#")[0])
+        deltas = [eng.step() for eng in engines]
+        assert deltas[0] == deltas[1], steps
+        assert devices[0].plans == devices[1].plans, steps
+        assert _engine_state(fast, reqs[0]) == _engine_state(plain, reqs[1]), steps
+        assert all(_projection_is_current(r) for r in reqs[0] if not r.finished), steps
+        assert steps < 3000
+    for eng in engines:
+        eng.check_integrity()
+        assert eng.is_idle_and_clean()
+        assert eng.num_iterations < eng.num_steps
+    assert {r.finish_reason for r in reqs[0] if r.finished} >= {"stop", "length", "abort"}
+    combined = seen["rows"] - seen["one_by_one"]
+    assert combined > 200 and seen["one_by_one"] > 50, seen
 
 
 def test_tight_path_is_taken_and_transactional():

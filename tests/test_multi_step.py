@@ -35,13 +35,13 @@ class Wasted:
 
     def __init__(self, llm: LLM):
         eng, self.n = llm.engine, 0
-        process = eng._process
+        process = eng._process_plain  # every row of a step without logprobs passes here
 
-        def spy(batch, out):
-            self.n += sum(r.req.finished for r in batch.rows)
-            process(batch, out)
+        def spy(rows, new_tokens, num_new):
+            self.n += sum(r.req.finished for r in rows)
+            process(rows, new_tokens, num_new)
 
-        eng._process = spy
+        eng._process_plain = spy
 
 
 def outputs(llm: LLM, prompts, params) -> list[tuple]:
@@ -198,9 +198,14 @@ def test_scheduler_reserves_every_sub_step_and_falls_back(k):
     assert b.steps == 4 and len(b.rows) == 1
     row = b.rows[0]
     assert row.start == 6 and len(r.pages) == pool.pages_for(row.kv_len + 3 * k1 + la)
-    for _ in range(b.steps):
-        s.commit(b)
+    s.commit(b, b.steps)  # one scaled fold, as four: the same projection and four rows in flight
     assert r.proj_computed == 6 + 4 * k1 and r.proj_known == r.num_known + 4 * k1
+    assert r.inflight_rows == [row] * 4
+    before = (r.proj_computed, r.proj_known)
+    r.reproject()  # host truth + four folds of the row
+    assert (r.proj_computed, r.proj_known) == before
+    with pytest.raises(ValueError, match="steady rows"):  # a prompt chunk's fold sets the length: no repeats
+        _steady(k, 64)[0].commit(type(b)([type(row)(r, 0, [1, 2], 0, False, False, False, 3)], []), 2)
 
     for left, want in ((2 * k1 + 1, 3), (2 * k1, 2), (k1, 1), (1, 1)):  # tokens the request may still emit
         s, pool, r = _steady(k, 64, max_tokens=1 + left)

@@ -147,7 +147,7 @@ def _inject(monkeypatch, llm: LLM, where: str, n: int, exc: BaseException) -> On
         "build": (eng.graphs, "build", False),
         "execute": (eng.runner, "execute", False),
         "execute_after": (eng.runner, "execute", True),  # launched, its outputs never processed
-        "process": (eng, "_process", False),
+        "process": (eng, "_process_iteration", False),  # a step's (or a multi-step iteration's) outputs
     }[where]
     once = Once(getattr(owner, name), n, exc, after)
     monkeypatch.setattr(owner, name, once)

@@ -486,8 +486,7 @@ class LLMEngine:
         # rows' lengths in the input buffer on the device (ModelRunner.execute), and each is folded into the
         # host's projection like a step of its own (all drafts accepted).
         outs = []
-        for _ in range(batch.steps):
-            self.scheduler.commit(batch)
+        self.scheduler.commit(batch, batch.steps)
         for _ in range(batch.steps):
             outs.append(self.runner.to_host(self._execute(inp, bucket)))
         self.num_steps += batch.steps
@@ -514,9 +513,82 @@ class LLMEngine:
             self._process_iteration(*pending)
 
     def _process_iteration(self, batch: ScheduledBatch, outs: list[StepOutput]) -> None:
-        """The outputs of one iteration's sub-steps, in order (a request finished by one skips the rest)."""
+        """The outputs of one iteration's sub-steps, in order (a request finished by one skips the rest).
+        Several sub-steps without logprobs take `_process_plain_steps` (with the fast paths on)."""
+        if len(outs) > 1 and self.fast_paths:
+            hosts = [out.wait() for out in outs]
+            if not any(name.startswith(("lp_", "plp_")) for h in hosts for name in h):
+                self._process_plain_steps(batch.rows, [h["new_tokens"].tolist() for h in hosts],
+                                          [h["num_new"].tolist() for h in hosts])
+                return
         for out in outs:
             self._process(batch, out)
+
+    def _process_plain_steps(self, rows: list, new_tokens: list[list[list[int]]], num_new: list[list[int]]) -> None:
+        """`_process_plain` of each sub-step of a multi-step iteration in turn (new_tokens [N][B][K+1], num_new
+        [N][B]), with a steady row that nothing can stop inside the iteration's tokens taken once for all N:
+        its tokens appended together, its counts and projection moved by their sums. Every other row is
+        processed sub-step by sub-step, its first sub-step in row order among the others -- the order in
+        which requests are first touched, hence of their deltas -- and the later ones in (sub-step, row)
+        order, the order of finishes and page frees. The combined rows finish nothing and free nothing, and
+        their counter updates are sums, so the result is `_process_plain` N times over, which
+        tests/test_host_fast_paths.py holds on random outputs."""
+        finished, touched, c = Status.FINISHED, self._touched, self.counters
+        steps, hist = len(num_new), c.accept_hist
+        later = []  # rows processed sub-step by sub-step after the first
+        drafts = draft_tokens = accepted = 0
+        try:
+            for i, row in enumerate(rows):
+                req = row.req
+                if row.gather and row.samples and req.status is not finished:
+                    counts = [nn[i] for nn in num_new]
+                    tokens = [t for s in range(steps) for t in new_tokens[s][i][:counts[s]]]
+                    st, out = req.stops, req.output_token_ids
+                    if len(out) + len(tokens) < st.limit and not st.strings and st.any_id.isdisjoint(tokens):
+                        det = req.detok
+                        if det is not None:
+                            try:
+                                det = det.extended(tokens)
+                            except Exception:  # left to the sub-step path, which fails it at its own sub-step
+                                det = False
+                        if det is not False:
+                            nd, moved = row.num_drafts, 0
+                            inflight = req.inflight_rows
+                            for _ in range(steps):
+                                inflight.remove(row)
+                            for n_new in counts:
+                                a = n_new - 1
+                                if nd:
+                                    acc = nd if a >= nd else (a if a > 0 else 0)
+                                    req.num_accepted += a
+                                    req.draft_hist[nd] += 1
+                                    req.accept_hist[acc] += 1
+                                    hist[acc] += 1
+                                    drafts += 1
+                                    draft_tokens += nd
+                                    accepted += a
+                                req.num_computed += row.num_tokens - nd + a
+                                moved += nd - a
+                            if det is not None:
+                                req.detok, req.text = det, det.text
+                            out += tokens
+                            touched[req.request_id] = req
+                            if moved:  # as `_process_plain`: recompute past a prompt chunk, else adjust
+                                if any(not r.gather for r in inflight):
+                                    req.reproject()
+                                else:
+                                    req.proj_computed -= moved
+                                    req.proj_known -= moved
+                            continue
+                self._process_plain([row], [new_tokens[0][i]], [num_new[0][i]])
+                later.append(i)
+        finally:
+            c.num_drafts += drafts
+            c.num_draft_tokens += draft_tokens
+            c.num_accepted_tokens += accepted
+        for s in range(1, steps):
+            self._process_plain([rows[i] for i in later], [new_tokens[s][i] for i in later],
+                                [num_new[s][i] for i in later])
 
     def run(self) -> list[RequestOutput]:
         """Step until idle; returns the outputs of the requests that finished meanwhile."""

@@ -317,15 +317,27 @@ class Scheduler:
             budget -= row.num_tokens
         return ScheduledBatch(rows, preempted)
 
-    def commit(self, batch: ScheduledBatch) -> None:
-        """The batch was launched: project every row's effect (all drafts accepted)."""
-        for row in batch.rows:  # Request.project inlined (once per row per step)
+    def commit(self, batch: ScheduledBatch, times: int = 1) -> None:
+        """The batch was launched `times` times (a multi-step iteration's sub-steps): project every row's
+        effect (all drafts accepted) that often. Repeats are for gather rows only (the steady plan's): their
+        folds add up, so `times` of them are one fold scaled."""
+        if times == 1:
+            for row in batch.rows:  # Request.project inlined (once per row per step)
+                req = row.req
+                req.inflight_rows.append(row)
+                req.proj_computed = (req.proj_computed if row.gather else row.start) + row.num_tokens
+                if row.samples:
+                    req.proj_known += 1 + row.num_drafts
+                    req.slot_valid = True
+            return
+        for row in batch.rows:
+            if not (row.gather and row.samples):
+                raise ValueError("only steady rows (gathered, sampling) can be committed more than once")
             req = row.req
-            req.inflight_rows.append(row)
-            req.proj_computed = (req.proj_computed if row.gather else row.start) + row.num_tokens
-            if row.samples:
-                req.proj_known += 1 + row.num_drafts
-                req.slot_valid = True
+            req.inflight_rows += [row] * times
+            req.proj_computed += times * row.num_tokens
+            req.proj_known += times * (1 + row.num_drafts)
+            req.slot_valid = True
 
     def table_snapshot(self) -> dict[str, list[int]]:
         """Request id -> pages held, for every running request (finished ones awaiting a free included)."""
