@@ -57,7 +57,7 @@ class ScheduledBatch:
     rows: list[ScheduledRow]
     preempted: list[Request]
     # Sub-steps this plan runs back to back on the device (a multi-step iteration, num_scheduler_steps):
-    # the rows' pages cover all of them, and the engine commits the rows once per sub-step.
+    # the rows' pages cover all of them, and the engine commits the batch that many times (one scaled fold).
     steps: int = 1
 
     @property
@@ -330,9 +330,9 @@ class Scheduler:
                     req.proj_known += 1 + row.num_drafts
                     req.slot_valid = True
             return
+        if not all(row.gather and row.samples for row in batch.rows):  # checked before anything changes
+            raise ValueError("only steady rows (gathered, sampling) can be committed more than once")
         for row in batch.rows:
-            if not (row.gather and row.samples):
-                raise ValueError("only steady rows (gathered, sampling) can be committed more than once")
             req = row.req
             req.inflight_rows += [row] * times
             req.proj_computed += times * row.num_tokens
