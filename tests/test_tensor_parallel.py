@@ -162,6 +162,19 @@ def test_overlap_and_preemption(model_dir, head_dir, reference):
     assert_clean(llm)
 
 
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_multi_step_iterations_equal_one_process(model_dir, head_dir, reference, sampled):
+    """num_scheduler_steps=4 with overlap: rank 0 broadcasts each sub-step (its device buffer, which its own
+    commit advanced; the workers' commits advance theirs alike) and the workers replay it; the tokens of one
+    process, one step at a time. Iterations of several sub-steps ran (asserted)."""
+    llm = tp_llm("gqa-multistep", model_dir, head_dir, num_draft_tokens=3, overlap=True, num_scheduler_steps=4)
+    params = reference["sampled_params"] if sampled else greedy()
+    assert tokens(llm, params) == reference["sampled" if sampled else "greedy"]
+    eng = llm.engine
+    assert eng.num_iterations < eng.num_steps
+    assert_clean(llm)
+
+
 def test_sampled_equals_one_process(model_dir, head_dir, reference):
     """Counter-based sampling: every rank draws the same tokens from the gathered logits."""
     llm = tp_llm("gqa", model_dir, head_dir, num_draft_tokens=3)

@@ -160,9 +160,6 @@ class LLMEngine:
         if not isinstance(cfg.num_scheduler_steps, int) or cfg.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps={cfg.num_scheduler_steps!r} must be an int >= 1 (1: a host "
                              "plan for every step)")
-        if cfg.num_scheduler_steps > 1 and tp.size > 1:
-            raise ValueError(f"num_scheduler_steps={cfg.num_scheduler_steps} is not supported with tensor "
-                             "parallelism (the workers replay one step per broadcast); use num_scheduler_steps=1")
         if cfg.max_prefill_graph_tokens < 16:
             raise ValueError(f"max_prefill_graph_tokens={cfg.max_prefill_graph_tokens} must be >= 16 (the "
                              "smallest prefill-graph bucket); turn prefill graphs off with prefill_graphs=False")

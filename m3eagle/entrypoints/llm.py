@@ -72,7 +72,7 @@ class LLM:
     multi-step scheduling): one plan, one input copy and N graph replays, the device advancing each row's
     lengths between them; the host then processes the N outputs. Same tokens as N = 1; streamed output
     arrives up to N steps at a time, and the last steps before a request's length limit run one at a time.
-    For host-bound batches (small models, many rows). Not with tensor parallelism.
+    For host-bound batches (small models, many rows). Under tensor parallelism rank 0 broadcasts each sub-step.
     load_format: 'auto' reads the checkpoints; 'dummy' builds random seeded weights on the device from the
     configs alone (vLLM's dummy format, for benchmarks) -- then model / draft may also be an M3Config /
     Eagle3Config or a config.json dict.
@@ -116,10 +116,6 @@ class LLM:
         if not isinstance(num_scheduler_steps, int) or num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps={num_scheduler_steps!r} must be an int >= 1 (1: a host plan "
                              "for every step)")
-        if num_scheduler_steps > 1 and tensor_parallel_size != 1:  # before any worker is spawned
-            raise ValueError(f"num_scheduler_steps={num_scheduler_steps} is not supported with "
-                             f"tensor_parallel_size={tensor_parallel_size} (the workers replay one step per "
-                             "broadcast); use num_scheduler_steps=1")
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={load_format!r}: choose 'auto' (read the checkpoint) or 'dummy' "
                              "(random weights built on the device)")
