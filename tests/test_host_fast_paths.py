@@ -465,6 +465,35 @@ def _random_request(rng: random.Random, s_id: int, t_id: int) -> tuple[list[int]
     return [rng.randrange(3, 200) for _ in range(n)], SamplingParams(**p), rng.random() < 0.5
 
 
+def _lockstep(engines: list, devices: list, rng: random.Random, ids: tuple[int, int], steps: int, add_until: int,
+              add_p: float) -> list[list[Request]]:
+    """Step two engines together until `steps` steps have run and both are idle, feeding both the same random
+    requests (with probability add_p per step, until step add_until) and aborts; after every step assert
+    the same deltas, plans and engine state, and a current projection for every unfinished request of the
+    first. Returns each engine's requests."""
+    fast, plain = engines
+    reqs: list[list[Request]] = [[], []]
+    n = 0
+    while n < steps or any(eng.has_work() for eng in engines):
+        n += 1
+        if n < add_until and rng.random() < add_p:
+            prompt, sp, stream = _random_request(rng, *ids)
+            for eng, mine in zip(engines, reqs):
+                first = eng.add_request(list(prompt), sp, stream_text=stream)
+                mine += first.group.members if first.group is not None else [first]
+        if rng.random() < 0.04 and fast.request_ids():
+            rid = rng.choice(fast.request_ids())
+            for eng in engines:
+                eng.abort(rid.split("#")[0])
+        deltas = [eng.step() for eng in engines]
+        assert deltas[0] == deltas[1], n
+        assert devices[0].plans == devices[1].plans, n
+        assert _engine_state(fast, reqs[0]) == _engine_state(plain, reqs[1]), n
+        assert all(_projection_is_current(r) for r in reqs[0] if not r.finished), n
+        assert n < 6 * steps
+    return reqs
+
+
 @pytest.mark.parametrize("cfg", [dict(num_draft_tokens=3, overlap=True, max_num_tokens=64, num_pages=40),
                                  dict(num_draft_tokens=3, overlap=False, max_num_tokens=28, num_pages=36),
                                  dict(num_draft_tokens=0, overlap=True, max_num_tokens=64, num_pages=45)],
@@ -501,26 +530,7 @@ def test_fast_paths_equal_the_general_ones_end_to_end(cfg):
 
     fast._process_row, fast.scheduler._schedule_steady, fast.scheduler._preempt = \
         count_general, count_steady, count_preempt
-    rng = random.Random(k * 10 + cfg["overlap"])
-    reqs: list[list[Request]] = [[], []]
-    steps = 0
-    while steps < 1000 or any(eng.has_work() for eng in engines):
-        steps += 1
-        if steps < 900 and rng.random() < 0.15:
-            prompt, sp, stream = _random_request(rng, s_id, t_id)
-            for eng, mine in zip(engines, reqs):
-                first = eng.add_request(list(prompt), sp, stream_text=stream)
-                mine += first.group.members if first.group is not None else [first]
-        if rng.random() < 0.04 and fast.request_ids():
-            rid = rng.choice(fast.request_ids())
-            for eng in engines:
-                eng.abort(rid.split("#")[0])
-        deltas = [eng.step() for eng in engines]
-        assert deltas[0] == deltas[1], steps
-        assert devices[0].plans == devices[1].plans, steps
-        assert _engine_state(fast, reqs[0]) == _engine_state(plain, reqs[1]), steps
-        assert all(_projection_is_current(r) for r in reqs[0] if not r.finished), steps
-        assert steps < 5000
+    reqs = _lockstep(engines, devices, random.Random(k * 10 + cfg["overlap"]), (s_id, t_id), 1000, 900, 0.15)
     for eng, dev, mine in zip(engines, devices, reqs):
         eng.check_integrity()
         assert eng.is_idle_and_clean()
@@ -577,26 +587,7 @@ def test_multi_step_processing_equals_per_step_end_to_end(k):
         plain_(rows, new_tokens, num_new)
 
     fast._process_plain_steps, fast._process_plain = count_steps, count_plain
-    rng = random.Random(17 + k)
-    reqs: list[list[Request]] = [[], []]
-    steps = 0
-    while steps < 500 or any(eng.has_work() for eng in engines):
-        steps += 1
-        if steps < 450 and rng.random() < 0.12:
-            prompt, sp, stream = _random_request(rng, s_id, t_id)
-            for eng, mine in zip(engines, reqs):
-                first = eng.add_request(list(prompt), sp, stream_text=stream)
-                mine += first.group.members if first.group is not None else [first]
-        if rng.random() < 0.04 and fast.request_ids():
-            rid = rng.choice(fast.request_ids())
-            for eng in engines:
-                eng.abort(rid.split("#")[0])
-        deltas = [eng.step() for eng in engines]
-        assert deltas[0] == deltas[1], steps
-        assert devices[0].plans == devices[1].plans, steps
-        assert _engine_state(fast, reqs[0]) == _engine_state(plain, reqs[1]), steps
-        assert all(_projection_is_current(r) for r in reqs[0] if not r.finished), steps
-        assert steps < 3000
+    reqs = _lockstep(engines, devices, random.Random(17 + k), (s_id, t_id), 500, 450, 0.12)
     for eng in engines:
         eng.check_integrity()
         assert eng.is_idle_and_clean()

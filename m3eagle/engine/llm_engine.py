@@ -530,59 +530,39 @@ class LLMEngine:
         order, the order of finishes and page frees. The combined rows finish nothing and free nothing, and
         their counter updates are sums, so the result is `_process_plain` N times over, which
         tests/test_host_fast_paths.py holds on random outputs."""
-        finished, touched, c = Status.FINISHED, self._touched, self.counters
-        steps, hist = len(num_new), c.accept_hist
+        finished, touched, count_verify = Status.FINISHED, self._touched, self._count_verify
+        steps = len(num_new)
         later = []  # rows processed sub-step by sub-step after the first
-        drafts = draft_tokens = accepted = 0
-        try:
-            for i, row in enumerate(rows):
-                req = row.req
-                if row.gather and row.samples and req.status is not finished:
-                    counts = [nn[i] for nn in num_new]
-                    tokens = [t for s in range(steps) for t in new_tokens[s][i][:counts[s]]]
-                    st, out = req.stops, req.output_token_ids
-                    if len(out) + len(tokens) < st.limit and not st.strings and st.any_id.isdisjoint(tokens):
-                        det = req.detok
+        for i, row in enumerate(rows):
+            req = row.req
+            if row.gather and row.samples and req.status is not finished:
+                counts = [nn[i] for nn in num_new]
+                tokens = [t for s in range(steps) for t in new_tokens[s][i][:counts[s]]]
+                st, out = req.stops, req.output_token_ids
+                if len(out) + len(tokens) < st.limit and not st.strings and st.any_id.isdisjoint(tokens):
+                    det = req.detok
+                    if det is not None:
+                        try:
+                            det = det.extended(tokens)
+                        except Exception:  # left to the sub-step path, which fails it at its own sub-step
+                            det = False
+                    if det is not False:
+                        nd, emitted = row.num_drafts, len(tokens)
+                        for _ in range(steps):
+                            req.inflight_rows.remove(row)
+                        if nd:
+                            count_verify(req, nd, [n - 1 for n in counts])
+                        req.num_computed += steps * (row.num_tokens - nd - 1) + emitted
+                        moved = steps * (nd + 1) - emitted
                         if det is not None:
-                            try:
-                                det = det.extended(tokens)
-                            except Exception:  # left to the sub-step path, which fails it at its own sub-step
-                                det = False
-                        if det is not False:
-                            nd, moved = row.num_drafts, 0
-                            inflight = req.inflight_rows
-                            for _ in range(steps):
-                                inflight.remove(row)
-                            for n_new in counts:
-                                a = n_new - 1
-                                if nd:
-                                    acc = nd if a >= nd else (a if a > 0 else 0)
-                                    req.num_accepted += a
-                                    req.draft_hist[nd] += 1
-                                    req.accept_hist[acc] += 1
-                                    hist[acc] += 1
-                                    drafts += 1
-                                    draft_tokens += nd
-                                    accepted += a
-                                req.num_computed += row.num_tokens - nd + a
-                                moved += nd - a
-                            if det is not None:
-                                req.detok, req.text = det, det.text
-                            out += tokens
-                            touched[req.request_id] = req
-                            if moved:  # as `_process_plain`: recompute past a prompt chunk, else adjust
-                                if any(not r.gather for r in inflight):
-                                    req.reproject()
-                                else:
-                                    req.proj_computed -= moved
-                                    req.proj_known -= moved
-                            continue
-                self._process_plain([row], [new_tokens[0][i]], [num_new[0][i]])
-                later.append(i)
-        finally:
-            c.num_drafts += drafts
-            c.num_draft_tokens += draft_tokens
-            c.num_accepted_tokens += accepted
+                            req.detok, req.text = det, det.text
+                        out += tokens
+                        touched[req.request_id] = req
+                        if moved:
+                            req.retract(moved)
+                        continue
+            self._process_plain([row], [new_tokens[0][i]], [num_new[0][i]])
+            later.append(i)
         for s in range(1, steps):
             self._process_plain([rows[i] for i in later], [new_tokens[s][i] for i in later],
                                 [num_new[s][i] for i in later])
@@ -717,12 +697,9 @@ class LLMEngine:
                         out += tokens
                         touched[req.request_id] = req
                         req.num_computed += row.num_tokens - nd + a
-                        if a != nd:
-                            # The projection assumed every draft accepted. It is host truth + the folds of
-                            # the rows in flight; those are additive for gather rows, so it moves by exactly
-                            # what host truth moved less than projected. All accepted: it stands as it is.
-                            for r in req.inflight_rows:
-                                if not r.gather:  # a prompt chunk's fold sets the length: recompute
+                        if a != nd:  # the projection assumed every draft accepted: `Request.retract`, inlined
+                            for r in req.inflight_rows:  # (a call per row costs this hot loop ~2% of the step)
+                                if not r.gather:
                                     req.reproject()
                                     break
                             else:
@@ -769,6 +746,23 @@ class LLMEngine:
             req.prompt_logprobs.append(self._position_logprobs(prompt[p], plp, (row_first + i,),
                                                                req.params.prompt_logprobs, "plp_"))
 
+    def _count_verify(self, req: Request, nd: int, accepted: list[int]) -> None:
+        """Speculation counts of one request's verify rows of nd drafts each, the request's and the engine's
+        (vLLM's meanings): per row a = accepted[i] (it emitted a + 1 tokens), one histogram entry, acc =
+        min(a, nd) accepted positions 0..acc-1. (`_process_plain` inlines this for its rows.)"""
+        c, hist, total = self.counters, self.counters.accept_hist, 0
+        for a in accepted:
+            acc = nd if a >= nd else (a if a > 0 else 0)
+            req.accept_hist[acc] += 1
+            hist[acc] += 1
+            total += a
+        n = len(accepted)
+        req.num_accepted += total
+        req.draft_hist[nd] += n
+        c.num_drafts += n
+        c.num_draft_tokens += n * nd
+        c.num_accepted_tokens += total
+
     def _process_row(self, req: Request, row, tokens: list[int], lps: list[PositionLogprobs] | None) -> None:
         start = req.num_computed
         if not row.samples:
@@ -776,16 +770,7 @@ class LLMEngine:
             return
         a, nd = len(tokens) - 1, row.num_drafts
         if nd:
-            # One histogram entry per verify row: nd drafted, acc accepted (positions 0..acc-1).
-            acc = nd if a >= nd else (a if a > 0 else 0)
-            req.num_accepted += a
-            req.draft_hist[nd] += 1
-            req.accept_hist[acc] += 1
-            c = self.counters
-            c.num_drafts += 1
-            c.num_draft_tokens += nd
-            c.num_accepted_tokens += a
-            c.accept_hist[acc] += 1
+            self._count_verify(req, nd, [a])
         if self._may_stop(req, tokens):
             self._append(req, tokens, lps)
         else:

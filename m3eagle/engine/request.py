@@ -209,6 +209,19 @@ class Request:
         for row in self.inflight_rows:
             self._fold(row)
 
+    def retract(self, n: int) -> None:
+        """Host truth just moved n tokens less than the projection had assumed (drafts rejected by rows
+        now processed). The projection is host truth + the folds of the rows in flight, and gather rows'
+        folds are additive, so it moves back by exactly n; a prompt chunk in flight (its fold sets the
+        length) makes it recompute instead. n = 0 (all accepted): it stands as it is."""
+        if not n:
+            return
+        if any(not r.gather for r in self.inflight_rows):
+            self.reproject()
+        else:
+            self.proj_computed -= n
+            self.proj_known -= n
+
     def project(self, row) -> None:
         """A row was launched: put it in flight and fold it into the projection, as reproject() would.
         The projection is current whenever a row is planned (every change of host truth reprojects), so
