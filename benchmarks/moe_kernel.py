@@ -440,6 +440,13 @@ def candidates(bucket: int, dev: torch.device):
                C(16, 8, 1024, num_stages=1, direct=1, down_block_n=4, down_block_k=1024, num_warps=8)]
     direct += [C(16, bn, bk, num_stages=st, direct=1, down_block_n=dbn, down_block_k=dbk, num_warps=4)
                for bn, bk in ((2, 1024), (8, 256)) for dbn, dbk in ((8, 256), (4, 512)) for st in (2, 3)]
+    # down's weights loaded before its PDL wait (one K tile over all of I: 1024 for m3-mini, 2048 covers
+    # m3-8b's 1536), and the router sharing its launch with the shared expert's gate_up -- each alone and
+    # together, on the gate_up tiles that won before
+    direct += [C(16, bn, bk, num_stages=1, direct=1, down_block_n=dbn, down_block_k=dbk, num_warps=4,
+                 down_preload=pre, route_shared=rs)
+               for bn, bk in ((4, 512), (2, 1024), (4, 1024)) for dbn, dbk in ((1, 1024), (2, 1024), (1, 2048), (2, 2048))
+               for pre, rs in ((1, 0), (1, 1), (0, 1))]
     if dev.type != "cuda":  # interpreter smoke test: cheap configs
         return [C(16, 32, 32, 1, 4, 3), C(32, 16, 64, 4, 4, 3)] + (
             [C(16, 16, 32, num_stages=1, direct=1, down_block_n=8, down_block_k=32)] if bucket <= 4 else [])

@@ -358,3 +358,72 @@ def test_direct_moe_on_gpu_within_bf16_and_graph_replay_equals_eager(t):
             b.copy_(v)
         graph.replay()
         assert torch.equal(out, run(*new))
+
+
+def test_moe_route_shared_and_down_preload_under_pdl_graphs_equal_the_separate_launches():
+    """The decode MoE's router + shared-expert launch and down's weight preload (moe/direct.py), at
+    m3-mini's shape in bf16: two layers captured in one CUDA graph with programmatic dependent launch,
+    replayed on new inputs without a sync between replays, equal bit for bit to the separate launches
+    (fused router, then the direct path without preload) run eagerly without PDL -- so the routing that
+    down reads before its wait is the current one."""
+    from m3eagle import pdl
+    from m3eagle.fused import backend as fused_backend
+    from m3eagle.models.layers import SparseMoE
+    from m3eagle.moe import backend as moe_backend
+    from m3eagle.moe import direct
+    from m3eagle.moe.tuning import MoEConfig
+    from m3eagle.ops import Ops
+
+    torch.manual_seed(0)
+    e, h, i, k = 32, 2048, 1024, 4
+    layers = []
+    for _ in range(2):
+        moe = SparseMoE(h, i, i, e, k, scaling=2.5, alpha=1.702, limit=7.0).cuda()
+        with torch.no_grad():
+            for p in moe.parameters():
+                p.copy_(torch.randn_like(p) * 0.03)
+            moe.gate.e_score_correction_bias.copy_(torch.randn(e, device="cuda") * 0.01)
+        moe.experts.bfloat16()
+        moe.shared_experts.bfloat16()
+        layers.append(moe)
+    fused = fused_backend.create("triton")
+    on = MoEConfig(16, 4, 512, num_stages=1, direct=1, down_block_n=1, down_block_k=1024, down_preload=1,
+                   route_shared=1)
+    off = MoEConfig(16, 4, 512, num_stages=1, direct=1, down_block_n=1, down_block_k=1024)
+    ops_on = Ops(attention=None, moe=moe_backend.create("triton", config=on), fused=fused)
+    ops_off = Ops(attention=None, moe=moe_backend.create("triton", config=off), fused=fused)
+    assert pdl._capable(torch.cuda.current_device())
+
+    def run(x, ops):
+        outs = []
+        for moe in layers:
+            a, _, _ = moe.forward_parts(x, ops)
+            outs.append(a)
+            x = a
+        return outs
+
+    for t in (1, 2):
+        x = torch.randn(t, h, device="cuda").bfloat16()
+        calls = []
+        real = direct.route_direct_experts
+        direct.route_direct_experts = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        try:
+            with torch.no_grad():
+                run(x, ops_on)  # eager: compiles, makes the counters
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with pdl.scope(True), torch.cuda.graph(graph):
+                    outs = run(x, ops_on)
+                assert len(calls) == 4  # two layers, eager and captured: the launch is used
+                news = [torch.randn(t, h, device="cuda").bfloat16() for _ in range(6)]
+                got = []
+                for new in news:
+                    x.copy_(new)
+                    graph.replay()
+                    got.append([o.clone() for o in outs])
+                torch.cuda.synchronize()
+                for new, g in zip(news, got):
+                    want = run(new, ops_off)
+                    assert all(torch.equal(a, b) for a, b in zip(g, want))
+        finally:
+            direct.route_direct_experts = real

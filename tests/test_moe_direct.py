@@ -18,8 +18,12 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from dataclasses import replace  # noqa: E402
+
+from m3eagle.moe import backend as moe_backend  # noqa: E402
 from m3eagle.moe import direct, reference, triton_moe, tuning  # noqa: E402
 from m3eagle.moe.tuning import MoEConfig  # noqa: E402
+from m3eagle.ops import Ops  # noqa: E402
 
 ALPHA, LIMIT = 1.702, 7.0
 # several K steps of both GEMVs; narrow down tiles; and tiles wider than H / I (masked K, clamped rows)
@@ -157,3 +161,140 @@ def test_config_round_trip_keeps_old_table_rows():
     assert MoEConfig.from_dict(cfg.to_dict()) == cfg
     old = MoEConfig(16, 32, 128, 1, 4, 4)
     assert set(old.to_dict()) == {"block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages"}
+
+
+# ---- down's weight preload and the router + shared-expert launch -------------------------------------------
+
+# one down tile covers I (40 -> a 64-wide masked tile; 32 -> exact): the preload variant applies
+PRELOAD = MoEConfig(16, 16, 16, direct=1, down_block_n=8, down_block_k=64, down_preload=1)
+PRELOAD_EVEN = MoEConfig(16, 16, 16, direct=1, down_block_n=8, down_block_k=32, down_preload=1)
+
+
+def preload_flags(monkeypatch) -> list[bool]:
+    """The PRELOAD constexpr of every down launch, so a test fails if the preload variant never ran."""
+    seen: list[bool] = []
+    kern = direct._direct_down_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                seen.append(kw["PRELOAD"])
+                return kern[grid](*a, **kw)
+            return launch
+
+    monkeypatch.setattr(direct, "_direct_down_kernel", Spy())
+    return seen
+
+
+@pytest.mark.parametrize("t,k,i,cfg", [(1, 4, 40, PRELOAD), (3, 3, 32, PRELOAD_EVEN), (4, 2, 40, PRELOAD)])
+def test_down_preload_is_bit_equal_to_the_loop(t, k, i, cfg, monkeypatch):
+    """Loading down's weights before the PDL wait changes when they are read, not what is computed: the
+    same bits as the K loop, with and without the shared expert and on an expert subset."""
+    seen = preload_flags(monkeypatch)
+    x, w, idx, w13, w2 = make(40 + t, t, k, i=i)
+    _, _, _, s13, s2 = make(41 + t, 1, 1, e=1, i=i)
+    loop = MoEConfig(16, 16, 16, direct=1, down_block_n=8, down_block_k=cfg.down_block_k)
+    for kw in ({}, {"shared": (s13[0], s2[0]), "routed_scale": 2.0}):
+        a = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=cfg, **kw)
+        b = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=loop, **kw)
+        assert torch.equal(a, b)
+    assert_close(a, reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT) * 2.0 + reference.experts(
+        x, torch.ones(t, 1), torch.zeros(t, 1, dtype=torch.long), s13, s2, ALPHA, LIMIT))
+    sub = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (2, 6), config=cfg)
+    assert_close(sub, reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT, (2, 6)))
+    assert seen == [True, False, True, False, True]
+    # a tile narrower than I cannot preload the whole range: the loop runs
+    narrow = MoEConfig(16, 16, 16, direct=1, down_block_n=8, down_block_k=16, down_preload=1)
+    triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=narrow)
+    assert seen[-1] is False
+
+
+def route_layer(seed: int, e: int = 8, h: int = 48, i: int = 40, k: int = 3):
+    """A SparseMoE (shared expert as wide as the routed ones) with random weights, a random router and a
+    random correction bias, and the triton ops."""
+    from m3eagle.models.layers import SparseMoE
+
+    moe = SparseMoE(h, i, i, e, k, scaling=2.5, alpha=ALPHA, limit=LIMIT)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.8 if p.dim() == 3 else 0.3))
+        moe.gate.e_score_correction_bias.copy_(torch.randn(e, generator=g) * 0.1)
+    return moe
+
+
+def route_calls(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = direct.route_direct_experts
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(direct, "route_direct_experts", spy)
+    return calls
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_router_and_shared_expert_in_one_launch(t, monkeypatch):
+    """route_direct_experts == the fused router's route_tokens, then direct_experts with the shared expert:
+    the same weights and experts, the same output bits; the counters are left zero; and it is the layer."""
+    from m3eagle.fused import backend as fused_backend
+    from m3eagle.fused import triton_fused
+
+    moe = route_layer(50 + t)
+    g, ex, sh = moe.gate, moe.experts, moe.shared_experts
+    x = torch.randn(t, 48, generator=torch.Generator().manual_seed(t))
+    shared = (sh.gate_up_proj.weight.detach(), sh.down_proj.weight.detach())
+    cfg = replace(PRELOAD, route_shared=1)
+    counters = torch.zeros(64, dtype=torch.int32)
+    with torch.no_grad():
+        w, idx = triton_fused.route_tokens(x, g.weight, g.e_score_correction_bias, 3, torch.zeros(64, dtype=torch.int32))
+        sep = direct.direct_experts(x, w, idx, ex.gate_up_proj, ex.down_proj, 0, ALPHA, LIMIT, cfg, shared, 2.5)
+        one = direct.route_direct_experts(x, g.weight, g.e_score_correction_bias, 3, counters, ex.gate_up_proj,
+                                          ex.down_proj, ALPHA, LIMIT, cfg, shared, 2.5)
+        assert torch.equal(one, sep)
+        assert not counters.any()
+        assert_close(one, moe(x))
+        # through the layer: the triton MoE with a route_shared entry takes it, bit-equal to the entry without
+        calls = route_calls(monkeypatch)
+        fused = fused_backend.create("triton")
+        on = Ops(attention=None, moe=moe_backend.create("triton", config=cfg), fused=fused)
+        off = Ops(attention=None, moe=moe_backend.create("triton", config=PRELOAD), fused=fused)
+        a, rest, scale = moe.forward_parts(x, on)
+        b, _, _ = moe.forward_parts(x, off)
+        assert rest is None and scale == 1.0 and torch.equal(a, b) and torch.equal(a, one)
+        assert calls == [1]
+        # with the reference ops the routing is theirs: the launch is not used
+        ref_ops = Ops(attention=None, moe=moe_backend.create("triton", config=cfg), fused=fused_backend.create("reference"))
+        moe.forward_parts(x, ref_ops)
+        assert calls == [1]
+
+
+def test_router_and_shared_launch_falls_back_where_it_cannot_match(monkeypatch):
+    """A warp count other than the router's (another reduction order), a step past the decode router, or
+    a narrower shared expert: the layer routes and runs the experts apart, still exact."""
+    from m3eagle.fused import backend as fused_backend
+    from m3eagle.fused import triton_fused
+
+    calls = route_calls(monkeypatch)
+    moe = route_layer(60)
+    x = torch.randn(2, 48, generator=torch.Generator().manual_seed(2))
+    fused = fused_backend.create("triton")
+    assert triton_fused._gemv_blocks(2, 8, 48)[2] == 4
+    for cfg in (MoEConfig(16, 16, 16, num_warps=2, direct=1, route_shared=1),
+                MoEConfig(16, 16, 16, direct=1, route_shared=0)):
+        ops = Ops(attention=None, moe=moe_backend.create("triton", config=cfg), fused=fused)
+        with torch.no_grad():
+            out, _, _ = moe.forward_parts(x, ops)
+            assert_close(out, moe(x))
+    assert calls == []
+    big = torch.randn(triton_fused.ROUTER_GEMV_MAX_T + 1, 48)
+    assert not direct.can_route(big, moe.gate.weight, 3, MoEConfig(16, 16, 16, direct=1, route_shared=1))
+
+
+def test_config_round_trip_keeps_the_new_flags():
+    cfg = MoEConfig(16, 4, 512, num_stages=1, direct=1, down_block_n=1, down_block_k=1024, down_preload=1,
+                    route_shared=1)
+    assert MoEConfig.from_dict(cfg.to_dict()) == cfg
+    assert "route_shared" not in MoEConfig(16, 4, 512, direct=1).to_dict()

@@ -847,6 +847,25 @@ def _router_gemv_kernel(x_ptr, w_ptr, out_ptr, hidden, n_exp, stride_x, stride_w
 
 
 @triton.jit
+def _router_topk_program(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_ptr, t, pid_e, hidden, n_exp,
+                         stride_x, stride_w, n_prog, TOP_K: tl.constexpr, PRECISE: tl.constexpr,
+                         BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ALL: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    """One program of `_router_topk_kernel` (token t, expert block pid_e); also the router programs of the
+    MoE's route + shared-expert launch (moe/direct.py), so the two route bit-equally."""
+    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    em = offs_e < n_exp
+    logits = _router_gemv_rows(x_ptr, w_ptr, t, offs_e, em, hidden, stride_x, stride_w, BLOCK_E, BLOCK_H)
+    tl.store(lg_ptr + t * n_exp + offs_e, logits, mask=em)
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
+    if done == n_prog - 1:
+        tl.store(cnt_ptr + t, 0)
+        _route_row(lg_ptr + t * n_exp, bias_ptr, wout_ptr + t * TOP_K, idx_ptr + t * TOP_K, n_exp, TOP_K,
+                   PRECISE, BLOCK_ALL, BLOCK_K, ".cg")
+
+
+@triton.jit
 def _router_topk_kernel(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_ptr, hidden, n_exp, stride_x,
                         stride_w, n_prog, TOP_K: tl.constexpr, PRECISE: tl.constexpr, BLOCK_E: tl.constexpr,
                         BLOCK_H: tl.constexpr, BLOCK_ALL: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
@@ -859,17 +878,9 @@ def _router_topk_kernel(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_p
     the counter for the next launch. No float atomics: the routing is computed once, by one program,
     from the same logits as the two-launch path, so it is bit-equal to it."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
-    t = tl.program_id(0).to(tl.int64)
-    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-    em = offs_e < n_exp
-    logits = _router_gemv_rows(x_ptr, w_ptr, t, offs_e, em, hidden, stride_x, stride_w, BLOCK_E, BLOCK_H)
-    tl.store(lg_ptr + t * n_exp + offs_e, logits, mask=em)
-    tl.debug_barrier()
-    done = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
-    if done == n_prog - 1:
-        tl.store(cnt_ptr + t, 0)
-        _route_row(lg_ptr + t * n_exp, bias_ptr, wout_ptr + t * TOP_K, idx_ptr + t * TOP_K, n_exp, TOP_K,
-                   PRECISE, BLOCK_ALL, BLOCK_K, ".cg")
+    _router_topk_program(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_ptr, tl.program_id(0).to(tl.int64),
+                         tl.program_id(1), hidden, n_exp, stride_x, stride_w, n_prog, TOP_K, PRECISE, BLOCK_E,
+                         BLOCK_H, BLOCK_ALL, BLOCK_K)
 
 
 @triton.jit(do_not_specialize=["n_tok"])  # the prompt chunk's length: one compiled variant

@@ -254,6 +254,15 @@ class SparseMoE(nn.Module):
         standing for a * s + b, which the caller leaves to the next fused add + norm. Usually (routed,
         shared, routed_scaling_factor); a MoE backend that fuses the shared expert into the routed kernels
         returns the whole sum, (out, None, 1.0)."""
+        fast = getattr(ops.moe, "route_experts_and_shared", None)
+        # The router + shared-expert launch routes as the triton fused ops do (bit for bit), so it stands in
+        # for them only: with the reference ops the routing would change.
+        if fast is not None and getattr(ops.fused, "name", "") == "triton" and self.can_fuse_shared():
+            g, e, sh = self.gate, self.experts, self.shared_experts
+            out = fast(x, g.weight, g.e_score_correction_bias, g.top_k, e.gate_up_proj, e.down_proj,
+                       sh.gate_up_proj.weight, sh.down_proj.weight, sh.alpha, sh.limit, self.routed_scaling_factor)
+            if out is not None:
+                return out, None, 1.0
         w, idx = self.gate(x, ops.fused)
         return self.expert_parts(x, w, idx, ops.moe, ops.fused)
 

@@ -62,6 +62,7 @@ class TritonMoE:
         self.config = config
         self.fuse_combine = fuse_combine  # decode-sized steps sum in the down launch (triton_moe docstring)
         self._counters = SplitCounters()  # this backend's fused-combine counters, per device
+        self._route_counters = SplitCounters()  # the route + shared launch's per-token counters, per device
 
     def _combine_counters(self, x: torch.Tensor) -> torch.Tensor | None:
         """The zeroed counters of x's device (made on the first eager call; None while a CUDA graph is being
@@ -81,6 +82,28 @@ class TritonMoE:
         return self._mod.fused_experts(x, weights, idx, gate_up_proj, down_proj, alpha, limit, None,
                                        config=self.config, shared=(shared_gate_up, shared_down),
                                        routed_scale=routed_scale, combine_counters=self._combine_counters(x))
+
+
+    def route_experts_and_shared(self, x, router_weight, router_bias, top_k, gate_up_proj, down_proj, shared_gate_up,
+                                 shared_down, alpha, limit, routed_scale) -> torch.Tensor | None:
+        """The whole SparseMoE output, routing included, where the step's tuning entry asks for the route +
+        shared-expert launch (`direct.route_direct_experts`: bit-equal to routing with the triton fused ops
+        then `experts_and_shared`); None where it does not apply (the caller routes and calls
+        experts_and_shared)."""
+        t = x.shape[0]
+        cfg = self.config or self._mod.tuning.get_config(t, gate_up_proj.shape[0], x.shape[1], down_proj.shape[2],
+                                                        top_k, x.dtype, x.device)
+        direct = self._mod.direct
+        shared = (shared_gate_up, shared_down)
+        if not (cfg.direct and cfg.route_shared and direct.usable(gate_up_proj, down_proj, shared)
+                and gate_up_proj.dtype == x.dtype and down_proj.dtype == x.dtype
+                and direct.can_route(x, router_weight, top_k, cfg)):
+            return None
+        counters = self._route_counters.get(x.device)
+        if counters is None or counters.numel() < t:
+            return None  # first call under CUDA-graph capture: the engine's eager warm-up makes them first
+        return direct.route_direct_experts(x, router_weight, router_bias, top_k, counters, gate_up_proj, down_proj,
+                                           alpha, limit, cfg, shared, routed_scale)
 
 
 _FACTORIES: dict[str, Callable[..., MoEImpl]] = {"reference": ReferenceMoE, "triton": TritonMoE}

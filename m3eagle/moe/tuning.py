@@ -48,6 +48,11 @@ class MoEConfig:
     # 1: on the sorted path, a row block holding at most block_m / 2 pairs (an expert's padded last block)
     # runs a half-height tile in both GEMMs (block_m >= 32 only): less MMA work on padding rows.
     split_tail: int = 0
+    # Direct path only. down_preload 1: down loads its weights before its PDL wait when one K tile covers I
+    # (direct.py). route_shared 1: the router and the shared expert's gate_up share one launch
+    # (`direct.route_direct_experts`; when the layer fuses its shared expert and routes with the triton ops).
+    down_preload: int = 0
+    route_shared: int = 0
 
     def down(self) -> MoEConfig:
         """The config the sorted path's down GEMM runs with (block_m, group_m, warps, stages shared)."""
@@ -63,7 +68,7 @@ class MoEConfig:
     def to_dict(self) -> dict:
         """Fields at their defaults are left out, so the table's sorted-path rows stay as they were."""
         d = asdict(self)
-        for f in ("direct", "down_block_n", "down_block_k", "split_tail"):
+        for f in ("direct", "down_block_n", "down_block_k", "split_tail", "down_preload", "route_shared"):
             if d[f] == 0:
                 del d[f]
         return d
