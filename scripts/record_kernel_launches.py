@@ -100,6 +100,14 @@ def workload() -> None:
     idx = torch.argsort(torch.rand(40, 8, generator=g), 1)[:, :2]
     triton_moe.fused_experts(xt, torch.full((40, 2), 0.5), idx, w13, w2, 1.702, 7.0,
                              config=MoEConfig(64, 32, 32, 4, 4, 3, split_tail=1))
+    # the decode MoE's router + shared-expert launch and down's weight preload (moe/direct.py; the tuning
+    # table asks for them on the H200 only)
+    from m3eagle.moe import direct
+
+    direct.route_direct_experts(xs[:1], torch.randn(8, 64, generator=g), torch.zeros(8), 2,
+                                torch.zeros(64, dtype=torch.int32), w13, w2, 1.702, 7.0,
+                                MoEConfig(16, 16, 32, num_stages=1, direct=1, down_block_n=8, down_block_k=64,
+                                          down_preload=1, route_shared=1), (w13[0], w2[0]), 2.5)
     # the tiled router's other block shapes (long prompts, MiniMax-M3's 128 experts)
     from m3eagle.fused import triton_fused
 
