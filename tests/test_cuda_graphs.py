@@ -402,11 +402,17 @@ def test_moe_route_shared_and_down_preload_under_pdl_graphs_equal_the_separate_l
             x = a
         return outs
 
+    calls: list[int] = []
+    real = direct.route_direct_experts
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
     for t in (1, 2):
         x = torch.randn(t, h, device="cuda").bfloat16()
-        calls = []
-        real = direct.route_direct_experts
-        direct.route_direct_experts = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        calls.clear()
+        direct.route_direct_experts = spy
         try:
             with torch.no_grad():
                 run(x, ops_on)  # eager: compiles, makes the counters
