@@ -23,6 +23,11 @@ step, design note 35) but the m3-mini batch-32 K=3 step slower (2.43 -> 2.60 ms,
 h200-2026-12-01c/pdl_ab) -- multi-wave kernels gain little from an earlier launch, and the cause of the
 loss is not known. Under the CPU interpreter PDL is always off (no launch option, no wait).
 
+One exception, named in tests/test_pdl.py: the decode MoE's down kernel with PRELOAD (moe/direct.py, design
+note 43) loads its routing and its weight tiles into registers before the wait -- weights no kernel
+writes, and routing written two launches back, complete before its predecessor's programs passed their
+own waits -- so its weight stream overlaps gate_up's last wave; everything else it reads after the wait.
+
 Not done here: prefetching weights into L2 before the wait (the early blocks idle there). Built and measured
 on the H200, it made every decode layer slower -- the predecessor is itself streaming tens of MB, so the
 prefetched lines are evicted before use (design note 41).

@@ -66,6 +66,37 @@ def test_modes_and_the_small_bucket_scope(monkeypatch):
         pdl.enabled(cuda)
 
 
+# The one documented exception (design note 43): with PRELOAD, direct down reads its routing and its weight
+# tiles before the wait -- weights no kernel writes, and idx written two launches back. Only those.
+PRELOADING = {"m3eagle.moe.direct._direct_down_kernel": ({"idx_ptr + pair"}, {"w_ptrs", "s_ptrs"})}
+
+
+def _memory_calls(stmts) -> list[tuple[str, str]]:
+    """(tl function, first argument) of every tl.load / store / atomic in `stmts`, in source order."""
+    out = []
+    for st in stmts:
+        for node in ast.walk(st):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("load", "store") or isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute) and node.func.attr.startswith("atomic")):
+                out.append((node.func.attr, ast.unparse(node.args[0])))
+    return out
+
+
+def _check_preload(name: str, body: list) -> None:
+    """`if not PRELOAD: pdl_wait(PDL)` first; before the `if PRELOAD:` branch only the allowed loads; inside
+    it only the allowed loads before its own `pdl_wait(PDL)`; no store or atomic before a wait."""
+    before_ok, branch_ok = PRELOADING[name]
+    assert ast.unparse(body[0]) == "if not PRELOAD:\n    pdl_wait(PDL)", name
+    i = next(i for i, st in enumerate(body) if isinstance(st, ast.If) and ast.unparse(st.test) == "PRELOAD")
+    early = _memory_calls(body[1:i])
+    assert early and all(f == "load" and a in before_ok for f, a in early), (name, early)
+    branch = body[i].body
+    w = next(j for j, st in enumerate(branch) if ast.unparse(st) == "pdl_wait(PDL)")
+    pre = _memory_calls(branch[:w])
+    assert pre and all(f == "load" and a in branch_ok for f, a in pre), (name, pre)
+
+
 def test_every_kernel_waits_first_when_pdl_is_on():
     """The first statement of every kernel (after its docstring) is `pdl_wait(PDL)`, which waits, then
     triggers: a kernel that touched memory before waiting could race its predecessor once launched early,
@@ -76,9 +107,12 @@ def test_every_kernel_waits_first_when_pdl_is_on():
         body = tree.body[0].body
         if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
             body = body[1:]  # the docstring
-        assert ast.unparse(body[0]) == "pdl_wait(PDL)", name
         assert "PDL" in inspect.signature(fn.fn).parameters, name
         seen += 1
+        if name in PRELOADING:
+            _check_preload(name, body)
+            continue
+        assert ast.unparse(body[0]) == "pdl_wait(PDL)", name
     assert seen >= 26
     # and the helper waits before it triggers
     helper = ast.parse(inspect.getsource(pdl.pdl_wait.fn)).body[0].body[1]  # after the docstring
