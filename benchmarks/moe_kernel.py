@@ -7,8 +7,9 @@ capture, timing against the roofline, and block-size tuning.
     python benchmarks/moe_kernel.py --shapes m3-mini --profile 1,4,2048   # + per-kernel GPU time at those T
     TRITON_INTERPRET=1 python benchmarks/moe_kernel.py --device cpu --tune   # tiny shape: a smoke test
 
-Shapes: m3-mini (hidden 2048, 32 experts, top-4, intermediate 1024, shared 1024) and m3-8b (hidden 4096,
-16 experts, top-4, intermediate 1536, shared 1536), with random weights and a random fp32 router.
+Shapes: m3-mini (hidden 2048, 32 experts, top-4, intermediate 1024, shared 1024), m3-8b (hidden 4096,
+16 experts, top-4, intermediate 1536, shared 1536) and embedded (the default pair's target: hidden 256, 4
+experts, top-2, intermediate 160, shared 128), with random weights and a random fp32 router.
 
 1. Correctness: the routed output of TritonMoE and of the dense bf16 reference, both against an fp32 oracle
    (the reference on fp32 copies of the weights) with the same routing; the whole SparseMoE layer, triton
@@ -77,7 +78,9 @@ class Shape:
 
 
 SHAPES = [Shape("m3-mini", 2048, 32, 4, 1024, 1024, (1, 4, 32, 256, 2048)),
-          Shape("m3-8b", 4096, 16, 4, 1536, 1536, (1, 32, 2048))]
+          Shape("m3-8b", 4096, 16, 4, 1536, 1536, (1, 32, 2048)),
+          # the embedded pair's target: a shared expert narrower than the routed ones (fused on direct steps)
+          Shape("embedded", 256, 4, 2, 160, 128, (1, 4, 32))]
 TINY = Shape("tiny", 64, 8, 2, 32, 32, (1, 5, 40))
 
 

@@ -360,9 +360,11 @@ def test_direct_moe_on_gpu_within_bf16_and_graph_replay_equals_eager(t):
         assert torch.equal(out, run(*new))
 
 
-def test_moe_route_shared_and_down_preload_under_pdl_graphs_equal_the_separate_launches():
+@pytest.mark.parametrize("e,h,i,s_i,k", [(32, 2048, 1024, 1024, 4), (4, 256, 160, 128, 2)])  # m3-mini, embedded
+def test_moe_route_shared_and_down_preload_under_pdl_graphs_equal_the_separate_launches(e, h, i, s_i, k):
     """The decode MoE's router + shared-expert launch and down's weight preload (moe/direct.py), at
-    m3-mini's shape in bf16: two layers captured in one CUDA graph with programmatic dependent launch,
+    m3-mini's and the embedded target's shapes (its shared expert narrower than the routed ones) in bf16: two
+    layers captured in one CUDA graph with programmatic dependent launch,
     replayed on new inputs without a sync between replays, equal bit for bit to the separate launches
     (fused router, then the direct path without preload) run eagerly without PDL -- so the routing that
     down reads before its wait is the current one."""
@@ -375,10 +377,9 @@ def test_moe_route_shared_and_down_preload_under_pdl_graphs_equal_the_separate_l
     from m3eagle.ops import Ops
 
     torch.manual_seed(0)
-    e, h, i, k = 32, 2048, 1024, 4
     layers = []
     for _ in range(2):
-        moe = SparseMoE(h, i, i, e, k, scaling=2.5, alpha=1.702, limit=7.0).cuda()
+        moe = SparseMoE(h, i, s_i, e, k, scaling=2.5, alpha=1.702, limit=7.0).cuda()
         with torch.no_grad():
             for p in moe.parameters():
                 p.copy_(torch.randn_like(p) * 0.03)

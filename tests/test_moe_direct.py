@@ -209,12 +209,12 @@ def test_down_preload_is_bit_equal_to_the_loop(t, k, i, cfg, monkeypatch):
     assert seen[-1] is False
 
 
-def route_layer(seed: int, e: int = 8, h: int = 48, i: int = 40, k: int = 3):
-    """A SparseMoE (shared expert as wide as the routed ones) with random weights, a random router and a
-    random correction bias, and the triton ops."""
+def route_layer(seed: int, e: int = 8, h: int = 48, i: int = 40, k: int = 3, s_i: int | None = None):
+    """A SparseMoE (shared expert as wide as the routed ones unless s_i says otherwise) with random weights,
+    a random router and a random correction bias."""
     from m3eagle.models.layers import SparseMoE
 
-    moe = SparseMoE(h, i, i, e, k, scaling=2.5, alpha=ALPHA, limit=LIMIT)
+    moe = SparseMoE(h, i, s_i or i, e, k, scaling=2.5, alpha=ALPHA, limit=LIMIT)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in moe.parameters():
@@ -298,3 +298,58 @@ def test_config_round_trip_keeps_the_new_flags():
                     route_shared=1)
     assert MoEConfig.from_dict(cfg.to_dict()) == cfg
     assert "route_shared" not in MoEConfig(16, 4, 512, direct=1).to_dict()
+
+
+# ---- a shared expert of another width than the routed ones (the embedded model: I 160, shared 128) ---------
+
+
+@pytest.mark.parametrize("t,s_i", [(1, 24), (3, 56), (4, 40)])
+def test_shared_expert_of_another_width_on_the_direct_path(t, s_i):
+    """The direct kernels index the shared expert apart, so it may be narrower or wider than the routed
+    experts: equal to the reference's routed * scale + shared, with the K loop and with the preload (one
+    tile over both widths), and the two bit-equal."""
+    x, w, idx, w13, w2 = make(70 + t, t, 3)
+    _, _, _, s13, s2 = make(71 + t, 1, 1, e=1, i=s_i)
+    ref = reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT) * 2.0 + reference.experts(
+        x, torch.ones(t, 1), torch.zeros(t, 1, dtype=torch.long), s13, s2, ALPHA, LIMIT)
+    steps = MoEConfig(16, 16, 16, direct=1, down_block_n=8, down_block_k=16)  # several K steps of each width
+    loop = MoEConfig(16, 16, 16, direct=1, down_block_n=8, down_block_k=64)  # one K step, loaded after the wait
+    pre = replace(loop, down_preload=1)
+    assert direct.preloads(pre, 40, s_i) and not direct.preloads(loop, 40, s_i)
+    assert not direct.preloads(replace(steps, down_preload=1), 40, s_i)
+    got = {}
+    for name, cfg in (("steps", steps), ("loop", loop), ("pre", pre)):
+        got[name] = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=cfg, shared=(s13[0], s2[0]),
+                                             routed_scale=2.0)
+        assert_close(got[name], ref)
+    assert torch.equal(got["loop"], got["pre"])
+    if s_i == 40:  # the routed width: every path takes it
+        return
+    # the sorted path cannot take another width: it refuses rather than computing something else
+    with pytest.raises(ValueError, match="shape"):
+        triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=MoEConfig(16, 16, 16),
+                                 shared=(s13[0], s2[0]))
+
+
+def test_layer_fuses_a_narrower_shared_expert_only_on_direct_steps(monkeypatch):
+    """SparseMoE.forward_parts: a narrower shared expert rides in the direct kernels (rest None), and with a
+    route_shared entry in the router's launch too, bit-equal to routing apart; a sorted step runs it apart.
+    All within fp32 rounding of the reference layer."""
+    from m3eagle.fused import backend as fused_backend
+
+    moe = route_layer(80, s_i=24)
+    assert not moe.can_fuse_shared() and moe.shared_joinable()
+    fused = fused_backend.create("triton")
+    x = torch.randn(2, 48, generator=torch.Generator().manual_seed(8))
+    calls = route_calls(monkeypatch)
+    with torch.no_grad():
+        want = moe(x)
+        outs = {}
+        for name, cfg in (("direct", PRELOAD), ("route", replace(PRELOAD, route_shared=1)),
+                          ("sorted", MoEConfig(16, 16, 16))):
+            a, rest, scale = moe.forward_parts(x, Ops(attention=None, moe=moe_backend.create("triton", config=cfg),
+                                                      fused=fused))
+            assert (rest is None) == (name != "sorted"), name
+            outs[name] = a if rest is None else a * scale + rest
+            assert_close(outs[name], want)
+    assert torch.equal(outs["direct"], outs["route"]) and calls == [1]

@@ -69,6 +69,7 @@ def test_modes_and_the_small_bucket_scope(monkeypatch):
 # The one documented exception (design note 43): with PRELOAD, direct down reads its routing and its weight
 # tiles before the wait -- weights no kernel writes, and idx written two launches back. Only those.
 PRELOADING = {"m3eagle.moe.direct._direct_down_kernel": ({"idx_ptr + pair"}, {"w_ptrs", "s_ptrs"})}
+LOAD_HELPERS = {"_load_k"}  # jit helpers that load their first argument
 
 
 def _memory_calls(stmts) -> list[tuple[str, str]]:
@@ -76,10 +77,13 @@ def _memory_calls(stmts) -> list[tuple[str, str]]:
     out = []
     for st in stmts:
         for node in ast.walk(st):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in ("load", "store") or isinstance(node, ast.Call)
-                    and isinstance(node.func, ast.Attribute) and node.func.attr.startswith("atomic")):
-                out.append((node.func.attr, ast.unparse(node.args[0])))
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            if isinstance(f, ast.Attribute) and (f.attr in ("load", "store") or f.attr.startswith("atomic")):
+                out.append((f.attr, ast.unparse(node.args[0])))
+            elif isinstance(f, ast.Name) and f.id in LOAD_HELPERS:
+                out.append(("load", ast.unparse(node.args[0])))
     return out
 
 

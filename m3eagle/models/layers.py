@@ -257,7 +257,7 @@ class SparseMoE(nn.Module):
         fast = getattr(ops.moe, "route_experts_and_shared", None)
         # The router + shared-expert launch routes as the triton fused ops do (bit for bit), so it stands in
         # for them only: with the reference ops the routing would change.
-        if fast is not None and getattr(ops.fused, "name", "") == "triton" and self.can_fuse_shared():
+        if fast is not None and getattr(ops.fused, "name", "") == "triton" and self.shared_joinable():
             g, e, sh = self.gate, self.experts, self.shared_experts
             out = fast(x, g.weight, g.e_score_correction_bias, g.top_k, e.gate_up_proj, e.down_proj,
                        sh.gate_up_proj.weight, sh.down_proj.weight, sh.alpha, sh.limit, self.routed_scaling_factor)
@@ -270,13 +270,20 @@ class SparseMoE(nn.Module):
                      ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
         """forward_parts after routing (w, idx [T, k] given): the shared expert inside the routed kernels
         when `impl` can and the weights allow it, else the two parts apart."""
-        if getattr(impl, "fuses_shared", False) and self.can_fuse_shared():
+        if getattr(impl, "fuses_shared", False) and self.shared_joinable():
             sh = self.shared_experts
             out = impl.experts_and_shared(x, w, idx, self.experts.gate_up_proj, self.experts.down_proj,
                                           sh.gate_up_proj.weight, sh.down_proj.weight, sh.alpha, sh.limit,
                                           self.routed_scaling_factor)
-            return out, None, 1.0
+            if out is not None:  # None: this step's kernels cannot take this shared expert
+                return out, None, 1.0
         return self.experts(x, w, idx, impl), self.shared_experts(x, fused), self.routed_scaling_factor
+
+    def shared_joinable(self) -> bool:
+        """The shared expert may ride in the routed kernels if they can take its shape (the impl decides per
+        step): one rank holds every expert and both use the same activation constants."""
+        e, sh = self.experts, self.shared_experts
+        return e.expert_range is None and (sh.alpha, sh.limit) == (e.alpha, e.limit)
 
     def can_fuse_shared(self) -> bool:
         """The shared expert can run as one more routed expert: one rank holds every expert, the shared

@@ -26,7 +26,8 @@ class MoEImpl(Protocol):
         the pairs whose expert is in expert_range [e0, e1) (all when None): [T, H] in x.dtype."""
         ...
 
-    # Whether `experts_and_shared` exists: the routed experts and a same-shaped shared expert in one pass.
+    # Whether `experts_and_shared` exists: the routed experts and the shared expert in one pass (it returns
+    # None for a step whose kernels cannot take that shared expert).
     fuses_shared: bool
 
 
@@ -76,9 +77,14 @@ class TritonMoE:
 
     def experts_and_shared(self, x, weights, idx, gate_up_proj, down_proj, shared_gate_up, shared_down, alpha,
                            limit, routed_scale):
-        """routed_scale * experts(...) + the shared expert (shared_gate_up [2I, H], shared_down [H, I], the
-        routed experts' shape) on x, from the routed kernels' three launches: the shared expert is one more
-        expert that every token uses (`triton_moe.fused_experts(shared=...)`). All experts, one rank."""
+        """routed_scale * experts(...) + the shared expert (shared_gate_up [2I_s, H], shared_down [H, I_s]) on
+        x, from the routed kernels' launches: the shared expert is one more expert that every token uses
+        (`triton_moe.fused_experts(shared=...)`). All experts, one rank. None where this step cannot take
+        it (`triton_moe.shared_fusable`: a width other than the routed experts' off the direct path): the
+        caller runs the shared expert apart."""
+        if not self._mod.shared_fusable(x.shape[0], idx.shape[1], gate_up_proj, down_proj,
+                                        (shared_gate_up, shared_down), self.config):
+            return None
         return self._mod.fused_experts(x, weights, idx, gate_up_proj, down_proj, alpha, limit, None,
                                        config=self.config, shared=(shared_gate_up, shared_down),
                                        routed_scale=routed_scale, combine_counters=self._combine_counters(x))
@@ -94,7 +100,7 @@ class TritonMoE:
         cfg = self.config or self._mod.tuning.get_config(t, gate_up_proj.shape[0], x.shape[1], down_proj.shape[2],
                                                         top_k, x.dtype, x.device)
         direct = self._mod.direct
-        shared = (shared_gate_up, shared_down)
+        shared = (shared_gate_up, shared_down)  # any width: the direct kernels index it apart
         if not (cfg.direct and cfg.route_shared and direct.usable(gate_up_proj, down_proj, shared)
                 and gate_up_proj.dtype == x.dtype and down_proj.dtype == x.dtype
                 and direct.can_route(x, router_weight, top_k, cfg)):

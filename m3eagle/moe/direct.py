@@ -49,6 +49,14 @@ from .tuning import MoEConfig
 
 
 @triton.jit
+def _load_k(ptrs, k_ok, EVEN: tl.constexpr):
+    """A [.., BK] tile: whole when EVEN (K a multiple of the tile), else masked to the columns k_ok."""
+    if EVEN:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=k_ok, other=0.0)
+
+
+@triton.jit
 def _gate_up_rows(x_ptr, base, act_ptr, token, p, pid_n, hidden, inter, stride_xt, stride_wn, stride_at, alpha,
                   limit, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """act[p, n-tile] = swiglu_oai(x[token] @ [gate_n; up_n]) from the expert whose [2I, H] weight starts at
@@ -86,37 +94,46 @@ def _gate_up_rows(x_ptr, base, act_ptr, token, p, pid_n, hidden, inter, stride_x
 
 @triton.jit(do_not_specialize=["T", "e_start"])
 def _direct_gate_up_kernel(x_ptr, idx_ptr, w_ptr, ws_ptr, act_ptr, T, e_start, num_local, hidden, inter,
-                           stride_xt, stride_we, stride_wn, stride_at, alpha, limit,
+                           s_inter, stride_xt, stride_we, stride_wn, stride_swn, stride_at, alpha, limit,
                            TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """act[p, n-tile] = swiglu_oai(x[token(p)] @ [gate_n; up_n]) for pair p = program_id(0).
 
     w [E_local, 2I, H] (gate rows then up rows, unit stride along H); pairs p >= T*TOP_K are the shared
-    expert's (ws [2I, H], same strides), token p - T*TOP_K. A pair of another rank's expert stores nothing."""
+    expert's (ws [2 * s_inter, H], row stride stride_swn: its width may differ), token p - T*TOP_K; column
+    tiles past a pair's width store nothing. A pair of another rank's expert stores nothing."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     p = tl.program_id(0)
+    pid_n = tl.program_id(1)
     routed = p < T * TOP_K
     token = tl.where(routed, p // TOP_K, p - T * TOP_K)
     e = tl.load(idx_ptr + p, mask=routed, other=0).to(tl.int64) - e_start
     if routed & ((e < 0) | (e >= num_local)):
         return
     base = w_ptr + tl.where(routed, e, 0) * stride_we
+    width = inter
+    stride = stride_wn
     if HAS_SHARED:
         if not routed:
             base = ws_ptr
-    _gate_up_rows(x_ptr, base, act_ptr, token, p, tl.program_id(1), hidden, inter, stride_xt, stride_wn, stride_at,
+            width = s_inter
+            stride = stride_swn
+    if pid_n * BLOCK_N >= width:
+        return
+    _gate_up_rows(x_ptr, base, act_ptr, token, p, pid_n, hidden, width, stride_xt, stride, stride_at,
                   alpha, limit, BLOCK_N, BLOCK_K, EVEN_K)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _route_shared_kernel(x_ptr, rw_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_ptr, ws_ptr, act_ptr, T, hidden,
-                         n_exp, inter, stride_xt, stride_rw, stride_wn, stride_at, n_prog, n_tiles, alpha, limit,
+                         n_exp, s_inter, stride_xt, stride_rw, stride_swn, stride_at, n_prog, n_tiles, alpha, limit,
                          TOP_K: tl.constexpr, PRECISE: tl.constexpr, BLOCK_E: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_ALL: tl.constexpr, BLOCK_KK: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """The router and the shared expert's gate_up in one launch: programs [0, T * n_prog) are the fused
     router's (`_router_topk_program`, bit-equal to its own launch), the rest the shared expert's gate_up
-    tiles (`_gate_up_rows`: token q // n_tiles, column tile q % n_tiles, act row T*TOP_K + token). The
+    tiles (`_gate_up_rows`: token q // n_tiles, column tile q % n_tiles of its s_inter columns, act row
+    T*TOP_K + token). The
     shared expert needs no routing, so its weight stream overlaps the router's latency."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     pid = tl.program_id(0)
@@ -128,21 +145,22 @@ def _route_shared_kernel(x_ptr, rw_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx
     else:
         q = pid - n_router
         token = q // n_tiles
-        _gate_up_rows(x_ptr, ws_ptr, act_ptr, token, T * TOP_K + token, q % n_tiles, hidden, inter, stride_xt,
-                      stride_wn, stride_at, alpha, limit, BLOCK_N, BLOCK_K, EVEN_K)
+        _gate_up_rows(x_ptr, ws_ptr, act_ptr, token, T * TOP_K + token, q % n_tiles, hidden, s_inter, stride_xt,
+                      stride_swn, stride_at, alpha, limit, BLOCK_N, BLOCK_K, EVEN_K)
 
 
 @triton.jit(do_not_specialize=["T", "e_start"])
 def _direct_down_kernel(act_ptr, idx_ptr, wts_ptr, w_ptr, ws_ptr, out_ptr, T, e_start, num_local, hidden, inter,
-                        routed_scale, stride_at, stride_we, stride_wh, stride_ot,
+                        s_inter, routed_scale, stride_at, stride_we, stride_wh, stride_swh, stride_ot,
                         TOP_K: tl.constexpr, K_PAD: tl.constexpr, HAS_SHARED: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRELOAD: tl.constexpr,
-                        PDL: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, S_EVEN_K: tl.constexpr,
+                        PRELOAD: tl.constexpr, PDL: tl.constexpr):
     """out[t, n-tile] = sum_j round(round(act[t*k+j] @ down[e_j]^T) * w[t, j] * routed_scale)
     (+ round(act[T*k+t] @ shared_down^T)), fp32 sum in one fixed order, for t = program_id(0).
 
     w [E_local, H, I] (unit stride along I). The k experts' tiles are one [K_PAD, BN, BK] load per K step
-    (slots past TOP_K and other ranks' experts masked: never read).
+    (slots past TOP_K and other ranks' experts masked: never read). The shared expert's down (ws [H, s_inter],
+    row stride stride_swh: its width may differ) runs its own K loop.
 
     PRELOAD (BLOCK_K >= I: the whole K range is one tile): the routing and the weight tiles are loaded
     *before* the programmatic-dependent-launch wait, so under PDL this launch's programs stream their weights
@@ -170,26 +188,23 @@ def _direct_down_kernel(act_ptr, idx_ptr, wts_ptr, w_ptr, ws_ptr, out_ptr, T, e_
     a_ptrs = act_ptr + pair.to(tl.int64)[:, None, None] * stride_at + offs_k[None, None, :]  # [KP, 1, BK]
     if HAS_SHARED:
         s_pair = (T * TOP_K + t).to(tl.int64)
-        s_ptrs = ws_ptr + rows.to(tl.int64)[:, None] * stride_wh + offs_k[None, :]  # [BN, BK]
+        s_ptrs = ws_ptr + rows.to(tl.int64)[:, None] * stride_swh + offs_k[None, :]  # [BN, BK]
         sa_ptrs = act_ptr + s_pair * stride_at + offs_k[None, :] + 0 * rows[:, None]  # [BN, BK], one row
-    if PRELOAD:
+    if PRELOAD:  # one K tile spans I (and s_inter)
         if EVEN_K:
             m3 = live3
-            k_ok = tl.full([1, BLOCK_K], 1, tl.int1)
         else:
             m3 = live3 & (offs_k < inter)[None, None, :]
-            k_ok = (offs_k < inter)[None, :]
+        s_ok = (offs_k < s_inter)[None, :]  # [1, BK]; unused (compiled away) when S_EVEN_K
         wv = tl.load(w_ptrs, mask=m3, other=0.0)  # [KP, BN, BK]: the whole K range
         if HAS_SHARED:
-            sw = tl.load(s_ptrs, mask=k_ok, other=0.0)  # [BN, BK]
+            sw = _load_k(s_ptrs, s_ok, S_EVEN_K)  # [BN, BK]
         pdl_wait(PDL)
         acc = wv.to(tl.float32) * tl.load(a_ptrs, mask=m3, other=0.0).to(tl.float32)
         if HAS_SHARED:
-            acc_s = sw.to(tl.float32) * tl.load(sa_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            acc_s = sw.to(tl.float32) * _load_k(sa_ptrs, s_ok, S_EVEN_K).to(tl.float32)
     else:
         acc = tl.zeros([K_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        if HAS_SHARED:
-            acc_s = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             if EVEN_K:
                 m3 = live3
@@ -199,14 +214,11 @@ def _direct_down_kernel(act_ptr, idx_ptr, wts_ptr, w_ptr, ws_ptr, out_ptr, T, e_
             acc += tl.load(w_ptrs, mask=m3, other=0.0).to(tl.float32) * a
             w_ptrs += BLOCK_K
             a_ptrs += BLOCK_K
-            if HAS_SHARED:
-                if EVEN_K:
-                    sv = tl.load(s_ptrs).to(tl.float32) * tl.load(sa_ptrs).to(tl.float32)
-                else:
-                    k_ok = (k0 + offs_k < inter)[None, :]
-                    sv = (tl.load(s_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-                          * tl.load(sa_ptrs, mask=k_ok, other=0.0).to(tl.float32))
-                acc_s += sv
+        if HAS_SHARED:
+            acc_s = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, s_inter, BLOCK_K):
+                s_ok = (k0 + offs_k < s_inter)[None, :]  # unused (compiled away) when S_EVEN_K
+                acc_s += _load_k(s_ptrs, s_ok, S_EVEN_K).to(tl.float32) * _load_k(sa_ptrs, s_ok, S_EVEN_K).to(tl.float32)
                 s_ptrs += BLOCK_K
                 sa_ptrs += BLOCK_K
     out_ty = out_ptr.dtype.element_ty
@@ -220,11 +232,20 @@ def _direct_down_kernel(act_ptr, idx_ptr, wts_ptr, w_ptr, ws_ptr, out_ptr, T, e_
 
 
 def usable(w13: torch.Tensor, w2: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
-    """The direct kernels step along H / I with unit stride (the stacks' natural layout)."""
+    """The direct kernels step along H / I with unit stride (the stacks' natural layout); a shared expert
+    needs the same hidden size and dtype (gate_up [2 * I_s, H], down [H, I_s]), any width I_s."""
     ok = w13.stride(2) == 1 and w2.stride(2) == 1
     if shared is not None:
-        ok = ok and shared[0].stride(1) == 1 and shared[1].stride(1) == 1
+        s13, s2 = shared
+        ok = (ok and s13.dim() == 2 and s2.dim() == 2 and s13.stride(1) == 1 and s2.stride(1) == 1
+              and s13.shape[1] == w13.shape[2] and s2.shape[0] == w2.shape[1] and s13.shape[0] == 2 * s2.shape[1]
+              and s13.dtype == w13.dtype and s2.dtype == w2.dtype)
     return ok
+
+
+def preloads(cfg: MoEConfig, inter: int, s_inter: int) -> bool:
+    """Whether down runs its preload variant: asked for, and one down K tile spans I and the shared width."""
+    return bool(cfg.down_preload) and cfg.down().block_k >= max(inter, s_inter)
 
 
 def direct_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -232,37 +253,41 @@ def direct_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1
                    shared: tuple[torch.Tensor, torch.Tensor] | None = None, routed_scale: float = 1.0,
                    act: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H], weights [T, k] fp32, idx [T, k] global ids, w13 [E_local, 2I, H], w2 [E_local, H, I] (experts
-    e_start..) -> [T, H] in x.dtype: routed_scale * sum of the local pairs (+ the shared expert's output).
-    cfg.block_n / block_k tile gate_up; cfg.down_block_n / down_block_k tile down (0: the same);
-    cfg.down_preload loads down's weights before its PDL wait (when one tile covers I). `act` [T*k + T, I]
-    with the shared expert's rows already computed (`route_direct_experts`): gate_up runs the routed pairs
-    only."""
+    e_start..) -> [T, H] in x.dtype: routed_scale * sum of the local pairs (+ the shared expert's output;
+    shared = (gate_up [2 * I_s, H], down [H, I_s]), any width I_s). cfg.block_n / block_k tile gate_up;
+    cfg.down_block_n / down_block_k tile down (0: the same); cfg.down_preload loads down's weights before
+    its PDL wait (`preloads`). `act` [T*k + T, max(I, I_s)] with the shared expert's rows already computed
+    (`route_direct_experts`): gate_up runs the routed pairs only."""
     t, k = idx.shape
     hidden, inter = x.shape[1], w2.shape[2]
     idx = idx.contiguous()  # the kernels read idx[t, j] at t * k + j
     x = x if x.stride(1) == 1 else x.contiguous()
     weights = weights.reshape(-1).float().contiguous()  # [T*k] fp32; no copy when it already is
-    s13, s2 = shared if shared is not None else (w13, w2)
+    if shared is not None:
+        s13, s2 = shared
+        s_inter, s_row13, s_row2 = s2.shape[1], s13.stride(0), s2.stride(0)
+    else:  # placeholders, never read
+        s13, s2, s_inter, s_row13, s_row2 = w13, w2, inter, w13.stride(1), w2.stride(1)
     pairs = t * k + (t if shared is not None else 0)
     shared_done = act is not None
     if act is None:
-        act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [pairs, I]
+        act = torch.empty(pairs, max(inter, s_inter), dtype=x.dtype, device=x.device)  # [pairs, max(I, I_s)]
     bn, bk = cfg.block_n, cfg.block_k
     gate_pairs = t * k if shared_done else pairs
-    _direct_gate_up_kernel[(gate_pairs, triton.cdiv(inter, bn))](
-        x, idx, w13, s13, act, t, e_start, w13.shape[0], hidden, inter,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), float(alpha), float(limit),
+    _direct_gate_up_kernel[(gate_pairs, triton.cdiv(max(inter, s_inter), bn))](
+        x, idx, w13, s13, act, t, e_start, w13.shape[0], hidden, inter, s_inter,
+        x.stride(0), w13.stride(0), w13.stride(1), s_row13, act.stride(0), float(alpha), float(limit),
         TOP_K=k, HAS_SHARED=shared is not None and not shared_done, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=hidden % bk == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(x))
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     dcfg = cfg.down()
     dbn, dbk = dcfg.block_n, dcfg.block_k
     _direct_down_kernel[(t, triton.cdiv(hidden, dbn))](
-        act, idx, weights, w2, s2, out, t, e_start, w2.shape[0], hidden, inter, float(routed_scale),
-        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        act, idx, weights, w2, s2, out, t, e_start, w2.shape[0], hidden, inter, s_inter, float(routed_scale),
+        act.stride(0), w2.stride(0), w2.stride(1), s_row2, out.stride(0),
         TOP_K=k, K_PAD=triton.next_power_of_2(k), HAS_SHARED=shared is not None, BLOCK_N=dbn, BLOCK_K=dbk,
-        EVEN_K=inter % dbk == 0, PRELOAD=bool(cfg.down_preload) and dbk >= inter, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl.args(act))
+        EVEN_K=inter % dbk == 0, S_EVEN_K=s_inter % dbk == 0, PRELOAD=preloads(cfg, inter, s_inter),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(act))
     return out
 
 
@@ -285,21 +310,22 @@ def route_direct_experts(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Te
     no routing, in one launch; (2) the routed pairs' gate_up; (3) down + the weighted sum. Equal, bit for
     bit, to `route_tokens` then `direct_experts` (the same programs, in other launches). x [T, H] (T <=
     ROUTER_GEMV_MAX_T), router_w [E, H] fp32, bias [E] fp32, counters [>= T] int32 zero between launches
-    (left zero), w13 / w2 all E experts, shared (gate_up [2I, H], down [H, I]) -> [T, H] in x.dtype."""
+    (left zero), w13 / w2 all E experts, shared (gate_up [2 * I_s, H], down [H, I_s]) -> [T, H] in x.dtype."""
     t, hidden = x.shape
     n_exp, inter = router_w.shape[0], w2.shape[2]
+    s13, s2 = shared
+    s_inter = s2.shape[1]
     x = x if x.stride(1) == 1 else x.contiguous()
     logits = torch.empty(t, n_exp, dtype=torch.float32, device=x.device)
     weights = torch.empty(t, k, dtype=torch.float32, device=x.device)
     idx = torch.empty(t, k, dtype=torch.int64, device=x.device)
-    act = torch.empty(t * k + t, inter, dtype=x.dtype, device=x.device)  # [pairs, I]; the shared rows last
+    act = torch.empty(t * k + t, max(inter, s_inter), dtype=x.dtype, device=x.device)  # the shared rows last
     block_e, block_h, _ = triton_fused._gemv_blocks(t, n_exp, hidden)
     n_prog = triton.cdiv(n_exp, block_e)
     bn, bk = cfg.block_n, cfg.block_k
-    n_tiles = triton.cdiv(inter, bn)
-    s13, s2 = shared
+    n_tiles = triton.cdiv(s_inter, bn)
     _route_shared_kernel[(t * n_prog + t * n_tiles,)](
-        x, router_w, logits, counters, bias, weights, idx, s13, act, t, hidden, n_exp, inter, x.stride(0),
+        x, router_w, logits, counters, bias, weights, idx, s13, act, t, hidden, n_exp, s_inter, x.stride(0),
         router_w.stride(0), s13.stride(0), act.stride(0), n_prog, n_tiles, float(alpha), float(limit),
         TOP_K=k, PRECISE=triton_fused._precise(), BLOCK_E=block_e, BLOCK_H=block_h,
         BLOCK_ALL=triton.next_power_of_2(n_exp), BLOCK_KK=triton.next_power_of_2(k), BLOCK_N=bn, BLOCK_K=bk,

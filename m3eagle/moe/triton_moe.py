@@ -295,6 +295,19 @@ def _shared_weights(shared: Shared | None, w13: torch.Tensor, w2: torch.Tensor,
     return s13, s2
 
 
+def shared_fusable(t: int, k: int, w13: torch.Tensor, w2: torch.Tensor, shared: Shared,
+                   config: MoEConfig | None = None) -> bool:
+    """Whether `fused_experts(shared=...)` takes this shared expert for a step of t tokens: one of the
+    routed experts' shape and layout (every path), or of another width on the direct path (a step whose
+    config is direct: the sorted GEMMs index both with one set of strides, the direct kernels do not)."""
+    s13, s2 = shared
+    if (s13.shape == w13.shape[1:] and s2.shape == w2.shape[1:] and s13.stride() == w13.stride()[1:]
+            and s2.stride() == w2.stride()[1:] and s13.dtype == w13.dtype and s2.dtype == w2.dtype):
+        return True
+    cfg = config or tuning.get_config(t, w13.shape[0], w13.shape[2], w2.shape[2], k, w13.dtype, w13.device)
+    return bool(cfg.direct) and direct.usable(w13, w2, shared)
+
+
 def _split_tail(cfg: MoEConfig) -> bool:
     """Half-height tail tiles: asked for, and block_m / 2 still at least tl.dot's 16 rows."""
     return bool(cfg.split_tail) and cfg.block_m >= 32
@@ -400,11 +413,10 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gat
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise TypeError(f"triton MoE needs weights in the activation dtype: x is {x.dtype}, gate_up_proj "
                         f"{w13.dtype}, down_proj {w2.dtype}")
-    s13, s2 = _shared_weights(shared, w13, w2)
     cfg = config or tuning.get_config(t, num_local, x.shape[1], w2.shape[2], k, x.dtype, x.device)
-    if cfg.direct and direct.usable(w13, w2, shared):  # few tokens: no sort, two launches
-        return direct.direct_experts(x, weights, idx, w13, w2, e0, alpha, limit, cfg,
-                                     (s13, s2) if shared is not None else None, routed_scale)
+    if cfg.direct and direct.usable(w13, w2, shared):  # few tokens: no sort, two launches (any shared width)
+        return direct.direct_experts(x, weights, idx, w13, w2, e0, alpha, limit, cfg, shared, routed_scale)
+    s13, s2 = _shared_weights(shared, w13, w2)
     al = align(idx, e0, num_local, cfg.block_m, shared=shared is not None)
     act = gate_up(x, w13, al, k, alpha, limit, cfg, s13 if shared is not None else None)
     dcfg = cfg.down()

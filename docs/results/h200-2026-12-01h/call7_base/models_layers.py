@@ -1,0 +1,289 @@
+"""Building blocks shared by the target and the draft head: norms, RoPE, SwiGLU-OAI, MoE.
+
+The elementwise math lives in `m3eagle.fused.reference` (and is re-exported here): the modules call it, and
+the paged forward paths hand the same ops to the engine's fused backend (`meta.ops.fused`) instead."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..distributed.layers import ColumnParallelLinear, RowParallelLinear, linear, rows
+from ..distributed.parallel_state import SINGLE, TPGroup
+from ..fused import reference as fused_ref
+from ..fused.reference import apply_rope, swiglu_oai  # noqa: F401  (re-exported: models, training, moe use them)
+from ..moe import backend as moe_backend
+
+
+class GemmaRMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and scaled by (1 + w); the checkpoint stores w (zero-initialised)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused_ref.rms_norm(x, self.weight, self.eps)
+
+
+class LlamaRMSNorm(nn.Module):
+    """Plain RMSNorm (scale w), as Llama-style Eagle3 heads use."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused_ref.rms_norm(x, self.weight, self.eps, gemma=False)
+
+
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any] | None = None,
+                  device: torch.device | str | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [rotary_dim/2] (fp32) and the cos/sin scale of one RoPE type, with
+    transformers' formulas (modeling_rope_utils) so logits match it. `scaling` is `M3Config.rope_scaling`:
+    None for plain RoPE, else rope_type linear / yarn / llama3 with every parameter resolved by the config."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
+    kind = scaling["rope_type"] if scaling else "default"
+    if kind == "default":
+        return inv_freq, 1.0
+    factor = scaling["factor"]
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    orig = scaling["original_max_position_embeddings"]
+    if kind == "llama3":
+        # wavelengths shorter than orig / high_freq_factor keep their frequency, longer than
+        # orig / low_freq_factor are divided by factor, and the band between is interpolated.
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > orig / low, inv_freq / factor, inv_freq)
+        smooth = (orig / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < orig / high) * ~(wavelen > orig / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        # Dimensions that rotate more than beta_fast times over the original context extrapolate (keep
+        # their frequency), fewer than beta_slow interpolate (divided by factor), a linear ramp between.
+        def correction_dim(rotations: float) -> float:
+            return rotary_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        lo, hi = correction_dim(scaling["beta_fast"]), correction_dim(scaling["beta_slow"])
+        if scaling["truncate"]:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, rotary_dim - 1)
+        if lo == hi:
+            hi += 0.001  # as transformers: avoid a zero-width ramp
+        ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32, device=device) - lo) / (hi - lo)).clamp(0, 1)
+        extrapolate = 1 - ramp
+        pos_freqs = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim)
+        inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+        return inv_freq, scaling["attention_factor"]
+    raise ValueError(f"rope_type={kind!r} is not implemented; choose default, linear, yarn or llama3")
+
+
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype,
+                 scaling: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX RoPE tables: positions [...] -> cos, sin [..., rotary_dim], computed in fp32 (and scaled by
+    yarn's attention factor, as transformers scales them)."""
+    inv_freq, mscale = rope_inv_freq(rotary_dim, theta, scaling, positions.device)
+    freqs = positions.float()[..., None] * inv_freq  # [..., rotary_dim/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    if mscale == 1.0:
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * mscale).to(dtype), (emb.sin() * mscale).to(dtype)
+
+
+class PackedLinears:
+    """Bias-free Linears that read the same input, run as one GEMM on the fast path.
+
+    `pack()` moves their weights back to back into one [sum(out), in] tensor and makes each module's
+    weight a view of its rows: the values, state_dict names and the reference path stay as they were, and
+    no memory is duplicated. `__call__` falls back to the separate modules when a weight was replaced
+    after packing (a reload), so a stale pack can never be used. Pack after the model reached its final
+    device and dtype (`.to()` makes new tensors)."""
+
+    def __init__(self, mods: list[nn.Linear]):
+        self.mods = mods
+        self.sizes = [m.weight.shape[0] for m in mods]
+        self.weight: torch.Tensor | None = None  # [sum(sizes), in]
+
+    def pack(self) -> None:
+        if self.is_packed():
+            return
+        w = torch.cat([m.weight.detach() for m in self.mods], 0)
+        off = 0
+        for m, n in zip(self.mods, self.sizes):
+            m.weight.data = w[off:off + n]
+            off += n
+        self.weight = w
+
+    def is_packed(self) -> bool:
+        w = self.weight
+        if w is None:
+            return False
+        row = w.stride(0) * w.element_size()
+        return all(m.weight.data_ptr() == w.data_ptr() + off * row and m.weight.shape[0] == n
+                   for m, n, off in zip(self.mods, self.sizes, _offsets(self.sizes)))
+
+    def __call__(self, x: torch.Tensor, fused: Any = None) -> list[torch.Tensor]:
+        """x [T, in] -> one [T, n_i] output per module (column views of one GEMM's output when packed).
+        `fused` (an m3eagle.fused.backend object) runs the packed GEMM (its decode GEMV); None = F.linear."""
+        if self.is_packed():
+            return list(linear(x, self.weight, fused).split(self.sizes, -1))
+        return [m(x) for m in self.mods]
+
+
+def pack_projections(model: nn.Module) -> int:
+    """Pack every PackedLinears group of `model` (see there); returns how many groups are packed."""
+    groups = [v for m in model.modules() for v in vars(m).values() if isinstance(v, PackedLinears)]
+    for g in groups:
+        g.pack()
+    return len(groups)
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    out, off = [], 0
+    for n in sizes:
+        out.append(off)
+        off += n
+    return out
+
+
+class SwigluOaiMLP(nn.Module):
+    """gate_up_proj [2I, H] (gate rows then up rows) and down_proj [H, I]. Tensor parallel: each rank holds
+    I / N of the gate rows and the matching up rows (column parallel) and the matching down_proj columns
+    (row parallel); `reduce` all-reduces the output, else the caller folds it into its own all-reduce."""
+
+    def __init__(self, hidden: int, inter: int, alpha: float, limit: float, tp: TPGroup = SINGLE,
+                 reduce: bool = True, what: str = "intermediate_size"):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+        s, n = tp.split(inter, what)
+        self.gate_up_proj = ColumnParallelLinear(hidden, 2 * inter, ((s, n), (inter + s, n)))
+        self.down_proj = RowParallelLinear(inter, hidden, tp, reduce, what)
+
+    def forward(self, x: torch.Tensor, fused: Any = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]. `fused` (an m3eagle.fused.backend object) runs the activation; None = reference."""
+        act = fused if fused is not None else fused_ref
+        return self.down_proj(act.swiglu_oai(self.gate_up_proj(x, fused), self.alpha, self.limit), fused)
+
+
+class SiluMLP(nn.Module):
+    """Llama MLP (gate/up/down), used by the Eagle3 head."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_up = PackedLinears([self.gate_proj, self.up_proj])  # one GEMM once packed
+
+    def forward(self, x: torch.Tensor, fused: Any = None) -> torch.Tensor:
+        act = fused if fused is not None else fused_ref
+        return linear(act.silu_mul(*self.gate_up(x, fused)), self.down_proj.weight, fused)
+
+
+class Router(nn.Module):
+    """fp32 sigmoid router. `e_score_correction_bias` steers selection only; the combine weights are
+    the plain sigmoid scores of the chosen experts, renormalised."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, fused: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] fp32, experts [T, k] int64); ties go to the lowest expert id (see
+        fused.reference.route). `fused` runs the GEMM and everything after it; None = reference."""
+        f = fused if fused is not None else fused_ref
+        return f.route_tokens(x, self.weight, self.e_score_correction_bias, self.top_k)
+
+
+class Experts(nn.Module):
+    """Routed experts as stacked weights: gate_up_proj [E, 2I, H] (gate rows then up rows), down_proj
+    [E, H, I] -- the layout transformers uses, so its save_pretrained output loads as is."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, alpha: float, limit: float,
+                 tp: TPGroup = SINGLE):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+        # Expert parallel: this rank owns experts [e0, e0 + n) and runs the MoE's expert-subset mode on every
+        # token; the other ranks' experts contribute zero here and arrive through the layer's all-reduce.
+        e0, n = tp.split(num_experts, "num_local_experts")
+        self.expert_range = (e0, e0 + n) if tp.size > 1 else None
+        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(n, hidden, inter))
+        if tp.size > 1:
+            self.shards = {"gate_up_proj": rows(e0, n, num_experts), "down_proj": rows(e0, n, num_experts)}
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                impl: moe_backend.MoEImpl | None = None) -> torch.Tensor:
+        """x [T, H], weights/idx [T, k] -> [T, H]. `impl` (an `m3eagle.moe.backend` object the engine owns)
+        does the work; None means the dense reference, which training and `forward_seq` use."""
+        impl = impl if impl is not None else moe_backend.reference()
+        return impl.experts(x, weights, idx, self.gate_up_proj, self.down_proj, self.alpha, self.limit,
+                            self.expert_range)
+
+
+class SparseMoE(nn.Module):
+    """Router (replicated: every rank routes every token), routed experts (expert parallel) and the shared
+    expert (tensor parallel, not reduced on its own: its partial sum joins the routed one's all-reduce)."""
+
+    def __init__(self, hidden: int, inter: int, shared_inter: int, num_experts: int, top_k: int,
+                 scaling: float, alpha: float, limit: float, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.routed_scaling_factor = scaling
+        self.gate = Router(hidden, num_experts, top_k)
+        self.experts = Experts(num_experts, hidden, inter, alpha, limit, tp)
+        self.shared_experts = SwigluOaiMLP(hidden, shared_inter, alpha, limit, tp, reduce=False,
+                                           what="shared_intermediate_size")
+
+    def forward(self, x: torch.Tensor, impl: moe_backend.MoEImpl | None = None) -> torch.Tensor:
+        """The training / oracle path (one rank: with tensor parallelism the sum would be this rank's part)."""
+        w, idx = self.gate(x)
+        # Routed output is scaled; the shared expert is not.
+        return self.experts(x, w, idx, impl) * self.routed_scaling_factor + self.shared_experts(x)
+
+    def forward_parts(self, x: torch.Tensor, ops: Any) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+        """Paged path with the engine's `ops` (m3eagle.ops.Ops): (a, b, s) [T, H], [T, H] | None, float,
+        standing for a * s + b, which the caller leaves to the next fused add + norm. Usually (routed,
+        shared, routed_scaling_factor); a MoE backend that fuses the shared expert into the routed kernels
+        returns the whole sum, (out, None, 1.0)."""
+        fast = getattr(ops.moe, "route_experts_and_shared", None)
+        # The router + shared-expert launch routes as the triton fused ops do (bit for bit), so it stands in
+        # for them only: with the reference ops the routing would change.
+        if fast is not None and getattr(ops.fused, "name", "") == "triton" and self.can_fuse_shared():
+            g, e, sh = self.gate, self.experts, self.shared_experts
+            out = fast(x, g.weight, g.e_score_correction_bias, g.top_k, e.gate_up_proj, e.down_proj,
+                       sh.gate_up_proj.weight, sh.down_proj.weight, sh.alpha, sh.limit, self.routed_scaling_factor)
+            if out is not None:
+                return out, None, 1.0
+        w, idx = self.gate(x, ops.fused)
+        return self.expert_parts(x, w, idx, ops.moe, ops.fused)
+
+    def expert_parts(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, impl: Any, fused: Any = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+        """forward_parts after routing (w, idx [T, k] given): the shared expert inside the routed kernels
+        when `impl` can and the weights allow it, else the two parts apart."""
+        if getattr(impl, "fuses_shared", False) and self.can_fuse_shared():
+            sh = self.shared_experts
+            out = impl.experts_and_shared(x, w, idx, self.experts.gate_up_proj, self.experts.down_proj,
+                                          sh.gate_up_proj.weight, sh.down_proj.weight, sh.alpha, sh.limit,
+                                          self.routed_scaling_factor)
+            return out, None, 1.0
+        return self.experts(x, w, idx, impl), self.shared_experts(x, fused), self.routed_scaling_factor
+
+    def can_fuse_shared(self) -> bool:
+        """The shared expert can run as one more routed expert: one rank holds every expert, the shared
+        expert has the routed experts' width and inner layout (the kernels index both with one set of
+        strides), and both use the same activation constants."""
+        e, sh = self.experts, self.shared_experts
+        s13, s2 = sh.gate_up_proj.weight, sh.down_proj.weight
+        return (e.expert_range is None and s13.shape == e.gate_up_proj.shape[1:] and s2.shape == e.down_proj.shape[1:]
+                and s13.stride() == e.gate_up_proj.stride()[1:] and s2.stride() == e.down_proj.stride()[1:]
+                and (sh.alpha, sh.limit) == (e.alpha, e.limit))

@@ -1,0 +1,308 @@
+"""Routed experts for a handful of tokens, without sorting: each (token, k) pair reads its expert directly.
+
+    idx [T, k] ──_direct_gate_up_kernel──► act [T*k (+T), I]   grid (pairs, I-tiles): one GEMV per pair,
+                                                              SwiGLU-OAI in registers
+    act ──_direct_down_kernel──► out [T, H]                    grid (T, H-tiles): the token's k experts
+                                                              (+ the shared one) and their weighted sum
+
+Why. At decode (T = 1..4) the sorted path (`align.py` + the grouped GEMMs + the combine) spends two of its
+four launches on bookkeeping: placing 4 pairs into padded segments and summing 4 rows per token, ~4 us of
+a ~33 us m3-mini layer on an H200 where the weight reads at copy bandwidth take ~15 us. Here the pair
+list *is* idx (pair p = t*k + j reads expert idx[t, j]; with a shared expert, pair T*k + t reads it), and
+the down kernel owns whole output rows, so it sums a token's experts itself: two launches, no alignment,
+no [T*k, H] buffer round trip. The inner products are elementwise GEMVs (fp32 FMAs on a [BLOCK_N, BLOCK_K]
+tile, one reduction over K at the end), memory-bound like `fused/gemv.py`'s; the down kernel loads the
+tiles of all k experts in one 3-D block per K step, so each program keeps k loads in flight. Pairs that
+share an expert (T > 1) read the same tiles from neighbouring programs (pairs vary fastest in the grid),
+which L2 mostly serves.
+
+Rounding is the sorted path's: act is stored in the activation dtype; each expert's output is rounded to
+it, weighted in fp32 (routing weight * routed_scale; 1 for the shared expert), rounded again, and the
+k (+1) rows are summed in fp32 in a fixed order (one compiled reduction), so equal inputs give bit-equal
+outputs run to run. The order of the K sums differs from the tl.dot path, so the two paths agree to
+rounding, not bit for bit: a step size uses one path or the other by its tuning-table entry
+(`MoEConfig.direct`), never both.
+
+Two variants from the tuning table (design note 43), both bit-equal to the above:
+- `down_preload`: when one down tile spans all of I, down loads idx and its weight tiles *before* its PDL
+  wait, so under programmatic dependent launch its 4-5 weight rows per program stream during gate_up's
+  last wave (the one exception to pdl.py's wait-first rule; tests/test_pdl.py checks it loads nothing else).
+- `route_shared` (`route_direct_experts`): the router's programs and the shared expert's gate_up tiles in
+  one launch (the shared expert needs no routing, so its stream overlaps the router's latency), then
+  gate_up over the routed pairs and down as above: three launches for the whole layer, routing included.
+
+Expert subset: pairs routed outside [e0, e0 + num_local) are skipped (no read, no contribution).
+No host sync, static shapes: capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import pdl
+from ..fused import triton_fused
+from ..fused.triton_fused import _router_topk_program
+from ..pdl import pdl_wait
+from .tuning import MoEConfig
+
+
+@triton.jit
+def _gate_up_rows(x_ptr, base, act_ptr, token, p, pid_n, hidden, inter, stride_xt, stride_wn, stride_at, alpha,
+                  limit, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """act[p, n-tile] = swiglu_oai(x[token] @ [gate_n; up_n]) from the expert whose [2I, H] weight starts at
+    base. The products accumulate with explicit FMAs, so the bits do not depend on the launch's
+    enable_fp_fusion (the route + shared launch turns contraction off for its router programs)."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    rows = tl.minimum(offs_n, inter - 1)  # clamped, not masked: the weight stream carries no row predicate
+    offs_k = tl.arange(0, BLOCK_K)  # [BK]
+    g_ptrs = base + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
+    u_ptrs = g_ptrs + inter * stride_wn
+    x_ptrs = x_ptr + token.to(tl.int64) * stride_xt + offs_k[None, :] + 0 * rows[:, None]  # [BN, BK], one row
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        if EVEN_K:
+            xv = tl.load(x_ptrs).to(tl.float32)
+            g = tl.load(g_ptrs).to(tl.float32)
+            u = tl.load(u_ptrs).to(tl.float32)
+        else:
+            k_ok = (k0 + offs_k < hidden)[None, :]
+            xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            g = tl.load(g_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            u = tl.load(u_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        acc_g = tl.fma(g, xv, acc_g)
+        acc_u = tl.fma(u, xv, acc_u)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    # SwiGLU-OAI exactly as layers.swiglu_oai: gate clamped above only, up on both sides.
+    gate = tl.minimum(tl.sum(acc_g, axis=1), limit)
+    up = tl.minimum(tl.maximum(tl.sum(acc_u, axis=1), -limit), limit)
+    act = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    tl.store(act_ptr + p.to(tl.int64) * stride_at + offs_n, act.to(act_ptr.dtype.element_ty), mask=offs_n < inter)
+
+
+@triton.jit(do_not_specialize=["T", "e_start"])
+def _direct_gate_up_kernel(x_ptr, idx_ptr, w_ptr, ws_ptr, act_ptr, T, e_start, num_local, hidden, inter,
+                           stride_xt, stride_we, stride_wn, stride_at, alpha, limit,
+                           TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    """act[p, n-tile] = swiglu_oai(x[token(p)] @ [gate_n; up_n]) for pair p = program_id(0).
+
+    w [E_local, 2I, H] (gate rows then up rows, unit stride along H); pairs p >= T*TOP_K are the shared
+    expert's (ws [2I, H], same strides), token p - T*TOP_K. A pair of another rank's expert stores nothing."""
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
+    p = tl.program_id(0)
+    routed = p < T * TOP_K
+    token = tl.where(routed, p // TOP_K, p - T * TOP_K)
+    e = tl.load(idx_ptr + p, mask=routed, other=0).to(tl.int64) - e_start
+    if routed & ((e < 0) | (e >= num_local)):
+        return
+    base = w_ptr + tl.where(routed, e, 0) * stride_we
+    if HAS_SHARED:
+        if not routed:
+            base = ws_ptr
+    _gate_up_rows(x_ptr, base, act_ptr, token, p, tl.program_id(1), hidden, inter, stride_xt, stride_wn, stride_at,
+                  alpha, limit, BLOCK_N, BLOCK_K, EVEN_K)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _route_shared_kernel(x_ptr, rw_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_ptr, ws_ptr, act_ptr, T, hidden,
+                         n_exp, inter, stride_xt, stride_rw, stride_wn, stride_at, n_prog, n_tiles, alpha, limit,
+                         TOP_K: tl.constexpr, PRECISE: tl.constexpr, BLOCK_E: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_ALL: tl.constexpr, BLOCK_KK: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    """The router and the shared expert's gate_up in one launch: programs [0, T * n_prog) are the fused
+    router's (`_router_topk_program`, bit-equal to its own launch), the rest the shared expert's gate_up
+    tiles (`_gate_up_rows`: token q // n_tiles, column tile q % n_tiles, act row T*TOP_K + token). The
+    shared expert needs no routing, so its weight stream overlaps the router's latency."""
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
+    pid = tl.program_id(0)
+    n_router = T * n_prog
+    if pid < n_router:
+        _router_topk_program(x_ptr, rw_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_ptr, (pid // n_prog).to(tl.int64),
+                             pid % n_prog, hidden, n_exp, stride_xt, stride_rw, n_prog, TOP_K, PRECISE, BLOCK_E,
+                             BLOCK_H, BLOCK_ALL, BLOCK_KK)
+    else:
+        q = pid - n_router
+        token = q // n_tiles
+        _gate_up_rows(x_ptr, ws_ptr, act_ptr, token, T * TOP_K + token, q % n_tiles, hidden, inter, stride_xt,
+                      stride_wn, stride_at, alpha, limit, BLOCK_N, BLOCK_K, EVEN_K)
+
+
+@triton.jit(do_not_specialize=["T", "e_start"])
+def _direct_down_kernel(act_ptr, idx_ptr, wts_ptr, w_ptr, ws_ptr, out_ptr, T, e_start, num_local, hidden, inter,
+                        routed_scale, stride_at, stride_we, stride_wh, stride_ot,
+                        TOP_K: tl.constexpr, K_PAD: tl.constexpr, HAS_SHARED: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRELOAD: tl.constexpr,
+                        PDL: tl.constexpr):
+    """out[t, n-tile] = sum_j round(round(act[t*k+j] @ down[e_j]^T) * w[t, j] * routed_scale)
+    (+ round(act[T*k+t] @ shared_down^T)), fp32 sum in one fixed order, for t = program_id(0).
+
+    w [E_local, H, I] (unit stride along I). The k experts' tiles are one [K_PAD, BN, BK] load per K step
+    (slots past TOP_K and other ranks' experts masked: never read).
+
+    PRELOAD (BLOCK_K >= I: the whole K range is one tile): the routing and the weight tiles are loaded
+    *before* the programmatic-dependent-launch wait, so under PDL this launch's programs stream their weights
+    while gate_up's last programs still run, and only act (L2) is read after it. The one exception to
+    pdl.py's "no memory before the wait" contract, and safe: the weights are never written by a kernel, and
+    idx was written by the router, two launches back, which had completed (and flushed) before gate_up's
+    programs passed their own wait -- and this launch starts only after all of them did. idx is read with
+    `.cg` (from L2: an SM's L1 may hold a line of an earlier replay). Same products and sums as the loop: the
+    bits do not change."""
+    if not PRELOAD:
+        pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    rows = tl.minimum(offs_n, hidden - 1)
+    offs_k = tl.arange(0, BLOCK_K)  # [BK]
+    slots = tl.arange(0, K_PAD)  # [KP]
+    pair = t * TOP_K + slots  # [KP]
+    e = tl.load(idx_ptr + pair, mask=slots < TOP_K, other=0, cache_modifier=".cg").to(tl.int64) - e_start
+    live = (slots < TOP_K) & (e >= 0) & (e < num_local)  # [KP]
+    e = tl.where(live, e, 0)
+    live3 = live[:, None, None] & (rows >= 0)[None, :, None]  # [KP, BN, 1]
+    w_ptrs = (w_ptr + e[:, None, None] * stride_we + rows.to(tl.int64)[None, :, None] * stride_wh
+              + offs_k[None, None, :])  # [KP, BN, BK]
+    a_ptrs = act_ptr + pair.to(tl.int64)[:, None, None] * stride_at + offs_k[None, None, :]  # [KP, 1, BK]
+    if HAS_SHARED:
+        s_pair = (T * TOP_K + t).to(tl.int64)
+        s_ptrs = ws_ptr + rows.to(tl.int64)[:, None] * stride_wh + offs_k[None, :]  # [BN, BK]
+        sa_ptrs = act_ptr + s_pair * stride_at + offs_k[None, :] + 0 * rows[:, None]  # [BN, BK], one row
+    if PRELOAD:
+        if EVEN_K:
+            m3 = live3
+            k_ok = tl.full([1, BLOCK_K], 1, tl.int1)
+        else:
+            m3 = live3 & (offs_k < inter)[None, None, :]
+            k_ok = (offs_k < inter)[None, :]
+        wv = tl.load(w_ptrs, mask=m3, other=0.0)  # [KP, BN, BK]: the whole K range
+        if HAS_SHARED:
+            sw = tl.load(s_ptrs, mask=k_ok, other=0.0)  # [BN, BK]
+        pdl_wait(PDL)
+        acc = wv.to(tl.float32) * tl.load(a_ptrs, mask=m3, other=0.0).to(tl.float32)
+        if HAS_SHARED:
+            acc_s = sw.to(tl.float32) * tl.load(sa_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros([K_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if HAS_SHARED:
+            acc_s = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            if EVEN_K:
+                m3 = live3
+            else:
+                m3 = live3 & (k0 + offs_k < inter)[None, None, :]
+            a = tl.load(a_ptrs, mask=m3, other=0.0).to(tl.float32)
+            acc += tl.load(w_ptrs, mask=m3, other=0.0).to(tl.float32) * a
+            w_ptrs += BLOCK_K
+            a_ptrs += BLOCK_K
+            if HAS_SHARED:
+                if EVEN_K:
+                    sv = tl.load(s_ptrs).to(tl.float32) * tl.load(sa_ptrs).to(tl.float32)
+                else:
+                    k_ok = (k0 + offs_k < inter)[None, :]
+                    sv = (tl.load(s_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+                          * tl.load(sa_ptrs, mask=k_ok, other=0.0).to(tl.float32))
+                acc_s += sv
+                s_ptrs += BLOCK_K
+                sa_ptrs += BLOCK_K
+    out_ty = out_ptr.dtype.element_ty
+    y = tl.sum(acc, axis=2).to(out_ty).to(tl.float32)  # [KP, BN]: each expert's output, rounded
+    route_w = tl.load(wts_ptr + pair, mask=live, other=0.0).to(tl.float32) * routed_scale  # [KP]
+    y = (y * route_w[:, None]).to(out_ty).to(tl.float32)  # dead slots: 0 * 0
+    total = tl.sum(y, axis=0)  # [BN]
+    if HAS_SHARED:
+        total += tl.sum(acc_s, axis=1).to(out_ty).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, total.to(out_ty), mask=offs_n < hidden)
+
+
+def usable(w13: torch.Tensor, w2: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+    """The direct kernels step along H / I with unit stride (the stacks' natural layout)."""
+    ok = w13.stride(2) == 1 and w2.stride(2) == 1
+    if shared is not None:
+        ok = ok and shared[0].stride(1) == 1 and shared[1].stride(1) == 1
+    return ok
+
+
+def direct_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   e_start: int, alpha: float, limit: float, cfg: MoEConfig,
+                   shared: tuple[torch.Tensor, torch.Tensor] | None = None, routed_scale: float = 1.0,
+                   act: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H], weights [T, k] fp32, idx [T, k] global ids, w13 [E_local, 2I, H], w2 [E_local, H, I] (experts
+    e_start..) -> [T, H] in x.dtype: routed_scale * sum of the local pairs (+ the shared expert's output).
+    cfg.block_n / block_k tile gate_up; cfg.down_block_n / down_block_k tile down (0: the same);
+    cfg.down_preload loads down's weights before its PDL wait (when one tile covers I). `act` [T*k + T, I]
+    with the shared expert's rows already computed (`route_direct_experts`): gate_up runs the routed pairs
+    only."""
+    t, k = idx.shape
+    hidden, inter = x.shape[1], w2.shape[2]
+    idx = idx.contiguous()  # the kernels read idx[t, j] at t * k + j
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weights = weights.reshape(-1).float().contiguous()  # [T*k] fp32; no copy when it already is
+    s13, s2 = shared if shared is not None else (w13, w2)
+    pairs = t * k + (t if shared is not None else 0)
+    shared_done = act is not None
+    if act is None:
+        act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [pairs, I]
+    bn, bk = cfg.block_n, cfg.block_k
+    gate_pairs = t * k if shared_done else pairs
+    _direct_gate_up_kernel[(gate_pairs, triton.cdiv(inter, bn))](
+        x, idx, w13, s13, act, t, e_start, w13.shape[0], hidden, inter,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), float(alpha), float(limit),
+        TOP_K=k, HAS_SHARED=shared is not None and not shared_done, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=hidden % bk == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(x))
+    out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
+    dcfg = cfg.down()
+    dbn, dbk = dcfg.block_n, dcfg.block_k
+    _direct_down_kernel[(t, triton.cdiv(hidden, dbn))](
+        act, idx, weights, w2, s2, out, t, e_start, w2.shape[0], hidden, inter, float(routed_scale),
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        TOP_K=k, K_PAD=triton.next_power_of_2(k), HAS_SHARED=shared is not None, BLOCK_N=dbn, BLOCK_K=dbk,
+        EVEN_K=inter % dbk == 0, PRELOAD=bool(cfg.down_preload) and dbk >= inter, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl.args(act))
+    return out
+
+
+def can_route(x: torch.Tensor, router_w: torch.Tensor, k: int, cfg: MoEConfig) -> bool:
+    """Whether `route_direct_experts` can run this step bit-equal to the separate launches: the fused
+    router's decode GEMV conditions, and the router's warp count equal to gate_up's (a reduction's order
+    follows the warps, and one launch has one count)."""
+    t, hidden = x.shape
+    n_exp = router_w.shape[0]
+    return (triton_fused._gemv_ok(x, router_w) and 1 <= k <= min(n_exp, triton_fused.MAX_TOP_K)
+            and n_exp <= triton_fused.MAX_EXPERTS and t >= 1
+            and triton_fused._gemv_blocks(t, n_exp, hidden)[2] == cfg.num_warps)
+
+
+def route_direct_experts(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, k: int, counters: torch.Tensor,
+                         w13: torch.Tensor, w2: torch.Tensor, alpha: float, limit: float, cfg: MoEConfig,
+                         shared: tuple[torch.Tensor, torch.Tensor], routed_scale: float) -> torch.Tensor:
+    """SparseMoE's whole output for a decode-sized step in three launches, routing included: (1) the router
+    (`triton_fused.route_tokens`' decode programs, bit-equal) *and* the shared expert's gate_up, which needs
+    no routing, in one launch; (2) the routed pairs' gate_up; (3) down + the weighted sum. Equal, bit for
+    bit, to `route_tokens` then `direct_experts` (the same programs, in other launches). x [T, H] (T <=
+    ROUTER_GEMV_MAX_T), router_w [E, H] fp32, bias [E] fp32, counters [>= T] int32 zero between launches
+    (left zero), w13 / w2 all E experts, shared (gate_up [2I, H], down [H, I]) -> [T, H] in x.dtype."""
+    t, hidden = x.shape
+    n_exp, inter = router_w.shape[0], w2.shape[2]
+    x = x if x.stride(1) == 1 else x.contiguous()
+    logits = torch.empty(t, n_exp, dtype=torch.float32, device=x.device)
+    weights = torch.empty(t, k, dtype=torch.float32, device=x.device)
+    idx = torch.empty(t, k, dtype=torch.int64, device=x.device)
+    act = torch.empty(t * k + t, inter, dtype=x.dtype, device=x.device)  # [pairs, I]; the shared rows last
+    block_e, block_h, _ = triton_fused._gemv_blocks(t, n_exp, hidden)
+    n_prog = triton.cdiv(n_exp, block_e)
+    bn, bk = cfg.block_n, cfg.block_k
+    n_tiles = triton.cdiv(inter, bn)
+    s13, s2 = shared
+    _route_shared_kernel[(t * n_prog + t * n_tiles,)](
+        x, router_w, logits, counters, bias, weights, idx, s13, act, t, hidden, n_exp, inter, x.stride(0),
+        router_w.stride(0), s13.stride(0), act.stride(0), n_prog, n_tiles, float(alpha), float(limit),
+        TOP_K=k, PRECISE=triton_fused._precise(), BLOCK_E=block_e, BLOCK_H=block_h,
+        BLOCK_ALL=triton.next_power_of_2(n_exp), BLOCK_KK=triton.next_power_of_2(k), BLOCK_N=bn, BLOCK_K=bk,
+        EVEN_K=hidden % bk == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **triton_fused._opts(),
+        **pdl.args(x))
+    return direct_experts(x, weights, idx, w13, w2, 0, alpha, limit, cfg, (s13, s2), routed_scale, act=act)
