@@ -396,7 +396,8 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gat
                   combine_counters: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `reference.experts`: x [T, H], weights [T, k] fp32, idx [T, k] -> [T, H] x.dtype.
 
-    With `shared` (a shared expert of the routed experts' shape; all experts, no expert_range) it returns
+    With `shared` (a shared expert of the routed experts' shape -- on the direct path of any width,
+    `shared_fusable`; all experts, no expert_range) it returns
     routed_scale * routed + shared_expert(x) -- `SparseMoE`'s whole output -- from the same three launches.
     `config` pins the block sizes; None looks them up by (device, shape, T bucket) in the tuning table.
     `combine_counters` (zeroed int32, one per column tile: `fused/gemv.py`'s `SplitCounters`, the caller's,
