@@ -323,18 +323,15 @@ def test_shared_expert_of_another_width_on_the_direct_path(t, s_i):
                                              routed_scale=2.0)
         assert_close(got[name], ref)
     assert torch.equal(got["loop"], got["pre"])
-    if s_i == 40:  # the routed width: every path takes it
-        return
-    # the sorted path cannot take another width: it refuses rather than computing something else
-    with pytest.raises(ValueError, match="shape"):
-        triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=MoEConfig(16, 16, 16),
-                                 shared=(s13[0], s2[0]))
+    # the sorted path takes it too (its own segment: tests/test_moe_kernel.py)
+    assert_close(triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=MoEConfig(16, 16, 16),
+                                          shared=(s13[0], s2[0]), routed_scale=2.0), ref)
 
 
-def test_layer_fuses_a_narrower_shared_expert_only_on_direct_steps(monkeypatch):
+def test_layer_fuses_a_narrower_shared_expert(monkeypatch):
     """SparseMoE.forward_parts: a narrower shared expert rides in the direct kernels (rest None), and with a
-    route_shared entry in the router's launch too, bit-equal to routing apart; a sorted step runs it apart.
-    All within fp32 rounding of the reference layer."""
+    route_shared entry in the router's launch too, bit-equal to routing apart; and in the sorted GEMMs. All
+    within fp32 rounding of the reference layer."""
     from m3eagle.fused import backend as fused_backend
 
     moe = route_layer(80, s_i=24)
@@ -349,7 +346,7 @@ def test_layer_fuses_a_narrower_shared_expert_only_on_direct_steps(monkeypatch):
                           ("sorted", MoEConfig(16, 16, 16))):
             a, rest, scale = moe.forward_parts(x, Ops(attention=None, moe=moe_backend.create("triton", config=cfg),
                                                       fused=fused))
-            assert (rest is None) == (name != "sorted"), name
+            assert rest is None, name
             outs[name] = a if rest is None else a * scale + rest
             assert_close(outs[name], want)
     assert torch.equal(outs["direct"], outs["route"]) and calls == [1]

@@ -453,27 +453,39 @@ def test_shared_expert_rows_unwritten_rows_never_read():
     assert_close(out, ref)
 
 
+@pytest.mark.parametrize("t,s_i", [(3, 24), (17, 24), (40, 56), (300, 24)])
+def test_shared_expert_of_another_width_in_the_sorted_gemms(t, s_i):
+    """A shared expert narrower or wider than the routed ones (the embedded target: 128 vs 160) runs in the
+    grouped GEMMs as one more segment with its own width and row stride: the layer's output equals the
+    reference layer, with split-tail tiles and the fused combine (T <= 16) too."""
+    from m3eagle.ops import Ops
+
+    moe = make_layer(t + 40, shared_inter=s_i)
+    assert not moe.can_fuse_shared() and moe.shared_joinable()
+    x, _, _ = make_routing(t + 41, t, 2)
+    with torch.no_grad():
+        ref = moe(x)
+        for cfg in (SMALL, WIDE, MoEConfig(64, 32, 16, 4, 4, 3, split_tail=1)):
+            out, rest, scale = moe.forward_parts(x, Ops(attention=None, moe=backend.create("triton", config=cfg),
+                                                        fused=None))
+            assert rest is None and scale == 1.0, cfg
+            assert_close(out, ref)
+
+
 def test_shared_expert_fusion_refuses_what_it_cannot_do():
     w13, w2 = make_weights(27)
     s13, s2 = make_weights(28, e=1)
     x, w, idx = make_routing(29, 3, 2)
     with pytest.raises(ValueError, match="expert_range=None"):
         triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (0, 4), config=SMALL, shared=(s13[0], s2[0]))
-    with pytest.raises(ValueError, match="routed experts' shape"):
+    with pytest.raises(ValueError, match="gate_up \\[2I_s, H\\] and down \\[H, I_s\\]"):
         triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=SMALL, shared=(s13[0, :8], s2[0]))
     # another inner layout is refused, not copied behind the caller's back (that would be a copy per step)
     s2_t = s2[0].t().contiguous().t()  # [H, I] values, column-major
     with pytest.raises(ValueError, match="inner strides"):
         triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=SMALL, shared=(s13[0], s2_t))
-    # a narrower shared expert is not fused: the layer falls back to routed + shared, still exact
-    moe = make_layer(30, shared_inter=24)
-    assert not moe.can_fuse_shared()
     from m3eagle.ops import Ops
 
-    with torch.no_grad():
-        routed, shared, scale = moe.forward_parts(x, Ops(attention=None, moe=backend.create("triton", config=SMALL),
-                                                         fused=None))
-        assert_close(routed * scale + shared, moe(x))
     # a same-width shared expert whose weights have another layout is not fused either
     moe = make_layer(31)
     with torch.no_grad():

@@ -120,25 +120,37 @@ def _gate_up_tile(x_ptr, w_base, act_ptr, sorted_ptr, row0, pid_n, num_pairs, ro
 
 @triton.jit(do_not_specialize=["num_pairs", "routed_pairs", "max_blocks"])
 def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
-                    num_pairs, routed_pairs, shared_col, max_blocks, hidden, inter,
+                    num_pairs, routed_pairs, shared_col, max_blocks, hidden, inter, s_inter, n_cols,
                     stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_am, stride_ai,
                     alpha, limit,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr,
-                    SPLIT_TAIL: tl.constexpr, PDL: tl.constexpr):
+                    SHARED_APART: tl.constexpr, SPLIT_TAIL: tl.constexpr, PDL: tl.constexpr):
     """act[r, n] = swiglu_oai(x[token(r)] @ [gate_n; up_n]) for the rows r of one block of one expert.
 
     gate_up_proj [E, 2I, H] holds gate rows 0..I-1 then up rows I..2I-1; a program computes block_n gate
     columns and the same block_n up columns, so the activation happens in registers. Pair ids from
     routed_pairs on are the shared expert's (ws_ptr [2I, H]): token = pair - routed_pairs.
     SPLIT_TAIL: a block with at most BLOCK_M / 2 pairs (an expert's last, padded block) runs a half-height
-    tile -- the same rows, half the MMA work on padding."""
+    tile -- the same rows, half the MMA work on padding. SHARED_APART: the shared expert is s_inter wide, not
+    inter (same inner strides); n_cols = max(inter, s_inter) columns of tiles, a block's tiles past its
+    expert's width store nothing, and the shared expert's blocks call the tile with their own width (a
+    separate call keeps the routed one's argument hints)."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
-    pid_m, pid_n = _block_coords(tl.program_id(0), max_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    pid_m, pid_n = _block_coords(tl.program_id(0), max_blocks, tl.cdiv(n_cols, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     w_base = _expert_base(w_ptr, ws_ptr, expert, stride_we, shared_col, HAS_SHARED)
+    if SHARED_APART:
+        if expert == shared_col:
+            if pid_n * BLOCK_N < s_inter:
+                _gate_up_tile(x_ptr, w_base, act_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs, routed_pairs,
+                              hidden, s_inter, stride_xt, stride_xh, stride_wn, stride_wh, stride_am, stride_ai, alpha,
+                              limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
+            return
+        if pid_n * BLOCK_N >= inter:
+            return
     if SPLIT_TAIL and _valid_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M) <= BLOCK_M // 2:
         _gate_up_tile(x_ptr, w_base, act_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs, routed_pairs, hidden,
                       inter, stride_xt, stride_xh, stride_wn, stride_wh, stride_am, stride_ai, alpha, limit, TOP_K,
@@ -184,12 +196,13 @@ def _down_tile(act_ptr, w_base, contrib_ptr, weights_ptr, sorted_ptr, row0, pid_
 @triton.jit(do_not_specialize=["num_pairs", "routed_pairs", "max_blocks", "n_tok", "e_start"])
 def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
                  idx_ptr, out_ptr, cnt_ptr,
-                 num_pairs, routed_pairs, shared_col, max_blocks, hidden, inter, routed_scale, n_tok, e_start,
-                 num_local, stride_am, stride_ai, stride_we, stride_wh, stride_wi, stride_cp, stride_ch,
+                 num_pairs, routed_pairs, shared_col, max_blocks, hidden, inter, s_inter, routed_scale, n_tok, e_start,
+                 num_local, stride_am, stride_ai, stride_we, stride_wh, stride_wi, stride_swh, stride_cp, stride_ch,
                  stride_ot, stride_oh,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr, SPLIT_TAIL: tl.constexpr, TOP_K: tl.constexpr,
-                 FUSE_COMBINE: tl.constexpr, T_PAD: tl.constexpr, PDL: tl.constexpr):
+                 DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_APART: tl.constexpr,
+                 SPLIT_TAIL: tl.constexpr, TOP_K: tl.constexpr, FUSE_COMBINE: tl.constexpr, T_PAD: tl.constexpr,
+                 PDL: tl.constexpr):
     """contrib[pair(r)] = weight(pair(r)) * (act[r] @ down_proj[e]^T) for the rows r of one block; a routed
     pair's weight is its routing weight times routed_scale, a shared-expert pair's is 1. SPLIT_TAIL as in
     `_gate_up_kernel`. FUSE_COMBINE (n_tok <= T_PAD tokens, cnt [cdiv(hidden, BLOCK_N)] int32 zero between
@@ -215,7 +228,11 @@ def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, b
         return
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     w_base = _expert_base(w_ptr, ws_ptr, expert, stride_we, shared_col, HAS_SHARED)
-    if SPLIT_TAIL and _valid_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M) <= BLOCK_M // 2:
+    if SHARED_APART and expert == shared_col:  # its own K range and row stride (SHARED_APART: gate_up's)
+        _down_tile(act_ptr, w_base, contrib_ptr, weights_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs,
+                   routed_pairs, hidden, s_inter, routed_scale, stride_am, stride_ai, stride_swh, stride_wi,
+                   stride_cp, stride_ch, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
+    elif SPLIT_TAIL and _valid_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M) <= BLOCK_M // 2:
         _down_tile(act_ptr, w_base, contrib_ptr, weights_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs,
                    routed_pairs, hidden, inter, routed_scale, stride_am, stride_ai, stride_wh, stride_wi, stride_cp,
                    stride_ch, BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PREC)
@@ -276,36 +293,41 @@ def _combine_kernel(contrib_ptr, idx_ptr, out_ptr, hidden, e_start, num_local, r
 
 
 Shared = tuple[torch.Tensor, torch.Tensor]
-"""A shared expert's (gate_up_proj [2I, H], down_proj [H, I]), run as one more expert of the grouped GEMMs."""
+"""A shared expert's (gate_up_proj [2I_s, H], down_proj [H, I_s]; I_s may differ from the routed I), run as one
+more expert of the grouped GEMMs."""
 
 
 def _shared_weights(shared: Shared | None, w13: torch.Tensor, w2: torch.Tensor,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The shared expert's weights, checked to have the stacks' inner layout (the kernels index both with one
-    set of strides; no copy is made: this runs every step), or the stacks themselves as never-read
-    placeholders when there is none."""
+    """The shared expert's weights, checked against what the sorted GEMMs can index (no copy is made: this
+    runs every step): gate_up [2I_s, H] with the stacks' inner strides (I_s may differ from I), down [H, I_s]
+    with the stack's unit stride along I; or the stacks themselves as never-read placeholders when there is
+    none."""
     if shared is None:
         return w13, w2
     s13, s2 = shared
-    if s13.shape != w13.shape[1:] or s2.shape != w2.shape[1:] or s13.dtype != w13.dtype or s2.dtype != w2.dtype:
-        raise ValueError(f"a fused shared expert needs the routed experts' shape and dtype: gate_up {tuple(s13.shape)} "
-                         f"vs {tuple(w13.shape[1:])}, down {tuple(s2.shape)} vs {tuple(w2.shape[1:])}")
-    if s13.stride() != w13.stride()[1:] or s2.stride() != w2.stride()[1:]:
+    if (s13.dim() != 2 or s2.dim() != 2 or s13.shape[1] != w13.shape[2] or s2.shape[0] != w2.shape[1]
+            or s13.shape[0] != 2 * s2.shape[1] or s13.dtype != w13.dtype or s2.dtype != w2.dtype):
+        raise ValueError(f"a fused shared expert needs gate_up [2I_s, H] and down [H, I_s] of the routed experts' H and "
+                         f"dtype: gate_up {tuple(s13.shape)}, down {tuple(s2.shape)}, routed gate_up "
+                         f"{tuple(w13.shape[1:])}")
+    if s13.stride() != w13.stride()[1:] or s2.stride(1) != w2.stride(2):
         raise ValueError("a fused shared expert needs the routed stacks' inner strides (contiguous experts)")
     return s13, s2
 
 
 def shared_fusable(t: int, k: int, w13: torch.Tensor, w2: torch.Tensor, shared: Shared,
                    config: MoEConfig | None = None) -> bool:
-    """Whether `fused_experts(shared=...)` takes this shared expert for a step of t tokens: one of the
-    routed experts' shape and layout (every path), or of another width on the direct path (a step whose
-    config is direct: the sorted GEMMs index both with one set of strides, the direct kernels do not)."""
-    s13, s2 = shared
-    if (s13.shape == w13.shape[1:] and s2.shape == w2.shape[1:] and s13.stride() == w13.stride()[1:]
-            and s2.stride() == w2.stride()[1:] and s13.dtype == w13.dtype and s2.dtype == w2.dtype):
-        return True
+    """Whether `fused_experts(shared=...)` takes this shared expert for a step of t tokens (any width): the
+    direct path's conditions where the step's config is direct, else the sorted GEMMs' (`_shared_weights`)."""
     cfg = config or tuning.get_config(t, w13.shape[0], w13.shape[2], w2.shape[2], k, w13.dtype, w13.device)
-    return bool(cfg.direct) and direct.usable(w13, w2, shared)
+    if cfg.direct and direct.usable(w13, w2, shared):
+        return True
+    try:
+        _shared_weights(shared, w13, w2)
+    except ValueError:
+        return False
+    return True
 
 
 def _split_tail(cfg: MoEConfig) -> bool:
@@ -315,22 +337,24 @@ def _split_tail(cfg: MoEConfig) -> bool:
 
 def gate_up(x: torch.Tensor, w13: torch.Tensor, al: Alignment, top_k: int, alpha: float, limit: float,
             cfg: MoEConfig, shared_gate_up: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H] -> act [max_blocks * block_m, I] (rows of padding entries unwritten).
-    With `shared_gate_up` [2I, H] (w13's inner strides; alignment made with shared=True) the shared
-    expert's rows are computed too."""
+    """x [T, H], w13 [E, 2I, H] -> act [max_blocks * block_m, max(I, I_s)] (rows of padding entries
+    unwritten; a row's columns past its expert's width too). With `shared_gate_up` [2I_s, H] (w13's inner
+    strides; alignment made with shared=True) the shared expert's rows are computed too."""
     inter = w13.shape[1] // 2
     ws = w13 if shared_gate_up is None else shared_gate_up
-    act = torch.empty(al.max_blocks * al.block_m, inter, dtype=x.dtype, device=x.device)
-    grid = (al.max_blocks * triton.cdiv(inter, cfg.block_n),)
+    s_inter = ws.shape[-2] // 2
+    n_cols = max(inter, s_inter)
+    act = torch.empty(al.max_blocks * al.block_m, n_cols, dtype=x.dtype, device=x.device)
+    grid = (al.max_blocks * triton.cdiv(n_cols, cfg.block_n),)
     _gate_up_kernel[grid](
         x, w13, ws, act, al.sorted_ids, al.block_expert, al.num_blocks, al.num_pairs, al.routed_pairs,
         w13.shape[0], al.max_blocks,
-        x.shape[1], inter, x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        x.shape[1], inter, s_inter, n_cols, x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
         act.stride(0), act.stride(1), float(alpha), float(limit),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         DOT_PREC=_dot_precision(x.dtype), HAS_SHARED=shared_gate_up is not None,
-        SPLIT_TAIL=_split_tail(cfg), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl.args(x))
+        SHARED_APART=shared_gate_up is not None and s_inter != inter, SPLIT_TAIL=_split_tail(cfg),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(x))
     return act
 
 
@@ -340,9 +364,9 @@ COMBINE_FUSE_MAX_T = 16  # steps of up to this many tokens sum in down's last pr
 def down(act: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, al: Alignment, cfg: MoEConfig,
          shared_down: torch.Tensor | None = None, routed_scale: float = 1.0,
          combine_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None = None) -> torch.Tensor:
-    """act [rows, I], w2 [E, H, I], weights [T, k] (or flat [T*k]) -> contrib [num_pairs, H] in act.dtype
-    (rows of non-local pairs unwritten): routed rows weighted by weight * routed_scale, the shared expert's
-    rows (`shared_down` [H, I], alignment made with shared=True) by 1.
+    """act [rows, max(I, I_s)], w2 [E, H, I], weights [T, k] (or flat [T*k]) -> contrib [num_pairs, H] in
+    act.dtype (rows of non-local pairs unwritten): routed rows weighted by weight * routed_scale, the shared
+    expert's rows (`shared_down` [H, I_s], unit stride along I_s; alignment made with shared=True) by 1.
 
     combine_into = (idx [T, k] contiguous, out [T, H], counters, e_start, num_local) also writes
     combine(contrib, idx, e_start, num_local, out.dtype, shared) into out, from the same launch (T <=
@@ -350,6 +374,7 @@ def down(act: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, al: Alignme
     weights = weights.reshape(-1).float().contiguous()  # [T*k] fp32; no copy when it already is
     hidden, inter = w2.shape[1], w2.shape[2]
     ws = w2 if shared_down is None else shared_down
+    s_inter, s_row = (shared_down.shape[1], shared_down.stride(0)) if shared_down is not None else (inter, w2.stride(1))
     contrib = torch.empty(al.num_pairs, hidden, dtype=act.dtype, device=act.device)
     n_tiles = triton.cdiv(hidden, cfg.block_n)
     grid = (al.max_blocks * n_tiles,)
@@ -363,12 +388,12 @@ def down(act: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, al: Alignme
         idx, out, counters, e_start, num_local, n_tok, top_k = weights, contrib, weights, 0, 0, 0, 1
     _down_kernel[grid](
         act, w2, ws, contrib, weights, al.sorted_ids, al.block_expert, al.num_blocks, idx, out, counters,
-        al.num_pairs, al.routed_pairs, w2.shape[0], al.max_blocks, hidden, inter, float(routed_scale), n_tok,
-        e_start, num_local, act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+        al.num_pairs, al.routed_pairs, w2.shape[0], al.max_blocks, hidden, inter, s_inter, float(routed_scale), n_tok,
+        e_start, num_local, act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), s_row,
         contrib.stride(0), contrib.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         DOT_PREC=_dot_precision(act.dtype), HAS_SHARED=shared_down is not None,
-        SPLIT_TAIL=_split_tail(cfg), TOP_K=top_k, FUSE_COMBINE=combine_into is not None,
+        SHARED_APART=shared_down is not None and s_inter != inter, SPLIT_TAIL=_split_tail(cfg), TOP_K=top_k, FUSE_COMBINE=combine_into is not None,
         T_PAD=max(1, triton.next_power_of_2(n_tok)), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl.args(act))
     return contrib
