@@ -382,7 +382,7 @@ def time_step(shape: Shape, layers: list, t: int, tri, timer: Timer, dev: torch.
                 torch.mm(a, b)
 
         # the engine layer's expert FLOPs: the routed pairs and, fused into the same GEMMs, the shared expert
-        n_eng = t * (shape.top_k + (1 if layers[0].can_fuse_shared() else 0))
+        n_eng = t * (shape.top_k + (1 if layers[0].shared_joinable() else 0))
         a_eng = torch.randn(n_eng, shape.hidden, device=dev).to(dtype)  # [T*(k+1), H]
 
         def mm_engine_all():
@@ -401,7 +401,7 @@ def time_step(shape: Shape, layers: list, t: int, tri, timer: Timer, dev: torch.
             # K <= 3) are captured with programmatic dependent launch (m3eagle/pdl.py, M3EAGLE_PDL=auto)
             with pdl.scope(True):
                 r["engine_layer_pdl_us"] = timer(engine_layer_all, len(layers)) * 1e6
-        r["shared_fused"] = bool(layers[0].can_fuse_shared())
+        r["shared_fused"] = bool(layers[0].shared_joinable())
         if with_reference:
             r["ref_layer_us"] = timer(lambda: layer_all(ref_impl), len(layers)) * 1e6
         r["mm_us"] = timer(mm_all, len(layers)) * 1e6

@@ -286,9 +286,9 @@ class SparseMoE(nn.Module):
         return e.expert_range is None and (sh.alpha, sh.limit) == (e.alpha, e.limit)
 
     def can_fuse_shared(self) -> bool:
-        """The shared expert can run as one more routed expert: one rank holds every expert, the shared
-        expert has the routed experts' width and inner layout (the kernels index both with one set of
-        strides), and both use the same activation constants."""
+        """`shared_joinable`, and the shared expert has the routed experts' very shape and inner layout (one
+        set of strides indexes both). The triton kernels also take other widths (`shared_joinable` is what
+        the layer asks); this stricter test names the case any grouped-GEMM kernel could take."""
         e, sh = self.experts, self.shared_experts
         s13, s2 = sh.gate_up_proj.weight, sh.down_proj.weight
         return (e.expert_range is None and s13.shape == e.gate_up_proj.shape[1:] and s2.shape == e.down_proj.shape[1:]

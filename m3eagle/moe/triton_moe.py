@@ -393,7 +393,8 @@ def down(act: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, al: Alignme
         contrib.stride(0), contrib.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         DOT_PREC=_dot_precision(act.dtype), HAS_SHARED=shared_down is not None,
-        SHARED_APART=shared_down is not None and s_inter != inter, SPLIT_TAIL=_split_tail(cfg), TOP_K=top_k, FUSE_COMBINE=combine_into is not None,
+        SHARED_APART=shared_down is not None and s_inter != inter, SPLIT_TAIL=_split_tail(cfg), TOP_K=top_k,
+        FUSE_COMBINE=combine_into is not None,
         T_PAD=max(1, triton.next_power_of_2(n_tok)), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl.args(act))
     return contrib
