@@ -297,37 +297,41 @@ Shared = tuple[torch.Tensor, torch.Tensor]
 more expert of the grouped GEMMs."""
 
 
-def _shared_weights(shared: Shared | None, w13: torch.Tensor, w2: torch.Tensor,
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The shared expert's weights, checked against what the sorted GEMMs can index (no copy is made: this
-    runs every step): gate_up [2I_s, H] with the stacks' inner strides (I_s may differ from I), down [H, I_s]
-    with the stack's unit stride along I; or the stacks themselves as never-read placeholders when there is
-    none."""
-    if shared is None:
-        return w13, w2
+def _shared_problem(shared: Shared, w13: torch.Tensor, w2: torch.Tensor) -> str | None:
+    """Why the sorted GEMMs cannot index this shared expert, or None: they need gate_up [2I_s, H] with the
+    stacks' inner strides (I_s may differ from I) and down [H, I_s] with the stack's unit stride along I."""
     s13, s2 = shared
     if (s13.dim() != 2 or s2.dim() != 2 or s13.shape[1] != w13.shape[2] or s2.shape[0] != w2.shape[1]
             or s13.shape[0] != 2 * s2.shape[1] or s13.dtype != w13.dtype or s2.dtype != w2.dtype):
-        raise ValueError(f"a fused shared expert needs gate_up [2I_s, H] and down [H, I_s] of the routed experts' H and "
-                         f"dtype: gate_up {tuple(s13.shape)}, down {tuple(s2.shape)}, routed gate_up "
-                         f"{tuple(w13.shape[1:])}")
+        return (f"a fused shared expert needs gate_up [2I_s, H] and down [H, I_s] of the routed experts' H and dtype: "
+                f"gate_up {tuple(s13.shape)}, down {tuple(s2.shape)}, routed gate_up {tuple(w13.shape[1:])}")
     if s13.stride() != w13.stride()[1:] or s2.stride(1) != w2.stride(2):
-        raise ValueError("a fused shared expert needs the routed stacks' inner strides (contiguous experts)")
-    return s13, s2
+        return "a fused shared expert needs the routed stacks' inner strides (contiguous experts)"
+    return None
+
+
+def _shared_weights(shared: Shared | None, w13: torch.Tensor, w2: torch.Tensor,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared expert's weights, checked against what the sorted GEMMs can index (`_shared_problem`; no
+    copy is made: this runs every step), or the stacks themselves as never-read placeholders when there is
+    none."""
+    if shared is None:
+        return w13, w2
+    problem = _shared_problem(shared, w13, w2)
+    if problem is not None:
+        raise ValueError(problem)
+    return shared
 
 
 def shared_fusable(t: int, k: int, w13: torch.Tensor, w2: torch.Tensor, shared: Shared,
                    config: MoEConfig | None = None) -> bool:
     """Whether `fused_experts(shared=...)` takes this shared expert for a step of t tokens (any width): the
-    direct path's conditions where the step's config is direct, else the sorted GEMMs' (`_shared_weights`)."""
-    cfg = config or tuning.get_config(t, w13.shape[0], w13.shape[2], w2.shape[2], k, w13.dtype, w13.device)
-    if cfg.direct and direct.usable(w13, w2, shared):
+    sorted GEMMs' conditions (then every path can), else the direct path's where the step's config is
+    direct (its kernels index the shared expert with its own strides)."""
+    if _shared_problem(shared, w13, w2) is None:
         return True
-    try:
-        _shared_weights(shared, w13, w2)
-    except ValueError:
-        return False
-    return True
+    cfg = config or tuning.get_config(t, w13.shape[0], w13.shape[2], w2.shape[2], k, w13.dtype, w13.device)
+    return bool(cfg.direct) and direct.usable(w13, w2, shared)
 
 
 def _split_tail(cfg: MoEConfig) -> bool:
