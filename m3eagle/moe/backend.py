@@ -79,16 +79,15 @@ class TritonMoE:
                            limit, routed_scale):
         """routed_scale * experts(...) + the shared expert (shared_gate_up [2I_s, H], shared_down [H, I_s]) on
         x, from the routed kernels' launches: the shared expert is one more expert that every token uses
-        (`triton_moe.fused_experts(shared=...)`). All experts, one rank. None where this step cannot take
-        it (`triton_moe.shared_fusable`: a width other than the routed experts' off the direct path): the
-        caller runs the shared expert apart."""
+        (`triton_moe.fused_experts(shared=...)`; any width). All experts, one rank. None where this step
+        cannot take it (`triton_moe.shared_fusable`: another dtype, or inner strides the sorted GEMMs cannot
+        index off the direct path): the caller runs the shared expert apart."""
         if not self._mod.shared_fusable(x.shape[0], idx.shape[1], gate_up_proj, down_proj,
                                         (shared_gate_up, shared_down), self.config):
             return None
         return self._mod.fused_experts(x, weights, idx, gate_up_proj, down_proj, alpha, limit, None,
                                        config=self.config, shared=(shared_gate_up, shared_down),
                                        routed_scale=routed_scale, combine_counters=self._combine_counters(x))
-
 
     def route_experts_and_shared(self, x, router_weight, router_bias, top_k, gate_up_proj, down_proj, shared_gate_up,
                                  shared_down, alpha, limit, routed_scale) -> torch.Tensor | None:
