@@ -1,7 +1,8 @@
 """Routed experts for a handful of tokens, without sorting: each (token, k) pair reads its expert directly.
 
-    idx [T, k] ──_direct_gate_up_kernel──► act [T*k (+T), I]   grid (pairs, I-tiles): one GEMV per pair,
-                                                              SwiGLU-OAI in registers
+    idx [T, k] ──_direct_gate_up_kernel──► act [T*k (+T), I']  grid (pairs, I'-tiles): one GEMV per pair,
+                                                              SwiGLU-OAI in registers (I' = max(I, I_s):
+                                                              a shared expert may be of another width)
     act ──_direct_down_kernel──► out [T, H]                    grid (T, H-tiles): the token's k experts
                                                               (+ the shared one) and their weighted sum
 
@@ -133,8 +134,8 @@ def _route_shared_kernel(x_ptr, rw_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx
     """The router and the shared expert's gate_up in one launch: programs [0, T * n_prog) are the fused
     router's (`_router_topk_program`, bit-equal to its own launch), the rest the shared expert's gate_up
     tiles (`_gate_up_rows`: token q // n_tiles, column tile q % n_tiles of its s_inter columns, act row
-    T*TOP_K + token). The
-    shared expert needs no routing, so its weight stream overlaps the router's latency."""
+    T*TOP_K + token). The shared expert needs no routing, so its weight stream overlaps the router's
+    latency."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     pid = tl.program_id(0)
     n_router = T * n_prog
