@@ -96,9 +96,11 @@ class TritonMoE:
         then `experts_and_shared`); None where it does not apply (the caller routes and calls
         experts_and_shared)."""
         t = x.shape[0]
+        direct = self._mod.direct
+        if t > direct.triton_fused.ROUTER_GEMV_MAX_T:  # past the decode router: no table lookup per layer
+            return None
         cfg = self.config or self._mod.tuning.get_config(t, gate_up_proj.shape[0], x.shape[1], down_proj.shape[2],
                                                         top_k, x.dtype, x.device)
-        direct = self._mod.direct
         shared = (shared_gate_up, shared_down)  # any width: the direct kernels index it apart
         if not (cfg.direct and cfg.route_shared and direct.usable(gate_up_proj, down_proj, shared)
                 and gate_up_proj.dtype == x.dtype and down_proj.dtype == x.dtype

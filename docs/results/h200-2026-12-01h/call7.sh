@@ -1,10 +1,10 @@
 # A narrower shared expert fused into the direct MoE kernels (the embedded target): embedded bench at batch 1
-# with the four MoE files of the commit before (call7_base/) and with this tree; the embedded decode tune;
+# with the four MoE files of the commit before (call7_base.patch reversed) and with this tree; the embedded decode tune;
 # the bench again with the table it wrote; the GPU test file.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5
 L=$OUT/logs; mkdir -p $L; t0=$SECONDS
 B=/tmp/base; rm -rf $B; mkdir -p $B; cp -r m3eagle $B/
-for f in moe/direct.py moe/triton_moe.py moe/backend.py models/layers.py; do cp docs/results/h200-2026-12-01h/call7_base/${f//\//_} $B/m3eagle/$f; done
+(cd $B && git apply -R $OLDPWD/docs/results/h200-2026-12-01h/call7_base.patch)  # the four MoE files of aefc217
 bench() { timeout 120 python3 -m m3eagle bench --geometry embedded --batch-sizes 1 --max-tokens 128 --repeats 5 --kernel-table 12 --json $L/$1.json > $L/$1.log 2>&1; echo "[$((SECONDS-t0)) s] $1 exit $?"; grep -A3 "^batch mode" $L/$1.log | tail -2; }
 (cd $B && PYTHONPATH=$B bench base)
 bench new

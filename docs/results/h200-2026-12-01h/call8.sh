@@ -1,9 +1,9 @@
 # A shared expert of another width in the sorted grouped GEMMs (the embedded target at batch 32): the embedded
-# bench at batch 32 with triton_moe.py of the commit before (call8_base/) and with this tree, alternating; the
+# bench at batch 32 with triton_moe.py of the commit before (call8_base.patch reversed) and with this tree, alternating; the
 # MoE bench's checks at the embedded shape; the GPU test file.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=5
 L=$OUT/logs; mkdir -p $L; t0=$SECONDS
-B=/tmp/base; rm -rf $B; mkdir -p $B; cp -r m3eagle $B/; cp docs/results/h200-2026-12-01h/call8_base/moe_triton_moe.py $B/m3eagle/moe/triton_moe.py
+B=/tmp/base; rm -rf $B; mkdir -p $B; cp -r m3eagle $B/; (cd $B && git apply -R $OLDPWD/docs/results/h200-2026-12-01h/call8_base.patch)  # triton_moe.py of 5f2fb4a
 bench() { timeout 120 python3 -m m3eagle bench --geometry embedded --batch-sizes 32 --max-tokens 128 --repeats 5 --num-scheduler-steps 8 --max-prefill-graph-tokens 2048 --kernel-table 14 --json $L/$1.json > $L/$1.log 2>&1; echo "[$((SECONDS-t0)) s] $1 exit $?"; grep -A3 "^batch mode" $L/$1.log | tail -2; }
 (cd $B && PYTHONPATH=$B bench base)
 bench new
