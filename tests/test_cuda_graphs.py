@@ -434,3 +434,85 @@ def test_moe_route_shared_and_down_preload_under_pdl_graphs_equal_the_separate_l
                     assert all(torch.equal(a, b) for a, b in zip(g, want))
         finally:
             direct.route_direct_experts = real
+
+
+@pytest.mark.parametrize("e,h,i,s_i,k", [(32, 2048, 1024, 1024, 4), (4, 256, 160, 128, 2)])  # m3-mini, embedded
+def test_moe_one_launch_under_pdl_graphs_equals_eager_and_the_three_launches(e, h, i, s_i, k):
+    """The whole decode MoE layer in one launch (moe/one_launch.py: programs that wait on one another's
+    counters), at m3-mini's and the embedded target's shapes in bf16, T = 1, 2, 4: three layers captured in
+    one CUDA graph with programmatic dependent launch, replayed 40 times on new inputs without a sync
+    between replays, equal bit for bit to the same launches run eagerly without PDL; within bf16 rounding
+    of the three-launch direct path; the counters left zero (a replay starts from them)."""
+    from m3eagle import pdl
+    from m3eagle.fused import backend as fused_backend
+    from m3eagle.models.layers import SparseMoE
+    from m3eagle.moe import backend as moe_backend
+    from m3eagle.moe import one_launch
+    from m3eagle.moe.tuning import MoEConfig
+    from m3eagle.ops import Ops
+
+    torch.manual_seed(1)
+    layers = []
+    for _ in range(3):
+        moe = SparseMoE(h, i, s_i, e, k, scaling=2.5, alpha=1.702, limit=7.0).cuda()
+        with torch.no_grad():
+            for p in moe.parameters():
+                p.copy_(torch.randn_like(p) * 0.03)
+            moe.gate.e_score_correction_bias.copy_(torch.randn(e, device="cuda") * 0.01)
+        moe.experts.bfloat16()
+        moe.shared_experts.bfloat16()
+        layers.append(moe)
+    fused = fused_backend.create("triton")
+    one = MoEConfig(16, 4, 1024, num_stages=1, direct=1, down_block_n=1, down_block_k=1024, down_preload=1,
+                    route_shared=1, one_launch=1)
+    three = MoEConfig(16, 4, 1024, num_stages=1, direct=1, down_block_n=1, down_block_k=1024, down_preload=1,
+                      route_shared=1)
+    impl = moe_backend.create("triton", config=one)
+    ops_one = Ops(attention=None, moe=impl, fused=fused)
+    ops_three = Ops(attention=None, moe=moe_backend.create("triton", config=three), fused=fused)
+    assert pdl._capable(torch.cuda.current_device())
+
+    def run(x, ops):
+        outs = []
+        for moe in layers:
+            a, _, _ = moe.forward_parts(x, ops)
+            outs.append(a)
+            x = a
+        return outs
+
+    calls: list[int] = []
+    real = one_launch.moe_layer
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    one_launch.moe_layer = spy
+    try:
+        for t in (1, 2, 4):
+            x = torch.randn(t, h, device="cuda").bfloat16()
+            calls.clear()
+            with torch.no_grad():
+                run(x, ops_one)  # eager: compiles, makes the counters
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with pdl.scope(True), torch.cuda.graph(graph):
+                    outs = run(x, ops_one)
+                assert len(calls) == 6  # three layers, eager and captured: the one launch is used
+                news = [torch.randn(t, h, device="cuda").bfloat16() for _ in range(40)]
+                got = []
+                for new in news:
+                    x.copy_(new)
+                    graph.replay()
+                    got.append([o.clone() for o in outs])
+                torch.cuda.synchronize()
+                sync = impl._layer_sync.get(x.device)
+                assert not sync.any() and not impl._route_counters.get(x.device).any()
+                for n, (new, g) in enumerate(zip(news, got)):
+                    want = run(new, ops_one)
+                    assert all(torch.equal(a, b) for a, b in zip(g, want)), n
+                    if n < 4:  # the three-launch path: the same routing and act; down's sums may round apart
+                        for a, b in zip(g, run(new, ops_three)):
+                            assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max()
+    finally:
+        one_launch.moe_layer = real
