@@ -57,9 +57,10 @@ class TritonMoE:
 
     def __init__(self, config: Any = None, fuse_combine: bool = True) -> None:
         from ..fused.gemv import SplitCounters
-        from . import triton_moe  # imports triton
+        from . import one_launch, triton_moe  # import triton
 
         self._mod = triton_moe
+        self._one = one_launch
         self.config = config
         self.fuse_combine = fuse_combine  # decode-sized steps sum in the down launch (triton_moe docstring)
         self._counters = SplitCounters()  # this backend's fused-combine counters, per device
@@ -103,7 +104,7 @@ class TritonMoE:
         cfg = self.config or self._mod.tuning.get_config(t, gate_up_proj.shape[0], x.shape[1], down_proj.shape[2],
                                                         top_k, x.dtype, x.device)
         shared = (shared_gate_up, shared_down)  # any width: the direct kernels index it apart
-        one = self._mod.one_launch.fits(cfg, t, down_proj.shape[2], shared_down.shape[1])
+        one = self._one.fits(cfg, t, down_proj.shape[2], shared_down.shape[1])
         if not (cfg.direct and (cfg.route_shared or one) and direct.usable(gate_up_proj, down_proj, shared)
                 and gate_up_proj.dtype == x.dtype and down_proj.dtype == x.dtype
                 and direct.can_route(x, router_weight, top_k, cfg)):
@@ -113,8 +114,8 @@ class TritonMoE:
         if counters is None or counters.numel() < t or (one and sync is None):
             return None  # first call under CUDA-graph capture: the engine's eager warm-up makes them first
         if one:
-            return self._mod.one_launch.moe_layer(x, router_weight, router_bias, top_k, counters, sync, gate_up_proj,
-                                                  down_proj, alpha, limit, cfg, shared, routed_scale)
+            return self._one.moe_layer(x, router_weight, router_bias, top_k, counters, sync, gate_up_proj, down_proj,
+                                       alpha, limit, cfg, shared, routed_scale)
         return direct.route_direct_experts(x, router_weight, router_bias, top_k, counters, gate_up_proj, down_proj,
                                            alpha, limit, cfg, shared, routed_scale)
 

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from .. import pdl
 from ..pdl import pdl_wait
-from . import direct, one_launch, tuning
+from . import direct, tuning
 from .align import Alignment, align
 from .reference import local_experts
 from .tuning import MoEConfig
