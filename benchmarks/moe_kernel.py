@@ -453,13 +453,6 @@ def candidates(bucket: int, dev: torch.device):
     # m3-8b's router (H 4096) runs 8 warps: the route + shared launch needs gate_up at the same count
     direct += [C(16, bn, bk, num_stages=1, direct=1, down_block_n=dbn, down_block_k=2048, num_warps=8,
                  down_preload=1, route_shared=1) for bn, bk in ((2, 1024), (4, 1024)) for dbn in (1, 2)]
-    # the whole layer in one launch (m3eagle/moe/one_launch.py): one down K tile over I (2048 covers m3-8b's
-    # 1536, 256 the embedded 160); 8 warps where the router runs 8 (m3-8b)
-    direct += [C(16, bn, bk, num_stages=1, direct=1, down_block_n=dbn, down_block_k=dbk, num_warps=w,
-                 down_preload=1, route_shared=1, one_launch=1)
-               for bn, bk in ((2, 1024), (4, 1024), (8, 1024), (4, 512), (8, 256))
-               for dbn, dbk in ((1, 1024), (2, 1024), (4, 1024), (1, 2048), (2, 2048), (4, 256), (8, 256))
-               for w in (4, 8)]
     if dev.type != "cuda":  # interpreter smoke test: cheap configs
         return [C(16, 32, 32, 1, 4, 3), C(32, 16, 64, 4, 4, 3)] + (
             [C(16, 16, 32, num_stages=1, direct=1, down_block_n=8, down_block_k=32)] if bucket <= 4 else [])
@@ -492,15 +485,6 @@ def candidates(bucket: int, dev: torch.device):
     if bucket == 256:
         return decode + [c for c in prefill if c not in decode]
     return prefill
-
-
-def one_launch_runs(cfg, shape: Shape, t: int) -> bool:
-    """Whether a one_launch candidate runs as one launch for this shape and step (not its fallback)."""
-    from m3eagle.fused import triton_fused
-    from m3eagle.moe import one_launch
-
-    return (one_launch.fits(cfg, t, shape.inter, shape.shared)
-            and triton_fused._gemv_blocks(t, shape.experts, shape.hidden)[2] == cfg.num_warps)
 
 
 def align_sweep(dev: torch.device, timer: Timer) -> list[dict]:
@@ -542,8 +526,6 @@ def tune_shape(shape: Shape, layers: list, dev: torch.device, dtype: torch.dtype
             ref = experts_as_engine(backend.reference(), layers[0], x, w0, idx0)
         results = []
         for cfg in candidates(b, dev):
-            if cfg.one_launch and not one_launch_runs(cfg, shape, b):
-                continue  # it would time the entry's fallback, a candidate of its own
             ops = Ops(attention=None, moe=backend.create("triton", config=cfg), fused=fused)
             try:
                 with torch.no_grad():

@@ -108,14 +108,6 @@ def workload() -> None:
                                 torch.zeros(64, dtype=torch.int32), w13, w2, 1.702, 7.0,
                                 MoEConfig(16, 16, 32, num_stages=1, direct=1, down_block_n=8, down_block_k=64,
                                           down_preload=1, route_shared=1), (w13[0], w2[0]), 2.5)
-    # the whole decode layer in one launch (moe/one_launch.py; the table asks for it on the H200 only), with a
-    # shared expert of another width
-    from m3eagle.moe import one_launch
-
-    one_launch.moe_layer(xs[:1], torch.randn(8, 64, generator=g), torch.zeros(8), 2, torch.zeros(64, dtype=torch.int32),
-                         torch.zeros(one_launch.SYNC_SLOTS, dtype=torch.int32), w13, w2, 1.702, 7.0,
-                         MoEConfig(16, 16, 32, num_stages=1, direct=1, down_block_n=8, down_block_k=64, one_launch=1),
-                         (w13[0, :48], w2[0, :, :24]), 2.5)
     # the tiled router's other block shapes (long prompts, MiniMax-M3's 128 experts)
     from m3eagle.fused import triton_fused
 

@@ -852,8 +852,7 @@ def _router_topk_program(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_
                          BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ALL: tl.constexpr,
                          BLOCK_K: tl.constexpr):
     """One program of `_router_topk_kernel` (token t, expert block pid_e); also the router programs of the
-    MoE's route + shared-expert launch (moe/direct.py) and of its one-launch layer (moe/one_launch.py), so
-    they route bit-equally. Returns whether this program was the token's last (the one that routed it)."""
+    MoE's route + shared-expert launch (moe/direct.py), so the two route bit-equally."""
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     em = offs_e < n_exp
     logits = _router_gemv_rows(x_ptr, w_ptr, t, offs_e, em, hidden, stride_x, stride_w, BLOCK_E, BLOCK_H)
@@ -864,7 +863,6 @@ def _router_topk_program(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_
         tl.store(cnt_ptr + t, 0)
         _route_row(lg_ptr + t * n_exp, bias_ptr, wout_ptr + t * TOP_K, idx_ptr + t * TOP_K, n_exp, TOP_K,
                    PRECISE, BLOCK_ALL, BLOCK_K, ".cg")
-    return done == n_prog - 1  # whether this program routed the token (moe/one_launch.py signals it)
 
 
 @triton.jit

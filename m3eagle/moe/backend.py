@@ -57,15 +57,13 @@ class TritonMoE:
 
     def __init__(self, config: Any = None, fuse_combine: bool = True) -> None:
         from ..fused.gemv import SplitCounters
-        from . import one_launch, triton_moe  # import triton
+        from . import triton_moe  # imports triton
 
         self._mod = triton_moe
-        self._one = one_launch
         self.config = config
         self.fuse_combine = fuse_combine  # decode-sized steps sum in the down launch (triton_moe docstring)
         self._counters = SplitCounters()  # this backend's fused-combine counters, per device
         self._route_counters = SplitCounters()  # the route + shared launch's per-token counters, per device
-        self._layer_sync = SplitCounters()  # the one-launch layer's ticket and per-token counters, per device
 
     def _combine_counters(self, x: torch.Tensor) -> torch.Tensor | None:
         """The zeroed counters of x's device (made on the first eager call; None while a CUDA graph is being
@@ -93,10 +91,10 @@ class TritonMoE:
 
     def route_experts_and_shared(self, x, router_weight, router_bias, top_k, gate_up_proj, down_proj, shared_gate_up,
                                  shared_down, alpha, limit, routed_scale) -> torch.Tensor | None:
-        """The whole SparseMoE output, routing included, where the step's tuning entry asks for the one-launch
-        layer (`one_launch.moe_layer`, where it fits) or the route + shared-expert launch
-        (`direct.route_direct_experts`: bit-equal to routing with the triton fused ops then
-        `experts_and_shared`); None where neither applies (the caller routes and calls experts_and_shared)."""
+        """The whole SparseMoE output, routing included, where the step's tuning entry asks for the route +
+        shared-expert launch (`direct.route_direct_experts`: bit-equal to routing with the triton fused ops
+        then `experts_and_shared`); None where it does not apply (the caller routes and calls
+        experts_and_shared)."""
         t = x.shape[0]
         direct = self._mod.direct
         if t > direct.triton_fused.ROUTER_GEMV_MAX_T:  # past the decode router: no table lookup per layer
@@ -104,18 +102,13 @@ class TritonMoE:
         cfg = self.config or self._mod.tuning.get_config(t, gate_up_proj.shape[0], x.shape[1], down_proj.shape[2],
                                                         top_k, x.dtype, x.device)
         shared = (shared_gate_up, shared_down)  # any width: the direct kernels index it apart
-        one = self._one.fits(cfg, t, down_proj.shape[2], shared_down.shape[1])
-        if not (cfg.direct and (cfg.route_shared or one) and direct.usable(gate_up_proj, down_proj, shared)
+        if not (cfg.direct and cfg.route_shared and direct.usable(gate_up_proj, down_proj, shared)
                 and gate_up_proj.dtype == x.dtype and down_proj.dtype == x.dtype
                 and direct.can_route(x, router_weight, top_k, cfg)):
             return None
         counters = self._route_counters.get(x.device)
-        sync = self._layer_sync.get(x.device) if one else None
-        if counters is None or counters.numel() < t or (one and sync is None):
+        if counters is None or counters.numel() < t:
             return None  # first call under CUDA-graph capture: the engine's eager warm-up makes them first
-        if one:
-            return self._one.moe_layer(x, router_weight, router_bias, top_k, counters, sync, gate_up_proj, down_proj,
-                                       alpha, limit, cfg, shared, routed_scale)
         return direct.route_direct_experts(x, router_weight, router_bias, top_k, counters, gate_up_proj, down_proj,
                                            alpha, limit, cfg, shared, routed_scale)
 

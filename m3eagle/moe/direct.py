@@ -222,27 +222,14 @@ def _direct_down_kernel(act_ptr, idx_ptr, wts_ptr, w_ptr, ws_ptr, out_ptr, T, e_
                 acc_s += _load_k(s_ptrs, s_ok, S_EVEN_K).to(tl.float32) * _load_k(sa_ptrs, s_ok, S_EVEN_K).to(tl.float32)
                 s_ptrs += BLOCK_K
                 sa_ptrs += BLOCK_K
-    if not HAS_SHARED:
-        acc_s = acc  # a placeholder: _down_sum reads it only with a shared expert
-    _down_sum(acc, acc_s, pair, live, wts_ptr, out_ptr + t.to(tl.int64) * stride_ot, offs_n, hidden, routed_scale,
-              HAS_SHARED, "")
-
-
-@triton.jit
-def _down_sum(acc, acc_s, pair, live, wts_ptr, out_row, offs_n, hidden, routed_scale, HAS_SHARED: tl.constexpr,
-              CACHE: tl.constexpr):
-    """out_row[n-tile] from down's products: acc [KP, BN, BK] (the k experts') and acc_s [BN, BK] (the shared
-    expert's, with HAS_SHARED). Each expert's output rounded to out's dtype, weighted in fp32 (routing
-    weight * routed_scale), rounded again, the rows summed in fp32 in one fixed order. CACHE: the routing
-    weights' load modifier (".cg" where this launch wrote them on another SM)."""
-    out_ty = out_row.dtype.element_ty
+    out_ty = out_ptr.dtype.element_ty
     y = tl.sum(acc, axis=2).to(out_ty).to(tl.float32)  # [KP, BN]: each expert's output, rounded
-    route_w = tl.load(wts_ptr + pair, mask=live, other=0.0, cache_modifier=CACHE).to(tl.float32) * routed_scale
-    y = (y * route_w[:, None]).to(out_ty).to(tl.float32)  # [KP, BN]; dead slots: 0 * 0
+    route_w = tl.load(wts_ptr + pair, mask=live, other=0.0).to(tl.float32) * routed_scale  # [KP]
+    y = (y * route_w[:, None]).to(out_ty).to(tl.float32)  # dead slots: 0 * 0
     total = tl.sum(y, axis=0)  # [BN]
     if HAS_SHARED:
         total += tl.sum(acc_s, axis=1).to(out_ty).to(tl.float32)
-    tl.store(out_row + offs_n, total.to(out_ty), mask=offs_n < hidden)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, total.to(out_ty), mask=offs_n < hidden)
 
 
 def usable(w13: torch.Tensor, w2: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None) -> bool:

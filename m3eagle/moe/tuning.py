@@ -53,9 +53,6 @@ class MoEConfig:
     # (`direct.route_direct_experts`; when the layer fuses its shared expert and routes with the triton ops).
     down_preload: int = 0
     route_shared: int = 0
-    # Direct path only. one_launch 1: the whole layer -- router, shared expert, routed gate_up, down -- in one
-    # launch (`one_launch.moe_layer`) where it fits (one down K tile over I); else as the flags above say.
-    one_launch: int = 0
 
     def down(self) -> MoEConfig:
         """The config the sorted path's down GEMM runs with (block_m, group_m, warps, stages shared)."""
@@ -71,8 +68,7 @@ class MoEConfig:
     def to_dict(self) -> dict:
         """Fields at their defaults are left out, so the table's sorted-path rows stay as they were."""
         d = asdict(self)
-        for f in ("direct", "down_block_n", "down_block_k", "split_tail", "down_preload", "route_shared",
-                  "one_launch"):
+        for f in ("direct", "down_block_n", "down_block_k", "split_tail", "down_preload", "route_shared"):
             if d[f] == 0:
                 del d[f]
         return d
