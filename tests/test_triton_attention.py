@@ -623,3 +623,70 @@ def test_model_logits_match_reference_backend():
     for max_kv in (22, 96):  # the step's own bound, and a graph-style fixed one
         for r, t in zip(ref, run_steps(model, "triton", max_kv)):
             assert_close(t, r)
+
+
+# ---- the split combine inside the attention launch (_combine_if_last) -----------------------------------
+
+
+def combine_launches(monkeypatch) -> list[int]:
+    """Counts `_combine_kernel` launches, so a test sees which combine ran."""
+    seen: list[int] = []
+    real = triton_kernels._combine
+
+    def spy(*a, **kw):
+        seen.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(triton_kernels, "_combine", spy)
+    return seen
+
+
+@pytest.mark.parametrize("q_lens,kv_lens,page_size", MIXED)
+def test_split_attention_combines_in_its_last_programs(q_lens, kv_lens, page_size, monkeypatch):
+    """With split counters, dense and sparse split launches combine in their last split programs: no
+    combine launch, every (token, head) written, equal to the reference and (to rounding) to the separate
+    combine; the counters are left zero (the next launch counts from them); without counters, or with
+    more tiles than counters, the separate launch runs."""
+    s = make_step(sum(kv_lens) + page_size, q_lens, kv_lens, page_size, hq=4, hkv=2, d=16)
+    ref = reference.paged_attention(s.q, s.k, s.v, s.meta, 0.3)
+    combines = combine_launches(monkeypatch)
+    counters = torch.zeros(64, dtype=torch.int32)
+    for splits in (2, 3, 5):
+        fused = torch.full_like(s.q, float("nan"))
+        triton_kernels.dense_attention(s.q, s.k, s.v, s.meta, 0.3, num_splits=splits, block_n=16, out=fused,
+                                       counters=counters)
+        assert combines == [] and not counters.any()
+        assert_close(fused, ref)
+        apart = triton_kernels.dense_attention(s.q, s.k, s.v, s.meta, 0.3, num_splits=splits, block_n=16)
+        assert combines == [1]
+        torch.testing.assert_close(fused, apart, rtol=1e-6, atol=1e-6)
+        combines.clear()
+    few = torch.zeros(1, dtype=torch.int32)  # fewer counters than tiles: the separate launch
+    triton_kernels.dense_attention(s.q, s.k, s.v, s.meta, 0.3, num_splits=3, block_n=16, counters=few)
+    assert combines == [1] and not few.any()
+    # sparse: an arbitrary selection with every query's own block
+    t, nb = s.q.shape[0], -(-s.meta.max_kv // 4)
+    gen = torch.Generator().manual_seed(page_size)
+    sel = torch.randint(0, nb, (t, 2, 4), generator=gen)
+    sel[:, :, 0] = torch.div(s.meta.positions, 4, rounding_mode="floor")[:, None]
+    sel = torch.stack([_distinct(r) for r in sel.view(-1, 4)]).view(t, 2, 4)
+    combines.clear()
+    apart = triton_kernels.sparse_attention(s.q, s.k, s.v, s.meta, 0.3, sel, 4, num_splits=3)
+    fused = torch.full_like(s.q, float("nan"))
+    triton_kernels.sparse_attention(s.q, s.k, s.v, s.meta, 0.3, sel, 4, num_splits=3, out=fused, counters=counters)
+    assert combines == [1] and not counters.any()
+    torch.testing.assert_close(fused, apart, rtol=1e-6, atol=1e-6)
+
+
+def test_backend_fuses_the_combine_unless_told_not_to(monkeypatch):
+    """TritonBackend passes its own counters (fuse_combine, default on); fuse_combine=False launches the
+    combine; both match the reference on a split decode step (few rows, long keys: the policy splits)."""
+    s = make_step(77, [1, 1], [61, 40], 8, hq=4, hkv=2, d=16)
+    ref = reference.paged_attention(s.q, s.k, s.v, s.meta, 0.3)
+    combines = combine_launches(monkeypatch)
+    on, off = TritonBackend(min_keys_per_split=8), TritonBackend(min_keys_per_split=8, fuse_combine=False)
+    assert_close(on.attention(s.q, s.k, s.v, s.meta, 0.3), ref)
+    assert combines == []
+    assert_close(off.attention(s.q, s.k, s.v, s.meta, 0.3), ref)
+    assert combines == [1]
+    assert not on._counters.get(s.q.device).any()
