@@ -199,8 +199,9 @@ def _dense_attn_kernel(
 
     Split s covers keys [s * kps, (s + 1) * kps) with kps = cdiv(kv_len, splits) rounded up to whole
     key tiles, from the row's device kv_len: a grid sized for max_kv spreads a short row over as many
-    programs as it can use, and the rest find an empty range and write an empty partial. FUSE_COMBINE (SPLIT): the last split of
-    each (row tile, KV head) combines them (`_combine_if_last`; Counters [>= tiles] int32, zero)."""
+    programs as it can use, and the rest find an empty range and write an empty partial.
+    FUSE_COMBINE (SPLIT): the last split of each (row tile, KV head) combines them (`_combine_if_last`;
+    Counters [>= tiles] int32, zero)."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     pid = tl.program_id(0)
     row = pid // n_qtiles
