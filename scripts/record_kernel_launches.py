@@ -108,19 +108,6 @@ def workload() -> None:
                                 torch.zeros(64, dtype=torch.int32), w13, w2, 1.702, 7.0,
                                 MoEConfig(16, 16, 32, num_stages=1, direct=1, down_block_n=8, down_block_k=64,
                                           down_preload=1, route_shared=1), (w13[0], w2[0]), 2.5)
-    # split attention (the CPU run's contexts are too short to split): the combine in the last split programs
-    # (split counters) and as its own launch
-    from m3eagle.attention import triton_kernels as tk
-    from m3eagle.attention.metadata import build_metadata
-
-    meta = build_metadata([1, 3], torch.tensor([90, 70]), torch.arange(1, 15).view(2, 7), 16, torch.device("cpu"),
-                          max_kv=96)
-    q = torch.randn(4, 4, 64, generator=g).bfloat16()
-    kv = [torch.randn(240, 2, 64, generator=g).bfloat16() for _ in range(2)]
-    sel = torch.tensor([[[0, 2, 5]] * 2, [[1, 3, 4]] * 2, [[0, 1, 4]] * 2, [[2, 3, 4]] * 2])
-    for c in (torch.zeros(64, dtype=torch.int32), None):
-        tk.dense_attention(q, *kv, meta, 0.1, num_splits=3, block_n=32, counters=c)
-        tk.sparse_attention(q, *kv, meta, 0.1, sel, 16, num_splits=3, counters=c)
     # the tiled router's other block shapes (long prompts, MiniMax-M3's 128 experts)
     from m3eagle.fused import triton_fused
 

@@ -8,11 +8,7 @@ captured CUDA graph fixes. No blocking CPU operation in this path.
 One sparse layer on this backend, per step:
 
     indexer   _indexer_kernel (+ _index_merge_kernel when split)   iq, index-K  -> sel [T, Hi, k]
-    attention _sparse_attn_kernel (split: its last programs combine)  q, K/V, sel  -> out [T, Hq, D]
-
-Split attention launches combine their pieces in their own last programs (`fuse_combine`, on by default:
-one launch fewer per split call -- a batch-1 K=3 step of the embedded pair splits four dense calls), with
-split counters this backend owns per device (zero between launches, like the MoE's).
+    attention _sparse_attn_kernel (+ _combine_kernel when split)   q, K/V, sel  -> out [T, Hq, D]
 """
 
 from __future__ import annotations
@@ -21,7 +17,6 @@ import functools
 
 import torch
 
-from ..fused.gemv import SplitCounters
 from . import triton_kernels
 from .metadata import AttnMetadata
 
@@ -60,7 +55,7 @@ class TritonBackend:
                  block_n: int | None = None, sparse_tile_min_q: int | None = None,
                  min_index_keys_per_split: int | None = None, max_index_splits: int = 512,
                  index_num_warps: int | None = None, index_keys_per_iter: int = 256,
-                 index_merge_warps: int | None = None, fuse_combine: bool = True) -> None:
+                 index_merge_warps: int | None = None) -> None:
         # None = the measured policy (benchmarks/decode_sweep.py on an H200, bench head shapes):
         # decode / verify steps of <= 8 rows are latency-bound, one program walking a row's keys serially,
         # so they take 32-key tiles and splits of >= 64 keys (m3-mini b1, 137 keys: 9.6 -> 5.9 us; 4k keys:
@@ -83,15 +78,6 @@ class TritonBackend:
         # Warps of the split merge (None: 4, or 8 past 1,024 candidates). At batch 1 it is one program per
         # index head running k serial max-reductions over the candidates: cross-warp reductions are its cost.
         self.index_merge_warps = index_merge_warps
-        # Split attention launches combine in their last split programs (triton_kernels._combine_if_last)
-        # instead of a _combine_kernel launch; False keeps the separate launch (A/B, tests).
-        self.fuse_combine = fuse_combine
-        self._counters = SplitCounters()
-
-    def _split_counters(self, device: torch.device) -> torch.Tensor | None:
-        """This backend's zeroed split counters on `device` (None with the fusion off, or while a CUDA graph
-        is captured before an eager step made them: that launch combines separately)."""
-        return self._counters.get(device) if self.fuse_combine else None
 
     def _block_n(self, meta: AttnMetadata) -> int:
         # Measured on an H200 (D=64): 128-key tiles win for decode / verify (few query rows per tile, so
@@ -116,7 +102,7 @@ class TritonBackend:
         programs = triton_kernels.dense_programs(meta, q.shape[1], k_pool.shape[1])
         splits = self._splits(programs, meta.max_kv, q.device, self._min_keys(meta), self.max_splits)
         return triton_kernels.dense_attention(q, k_pool, v_pool, meta, scale, num_splits=splits,
-                                              block_n=self._block_n(meta), counters=self._split_counters(q.device))
+                                              block_n=self._block_n(meta))
 
     def select_blocks(self, iq: torch.Tensor, ik_pool: torch.Tensor, meta: AttnMetadata, block_size: int,
                       topk: int, local_blocks: int) -> torch.Tensor:
@@ -153,11 +139,10 @@ class TritonBackend:
             programs = triton_kernels.dense_programs(meta, q.shape[1], k_pool.shape[1])
             splits = self._splits(programs, meta.max_kv, q.device, self._min_keys(meta), self.max_splits)
             return triton_kernels.dense_attention(q, k_pool, v_pool, meta, scale, num_splits=splits,
-                                                  block_n=self._block_n(meta), keep=keep, keep_block=block_size,
-                                                  counters=self._split_counters(q.device))
+                                                  block_n=self._block_n(meta), keep=keep, keep_block=block_size)
         programs = triton_kernels.sparse_programs(meta, q.shape[1], k_pool.shape[1], sel.shape[1])
         num_sel = sel.shape[-1]
         splits = self._splits(programs, num_sel * block_size, q.device, self.min_keys_per_split or 128,
                               self.max_splits)
         return triton_kernels.sparse_attention(q, k_pool, v_pool, meta, scale, sel, block_size,
-                                               num_splits=min(splits, num_sel), counters=self._split_counters(q.device))
+                                               num_splits=min(splits, num_sel))

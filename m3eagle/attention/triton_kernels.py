@@ -19,8 +19,7 @@ graph captured with max_kv = max_model_len replays correctly (and cheaply) for a
 Split-KV (flash-decoding): when the grid is too small to fill the GPU (batch-1 decode over a long context),
 the key range (dense) or the selected-block list (sparse) is cut into `num_splits` pieces; each piece writes
 a normalized fp32 partial and its log2-sum-exp, and `_combine_kernel` merges them in split order (the same
-sum every replay: deterministic). Given split counters (the backend's), the last split program of each tile
-merges them instead (`_combine_if_last`): one launch fewer per split attention call.
+sum every replay: deterministic).
 
 Indexer: one program scores a tile of one row's query tokens (times the index heads) against a run of the
 row's index-K blocks, max-pools each block and streams it into a running top-k list held in registers
@@ -133,60 +132,20 @@ def _write_result(acc, m_i, l_i, tok, head, row_ok, offs_d, d_ok, split,
         tl.store(ptr, o.to(Out.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _combine_if_last(Counters, tile, tok, head, row_ok, offs_d, d_ok, Out, stride_ot, stride_oh, PartO, PartLse,
-                     stride_pos, stride_pot, stride_poh, stride_pls, stride_plt):
-    """The split-KV combine, run by the last split program of a tile (FUSE_COMBINE): instead of
-    `_combine_kernel`'s launch, each split program counts itself done on Counters[tile] (its partial's
-    stores from all its threads first: a CTA barrier, then an acquire-release add at GPU scope), and the
-    one that reads num_splits - 1 merges every split's partial for the tile's rows from L2 (`.cg`) and
-    resets the counter for the next launch. The same weights 2^(lse_s - max) as `_combine_kernel`, summed
-    over the splits in split order (one fixed order: the same bits every replay; they may differ from the
-    separate kernel's tree sum in the last place). tok / head / row_ok [M]."""
-    tl.debug_barrier()
-    num_splits = tl.num_programs(2)
-    done = tl.atomic_add(Counters + tile, 1, sem="acq_rel", scope="gpu")
-    if done == num_splits - 1:
-        tl.store(Counters + tile, 0)
-        tok = tok.to(tl.int64)
-        lse_ptr = PartLse + tok * stride_plt + head  # [M]
-        o_ptr = PartO + tok[:, None] * stride_pot + head[:, None] * stride_poh + offs_d[None, :]  # [M, D]
-        m = tl.full(row_ok.shape, float("-inf"), tl.float32)
-        ptr = lse_ptr  # pointers step split by split (64-bit: splits * T * Hq * D can pass 2^31)
-        for _ in range(0, num_splits):
-            m = tl.maximum(m, tl.load(ptr, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
-            ptr += stride_pls
-        m = tl.where(m == float("-inf"), 0.0, m)
-        den = tl.zeros(row_ok.shape, tl.float32)
-        acc = tl.zeros(o_ptr.shape, tl.float32)
-        for _ in range(0, num_splits):
-            lse = tl.load(lse_ptr, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-            w = tl.exp2(lse - m)  # [M], 0 for an empty split (its partial output is not read)
-            o = tl.load(o_ptr, mask=(row_ok & (lse > float("-inf")))[:, None] & d_ok[None, :], other=0.0,
-                        cache_modifier=".cg")  # [M, D]
-            den += w
-            acc += w[:, None] * o
-            lse_ptr += stride_pls
-            o_ptr += stride_pos
-        out = acc / tl.where(den == 0.0, 1.0, den)[:, None]
-        out_ptr = Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-
-
 # ---- kernels -------------------------------------------------------------------------------------------
 
 
 @triton.jit(do_not_specialize=_DENSE_PER_STEP)
 def _dense_attn_kernel(
-    Q, K, V, Out, PartO, PartLse, Counters,
+    Q, K, V, Out, PartO, PartLse,
     PageTable, QIndex, QLens, KvLens, Positions, Keep,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
     stride_pb, stride_qi, stride_pos, stride_pot, stride_poh, stride_pls, stride_plt, stride_keep_t, stride_keep_h,
     qk_scale, page_size, num_page_cols, max_kv, num_splits, keep_block, n_qtiles,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_IDX: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_KEEP: tl.constexpr, KEEP_PER_TILE: tl.constexpr, SPLIT: tl.constexpr, FUSE_COMBINE: tl.constexpr,
-    DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+    HAS_KEEP: tl.constexpr, KEEP_PER_TILE: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr):
     """Grid (rows * n_qtiles, Hkv, splits). One program: BLOCK_Q query tokens of one row times the GROUP
     query heads of one KV head, flattened into M = BLOCK_Q * BLOCK_G rows, so every K/V tile it loads is
     shared by the whole GQA group and by all of the tile's tokens (a verify row reads its KV once).
@@ -199,9 +158,7 @@ def _dense_attn_kernel(
 
     Split s covers keys [s * kps, (s + 1) * kps) with kps = cdiv(kv_len, splits) rounded up to whole
     key tiles, from the row's device kv_len: a grid sized for max_kv spreads a short row over as many
-    programs as it can use, and the rest find an empty range and write an empty partial.
-    FUSE_COMBINE (SPLIT): the last split of each (row tile, KV head) combines them (`_combine_if_last`;
-    Counters [>= tiles] int32, zero)."""
+    programs as it can use, and the rest find an empty range and write an empty partial."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     pid = tl.program_id(0)
     row = pid // n_qtiles
@@ -263,29 +220,25 @@ def _dense_attn_kernel(
 
     _write_result(acc, m_i, l_i, tok, head, row_ok, offs_d, d_ok, split, Out, stride_ot, stride_oh,
                   PartO, PartLse, stride_pos, stride_pot, stride_poh, stride_pls, stride_plt, SPLIT)
-    if FUSE_COMBINE:
-        _combine_if_last(Counters, pid * tl.num_programs(1) + kvh, tok, head, row_ok, offs_d, d_ok, Out, stride_ot,
-                         stride_oh, PartO, PartLse, stride_pos, stride_pot, stride_poh, stride_pls, stride_plt)
 
 
 @triton.jit(do_not_specialize=_SPARSE_PER_STEP)
 def _sparse_attn_kernel(
-    Q, K, V, Out, PartO, PartLse, Counters,
+    Q, K, V, Out, PartO, PartLse,
     PageTable, TokRow, Positions, Sel,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
     stride_pb, stride_pos, stride_pot, stride_poh, stride_pls, stride_plt, stride_st, stride_sh,
     qk_scale, page_size, num_page_cols, max_kv, block_size, num_sel, sel_per_split,
     HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, GROUP_KV: tl.constexpr, GROUP_IDX: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_BS: tl.constexpr, SEL_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, FUSE_COMBINE: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
     PDL: tl.constexpr):
     """Grid (T, Hq // HEADS, splits). One program: one query token times HEADS query heads that share
     both a KV head and an index head, visiting only its selected key blocks (sel[t, ih, :], -1 = none).
     Tokens are not tiled together because each token has its own block selection.
 
     Each iteration gathers SEL_CHUNK selected blocks at once (key tile of SEL_CHUNK * BLOCK_BS), so a
-    decode token's short list of blocks costs few dependent load chains (sel -> page table -> K/V).
-    FUSE_COMBINE (SPLIT): the last split of each (token, head group) combines them (`_combine_if_last`)."""
+    decode token's short list of blocks costs few dependent load chains (sel -> page table -> K/V)."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     tok = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * HEADS
@@ -328,10 +281,6 @@ def _sparse_attn_kernel(
 
     _write_result(acc, m_i, l_i, tok_v, head, row_ok, offs_d, d_ok, split, Out, stride_ot, stride_oh,
                   PartO, PartLse, stride_pos, stride_pot, stride_poh, stride_pls, stride_plt, SPLIT)
-    if FUSE_COMBINE:
-        _combine_if_last(Counters, tok * tl.num_programs(1) + tl.program_id(1), tok_v, head, row_ok, offs_d, d_ok,
-                         Out, stride_ot, stride_oh, PartO, PartLse, stride_pos, stride_pot, stride_poh, stride_pls,
-                         stride_plt)
 
 
 @triton.jit(do_not_specialize=_COMBINE_PER_STEP)
@@ -660,11 +609,6 @@ def _combine(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) ->
         HEAD_DIM=d, BLOCK_S=_pow2(s), BLOCK_D=_pow2(d, 16), **pdl.args(part_o))
 
 
-def _fuse_combine(splits: int, tiles: int, counters: torch.Tensor | None) -> bool:
-    """Whether a split launch combines in its last programs: counters given, one per tile (host ints)."""
-    return splits > 1 and counters is not None and tiles <= counters.numel()
-
-
 def _check_pools(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
     if q.shape[1] % k_pool.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_pool.shape[1]})")
@@ -675,14 +619,11 @@ def _check_pools(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) ->
 
 def dense_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttnMetadata,
                     scale: float, num_splits: int = 1, block_n: int = 64, keep: torch.Tensor | None = None,
-                    keep_block: int = 0, out: torch.Tensor | None = None, num_warps: int = 4,
-                    counters: torch.Tensor | None = None) -> torch.Tensor:
+                    keep_block: int = 0, out: torch.Tensor | None = None, num_warps: int = 4) -> torch.Tensor:
     """q [T, Hq, D] over paged K/V [S, Hkv, D] -> out [T, Hq, D] (q's dtype). Token-causal per row.
 
     keep [T, Hi, NB] int8 (optional): only key blocks of `keep_block` keys marked nonzero for the token's
-    index head are visible -- the block-sparse layer computed tile-wise (see `_dense_attn_kernel`).
-    counters [n] int32, zero (left zero): a split launch combines in its last split programs instead of a
-    `_combine_kernel` launch, where its tiles fit (`_fuse_combine`)."""
+    index head are visible -- the block-sparse layer computed tile-wise (see `_dense_attn_kernel`)."""
     _check_pools(q, k_pool, v_pool)
     t, hq, d = q.shape
     hkv = k_pool.shape[1]
@@ -702,10 +643,8 @@ def dense_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     # Split ranges and tiles start on multiples of block_n, so a power-of-two block_n that divides
     # keep_block keeps each tile inside one keep block.
     per_tile = keep is not None and keep_block % block_n == 0
-    fuse = _fuse_combine(splits, meta.num_rows * n_qtiles * hkv, counters)
     _dense_attn_kernel[(meta.num_rows * n_qtiles, hkv, splits)](
-        q, k_pool, v_pool, out, part_o, part_lse, counters if fuse else out, page_table, meta.q_index, meta.q_lens,
-        meta.kv_lens,
+        q, k_pool, v_pool, out, part_o, part_lse, page_table, meta.q_index, meta.q_lens, meta.kv_lens,
         meta.positions, keep_args[0],
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0), meta.q_index.stride(0), *pstr, keep_args[1],
@@ -713,9 +652,8 @@ def dense_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         n_qtiles, HEAD_DIM=d, GROUP=hq // hkv,
         GROUP_IDX=hq // keep.shape[1] if keep is not None else 1,
         BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=_pow2(d, 16), HAS_KEEP=keep is not None,
-        KEEP_PER_TILE=per_tile, SPLIT=splits > 1, FUSE_COMBINE=fuse, DOT_PREC=_dot_precision(k_pool.dtype),
-        num_warps=num_warps, **pdl.args(q))
-    if splits > 1 and not fuse:
+        KEEP_PER_TILE=per_tile, SPLIT=splits > 1, DOT_PREC=_dot_precision(k_pool.dtype), num_warps=num_warps, **pdl.args(q))
+    if splits > 1:
         _combine(part_o, part_lse, out)
     return out
 
@@ -731,10 +669,9 @@ def selection_mask(sel: torch.Tensor, num_blocks: int) -> torch.Tensor:
 def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttnMetadata,
                      scale: float, sel: torch.Tensor, block_size: int, num_splits: int = 1,
                      keys_per_iter: int = 128, out: torch.Tensor | None = None, num_warps: int = 4,
-                     counters: torch.Tensor | None = None) -> torch.Tensor:
+                     ) -> torch.Tensor:
     """q [T, Hq, D], sel [T, Hi, k] (block ids, -1 = none) -> out [T, Hq, D]: each token sees only the keys
-    of its selected blocks, token-causal. Attention head h reads index head h // (Hq // Hi). counters: as
-    `dense_attention`'s."""
+    of its selected blocks, token-causal. Attention head h reads index head h // (Hq // Hi)."""
     _check_pools(q, k_pool, v_pool)
     t, hq, d = q.shape
     hkv, hi, num_sel = k_pool.shape[1], sel.shape[1], sel.shape[2]
@@ -755,17 +692,15 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     block_bs = _pow2(block_size)
     sel_chunk = min(max(1, keys_per_iter // block_bs), _pow2(per_split))
     sel_chunk = max(sel_chunk, _pow2(-(-16 // block_bs)))
-    fuse = _fuse_combine(splits, t * (hq // heads), counters)
     _sparse_attn_kernel[(t, hq // heads, splits)](
-        q, k_pool, v_pool, out, part_o, part_lse, counters if fuse else out, page_table, meta.tok_row, meta.positions,
-        sel,
+        q, k_pool, v_pool, out, part_o, part_lse, page_table, meta.tok_row, meta.positions, sel,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0), *pstr, sel.stride(0), sel.stride(1),
         scale * LOG2E, meta.page_size, page_table.shape[1], meta.max_kv, block_size, num_sel, per_split,
         HEAD_DIM=d, HEADS=heads, GROUP_KV=group_kv, GROUP_IDX=group_idx, BLOCK_G=_pow2(heads, 16),
-        BLOCK_BS=block_bs, SEL_CHUNK=sel_chunk, BLOCK_D=_pow2(d, 16), SPLIT=splits > 1, FUSE_COMBINE=fuse,
+        BLOCK_BS=block_bs, SEL_CHUNK=sel_chunk, BLOCK_D=_pow2(d, 16), SPLIT=splits > 1,
         DOT_PREC=_dot_precision(k_pool.dtype), num_warps=num_warps, **pdl.args(q))
-    if splits > 1 and not fuse:
+    if splits > 1:
         _combine(part_o, part_lse, out)
     return out
 
