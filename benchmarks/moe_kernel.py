@@ -453,6 +453,12 @@ def candidates(bucket: int, dev: torch.device):
     # m3-8b's router (H 4096) runs 8 warps: the route + shared launch needs gate_up at the same count
     direct += [C(16, bn, bk, num_stages=1, direct=1, down_block_n=dbn, down_block_k=2048, num_warps=8,
                  down_preload=1, route_shared=1) for bn, bk in ((2, 1024), (4, 1024)) for dbn in (1, 2)]
+    # several down column tiles per program, the next tile's weights loaded during this one's sums
+    # (MoEConfig.down_rows; one K tile over I), on the gate_up tiles that won before
+    direct += [C(16, bn, bk, num_stages=1, direct=1, down_block_n=dbn, down_block_k=dbk, num_warps=w,
+                 down_preload=1, route_shared=1, down_rows=r)
+               for bn, bk in ((4, 1024), (2, 1024)) for dbn, dbk in ((1, 1024), (2, 1024), (1, 2048))
+               for r in (2, 4, 8) for w in (4, 8)]
     if dev.type != "cuda":  # interpreter smoke test: cheap configs
         return [C(16, 32, 32, 1, 4, 3), C(32, 16, 64, 4, 4, 3)] + (
             [C(16, 16, 32, num_stages=1, direct=1, down_block_n=8, down_block_k=32)] if bucket <= 4 else [])

@@ -209,6 +209,49 @@ def test_down_preload_is_bit_equal_to_the_loop(t, k, i, cfg, monkeypatch):
     assert seen[-1] is False
 
 
+@pytest.mark.parametrize("t,k,i,h", [(1, 4, 40, 48), (3, 3, 32, 40), (4, 2, 40, 48)])
+def test_down_rows_are_bit_equal_to_one_tile_per_program(t, k, i, h, monkeypatch):
+    """Several column tiles per down program (`down_rows`: the next tile's weights loaded while this one's
+    sums run; act and the routing read once) computes the same products and sums per tile: bit-equal to
+    one tile per program, with and without the preload, the shared expert (as wide and narrower) and an
+    expert subset; H not a multiple of the rows' span (the last program's tiles past H store nothing); and
+    where one K tile does not span I the one-tile kernel answers."""
+    launches: list[int] = []
+    kern = direct._direct_down_rows_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                launches.append(kw["ROWS"])
+                return kern[grid](*a, **kw)
+            return launch
+
+    monkeypatch.setattr(direct, "_direct_down_rows_kernel", Spy())
+    x, w, idx, w13, w2 = make(90 + t, t, k, h=h, i=i)
+    _, _, _, s13, s2 = make(91 + t, 1, 1, e=1, h=h, i=i)
+    _, _, _, n13, n2 = make(92 + t, 1, 1, e=1, h=h, i=24)
+    one = MoEConfig(16, 16, 16, direct=1, down_block_n=4, down_block_k=64)
+    for rows in (2, 3, 5):
+        for pre in (0, 1):
+            cfg = replace(one, down_rows=rows, down_preload=pre)
+            assert direct.down_rows(cfg, i, i) == rows
+            for kw in ({}, {"shared": (s13[0], s2[0]), "routed_scale": 2.0},
+                       {"shared": (n13[0], n2[0]), "routed_scale": 2.0}):
+                a = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=cfg, **kw)
+                b = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=replace(one, down_preload=pre),
+                                             **kw)
+                assert torch.equal(a, b), (rows, pre, kw.keys())
+            sub = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (2, 6), config=cfg)
+            assert torch.equal(sub, triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (2, 6), config=one))
+    assert launches == [r for r in (2, 3, 5) for _ in range(2) for _ in range(4)]
+    assert_close(a, reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT) * 2.0 + reference.experts(
+        x, torch.ones(t, 1), torch.zeros(t, 1, dtype=torch.long), n13, n2, ALPHA, LIMIT))
+    narrow = replace(one, down_block_k=16, down_rows=4)  # I 32-40 needs a 64-wide tile
+    assert direct.down_rows(narrow, i, i) == 1
+    triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=narrow)
+    assert len(launches) == 24
+
+
 def route_layer(seed: int, e: int = 8, h: int = 48, i: int = 40, k: int = 3, s_i: int | None = None):
     """A SparseMoE (shared expert as wide as the routed ones unless s_i says otherwise) with random weights,
     a random router and a random correction bias."""

@@ -68,7 +68,11 @@ def test_modes_and_the_small_bucket_scope(monkeypatch):
 
 # The one documented exception (design note 43): with PRELOAD, direct down reads its routing and its weight
 # tiles before the wait -- weights no kernel writes, and idx written two launches back. Only those.
-PRELOADING = {"m3eagle.moe.direct._direct_down_kernel": ({"idx_ptr + pair"}, {"w_ptrs", "s_ptrs"})}
+PRELOADING = {"m3eagle.moe.direct._direct_down_kernel": ({"idx_ptr + pair"}, {"w_ptrs", "s_ptrs"}),
+              # the same exception with ROWS column tiles per program: the routing and the first tile only
+              "m3eagle.moe.direct._direct_down_rows_kernel": (
+                  {"idx_ptr + pair"}, {"w_base + rows.to(tl.int64)[None, :, None] * stride_wh",
+                                       "s_base + rows.to(tl.int64)[:, None] * stride_swh"})}
 LOAD_HELPERS = {"_load_k"}  # jit helpers that load their first argument
 
 

@@ -222,14 +222,92 @@ def _direct_down_kernel(act_ptr, idx_ptr, wts_ptr, w_ptr, ws_ptr, out_ptr, T, e_
                 acc_s += _load_k(s_ptrs, s_ok, S_EVEN_K).to(tl.float32) * _load_k(sa_ptrs, s_ok, S_EVEN_K).to(tl.float32)
                 s_ptrs += BLOCK_K
                 sa_ptrs += BLOCK_K
-    out_ty = out_ptr.dtype.element_ty
+    if not HAS_SHARED:
+        acc_s = acc  # a placeholder: _down_sum reads it only with a shared expert
+    _down_sum(acc, acc_s, pair, live, wts_ptr, out_ptr + t.to(tl.int64) * stride_ot, offs_n, hidden, routed_scale,
+              HAS_SHARED)
+
+
+@triton.jit
+def _down_sum(acc, acc_s, pair, live, wts_ptr, out_row, offs_n, hidden, routed_scale, HAS_SHARED: tl.constexpr):
+    """out_row[n-tile] from down's products: acc [KP, BN, BK] (the k experts') and acc_s [BN, BK] (the shared
+    expert's, with HAS_SHARED). Each expert's output rounded to out's dtype, weighted in fp32 (routing
+    weight * routed_scale), rounded again, and the rows summed in fp32 in one fixed order."""
+    out_ty = out_row.dtype.element_ty
     y = tl.sum(acc, axis=2).to(out_ty).to(tl.float32)  # [KP, BN]: each expert's output, rounded
     route_w = tl.load(wts_ptr + pair, mask=live, other=0.0).to(tl.float32) * routed_scale  # [KP]
     y = (y * route_w[:, None]).to(out_ty).to(tl.float32)  # dead slots: 0 * 0
     total = tl.sum(y, axis=0)  # [BN]
     if HAS_SHARED:
         total += tl.sum(acc_s, axis=1).to(out_ty).to(tl.float32)
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, total.to(out_ty), mask=offs_n < hidden)
+    tl.store(out_row + offs_n, total.to(out_ty), mask=offs_n < hidden)
+
+
+@triton.jit(do_not_specialize=["T", "e_start"])
+def _direct_down_rows_kernel(act_ptr, idx_ptr, wts_ptr, w_ptr, ws_ptr, out_ptr, T, e_start, num_local, hidden,
+                             inter, s_inter, routed_scale, stride_at, stride_we, stride_wh, stride_swh, stride_ot,
+                             TOP_K: tl.constexpr, K_PAD: tl.constexpr, HAS_SHARED: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                             S_EVEN_K: tl.constexpr, ROWS: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
+    """`_direct_down_kernel` with one K tile over I (and s_inter) and ROWS column tiles per program, grid (T,
+    cdiv(H, ROWS * BLOCK_N)): the next tile's weights are loaded before this tile's products and sums run (a
+    register double buffer; Triton's pipeliner stages only loads that feed a tl.dot), and the routing, act
+    and the routing weights are read once per program instead of once per tile. Why: a one-tile program
+    holds its slot for a load's latency plus a cross-warp reduction while moving ~10 KB (m3-mini), so the
+    down launch streamed at ~55% of copy bandwidth where gate_up reached 65-78% (design notes 36, 43).
+    PRELOAD: the routing and the first tile's weights are loaded before the PDL wait, as in
+    `_direct_down_kernel` (the same exception, the same argument). Per tile the same products and sums:
+    bit-equal to `_direct_down_kernel`."""
+    if not PRELOAD:
+        pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
+    t = tl.program_id(0)
+    n0 = tl.program_id(1) * (ROWS * BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)  # [BK]
+    slots = tl.arange(0, K_PAD)  # [KP]
+    pair = t * TOP_K + slots  # [KP]
+    e = tl.load(idx_ptr + pair, mask=slots < TOP_K, other=0, cache_modifier=".cg").to(tl.int64) - e_start
+    live = (slots < TOP_K) & (e >= 0) & (e < num_local)  # [KP]
+    e = tl.where(live, e, 0)
+    k_ok = offs_k < inter  # [BK]
+    if EVEN_K:
+        k_ok = offs_k >= 0
+    s_ok = (offs_k < s_inter)[None, :]  # [1, BK]; unused (compiled away) when S_EVEN_K
+    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN], the first tile
+    rows = tl.minimum(offs_n, hidden - 1)  # clamped, not masked, as in _direct_down_kernel
+    m3 = live[:, None, None] & (rows >= 0)[None, :, None] & k_ok[None, None, :]  # [KP, BN, BK]
+    w_base = w_ptr + e[:, None, None] * stride_we + offs_k[None, None, :]  # [KP, 1, BK]
+    s_base = ws_ptr + offs_k[None, :]  # [1, BK]
+    if PRELOAD:
+        wv = tl.load(w_base + rows.to(tl.int64)[None, :, None] * stride_wh, mask=m3, other=0.0)  # [KP, BN, BK]
+        if HAS_SHARED:
+            sw = _load_k(s_base + rows.to(tl.int64)[:, None] * stride_swh, s_ok, S_EVEN_K)  # [BN, BK]
+        pdl_wait(PDL)
+    else:
+        wv = tl.load(w_base + rows.to(tl.int64)[None, :, None] * stride_wh, mask=m3, other=0.0)
+        if HAS_SHARED:
+            sw = _load_k(s_base + rows.to(tl.int64)[:, None] * stride_swh, s_ok, S_EVEN_K)
+    a = tl.load(act_ptr + pair.to(tl.int64)[:, None, None] * stride_at + offs_k[None, None, :],
+                mask=live[:, None, None] & k_ok[None, None, :], other=0.0).to(tl.float32)  # [KP, 1, BK], once
+    if HAS_SHARED:
+        sa = _load_k(act_ptr + (T * TOP_K + t).to(tl.int64) * stride_at + offs_k[None, :], s_ok,
+                     S_EVEN_K).to(tl.float32)  # [1, BK], once
+    out_row = out_ptr + t.to(tl.int64) * stride_ot
+    for i in tl.static_range(ROWS):
+        w_cur = wv
+        if HAS_SHARED:
+            s_cur = sw
+        if i + 1 < ROWS:  # the next tile's loads go out before this tile's sums
+            nxt = tl.minimum(offs_n + BLOCK_N, hidden - 1)
+            wv = tl.load(w_base + nxt.to(tl.int64)[None, :, None] * stride_wh, mask=m3, other=0.0)
+            if HAS_SHARED:
+                sw = _load_k(s_base + nxt.to(tl.int64)[:, None] * stride_swh, s_ok, S_EVEN_K)
+        acc = w_cur.to(tl.float32) * a  # [KP, BN, BK]
+        if HAS_SHARED:
+            acc_s = s_cur.to(tl.float32) * sa  # [BN, BK]
+        else:
+            acc_s = acc  # a placeholder: _down_sum reads it only with a shared expert
+        _down_sum(acc, acc_s, pair, live, wts_ptr, out_row, offs_n, hidden, routed_scale, HAS_SHARED)
+        offs_n += BLOCK_N
 
 
 def usable(w13: torch.Tensor, w2: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
@@ -247,6 +325,12 @@ def usable(w13: torch.Tensor, w2: torch.Tensor, shared: tuple[torch.Tensor, torc
 def preloads(cfg: MoEConfig, inter: int, s_inter: int) -> bool:
     """Whether down runs its preload variant: asked for, and one down K tile spans I and the shared width."""
     return bool(cfg.down_preload) and cfg.down().block_k >= max(inter, s_inter)
+
+
+def down_rows(cfg: MoEConfig, inter: int, s_inter: int) -> int:
+    """Column tiles per down program: cfg.down_rows where one down K tile spans I and the shared width
+    (`_direct_down_rows_kernel`), else 1 (`_direct_down_kernel`)."""
+    return cfg.down_rows if cfg.down_rows > 1 and cfg.down().block_k >= max(inter, s_inter) else 1
 
 
 def direct_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -283,6 +367,15 @@ def direct_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     dcfg = cfg.down()
     dbn, dbk = dcfg.block_n, dcfg.block_k
+    if down_rows(cfg, inter, s_inter) > 1:
+        rows = cfg.down_rows
+        _direct_down_rows_kernel[(t, triton.cdiv(hidden, dbn * rows))](
+            act, idx, weights, w2, s2, out, t, e_start, w2.shape[0], hidden, inter, s_inter, float(routed_scale),
+            act.stride(0), w2.stride(0), w2.stride(1), s_row2, out.stride(0),
+            TOP_K=k, K_PAD=triton.next_power_of_2(k), HAS_SHARED=shared is not None, BLOCK_N=dbn, BLOCK_K=dbk,
+            EVEN_K=inter % dbk == 0, S_EVEN_K=s_inter % dbk == 0, ROWS=rows, PRELOAD=bool(cfg.down_preload),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(act))
+        return out
     _direct_down_kernel[(t, triton.cdiv(hidden, dbn))](
         act, idx, weights, w2, s2, out, t, e_start, w2.shape[0], hidden, inter, s_inter, float(routed_scale),
         act.stride(0), w2.stride(0), w2.stride(1), s_row2, out.stride(0),

@@ -53,6 +53,9 @@ class MoEConfig:
     # (`direct.route_direct_experts`; when the layer fuses its shared expert and routes with the triton ops).
     down_preload: int = 0
     route_shared: int = 0
+    # Direct path only. down_rows > 1: each down program computes that many column tiles, the next tile's
+    # weights loaded while this one's sums run (`direct._direct_down_rows_kernel`; one K tile over I only).
+    down_rows: int = 0
 
     def down(self) -> MoEConfig:
         """The config the sorted path's down GEMM runs with (block_m, group_m, warps, stages shared)."""
@@ -68,7 +71,8 @@ class MoEConfig:
     def to_dict(self) -> dict:
         """Fields at their defaults are left out, so the table's sorted-path rows stay as they were."""
         d = asdict(self)
-        for f in ("direct", "down_block_n", "down_block_k", "split_tail", "down_preload", "route_shared"):
+        for f in ("direct", "down_block_n", "down_block_k", "split_tail", "down_preload", "route_shared",
+                  "down_rows"):
             if d[f] == 0:
                 del d[f]
         return d
