@@ -362,7 +362,8 @@ def test_direct_moe_on_gpu_within_bf16_and_graph_replay_equals_eager(t):
 
 @pytest.mark.parametrize("rows", [0, 4], ids=["one_tile", "down_rows"])
 @pytest.mark.parametrize("e,h,i,s_i,k", [(32, 2048, 1024, 1024, 4), (4, 256, 160, 128, 2)])  # m3-mini, embedded
-def test_moe_route_shared_and_down_preload_under_pdl_graphs_equal_the_separate_launches(e, h, i, s_i, k, rows):
+def test_moe_route_shared_and_down_preload_under_pdl_graphs_equal_the_separate_launches(e, h, i, s_i, k,
+                                                                                         rows):
     """The decode MoE's router + shared-expert launch and down's weight preload (moe/direct.py), with one
     or four down column tiles per program, at m3-mini's and the embedded target's shapes (its shared expert narrower than the routed ones) in bf16: two
     layers captured in one CUDA graph with programmatic dependent launch,
