@@ -459,6 +459,11 @@ def candidates(bucket: int, dev: torch.device):
                  down_preload=1, route_shared=1, down_rows=r)
                for bn, bk in ((4, 1024), (2, 1024)) for dbn, dbk in ((1, 1024), (2, 1024), (1, 2048))
                for r in (2, 4, 8) for w in (4, 8)]
+    # several gate_up column tiles per program (MoEConfig.gate_rows) with the best down tiles
+    direct += [C(16, bn, bk, num_stages=1, direct=1, down_block_n=dbn, down_block_k=1024, down_preload=1,
+                 route_shared=1, down_rows=dr, gate_rows=gr)
+               for bn, bk in ((1, 1024), (2, 1024), (4, 1024), (2, 512)) for gr in (2, 4, 8)
+               for dbn, dr in ((2, 2), (1, 4))]
     # gate_up over all of H in one K tile (m3-mini's 2048: both halves' loads in flight at once) with them
     direct += [C(16, bn, 2048, num_stages=1, direct=1, down_block_n=dbn, down_block_k=1024, down_preload=1,
                  route_shared=1, down_rows=r) for bn in (1, 2, 4) for dbn, r in ((2, 2), (1, 4), (2, 4))]

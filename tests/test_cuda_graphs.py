@@ -360,12 +360,12 @@ def test_direct_moe_on_gpu_within_bf16_and_graph_replay_equals_eager(t):
         assert torch.equal(out, run(*new))
 
 
-@pytest.mark.parametrize("rows", [0, 4], ids=["one_tile", "down_rows"])
+@pytest.mark.parametrize("rows", [0, 4, 24], ids=["one_tile", "down_rows", "gate_and_down_rows"])
 @pytest.mark.parametrize("e,h,i,s_i,k", [(32, 2048, 1024, 1024, 4), (4, 256, 160, 128, 2)])  # m3-mini, embedded
 def test_moe_route_shared_and_down_preload_under_pdl_graphs_equal_the_separate_launches(e, h, i, s_i, k,
                                                                                          rows):
     """The decode MoE's router + shared-expert launch and down's weight preload (moe/direct.py), with one
-    or four down column tiles per program, at m3-mini's and the embedded target's shapes (its shared expert
+    or four down column tiles per program (and two gate_up tiles), at m3-mini's and the embedded target's shapes (its shared expert
     narrower than the routed ones) in bf16: two layers captured in one CUDA graph with programmatic
     dependent launch,
     replayed on new inputs without a sync between replays, equal bit for bit to the separate launches
@@ -392,7 +392,7 @@ def test_moe_route_shared_and_down_preload_under_pdl_graphs_equal_the_separate_l
         layers.append(moe)
     fused = fused_backend.create("triton")
     on = MoEConfig(16, 4, 512, num_stages=1, direct=1, down_block_n=1, down_block_k=1024, down_preload=1,
-                   route_shared=1, down_rows=rows)  # rows: several down tiles per program (direct.down_rows)
+                   route_shared=1, down_rows=rows % 10, gate_rows=rows // 10)  # several tiles per program
     off = MoEConfig(16, 4, 512, num_stages=1, direct=1, down_block_n=1, down_block_k=1024)
     ops_on = Ops(attention=None, moe=moe_backend.create("triton", config=on), fused=fused)
     ops_off = Ops(attention=None, moe=moe_backend.create("triton", config=off), fused=fused)

@@ -252,6 +252,40 @@ def test_down_rows_are_bit_equal_to_one_tile_per_program(t, k, i, h, monkeypatch
     assert len(launches) == 24
 
 
+@pytest.mark.parametrize("t,k,h,i", [(1, 4, 48, 40), (3, 3, 40, 32), (4, 2, 64, 40)])
+def test_gate_rows_are_bit_equal_to_one_tile_per_program(t, k, h, i, monkeypatch):
+    """Several gate_up column tiles per program (`gate_rows`: one unrolled sequence of K steps with the next
+    step's weights loaded first) runs the same FMAs per tile: bit-equal to one tile per program, over
+    several K steps, a masked K tail (h 40 / 48 with 32-wide steps), a narrower shared expert, an expert
+    subset and a pair width not a multiple of the rows' span."""
+    launches: list[int] = []
+    kern = direct._direct_gate_up_rows_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                launches.append(kw["ROWS"])
+                return kern[grid](*a, **kw)
+            return launch
+
+    monkeypatch.setattr(direct, "_direct_gate_up_rows_kernel", Spy())
+    x, w, idx, w13, w2 = make(95 + t, t, k, h=h, i=i)
+    _, _, _, n13, n2 = make(96 + t, 1, 1, e=1, h=h, i=24)
+    one = MoEConfig(16, 8, 32, direct=1, down_block_n=4, down_block_k=64)
+    for rows in (2, 3):
+        cfg = replace(one, gate_rows=rows)
+        for kw in ({}, {"shared": (n13[0], n2[0]), "routed_scale": 2.0}):
+            a = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=cfg, **kw)
+            assert torch.equal(a, triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=one, **kw))
+        sub = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (2, 6), config=cfg)
+        assert torch.equal(sub, triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (2, 6), config=one))
+        both = replace(cfg, down_rows=2)  # with several down tiles too
+        assert torch.equal(triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=both, **kw), a)
+    assert launches == [2, 2, 2, 2, 3, 3, 3, 3]
+    assert_close(a, reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT) * 2.0 + reference.experts(
+        x, torch.ones(t, 1), torch.zeros(t, 1, dtype=torch.long), n13, n2, ALPHA, LIMIT))
+
+
 def route_layer(seed: int, e: int = 8, h: int = 48, i: int = 40, k: int = 3, s_i: int | None = None):
     """A SparseMoE (shared expert as wide as the routed ones unless s_i says otherwise) with random weights,
     a random router and a random correction bias."""

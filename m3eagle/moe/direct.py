@@ -125,6 +125,69 @@ def _direct_gate_up_kernel(x_ptr, idx_ptr, w_ptr, ws_ptr, act_ptr, T, e_start, n
                   alpha, limit, BLOCK_N, BLOCK_K, EVEN_K)
 
 
+@triton.jit(do_not_specialize=["T", "e_start"])
+def _direct_gate_up_rows_kernel(x_ptr, idx_ptr, w_ptr, ws_ptr, act_ptr, T, e_start, num_local, hidden, inter,
+                                s_inter, stride_xt, stride_we, stride_wn, stride_swn, stride_at, alpha, limit,
+                                TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, EVEN_K: tl.constexpr,
+                                ROWS: tl.constexpr, PDL: tl.constexpr):
+    """`_direct_gate_up_kernel` with ROWS column tiles per program, grid (pairs, cdiv(I', ROWS * BLOCK_N)):
+    the tiles' NUM_K = cdiv(H, BLOCK_K) weight steps run as one unrolled sequence in which the next step's
+    gate / up tiles are loaded before this step's FMAs (a register double buffer across K steps and tiles:
+    Triton's pipeliner stages only loads that feed a tl.dot). Per tile the same FMAs in the same order as
+    `_gate_up_rows`: bit-equal to one tile per program. Tiles past the pair's width store nothing."""
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
+    p = tl.program_id(0)
+    n0 = tl.program_id(1) * (ROWS * BLOCK_N)
+    routed = p < T * TOP_K
+    token = tl.where(routed, p // TOP_K, p - T * TOP_K)
+    e = tl.load(idx_ptr + p, mask=routed, other=0).to(tl.int64) - e_start
+    if routed & ((e < 0) | (e >= num_local)):
+        return
+    base = w_ptr + tl.where(routed, e, 0) * stride_we
+    width = inter
+    stride = stride_wn
+    if HAS_SHARED:
+        if not routed:
+            base = ws_ptr
+            width = s_inter
+            stride = stride_swn
+    if n0 >= width:
+        return
+    offs_k = tl.arange(0, BLOCK_K)  # [BK]
+    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN], the first tile
+    x_row = x_ptr + token.to(tl.int64) * stride_xt + offs_k[None, :] + 0 * offs_n[:, None]  # [BN, BK], one row
+    g_ptrs = base + tl.minimum(offs_n, width - 1).to(tl.int64)[:, None] * stride + offs_k[None, :]  # [BN, BK]
+    g_next = _load_k(g_ptrs, (offs_k < hidden)[None, :], EVEN_K)  # the first step's tiles
+    u_next = _load_k(g_ptrs + width * stride, (offs_k < hidden)[None, :], EVEN_K)
+    for i in tl.static_range(ROWS):
+        acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for kk in tl.static_range(NUM_K):
+            g = g_next.to(tl.float32)
+            u = u_next.to(tl.float32)
+            if kk + 1 < NUM_K:  # this tile's next K step
+                g_ptrs += BLOCK_K
+                k_ok = ((kk + 1) * BLOCK_K + offs_k < hidden)[None, :]
+                g_next = _load_k(g_ptrs, k_ok, EVEN_K)
+                u_next = _load_k(g_ptrs + width * stride, k_ok, EVEN_K)
+            elif i + 1 < ROWS:  # the next tile's first K step
+                g_ptrs = (base + tl.minimum(offs_n + BLOCK_N, width - 1).to(tl.int64)[:, None] * stride
+                          + offs_k[None, :])
+                g_next = _load_k(g_ptrs, (offs_k < hidden)[None, :], EVEN_K)
+                u_next = _load_k(g_ptrs + width * stride, (offs_k < hidden)[None, :], EVEN_K)
+            k_ok = (kk * BLOCK_K + offs_k < hidden)[None, :]
+            xv = _load_k(x_row + kk * BLOCK_K, k_ok, EVEN_K).to(tl.float32)
+            acc_g = tl.fma(g, xv, acc_g)
+            acc_u = tl.fma(u, xv, acc_u)
+        # SwiGLU-OAI exactly as _gate_up_rows
+        gate = tl.minimum(tl.sum(acc_g, axis=1), limit)
+        up = tl.minimum(tl.maximum(tl.sum(acc_u, axis=1), -limit), limit)
+        act = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+        tl.store(act_ptr + p.to(tl.int64) * stride_at + offs_n, act.to(act_ptr.dtype.element_ty), mask=offs_n < width)
+        offs_n += BLOCK_N
+
+
 @triton.jit(do_not_specialize=["T"])
 def _route_shared_kernel(x_ptr, rw_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_ptr, ws_ptr, act_ptr, T, hidden,
                          n_exp, s_inter, stride_xt, stride_rw, stride_swn, stride_at, n_prog, n_tiles, alpha, limit,
@@ -359,11 +422,20 @@ def direct_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1
         act = torch.empty(pairs, max(inter, s_inter), dtype=x.dtype, device=x.device)  # [pairs, max(I, I_s)]
     bn, bk = cfg.block_n, cfg.block_k
     gate_pairs = t * k if shared_done else pairs
-    _direct_gate_up_kernel[(gate_pairs, triton.cdiv(max(inter, s_inter), bn))](
-        x, idx, w13, s13, act, t, e_start, w13.shape[0], hidden, inter, s_inter,
-        x.stride(0), w13.stride(0), w13.stride(1), s_row13, act.stride(0), float(alpha), float(limit),
-        TOP_K=k, HAS_SHARED=shared is not None and not shared_done, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=hidden % bk == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(x))
+    if cfg.gate_rows > 1:
+        rows = cfg.gate_rows
+        _direct_gate_up_rows_kernel[(gate_pairs, triton.cdiv(max(inter, s_inter), bn * rows))](
+            x, idx, w13, s13, act, t, e_start, w13.shape[0], hidden, inter, s_inter,
+            x.stride(0), w13.stride(0), w13.stride(1), s_row13, act.stride(0), float(alpha), float(limit),
+            TOP_K=k, HAS_SHARED=shared is not None and not shared_done, BLOCK_N=bn, BLOCK_K=bk,
+            NUM_K=triton.cdiv(hidden, bk), EVEN_K=hidden % bk == 0, ROWS=rows, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **pdl.args(x))
+    else:
+        _direct_gate_up_kernel[(gate_pairs, triton.cdiv(max(inter, s_inter), bn))](
+            x, idx, w13, s13, act, t, e_start, w13.shape[0], hidden, inter, s_inter,
+            x.stride(0), w13.stride(0), w13.stride(1), s_row13, act.stride(0), float(alpha), float(limit),
+            TOP_K=k, HAS_SHARED=shared is not None and not shared_done, BLOCK_N=bn, BLOCK_K=bk,
+            EVEN_K=hidden % bk == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(x))
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     dcfg = cfg.down()
     dbn, dbk = dcfg.block_n, dcfg.block_k

@@ -56,6 +56,9 @@ class MoEConfig:
     # Direct path only. down_rows > 1: each down program computes that many column tiles, the next tile's
     # weights loaded while this one's sums run (`direct._direct_down_rows_kernel`; one K tile over I only).
     down_rows: int = 0
+    # Direct path only. gate_rows > 1: each gate_up program computes that many column tiles of its pair, the
+    # next K step's weights loaded during this one's FMAs (`direct._direct_gate_up_rows_kernel`).
+    gate_rows: int = 0
 
     def down(self) -> MoEConfig:
         """The config the sorted path's down GEMM runs with (block_m, group_m, warps, stages shared)."""
@@ -72,7 +75,7 @@ class MoEConfig:
         """Fields at their defaults are left out, so the table's sorted-path rows stay as they were."""
         d = asdict(self)
         for f in ("direct", "down_block_n", "down_block_k", "split_tail", "down_preload", "route_shared",
-                  "down_rows"):
+                  "down_rows", "gate_rows"):
             if d[f] == 0:
                 del d[f]
         return d

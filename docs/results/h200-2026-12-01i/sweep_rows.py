@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="m3-mini")
     ap.add_argument("--write", action="store_true", help="install a winning down_rows entry for T = 1")
     ap.add_argument("--block-k", type=int, default=0, help="only down_rows candidates with this gate_up block_k")
+    ap.add_argument("--gate-rows", action="store_true", help="only candidates with several gate_up tiles")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from m3eagle.moe import tuning
@@ -34,7 +35,8 @@ def main() -> None:
     for shape in [s for s in mk.SHAPES if s.name in args.shapes.split(",")]:
         key = tuning.shape_key(shape.experts, shape.hidden, shape.inter, shape.top_k, dtype)
         installed = tuning.get_config(1, shape.experts, shape.hidden, shape.inter, shape.top_k, dtype, dev)
-        pool = [installed] + [c for c in everything if c.down_rows and c.block_k in (args.block_k or c.block_k,)]
+        pool = [installed] + [c for c in everything if c.down_rows and c.block_k in (args.block_k or c.block_k,)
+                              and (c.gate_rows or not args.gate_rows)]
         pool.append(installed)  # the installed entry first and last: its spread in this run
         mk.candidates = lambda b, d, pool=pool: pool
         layers = [mk.make_layer(shape, dev, dtype, seed=j) for j in range(mk.LAYERS)]
