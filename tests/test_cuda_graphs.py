@@ -365,9 +365,9 @@ def test_direct_moe_on_gpu_within_bf16_and_graph_replay_equals_eager(t):
 def test_moe_route_shared_and_down_preload_under_pdl_graphs_equal_the_separate_launches(e, h, i, s_i, k,
                                                                                          rows):
     """The decode MoE's router + shared-expert launch and down's weight preload (moe/direct.py), with one
-    or four down column tiles per program (and two gate_up tiles), at m3-mini's and the embedded target's shapes (its shared expert
-    narrower than the routed ones) in bf16: two layers captured in one CUDA graph with programmatic
-    dependent launch,
+    or four down column tiles per program (and two gate_up tiles), at m3-mini's and the embedded target's
+    shapes (its shared expert narrower than the routed ones) in bf16: two layers captured in one CUDA graph
+    with programmatic dependent launch,
     replayed on new inputs without a sync between replays, equal bit for bit to the separate launches
     (fused router, then the direct path without preload) run eagerly without PDL -- so the routing that
     down reads before its wait is the current one."""
