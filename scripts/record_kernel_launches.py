@@ -108,6 +108,11 @@ def workload() -> None:
                                 torch.zeros(64, dtype=torch.int32), w13, w2, 1.702, 7.0,
                                 MoEConfig(16, 16, 32, num_stages=1, direct=1, down_block_n=8, down_block_k=64,
                                           down_preload=1, route_shared=1), (w13[0], w2[0]), 2.5)
+    # several gate_up / down column tiles per program (MoEConfig.gate_rows / down_rows; the H200 table's)
+    triton_moe.fused_experts(xs[:1], torch.full((1, 2), 0.5), idx[:1], w13, w2, 1.702, 7.0,
+                             config=MoEConfig(16, 8, 32, num_stages=1, direct=1, down_block_n=4, down_block_k=64,
+                                              down_preload=1, down_rows=2, gate_rows=2),
+                             shared=(w13[0], w2[0]), routed_scale=2.5)
     # the tiled router's other block shapes (long prompts, MiniMax-M3's 128 experts)
     from m3eagle.fused import triton_fused
 
