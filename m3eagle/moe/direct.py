@@ -32,6 +32,12 @@ Two variants from the tuning table (design note 43), both bit-equal to the above
   one launch (the shared expert needs no routing, so its stream overlaps the router's latency), then
   gate_up over the routed pairs and down as above: three launches for the whole layer, routing included.
 
+And two more (design note 45), bit-equal too: `down_rows` / `gate_rows` > 1 give each program that many
+consecutive column tiles, the next tile's (or K step's) weights loaded before this one's math runs (a
+register double buffer: Triton's pipeliner stages only loads that feed a tl.dot), so a program's slot moves
+more bytes per load latency; down also reads act and the routing once per program
+(`_direct_down_rows_kernel`, `_direct_gate_up_rows_kernel`).
+
 Expert subset: pairs routed outside [e0, e0 + num_local) are skipped (no read, no contribution).
 No host sync, static shapes: capturable in a CUDA graph.
 """
