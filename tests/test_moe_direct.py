@@ -170,20 +170,26 @@ PRELOAD = MoEConfig(16, 16, 16, direct=1, down_block_n=8, down_block_k=64, down_
 PRELOAD_EVEN = MoEConfig(16, 16, 16, direct=1, down_block_n=8, down_block_k=32, down_preload=1)
 
 
-def preload_flags(monkeypatch) -> list[bool]:
-    """The PRELOAD constexpr of every down launch, so a test fails if the preload variant never ran."""
-    seen: list[bool] = []
-    kern = direct._direct_down_kernel
+def launch_flags(monkeypatch, kernel: str, flag: str) -> list:
+    """The constexpr `flag` of every launch of direct.`kernel`, so a test fails if that kernel (or that
+    variant of it) never ran."""
+    seen: list = []
+    kern = getattr(direct, kernel)
 
     class Spy:
         def __getitem__(self, grid):
             def launch(*a, **kw):
-                seen.append(kw["PRELOAD"])
+                seen.append(kw[flag])
                 return kern[grid](*a, **kw)
             return launch
 
-    monkeypatch.setattr(direct, "_direct_down_kernel", Spy())
+    monkeypatch.setattr(direct, kernel, Spy())
     return seen
+
+
+def preload_flags(monkeypatch) -> list[bool]:
+    """The PRELOAD constexpr of every one-tile down launch."""
+    return launch_flags(monkeypatch, "_direct_down_kernel", "PRELOAD")
 
 
 @pytest.mark.parametrize("t,k,i,cfg", [(1, 4, 40, PRELOAD), (3, 3, 32, PRELOAD_EVEN), (4, 2, 40, PRELOAD)])
@@ -216,17 +222,7 @@ def test_down_rows_are_bit_equal_to_one_tile_per_program(t, k, i, h, monkeypatch
     one tile per program, with and without the preload, the shared expert (as wide and narrower) and an
     expert subset; H not a multiple of the rows' span (the last program's tiles past H store nothing); and
     where one K tile does not span I the one-tile kernel answers."""
-    launches: list[int] = []
-    kern = direct._direct_down_rows_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                launches.append(kw["ROWS"])
-                return kern[grid](*a, **kw)
-            return launch
-
-    monkeypatch.setattr(direct, "_direct_down_rows_kernel", Spy())
+    launches = launch_flags(monkeypatch, "_direct_down_rows_kernel", "ROWS")
     x, w, idx, w13, w2 = make(90 + t, t, k, h=h, i=i)
     _, _, _, s13, s2 = make(91 + t, 1, 1, e=1, h=h, i=i)
     _, _, _, n13, n2 = make(92 + t, 1, 1, e=1, h=h, i=24)
@@ -258,17 +254,7 @@ def test_gate_rows_are_bit_equal_to_one_tile_per_program(t, k, h, i, monkeypatch
     step's weights loaded first) runs the same FMAs per tile: bit-equal to one tile per program, over
     several K steps, a masked K tail (h 40 / 48 with 32-wide steps), a narrower shared expert, an expert
     subset and a pair width not a multiple of the rows' span."""
-    launches: list[int] = []
-    kern = direct._direct_gate_up_rows_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                launches.append(kw["ROWS"])
-                return kern[grid](*a, **kw)
-            return launch
-
-    monkeypatch.setattr(direct, "_direct_gate_up_rows_kernel", Spy())
+    launches = launch_flags(monkeypatch, "_direct_gate_up_rows_kernel", "ROWS")
     x, w, idx, w13, w2 = make(95 + t, t, k, h=h, i=i)
     _, _, _, n13, n2 = make(96 + t, 1, 1, e=1, h=h, i=24)
     one = MoEConfig(16, 8, 32, direct=1, down_block_n=4, down_block_k=64)
