@@ -360,17 +360,23 @@ def test_direct_moe_on_gpu_within_bf16_and_graph_replay_equals_eager(t):
         assert torch.equal(out, run(*new))
 
 
-@pytest.mark.parametrize("rows", [0, 4, 24], ids=["one_tile", "down_rows", "gate_and_down_rows"])
+VARIANTS = {"one_tile": {}, "down_rows": {"down_rows": 4}, "gate_and_down_rows": {"down_rows": 4, "gate_rows": 2},
+            "gate_early": {"gate_early": 1}, "shared_down": {"shared_down": 2, "down_rows": 2},
+            "early_shared_down_rows": {"gate_early": 1, "shared_down": 4, "down_rows": 2, "gate_rows": 2}}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("e,h,i,s_i,k", [(32, 2048, 1024, 1024, 4), (4, 256, 160, 128, 2)])  # m3-mini, embedded
 def test_moe_route_shared_and_down_preload_under_pdl_graphs_equal_the_separate_launches(e, h, i, s_i, k,
-                                                                                         rows):
+                                                                                         variant):
     """The decode MoE's router + shared-expert launch and down's weight preload (moe/direct.py), with one
-    or four down column tiles per program (and two gate_up tiles), at m3-mini's and the embedded target's
-    shapes (its shared expert narrower than the routed ones) in bf16: two layers captured in one CUDA graph
-    with programmatic dependent launch,
-    replayed on new inputs without a sync between replays, equal bit for bit to the separate launches
-    (fused router, then the direct path without preload) run eagerly without PDL -- so the routing that
-    down reads before its wait is the current one."""
+    or four down column tiles per program (and two gate_up tiles), the routed gate_up starting on the
+    router's per-token flags (gate_early) and the shared expert's down in the gate_up launch (shared_down),
+    at m3-mini's and the embedded target's shapes (its shared expert narrower than the routed ones) in
+    bf16: two layers captured in one CUDA graph with programmatic dependent launch, replayed on new inputs
+    without a sync between replays, equal bit for bit to the separate launches (fused router, then the
+    direct path without preload) run eagerly without PDL -- so the routing that down reads before its
+    wait, and the one the early gate_up reads on its flag, is the current one."""
     from m3eagle import pdl
     from m3eagle.fused import backend as fused_backend
     from m3eagle.models.layers import SparseMoE
@@ -392,7 +398,7 @@ def test_moe_route_shared_and_down_preload_under_pdl_graphs_equal_the_separate_l
         layers.append(moe)
     fused = fused_backend.create("triton")
     on = MoEConfig(16, 4, 512, num_stages=1, direct=1, down_block_n=1, down_block_k=1024, down_preload=1,
-                   route_shared=1, down_rows=rows % 10, gate_rows=rows // 10)  # several tiles per program
+                   route_shared=1, **VARIANTS[variant])
     off = MoEConfig(16, 4, 512, num_stages=1, direct=1, down_block_n=1, down_block_k=1024)
     ops_on = Ops(attention=None, moe=moe_backend.create("triton", config=on), fused=fused)
     ops_off = Ops(attention=None, moe=moe_backend.create("triton", config=off), fused=fused)
@@ -425,7 +431,7 @@ def test_moe_route_shared_and_down_preload_under_pdl_graphs_equal_the_separate_l
                 with pdl.scope(True), torch.cuda.graph(graph):
                     outs = run(x, ops_on)
                 assert len(calls) == 4  # two layers, eager and captured: the launch is used
-                news = [torch.randn(t, h, device="cuda").bfloat16() for _ in range(6)]
+                news = [torch.randn(t, h, device="cuda").bfloat16() for _ in range(12)]
                 got = []
                 for new in news:
                     x.copy_(new)
@@ -435,5 +441,6 @@ def test_moe_route_shared_and_down_preload_under_pdl_graphs_equal_the_separate_l
                 for new, g in zip(news, got):
                     want = run(new, ops_off)
                     assert all(torch.equal(a, b) for a, b in zip(g, want))
+                assert not ops_on.moe._route_counters.get(x.device).any()  # the router's and the flags, reset
         finally:
             direct.route_direct_experts = real
