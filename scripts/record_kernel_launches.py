@@ -113,6 +113,12 @@ def workload() -> None:
                              config=MoEConfig(16, 8, 32, num_stages=1, direct=1, down_block_n=4, down_block_k=64,
                                               down_preload=1, down_rows=2, gate_rows=2),
                              shared=(w13[0], w2[0]), routed_scale=2.5)
+    # the shared expert's down in the routed gate_up launch (MoEConfig.shared_down; the H200's m3-8b entry)
+    direct.route_direct_experts(xs[:1], torch.randn(8, 64, generator=g), torch.zeros(8), 2,
+                                torch.zeros(64, dtype=torch.int32), w13, w2, 1.702, 7.0,
+                                MoEConfig(16, 8, 32, num_stages=1, direct=1, down_block_n=4, down_block_k=64,
+                                          down_preload=1, route_shared=1, down_rows=2, gate_rows=2, shared_down=2),
+                                (w13[0], w2[0]), 2.5)
     # the tiled router's other block shapes (long prompts, MiniMax-M3's 128 experts)
     from m3eagle.fused import triton_fused
 

@@ -11,6 +11,8 @@ torch.cuda.set_sync_debug_mode("error").
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from engine_utils import Counters, assert_clean
@@ -361,22 +363,25 @@ def test_direct_moe_on_gpu_within_bf16_and_graph_replay_equals_eager(t):
 
 
 VARIANTS = {"one_tile": {}, "down_rows": {"down_rows": 4}, "gate_and_down_rows": {"down_rows": 4, "gate_rows": 2},
-            "gate_early": {"gate_early": 1}, "shared_down": {"shared_down": 2, "down_rows": 2},
-            "early_shared_down_rows": {"gate_early": 1, "shared_down": 4, "down_rows": 2, "gate_rows": 2}}
+            "shared_down": {"shared_down": 2, "down_rows": 2},
+            "shared_down_rows": {"shared_down": 4, "down_rows": 2, "gate_rows": 2},
+            # m3-8b's router (H 4096) runs 8 warps, so the launch it shares needs them; its table entry
+            "shared_down_8_warps": {"shared_down": 2, "down_rows": 4, "gate_rows": 2, "num_warps": 8,
+                                    "block_n": 2, "down_block_k": 2048}}
+MINI, EMBEDDED, M3_8B = (32, 2048, 1024, 1024, 4), (4, 256, 160, 128, 2), (16, 4096, 1536, 1536, 4)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("e,h,i,s_i,k", [(32, 2048, 1024, 1024, 4), (4, 256, 160, 128, 2)])  # m3-mini, embedded
+@pytest.mark.parametrize("e,h,i,s_i,k,variant", [(*shape, v) for shape in (MINI, EMBEDDED) for v in VARIANTS
+                                                 if v != "shared_down_8_warps"] + [(*M3_8B, "shared_down_8_warps")])
 def test_moe_route_shared_and_down_preload_under_pdl_graphs_equal_the_separate_launches(e, h, i, s_i, k,
                                                                                          variant):
     """The decode MoE's router + shared-expert launch and down's weight preload (moe/direct.py), with one
-    or four down column tiles per program (and two gate_up tiles), the routed gate_up starting on the
-    router's per-token flags (gate_early) and the shared expert's down in the gate_up launch (shared_down),
-    at m3-mini's and the embedded target's shapes (its shared expert narrower than the routed ones) in
-    bf16: two layers captured in one CUDA graph with programmatic dependent launch, replayed on new inputs
-    without a sync between replays, equal bit for bit to the separate launches (fused router, then the
-    direct path without preload) run eagerly without PDL -- so the routing that down reads before its
-    wait, and the one the early gate_up reads on its flag, is the current one."""
+    or four down column tiles per program (and two gate_up tiles) and the shared expert's down in the
+    gate_up launch (shared_down), at m3-mini's, the embedded target's (its shared expert narrower than the
+    routed ones) and m3-8b's shapes (8 warps) in bf16: two layers captured in one CUDA graph with
+    programmatic dependent launch, replayed on new inputs without a sync between replays, equal bit for bit
+    to the separate launches (fused router, then the direct path without preload) run eagerly without PDL
+    -- so the routing that down reads before its wait is the current one."""
     from m3eagle import pdl
     from m3eagle.fused import backend as fused_backend
     from m3eagle.models.layers import SparseMoE
@@ -397,9 +402,10 @@ def test_moe_route_shared_and_down_preload_under_pdl_graphs_equal_the_separate_l
         moe.shared_experts.bfloat16()
         layers.append(moe)
     fused = fused_backend.create("triton")
-    on = MoEConfig(16, 4, 512, num_stages=1, direct=1, down_block_n=1, down_block_k=1024, down_preload=1,
-                   route_shared=1, **VARIANTS[variant])
-    off = MoEConfig(16, 4, 512, num_stages=1, direct=1, down_block_n=1, down_block_k=1024)
+    on = dataclasses.replace(MoEConfig(16, 4, 512, num_stages=1, direct=1, down_block_n=1, down_block_k=1024,
+                                       down_preload=1, route_shared=1), **VARIANTS[variant])
+    # the same tiles and warps (a reduction's order follows them), one tile a program, launches apart
+    off = dataclasses.replace(on, down_preload=0, route_shared=0, down_rows=0, gate_rows=0, shared_down=0)
     ops_on = Ops(attention=None, moe=moe_backend.create("triton", config=on), fused=fused)
     ops_off = Ops(attention=None, moe=moe_backend.create("triton", config=off), fused=fused)
     assert pdl._capable(torch.cuda.current_device())
@@ -441,6 +447,6 @@ def test_moe_route_shared_and_down_preload_under_pdl_graphs_equal_the_separate_l
                 for new, g in zip(news, got):
                     want = run(new, ops_off)
                     assert all(torch.equal(a, b) for a, b in zip(g, want))
-                assert not ops_on.moe._route_counters.get(x.device).any()  # the router's and the flags, reset
+                assert not ops_on.moe._route_counters.get(x.device).any()  # the router's, reset
         finally:
             direct.route_direct_experts = real

@@ -356,20 +356,19 @@ def test_router_and_shared_launch_falls_back_where_it_cannot_match(monkeypatch):
     assert not direct.can_route(big, moe.gate.weight, 3, MoEConfig(16, 16, 16, direct=1, route_shared=1))
 
 
-EARLY_VARIANTS = [dict(gate_early=1), dict(shared_down=1), dict(shared_down=2), dict(shared_down=4),
-                  dict(shared_down=4, gate_early=1), dict(shared_down=2, gate_early=1, gate_rows=2, down_rows=3),
-                  dict(shared_down=1, down_preload=0)]
+SHARED_DOWN_VARIANTS = [dict(shared_down=1), dict(shared_down=2), dict(shared_down=4),
+                        dict(shared_down=2, gate_rows=2, down_rows=3), dict(shared_down=1, down_preload=0)]
 
 
 @pytest.mark.parametrize("t", [1, 3])
 @pytest.mark.parametrize("h,i,s_i", [(48, 40, None), (48, 40, 24), (40, 32, 56)])
-def test_gate_early_and_shared_down_are_bit_equal_to_the_route_launch(t, h, i, s_i, monkeypatch):
-    """The routed gate_up starting on the router's per-token flags (gate_early) and the shared expert's down
-    in the gate_up launch (shared_down: 1 / 2 / 4 tiles a program, its rounded rows added by down), alone,
-    together and with several gate_up / down tiles: bit-equal to the route + shared launch without them,
-    shared experts as wide, narrower and wider than the routed ones; the flags are left zero (down resets
-    them) and the variants' launches ran (EARLY / SD / SD_DONE constexprs)."""
-    early = launch_flags(monkeypatch, "_direct_gate_up_rows_kernel", "EARLY")
+def test_shared_down_in_the_gate_up_launch_is_bit_equal(t, h, i, s_i, monkeypatch):
+    """The shared expert's down as programs of the routed gate_up launch (shared_down: 1 / 2 / 4 tiles a
+    program, its rounded rows added by down), alone, with several gate_up / down tiles and without down's
+    preload: bit-equal to the route + shared launch without it, shared experts as wide, narrower and wider
+    than the routed ones (its rows' programs spanning H unevenly); the variants' launches ran (SD / SD_DONE);
+    a down K tile narrower than the widths turns it off."""
+    sd = launch_flags(monkeypatch, "_direct_gate_up_rows_kernel", "SD")
     sd_done = launch_flags(monkeypatch, "_direct_down_rows_kernel", "SD_DONE")
     moe = route_layer(70 + t, h=h, i=i, s_i=s_i)
     g, ex, sh = moe.gate, moe.experts, moe.shared_experts
@@ -378,7 +377,7 @@ def test_gate_early_and_shared_down_are_bit_equal_to_the_route_launch(t, h, i, s
     base = MoEConfig(16, 8, 16, direct=1, down_block_n=4, down_block_k=64, down_preload=1, route_shared=1)
 
     def layer(cfg):
-        counters = torch.zeros(direct.FLAGS_AT + t, dtype=torch.int32)
+        counters = torch.zeros(t, dtype=torch.int32)
         out = direct.route_direct_experts(x, g.weight, g.e_score_correction_bias, 3, counters, ex.gate_up_proj,
                                           ex.down_proj, ALPHA, LIMIT, cfg, shared, 2.5)
         assert not counters.any()
@@ -386,44 +385,16 @@ def test_gate_early_and_shared_down_are_bit_equal_to_the_route_launch(t, h, i, s
 
     with torch.no_grad():
         want = layer(base)
-        for kw in EARLY_VARIANTS:
+        for kw in SHARED_DOWN_VARIANTS:
             assert torch.equal(layer(replace(base, **kw)), want), kw
-    assert early == [bool(kw.get("gate_early")) for kw in EARLY_VARIANTS]
-    # down's rows kernel runs every variant with shared_down (gate_early alone keeps the one-tile down)
-    assert sd_done == [True] * sum(bool(kw.get("shared_down")) for kw in EARLY_VARIANTS)
+        narrow = replace(base, shared_down=2, down_block_k=16)
+        assert direct.shared_down_tiles(narrow, i, s_i or i) == 0
+        assert torch.equal(layer(replace(base, down_block_k=16)), layer(narrow))
+    assert sd == [True] * len(SHARED_DOWN_VARIANTS)  # (the narrow tile runs the one-tile kernels)
+    assert sd_done == [True] * len(SHARED_DOWN_VARIANTS)
     assert_close(want, moe(x))
-
-
-def test_early_gate_up_never_reads_a_token_not_yet_routed():
-    """The early gate_up's start condition is live: with a token's flag not set (a router that never
-    signalled) the interpreter's gate_up poisons that token's act rows, so its output is NaN -- on the GPU
-    the program would wait instead -- while the token whose flag is set gets the exact output."""
-    moe = route_layer(81)
-    g, ex, sh = moe.gate, moe.experts, moe.shared_experts
-    x = torch.randn(2, 48, generator=torch.Generator().manual_seed(5))
-    shared = (sh.gate_up_proj.weight.detach(), sh.down_proj.weight.detach())
-    cfg = replace(PRELOAD, route_shared=1, gate_early=1)
-    real = direct._route_shared_kernel
-
-    class OnlyFirstToken:  # the route launch, then token 1's flag taken back
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                real[grid](*a, **kw)
-                if kw["SIGNAL"]:
-                    a[21][1] = 0  # flag_ptr: [FLAGS_AT, FLAGS_AT + T) of the counters
-            return launch
-
-    with torch.no_grad():
-        counters = torch.zeros(direct.FLAGS_AT + 2, dtype=torch.int32)
-        want = direct.route_direct_experts(x, g.weight, g.e_score_correction_bias, 3, counters, ex.gate_up_proj,
-                                           ex.down_proj, ALPHA, LIMIT, cfg, shared, 2.5)
-        direct._route_shared_kernel = OnlyFirstToken()
-        try:
-            got = direct.route_direct_experts(x, g.weight, g.e_score_correction_bias, 3, counters,
-                                              ex.gate_up_proj, ex.down_proj, ALPHA, LIMIT, cfg, shared, 2.5)
-        finally:
-            direct._route_shared_kernel = real
-    assert torch.equal(got[0], want[0]) and torch.isnan(got[1]).all()
+    with pytest.raises(ValueError, match="shared_down=3: use 0"):
+        direct.shared_down_tiles(replace(base, shared_down=3), i, i)
 
 
 def test_config_round_trip_keeps_the_new_flags():

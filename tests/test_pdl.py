@@ -75,11 +75,9 @@ PRELOADING = {"m3eagle.moe.direct._direct_down_kernel": ({"idx_ptr + pair"}, {"w
                                        "s_base + rows.to(tl.int64)[:, None] * stride_swh"})}
 LOAD_HELPERS = {"_load_k"}  # jit helpers that load their first argument
 
-# The second exception (moe/direct.py, `_direct_gate_up_rows_kernel`): with EARLY its routed programs start on
-# the router's per-token flag instead of the PDL wait, and with SD its shared-down programs load their
-# weights before waiting. Both end in a wait (`_early_done`, `_shared_down_program`'s pdl_wait), so the
-# launch completing still implies its predecessor did.
-EARLY_START = {"m3eagle.moe.direct._direct_gate_up_rows_kernel"}
+# The second exception (moe/direct.py, design note 46): with SD the routed gate_up launch's shared-down programs
+# load their weights before their wait (`_shared_down_program`); every other program waits at once.
+SHARED_DOWN = {"m3eagle.moe.direct._direct_gate_up_rows_kernel"}
 
 
 def _memory_calls(stmts) -> list[tuple[str, str]]:
@@ -115,34 +113,23 @@ def _calls(stmts) -> list[str]:
     return [ast.unparse(n.func) for st in stmts for n in ast.walk(st) if isinstance(n, ast.Call)]
 
 
-def _check_early_start(name: str, body: list) -> None:
-    """`if not (EARLY or SD): pdl_wait(PDL)` first; no memory access until the SD branch (whose programs
-    call `_shared_down_program` and return) and the EARLY branch, which starts with `_await_routed`; the
-    other programs wait at once; every return of a routed program, and the kernel's end, pass
-    `_early_done`; the shared-down helper loads only its weights before its own wait."""
+def _check_shared_down(name: str, body: list) -> None:
+    """`if not SD: pdl_wait(PDL)` first; then, touching no memory, the SD branch: the shared-down programs
+    call `_shared_down_program` and return, every other program waits at once; the helper loads only its
+    weight tiles before its own wait."""
     from m3eagle.moe import direct
 
-    assert ast.unparse(body[0]) == "if not (EARLY or SD):\n    pdl_wait(PDL)", name
+    assert ast.unparse(body[0]) == "if not SD:\n    pdl_wait(PDL)", name
     i_sd = next(i for i, st in enumerate(body) if isinstance(st, ast.If) and ast.unparse(st.test) == "SD")
-    i_early = next(i for i, st in enumerate(body) if isinstance(st, ast.If) and ast.unparse(st.test) == "EARLY")
-    assert i_sd < i_early and not _memory_calls(body[1:i_early]), name
+    assert not _memory_calls(body[1:i_sd + 1]), name
     sd = body[i_sd].body
     assert ast.unparse(sd[0].test) == "p >= T * TOP_K" and isinstance(sd[0].body[-1], ast.Return)
-    assert "_shared_down_program" in _calls(sd[0].body) and not _memory_calls(sd[0].body)
-    assert ast.unparse(sd[1]) == "if not EARLY:\n    pdl_wait(PDL)"
-    first = body[i_early].body[0]
-    assert isinstance(first, ast.Assign) and ast.unparse(first.value).startswith("_await_routed("), name
-    assert ast.unparse(body[-1]) == "_early_done(EARLY, PDL)", name
-    for st in body[i_early + 1:]:
-        for node in ast.walk(st):
-            if isinstance(node, ast.If) and isinstance(node.body[-1], ast.Return):
-                assert ast.unparse(node.body[-2]) == "_early_done(EARLY, PDL)", (name, ast.unparse(node))
+    assert [c for c in _calls(sd[0].body) if not c.startswith("tl.")] == ["_shared_down_program"]
+    assert ast.unparse(sd[1]) == "pdl_wait(PDL)" and len(sd) == 2
     helper = ast.parse(inspect.getsource(direct._shared_down_program.fn)).body[0].body[1:]  # after the docstring
     w = next(j for j, st in enumerate(helper) if ast.unparse(st) == "pdl_wait(PDL)")
     pre = _memory_calls(helper[:w])
     assert len(pre) == 4 and all(f == "load" and a.startswith("base + ") for f, a in pre), pre
-    spin = ast.parse(inspect.getsource(direct._await_routed.fn)).body[0].body[1:]
-    assert [a for _, a in _memory_calls(spin)] == ["flag_ptr"]  # the interpreter's check; the GPU's is asm
 
 
 def test_every_kernel_waits_first_when_pdl_is_on():
@@ -160,8 +147,8 @@ def test_every_kernel_waits_first_when_pdl_is_on():
         if name in PRELOADING:
             _check_preload(name, body)
             continue
-        if name in EARLY_START:
-            _check_early_start(name, body)
+        if name in SHARED_DOWN:
+            _check_shared_down(name, body)
             continue
         assert ast.unparse(body[0]) == "pdl_wait(PDL)", name
     assert seen >= 26

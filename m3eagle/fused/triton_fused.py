@@ -850,11 +850,9 @@ def _router_gemv_kernel(x_ptr, w_ptr, out_ptr, hidden, n_exp, stride_x, stride_w
 def _router_topk_program(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_ptr, t, pid_e, hidden, n_exp,
                          stride_x, stride_w, n_prog, TOP_K: tl.constexpr, PRECISE: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ALL: tl.constexpr,
-                         BLOCK_K: tl.constexpr, flag_ptr, SIGNAL: tl.constexpr):
+                         BLOCK_K: tl.constexpr):
     """One program of `_router_topk_kernel` (token t, expert block pid_e); also the router programs of the
-    MoE's route + shared-expert launch (moe/direct.py), so the two route bit-equally. SIGNAL: the program
-    that routes t then sets flag[t] = 1 with release semantics (after a CTA barrier: every thread's
-    stores of the routing issued first), for consumers that start on it (direct.py's early gate_up)."""
+    MoE's route + shared-expert launch (moe/direct.py), so the two route bit-equally."""
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     em = offs_e < n_exp
     logits = _router_gemv_rows(x_ptr, w_ptr, t, offs_e, em, hidden, stride_x, stride_w, BLOCK_E, BLOCK_H)
@@ -865,9 +863,6 @@ def _router_topk_program(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_
         tl.store(cnt_ptr + t, 0)
         _route_row(lg_ptr + t * n_exp, bias_ptr, wout_ptr + t * TOP_K, idx_ptr + t * TOP_K, n_exp, TOP_K,
                    PRECISE, BLOCK_ALL, BLOCK_K, ".cg")
-        if SIGNAL:
-            tl.debug_barrier()
-            tl.atomic_xchg(flag_ptr + t, 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -885,7 +880,7 @@ def _router_topk_kernel(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_p
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     _router_topk_program(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_ptr, tl.program_id(0).to(tl.int64),
                          tl.program_id(1), hidden, n_exp, stride_x, stride_w, n_prog, TOP_K, PRECISE, BLOCK_E,
-                         BLOCK_H, BLOCK_ALL, BLOCK_K, cnt_ptr, False)
+                         BLOCK_H, BLOCK_ALL, BLOCK_K)
 
 
 @triton.jit(do_not_specialize=["n_tok"])  # the prompt chunk's length: one compiled variant

@@ -107,7 +107,7 @@ class TritonMoE:
                 and direct.can_route(x, router_weight, top_k, cfg)):
             return None
         counters = self._route_counters.get(x.device)
-        if counters is None or counters.numel() < direct.FLAGS_AT + t:
+        if counters is None or counters.numel() < t:
             return None  # first call under CUDA-graph capture: the engine's eager warm-up makes them first
         return direct.route_direct_experts(x, router_weight, router_bias, top_k, counters, gate_up_proj, down_proj,
                                            alpha, limit, cfg, shared, routed_scale)

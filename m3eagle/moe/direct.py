@@ -38,6 +38,10 @@ register double buffer: Triton's pipeliner stages only loads that feed a tl.dot)
 more bytes per load latency; down also reads act and the routing once per program
 (`_direct_down_rows_kernel`, `_direct_gate_up_rows_kernel`).
 
+And `shared_down` (design note 46), bit-equal too: after the route + shared launch, the shared expert's down
+runs as extra programs of the routed gate_up launch, its weights loaded before the PDL wait (they stream during
+the router's latency), its rounded output rows added by down (`shared_down_tiles`).
+
 Expert subset: pairs routed outside [e0, e0 + num_local) are skipped (no read, no contribution).
 No host sync, static shapes: capturable in a CUDA graph.
 """
@@ -61,34 +65,6 @@ def _load_k(ptrs, k_ok, EVEN: tl.constexpr):
     if EVEN:
         return tl.load(ptrs)
     return tl.load(ptrs, mask=k_ok, other=0.0)
-
-
-@triton.jit
-def _await_routed(flag_ptr, SPIN: tl.constexpr):
-    """The early gate_up's start (`MoEConfig.gate_early`): wait until the router has routed this program's
-    token -- its last program sets flag = 1 with release semantics after storing the routing -- polling
-    with acquire loads at GPU scope, so the routing the program reads next is the router's. Returns whether
-    the flag was set: always on the GPU; SPIN off (the CPU interpreter, which runs launches one after
-    another, so the flag must already be set) the caller stores NaN where it was not, so a router that
-    never signals fails the tests instead of hanging a GPU."""
-    if SPIN:
-        seen = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [flag_ptr],
-                                         dtype=tl.int32, is_pure=False, pack=1)
-        while seen == 0:
-            seen = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [flag_ptr],
-                                             dtype=tl.int32, is_pure=False, pack=1)
-        return seen == 1
-    else:
-        return tl.load(flag_ptr) == 1
-
-
-@triton.jit
-def _early_done(EARLY: tl.constexpr, PDL: tl.constexpr):
-    """An early gate_up program's last statement (before any return): wait for the route launch to
-    complete, so that this launch completing -- what down's PDL wait waits for -- implies it did too."""
-    if EARLY:
-        if PDL:
-            tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -204,31 +180,22 @@ def _shared_down_program(sw_ptr, act_ptr, sd_ptr, token, n0, hidden, s_inter, st
 @triton.jit(do_not_specialize=["T", "e_start"])
 def _direct_gate_up_rows_kernel(x_ptr, idx_ptr, w_ptr, ws_ptr, act_ptr, T, e_start, num_local, hidden, inter,
                                 s_inter, stride_xt, stride_we, stride_wn, stride_swn, stride_at, alpha, limit,
-                                flag_ptr, sdw_ptr, sd_ptr, stride_sdh, sd_rows, TOP_K: tl.constexpr,
-                                HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                NUM_K: tl.constexpr, EVEN_K: tl.constexpr, ROWS: tl.constexpr, EARLY: tl.constexpr,
-                                SPIN: tl.constexpr, SD: tl.constexpr, SD_TILES: tl.constexpr, SD_BN: tl.constexpr,
-                                SD_BK: tl.constexpr, SD_EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                                sdw_ptr, sd_ptr, stride_sdh, sd_rows, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
+                                EVEN_K: tl.constexpr, ROWS: tl.constexpr, SD: tl.constexpr, SD_TILES: tl.constexpr,
+                                SD_BN: tl.constexpr, SD_BK: tl.constexpr, SD_EVEN_K: tl.constexpr,
+                                PDL: tl.constexpr):
     """`_direct_gate_up_kernel` with ROWS column tiles per program, grid (pairs, cdiv(I', ROWS * BLOCK_N)):
     the tiles' NUM_K = cdiv(H, BLOCK_K) weight steps run as one unrolled sequence in which the next step's
     gate / up tiles are loaded before this step's FMAs (a register double buffer across K steps and tiles:
     Triton's pipeliner stages only loads that feed a tl.dot). Per tile the same FMAs in the same order as
     `_gate_up_rows`: bit-equal to one tile per program. Tiles past the pair's width store nothing.
 
-    EARLY (`MoEConfig.gate_early`; routed pairs only, after `_route_shared_kernel` with SIGNAL): a program
-    does not wait for the whole route + shared launch to complete (PDL) but only for its token's routing
-    flag (`_await_routed`), so the routed weight stream starts while the shared expert's gate_up tiles of
-    that launch still run; then it lets down's programs be scheduled (they load idx, written and released
-    by now), reads idx from L2 (.cg: the router's stores are this launch's contemporaries), and waits for
-    the route launch's completion last (`_early_done`). x needs no care: it was written before the route
-    launch's programs passed their own waits, which all happened before any of this launch's began. The
-    flags are reset by down (RESET), after its wait. Same FMAs: the bits do not change.
-
     SD (`MoEConfig.shared_down`, after the route + shared launch): programs p >= T * TOP_K are the shared
     expert's down (`_shared_down_program`), sd_rows of them per token along axis 0, each owning SD_TILES
     tiles of SD_BN of the H output rows: token (p - T*TOP_K) // sd_rows, rows from ((p - T*TOP_K) % sd_rows *
     n_blocks + program_id(1)) * SD_TILES * SD_BN."""
-    if not (EARLY or SD):
+    if not SD:
         pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     p = tl.program_id(0)
     n0 = tl.program_id(1) * (ROWS * BLOCK_N)
@@ -240,20 +207,11 @@ def _direct_gate_up_rows_kernel(x_ptr, idx_ptr, w_ptr, ws_ptr, act_ptr, T, e_sta
                                  blk * (SD_TILES * SD_BN), hidden, s_inter, stride_sdh, stride_at, SD_TILES, SD_BN,
                                  SD_BK, SD_EVEN_K, PDL)
             return
-        if not EARLY:
-            pdl_wait(PDL)
+        pdl_wait(PDL)
     routed = p < T * TOP_K
     token = tl.where(routed, p // TOP_K, p - T * TOP_K)
-    flagged = True
-    if EARLY:
-        flagged = _await_routed(flag_ptr + token, SPIN)
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-        e = tl.load(idx_ptr + p, mask=routed, other=0, cache_modifier=".cg").to(tl.int64) - e_start
-    else:
-        e = tl.load(idx_ptr + p, mask=routed, other=0).to(tl.int64) - e_start
+    e = tl.load(idx_ptr + p, mask=routed, other=0).to(tl.int64) - e_start
     if routed & ((e < 0) | (e >= num_local)):
-        _early_done(EARLY, PDL)
         return
     base = w_ptr + tl.where(routed, e, 0) * stride_we
     width = inter
@@ -264,7 +222,6 @@ def _direct_gate_up_rows_kernel(x_ptr, idx_ptr, w_ptr, ws_ptr, act_ptr, T, e_sta
             width = s_inter
             stride = stride_swn
     if n0 >= width:
-        _early_done(EARLY, PDL)
         return
     offs_k = tl.arange(0, BLOCK_K)  # [BK]
     offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN], the first tile
@@ -296,32 +253,28 @@ def _direct_gate_up_rows_kernel(x_ptr, idx_ptr, w_ptr, ws_ptr, act_ptr, T, e_sta
         gate = tl.minimum(tl.sum(acc_g, axis=1), limit)
         up = tl.minimum(tl.maximum(tl.sum(acc_u, axis=1), -limit), limit)
         act = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
-        if EARLY:
-            act = tl.where(flagged, act, float("nan"))
         tl.store(act_ptr + p.to(tl.int64) * stride_at + offs_n, act.to(act_ptr.dtype.element_ty), mask=offs_n < width)
         offs_n += BLOCK_N
-    _early_done(EARLY, PDL)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _route_shared_kernel(x_ptr, rw_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_ptr, ws_ptr, act_ptr, T, hidden,
                          n_exp, s_inter, stride_xt, stride_rw, stride_swn, stride_at, n_prog, n_tiles, alpha, limit,
-                         flag_ptr, TOP_K: tl.constexpr, PRECISE: tl.constexpr, BLOCK_E: tl.constexpr,
+                         TOP_K: tl.constexpr, PRECISE: tl.constexpr, BLOCK_E: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_ALL: tl.constexpr, BLOCK_KK: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                         SIGNAL: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """The router and the shared expert's gate_up in one launch: programs [0, T * n_prog) are the fused
     router's (`_router_topk_program`, bit-equal to its own launch), the rest the shared expert's gate_up
     tiles (`_gate_up_rows`: token q // n_tiles, column tile q % n_tiles of its s_inter columns, act row
     T*TOP_K + token). The shared expert needs no routing, so its weight stream overlaps the router's
-    latency. SIGNAL: a token's routing program sets flag[token] when done, for the early gate_up."""
+    latency."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     pid = tl.program_id(0)
     n_router = T * n_prog
     if pid < n_router:
         _router_topk_program(x_ptr, rw_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_ptr, (pid // n_prog).to(tl.int64),
                              pid % n_prog, hidden, n_exp, stride_xt, stride_rw, n_prog, TOP_K, PRECISE, BLOCK_E,
-                             BLOCK_H, BLOCK_ALL, BLOCK_KK, flag_ptr, SIGNAL)
+                             BLOCK_H, BLOCK_ALL, BLOCK_KK)
     else:
         q = pid - n_router
         token = q // n_tiles
@@ -331,10 +284,10 @@ def _route_shared_kernel(x_ptr, rw_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx
 
 @triton.jit(do_not_specialize=["T", "e_start"])
 def _direct_down_kernel(act_ptr, idx_ptr, wts_ptr, w_ptr, ws_ptr, out_ptr, T, e_start, num_local, hidden, inter,
-                        s_inter, routed_scale, stride_at, stride_we, stride_wh, stride_swh, stride_ot, flag_ptr,
+                        s_inter, routed_scale, stride_at, stride_we, stride_wh, stride_swh, stride_ot,
                         TOP_K: tl.constexpr, K_PAD: tl.constexpr, HAS_SHARED: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, S_EVEN_K: tl.constexpr,
-                        PRELOAD: tl.constexpr, RESET: tl.constexpr, PDL: tl.constexpr):
+                        PRELOAD: tl.constexpr, PDL: tl.constexpr):
     """out[t, n-tile] = sum_j round(round(act[t*k+j] @ down[e_j]^T) * w[t, j] * routed_scale)
     (+ round(act[T*k+t] @ shared_down^T)), fp32 sum in one fixed order, for t = program_id(0).
 
@@ -349,8 +302,7 @@ def _direct_down_kernel(act_ptr, idx_ptr, wts_ptr, w_ptr, ws_ptr, out_ptr, T, e_
     idx was written by the router, two launches back, which had completed (and flushed) before gate_up's
     programs passed their own wait -- and this launch starts only after all of them did. idx is read with
     `.cg` (from L2: an SM's L1 may hold a line of an earlier replay). Same products and sums as the loop: the
-    bits do not change. RESET: after the wait, program (t, 0) zeroes token t's routing flag (the early
-    gate_up's, all of whose readers have completed)."""
+    bits do not change."""
     if not PRELOAD:
         pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     t = tl.program_id(0)
@@ -402,9 +354,6 @@ def _direct_down_kernel(act_ptr, idx_ptr, wts_ptr, w_ptr, ws_ptr, out_ptr, T, e_
                 acc_s += _load_k(s_ptrs, s_ok, S_EVEN_K).to(tl.float32) * _load_k(sa_ptrs, s_ok, S_EVEN_K).to(tl.float32)
                 s_ptrs += BLOCK_K
                 sa_ptrs += BLOCK_K
-    if RESET:
-        if pid_n == 0:
-            tl.store(flag_ptr + t, 0)
     if not HAS_SHARED:
         acc_s = acc  # a placeholder: _down_sum reads it only with a shared expert
     _down_sum(acc, acc_s, pair, live, wts_ptr, out_ptr + t.to(tl.int64) * stride_ot, offs_n, hidden, routed_scale,
@@ -434,10 +383,10 @@ def _down_sum(acc, acc_s, pair, live, wts_ptr, out_row, offs_n, hidden, routed_s
 @triton.jit(do_not_specialize=["T", "e_start"])
 def _direct_down_rows_kernel(act_ptr, idx_ptr, wts_ptr, w_ptr, ws_ptr, out_ptr, T, e_start, num_local, hidden,
                              inter, s_inter, routed_scale, stride_at, stride_we, stride_wh, stride_swh, stride_ot,
-                             flag_ptr, sd_ptr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, HAS_SHARED: tl.constexpr,
+                             sd_ptr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, HAS_SHARED: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                             S_EVEN_K: tl.constexpr, ROWS: tl.constexpr, PRELOAD: tl.constexpr, RESET: tl.constexpr,
-                             SD_DONE: tl.constexpr, PDL: tl.constexpr):
+                             S_EVEN_K: tl.constexpr, ROWS: tl.constexpr, PRELOAD: tl.constexpr, SD_DONE: tl.constexpr,
+                             PDL: tl.constexpr):
     """`_direct_down_kernel` with one K tile over I (and s_inter) and ROWS column tiles per program, grid (T,
     cdiv(H, ROWS * BLOCK_N)): the next tile's weights are loaded before this tile's products and sums run (a
     register double buffer; Triton's pipeliner stages only loads that feed a tl.dot), and the routing, act
@@ -446,7 +395,7 @@ def _direct_down_rows_kernel(act_ptr, idx_ptr, wts_ptr, w_ptr, ws_ptr, out_ptr, 
     down launch streamed at ~55% of copy bandwidth where gate_up reached 65-78% (design notes 36, 43).
     PRELOAD: the routing and the first tile's weights are loaded before the PDL wait, as in
     `_direct_down_kernel` (the same exception, the same argument). Per tile the same products and sums:
-    bit-equal to `_direct_down_kernel`. RESET as there. SD_DONE (with HAS_SHARED): the shared expert's
+    bit-equal to `_direct_down_kernel`. SD_DONE (with HAS_SHARED): the shared expert's
     output rows were computed by the gate_up launch (`_shared_down_program`) into sd [T, H]; they are read
     after the wait and added where the shared products' sum was."""
     if not PRELOAD:
@@ -477,9 +426,6 @@ def _direct_down_rows_kernel(act_ptr, idx_ptr, wts_ptr, w_ptr, ws_ptr, out_ptr, 
         wv = tl.load(w_base + rows.to(tl.int64)[None, :, None] * stride_wh, mask=m3, other=0.0)
         if HAS_SHARED and not SD_DONE:
             sw = _load_k(s_base + rows.to(tl.int64)[:, None] * stride_swh, s_ok, S_EVEN_K)
-    if RESET:
-        if tl.program_id(1) == 0:
-            tl.store(flag_ptr + t, 0)
     a = tl.load(act_ptr + pair.to(tl.int64)[:, None, None] * stride_at + offs_k[None, None, :],
                 mask=live[:, None, None] & k_ok[None, None, :], other=0.0).to(tl.float32)  # [KP, 1, BK], once
     if HAS_SHARED and not SD_DONE:
@@ -530,7 +476,7 @@ def down_rows(cfg: MoEConfig, inter: int, s_inter: int) -> int:
     return cfg.down_rows if cfg.down_rows > 1 and cfg.down().block_k >= max(inter, s_inter) else 1
 
 
-def shared_early(cfg: MoEConfig, inter: int, s_inter: int) -> int:
+def shared_down_tiles(cfg: MoEConfig, inter: int, s_inter: int) -> int:
     """Tiles per shared-down program in the routed gate_up launch (`MoEConfig.shared_down`: 1, 2 or 4), or 0
     where it does not run: not asked for, or one down K tile does not span I and the shared width (its
     tiles must be down's own, so the rounded rows are the ones down would have summed). Only after the route
@@ -543,15 +489,14 @@ def shared_early(cfg: MoEConfig, inter: int, s_inter: int) -> int:
 def direct_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    e_start: int, alpha: float, limit: float, cfg: MoEConfig,
                    shared: tuple[torch.Tensor, torch.Tensor] | None = None, routed_scale: float = 1.0,
-                   act: torch.Tensor | None = None, flags: torch.Tensor | None = None) -> torch.Tensor:
+                   act: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H], weights [T, k] fp32, idx [T, k] global ids, w13 [E_local, 2I, H], w2 [E_local, H, I] (experts
     e_start..) -> [T, H] in x.dtype: routed_scale * sum of the local pairs (+ the shared expert's output;
     shared = (gate_up [2 * I_s, H], down [H, I_s]), any width I_s). cfg.block_n / block_k tile gate_up;
     cfg.down_block_n / down_block_k tile down (0: the same); cfg.down_preload loads down's weights before
     its PDL wait (`preloads`). `act` [T*k + T, max(I, I_s)] with the shared expert's rows already computed
-    (`route_direct_experts`): gate_up runs the routed pairs only. `flags` [>= T] int32 (with `act`): the
-    route launch's per-token routing flags, set by it -- gate_up starts on them (cfg.gate_early) and down
-    resets them."""
+    (`route_direct_experts`): gate_up runs the routed pairs only (and, with cfg.shared_down, the shared
+    expert's down: `shared_down_tiles`)."""
     t, k = idx.shape
     hidden, inter = x.shape[1], w2.shape[2]
     idx = idx.contiguous()  # the kernels read idx[t, j] at t * k + j
@@ -568,23 +513,20 @@ def direct_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1
         act = torch.empty(pairs, max(inter, s_inter), dtype=x.dtype, device=x.device)  # [pairs, max(I, I_s)]
     bn, bk = cfg.block_n, cfg.block_k
     gate_pairs = t * k if shared_done else pairs
-    early = flags is not None
-    if early and not shared_done:
-        raise ValueError("direct_experts: routing flags come with the route launch's act (route_direct_experts)")
     dcfg = cfg.down()
     dbn, dbk = dcfg.block_n, dcfg.block_k
-    sd = shared_early(cfg, inter, s_inter) if shared_done else 0
+    sd = shared_down_tiles(cfg, inter, s_inter) if shared_done else 0
     sd_out = torch.empty(t, hidden, dtype=x.dtype, device=x.device) if sd else act  # [T, H]: shared down's rows
-    if cfg.gate_rows > 1 or early or sd:
+    if cfg.gate_rows > 1 or sd:
         rows = max(cfg.gate_rows, 1)
         n_blocks = triton.cdiv(max(inter, s_inter), bn * rows)
         sd_rows = triton.cdiv(triton.cdiv(hidden, sd * dbn), n_blocks) if sd else 0
         _direct_gate_up_rows_kernel[(gate_pairs + t * sd_rows, n_blocks)](
             x, idx, w13, s13, act, t, e_start, w13.shape[0], hidden, inter, s_inter,
             x.stride(0), w13.stride(0), w13.stride(1), s_row13, act.stride(0), float(alpha), float(limit),
-            flags if early else idx, s2, sd_out, s_row2, sd_rows, TOP_K=k,
+            s2, sd_out, s_row2, sd_rows, TOP_K=k,
             HAS_SHARED=shared is not None and not shared_done, BLOCK_N=bn, BLOCK_K=bk, NUM_K=triton.cdiv(hidden, bk),
-            EVEN_K=hidden % bk == 0, ROWS=rows, EARLY=early, SPIN=triton_fused._precise(), SD=bool(sd),
+            EVEN_K=hidden % bk == 0, ROWS=rows, SD=bool(sd),
             SD_TILES=max(sd, 1), SD_BN=dbn, SD_BK=dbk, SD_EVEN_K=s_inter % dbk == 0, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **pdl.args(x))
     else:
@@ -598,23 +540,18 @@ def direct_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1
         rows = max(cfg.down_rows, 1)
         _direct_down_rows_kernel[(t, triton.cdiv(hidden, dbn * rows))](
             act, idx, weights, w2, s2, out, t, e_start, w2.shape[0], hidden, inter, s_inter, float(routed_scale),
-            act.stride(0), w2.stride(0), w2.stride(1), s_row2, out.stride(0), flags if early else idx, sd_out,
+            act.stride(0), w2.stride(0), w2.stride(1), s_row2, out.stride(0), sd_out,
             TOP_K=k, K_PAD=triton.next_power_of_2(k), HAS_SHARED=shared is not None, BLOCK_N=dbn, BLOCK_K=dbk,
             EVEN_K=inter % dbk == 0, S_EVEN_K=s_inter % dbk == 0, ROWS=rows, PRELOAD=bool(cfg.down_preload),
-            RESET=early, SD_DONE=bool(sd), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(act))
+            SD_DONE=bool(sd), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(act))
         return out
     _direct_down_kernel[(t, triton.cdiv(hidden, dbn))](
         act, idx, weights, w2, s2, out, t, e_start, w2.shape[0], hidden, inter, s_inter, float(routed_scale),
-        act.stride(0), w2.stride(0), w2.stride(1), s_row2, out.stride(0), flags if early else idx,
+        act.stride(0), w2.stride(0), w2.stride(1), s_row2, out.stride(0),
         TOP_K=k, K_PAD=triton.next_power_of_2(k), HAS_SHARED=shared is not None, BLOCK_N=dbn, BLOCK_K=dbk,
         EVEN_K=inter % dbk == 0, S_EVEN_K=s_inter % dbk == 0, PRELOAD=preloads(cfg, inter, s_inter),
-        RESET=early, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(act))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(act))
     return out
-
-
-# Where the early gate_up's per-token routing flags start in the route launch's counters (after the router's
-# own per-token counters, one per token of a decode-sized step).
-FLAGS_AT = triton_fused.ROUTER_GEMV_MAX_T
 
 
 def can_route(x: torch.Tensor, router_w: torch.Tensor, k: int, cfg: MoEConfig) -> bool:
@@ -635,9 +572,8 @@ def route_direct_experts(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Te
     (`triton_fused.route_tokens`' decode programs, bit-equal) *and* the shared expert's gate_up, which needs
     no routing, in one launch; (2) the routed pairs' gate_up; (3) down + the weighted sum. Equal, bit for
     bit, to `route_tokens` then `direct_experts` (the same programs, in other launches). x [T, H] (T <=
-    ROUTER_GEMV_MAX_T), router_w [E, H] fp32, bias [E] fp32, counters [>= FLAGS_AT + T] int32 zero between
-    launches (left zero: [0, T) the router's, [FLAGS_AT, +T) the routing flags of cfg.gate_early), w13 / w2 all
-    E experts, shared (gate_up [2 * I_s, H], down [H, I_s]) -> [T, H] in x.dtype."""
+    ROUTER_GEMV_MAX_T), router_w [E, H] fp32, bias [E] fp32, counters [>= T] int32 zero between launches
+    (left zero), w13 / w2 all E experts, shared (gate_up [2 * I_s, H], down [H, I_s]) -> [T, H] in x.dtype."""
     t, hidden = x.shape
     n_exp, inter = router_w.shape[0], w2.shape[2]
     s13, s2 = shared
@@ -651,13 +587,11 @@ def route_direct_experts(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Te
     n_prog = triton.cdiv(n_exp, block_e)
     bn, bk = cfg.block_n, cfg.block_k
     n_tiles = triton.cdiv(s_inter, bn)
-    flags = counters[FLAGS_AT:FLAGS_AT + t] if cfg.gate_early else None
     _route_shared_kernel[(t * n_prog + t * n_tiles,)](
         x, router_w, logits, counters, bias, weights, idx, s13, act, t, hidden, n_exp, s_inter, x.stride(0),
         router_w.stride(0), s13.stride(0), act.stride(0), n_prog, n_tiles, float(alpha), float(limit),
-        flags if flags is not None else counters, TOP_K=k, PRECISE=triton_fused._precise(), BLOCK_E=block_e,
-        BLOCK_H=block_h, BLOCK_ALL=triton.next_power_of_2(n_exp), BLOCK_KK=triton.next_power_of_2(k), BLOCK_N=bn,
-        BLOCK_K=bk, EVEN_K=hidden % bk == 0, SIGNAL=flags is not None, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **triton_fused._opts(), **pdl.args(x))
-    return direct_experts(x, weights, idx, w13, w2, 0, alpha, limit, cfg, (s13, s2), routed_scale, act=act,
-                          flags=flags)
+        TOP_K=k, PRECISE=triton_fused._precise(), BLOCK_E=block_e, BLOCK_H=block_h,
+        BLOCK_ALL=triton.next_power_of_2(n_exp), BLOCK_KK=triton.next_power_of_2(k), BLOCK_N=bn, BLOCK_K=bk,
+        EVEN_K=hidden % bk == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **triton_fused._opts(),
+        **pdl.args(x))
+    return direct_experts(x, weights, idx, w13, w2, 0, alpha, limit, cfg, (s13, s2), routed_scale, act=act)

@@ -59,13 +59,9 @@ class MoEConfig:
     # Direct path only. gate_rows > 1: each gate_up program computes that many column tiles of its pair, the
     # next K step's weights loaded during this one's FMAs (`direct._direct_gate_up_rows_kernel`).
     gate_rows: int = 0
-    # Direct path with route_shared only. gate_early 1: the routed gate_up programs start when their token is
-    # routed (a flag the router's last program releases), not when the whole route + shared launch has
-    # completed (`direct._direct_gate_up_rows_kernel` EARLY).
-    gate_early: int = 0
     # Direct path with route_shared only, one down K tile over I. shared_down 1 / 2 / 4: the shared expert's
     # down runs in the routed gate_up launch, that many tiles per program, its weights loaded before the PDL
-    # wait (they stream during the router's latency); down adds its rounded rows (`direct.shared_early`).
+    # wait (they stream during the router's latency); down adds its rounded rows (`direct.shared_down_tiles`).
     shared_down: int = 0
 
     def down(self) -> MoEConfig:
@@ -83,7 +79,7 @@ class MoEConfig:
         """Fields at their defaults are left out, so the table's sorted-path rows stay as they were."""
         d = asdict(self)
         for f in ("direct", "down_block_n", "down_block_k", "split_tail", "down_preload", "route_shared",
-                  "down_rows", "gate_rows", "gate_early", "shared_down"):
+                  "down_rows", "gate_rows", "shared_down"):
             if d[f] == 0:
                 del d[f]
         return d
