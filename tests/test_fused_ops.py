@@ -86,6 +86,57 @@ def test_rms_norm_strided_rows_and_out():
     assert_close(TRITON.fused.rms_norm(x3, w[:16], 1e-6), reference.rms_norm(x3, w[:16], 1e-6))
 
 
+@pytest.mark.parametrize("groups", [1, 2, 3, 4])
+@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("gemma,dtype", [(False, torch.float32), (True, torch.float32), (False, torch.bfloat16)])
+def test_rms_norm_cat_is_one_norm_per_block_in_one_launch(groups, gather, gemma, dtype, monkeypatch):
+    """rms_norm_cat (the Eagle3 head's [norm(emb), norm(h)] and fc_norm inputs): each output column block
+    equals the backend's own rms_norm of its input, bit for bit (the same per-row code), strided rows in,
+    a slice of a wider buffer out; with ids the first input is a table whose rows ids are normed (padding
+    ids at 0 included); one launch for up to 3 inputs, the per-input norms past that; and the reference
+    backend's form is the reference math."""
+    from m3eagle.fused import triton_fused
+
+    launches: list = []
+    real = triton_fused._norm_cat_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(triton_fused, "_norm_cat_kernel", Spy())
+    g, n, t = gen(groups), 48, 5
+    wide = (torch.randn(t, groups * n + 8, generator=g) * 3).to(dtype)
+    xs = [wide[:, i * n:(i + 1) * n] for i in range(groups)]  # rows of a wider buffer
+    ids = None
+    if gather:
+        xs[0] = (torch.randn(11, n, generator=g) * 2).to(dtype)  # a table
+        ids = torch.tensor([3, 0, 10, 3, 7])
+    ws = [(torch.randn(n, generator=g) * 0.3 + (0.0 if gemma else 1.0)).to(dtype) for _ in range(groups)]
+    out = torch.full((t, groups * n + 4), 7.0, dtype=dtype)
+    for ops in (TRITON.fused, REFERENCE.fused):
+        got = ops.rms_norm_cat(xs, ws, 1e-6, out[:, :groups * n], gemma=gemma, ids=ids)
+        assert got.data_ptr() == out.data_ptr() and torch.all(out[:, groups * n:] == 7.0)
+        for i, (x, w) in enumerate(zip(xs, ws)):
+            x = torch.nn.functional.embedding(ids, x) if i == 0 and gather else x
+            want = ops.rms_norm(x, w, 1e-6, gemma, out=torch.empty(t, n, dtype=dtype))
+            assert torch.equal(out[:, i * n:(i + 1) * n], want), (ops.name, i)
+            if ops is REFERENCE.fused:
+                assert torch.equal(want, reference.rms_norm(x, w, 1e-6, gemma).to(dtype))
+    assert launches == ([(t, groups)] if groups <= triton_fused.NORM_CAT_MAX else [])
+
+
+def test_rms_norm_cat_rejects_mismatched_inputs():
+    from m3eagle.fused import triton_fused
+
+    x = torch.randn(3, 16)
+    with pytest.raises(ValueError, match="out \\[T, inputs \\* width\\]"):
+        triton_fused.norm_cat([x, x], [x[0], x[0]], 1e-6, torch.empty(3, 16))
+    with pytest.raises(ValueError, match="one dtype, one width"):
+        triton_fused.norm_cat([x, x.double()], [x[0], x[0]], 1e-6, torch.empty(3, 32))
+
+
 def test_add_residual_into_a_strided_slice():
     g = gen(2)
     x, res, x2 = (torch.randn(6, 32, generator=g) for _ in range(3))

@@ -12,7 +12,7 @@ no autograd (training and `forward_seq` call `reference.py` directly).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -31,6 +31,13 @@ class FusedOps(Protocol):
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float,
                      x2: torch.Tensor | None = None, x_scale: float = 1.0, gemma: bool = True,
                      ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rms_norm_cat(self, xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor], eps: float, out: torch.Tensor,
+                     gemma: bool = True, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """out[:, i*N:(i+1)*N] = rms_norm(xs[i], ws[i], eps, gemma) for each input [T, N]; with `ids` [T],
+        xs[0] is an embedding table [V, N] and its rows ids are normed (F.embedding(ids, xs[0])). A fast path
+        may run them as one launch (the Eagle3 head's projection inputs)."""
+        ...
 
     def add_residual(self, x: torch.Tensor, residual: torch.Tensor | None, x2: torch.Tensor | None = None,
                      x_scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor: ...
@@ -126,6 +133,13 @@ class ReferenceFused:
 
     def add_rms_norm(self, x, residual, w, eps, x2=None, x_scale=1.0, gemma=True):
         return reference.add_rms_norm(x, residual, w, eps, x2, x_scale, gemma)
+
+    def rms_norm_cat(self, xs, ws, eps, out, gemma=True, ids=None):
+        # self.rms_norm: a backend without its own fused form (triton past NORM_CAT_MAX inputs) runs its norms
+        for i, (x, w) in enumerate(zip(xs, ws)):
+            x = torch.nn.functional.embedding(ids, x) if i == 0 and ids is not None else x
+            self.rms_norm(x, w, eps, gemma, out=out[:, i * x.shape[-1]:(i + 1) * x.shape[-1]])
+        return out
 
     def add_residual(self, x, residual, x2=None, x_scale=1.0, out=None):
         r = reference.add_residual(x, residual, x2, x_scale)

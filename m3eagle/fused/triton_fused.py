@@ -118,14 +118,50 @@ def _add_norm_kernel(x_ptr, x2_ptr, res_ptr, w_ptr, y_ptr, r_ptr, n, x_scale, ep
     if WRITE_R:
         tl.store(r_ptr + row * stride_r + offs, r.to(r_ptr.dtype.element_ty), mask=m)
     if NORM:
-        # masked lanes load 0, so the sum is over the n real channels
-        y = r * _rsqrt(tl.sum(r * r, axis=0) / n + eps, PRECISE)
-        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        if GEMMA:
-            y = y * (1.0 + w)  # (x * rstd) * (1 + w) in fp32, one rounding at the store
-        else:
-            y = y.to(dt).to(tl.float32) * w  # Llama: round to x's dtype, then scale (w * y in torch)
-        tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=m)
+        _norm_store(r, w_ptr, y_ptr + row * stride_y, offs, m, n, eps, dt, GEMMA, PRECISE)
+
+
+@triton.jit
+def _norm_store(r, w_ptr, y_row, offs, m, n, eps, dt: tl.constexpr, GEMMA: tl.constexpr, PRECISE: tl.constexpr):
+    """y_row[offs] = rms_norm(r) for one row r [BLOCK] fp32 (lanes past n zero) of dtype dt: the RMSNorm of
+    `_add_norm_kernel` and `_norm_cat_kernel`, so the two are bit-equal at equal BLOCK and warps."""
+    # masked lanes load 0, so the sum is over the n real channels
+    y = r * _rsqrt(tl.sum(r * r, axis=0) / n + eps, PRECISE)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    if GEMMA:
+        y = y * (1.0 + w)  # (x * rstd) * (1 + w) in fp32, one rounding at the store
+    else:
+        y = y.to(dt).to(tl.float32) * w  # Llama: round to x's dtype, then scale (w * y in torch)
+    tl.store(y_row + offs, y.to(y_row.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _norm_cat_kernel(x0_ptr, x1_ptr, x2_ptr, w0_ptr, w1_ptr, w2_ptr, ids_ptr, y_ptr, n, eps, stride_0, stride_1,
+                     stride_2, stride_y, GATHER: tl.constexpr, GEMMA: tl.constexpr, PRECISE: tl.constexpr,
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Grid (rows, groups <= 3): y[row, g*n : (g+1)*n] = rms_norm(x_g[row]) with weight w_g -- several norms
+    whose outputs are one row's consecutive column blocks (the Eagle3 head's projection input [norm(emb),
+    norm(h)], its fc input [norm(aux_0), norm(aux_1), norm(aux_2)]) in one launch. GATHER: x_0 is a table
+    and its row ids[row] is normed (the embedding lookup folded in). Per row `_add_norm_kernel`'s norm."""
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    dt = x0_ptr.dtype.element_ty
+    y_row = y_ptr + row * stride_y + g * n
+    if g == 0:
+        src = row
+        if GATHER:
+            src = tl.load(ids_ptr + row).to(tl.int64)
+        r = tl.load(x0_ptr + src * stride_0 + offs, mask=m, other=0.0).to(tl.float32)
+        _norm_store(r, w0_ptr, y_row, offs, m, n, eps, dt, GEMMA, PRECISE)
+    elif g == 1:
+        r = tl.load(x1_ptr + row * stride_1 + offs, mask=m, other=0.0).to(tl.float32)
+        _norm_store(r, w1_ptr, y_row, offs, m, n, eps, dt, GEMMA, PRECISE)
+    else:
+        r = tl.load(x2_ptr + row * stride_2 + offs, mask=m, other=0.0).to(tl.float32)
+        _norm_store(r, w2_ptr, y_row, offs, m, n, eps, dt, GEMMA, PRECISE)
 
 
 # ---- RoPE tables --------------------------------------------------------------------------------------
@@ -698,6 +734,33 @@ def add_norm(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor | N
     return y, r
 
 
+NORM_CAT_MAX = 3  # groups of `_norm_cat_kernel`
+
+
+def norm_cat(xs: list[torch.Tensor], ws: list[torch.Tensor], eps: float, out: torch.Tensor, gemma: bool = True,
+             ids: torch.Tensor | None = None) -> torch.Tensor:
+    """out[:, i*N:(i+1)*N] = rms_norm(x_i, w_i) for 1 <= len(xs) <= NORM_CAT_MAX inputs [T, N] of one dtype
+    (with `ids` [T], xs[0] is a table [V, N] and its rows ids are normed), in one launch; out [T, G*N], any
+    row stride. Bit-equal to one `add_norm` per group (the same per-row code, BLOCK and warps)."""
+    g, n, t = len(xs), xs[-1].shape[-1], out.shape[0]
+    if not 1 <= g <= NORM_CAT_MAX or len(ws) != g or out.shape[1] != g * n or out.stride(1) != 1:
+        raise ValueError(f"norm_cat: {g} inputs of width {n} into out {tuple(out.shape)}: 1..{NORM_CAT_MAX} inputs, "
+                         "out [T, inputs * width] with unit column stride")
+    if any(x.dtype != xs[0].dtype or x.shape[-1] != n or x.stride(-1) != 1 for x in xs):
+        raise ValueError("norm_cat: inputs need one dtype, one width and unit column stride")
+    if t:
+        xr = [xs[0]] + [_rows(x) for x in xs[1:]] if ids is not None else [_rows(x) for x in xs]
+        xr += [xr[0]] * (NORM_CAT_MAX - g)
+        wr = list(ws) + [ws[0]] * (NORM_CAT_MAX - g)
+        block = triton.next_power_of_2(n)
+        _norm_cat_kernel[(t, g)](
+            xr[0], xr[1], xr[2], wr[0], wr[1], wr[2], ids if ids is not None else xr[0], out, n, float(eps),
+            xr[0].stride(0), xr[1].stride(0), xr[2].stride(0), out.stride(0), GATHER=ids is not None,
+            GEMMA=gemma, PRECISE=_precise(), BLOCK=block, num_warps=ADD_NORM_WARPS.get(block, _warps(block)),
+            **_opts(), **pdl.args(out))
+    return out
+
+
 def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, mscale: float, dtype: torch.dtype,
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [...] -> cos, sin [..., R] (R = 2 * len(inv_freq)), as layers.rope_cos_sin."""
@@ -1109,6 +1172,15 @@ class TritonFused:
     def add_rms_norm(self, x, residual, w, eps, x2=None, x_scale=1.0, gemma=True):
         y, r = add_norm(x, residual, w, eps, x2, x_scale, gemma)
         return y, r
+
+    def rms_norm_cat(self, xs, ws, eps, out, gemma=True, ids=None):
+        n = xs[-1].shape[-1]
+        if (len(xs) <= NORM_CAT_MAX and out.stride(1) == 1
+                and all(x.dtype == xs[0].dtype and x.shape[-1] == n and x.stride(-1) == 1 for x in xs)):
+            return norm_cat(list(xs), list(ws), eps, out, gemma, ids)
+        from .backend import ReferenceFused  # several launches, each this backend's add_norm
+
+        return ReferenceFused.rms_norm_cat(self, xs, ws, eps, out, gemma, ids)
 
     def add_residual(self, x, residual, x2=None, x_scale=1.0, out=None):
         if out is None and residual is None and x2 is None and x_scale == 1.0:

@@ -297,17 +297,22 @@ class Eagle3DecoderLayer(nn.Module):
         return torch.cat((self.input_layernorm(emb), self.hidden_norm(h)), dim=-1)
 
     def forward(self, emb: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
-                cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
+                cache: LayerCache, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Paged path: (residual [T, H], mlp output [T, H]) -- the layer's output is their sum, which the
         head's final norm adds in (fused). The residual stream starts from the hidden input, not from the
-        embedding (EAGLE-3 reference)."""
+        embedding (EAGLE-3 reference). emb [T, H], or with `ids` [T] the embedding table [V, H] whose rows
+        ids are the embeddings (the lookup rides in the norms' launch)."""
         f = (meta.ops or REFERENCE).fused
         n1, n2, n3 = self.input_layernorm, self.hidden_norm, self.post_attention_layernorm
         width = emb.shape[-1]
-        # attn_input without the cat: each norm writes its half of the [T, 2H] projection input.
-        x = torch.empty(emb.shape[0], 2 * width, dtype=self.self_attn.q_proj.weight.dtype, device=emb.device)
-        f.rms_norm(emb, n1.weight, n1.eps, gemma=False, out=x[:, :width])
-        f.rms_norm(h, n2.weight, n2.eps, gemma=False, out=x[:, width:])
+        # attn_input without the cat: the two norms write the halves of the [T, 2H] projection input.
+        x = torch.empty(h.shape[0], 2 * width, dtype=self.self_attn.q_proj.weight.dtype, device=h.device)
+        if n1.eps == n2.eps:
+            f.rms_norm_cat((emb, h), (n1.weight, n2.weight), n1.eps, x, gemma=False, ids=ids)
+        else:
+            emb = torch.nn.functional.embedding(ids, emb) if ids is not None else emb
+            f.rms_norm(emb, n1.weight, n1.eps, gemma=False, out=x[:, :width])
+            f.rms_norm(h, n2.weight, n2.eps, gemma=False, out=x[:, width:])
         hn, h = f.add_rms_norm(self.self_attn(x, positions, meta, cache), h, n3.weight, n3.eps, gemma=False)
         return h, self.mlp(hn, f)
 
@@ -377,6 +382,16 @@ class Eagle3Head(nn.Module):
                                "head.set_embedding(target.embed_tokens.weight) after loading")
         return self.embed_tokens(input_ids)
 
+    def _lookup(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(table, ids) when the embedding is a plain lookup of one whole table, which the paged layer folds
+        into its norms' launch; else (embeddings, None) -- a vocab-parallel table (tensor parallel) needs
+        its all-reduce."""
+        e = self.embed_tokens
+        tp = getattr(e, "tp", None)
+        if isinstance(e, nn.Embedding) and e.max_norm is None and (tp is None or tp.size == 1):
+            return e.weight, input_ids
+        return self.embed(input_ids), None
+
     def project_aux(self, aux: torch.Tensor, fused: Any = None) -> torch.Tensor:
         """aux [..., n_aux * Ht] (the target's captured residual streams, concatenated) -> [..., H].
         `fused` (the engine's fused ops; the paged path, aux [T, n_aux * Ht]) norms each chunk in place of
@@ -386,10 +401,13 @@ class Eagle3Head(nn.Module):
             chunks = aux.split(self.cfg.target_hidden_size, dim=-1)
             if fused is None:
                 aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, chunks)], dim=-1)
-            else:
+            else:  # one launch where the fused ops can (their eps agree, as a config gives them)
                 out = torch.empty_like(aux)
-                for norm, x, o in zip(self.fc_norm, chunks, out.split(self.cfg.target_hidden_size, dim=-1)):
-                    fused.rms_norm(x, norm.weight, norm.eps, gemma=False, out=o)
+                if len({n.eps for n in self.fc_norm}) == 1:
+                    fused.rms_norm_cat(chunks, [n.weight for n in self.fc_norm], self.fc_norm[0].eps, out, gemma=False)
+                else:
+                    for norm, x, o in zip(self.fc_norm, chunks, out.split(self.cfg.target_hidden_size, dim=-1)):
+                        fused.rms_norm(x, norm.weight, norm.eps, gemma=False, out=o)
                 aux = out
             return linear(aux, self.fc.weight, fused)
         return self.fc(aux)
@@ -408,7 +426,8 @@ class Eagle3Head(nn.Module):
         Returns (h_out [T, H] for compute_logits, h_next [T, H] for the next draft step)."""
         f = (meta.ops or REFERENCE).fused
         h = self.project_aux(hidden, f) if from_aux else hidden.to(self.fc.weight.dtype)
-        h, mlp_out = self.midlayer(self.embed(input_ids), h, positions, meta, cache)
+        emb, ids = self._lookup(input_ids)  # the table and the ids where the lookup rides in the norms' launch
+        h, mlp_out = self.midlayer(emb, h, positions, meta, cache, ids)
         h_out, h = f.add_rms_norm(mlp_out, h, self.norm.weight, self.norm.eps, gemma=False)  # _outputs, fused
         return h_out, (h_out if self.cfg.norm_output else h)
 
