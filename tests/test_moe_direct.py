@@ -360,8 +360,7 @@ SHARED_DOWN_VARIANTS = [dict(shared_down=1), dict(shared_down=2), dict(shared_do
                         dict(shared_down=2, gate_rows=2, down_rows=3), dict(shared_down=1, down_preload=0)]
 
 
-@pytest.mark.parametrize("t", [1, 3])
-@pytest.mark.parametrize("h,i,s_i", [(48, 40, None), (48, 40, 24), (40, 32, 56)])
+@pytest.mark.parametrize("t,h,i,s_i", [(1, 48, 40, None), (3, 48, 40, 24), (2, 40, 32, 56)])
 def test_shared_down_in_the_gate_up_launch_is_bit_equal(t, h, i, s_i, monkeypatch):
     """The shared expert's down as programs of the routed gate_up launch (shared_down: 1 / 2 / 4 tiles a
     program, its rounded rows added by down), alone, with several gate_up / down tiles and without down's
