@@ -227,18 +227,20 @@ def test_down_rows_are_bit_equal_to_one_tile_per_program(t, k, i, h, monkeypatch
     _, _, _, s13, s2 = make(91 + t, 1, 1, e=1, h=h, i=i)
     _, _, _, n13, n2 = make(92 + t, 1, 1, e=1, h=h, i=24)
     one = MoEConfig(16, 16, 16, direct=1, down_block_n=4, down_block_k=64)
+    kws = ({}, {"shared": (s13[0], s2[0]), "routed_scale": 2.0}, {"shared": (n13[0], n2[0]), "routed_scale": 2.0})
+    # one tile per program, computed once per (preload, shared expert): what every rows count must equal
+    want = {(pre, j): triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=replace(one, down_preload=pre),
+                                               **kw) for pre in (0, 1) for j, kw in enumerate(kws)}
+    want_sub = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (2, 6), config=one)
     for rows in (2, 3, 5):
         for pre in (0, 1):
             cfg = replace(one, down_rows=rows, down_preload=pre)
             assert direct.down_rows(cfg, i, i) == rows
-            for kw in ({}, {"shared": (s13[0], s2[0]), "routed_scale": 2.0},
-                       {"shared": (n13[0], n2[0]), "routed_scale": 2.0}):
+            for j, kw in enumerate(kws):
                 a = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=cfg, **kw)
-                b = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=replace(one, down_preload=pre),
-                                             **kw)
-                assert torch.equal(a, b), (rows, pre, kw.keys())
+                assert torch.equal(a, want[pre, j]), (rows, pre, kw.keys())
             sub = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (2, 6), config=cfg)
-            assert torch.equal(sub, triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (2, 6), config=one))
+            assert torch.equal(sub, want_sub)
     assert launches == [r for r in (2, 3, 5) for _ in range(2) for _ in range(4)]
     assert_close(a, reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT) * 2.0 + reference.experts(
         x, torch.ones(t, 1), torch.zeros(t, 1, dtype=torch.long), n13, n2, ALPHA, LIMIT))
