@@ -5,7 +5,9 @@ compiler rejects (tl.dot tiles under 16, layouts and types only the compiler che
 tests/data/kernel_launches.json holds each distinct launch of a bf16 engine run with every fast path on
 (kernel, argument types, constexprs, launch options; `scripts/record_kernel_launches.py` writes it); here
 each is compiled with Triton's own CUDA toolchain (ptxas ships with the triton wheel) in a subprocess
-without TRITON_INTERPRET, as recorded (PDL off) and with programmatic dependent launch on (m3eagle/pdl.py).
+without TRITON_INTERPRET, with programmatic dependent launch on (m3eagle/pdl.py): a kernel's PDL constexpr
+only adds its `griddepcontrol` instructions (`pdl_wait`), so the variant with them compiles everything the
+recorded one (PDL off) does, and the suite compiles each launch once.
 A record whose kernel's parameters changed fails with the command that re-records them. Skipped where
 triton has no CUDA backend.
 
@@ -54,8 +56,8 @@ for mod, name, params, types, consts, opts in json.load(open(sys.argv[1]))[shard
         continue
     sig = {p: ("constexpr" if p in consts else types[p]) for p in params}
     variants = [(consts, opts)]
-    if "PDL" in consts:  # recorded off the GPU (PDL off): also the programmatic-dependent-launch variant
-        variants.append(({**consts, "PDL": True}, {**opts, "launch_pdl": True}))
+    if "PDL" in consts:  # recorded off the GPU (PDL off): the programmatic-dependent-launch variant, a superset
+        variants = [({**consts, "PDL": True}, {**opts, "launch_pdl": True})]
     for c, o in variants:
         src = ASTSource(fn, sig, constexprs={(params.index(k),): v for k, v in c.items()})
         try:
