@@ -260,13 +260,16 @@ def test_gate_rows_are_bit_equal_to_one_tile_per_program(t, k, h, i, monkeypatch
     x, w, idx, w13, w2 = make(95 + t, t, k, h=h, i=i)
     _, _, _, n13, n2 = make(96 + t, 1, 1, e=1, h=h, i=24)
     one = MoEConfig(16, 8, 32, direct=1, down_block_n=4, down_block_k=64)
+    kws = ({}, {"shared": (n13[0], n2[0]), "routed_scale": 2.0})
+    want = [triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=one, **kw) for kw in kws]  # one tile
+    want_sub = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (2, 6), config=one)
     for rows in (2, 3):
         cfg = replace(one, gate_rows=rows)
-        for kw in ({}, {"shared": (n13[0], n2[0]), "routed_scale": 2.0}):
+        for kw, ref in zip(kws, want):
             a = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=cfg, **kw)
-            assert torch.equal(a, triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=one, **kw))
+            assert torch.equal(a, ref)
         sub = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (2, 6), config=cfg)
-        assert torch.equal(sub, triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (2, 6), config=one))
+        assert torch.equal(sub, want_sub)
         both = replace(cfg, down_rows=2)  # with several down tiles too
         assert torch.equal(triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=both, **kw), a)
     assert launches == [2, 2, 2, 2, 3, 3, 3, 3]
