@@ -2,6 +2,7 @@
 
     kernel              replaces (reference.py)                        bf16 launches before -> after
     _add_norm_kernel    residual add(s) + RMSNorm (Gemma or Llama)      10-13 -> 1
+    _norm_cat_kernel    2-3 RMSNorms into one row (+ embedding lookup)  2-3 fused launches (+ a gather) -> 1
     _rope_table_kernel  rope_cos_sin (positions -> cos, sin)            12 -> 1 (inv_freq cached)
     _qkv_rope_kernel    q/k norm + partial NeoX RoPE + K/V cache writes 34 -> 1 (indexer: 33 -> 1)
     _swiglu_kernel      swiglu_oai (clamps, sigmoid, muls)              7 -> 1
