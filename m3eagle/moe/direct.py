@@ -103,6 +103,28 @@ def _gate_up_rows(x_ptr, base, act_ptr, token, p, pid_n, hidden, inter, stride_x
     tl.store(act_ptr + p.to(tl.int64) * stride_at + offs_n, act.to(act_ptr.dtype.element_ty), mask=offs_n < inter)
 
 
+@triton.jit
+def _pair_weights(p, idx_ptr, w_ptr, ws_ptr, T, e_start, num_local, inter, s_inter, stride_we, stride_wn, stride_swn,
+                  TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr):
+    """Pair p's (token, gate_up weight base, width, row stride, local): pairs p < T*TOP_K read expert idx[p]
+    (local: of this rank, [e_start, e_start + num_local)), the rest the shared expert (ws: its own width and
+    row stride), token p - T*TOP_K. The prologue of both direct gate_up kernels; a pair not local stores
+    nothing."""
+    routed = p < T * TOP_K
+    token = tl.where(routed, p // TOP_K, p - T * TOP_K)
+    e = tl.load(idx_ptr + p, mask=routed, other=0).to(tl.int64) - e_start
+    local = ~(routed & ((e < 0) | (e >= num_local)))
+    base = w_ptr + tl.where(routed, e, 0) * stride_we
+    width = inter
+    stride = stride_wn
+    if HAS_SHARED:
+        if not routed:
+            base = ws_ptr
+            width = s_inter
+            stride = stride_swn
+    return token, base, width, stride, local
+
+
 @triton.jit(do_not_specialize=["T", "e_start"])
 def _direct_gate_up_kernel(x_ptr, idx_ptr, w_ptr, ws_ptr, act_ptr, T, e_start, num_local, hidden, inter,
                            s_inter, stride_xt, stride_we, stride_wn, stride_swn, stride_at, alpha, limit,
@@ -116,19 +138,10 @@ def _direct_gate_up_kernel(x_ptr, idx_ptr, w_ptr, ws_ptr, act_ptr, T, e_start, n
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
-    routed = p < T * TOP_K
-    token = tl.where(routed, p // TOP_K, p - T * TOP_K)
-    e = tl.load(idx_ptr + p, mask=routed, other=0).to(tl.int64) - e_start
-    if routed & ((e < 0) | (e >= num_local)):
+    token, base, width, stride, local = _pair_weights(p, idx_ptr, w_ptr, ws_ptr, T, e_start, num_local, inter, s_inter,
+                                                      stride_we, stride_wn, stride_swn, TOP_K, HAS_SHARED)
+    if not local:
         return
-    base = w_ptr + tl.where(routed, e, 0) * stride_we
-    width = inter
-    stride = stride_wn
-    if HAS_SHARED:
-        if not routed:
-            base = ws_ptr
-            width = s_inter
-            stride = stride_swn
     if pid_n * BLOCK_N >= width:
         return
     _gate_up_rows(x_ptr, base, act_ptr, token, p, pid_n, hidden, width, stride_xt, stride, stride_at,
@@ -208,19 +221,10 @@ def _direct_gate_up_rows_kernel(x_ptr, idx_ptr, w_ptr, ws_ptr, act_ptr, T, e_sta
                                  SD_BK, SD_EVEN_K, PDL)
             return
         pdl_wait(PDL)
-    routed = p < T * TOP_K
-    token = tl.where(routed, p // TOP_K, p - T * TOP_K)
-    e = tl.load(idx_ptr + p, mask=routed, other=0).to(tl.int64) - e_start
-    if routed & ((e < 0) | (e >= num_local)):
+    token, base, width, stride, local = _pair_weights(p, idx_ptr, w_ptr, ws_ptr, T, e_start, num_local, inter, s_inter,
+                                                      stride_we, stride_wn, stride_swn, TOP_K, HAS_SHARED)
+    if not local:
         return
-    base = w_ptr + tl.where(routed, e, 0) * stride_we
-    width = inter
-    stride = stride_wn
-    if HAS_SHARED:
-        if not routed:
-            base = ws_ptr
-            width = s_inter
-            stride = stride_swn
     if n0 >= width:
         return
     offs_k = tl.arange(0, BLOCK_K)  # [BK]
