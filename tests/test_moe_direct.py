@@ -104,6 +104,21 @@ def test_expert_subsets_sum_and_other_ranks_experts_are_never_read():
     assert not triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (2, 2), config=TILES).any()
 
 
+@pytest.mark.parametrize("gate_rows", [0, 2])
+def test_gate_up_stores_nothing_for_other_ranks_pairs(gate_rows):
+    """gate_up skips a pair routed to another rank's expert: its act row is left as it was (down never reads
+    it either, so only the row itself can show a skip that stopped working), both gate_up kernels."""
+    t, k, i = 3, 2, 40
+    x, w, idx, w13, w2 = make(8, t, k, i=i)
+    e0, e1 = 2, 6
+    act = torch.full((t * k, i), float("nan"))  # given act: gate_up runs the routed pairs only
+    cfg = replace(TILES, gate_rows=gate_rows)
+    direct.direct_experts(x, w, idx, w13[e0:e1].clone(), w2[e0:e1].clone(), e0, ALPHA, LIMIT, cfg, act=act)
+    local = ((idx >= e0) & (idx < e1)).reshape(-1)
+    assert 0 < local.sum() < t * k
+    assert torch.isnan(act[~local]).all() and torch.isfinite(act[local]).all()
+
+
 @pytest.mark.parametrize("t,k", [(1, 4), (4, 3)])
 def test_shared_expert_fused(t, k, monkeypatch):
     calls = direct_calls(monkeypatch)
