@@ -23,10 +23,13 @@ step, design note 35) but the m3-mini batch-32 K=3 step slower (2.43 -> 2.60 ms,
 h200-2026-12-01c/pdl_ab) -- multi-wave kernels gain little from an earlier launch, and the cause of the
 loss is not known. Under the CPU interpreter PDL is always off (no launch option, no wait).
 
-One exception, named in tests/test_pdl.py: the decode MoE's down kernel with PRELOAD (moe/direct.py, design
-note 43) loads its routing and its weight tiles into registers before the wait -- weights no kernel
-writes, and routing written two launches back, complete before its predecessor's programs passed their
-own waits -- so its weight stream overlaps gate_up's last wave; everything else it reads after the wait.
+Exceptions, each named in tests/test_pdl.py, all reads of weights no kernel writes into registers before
+the wait, so that their latency overlaps the predecessor's tail; everything else they read after it:
+- the decode MoE's down kernel with PRELOAD (moe/direct.py, design note 43): its routing too (written two
+  launches back, complete before its predecessor's programs passed their own waits) -- its weight stream
+  overlaps gate_up's last wave; the routed gate_up launch's shared-down programs likewise (note 46);
+- the decode GEMV's first weight tile and the decode router's expert rows (`preload_weights`, design note
+  48): their predecessors at batch 1 are latency-bound norm / attention launches that stream little.
 
 Not done here: prefetching weights into L2 before the wait (the early blocks idle there). Built and measured
 on the H200, it made every decode layer slower -- the predecessor is itself streaming tens of MB, so the
@@ -99,3 +102,15 @@ def pdl_wait(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+def preload_weights(launch: dict) -> bool:
+    """Whether a kernel launched with these `args` keywords reads its weights before its wait (the second
+    exception, design note 48: the decode GEMV's first weight tile, the router's expert rows): with PDL on,
+    unless M3EAGLE_PDL_PRELOAD=0 (an A/B switch, read at each launch like M3EAGLE_PDL)."""
+    if not launch.get("PDL"):
+        return False
+    m = os.environ.get("M3EAGLE_PDL_PRELOAD", "1").strip() or "1"
+    if m not in ("0", "1"):
+        raise ValueError(f"M3EAGLE_PDL_PRELOAD={m!r}: use 1 (weights read before the PDL wait; the default) or 0")
+    return m == "1"

@@ -712,6 +712,37 @@ def test_route_tokens_one_launch_equals_the_two(t, e, h, k):
         assert counters is not None and not counters.any()
 
 
+def test_route_tokens_preloading_the_expert_rows_is_bit_equal(monkeypatch):
+    """With PDL's weight preload (the router's expert rows read before the wait, one H tile:
+    pdl.preload_weights forced on; the interpreter has no wait) the fused router gives the same weights,
+    experts and counters as without it; past one H tile it does not take it."""
+    from m3eagle import pdl
+    from m3eagle.fused import triton_fused
+
+    cases = [(1, 32, 64, 4), (3, 16, 300, 4), (2, 8, 5000, 2)]  # the last: H > the decode router's one tile
+    data = [(torch.randn(t, h, generator=gen(t + h)), torch.randn(e, h, generator=gen(e)) / h**0.5,
+             torch.randn(e, generator=gen(k)) * 0.1, k) for t, e, h, k in cases]
+    counters = torch.zeros(8, dtype=torch.int32)
+    want = [triton_fused.route_tokens(x, w, b, k, counters) for x, w, b, k in data]
+    launches: list[dict] = []
+    real = triton_fused._router_topk_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                launches.append(kw)
+                return real[grid](*a, **kw)
+            return launch
+
+    monkeypatch.setattr(triton_fused, "_router_topk_kernel", Spy())
+    monkeypatch.setattr(pdl, "preload_weights", lambda launch: True)
+    for (x, w, b, k), (ww, wi) in zip(data, want):
+        gw, gi = triton_fused.route_tokens(x, w, b, k, counters)
+        assert torch.equal(gi, wi) and torch.equal(gw, ww)
+    assert [kw["PRELOAD"] for kw in launches] == [True, True, False]
+    assert not counters.any()
+
+
 # ---- the tiled router (prompt-sized steps) ----------------------------------------------------------------
 
 

@@ -157,3 +157,39 @@ def test_engine_linear_takes_the_kernel_where_preferred_only(monkeypatch):
     assert torch.equal(TritonFused(gemv_max_t=0).linear(x, w), torch.nn.functional.linear(x, w))
     assert calls == [1]  # the one preferred call ran the kernel; the CPU default, 40 rows and max_t=0 did not
     assert not gemv.prefers(3, 5120, 4096)  # measured: cuBLAS wins there at T = 2
+
+
+class _LaunchSpy:
+    """Stands in for a jit kernel: records each launch's keyword arguments, then launches the real one."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def test_weight_preload_is_bit_equal(monkeypatch):
+    """With PDL's weight preload (the GEMV's first weight tile read before the wait: pdl.preload_weights,
+    forced on here; the interpreter has no wait) the GEMV computes the same bits as without it -- one and
+    several K steps, EVEN_K or masked, split or not, configs with and without the prefetch -- and the dot
+    path never takes it."""
+    from m3eagle import pdl
+
+    counters = gemv.SplitCounters()
+    cases = [(t, n, k, cfg) for t in (1, 2, 4) for n, k, cfg in (
+        (N, K, GEMV["gemv"]), (N, K, GEMV["gemv_prefetch"]), (N, K, GEMV["gemv_split3"]),
+        (40, 256, GemvConfig(block_n=8, block_k=256)), (40, 256, GemvConfig(block_n=8, block_k=64, split_k=2)))]
+    cases.append((3, N, K, DOT["dot"]))
+    want = [gemv.linear(*make(30 + i, t, n, k, torch.bfloat16), cfg, counters) for i, (t, n, k, cfg) in enumerate(cases)]
+    spy = _LaunchSpy(gemv._linear_kernel)
+    monkeypatch.setattr(gemv, "_linear_kernel", spy)
+    monkeypatch.setattr(pdl, "preload_weights", lambda launch: True)
+    for i, (t, n, k, cfg) in enumerate(cases):
+        got = gemv.linear(*make(30 + i, t, n, k, torch.bfloat16), cfg, counters)
+        assert torch.equal(got, want[i]), (t, n, k, cfg)
+        assert spy.launches[-1]["PRELOAD"] is (not cfg.use_dot) and spy.launches[-1]["PREFETCH"] is (not cfg.use_dot)
+    assert int(counters.get("cpu").abs().sum()) == 0

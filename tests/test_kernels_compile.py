@@ -46,6 +46,7 @@ try:  # the CUDA backend and its ptxas (get_ptxas takes the arch in newer triton
 except Exception as e:  # no CUDA backend or no ptxas: nothing to check here
     print(f"SKIP {type(e).__name__}: {e}")
     sys.exit(77)
+WEIGHT_PRELOAD = {"_linear_kernel", "_router_topk_kernel", "_route_shared_kernel"}
 failures, stale = [], []
 shard, shards = int(sys.argv[2]), int(sys.argv[3])  # this process compiles every shards-th record
 for mod, name, params, types, consts, opts in json.load(open(sys.argv[1]))[shard::shards]:
@@ -57,7 +58,11 @@ for mod, name, params, types, consts, opts in json.load(open(sys.argv[1]))[shard
     sig = {p: ("constexpr" if p in consts else types[p]) for p in params}
     variants = [(consts, opts)]
     if "PDL" in consts:  # recorded off the GPU (PDL off): the programmatic-dependent-launch variant, a superset
-        variants = [({**consts, "PDL": True}, {**opts, "launch_pdl": True})]
+        pdl_consts = {**consts, "PDL": True}
+        if "PRELOAD" in consts and name in WEIGHT_PRELOAD and not consts.get("USE_DOT"):
+            # as a GPU launches it under PDL (pdl.preload_weights): weights read before the wait
+            pdl_consts.update(PRELOAD=True, **({"PREFETCH": True} if "PREFETCH" in consts else {}))
+        variants = [(pdl_consts, {**opts, "launch_pdl": True})]
     for c, o in variants:
         src = ASTSource(fn, sig, constexprs={(params.index(k),): v for k, v in c.items()})
         try:

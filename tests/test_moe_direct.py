@@ -354,6 +354,45 @@ def test_router_and_shared_expert_in_one_launch(t, monkeypatch):
         assert calls == [1]
 
 
+def test_route_shared_preloading_its_weights_is_bit_equal(monkeypatch):
+    """The route + shared launch with PDL's weight preload (its router programs read their expert rows, its
+    shared-expert programs their first K step's gate / up tiles, before the wait: pdl.preload_weights forced
+    on; the interpreter has no wait) gives the same bits as without it, K a multiple of the step or not,
+    counters left zero."""
+    from m3eagle import pdl
+    from m3eagle.fused import triton_fused
+
+    moe = route_layer(61)
+    g, ex, sh = moe.gate, moe.experts, moe.shared_experts
+    shared = (sh.gate_up_proj.weight.detach(), sh.down_proj.weight.detach())
+    cfgs = (replace(PRELOAD, route_shared=1), replace(PRELOAD, route_shared=1, block_k=32))  # K 48: 3 / 1.5 steps
+    counters = torch.zeros(64, dtype=torch.int32)
+    launches: list[dict] = []
+    real = direct._route_shared_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                launches.append(kw)
+                return real[grid](*a, **kw)
+            return launch
+
+    def run(x, cfg):
+        return direct.route_direct_experts(x, g.weight, g.e_score_correction_bias, 3, counters, ex.gate_up_proj,
+                                           ex.down_proj, ALPHA, LIMIT, cfg, shared, 2.5)
+
+    cases = [(torch.randn(t, 48, generator=torch.Generator().manual_seed(70 + t)), cfg) for t in (1, 3) for cfg in cfgs]
+    with torch.no_grad():
+        want = [run(x, cfg) for x, cfg in cases]
+        monkeypatch.setattr(direct, "_route_shared_kernel", Spy())
+        monkeypatch.setattr(pdl, "preload_weights", lambda launch: True)
+        for (x, cfg), w in zip(cases, want):
+            assert torch.equal(run(x, cfg), w), cfg
+    assert [kw["PRELOAD"] for kw in launches] == [True] * 4 and not counters.any()
+    assert [kw["EVEN_K"] for kw in launches] == [True, False] * 2
+    assert triton_fused.router_preload({"PDL": True}, 4096, 4097) is False  # past one H tile: never
+
+
 def test_router_and_shared_launch_falls_back_where_it_cannot_match(monkeypatch):
     """A warp count other than the router's (another reduction order), a step past the decode router, or
     a narrower shared expert: the layer routes and runs the experts apart, still exact."""

@@ -73,7 +73,12 @@ PRELOADING = {"m3eagle.moe.direct._direct_down_kernel": ({"idx_ptr + pair"}, {"w
               "m3eagle.moe.direct._direct_down_rows_kernel": (
                   {"idx_ptr + pair"}, {"w_base + rows.to(tl.int64)[None, :, None] * stride_wh",
                                        "s_base + rows.to(tl.int64)[:, None] * stride_swh"})}
-LOAD_HELPERS = {"_load_k"}  # jit helpers that load their first argument
+LOAD_HELPERS = {"_load_k", "_router_w_tile"}  # jit helpers that load their first argument
+
+# The third (pdl.preload_weights, design note 48): with PRELOAD the decode GEMV's first weight tile and the
+# router's expert rows are read before the wait; x, the counters and every store after it.
+WEIGHT_PRELOAD = {"m3eagle.fused.gemv._linear_kernel", "m3eagle.fused.triton_fused._router_topk_kernel",
+                  "m3eagle.moe.direct._route_shared_kernel"}
 
 # The second exception (moe/direct.py, design note 46): with SD the routed gate_up launch's shared-down programs
 # load their weights before their wait (`_shared_down_program`); every other program waits at once.
@@ -132,6 +137,55 @@ def _check_shared_down(name: str, body: list) -> None:
     assert len(pre) == 4 and all(f == "load" and a.startswith("base + ") for f, a in pre), pre
 
 
+def _helpers(stmts) -> list[str]:
+    """The jit helpers (plain names, not tl.* or methods) that `stmts` call."""
+    return [n.func.id for st in stmts for n in ast.walk(st) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+
+
+def _preload_branch(stmts, allowed: set[str]) -> None:
+    """An `if PRELOAD:` whose statements before its `pdl_wait(PDL)` only load `allowed` (weights)."""
+    w = next(j for j, st in enumerate(stmts) if ast.unparse(st) == "pdl_wait(PDL)")
+    pre = _memory_calls(stmts[:w])
+    assert pre and all(f == "load" and a in allowed for f, a in pre), pre
+
+
+def _router_program_preloads_rows_only() -> None:
+    from m3eagle.fused import triton_fused
+
+    body = ast.parse(inspect.getsource(triton_fused._router_topk_program.fn)).body[0].body[1:]
+    i = next(i for i, st in enumerate(body) if isinstance(st, ast.If) and ast.unparse(st.test) == "PRELOAD")
+    assert not _memory_calls(body[:i])
+    _preload_branch(body[i].body, {"w_ptr"})
+    assert "pdl_wait" not in _calls(body[i].orelse)  # the kernel waited already
+
+
+def _check_weight_preload(name: str, body: list) -> None:
+    """`if not PRELOAD: pdl_wait(PDL)` first; with PRELOAD only weight loads before each program's wait."""
+    assert ast.unparse(body[0]) == "if not PRELOAD:\n    pdl_wait(PDL)", name
+    if name.endswith("_linear_kernel"):
+        i = next(i for i, st in enumerate(body) if isinstance(st, ast.If) and ast.unparse(st.test) == "PRELOAD")
+        assert not _memory_calls(body[1:i]), name
+        _preload_branch(body[i].body, {"w_ptrs"})
+        return
+    _router_program_preloads_rows_only()
+    if name.endswith("_router_topk_kernel"):
+        assert not _memory_calls(body[1:]) and _helpers(body[1:]) == ["_router_topk_program"], name
+        return
+    i = next(i for i, st in enumerate(body) if isinstance(st, ast.If) and ast.unparse(st.test) == "pid < n_router")
+    assert not _memory_calls(body[1:i + 1]), name  # the router branch only calls the program (checked above)
+    assert _helpers(body[i].body) == ["_router_topk_program"], name
+    # the shared expert's programs: `_gate_up_rows` with PRELOAD reads only its first gate / up tiles first
+    assert _helpers(body[i].orelse) == ["_gate_up_rows"], name
+    call = next(n for st in body[i].orelse for n in ast.walk(st) if isinstance(n, ast.Call))
+    assert [ast.unparse(a) for a in call.args[-2:]] == ["PRELOAD", "PDL"], name
+    from m3eagle.moe import direct
+
+    helper = ast.parse(inspect.getsource(direct._gate_up_rows.fn)).body[0].body[1:]
+    j = next(j for j, st in enumerate(helper) if isinstance(st, ast.If) and ast.unparse(st.test) == "PRELOAD")
+    assert not _memory_calls(helper[:j])
+    _preload_branch(helper[j].body, {"g_ptrs", "u_ptrs"})
+
+
 def test_every_kernel_waits_first_when_pdl_is_on():
     """The first statement of every kernel (after its docstring) is `pdl_wait(PDL)`, which waits, then
     triggers: a kernel that touched memory before waiting could race its predecessor once launched early,
@@ -149,6 +203,9 @@ def test_every_kernel_waits_first_when_pdl_is_on():
             continue
         if name in SHARED_DOWN:
             _check_shared_down(name, body)
+            continue
+        if name in WEIGHT_PRELOAD:
+            _check_weight_preload(name, body)
             continue
         assert ast.unparse(body[0]) == "pdl_wait(PDL)", name
     assert seen >= 26

@@ -104,14 +104,22 @@ def _store_row(ptr, row, vals, offs_n, T, N, stride):
 def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, stride_wn, stride_yt, k_split, n_split,
                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                    USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, IEEE: tl.constexpr,
-                   UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
+                   UPCAST_DOT: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), n_split): y[:, n-tile] (or its split-s partial) from K range [s*k_split, +k_split).
 
     x [T, K] (row stride stride_xt, unit column stride), w [N, K] (row stride stride_wn), y [T, N] (row stride
     stride_yt), part [n_split, T, N] fp32, cnt [>= cdiv(N, BLOCK_N)] int32 zero between launches. SPLIT
     (n_split > 1) is a constexpr and n_split a runtime value: one compile serves every split count.
-    GEMV (not USE_DOT) takes BLOCK_T <= 4."""
-    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
+    GEMV (not USE_DOT) takes BLOCK_T <= 4.
+
+    PRELOAD (GEMV with PREFETCH, under PDL): the program's first weight tile is loaded *before* the
+    programmatic-dependent-launch wait, so its HBM latency overlaps the predecessor's tail (at batch 1 a
+    latency-bound norm or attention launch); x and everything else are read after it. An exception to
+    pdl.py's "no memory before the wait" contract, safe because w is a weight that no kernel writes
+    (`linear`'s contract). Same products and sums: the bits do not change."""
+    if not PRELOAD:
+        pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
+    tl.static_assert(not (PRELOAD and (USE_DOT or not PREFETCH)), "PRELOAD is the GEMV's PREFETCH path")
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
@@ -122,6 +130,9 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, s
     k_end = tl.minimum(k0 + k_split, K)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]  # [BN, BK]
+    if PRELOAD:  # the first tile (never empty) in flight before the wait: a weight, which no kernel writes
+        w_next = _load_k(w_ptrs, ((k0 + offs_k) < k_end)[None, :], EVEN_K)
+        pdl_wait(PDL)
     if USE_DOT:
         offs_t = tl.arange(0, BLOCK_T)  # [BT]
         x_ptrs = x_ptr + tl.minimum(offs_t, T - 1)[:, None].to(tl.int64) * stride_xt + (k0 + offs_k)[None, :]
@@ -156,7 +167,7 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, s
         acc1 = acc0
         acc2 = acc0
         acc3 = acc0
-        if PREFETCH:
+        if PREFETCH and not PRELOAD:
             w_next = _load_k(w_ptrs, ((k0 + offs_k) < k_end)[None, :], EVEN_K)  # the first tile (never empty)
         for k in range(k0, k_end, BLOCK_K):
             k_ok = (k + offs_k) < k_end  # [BK]; unused (compiled away) when EVEN_K
@@ -484,10 +495,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
     k_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k  # a whole number of K steps
     split = triton.cdiv(k, k_split)  # e.g. K=200, BLOCK_K=64, 3 splits: 2 of 128 (no empty third)
     part = torch.empty(split, t, n, dtype=torch.float32, device=x.device) if split > 1 else y  # [S, T, N]
+    launch = pdl.args(x)
+    # Under PDL the GEMV's first weight tile is read before the wait (w is a weight: see the docstring);
+    # that takes the register double buffer (PREFETCH), whose first load it is.
+    preload = pdl.preload_weights(launch) and not cfg.use_dot
     _linear_kernel[(tiles, split)](
         x, w, y, part, cnt if cnt is not None else y, t, n, k, x.stride(0), w.stride(0), y.stride(0), k_split,
         split, BLOCK_T=cfg.block_t(t), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, USE_DOT=cfg.use_dot,
-        EVEN_K=k % cfg.block_k == 0, PREFETCH=not cfg.use_dot and cfg.num_stages > 1, IEEE=x.dtype == torch.float32,
-        UPCAST_DOT=_interpreting() and x.dtype != torch.float32, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages if cfg.use_dot else 1, **pdl.args(x))
+        EVEN_K=k % cfg.block_k == 0, PREFETCH=not cfg.use_dot and (cfg.num_stages > 1 or preload),
+        IEEE=x.dtype == torch.float32, UPCAST_DOT=_interpreting() and x.dtype != torch.float32, PRELOAD=preload,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages if cfg.use_dot else 1, **launch)
     return y

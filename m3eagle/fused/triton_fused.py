@@ -886,13 +886,25 @@ def _router_gemv_rows(x_ptr, w_ptr, t, offs_e, em, hidden, stride_x, stride_w, B
     lane accumulates its own columns in fp32; the lanes are summed once at the end."""
     acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
     for h0 in range(0, hidden, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        hm = offs_h < hidden
-        xv = tl.load(x_ptr + t * stride_x + offs_h, mask=hm, other=0.0).to(tl.float32)
-        wv = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * stride_w + offs_h[None, :],
-                     mask=em[:, None] & hm[None, :], other=0.0).to(tl.float32)
-        acc += wv * xv[None, :]
+        acc = _router_acc(acc, x_ptr, _router_w_tile(w_ptr, offs_e, em, h0, hidden, stride_w, BLOCK_H), t, h0,
+                          hidden, stride_x, BLOCK_H)
     return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _router_w_tile(w_ptr, offs_e, em, h0, hidden, stride_w, BLOCK_H: tl.constexpr):
+    """The [BLOCK_E, BLOCK_H] router weight tile of columns h0.. (fp32, zeros past E and H)."""
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    return tl.load(w_ptr + offs_e[:, None].to(tl.int64) * stride_w + offs_h[None, :],
+                   mask=em[:, None] & (offs_h < hidden)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _router_acc(acc, x_ptr, wv, t, h0, hidden, stride_x, BLOCK_H: tl.constexpr):
+    """acc + wv * fp32(x[t, h0..]): one H step of `_router_gemv_rows`."""
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    xv = tl.load(x_ptr + t * stride_x + offs_h, mask=offs_h < hidden, other=0.0).to(tl.float32)
+    return acc + wv * xv[None, :]
 
 
 @triton.jit
@@ -914,12 +926,23 @@ def _router_gemv_kernel(x_ptr, w_ptr, out_ptr, hidden, n_exp, stride_x, stride_w
 def _router_topk_program(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_ptr, t, pid_e, hidden, n_exp,
                          stride_x, stride_w, n_prog, TOP_K: tl.constexpr, PRECISE: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ALL: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
     """One program of `_router_topk_kernel` (token t, expert block pid_e); also the router programs of the
-    MoE's route + shared-expert launch (moe/direct.py), so the two route bit-equally."""
+    MoE's route + shared-expert launch (moe/direct.py), so the two route bit-equally.
+
+    PRELOAD (one H tile: BLOCK_H >= hidden; the kernel has not waited): the expert rows -- a weight, which
+    no kernel writes -- are loaded before the programmatic-dependent-launch wait, x after it (pdl.py's
+    exception, design note 48). The same one step of `_router_gemv_rows`: the bits do not change."""
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     em = offs_e < n_exp
-    logits = _router_gemv_rows(x_ptr, w_ptr, t, offs_e, em, hidden, stride_x, stride_w, BLOCK_E, BLOCK_H)
+    if PRELOAD:
+        wv = _router_w_tile(w_ptr, offs_e, em, 0, hidden, stride_w, BLOCK_H)
+        pdl_wait(PDL)
+        acc = _router_acc(tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32), x_ptr, wv, t, 0, hidden, stride_x,
+                          BLOCK_H)
+        logits = tl.sum(acc, axis=1)
+    else:
+        logits = _router_gemv_rows(x_ptr, w_ptr, t, offs_e, em, hidden, stride_x, stride_w, BLOCK_E, BLOCK_H)
     tl.store(lg_ptr + t * n_exp + offs_e, logits, mask=em)
     tl.debug_barrier()
     done = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
@@ -932,19 +955,22 @@ def _router_topk_program(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_
 @triton.jit
 def _router_topk_kernel(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_ptr, hidden, n_exp, stride_x,
                         stride_w, n_prog, TOP_K: tl.constexpr, PRECISE: tl.constexpr, BLOCK_E: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BLOCK_ALL: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_H: tl.constexpr, BLOCK_ALL: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PRELOAD: tl.constexpr, PDL: tl.constexpr):
     """Grid (T, n_prog): the router GEMV of `_router_gemv_kernel` for BLOCK_E experts of one token, then the
-    token's last program to finish routes it (`_route_row`): one launch instead of two.
+    token's last program to finish routes it (`_route_row`): one launch instead of two. PRELOAD: the expert
+    rows are read before the PDL wait (`_router_topk_program`).
 
     The last program is found with a per-token counter: each program stores its logits, waits for all of
     its threads (a CTA barrier), then adds 1 with acquire-release semantics at GPU scope, so the program
     that reads n_prog - 1 sees every other program's logits (it loads them from L2, not L1); it resets
     the counter for the next launch. No float atomics: the routing is computed once, by one program,
     from the same logits as the two-launch path, so it is bit-equal to it."""
-    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
+    if not PRELOAD:
+        pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     _router_topk_program(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_ptr, tl.program_id(0).to(tl.int64),
                          tl.program_id(1), hidden, n_exp, stride_x, stride_w, n_prog, TOP_K, PRECISE, BLOCK_E,
-                         BLOCK_H, BLOCK_ALL, BLOCK_K)
+                         BLOCK_H, BLOCK_ALL, BLOCK_K, PRELOAD, PDL)
 
 
 @triton.jit(do_not_specialize=["n_tok"])  # the prompt chunk's length: one compiled variant
@@ -1011,6 +1037,12 @@ def _gemv_blocks(t: int, n_exp: int, hidden: int) -> tuple[int, int, int]:
     block_e = 1 if t * n_exp <= 1024 else 4
     block_h = min(4096 if block_e == 1 else 512, triton.next_power_of_2(hidden))
     return block_e, block_h, 8 if block_h >= 4096 else 4
+
+
+def router_preload(launch: dict, block_h: int, hidden: int) -> bool:
+    """Whether the decode router's programs read their expert rows before the PDL wait: one H tile, and
+    `pdl.preload_weights` for this launch."""
+    return block_h >= hidden and pdl.preload_weights(launch)
 
 
 def _gemv_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -1088,10 +1120,12 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: i
     idx = torch.empty(t, k, dtype=torch.int64, device=x.device)
     block_e, block_h, warps = _gemv_blocks(t, n_exp, hidden)
     n_prog = triton.cdiv(n_exp, block_e)
+    launch = pdl.args(x)
     _router_topk_kernel[(t, n_prog)](
         x, weight, logits, counters, bias, w, idx, hidden, n_exp, x.stride(0), weight.stride(0), n_prog,
         TOP_K=k, PRECISE=_precise(), BLOCK_E=block_e, BLOCK_H=block_h, BLOCK_ALL=triton.next_power_of_2(n_exp),
-        BLOCK_K=triton.next_power_of_2(k), num_warps=warps, **_opts(), **pdl.args(x))
+        BLOCK_K=triton.next_power_of_2(k), PRELOAD=router_preload(launch, block_h, hidden), num_warps=warps,
+        **_opts(), **launch)
     return w, idx
 
 

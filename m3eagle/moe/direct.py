@@ -69,10 +69,15 @@ def _load_k(ptrs, k_ok, EVEN: tl.constexpr):
 
 @triton.jit
 def _gate_up_rows(x_ptr, base, act_ptr, token, p, pid_n, hidden, inter, stride_xt, stride_wn, stride_at, alpha,
-                  limit, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                  limit, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                  PRELOAD: tl.constexpr = False, PDL: tl.constexpr = False):
     """act[p, n-tile] = swiglu_oai(x[token] @ [gate_n; up_n]) from the expert whose [2I, H] weight starts at
     base. The products accumulate with explicit FMAs, so the bits do not depend on the launch's
-    enable_fp_fusion (the route + shared launch turns contraction off for its router programs)."""
+    enable_fp_fusion (the route + shared launch turns contraction off for its router programs).
+
+    PRELOAD (the shared expert's tiles in the route launch; the kernel has not waited): the first K step's
+    gate and up tiles -- a weight, which no kernel writes -- are loaded before the PDL wait, x after it
+    (pdl.py's exception, design note 48); that step is peeled off the loop, with the same FMAs."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     rows = tl.minimum(offs_n, inter - 1)  # clamped, not masked: the weight stream carries no row predicate
     offs_k = tl.arange(0, BLOCK_K)  # [BK]
@@ -81,7 +86,27 @@ def _gate_up_rows(x_ptr, base, act_ptr, token, p, pid_n, hidden, inter, stride_x
     x_ptrs = x_ptr + token.to(tl.int64) * stride_xt + offs_k[None, :] + 0 * rows[:, None]  # [BN, BK], one row
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
+    k_start = 0
+    if PRELOAD:
+        k_ok = (offs_k < hidden)[None, :]  # the first step: masked like the loop's (only when not EVEN_K)
+        if EVEN_K:
+            g = tl.load(g_ptrs).to(tl.float32)
+            u = tl.load(u_ptrs).to(tl.float32)
+        else:
+            g = tl.load(g_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            u = tl.load(u_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        pdl_wait(PDL)
+        if EVEN_K:
+            xv = tl.load(x_ptrs).to(tl.float32)
+        else:
+            xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        acc_g = tl.fma(g, xv, acc_g)
+        acc_u = tl.fma(u, xv, acc_u)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+        k_start = BLOCK_K
+    for k0 in range(k_start, hidden, BLOCK_K):
         if EVEN_K:
             xv = tl.load(x_ptrs).to(tl.float32)
             g = tl.load(g_ptrs).to(tl.float32)
@@ -266,24 +291,27 @@ def _route_shared_kernel(x_ptr, rw_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx
                          n_exp, s_inter, stride_xt, stride_rw, stride_swn, stride_at, n_prog, n_tiles, alpha, limit,
                          TOP_K: tl.constexpr, PRECISE: tl.constexpr, BLOCK_E: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_ALL: tl.constexpr, BLOCK_KK: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                         PRELOAD: tl.constexpr, PDL: tl.constexpr):
     """The router and the shared expert's gate_up in one launch: programs [0, T * n_prog) are the fused
     router's (`_router_topk_program`, bit-equal to its own launch), the rest the shared expert's gate_up
     tiles (`_gate_up_rows`: token q // n_tiles, column tile q % n_tiles of its s_inter columns, act row
     T*TOP_K + token). The shared expert needs no routing, so its weight stream overlaps the router's
-    latency."""
-    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
+    latency. PRELOAD: the router programs read their expert rows, the shared programs their first K step's
+    weight tiles, before the PDL wait (design note 48)."""
+    if not PRELOAD:
+        pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     pid = tl.program_id(0)
     n_router = T * n_prog
     if pid < n_router:
         _router_topk_program(x_ptr, rw_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_ptr, (pid // n_prog).to(tl.int64),
                              pid % n_prog, hidden, n_exp, stride_xt, stride_rw, n_prog, TOP_K, PRECISE, BLOCK_E,
-                             BLOCK_H, BLOCK_ALL, BLOCK_KK)
+                             BLOCK_H, BLOCK_ALL, BLOCK_KK, PRELOAD, PDL)
     else:
         q = pid - n_router
         token = q // n_tiles
         _gate_up_rows(x_ptr, ws_ptr, act_ptr, token, T * TOP_K + token, q % n_tiles, hidden, s_inter, stride_xt,
-                      stride_swn, stride_at, alpha, limit, BLOCK_N, BLOCK_K, EVEN_K)
+                      stride_swn, stride_at, alpha, limit, BLOCK_N, BLOCK_K, EVEN_K, PRELOAD, PDL)
 
 
 @triton.jit(do_not_specialize=["T", "e_start"])
@@ -591,11 +619,12 @@ def route_direct_experts(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Te
     n_prog = triton.cdiv(n_exp, block_e)
     bn, bk = cfg.block_n, cfg.block_k
     n_tiles = triton.cdiv(s_inter, bn)
+    launch = pdl.args(x)
     _route_shared_kernel[(t * n_prog + t * n_tiles,)](
         x, router_w, logits, counters, bias, weights, idx, s13, act, t, hidden, n_exp, s_inter, x.stride(0),
         router_w.stride(0), s13.stride(0), act.stride(0), n_prog, n_tiles, float(alpha), float(limit),
         TOP_K=k, PRECISE=triton_fused._precise(), BLOCK_E=block_e, BLOCK_H=block_h,
         BLOCK_ALL=triton.next_power_of_2(n_exp), BLOCK_KK=triton.next_power_of_2(k), BLOCK_N=bn, BLOCK_K=bk,
-        EVEN_K=hidden % bk == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **triton_fused._opts(),
-        **pdl.args(x))
+        EVEN_K=hidden % bk == 0, PRELOAD=triton_fused.router_preload(launch, block_h, hidden),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **triton_fused._opts(), **launch)
     return direct_experts(x, weights, idx, w13, w2, 0, alpha, limit, cfg, (s13, s2), routed_scale, act=act)
