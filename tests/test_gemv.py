@@ -193,3 +193,62 @@ def test_weight_preload_is_bit_equal(monkeypatch):
         assert torch.equal(got, want[i]), (t, n, k, cfg)
         assert spy.launches[-1]["PRELOAD"] is (not cfg.use_dot) and spy.launches[-1]["PREFETCH"] is (not cfg.use_dot)
     assert int(counters.get("cpu").abs().sum()) == 0
+
+
+def test_silu_mul_in_the_prologue_is_bit_equal_to_its_own_launch():
+    """gemv.linear(gate_up, w, silu_mul=True) -- the Llama MLP's activation computed in the down GEMV's
+    prologue (ACT) -- equals triton_fused.silu_mul (its own launch) then the GEMV, bit for bit: one and several
+    K steps, K a multiple of BLOCK_K or not, split or not, T = 1..4, bf16 and fp32; the dot path refuses it."""
+    from m3eagle.fused import triton_fused
+
+    counters = gemv.SplitCounters()
+    for i, (t, n, k, cfg, dtype) in enumerate([
+            (1, N, K, GEMV["gemv"], torch.bfloat16), (3, N, K, GEMV["gemv_prefetch"], torch.bfloat16),
+            (4, N, K, GEMV["gemv_split3"], torch.bfloat16), (2, 40, 256, GemvConfig(block_n=8, block_k=256), torch.float32),
+            (1, 40, 256, GemvConfig(block_n=4, block_k=64, num_stages=2, split_k=2), torch.bfloat16)]):
+        g = gen(40 + i)
+        gate_up = (torch.randn(t, 2 * k + 8, generator=g) * 3)[:, 8:].to(dtype)  # [T, 2K], row stride 2K + 8
+        w = torch.randn(n, k, generator=g).to(dtype)
+        act = triton_fused.silu_mul(gate_up[:, :k], gate_up[:, k:])
+        want = gemv.linear(act, w, cfg, counters)
+        got = gemv.linear(gate_up, w, cfg, counters, silu_mul=True)
+        assert torch.equal(got, want), (t, n, k, cfg, dtype)
+        assert_close(got, act, w, 1e-5 if dtype == torch.float32 else 1e-2)
+    assert int(counters.get("cpu").abs().sum()) == 0
+    x, w = make(1, 2, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="elementwise GEMV only"):
+        gemv.linear(torch.cat([x, x], 1), w, DOT["dot"], silu_mul=True)
+    with pytest.raises(ValueError, match="packed"):
+        gemv.linear(x, w, GEMV["gemv"], silu_mul=True)
+
+
+def test_the_head_mlp_takes_one_launch_for_activation_and_down(monkeypatch):
+    """SiluMLP (the Eagle3 head's MLP) on the engine's triton ops: where down runs as the GEMV, silu_mul rides
+    in its launch (gemv.linear(..., silu_mul=True); no silu_mul launch), bit-equal to the two launches; many
+    rows (cuBLAS) keep the two; the reference ops compute it as before."""
+    from m3eagle.fused import backend, triton_fused
+    from m3eagle.models.layers import SiluMLP, pack_projections
+
+    torch.manual_seed(0)
+    mlp = SiluMLP(48, 80).to(torch.bfloat16)
+    pack_projections(mlp)
+    assert mlp.gate_up.is_packed()
+    ops = triton_fused.TritonFused(gemv_max_t=gemv.MAX_T)
+    acts, kernel = [], gemv.linear
+    monkeypatch.setattr(gemv, "linear", lambda *a, **kw: acts.append(kw.get("silu_mul", False)) or kernel(*a, **kw))
+    silu_launches = []
+    real = triton_fused.silu_mul
+    monkeypatch.setattr(triton_fused, "silu_mul", lambda *a: silu_launches.append(1) or real(*a))
+    for t in (1, 3, 40):
+        x = torch.randn(t, 48).to(torch.bfloat16)
+        acts.clear()
+        silu_launches.clear()
+        got = mlp(x, ops)
+        g, u = ops.linear(x, mlp.gate_up.weight).split(80, -1)
+        want = ops.linear(real(g, u), mlp.down_proj.weight)
+        assert torch.equal(got, want), t
+        fused = t == 1 or (t == 3 and ops._takes_gemv(g, mlp.down_proj.weight)
+                           and not gemv.pick_config(t, 48, 80, x.dtype, x.device).use_dot)
+        assert (True in acts) is fused and len(silu_launches) == (0 if fused else 1), (t, acts)
+        ref = mlp(x, backend.create("reference"))
+        assert torch.equal(ref, mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x)))
