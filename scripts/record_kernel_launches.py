@@ -89,7 +89,6 @@ def workload() -> None:
     counters = gemv.SplitCounters()
     for cfg in (gemv.GemvConfig(16, 64, split_k=2), gemv.GemvConfig(32, 64, num_stages=3, use_dot=True, split_k=2)):
         gemv.linear(x[:2] if not cfg.use_dot else x, w, cfg, counters)
-    gemv.linear(torch.cat([x[:2], x[:2]], 1), w, gemv.GemvConfig(16, 64, split_k=2), counters, silu_mul=True)
     w13, w2 = (torch.randn(8, 128, 64, generator=g).bfloat16(), torch.randn(8, 64, 64, generator=g).bfloat16())
     xs = torch.randn(5, 64, generator=g).bfloat16()
     idx = torch.argsort(torch.rand(5, 8, generator=g), 1)[:, :2]

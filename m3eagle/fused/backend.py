@@ -65,15 +65,10 @@ class FusedOps(Protocol):
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """F.linear(x, w) without bias: x [T, K], w [N, K] -> [T, N] (a fast path may sum in another order).
-        w is a weight: no kernel writes it (a fast path may read it before the previous kernel ends)."""
+        w is a weight: no kernel writes it (the GEMV may read it before its predecessor ends, design note 48)."""
         ...
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
-
-    def silu_mul_linear(self, gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """linear(silu_mul(gate, up), w) of the packed gate_up [T, 2K] = [gate | up], w [N, K] -> [T, N]: a
-        Llama MLP's activation and down projection (a fast path computes the activation in down's launch)."""
-        ...
 
     def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """reference.router_logits: x [T, H] -> [T, E] fp32 (a fast path may sum in another order)."""
@@ -175,9 +170,6 @@ class ReferenceFused:
 
     def silu_mul(self, gate, up):
         return reference.silu_mul(gate, up)
-
-    def silu_mul_linear(self, gate_up, w):
-        return self.linear(reference.silu_mul(*gate_up.split(w.shape[1], -1)), w)
 
     def router_logits(self, x, weight):
         return reference.router_logits(x, weight)

@@ -58,7 +58,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from .. import pdl
 from ..pdl import pdl_wait
@@ -95,35 +94,6 @@ def _load_k(ptrs, k_ok, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _exp(x, PRECISE: tl.constexpr):
-    if PRECISE:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
-
-
-@triton.jit
-def silu_mul_f32(g, u, DT: tl.constexpr, PRECISE: tl.constexpr):
-    """fp32 g, u -> silu(g) * u in fp32, silu rounded to DT first (torch's silu: g / (1 + exp(-g)), in DT):
-    the one definition of the engine's Llama-MLP activation (triton_fused.silu_mul and ACT here)."""
-    act = tl.math.div_rn(g, 1.0 + _exp(-g, PRECISE)).to(DT).to(tl.float32)
-    return act * u
-
-
-@triton.jit
-def _x_k(ptrs, k_ok, u_off, EVEN_K: tl.constexpr, ACT: tl.constexpr, PRECISE: tl.constexpr):
-    """One K tile of x in fp32; with ACT, x = silu(gate) * up rounded to x's dtype -- what a silu_mul launch
-    would have stored -- from the packed [gate | up] row (up u_off columns after gate)."""
-    if ACT:
-        dt = ptrs.dtype.element_ty
-        g = _load_k(ptrs, k_ok, EVEN_K).to(tl.float32)
-        u = _load_k(ptrs + u_off, k_ok, EVEN_K).to(tl.float32)
-        return silu_mul_f32(g, u, dt, PRECISE).to(dt).to(tl.float32)
-    else:
-        return _load_k(ptrs, k_ok, EVEN_K).to(tl.float32)
-
-
-@triton.jit
 def _store_row(ptr, row, vals, offs_n, T, N, stride):
     """vals [BN] -> ptr[row * stride + offs_n] (dtype of ptr), dropping padding rows (row >= T) and columns."""
     ok = (offs_n < N) & (tl.zeros_like(offs_n) + row < T)  # [BN]
@@ -134,8 +104,7 @@ def _store_row(ptr, row, vals, offs_n, T, N, stride):
 def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, stride_wn, stride_yt, k_split, n_split,
                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                    USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, IEEE: tl.constexpr,
-                   UPCAST_DOT: tl.constexpr, PRELOAD: tl.constexpr, ACT: tl.constexpr, PRECISE: tl.constexpr,
-                   PDL: tl.constexpr):
+                   UPCAST_DOT: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), n_split): y[:, n-tile] (or its split-s partial) from K range [s*k_split, +k_split).
 
     x [T, K] (row stride stride_xt, unit column stride), w [N, K] (row stride stride_wn), y [T, N] (row stride
@@ -147,15 +116,10 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, s
     programmatic-dependent-launch wait, so its HBM latency overlaps the predecessor's tail (at batch 1 a
     latency-bound norm or attention launch); x and everything else are read after it. An exception to
     pdl.py's "no memory before the wait" contract, safe because w is a weight that no kernel writes
-    (`linear`'s contract). Same products and sums: the bits do not change.
-
-    ACT (GEMV): x is the packed [T, 2K] output of a Llama MLP's gate_up projection, and the GEMV's input is
-    silu(x[:, :K]) * x[:, K:], computed per K tile as `triton_fused.silu_mul` computes and rounds it: the
-    activation's launch folded into down's prologue, bit-equal to the two launches."""
+    (`linear`'s contract). Same products and sums: the bits do not change."""
     if not PRELOAD:
         pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     tl.static_assert(not (PRELOAD and (USE_DOT or not PREFETCH)), "PRELOAD is the GEMV's PREFETCH path")
-    tl.static_assert(not (ACT and USE_DOT), "ACT is the GEMV's")
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
@@ -221,13 +185,12 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, s
             else:
                 w = _load_k(w_ptrs, k_ok[None, :], EVEN_K).to(tl.float32)  # [BN, BK]
                 w_ptrs += BLOCK_K
-            # explicit FMAs: the bits do not depend on the launch's enable_fp_fusion (off for ACT, see linear)
-            acc0 = tl.fma(w, _x_k(x_row, k_ok[None, :], K, EVEN_K, ACT, PRECISE), acc0)
+            acc0 += w * _load_k(x_row, k_ok[None, :], EVEN_K).to(tl.float32)
             if BLOCK_T > 1:
-                acc1 = tl.fma(w, _x_k(x_row + r1, k_ok[None, :], K, EVEN_K, ACT, PRECISE), acc1)
+                acc1 += w * _load_k(x_row + r1, k_ok[None, :], EVEN_K).to(tl.float32)
             if BLOCK_T > 2:
-                acc2 = tl.fma(w, _x_k(x_row + r2, k_ok[None, :], K, EVEN_K, ACT, PRECISE), acc2)
-                acc3 = tl.fma(w, _x_k(x_row + r3, k_ok[None, :], K, EVEN_K, ACT, PRECISE), acc3)
+                acc2 += w * _load_k(x_row + r2, k_ok[None, :], EVEN_K).to(tl.float32)
+                acc3 += w * _load_k(x_row + r3, k_ok[None, :], EVEN_K).to(tl.float32)
             x_row += BLOCK_K
         if SPLIT:  # rows of this split's partial [T, N]
             dst = part_ptr + pid_s * T * N
@@ -508,20 +471,14 @@ def pick_config(t: int, n: int, k: int, dtype: torch.dtype, device: torch.device
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
-           counters: SplitCounters | None = None, silu_mul: bool = False) -> torch.Tensor:
+           counters: SplitCounters | None = None) -> torch.Tensor:
     """x [T, K] @ w [N, K]^T -> y [T, N] in x.dtype, fp32 accumulation (F.linear without bias).
 
     The caller checks `supports(x, w)` first. `config` overrides `pick_config` (tuning, tests). A split-K
     config splits only with the caller's `counters` (without, it runs unsplit: same math, one program per
-    tile). silu_mul: x is [T, 2K] = [gate | up] and the product is silu_mul(gate, up) @ w^T, the activation
-    in the GEMV's prologue (ACT; the caller checks `supports(x[:, :K], w)` and a GEMV config)."""
+    tile)."""
     t, k = x.shape
     n = w.shape[0]
-    if silu_mul:
-        if k != 2 * w.shape[1]:
-            raise ValueError(f"silu_mul: x has {k} columns, the packed [gate | up] of w's K={w.shape[1]} needs "
-                             f"{2 * w.shape[1]}")
-        k = w.shape[1]
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)  # [T, N]
     if t == 0:
         return y
@@ -530,8 +487,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
         raise ValueError(f"{cfg}: tl.dot needs BLOCK_N, BLOCK_K >= 16")
     if not cfg.use_dot and t > 4:
         raise ValueError(f"{cfg}: the elementwise GEMV takes T <= 4 rows, got {t}; use use_dot=True")
-    if silu_mul and cfg.use_dot:
-        raise ValueError(f"{cfg}: silu_mul runs in the elementwise GEMV only (use_dot=False)")
     tiles = triton.cdiv(n, cfg.block_n)
     split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))  # no split without a K step of its own
     cnt = counters.get(x.device) if counters is not None and split > 1 and tiles <= MAX_TILES else None
@@ -549,9 +504,5 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
         split, BLOCK_T=cfg.block_t(t), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, USE_DOT=cfg.use_dot,
         EVEN_K=k % cfg.block_k == 0, PREFETCH=not cfg.use_dot and (cfg.num_stages > 1 or preload),
         IEEE=x.dtype == torch.float32, UPCAST_DOT=_interpreting() and x.dtype != torch.float32, PRELOAD=preload,
-        ACT=silu_mul, PRECISE=not _interpreting(), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages if cfg.use_dot else 1, **launch,
-        # ACT compiles the activation as triton_fused's silu_mul launch does (no contraction: its exp and
-        # divide round alike); the GEMV's FMAs are explicit, so its products and sums are the same either way
-        **({"enable_fp_fusion": False} if silu_mul else {}))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages if cfg.use_dot else 1, **launch)
     return y

@@ -53,7 +53,6 @@ from triton.language.extra import libdevice
 from .. import pdl
 from ..pdl import pdl_wait
 from . import reference as _ref
-from .gemv import silu_mul_f32
 
 # ---- precise math helpers -----------------------------------------------------------------------------
 # PRECISE (a constexpr) picks libdevice on the GPU: the functions PyTorch's CUDA kernels call, so results
@@ -308,8 +307,8 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, inter, stride_g, stride_u, stride_o,
     dt = g_ptr.dtype.element_ty
     g = tl.load(g_ptr + t * stride_g + offs, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + t * stride_u + offs, mask=m, other=0.0).to(tl.float32)
-    # torch's silu, x / (1 + exp(-x)), rounded, times up: the definition the down GEMV's ACT prologue shares
-    tl.store(out_ptr + t * stride_o + offs, silu_mul_f32(g, u, dt, PRECISE).to(out_ptr.dtype.element_ty), mask=m)
+    act = tl.math.div_rn(g, 1.0 + _exp(-g, PRECISE)).to(dt).to(tl.float32)  # torch's silu: x / (1 + exp(-x))
+    tl.store(out_ptr + t * stride_o + offs, (act * u).to(out_ptr.dtype.element_ty), mask=m)
 
 
 # ---- router -------------------------------------------------------------------------------------------
@@ -1195,26 +1194,12 @@ class TritonFused:
         # running every projection through it took 160 s instead of ~10.
         self.gemv_max_t = gemv_max_t
 
-    def _takes_gemv(self, x, w) -> bool:
+    def linear(self, x, w):
         g = self._gemv
         most = self.gemv_max_t if self.gemv_max_t is not None else (g.MAX_T if x.is_cuda else 0)
-        return x.shape[0] <= most and g.supports(x, w) and g.prefers(x.shape[0], w.shape[0], w.shape[1])
-
-    def linear(self, x, w):
-        if self._takes_gemv(x, w):
-            return self._gemv.linear(x, w, counters=self._gemv_counters)
+        if x.shape[0] <= most and g.supports(x, w) and g.prefers(x.shape[0], w.shape[0], w.shape[1]):
+            return g.linear(x, w, counters=self._gemv_counters)
         return torch.nn.functional.linear(x, w)
-
-    def silu_mul_linear(self, gate_up, w):
-        # One launch where down runs as the elementwise GEMV: the activation in its prologue (gemv's ACT),
-        # bit-equal to silu_mul then linear; otherwise those two.
-        k = w.shape[1]
-        gate, up = gate_up.split(k, -1)
-        g = self._gemv
-        if (gate_up.dim() == 2 and gate_up.shape[1] == 2 * k and self._takes_gemv(gate, w)
-                and not g.pick_config(gate.shape[0], w.shape[0], k, w.dtype, w.device).use_dot):
-            return g.linear(gate_up, w, counters=self._gemv_counters, silu_mul=True)
-        return self.linear(silu_mul(gate, up), w)
 
     def rms_norm(self, x, w, eps, gemma=True, out=None):
         return add_norm(x, None, w, eps, gemma=gemma, out=out)[0]
