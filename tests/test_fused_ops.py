@@ -695,7 +695,7 @@ def test_route_tokens_one_launch_equals_the_two(t, e, h, k):
     from m3eagle.fused import triton_fused
 
     fused = triton_fused.TritonFused()
-    for seed in range(3):
+    for seed in range(3 if t <= 16 else 1):  # the interpreter's time grows with T: one draw of the wide steps
         x = torch.randn(t, h, generator=gen(seed + t))
         w = torch.randn(e, h, generator=gen(seed + h)) / h**0.5  # logits ~ N(0, 1): sigmoids far from 0 and 1
         bias = torch.randn(e, generator=gen(seed + e)) * 0.1

@@ -180,7 +180,7 @@ def test_weight_preload_is_bit_equal(monkeypatch):
     from m3eagle import pdl
 
     counters = gemv.SplitCounters()
-    cases = [(t, n, k, cfg) for t in (1, 2, 4) for n, k, cfg in (
+    cases = [(t, n, k, cfg) for t in (1, 3) for n, k, cfg in (  # BLOCK_T 1 and 4 (a clamped row)
         (N, K, GEMV["gemv"]), (N, K, GEMV["gemv_prefetch"]), (N, K, GEMV["gemv_split3"]),
         (40, 256, GemvConfig(block_n=8, block_k=256)), (40, 256, GemvConfig(block_n=8, block_k=64, split_k=2)))]
     cases.append((3, N, K, DOT["dot"]))
