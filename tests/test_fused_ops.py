@@ -27,6 +27,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from kernel_spy import spy_launches  # noqa: E402
 from step_cases import chain_case, commit_case, sample_case, step_case  # noqa: E402
 
 from m3eagle.attention.metadata import build_metadata  # noqa: E402
@@ -97,15 +98,7 @@ def test_rms_norm_cat_is_one_norm_per_block_in_one_launch(groups, gather, gemma,
     backend's form is the reference math."""
     from m3eagle.fused import triton_fused
 
-    launches: list = []
-    real = triton_fused._norm_cat_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(triton_fused, "_norm_cat_kernel", Spy())
+    launches = spy_launches(monkeypatch, triton_fused, "_norm_cat_kernel", lambda grid, kw: grid)
     g, n, t = gen(groups), 48, 5
     wide = (torch.randn(t, groups * n + 8, generator=g) * 3).to(dtype)
     xs = [wide[:, i * n:(i + 1) * n] for i in range(groups)]  # rows of a wider buffer
@@ -724,17 +717,7 @@ def test_route_tokens_preloading_the_expert_rows_is_bit_equal(monkeypatch):
              torch.randn(e, generator=gen(k)) * 0.1, k) for t, e, h, k in cases]
     counters = torch.zeros(8, dtype=torch.int32)
     want = [triton_fused.route_tokens(x, w, b, k, counters) for x, w, b, k in data]
-    launches: list[dict] = []
-    real = triton_fused._router_topk_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                launches.append(kw)
-                return real[grid](*a, **kw)
-            return launch
-
-    monkeypatch.setattr(triton_fused, "_router_topk_kernel", Spy())
+    launches = spy_launches(monkeypatch, triton_fused, "_router_topk_kernel")
     monkeypatch.setattr(pdl, "preload_weights", lambda launch: True)
     for (x, w, b, k), (ww, wi) in zip(data, want):
         gw, gi = triton_fused.route_tokens(x, w, b, k, counters)

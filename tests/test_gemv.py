@@ -22,6 +22,8 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from kernel_spy import spy_launches  # noqa: E402
+
 from m3eagle.fused import gemv  # noqa: E402
 from m3eagle.fused.gemv import GemvConfig  # noqa: E402
 
@@ -159,19 +161,6 @@ def test_engine_linear_takes_the_kernel_where_preferred_only(monkeypatch):
     assert not gemv.prefers(3, 5120, 4096)  # measured: cuBLAS wins there at T = 2
 
 
-class _LaunchSpy:
-    """Stands in for a jit kernel: records each launch's keyword arguments, then launches the real one."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append(kwargs)
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
 def test_weight_preload_is_bit_equal(monkeypatch):
     """With PDL's weight preload (the GEMV's first weight tile read before the wait: pdl.preload_weights,
     forced on here; the interpreter has no wait) the GEMV computes the same bits as without it -- one and
@@ -185,11 +174,10 @@ def test_weight_preload_is_bit_equal(monkeypatch):
         (40, 256, GemvConfig(block_n=8, block_k=256)), (40, 256, GemvConfig(block_n=8, block_k=64, split_k=2)))]
     cases.append((3, N, K, DOT["dot"]))
     want = [gemv.linear(*make(30 + i, t, n, k, torch.bfloat16), cfg, counters) for i, (t, n, k, cfg) in enumerate(cases)]
-    spy = _LaunchSpy(gemv._linear_kernel)
-    monkeypatch.setattr(gemv, "_linear_kernel", spy)
+    launches = spy_launches(monkeypatch, gemv, "_linear_kernel")
     monkeypatch.setattr(pdl, "preload_weights", lambda launch: True)
     for i, (t, n, k, cfg) in enumerate(cases):
         got = gemv.linear(*make(30 + i, t, n, k, torch.bfloat16), cfg, counters)
         assert torch.equal(got, want[i]), (t, n, k, cfg)
-        assert spy.launches[-1]["PRELOAD"] is (not cfg.use_dot) and spy.launches[-1]["PREFETCH"] is (not cfg.use_dot)
+        assert launches[-1]["PRELOAD"] is (not cfg.use_dot) and launches[-1]["PREFETCH"] is (not cfg.use_dot)
     assert int(counters.get("cpu").abs().sum()) == 0

@@ -20,6 +20,8 @@ pytest.importorskip("triton")
 
 from dataclasses import replace  # noqa: E402
 
+from kernel_spy import spy_launches  # noqa: E402
+
 from m3eagle.moe import backend as moe_backend  # noqa: E402
 from m3eagle.moe import direct, reference, triton_moe, tuning  # noqa: E402
 from m3eagle.moe.tuning import MoEConfig  # noqa: E402
@@ -188,18 +190,7 @@ PRELOAD_EVEN = MoEConfig(16, 16, 16, direct=1, down_block_n=8, down_block_k=32, 
 def launch_flags(monkeypatch, kernel: str, flag: str) -> list:
     """The constexpr `flag` of every launch of direct.`kernel`, so a test fails if that kernel (or that
     variant of it) never ran."""
-    seen: list = []
-    kern = getattr(direct, kernel)
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                seen.append(kw[flag])
-                return kern[grid](*a, **kw)
-            return launch
-
-    monkeypatch.setattr(direct, kernel, Spy())
-    return seen
+    return spy_launches(monkeypatch, direct, kernel, lambda grid, kw: kw[flag])
 
 
 def preload_flags(monkeypatch) -> list[bool]:
@@ -368,15 +359,6 @@ def test_route_shared_preloading_its_weights_is_bit_equal(monkeypatch):
     shared = (sh.gate_up_proj.weight.detach(), sh.down_proj.weight.detach())
     cfgs = (replace(PRELOAD, route_shared=1), replace(PRELOAD, route_shared=1, block_k=32))  # K 48: 3 / 1.5 steps
     counters = torch.zeros(64, dtype=torch.int32)
-    launches: list[dict] = []
-    real = direct._route_shared_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                launches.append(kw)
-                return real[grid](*a, **kw)
-            return launch
 
     def run(x, cfg):
         return direct.route_direct_experts(x, g.weight, g.e_score_correction_bias, 3, counters, ex.gate_up_proj,
@@ -385,7 +367,7 @@ def test_route_shared_preloading_its_weights_is_bit_equal(monkeypatch):
     cases = [(torch.randn(t, 48, generator=torch.Generator().manual_seed(70 + t)), cfg) for t in (1, 3) for cfg in cfgs]
     with torch.no_grad():
         want = [run(x, cfg) for x, cfg in cases]
-        monkeypatch.setattr(direct, "_route_shared_kernel", Spy())
+        launches = spy_launches(monkeypatch, direct, "_route_shared_kernel")
         monkeypatch.setattr(pdl, "preload_weights", lambda launch: True)
         for (x, cfg), w in zip(cases, want):
             assert torch.equal(run(x, cfg), w), cfg

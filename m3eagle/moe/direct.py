@@ -87,19 +87,12 @@ def _gate_up_rows(x_ptr, base, act_ptr, token, p, pid_n, hidden, inter, stride_x
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_start = 0
-    if PRELOAD:
-        k_ok = (offs_k < hidden)[None, :]  # the first step: masked like the loop's (only when not EVEN_K)
-        if EVEN_K:
-            g = tl.load(g_ptrs).to(tl.float32)
-            u = tl.load(u_ptrs).to(tl.float32)
-        else:
-            g = tl.load(g_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-            u = tl.load(u_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+    if PRELOAD:  # the first step: its weights before the wait, x after it
+        k_ok = (offs_k < hidden)[None, :]  # unused (compiled away) when EVEN_K
+        g = _load_k(g_ptrs, k_ok, EVEN_K).to(tl.float32)
+        u = _load_k(u_ptrs, k_ok, EVEN_K).to(tl.float32)
         pdl_wait(PDL)
-        if EVEN_K:
-            xv = tl.load(x_ptrs).to(tl.float32)
-        else:
-            xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        xv = _load_k(x_ptrs, k_ok, EVEN_K).to(tl.float32)
         acc_g = tl.fma(g, xv, acc_g)
         acc_u = tl.fma(u, xv, acc_u)
         x_ptrs += BLOCK_K
@@ -107,15 +100,10 @@ def _gate_up_rows(x_ptr, base, act_ptr, token, p, pid_n, hidden, inter, stride_x
         u_ptrs += BLOCK_K
         k_start = BLOCK_K
     for k0 in range(k_start, hidden, BLOCK_K):
-        if EVEN_K:
-            xv = tl.load(x_ptrs).to(tl.float32)
-            g = tl.load(g_ptrs).to(tl.float32)
-            u = tl.load(u_ptrs).to(tl.float32)
-        else:
-            k_ok = (k0 + offs_k < hidden)[None, :]
-            xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-            g = tl.load(g_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-            u = tl.load(u_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        k_ok = (k0 + offs_k < hidden)[None, :]  # unused (compiled away) when EVEN_K
+        xv = _load_k(x_ptrs, k_ok, EVEN_K).to(tl.float32)
+        g = _load_k(g_ptrs, k_ok, EVEN_K).to(tl.float32)
+        u = _load_k(u_ptrs, k_ok, EVEN_K).to(tl.float32)
         acc_g = tl.fma(g, xv, acc_g)
         acc_u = tl.fma(u, xv, acc_u)
         x_ptrs += BLOCK_K
