@@ -228,6 +228,24 @@ def test_unwritten_rows_are_never_read():
     assert_close(out, reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT, (e0, e1)))
 
 
+
+@pytest.mark.parametrize("cfg", [SMALL, WIDE, MoEConfig(32, 16, 16, 2, 4, 3, split_tail=1)])
+def test_down_unmasked_k_loop_is_bit_equal_to_the_masked_one(cfg):
+    """Where I, the shared width and H divide into whole tiles, the sorted down GEMM loads without masks
+    (padding rows read act's unwritten rows, NaN here, and are never stored): its rows equal the masked
+    loop's bit for bit, the shared expert's too; it refuses an act without every padded row."""
+    w13, w2 = make_weights(27)
+    s13, s2 = make_weights(28, e=1)
+    x, w, idx = make_routing(29, 37, 3)
+    al = align(idx, 0, E, cfg.block_m, shared=True)
+    real = al.sorted_ids < al.num_pairs
+    act = triton_moe.gate_up(x, w13, al, 3, ALPHA, LIMIT, cfg, s13[0])
+    act[~real] = float("nan")  # what the unmasked A loads of padding rows may read
+    contribs = [triton_moe.down(act, w2, w, al, cfg, s2[0], 1.5, even=even) for even in (False, True)]
+    assert torch.isfinite(contribs[1]).all() and torch.equal(contribs[0], contribs[1])
+    with pytest.raises(ValueError, match="even=False"):
+        triton_moe.down(act[: act.shape[0] - 1], w2, w, al, cfg, s2[0], 1.5, even=True)
+
 # chunk: pairs per alignment program; 16 spreads a few pairs over many programs (histogram path); None takes
 # align.chunk_size's (1,100 x 4 pairs: 35 programs of 128)
 @pytest.mark.parametrize("t,k,e0,e1,bm,chunk", [(1, 2, 0, 8, 16, None), (37, 3, 0, 8, 16, None),

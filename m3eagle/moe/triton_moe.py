@@ -86,7 +86,11 @@ def _gate_up_tile(x_ptr, w_base, act_ptr, sorted_ptr, row0, pid_n, num_pairs, ro
                   stride_xt, stride_xh, stride_wn, stride_wh, stride_am, stride_ai, alpha, limit,
                   TOP_K: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   DOT_PREC: tl.constexpr):
-    """The act rows row0 .. row0 + BM - 1, columns of tile pid_n, of one expert (weights at w_base)."""
+    """The act rows row0 .. row0 + BM - 1, columns of tile pid_n, of one expert (weights at w_base).
+
+    The K loop stays masked even where the shapes divide into whole tiles: unmasked loads (padding rows
+    reading token 0) made this GEMM slower on the H200 (m3-mini T = 2048: 165 -> 191 us, T = 256: 76 ->
+    115 us; docs/results/h200-2026-12-02/call3), unlike down's (design note 49)."""
     rows = row0 + tl.arange(0, BM)
     pair = tl.load(sorted_ptr + rows)
     valid = pair < num_pairs  # padding rows load zeros and are not stored
@@ -164,8 +168,13 @@ def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, block_expert_ptr,
 @triton.jit
 def _down_tile(act_ptr, w_base, contrib_ptr, weights_ptr, sorted_ptr, row0, pid_n, num_pairs, routed_pairs, hidden,
                inter, routed_scale, stride_am, stride_ai, stride_wh, stride_wi, stride_cp, stride_ch,
-               BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
-    """The contrib rows of the pairs in act rows row0 .. row0 + BM - 1, columns of tile pid_n."""
+               BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+               EVEN: tl.constexpr):
+    """The contrib rows of the pairs in act rows row0 .. row0 + BM - 1, columns of tile pid_n.
+
+    EVEN (the K range a multiple of BLOCK_K, hidden of BLOCK_N): whole tiles, no mask. act has every padded
+    row (gate_up leaves padding rows unwritten), and an MMA row depends only on its own A row, so the
+    stored rows are bit-equal to the masked loads'."""
     rows = row0 + tl.arange(0, BM)
     pair = tl.load(sorted_ptr + rows)
     valid = pair < num_pairs
@@ -177,9 +186,13 @@ def _down_tile(act_ptr, w_base, contrib_ptr, weights_ptr, sorted_ptr, row0, pid_
     w_ptrs = w_base + offs_n[None, :] * stride_wh + offs_k[:, None] * stride_wi  # [BK, BN]
     acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        k_ok = offs_k < inter - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if EVEN:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = offs_k < inter - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K * stride_ai
         w_ptrs += BLOCK_K * stride_wi
@@ -202,7 +215,7 @@ def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, b
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_APART: tl.constexpr,
                  SPLIT_TAIL: tl.constexpr, TOP_K: tl.constexpr, FUSE_COMBINE: tl.constexpr, T_PAD: tl.constexpr,
-                 PDL: tl.constexpr):
+                 EVEN: tl.constexpr, PDL: tl.constexpr):
     """contrib[pair(r)] = weight(pair(r)) * (act[r] @ down_proj[e]^T) for the rows r of one block; a routed
     pair's weight is its routing weight times routed_scale, a shared-expert pair's is 1. SPLIT_TAIL as in
     `_gate_up_kernel`. FUSE_COMBINE (n_tok <= T_PAD tokens, cnt [cdiv(hidden, BLOCK_N)] int32 zero between
@@ -231,15 +244,15 @@ def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, b
     if SHARED_APART and expert == shared_col:  # its own K range and row stride (SHARED_APART: gate_up's)
         _down_tile(act_ptr, w_base, contrib_ptr, weights_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs,
                    routed_pairs, hidden, s_inter, routed_scale, stride_am, stride_ai, stride_swh, stride_wi,
-                   stride_cp, stride_ch, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
+                   stride_cp, stride_ch, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, EVEN)
     elif SPLIT_TAIL and _valid_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M) <= BLOCK_M // 2:
         _down_tile(act_ptr, w_base, contrib_ptr, weights_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs,
                    routed_pairs, hidden, inter, routed_scale, stride_am, stride_ai, stride_wh, stride_wi, stride_cp,
-                   stride_ch, BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PREC)
+                   stride_ch, BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PREC, EVEN)
     else:
         _down_tile(act_ptr, w_base, contrib_ptr, weights_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs,
                    routed_pairs, hidden, inter, routed_scale, stride_am, stride_ai, stride_wh, stride_wi, stride_cp,
-                   stride_ch, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
+                   stride_ch, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, EVEN)
     if FUSE_COMBINE:
         tl.debug_barrier()  # every thread's contrib stores are issued before the release below
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
@@ -367,18 +380,26 @@ COMBINE_FUSE_MAX_T = 16  # steps of up to this many tokens sum in down's last pr
 
 def down(act: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, al: Alignment, cfg: MoEConfig,
          shared_down: torch.Tensor | None = None, routed_scale: float = 1.0,
-         combine_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None = None) -> torch.Tensor:
+         combine_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None = None,
+         even: bool | None = None) -> torch.Tensor:
     """act [rows, max(I, I_s)], w2 [E, H, I], weights [T, k] (or flat [T*k]) -> contrib [num_pairs, H] in
     act.dtype (rows of non-local pairs unwritten): routed rows weighted by weight * routed_scale, the shared
     expert's rows (`shared_down` [H, I_s], unit stride along I_s; alignment made with shared=True) by 1.
 
     combine_into = (idx [T, k] contiguous, out [T, H], counters, e_start, num_local) also writes
     combine(contrib, idx, e_start, num_local, out.dtype, shared) into out, from the same launch (T <=
-    COMBINE_FUSE_MAX_T, cdiv(H, block_n) <= counters.numel(); counters zero, used by one stream at a time)."""
+    COMBINE_FUSE_MAX_T, cdiv(H, block_n) <= counters.numel(); counters zero, used by one stream at a time).
+    `even` forces the unmasked K loop on or off (tests); None takes it wherever I, I_s and H divide into
+    whole tiles (act must then have every padded row: gate_up's buffer has)."""
     weights = weights.reshape(-1).float().contiguous()  # [T*k] fp32; no copy when it already is
     hidden, inter = w2.shape[1], w2.shape[2]
     ws = w2 if shared_down is None else shared_down
     s_inter, s_row = (shared_down.shape[1], shared_down.stride(0)) if shared_down is not None else (inter, w2.stride(1))
+    if even is None:
+        even = inter % cfg.block_k == 0 and s_inter % cfg.block_k == 0 and hidden % cfg.block_n == 0
+    if even and act.shape[0] < al.max_blocks * al.block_m:
+        raise ValueError(f"down: act has {act.shape[0]} rows; the unmasked loop reads all "
+                         f"{al.max_blocks * al.block_m} padded rows (pass even=False)")
     contrib = torch.empty(al.num_pairs, hidden, dtype=act.dtype, device=act.device)
     n_tiles = triton.cdiv(hidden, cfg.block_n)
     grid = (al.max_blocks * n_tiles,)
@@ -399,7 +420,7 @@ def down(act: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, al: Alignme
         DOT_PREC=_dot_precision(act.dtype), HAS_SHARED=shared_down is not None,
         SHARED_APART=shared_down is not None and s_inter != inter, SPLIT_TAIL=_split_tail(cfg), TOP_K=top_k,
         FUSE_COMBINE=combine_into is not None,
-        T_PAD=max(1, triton.next_power_of_2(n_tok)), num_warps=cfg.num_warps,
+        T_PAD=max(1, triton.next_power_of_2(n_tok)), EVEN=even, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl.args(act))
     return contrib
 
