@@ -239,22 +239,23 @@ def test_down_rows_are_bit_equal_to_one_tile_per_program(t, k, i, h, monkeypatch
                                                **kw) for pre in (0, 1) for j, kw in enumerate(kws)}
     want_sub = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (2, 6), config=one)
     counts = (2, 3, 5) if t < 4 else (2, 5)  # CI time: the widest step skips the middle count
-    for rows in counts:
-        for pre in (0, 1):
-            cfg = replace(one, down_rows=rows, down_preload=pre)
-            assert direct.down_rows(cfg, i, i) == rows
-            for j, kw in enumerate(kws):
-                a = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=cfg, **kw)
-                assert torch.equal(a, want[pre, j]), (rows, pre, kw.keys())
-            sub = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (2, 6), config=cfg)
-            assert torch.equal(sub, want_sub)
-    assert launches == [r for r in counts for _ in range(2) for _ in range(4)]
+    runs = [(rows, pre) for rows in counts for pre in ((0, 1) if rows == counts[0] else (1,))]  # CI time:
+    # the loop without the preload at the first count only (the preload's own test covers it further)
+    for rows, pre in runs:
+        cfg = replace(one, down_rows=rows, down_preload=pre)
+        assert direct.down_rows(cfg, i, i) == rows
+        for j, kw in enumerate(kws):
+            a = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=cfg, **kw)
+            assert torch.equal(a, want[pre, j]), (rows, pre, kw.keys())
+        sub = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (2, 6), config=cfg)
+        assert torch.equal(sub, want_sub)
+    assert launches == [r for r, _ in runs for _ in range(4)]
     assert_close(a, reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT) * 2.0 + reference.experts(
         x, torch.ones(t, 1), torch.zeros(t, 1, dtype=torch.long), n13, n2, ALPHA, LIMIT))
     narrow = replace(one, down_block_k=16, down_rows=4)  # I 32-40 needs a 64-wide tile
     assert direct.down_rows(narrow, i, i) == 1
     triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=narrow)
-    assert len(launches) == 8 * len(counts)
+    assert len(launches) == 4 * len(runs)
 
 
 @pytest.mark.parametrize("t,k,h,i", [(1, 4, 48, 40), (3, 3, 40, 32), (4, 2, 64, 40)])
