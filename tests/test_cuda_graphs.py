@@ -248,8 +248,10 @@ def test_fused_step_inputs_equal_reference_on_cuda(k):
             bufs = [[x.clone() for x in args[11:14]] for _ in range(2)]
             chained, kv, kv_in, _ = chain_case(seed, args[1].shape[0], device="cuda")
             chains = [(c := chained.clone(), kv, kv_in.clone(), c) for _ in range(2)]
-            want = ref.fused.commit_outputs(*args[:11], *bufs[0], *args[14:], chain=chains[0])
-            got = fast.fused.commit_outputs(*args[:11], *bufs[1], *args[14:], tok_row=tok_row, chain=chains[1])
+            pt = torch.randint(0, 50, (args[1].shape[0], 20), device="cuda")
+            want = ref.fused.commit_outputs(*args[:11], *bufs[0], *args[14:], chain=chains[0], pages=(pt, 16))
+            got = fast.fused.commit_outputs(*args[:11], *bufs[1], *args[14:], tok_row=tok_row, chain=chains[1],
+                                            pages=(pt, 16))
             for a, b in zip(got, want):
                 assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
             for a, b in zip(bufs[1], bufs[0]):

@@ -71,6 +71,12 @@ def test_add_rms_norm(gemma, n, terms):
     assert_close(y, y_ref)
     if terms == "none":
         assert r is x  # nothing to add: the input is the residual, not a copy
+    # rows: the gather rides in the launch -- output i is input row rows[i], bit-equal to the full op's row
+    rows = torch.tensor([6, 0, 3, 3])
+    for ops in (REFERENCE, TRITON):
+        yr, rr = ops.fused.add_rms_norm(x, res, w, 1e-6, x2, scale, gemma, rows=rows)
+        assert yr.shape == rr.shape == (4, n)
+        assert torch.equal(rr, r_ref[rows]) and torch.equal(yr, (y if ops is TRITON else y_ref)[rows])
 
 
 def test_rms_norm_strided_rows_and_out():
@@ -190,6 +196,32 @@ def test_qkv_rope_store(hq, hk, d, rdim):
     # q alone, with and without the norm (the Eagle3 head's RoPE has none)
     assert_close(TRITON.fused.qk_norm_rope(q, qw, 1e-6, cos, sin), reference.qk_norm_rope(q, qw, 1e-6, cos, sin))
     assert_close(TRITON.fused.qk_norm_rope(q, None, 0.0, cos, sin), reference.qk_norm_rope(q, None, 0.0, cos, sin))
+
+
+@pytest.mark.parametrize("scaling", [None, YARN])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_qkv_store_computes_the_tables_in_its_launch(scaling, dtype, monkeypatch):
+    """The Eagle3 head's q/k/v op: the launch computes cos/sin from the positions. Bit-equal to the same
+    launch reading `rope_cos_sin`'s tables (same fp32 angle and functions, rounded to the table dtype),
+    one launch instead of two, and close to the reference (other libm)."""
+    t, hq, hk, d, s = 7, 4, 2, 16, 30
+    g = gen(5)
+    q, k, v = (torch.randn(t, h, d, generator=g).to(dtype) for h in (hq, hk, hk))
+    pos = torch.tensor([0, 1, 17, 63, 500, 4095, 3])
+    slots = torch.randperm(s, generator=g)[:t]
+    pools = [torch.zeros(s, hk, d, dtype=dtype) for _ in range(6)]
+    from m3eagle.fused import triton_fused as tf
+    tabled = spy_launches(monkeypatch, tf, "_rope_table_kernel")
+    fused = spy_launches(monkeypatch, tf, "_qkv_rope_kernel", lambda grid, kw: kw["TABLE"])
+    got = TRITON.fused.rope_qkv_store(q, k, v, pos, d, 10000.0, pools[0], pools[1], slots, scaling)
+    assert tabled == [] and fused == [False]  # one launch, no table
+    cos, sin = TRITON.fused.rope_cos_sin(pos, d, 10000.0, dtype, scaling)
+    want = TRITON.fused.qkv_rope_store(q, k, v, None, None, 0.0, cos, sin, pools[2], pools[3], slots)
+    assert torch.equal(got, want) and torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+    ref = REFERENCE.fused.rope_qkv_store(q, k, v, pos, d, 10000.0, pools[4], pools[5], slots, scaling)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(pools[0], pools[4], rtol=tol, atol=tol)
 
 
 def test_indexer_shapes_one_head_pool_and_sliced_tables():
@@ -406,10 +438,18 @@ def test_commit_outputs_equal_reference(k, draft, chain):
             chained, kv, kv_in, _ = chain_case(seed, b)
             ref_chain = (c := chained.clone(), kv, kv_in.clone(), c)
             fast_chain = (c := chained.clone(), kv, kv_in.clone(), c)
-        want = REFERENCE.fused.commit_outputs(*args[:11], *ref_bufs, *args[14:], chain=ref_chain)
-        got = TRITON.fused.commit_outputs(*args[:11], *fast_bufs, *args[14:], tok_row=tok_row, chain=fast_chain)
+        pt = torch.randint(0, 50, (b, 20), generator=torch.Generator().manual_seed(seed))  # positions run past it
+        want = REFERENCE.fused.commit_outputs(*args[:11], *ref_bufs, *args[14:], chain=ref_chain, pages=(pt, 16))
+        got = TRITON.fused.commit_outputs(*args[:11], *fast_bufs, *args[14:], tok_row=tok_row, chain=fast_chain,
+                                          pages=(pt, 16))
+        assert len(got) == len(want) == 6
         for a, b_ in zip(got, want):
             assert (a is None) == (b_ is None) and (a is None or torch.equal(a, b_))
+        if draft:  # the draft steps' slots: the page holding each at position (clamped to the table), + offset
+            at = want[4]
+            col = (at // 16).clamp(max=19)
+            assert torch.equal(want[5], pt[torch.arange(b)[None, :].expand_as(at), col] * 16 + at % 16)
+            assert (at // 16 > 19).any()  # the clamp is exercised
         for a, b_, orig in zip(fast_bufs, ref_bufs, args[11:14]):
             assert torch.equal(a[:-1], b_[:-1]) and not torch.equal(b_[:-1], orig[:-1])
         assert draft == (want[3] is not None)
@@ -469,6 +509,28 @@ def test_argmax_equal_reference_with_ties_nan_and_offsets(v, dtype):
     # a strided view (the engine's [B, K+1, V] logits reshaped) and an empty batch
     assert torch.equal(TRITON.fused.argmax(x[::2]), reference.argmax(x[::2]))
     assert TRITON.fused.argmax(x[:0]).shape == (0,)
+
+
+def test_argmax_writes_a_strided_out_and_scatters_into_slot_rows():
+    """The draft loop's argmax writes step j's tokens into column j of the [B, K] drafts and of the rows
+    `s` of the slot buffer (the stack + index_copy it replaces); every other entry stays as it was."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 300, generator=g).to(torch.bfloat16)
+    off = torch.randint(-3, 3, (300,), generator=g)
+    rows = torch.tensor([4, 0, 6, 6, 2])  # a repeated row (the dump slot's): every writer stores its own value
+    for fused in (REFERENCE.fused, TRITON.fused):
+        drafts = torch.full((5, 3), -1, dtype=torch.int64)
+        buf = torch.full((7, 3), -2, dtype=torch.int64)
+        got = fused.argmax(x, off, out=drafts[:, 1], scatter=(buf, rows, 2))
+        want = x.float().argmax(-1) + off[x.float().argmax(-1)]
+        assert torch.equal(got, want) and torch.equal(drafts[:, 1], want)
+        assert (drafts[:, [0, 2]] == -1).all()
+        keep = torch.ones(7, 3, dtype=torch.bool)
+        keep[rows, 2] = False
+        assert (buf[keep] == -2).all() and torch.equal(buf[[4, 0, 2], 2], want[[0, 1, 4]])
+        assert buf[6, 2].item() in (want[2].item(), want[3].item())
+    with pytest.raises(ValueError, match="scatter needs"):
+        TRITON.fused.argmax(x, off, scatter=(buf, rows, 3))
 
 
 def test_positions_slots_equal_reference_with_clamps_and_negative_positions():
@@ -655,6 +717,10 @@ def test_eagle3_head_paged_step_equal_with_triton_fused_ops(norm_output):
             cache = head.new_cache(12 * 4, torch.float32, CPU)
             m = replace(meta, ops=ops)
             h_out, h_next = head(ids, m.positions, aux, m, cache, from_aux=True)
+            k0 = cache.k.clone()
+            rows = torch.tensor([4, 7])  # each row's last token (draft step 0 keeps only those outputs)
+            ho_r, hn_r = head(ids, m.positions, aux, m, cache, from_aux=True, rows=rows)
+            assert torch.equal(ho_r, h_out[rows]) and torch.equal(hn_r, h_next[rows]) and torch.equal(cache.k, k0)
             h_out2, _ = head(ids, m.positions, h_next, m, cache, from_aux=False)  # a later draft step
             outs.append((h_out, h_next, h_out2, cache.k, cache.v))
     for out, ref in zip(*outs):

@@ -181,3 +181,63 @@ def test_weight_preload_is_bit_equal(monkeypatch):
         assert torch.equal(got, want[i]), (t, n, k, cfg)
         assert launches[-1]["PRELOAD"] is (not cfg.use_dot) and launches[-1]["PREFETCH"] is (not cfg.use_dot)
     assert int(counters.get("cpu").abs().sum()) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gate_up_activation_epilogue_is_bit_equal_to_the_gemv_then_its_launch(dtype, monkeypatch):
+    """An MLP's gate_up GEMV with its activation in the epilogue (silu(gate) * up; M3's swiglu-oai): bit-equal
+    to `linear` on the packed weight followed by `silu_mul` / `swiglu_oai` -- T = 1..3 (BLOCK_T 1, 2, 4 with a
+    clamped row), I not a multiple of the program's columns, K masked or whole, with and without the prefetch
+    and (bf16) the PDL weight preload. Each program owns the gate and up rows of its columns: a mutation
+    pairing a gate with another column's up fails it."""
+    from m3eagle import pdl
+    from m3eagle.fused.triton_fused import silu_mul, swiglu_oai
+
+    inter = 37  # 2I = 74 weight rows
+    masked, whole = GemvConfig(block_n=4, block_k=64, num_stages=2), GemvConfig(block_n=16, block_k=128, num_stages=2)
+    cases = [(1, K, masked), (3, K, masked), (2, 256, GemvConfig(block_n=2, block_k=256)), (1, 256, whole),
+             (3, 256, whole)]  # BLOCK_T 1, 2, 4 (a clamped row)
+    for preload in (False, True) if dtype == torch.bfloat16 else (False,):
+        monkeypatch.setattr(pdl, "preload_weights", lambda launch, on=preload: on)
+        for i, (t, k, cfg) in enumerate(cases):
+            x, w = make(50 + i, t, 2 * inter, k, dtype)
+            w = w * 0.3  # activations in silu's curved range
+            y = gemv.linear(x, w, cfg)
+            for act, want in (("silu", silu_mul(*y.chunk(2, -1))), ("swiglu_oai", swiglu_oai(y, 1.702, 1.5))):
+                got = gemv.linear_act(x, w, act, 1.702, 1.5, cfg)  # limit 1.5: the clamps bite
+                assert got.shape == (t, inter) and got.dtype == dtype
+                assert torch.equal(got, want), (act, t, k, cfg, preload)
+    with pytest.raises(ValueError, match="unsplit GEMV"):
+        gemv.linear_act(x, w, "silu", config=GemvConfig(block_n=64, block_k=64, use_dot=True))
+    with pytest.raises(ValueError, match="packed"):
+        gemv.linear_act(x, w[:-1], "silu")
+    with pytest.raises(ValueError, match="choose one of"):
+        gemv.linear_act(x, w, "gelu")
+
+
+def test_engine_mlp_takes_the_epilogue_where_the_gemv_runs_unsplit(monkeypatch):
+    """TritonFused.linear_silu_mul / linear_swiglu_oai: one `_linear_kernel` launch with ACT (no activation
+    launch) where the
+    GEMV takes the shape; tl.dot shapes keep the two launches; the reference backend's op is the plain
+    chunk + silu_mul. All three agree."""
+    from m3eagle.fused import triton_fused
+    from m3eagle.fused.backend import ReferenceFused
+    from m3eagle.fused.triton_fused import TritonFused
+
+    gemv_l = spy_launches(monkeypatch, gemv, "_linear_kernel", lambda grid, kw: kw["ACT"] > 0)
+    act_l = spy_launches(monkeypatch, triton_fused, "_silu_mul_kernel")
+    ops = TritonFused(gemv_max_t=gemv.MAX_T)
+    x, w = make(3, 1, n=128, k=64)
+    got = ops.linear_silu_mul(x, w)
+    assert gemv_l == [True] and act_l == []
+    ref = ReferenceFused().linear_silu_mul(x, w)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    wide, _ = make(4, 8, n=128, k=64)  # 8 rows: F.linear (not preferred), then the activation's launch
+    torch.testing.assert_close(ops.linear_silu_mul(wide, w), ReferenceFused().linear_silu_mul(wide, w),
+                               rtol=1e-5, atol=1e-6)
+    assert gemv_l == [True] and len(act_l) == 1
+    # M3's swiglu-oai MLP: the same, against its own launch
+    sw_l = spy_launches(monkeypatch, triton_fused, "_swiglu_kernel")
+    got = ops.linear_swiglu_oai(x, w, 1.702, 7.0)
+    assert gemv_l == [True, True] and sw_l == []
+    torch.testing.assert_close(got, ReferenceFused().linear_swiglu_oai(x, w, 1.702, 7.0), rtol=1e-5, atol=1e-6)

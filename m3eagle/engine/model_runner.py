@@ -11,7 +11,7 @@ indexing). The only device->host traffic is StepOutput.copy_to_host(), non-block
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -197,15 +197,17 @@ class ModelRunner:
         # The step's own kv_len / chained inputs advance in place, so replaying these inputs runs the next
         # sub-step of a multi-step iteration (a host-built step overwrites them).
         drafting = self.draft is not None and k > 0
-        num_new, s, last_idx, shifted, at = fused.commit_outputs(
+        num_new, s, last_idx, shifted, at, at_slots = fused.commit_outputs(
             new_tokens, num_new, inp.row_samples, inp.row_slot, self.dump_slot, inp.row_num_drafts, inp.row_first,
             inp.row_qlen, inp.row_next_token, ids, meta.positions, self.slot_tokens, self.slot_num_new,
             self.slot_dev, k, drafting, tok_row=meta.tok_row,
-            chain=(inp.row_chained, meta.kv_lens, inp.meta.kv_lens, inp.row_chained))
+            chain=(inp.row_chained, meta.kv_lens, inp.meta.kv_lens, inp.row_chained),
+            pages=(meta.page_table, self.page_size) if drafting else None)
         if pen is not None:
             self.penalty.record_outputs(new_tokens, num_new, s)
 
-        drafts = self._draft(inp, meta, aux, s, last_idx, shifted, at) if drafting else ids.new_zeros(inp.num_rows, k)
+        drafts = (self._draft(inp, meta, aux, s, last_idx, shifted, at, at_slots) if drafting
+                  else ids.new_zeros(inp.num_rows, k))
         return StepOutput(new_tokens, num_new, drafts, logprobs, prompt_lps)
 
     def _prompt_logprobs(self, inp: StepInput, ids: torch.Tensor, hidden: torch.Tensor) -> TokenLogprobs:
@@ -218,44 +220,46 @@ class ModelRunner:
 
     # ---- drafting -------------------------------------------------------------------------------
     def _draft(self, inp: StepInput, meta: AttnMetadata, aux: torch.Tensor, s: torch.Tensor, last_idx: torch.Tensor,
-               shifted: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+               shifted: torch.Tensor, at: torch.Tensor, at_slots: torch.Tensor) -> torch.Tensor:
         """Draft step 0 over every target token (inputs shifted by one, the bonus token after each row's last
         accepted one), then K-1 one-token steps. last_idx [B], shifted [T], at [K+1, B] (position of the
-        last accepted token + j): commit_outputs'."""
+        last accepted token + j) and at_slots [K+1, B] (their cache slots): commit_outputs'."""
         k, b = self.k, inp.num_rows
         st: SamplingTensors = inp.sampling
-        h_out, h_next = self.draft(shifted, meta.positions, aux, meta, self.draft_cache, True)
-        h_out, h_next = h_out[last_idx], h_next[last_idx]  # [B, H]
+        h_out, h_next = self.draft(shifted, meta.positions, aux, meta, self.draft_cache, True, rows=last_idx)  # [B, H]
         pos = at[0]  # position of the last accepted token
         rows = self.row_ids[:b]
         dmeta = AttnMetadata(num_rows=b, max_q=1, max_kv=inp.meta.max_kv + k, page_size=self.page_size,
                              q_lens=self.row_ones[:b], kv_lens=at[1], page_table=meta.page_table,
                              tok_row=rows, tok_col=self.row_zeros[:b], q_index=rows[:, None],
                              q_valid=self.row_true[:b], positions=pos, slot_mapping=pos, ops=meta.ops)
-        out_tokens, out_probs = [], []
+        drafts = torch.empty(k, b, dtype=torch.int64, device=at.device).t()  # [B, K]; column j contiguous
+        out_probs = []
         for step in range(k):
             logits = self.draft.compute_logits(h_out, _fused(meta), fp32=inp.any_random)  # [B, Vd]
-            tok, probs = self._draft_sample(logits, st, at[step], inp.any_random, _fused(meta))
-            out_tokens.append(tok)
+            tok, probs = self._draft_sample(logits, st, at[step], inp.any_random, _fused(meta), drafts, s, step)
             out_probs.append(probs)
             if step == k - 1:
                 break
-            sm = dmeta.with_lengths(at[step + 2])  # the drafted token sits at pos + step + 1
+            # the drafted token sits at pos + step + 1: dmeta.with_lengths(at[step + 2]), derived by commit
+            sm = replace(dmeta, kv_lens=at[step + 2], positions=at[step + 1], slot_mapping=at_slots[step + 1])
             h_out, h_next = self.draft(tok, sm.positions, h_next, sm, self.draft_cache, False)
-        drafts = torch.stack(out_tokens, 1)  # [B, K]
-        self.slot_drafts.index_copy_(0, s, drafts)
         if inp.any_random:
+            self.slot_drafts.index_copy_(0, s, drafts)
             self.slot_draft_probs.index_copy_(0, s, torch.stack(out_probs, 1))
         return drafts
 
     def _draft_sample(self, logits: torch.Tensor, st: SamplingTensors, pos: torch.Tensor, random: bool,
-                      fused: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      fused: Any, drafts: torch.Tensor, s: torch.Tensor, step: int,
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Greedy rows take the draft argmax; sampled rows draw from the draft's processed
-        distribution (same temperature / top-k / top-p as the target) mapped to target ids."""
-        greedy = fused.argmax(logits, self.draft.d2t)  # draft_to_target(logits.argmax(-1)) in one launch
-        if not random:
-            return greedy, None
+        distribution (same temperature / top-k / top-p as the target) mapped to target ids. The tokens go
+        to drafts[:, step]; an all-greedy step also writes them to the slot buffer's rows s (in the argmax
+        launch, where a sampled one copies its [B, K] drafts at the end)."""
+        if not random:  # draft_to_target(logits.argmax(-1)), stored in both places, in one launch
+            return fused.argmax(logits, self.draft.d2t, out=drafts[:, step], scatter=(self.slot_drafts, s, step)), None
+        greedy = fused.argmax(logits, self.draft.d2t)
         q = self.draft.draft_probs_to_target(probs_from_logits(logits, st))  # [B, V]
         drawn = sample_from_probs(q, st.seed, pos, SALT_DRAFT)
-        return torch.where(st.greedy, greedy, drawn), q
+        return drafts[:, step].copy_(torch.where(st.greedy, greedy, drawn)), q
 

@@ -30,7 +30,10 @@ class FusedOps(Protocol):
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float,
                      x2: torch.Tensor | None = None, x_scale: float = 1.0, gemma: bool = True,
-                     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+                     rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """reference.add_rms_norm; with `rows` [R] int64 of the inputs' rows [T, N] only those rows, in
+        that order (a fast path folds the gather into the launch)."""
+        ...
 
     def rms_norm_cat(self, xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor], eps: float, out: torch.Tensor,
                      gemma: bool = True, ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -53,6 +56,13 @@ class FusedOps(Protocol):
                        sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor | None,
                        slots: torch.Tensor) -> torch.Tensor: ...
 
+    def rope_qkv_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                       rotary_dim: int, theta: float, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                       slots: torch.Tensor, scaling: dict[str, Any] | None = None) -> torch.Tensor:
+        """qkv_rope_store without q/k norms, with rope_cos_sin(positions, ...)'s tables: for a layer that is
+        its forward's only reader of them (the Eagle3 head), so a fast path computes them in its launch."""
+        ...
+
     def qkv_index_rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w: torch.Tensor | None,
                              k_w: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                              k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, iq: torch.Tensor,
@@ -69,6 +79,16 @@ class FusedOps(Protocol):
         ...
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
+
+    def linear_silu_mul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """silu_mul(*linear(x, w).chunk(2, -1)): the Llama MLP's packed gate / up projection w [2I, K] and its
+        activation, x [T, K] -> [T, I] (a fast path computes the activation in the GEMV's epilogue)."""
+        ...
+
+    def linear_swiglu_oai(self, x: torch.Tensor, w: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """swiglu_oai(linear(x, w), alpha, limit): M3's packed gate_up_proj w [2I, K] and its activation, x [T, K]
+        -> [T, I] (a fast path computes the activation in the GEMV's epilogue)."""
+        ...
 
     def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """reference.router_logits: x [T, H] -> [T, E] fp32 (a fast path may sum in another order)."""
@@ -105,10 +125,11 @@ class FusedOps(Protocol):
                        row_first: torch.Tensor, row_qlen: torch.Tensor, row_next_token: torch.Tensor,
                        ids: torch.Tensor, positions: torch.Tensor, slot_tokens: torch.Tensor,
                        slot_num_new: torch.Tensor, slot_dev: torch.Tensor, k: int, draft: bool,
-                       tok_row: torch.Tensor | None = None, chain: tuple | None = None) -> tuple[torch.Tensor, ...]:
-        """reference.commit_outputs: (num_new, s, last_idx, shifted, at); slot buffers (and with `chain` the
-        step's kv_len / chained input views) written in place. `tok_row` [T]: the step's (a fused kernel
-        needs it with `draft`)."""
+                       tok_row: torch.Tensor | None = None, chain: tuple | None = None,
+                       pages: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, ...]:
+        """reference.commit_outputs: (num_new, s, last_idx, shifted, at, at_slots); slot buffers (and with
+        `chain` the step's kv_len / chained input views) written in place. `tok_row` [T]: the step's (a fused
+        kernel needs it with `draft`)."""
         ...
 
     def greedy_accept(self, greedy_tok: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
@@ -116,10 +137,11 @@ class FusedOps(Protocol):
         """reference.greedy_accept: num_new [B] of an all-greedy verification."""
         ...
 
-    def argmax(self, x: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    def argmax(self, x: torch.Tensor, offsets: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               scatter: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
         """reference.argmax: x [N, V] (any float dtype) -> [N] int64, the first maximum of each row (NaN
         counts as the largest, as torch.argmax), plus offsets[that index] when given (a draft -> target
-        id map)."""
+        id map); also written to `out` [N] and to buf[rows[n], col] for `scatter` = (buf, rows, col)."""
         ...
 
 
@@ -132,7 +154,9 @@ class ReferenceFused:
         y = reference.rms_norm(x, w, eps, gemma)
         return y if out is None else out.copy_(y)
 
-    def add_rms_norm(self, x, residual, w, eps, x2=None, x_scale=1.0, gemma=True):
+    def add_rms_norm(self, x, residual, w, eps, x2=None, x_scale=1.0, gemma=True, rows=None):
+        if rows is not None:
+            x, residual, x2 = (t[rows] if t is not None else None for t in (x, residual, x2))
         return reference.add_rms_norm(x, residual, w, eps, x2, x_scale, gemma)
 
     def rms_norm_cat(self, xs, ws, eps, out, gemma=True, ids=None):
@@ -157,6 +181,10 @@ class ReferenceFused:
     def qkv_rope_store(self, q, k, v, q_w, k_w, eps, cos, sin, k_pool, v_pool, slots):
         return reference.qkv_rope_store(q, k, v, q_w, k_w, eps, cos, sin, k_pool, v_pool, slots)
 
+    def rope_qkv_store(self, q, k, v, positions, rotary_dim, theta, k_pool, v_pool, slots, scaling=None):
+        cos, sin = self.rope_cos_sin(positions, rotary_dim, theta, q.dtype, scaling)
+        return self.qkv_rope_store(q, k, v, None, None, 0.0, cos, sin, k_pool, v_pool, slots)
+
     def qkv_index_rope_store(self, q, k, v, q_w, k_w, eps, cos, sin, k_pool, v_pool, slots, iq, ik, iq_w, ik_w,
                              index_rope_dim, ik_pool):
         return reference.qkv_index_rope_store(q, k, v, q_w, k_w, eps, cos, sin, k_pool, v_pool, slots, iq, ik,
@@ -170,6 +198,12 @@ class ReferenceFused:
 
     def silu_mul(self, gate, up):
         return reference.silu_mul(gate, up)
+
+    def linear_silu_mul(self, x, w):
+        return self.silu_mul(*self.linear(x, w).chunk(2, -1))
+
+    def linear_swiglu_oai(self, x, w, alpha, limit):
+        return self.swiglu_oai(self.linear(x, w), alpha, limit)
 
     def router_logits(self, x, weight):
         return reference.router_logits(x, weight)
@@ -195,14 +229,14 @@ class ReferenceFused:
     def sample_positions(self, row_first, row_qlen, row_num_drafts, positions, ids, k):
         return reference.sample_positions(row_first, row_qlen, row_num_drafts, positions, ids, k)
 
-    def commit_outputs(self, *args, tok_row=None, chain=None):
-        return reference.commit_outputs(*args, chain=chain)
+    def commit_outputs(self, *args, tok_row=None, chain=None, pages=None):
+        return reference.commit_outputs(*args, chain=chain, pages=pages)
 
     def greedy_accept(self, greedy_tok, drafts, num_drafts):
         return reference.greedy_accept(greedy_tok, drafts, num_drafts)
 
-    def argmax(self, x, offsets=None):
-        return reference.argmax(x, offsets)
+    def argmax(self, x, offsets=None, out=None, scatter=None):
+        return reference.argmax(x, offsets, out, scatter)
 
 
 def _triton() -> FusedOps:

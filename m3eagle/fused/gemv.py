@@ -61,6 +61,7 @@ import triton.language as tl
 
 from .. import pdl
 from ..pdl import pdl_wait
+from .triton_fused import silu_mul_f32, swiglu_oai_f32
 
 MAX_T = 32  # rows; past this a GEMM with weight-tile reuse (cuBLAS) is the right tool
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -100,11 +101,35 @@ def _store_row(ptr, row, vals, offs_n, T, N, stride):
     tl.store(ptr + row * stride + offs_n, vals.to(ptr.dtype.element_ty), mask=ok)
 
 
+ACTS = {"silu": 1, "swiglu_oai": 2}  # ACT of `_linear_kernel` (0: none)
+
+
+@triton.jit
+def _store_act_row(ptr, row, vals, pid_n, T, n_act, stride, alpha, limit, ACT: tl.constexpr, HALF: tl.constexpr,
+                   PRECISE: tl.constexpr):
+    """ACT's store: vals [2 * HALF] holds interleaved (gate, up) columns of output columns pid_n * HALF + i;
+    each is rounded to ptr's dtype as the GEMV's own store would round it, then the activation is stored
+    as its own launch computes it (the shared `silu_mul_f32` / `swiglu_oai_f32`)."""
+    dt = ptr.dtype.element_ty
+    g, u = tl.split(tl.reshape(vals, [HALF, 2]))  # [HALF] each
+    g = g.to(dt).to(tl.float32)
+    u = u.to(dt).to(tl.float32)
+    if ACT == 1:
+        out = silu_mul_f32(g, u, dt, PRECISE)
+    else:
+        out = swiglu_oai_f32(g, u, alpha, limit, dt, PRECISE)
+    offs = pid_n * HALF + tl.arange(0, HALF)
+    ok = (offs < n_act) & (tl.zeros_like(offs) + row < T)
+    tl.store(ptr + row * stride + offs, out.to(dt), mask=ok)
+
+
 @triton.jit(do_not_specialize=["T", "n_split"])  # one compile for every T of a BLOCK_T and every split
 def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, stride_wn, stride_yt, k_split, n_split,
-                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                   n_act, alpha, limit, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SPLIT: tl.constexpr,
                    USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, IEEE: tl.constexpr,
-                   UPCAST_DOT: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
+                   UPCAST_DOT: tl.constexpr, PRELOAD: tl.constexpr, ACT: tl.constexpr, PRECISE: tl.constexpr,
+                   PDL: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), n_split): y[:, n-tile] (or its split-s partial) from K range [s*k_split, +k_split).
 
     x [T, K] (row stride stride_xt, unit column stride), w [N, K] (row stride stride_wn), y [T, N] (row stride
@@ -116,16 +141,27 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, s
     programmatic-dependent-launch wait, so its HBM latency overlaps the predecessor's tail (at batch 1 a
     latency-bound norm or attention launch); x and everything else are read after it. An exception to
     pdl.py's "no memory before the wait" contract, safe because w is a weight that no kernel writes
-    (`linear`'s contract). Same products and sums: the bits do not change."""
+    (`linear`'s contract). Same products and sums: the bits do not change.
+
+    ACT (GEMV, unsplit; 1 silu, 2 swiglu-oai with alpha / limit): w is a packed [2 * n_act, K] gate / up
+    weight and y [T, n_act] receives act(x @ gate^T, x @ up^T) (`_store_act_row`): the program's BLOCK_N
+    weight rows are BLOCK_N / 2 gate rows and the up rows of the same columns, interleaved, so each
+    activation is computed once, by the program that owns both of its inputs. The accumulation is an
+    explicit FMA (what contraction makes of `acc += w * x`), so ACT, compiled without contraction for the
+    activation's sake, sums the same bits."""
     if not PRELOAD:
         pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     tl.static_assert(not (PRELOAD and (USE_DOT or not PREFETCH)), "PRELOAD is the GEMV's PREFETCH path")
+    tl.static_assert(not (ACT and (USE_DOT or SPLIT or BLOCK_N < 2)), "ACT is the unsplit GEMV's, BLOCK_N >= 2")
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
     # Clamp instead of masking the loads: padding rows re-read the last valid row (a cache hit) and the
     # stores drop them, so the weight stream has no row predicate.
     rows_n = tl.minimum(offs_n, N - 1)
+    if ACT:  # lane 2i: gate row of column pid_n * BN/2 + i; lane 2i + 1: its up row (n_act rows further)
+        lane = tl.arange(0, BLOCK_N)
+        rows_n = tl.minimum(pid_n * (BLOCK_N // 2) + lane // 2, n_act - 1) + (lane % 2) * n_act
     k0 = pid_s * k_split
     k_end = tl.minimum(k0 + k_split, K)
     offs_k = tl.arange(0, BLOCK_K)
@@ -185,25 +221,38 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, s
             else:
                 w = _load_k(w_ptrs, k_ok[None, :], EVEN_K).to(tl.float32)  # [BN, BK]
                 w_ptrs += BLOCK_K
-            acc0 += w * _load_k(x_row, k_ok[None, :], EVEN_K).to(tl.float32)
+            # explicit FMAs: what contraction makes of acc += w * x, and the same without it (ACT)
+            acc0 = tl.fma(w, _load_k(x_row, k_ok[None, :], EVEN_K).to(tl.float32), acc0)
             if BLOCK_T > 1:
-                acc1 += w * _load_k(x_row + r1, k_ok[None, :], EVEN_K).to(tl.float32)
+                acc1 = tl.fma(w, _load_k(x_row + r1, k_ok[None, :], EVEN_K).to(tl.float32), acc1)
             if BLOCK_T > 2:
-                acc2 += w * _load_k(x_row + r2, k_ok[None, :], EVEN_K).to(tl.float32)
-                acc3 += w * _load_k(x_row + r3, k_ok[None, :], EVEN_K).to(tl.float32)
+                acc2 = tl.fma(w, _load_k(x_row + r2, k_ok[None, :], EVEN_K).to(tl.float32), acc2)
+                acc3 = tl.fma(w, _load_k(x_row + r3, k_ok[None, :], EVEN_K).to(tl.float32), acc3)
             x_row += BLOCK_K
-        if SPLIT:  # rows of this split's partial [T, N]
-            dst = part_ptr + pid_s * T * N
-            stride_d = N
+        if ACT:
+            half: tl.constexpr = BLOCK_N // 2
+            _store_act_row(y_ptr, 0, tl.sum(acc0, axis=1), pid_n, T, n_act, stride_yt, alpha, limit, ACT, half, PRECISE)
+            if BLOCK_T > 1:
+                _store_act_row(y_ptr, 1, tl.sum(acc1, axis=1), pid_n, T, n_act, stride_yt, alpha, limit, ACT, half,
+                               PRECISE)
+            if BLOCK_T > 2:
+                _store_act_row(y_ptr, 2, tl.sum(acc2, axis=1), pid_n, T, n_act, stride_yt, alpha, limit, ACT, half,
+                               PRECISE)
+                _store_act_row(y_ptr, 3, tl.sum(acc3, axis=1), pid_n, T, n_act, stride_yt, alpha, limit, ACT, half,
+                               PRECISE)
         else:
-            dst = y_ptr
-            stride_d = stride_yt
-        _store_row(dst, 0, tl.sum(acc0, axis=1), offs_n, T, N, stride_d)
-        if BLOCK_T > 1:
-            _store_row(dst, 1, tl.sum(acc1, axis=1), offs_n, T, N, stride_d)
-        if BLOCK_T > 2:
-            _store_row(dst, 2, tl.sum(acc2, axis=1), offs_n, T, N, stride_d)
-            _store_row(dst, 3, tl.sum(acc3, axis=1), offs_n, T, N, stride_d)
+            if SPLIT:  # rows of this split's partial [T, N]
+                dst = part_ptr + pid_s * T * N
+                stride_d = N
+            else:
+                dst = y_ptr
+                stride_d = stride_yt
+            _store_row(dst, 0, tl.sum(acc0, axis=1), offs_n, T, N, stride_d)
+            if BLOCK_T > 1:
+                _store_row(dst, 1, tl.sum(acc1, axis=1), offs_n, T, N, stride_d)
+            if BLOCK_T > 2:
+                _store_row(dst, 2, tl.sum(acc2, axis=1), offs_n, T, N, stride_d)
+                _store_row(dst, 3, tl.sum(acc3, axis=1), offs_n, T, N, stride_d)
     if SPLIT:
         # the tile's last program to finish (by its counter) sums the partials in split order
         tl.debug_barrier()  # every thread's partial store is issued before the release below
@@ -495,14 +544,61 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
     k_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k  # a whole number of K steps
     split = triton.cdiv(k, k_split)  # e.g. K=200, BLOCK_K=64, 3 splits: 2 of 128 (no empty third)
     part = torch.empty(split, t, n, dtype=torch.float32, device=x.device) if split > 1 else y  # [S, T, N]
+    _launch(x, w, y, part, cnt, cfg, (tiles, split), k_split)
+    return y
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, part: torch.Tensor, cnt: torch.Tensor | None,
+            cfg: GemvConfig, grid: tuple[int, int], k_split: int, n_act: int = 0, act: int = 0,
+            alpha: float = 0.0, limit: float = 0.0) -> None:
+    t, k = x.shape
     launch = pdl.args(x)
     # Under PDL the GEMV's first weight tile is read before the wait (w is a weight: see the docstring);
     # that takes the register double buffer (PREFETCH), whose first load it is.
     preload = pdl.preload_weights(launch) and not cfg.use_dot
-    _linear_kernel[(tiles, split)](
-        x, w, y, part, cnt if cnt is not None else y, t, n, k, x.stride(0), w.stride(0), y.stride(0), k_split,
-        split, BLOCK_T=cfg.block_t(t), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, USE_DOT=cfg.use_dot,
-        EVEN_K=k % cfg.block_k == 0, PREFETCH=not cfg.use_dot and (cfg.num_stages > 1 or preload),
-        IEEE=x.dtype == torch.float32, UPCAST_DOT=_interpreting() and x.dtype != torch.float32, PRELOAD=preload,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages if cfg.use_dot else 1, **launch)
+    if act:  # the activation as its own launch compiles it (no contraction); the FMAs are explicit
+        launch = {**launch, "enable_fp_fusion": False}
+    _linear_kernel[grid](
+        x, w, y, part, cnt if cnt is not None else y, t, w.shape[0], k, x.stride(0), w.stride(0), y.stride(0),
+        k_split, grid[1], n_act, float(alpha), float(limit), BLOCK_T=cfg.block_t(t), BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        SPLIT=grid[1] > 1, USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0,
+        PREFETCH=not cfg.use_dot and (cfg.num_stages > 1 or preload), IEEE=x.dtype == torch.float32,
+        UPCAST_DOT=_interpreting() and x.dtype != torch.float32, PRELOAD=preload, ACT=act,
+        PRECISE=not _interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages if cfg.use_dot else 1,
+        **launch)
+
+
+def act_config(t: int, w: torch.Tensor, dtype: torch.dtype, device: torch.device | str | None = None,
+               ) -> GemvConfig | None:
+    """The config `linear_act` runs for x [t, K] and the packed gate / up weight w [2I, K]: the GEMV's
+    own pick for that shape, unsplit and with an even BLOCK_N >= 2 -- or None where that pick is tl.dot (the
+    activation then stays a launch of its own)."""
+    cfg = pick_config(t, w.shape[0], w.shape[1], dtype, device)
+    if cfg.use_dot or t > 4:
+        return None
+    bn = max(2, cfg.block_n + cfg.block_n % 2)
+    return GemvConfig(bn, cfg.block_k, cfg.num_warps, cfg.num_stages, 1, False)
+
+
+def linear_act(x: torch.Tensor, w: torch.Tensor, act: str, alpha: float = 0.0, limit: float = 0.0,
+               config: GemvConfig | None = None) -> torch.Tensor:
+    """act(x @ w[:I]^T, x @ w[I:]^T) -> [T, I] in x.dtype for a packed gate / up weight w [2I, K]: an MLP's
+    gate_up GEMV with its activation in the epilogue (one launch instead of two). act "silu": silu(gate) *
+    up (the Llama MLP); "swiglu_oai": M3's clamped (up + 1) * gate * sigmoid(alpha * gate). Bit-equal to
+    `linear` followed by `triton_fused.silu_mul` / `swiglu_oai` (the same sums, rounded to x.dtype, then the
+    same activation code). The caller checks `supports(x, w)` and that `act_config` is not None."""
+    t, k = x.shape
+    if act not in ACTS:
+        raise ValueError(f"linear_act: act={act!r}; choose one of {sorted(ACTS)}")
+    if w.shape[0] % 2:
+        raise ValueError(f"linear_act: w [{w.shape[0]}, {k}] must be a packed [2I, K] gate / up weight")
+    cfg = config if config is not None else act_config(t, w, x.dtype, x.device)
+    if cfg is None or cfg.use_dot or cfg.split_k != 1 or cfg.block_n < 2 or cfg.block_n % 2 or t > 4:
+        raise ValueError(f"linear_act: {cfg} for T = {t}: the epilogue needs the unsplit GEMV (T <= 4, an even "
+                         "BLOCK_N)")
+    inter = w.shape[0] // 2
+    y = torch.empty(t, inter, dtype=x.dtype, device=x.device)  # [T, I]
+    if t:
+        _launch(x, w, y, y, None, cfg, (triton.cdiv(inter, cfg.block_n // 2), 1), k, inter, ACTS[act], alpha, limit)
     return y

@@ -198,8 +198,9 @@ def commit_outputs(new_tokens: torch.Tensor, num_new: torch.Tensor, row_samples:
                    row_qlen: torch.Tensor, row_next_token: torch.Tensor, ids: torch.Tensor,
                    positions: torch.Tensor, slot_tokens: torch.Tensor, slot_num_new: torch.Tensor,
                    slot_dev: torch.Tensor, k: int, draft: bool, chain: tuple | None = None,
+                   pages: tuple[torch.Tensor, int] | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None,
-                              torch.Tensor | None]:
+                              torch.Tensor | None, torch.Tensor | None]:
     """After verification: what the next step and the drafter read.
 
     new_tokens [B, K+1], num_new [B] (verify's); per row row_samples (bool), row_slot, row_num_drafts,
@@ -213,8 +214,10 @@ def commit_outputs(new_tokens: torch.Tensor, num_new: torch.Tensor, row_samples:
     starts at its last emitted token) and it is marked chained. Without `chain` no row counts as chained.
     With `draft`, also the drafter's inputs: each row's last accepted token (last_idx [B]), the input ids
     shifted by one with the bonus token (or the row's next known token) after it (shifted [T]), and at
-    [K+1, B] = position of the last accepted token + j.
-    -> (num_new [B], 0 for rows that do not sample; s [B] the slots written; last_idx; shifted; at)."""
+    [K+1, B] = position of the last accepted token + j; with `pages` = (page_table [B, W], page_size) also
+    the cache slots of those positions (at_slots [K+1, B], attention.metadata.slots_for_positions: what the
+    draft steps' metadata would derive from their lengths).
+    -> (num_new [B], 0 for rows that do not sample; s [B] the slots written; last_idx; shifted; at; at_slots)."""
     num_new = torch.where(row_samples, num_new, 0)
     s = torch.where(row_samples, row_slot, dump_slot)
     dev = num_new - (row_num_drafts + 1)
@@ -228,21 +231,36 @@ def commit_outputs(new_tokens: torch.Tensor, num_new: torch.Tensor, row_samples:
         kv_out.copy_(torch.where(row_samples, kv_lens + num_new, kv_out))
         chained_out.copy_(chained_out | row_samples)
     if not draft:
-        return num_new, s, None, None, None
+        return num_new, s, None, None, None, None
     accepted = (num_new - 1).clamp(min=0)  # [B] index of the last emitted token in new_tokens
     last_idx = row_first + row_qlen - 1 - row_num_drafts + accepted
     bonus = new_tokens.gather(1, accepted[:, None])[:, 0]
     shifted = torch.cat([ids[1:], ids.new_zeros(1)])
     shifted.index_put_((last_idx,), torch.where(row_samples, bonus, row_next_token))
     at = positions[last_idx][None, :] + torch.arange(k + 1, device=ids.device)[:, None]  # [K+1, B]
-    return num_new, s, last_idx, shifted, at
+    at_slots = None
+    if pages is not None:
+        from ..attention.metadata import slots_for_positions  # attention imports this package
+
+        rows = torch.arange(at.shape[1], device=at.device).expand_as(at)
+        at_slots = slots_for_positions(pages[0], rows, at, pages[1])
+    return num_new, s, last_idx, shifted, at, at_slots
 
 
-def argmax(x: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+def argmax(x: torch.Tensor, offsets: torch.Tensor | None = None, out: torch.Tensor | None = None,
+           scatter: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """x [N, V] -> [N] int64: torch.argmax of each row (the first maximum; NaN counts as the largest), plus
-    offsets[i] at the chosen i when `offsets` [V] int64 is given (Eagle3's draft -> target id map)."""
+    offsets[i] at the chosen i when `offsets` [V] int64 is given (Eagle3's draft -> target id map).
+    `out` [N] (any stride) receives the result; `scatter` = (buf [S, C], rows [N], col) also writes
+    buf[rows[n], col] (a draft step's token into its request's slot row)."""
     i = x.argmax(-1)
-    return i if offsets is None else i + offsets[i]
+    i = i if offsets is None else i + offsets[i]
+    if out is not None:
+        i = out.copy_(i)
+    if scatter is not None:
+        buf, rows, col = scatter
+        buf[rows, col] = i
+    return i
 
 
 def greedy_accept(greedy_tok: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:

@@ -95,26 +95,30 @@ def _sin(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _add_norm_kernel(x_ptr, x2_ptr, res_ptr, w_ptr, y_ptr, r_ptr, n, x_scale, eps,
+def _add_norm_kernel(x_ptr, x2_ptr, res_ptr, w_ptr, y_ptr, r_ptr, rows_ptr, n, x_scale, eps,
                      stride_x, stride_x2, stride_res, stride_y, stride_r,
                      HAS_SCALE: tl.constexpr, HAS_X2: tl.constexpr, HAS_RES: tl.constexpr,
-                     WRITE_R: tl.constexpr, NORM: tl.constexpr, GEMMA: tl.constexpr,
+                     WRITE_R: tl.constexpr, NORM: tl.constexpr, GEMMA: tl.constexpr, ROWS: tl.constexpr,
                      PRECISE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One row: r = res + (x * x_scale + x2) (absent terms skipped), each step rounded to x's dtype as
-    reference.add_residual rounds; store r (WRITE_R); y = rms_norm(r) (NORM)."""
+    reference.add_residual rounds; store r (WRITE_R); y = rms_norm(r) (NORM). ROWS: output row i reads the
+    inputs' row rows[i] (a gather folded in)."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     row = tl.program_id(0).to(tl.int64)
+    src = row
+    if ROWS:
+        src = tl.load(rows_ptr + row).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < n
     dt = x_ptr.dtype.element_ty
-    r = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+    r = tl.load(x_ptr + src * stride_x + offs, mask=m, other=0.0).to(tl.float32)
     if HAS_SCALE:
         r = (r * x_scale).to(dt).to(tl.float32)  # .to(dt).to(fp32): round where a torch op on dt would
     if HAS_X2:
-        x2 = tl.load(x2_ptr + row * stride_x2 + offs, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(x2_ptr + src * stride_x2 + offs, mask=m, other=0.0).to(tl.float32)
         r = (r + x2).to(dt).to(tl.float32)
     if HAS_RES:
-        res = tl.load(res_ptr + row * stride_res + offs, mask=m, other=0.0).to(tl.float32)
+        res = tl.load(res_ptr + src * stride_res + offs, mask=m, other=0.0).to(tl.float32)
         r = (res + r).to(dt).to(tl.float32)
     if WRITE_R:
         tl.store(r_ptr + row * stride_r + offs, r.to(r_ptr.dtype.element_ty), mask=m)
@@ -192,11 +196,35 @@ def _rope_table_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, rdim, mscale,
 
 
 @triton.jit
-def _norm_rope_heads(src, stride_sh, dst, stride_dh, w_ptr, cos_row, sin_row, h0, nheads, dim, rdim, eps,
-                     NORM: tl.constexpr, ROPE: tl.constexpr, PRECISE: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rope_cs(cos_row, sin_row, pos, inv_ptr, mscale, ds, rdim, dt: tl.constexpr, TABLE: tl.constexpr,
+             HAS_MSCALE: tl.constexpr, PRECISE: tl.constexpr):
+    """cos, sin [BLOCK_D] fp32 of one token's channels ds < rdim: loaded from its table rows (TABLE), or
+    computed here from its position as `_rope_table_kernel` computes them and rounded to the table's
+    dtype dt, so both are the same values."""
+    rm = ds < rdim
+    if TABLE:
+        c = tl.load(cos_row + ds, mask=rm, other=0.0).to(tl.float32)
+        s = tl.load(sin_row + ds, mask=rm, other=0.0).to(tl.float32)
+    else:
+        half = rdim // 2
+        ang = pos.to(tl.float32) * tl.load(inv_ptr + tl.where(ds < half, ds, ds - half), mask=rm, other=0.0)
+        c = _cos(ang, PRECISE)
+        s = _sin(ang, PRECISE)
+        if HAS_MSCALE:
+            c = c * mscale
+            s = s * mscale
+        c = c.to(dt).to(tl.float32)
+        s = s.to(dt).to(tl.float32)
+    return c, s
+
+
+@triton.jit
+def _norm_rope_heads(src, stride_sh, dst, stride_dh, w_ptr, cos_row, sin_row, pos, inv_ptr, mscale, h0, nheads,
+                     dim, rdim, eps, NORM: tl.constexpr, ROPE: tl.constexpr, TABLE: tl.constexpr,
+                     HAS_MSCALE: tl.constexpr, PRECISE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """Heads h0..h0+BLOCK_H of one token: src/dst point at the token's row. Gemma RMSNorm per head (NORM),
-    then NeoX RoPE on channels [0, rdim) (ROPE), rounded as reference.qk_norm_rope rounds."""
+    then NeoX RoPE on channels [0, rdim) (ROPE), rounded as reference.qk_norm_rope rounds; cos/sin from
+    the token's table rows or, without TABLE, from its position (`_rope_cs`)."""
     hs = h0 + tl.arange(0, BLOCK_H)
     ds = tl.arange(0, BLOCK_D)
     hm = hs < nheads
@@ -223,8 +251,7 @@ def _norm_rope_heads(src, stride_sh, dst, stride_dh, w_ptr, cos_row, sin_row, h0
             wp = 1.0 + tl.load(w_ptr + partner, mask=rm, other=0.0).to(tl.float32)
             yp = ((xp * rstd) * wp[None, :]).to(dt).to(tl.float32)
         rot = tl.where(first[None, :], -yp, yp)
-        c = tl.load(cos_row + ds, mask=rm, other=0.0).to(tl.float32)
-        s = tl.load(sin_row + ds, mask=rm, other=0.0).to(tl.float32)
+        c, s = _rope_cs(cos_row, sin_row, pos, inv_ptr, mscale, ds, rdim, dt, TABLE, HAS_MSCALE, PRECISE)
         a = (y * c[None, :]).to(dt).to(tl.float32)
         b = (rot * s[None, :]).to(dt).to(tl.float32)
         roped = (a + b).to(dt).to(tl.float32)
@@ -236,40 +263,50 @@ def _norm_rope_heads(src, stride_sh, dst, stride_dh, w_ptr, cos_row, sin_row, h0
 def _qkv_rope_kernel(q_ptr, sq_t, sq_h, qo_ptr, sqo_t, sqo_h, qw_ptr, hq,
                      k_ptr, sk_t, sk_h, kp_ptr, skp_s, skp_h, kw_ptr, hk,
                      v_ptr, sv_t, sv_h, vp_ptr, svp_s, svp_h, hv,
-                     slots_ptr, cos_ptr, sin_ptr, sc_t, ss_t, dim, rdim, eps, nbq, nbk, nbv,
+                     slots_ptr, cos_ptr, sin_ptr, sc_t, ss_t, pos_ptr, inv_ptr, mscale, dim, rdim, eps, nbq, nbk, nbv,
                      iq_ptr, siq_t, siq_h, iqo_ptr, siqo_t, siqo_h, iqw_ptr, hiq,
                      ik_ptr, sik_t, ikp_ptr, sikp_s, ikw_ptr, dim_i, rdim_i, nbiq,
-                     Q_NORM: tl.constexpr, K_NORM: tl.constexpr, INDEX: tl.constexpr, PRECISE: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                     Q_NORM: tl.constexpr, K_NORM: tl.constexpr, INDEX: tl.constexpr, TABLE: tl.constexpr,
+                     HAS_MSCALE: tl.constexpr, PRECISE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                     PDL: tl.constexpr):
     """Program (t, b): head block b of token t, over q's blocks, then k's (written to the K pool at
     slots[t]), then v's (copied to the V pool at slots[t]). nbk = 0 / hv = 0 when there is no k / v.
     INDEX: then the lightning indexer's q heads (normed, roped on their first rdim_i channels, to iqo) and
-    its one k head (to the index-K pool at slots[t]) -- a sparse layer's five projections in one launch."""
+    its one k head (to the index-K pool at slots[t]) -- a sparse layer's five projections in one launch.
+    TABLE: cos/sin rows t of the tables; else computed from pos[t], inv_freq and mscale (`_rope_cs`)."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     cos_row = cos_ptr + t * sc_t
     sin_row = sin_ptr + t * ss_t
+    pos = 0
+    if not TABLE:
+        pos = tl.load(pos_ptr + t)
     if b < nbq:
-        _norm_rope_heads(q_ptr + t * sq_t, sq_h, qo_ptr + t * sqo_t, sqo_h, qw_ptr, cos_row, sin_row,
-                         b * BLOCK_H, hq, dim, rdim, eps, Q_NORM, True, PRECISE, BLOCK_H, BLOCK_D)
+        _norm_rope_heads(q_ptr + t * sq_t, sq_h, qo_ptr + t * sqo_t, sqo_h, qw_ptr, cos_row, sin_row, pos, inv_ptr,
+                         mscale, b * BLOCK_H, hq, dim, rdim, eps, Q_NORM, True, TABLE, HAS_MSCALE, PRECISE, BLOCK_H,
+                         BLOCK_D)
     elif b < nbq + nbk:
         slot = tl.load(slots_ptr + t).to(tl.int64)
-        _norm_rope_heads(k_ptr + t * sk_t, sk_h, kp_ptr + slot * skp_s, skp_h, kw_ptr, cos_row, sin_row,
-                         (b - nbq) * BLOCK_H, hk, dim, rdim, eps, K_NORM, True, PRECISE, BLOCK_H, BLOCK_D)
+        _norm_rope_heads(k_ptr + t * sk_t, sk_h, kp_ptr + slot * skp_s, skp_h, kw_ptr, cos_row, sin_row, pos,
+                         inv_ptr, mscale, (b - nbq) * BLOCK_H, hk, dim, rdim, eps, K_NORM, True, TABLE, HAS_MSCALE,
+                         PRECISE, BLOCK_H, BLOCK_D)
     elif b < nbq + nbk + nbv:
         slot = tl.load(slots_ptr + t).to(tl.int64)
-        _norm_rope_heads(v_ptr + t * sv_t, sv_h, vp_ptr + slot * svp_s, svp_h, kw_ptr, cos_row, sin_row,
-                         (b - nbq - nbk) * BLOCK_H, hv, dim, rdim, eps, False, False, PRECISE, BLOCK_H, BLOCK_D)
+        _norm_rope_heads(v_ptr + t * sv_t, sv_h, vp_ptr + slot * svp_s, svp_h, kw_ptr, cos_row, sin_row, pos,
+                         inv_ptr, mscale, (b - nbq - nbk) * BLOCK_H, hv, dim, rdim, eps, False, False, TABLE,
+                         HAS_MSCALE, PRECISE, BLOCK_H, BLOCK_D)
     elif INDEX:
         b0 = b - nbq - nbk - nbv
         if b0 < nbiq:
             _norm_rope_heads(iq_ptr + t * siq_t, siq_h, iqo_ptr + t * siqo_t, siqo_h, iqw_ptr, cos_row, sin_row,
-                             b0 * BLOCK_H, hiq, dim_i, rdim_i, eps, True, True, PRECISE, BLOCK_H, BLOCK_D)
+                             pos, inv_ptr, mscale, b0 * BLOCK_H, hiq, dim_i, rdim_i, eps, True, True, TABLE,
+                             HAS_MSCALE, PRECISE, BLOCK_H, BLOCK_D)
         else:
             slot = tl.load(slots_ptr + t).to(tl.int64)
-            _norm_rope_heads(ik_ptr + t * sik_t, 0, ikp_ptr + slot * sikp_s, 0, ikw_ptr, cos_row, sin_row,
-                             0, 1, dim_i, rdim_i, eps, True, True, PRECISE, BLOCK_H, BLOCK_D)
+            _norm_rope_heads(ik_ptr + t * sik_t, 0, ikp_ptr + slot * sikp_s, 0, ikw_ptr, cos_row, sin_row, pos,
+                             inv_ptr, mscale, 0, 1, dim_i, rdim_i, eps, True, True, TABLE, HAS_MSCALE, PRECISE,
+                             BLOCK_H, BLOCK_D)
 
 
 # ---- MLP activations ----------------------------------------------------------------------------------
@@ -287,14 +324,22 @@ def _swiglu_kernel(gu_ptr, out_ptr, inter, stride_g, stride_o, alpha, limit,
     dt = gu_ptr.dtype.element_ty
     g = tl.load(gu_ptr + t * stride_g + offs, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + t * stride_g + inter + offs, mask=m, other=0.0).to(tl.float32)
+    out = swiglu_oai_f32(g, u, alpha, limit, dt, PRECISE)
+    tl.store(out_ptr + t * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def swiglu_oai_f32(g, u, alpha, limit, dt: tl.constexpr, PRECISE: tl.constexpr):
+    """(up + 1) * gate * sigmoid(alpha * gate) of clamped values of dtype dt held in fp32, rounded where
+    reference.swiglu_oai's ops on dt round (fp32 result; its store rounds it). Shared by `_swiglu_kernel`
+    and the decode GEMV's activation epilogue (fused/gemv.py), both compiled without FMA contraction."""
     # clamp keeps NaN, as torch.clamp does (the enum is spelled inline: triton 3.6 cannot bind it to a name)
     g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL).to(dt).to(tl.float32)
     u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
                    propagate_nan=tl.PropagateNan.ALL).to(dt).to(tl.float32)
     ga = (g * alpha).to(dt).to(tl.float32)
     sig = tl.math.div_rn(1.0, 1.0 + _exp(-ga, PRECISE)).to(dt).to(tl.float32)  # torch: 1 / (1 + exp(-x))
-    out = (u + 1.0).to(dt).to(tl.float32) * (g * sig).to(dt).to(tl.float32)
-    tl.store(out_ptr + t * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=m)
+    return (u + 1.0).to(dt).to(tl.float32) * (g * sig).to(dt).to(tl.float32)
 
 
 @triton.jit
@@ -307,8 +352,16 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, inter, stride_g, stride_u, stride_o,
     dt = g_ptr.dtype.element_ty
     g = tl.load(g_ptr + t * stride_g + offs, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + t * stride_u + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + offs, silu_mul_f32(g, u, dt, PRECISE).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def silu_mul_f32(g, u, dt: tl.constexpr, PRECISE: tl.constexpr):
+    """silu(g) * u of values of dtype dt held in fp32, rounded where reference.silu_mul's ops on dt round (the
+    product is returned in fp32; its store rounds it). Shared by `_silu_mul_kernel` and the decode GEMV's
+    activation epilogue (fused/gemv.py), which compile it without FMA contraction: the same bits."""
     act = tl.math.div_rn(g, 1.0 + _exp(-g, PRECISE)).to(dt).to(tl.float32)  # torch's silu: x / (1 + exp(-x))
-    tl.store(out_ptr + t * stride_o + offs, (act * u).to(out_ptr.dtype.element_ty), mask=m)
+    return act * u
 
 
 # ---- router -------------------------------------------------------------------------------------------
@@ -455,12 +508,14 @@ def sample_positions(row_first: torch.Tensor, row_qlen: torch.Tensor, row_num_dr
 @triton.jit(do_not_specialize=["n_rows", "n_tok"])
 def _commit_kernel(new_ptr, nn_ptr, samples_ptr, slot_ptr, dump_slot, nd_ptr, first_ptr, qlen_ptr, next_ptr,
                    ids_ptr, pos_ptr, tok_row_ptr, st_ptr, stride_st, snn_ptr, sdev_ptr, chained_ptr, kv_ptr,
-                   kv_out, chained_out, nn_out, s_out, last_out, shifted_out, at_out, n_rows, n_tok,
-                   K: tl.constexpr, DRAFT: tl.constexpr, CHAIN: tl.constexpr, BLOCK: tl.constexpr,
-                   BLOCK_J: tl.constexpr, PDL: tl.constexpr):
+                   kv_out, chained_out, nn_out, s_out, last_out, shifted_out, at_out, pt_ptr, stride_pt, table_w,
+                   page_size, at_slot_out, n_rows, n_tok,
+                   K: tl.constexpr, DRAFT: tl.constexpr, CHAIN: tl.constexpr, SLOTS: tl.constexpr,
+                   BLOCK: tl.constexpr, BLOCK_J: tl.constexpr, PDL: tl.constexpr):
     """Programs [0, cdiv(B, BLOCK)): BLOCK rows each -- masked count, slot writes (tokens, count, deviation),
     with CHAIN the advance of the step's kv_len / chained inputs, and with DRAFT the last accepted index
-    and the at table. Programs after them (DRAFT only): BLOCK tokens of the shifted ids; a token that is
+    and the at table (with SLOTS its cache slots, `_step_inputs_kernel`'s lookup). Programs after them
+    (DRAFT only): BLOCK tokens of the shifted ids; a token that is
     its row's last accepted one takes the bonus (or next known) token. A row reads and writes only its own
     slot's deviation and its own input entries, so programs never race (the dump slot's writers aside)."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
@@ -495,7 +550,15 @@ def _commit_kernel(new_ptr, nn_ptr, samples_ptr, slot_ptr, dump_slot, nd_ptr, fi
                     + tl.maximum(nn - 1, 0))
             tl.store(last_out + r, last, mask=m)
             pos = tl.load(pos_ptr + last, mask=m, other=0)
-            tl.store(at_out + j[None, :] * n_rows + r[:, None], pos[:, None] + j[None, :], mask=jm)
+            at = pos[:, None] + j[None, :]  # [BLOCK, BLOCK_J]
+            tl.store(at_out + j[None, :] * n_rows + r[:, None], at, mask=jm)
+            if SLOTS:
+                pc = at // page_size
+                pc = tl.where((pc * page_size != at) & (at < 0), pc - 1, pc)  # floor, not truncation
+                page = tl.load(pt_ptr + r[:, None] * stride_pt + tl.minimum(tl.maximum(pc, 0), table_w - 1),
+                               mask=jm, other=0)
+                tl.store(at_slot_out + j[None, :] * n_rows + r[:, None], page * page_size + (at - pc * page_size),
+                         mask=jm)
     else:
         t = (pid - n_row_blocks) * BLOCK + offs
         m = t < n_tok
@@ -523,9 +586,10 @@ def commit_outputs(new_tokens: torch.Tensor, num_new: torch.Tensor, row_samples:
                    row_qlen: torch.Tensor, row_next_token: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
                    slot_tokens: torch.Tensor, slot_num_new: torch.Tensor, slot_dev: torch.Tensor, k: int,
                    draft: bool, tok_row: torch.Tensor | None = None, chain: tuple | None = None,
-                   ) -> tuple[torch.Tensor, ...]:
+                   pages: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, ...]:
     """reference.commit_outputs in one launch (int64, exact). `tok_row` [T] (the step's) is needed with
-    `draft`. Slot buffers: [S+1, K+1] with unit inner stride, [S+1], [S+1]."""
+    `draft`. Slot buffers: [S+1, K+1] with unit inner stride, [S+1], [S+1]. `pages` = (page_table, page_size):
+    the at table's cache slots too (the draft steps' slot mapping, in this launch instead of one per step)."""
     new_tokens, num_new, row_samples, row_slot, row_num_drafts, row_first, row_qlen, row_next_token = (
         x.contiguous() for x in (new_tokens, num_new, row_samples, row_slot, row_num_drafts, row_first, row_qlen,
                                  row_next_token))
@@ -541,6 +605,9 @@ def commit_outputs(new_tokens: torch.Tensor, num_new: torch.Tensor, row_samples:
     else:
         last = shifted = at = None
         tok_row = num_new  # never read
+    slots = draft and pages is not None
+    at_slots = torch.empty_like(at) if slots else None
+    pt = pages[0] if slots and pages[0].stride(-1) == 1 else pages[0].contiguous() if slots else num_new
     if chain is not None:  # (row_chained, kv_lens, kv_out, chained_out): the kernel steps them with unit stride
         chain_args = tuple(x if x.stride(0) == 1 else _unit_stride_error(x) for x in chain)
     else:
@@ -552,10 +619,11 @@ def commit_outputs(new_tokens: torch.Tensor, num_new: torch.Tensor, row_samples:
                                 row_qlen, row_next_token, ids, positions, tok_row, slot_tokens, slot_tokens.stride(0),
                                 slot_num_new, slot_dev, *chain_args, nn_out, s_out,
                                 last if draft else nn_out, shifted if draft else nn_out, at if draft else nn_out,
-                                b, t, K=k, DRAFT=draft, CHAIN=chain is not None, BLOCK=block,
-                                BLOCK_J=triton.next_power_of_2(k + 1),
+                                pt, pt.stride(0), pt.shape[-1], pages[1] if slots else 1,
+                                at_slots if slots else nn_out, b, t, K=k, DRAFT=draft, CHAIN=chain is not None,
+                                SLOTS=slots, BLOCK=block, BLOCK_J=triton.next_power_of_2(k + 1),
                                 num_warps=2, **pdl.args(new_tokens))
-    return nn_out, s_out, last, shifted, at
+    return nn_out, s_out, last, shifted, at, at_slots
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -587,11 +655,13 @@ def greedy_accept(greedy_tok: torch.Tensor, drafts: torch.Tensor, num_drafts: to
     return out
 
 
-@triton.jit(do_not_specialize=["n_cols"])
-def _argmax_kernel(x_ptr, off_ptr, out_ptr, n_cols, stride_x, HAS_OFF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["n_cols", "stride_o", "col"])  # a draft step's column: one variant for all
+def _argmax_kernel(x_ptr, off_ptr, out_ptr, sc_ptr, rows_ptr, n_cols, stride_x, stride_o, stride_sc, col,
+                   HAS_OFF: tl.constexpr, SCATTER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[r] = the first index of row r's maximum (the first NaN if the row has one, as torch.argmax),
-    + off[index] when HAS_OFF. One program per row; each lane keeps its own best (strict >, so the earlier
-    column keeps a tie), then the lanes reduce to the max value and the least column holding it."""
+    + off[index] when HAS_OFF; with SCATTER also sc[rows[r], col]. One program per row; each lane keeps its
+    own best (strict >, so the earlier column keeps a tie), then the lanes reduce to the max value and the
+    least column holding it."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -612,23 +682,38 @@ def _argmax_kernel(x_ptr, off_ptr, out_ptr, n_cols, stride_x, HAS_OFF: tl.conste
     i = tl.where(nan_i < n_cols, nan_i, i).to(tl.int64)
     if HAS_OFF:
         i += tl.load(off_ptr + i)
-    tl.store(out_ptr + r, i)
+    tl.store(out_ptr + r * stride_o, i)
+    if SCATTER:
+        tl.store(sc_ptr + tl.load(rows_ptr + r) * stride_sc + col, i)
 
 
-def argmax(x: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
-    """reference.argmax in one launch: x [N, V] (unit column stride) -> [N] int64 (+ offsets[i])."""
+def argmax(x: torch.Tensor, offsets: torch.Tensor | None = None, out: torch.Tensor | None = None,
+           scatter: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+    """reference.argmax in one launch: x [N, V] (unit column stride) -> [N] int64 (+ offsets[i]), written to
+    `out` [N] (any stride) when given and, for `scatter` = (buf [S, C] int64, rows [N] int64, col), to
+    buf[rows[n], col] as well (the draft loop's stack + index_copy into the slot buffer, folded in)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     n, v = x.shape
-    out = torch.empty(n, dtype=torch.int64, device=x.device)
+    if out is None:
+        out = torch.empty(n, dtype=torch.int64, device=x.device)
+    elif out.shape != (n,) or out.dtype != torch.int64:
+        raise ValueError(f"argmax: out must be [{n}] int64, got {tuple(out.shape)} {out.dtype}")
+    buf, rows, col = scatter if scatter is not None else (out, out, 0)  # placeholders, never read (SCATTER=False)
+    if scatter is not None:
+        if buf.dtype != torch.int64 or buf.stride(-1) != 1 or rows.shape != (n,) or not 0 <= col < buf.shape[1]:
+            raise ValueError(f"argmax: scatter needs buf [S, C] int64 with unit column stride, rows [{n}] and "
+                             f"0 <= col < C; got buf {tuple(buf.shape)} {buf.dtype}, rows {tuple(rows.shape)}, col {col}")
+        rows = rows.contiguous()
     if n:
         # One program per row walks the vocabulary; each step is a load's latency (no pipelining without a
         # tl.dot), so wide steps: 16K columns with 16 warps (32 per thread). m3-mini's 32,000-column rows took
         # 7.2 us in 4K steps on an H200; the embedded 8K rows fit one step.
         block = min(16384, triton.next_power_of_2(max(v, 1)))
         warps = 16 if block >= 8192 else (8 if block >= 2048 else 4)
-        _argmax_kernel[(n,)](x, offsets if offsets is not None else out, out, v, x.stride(0),
-                             HAS_OFF=offsets is not None, BLOCK=block, num_warps=warps, **pdl.args(x))
+        _argmax_kernel[(n,)](x, offsets if offsets is not None else out, out, buf, rows, v, x.stride(0),
+                             out.stride(0), buf.stride(0), col, HAS_OFF=offsets is not None,
+                             SCATTER=scatter is not None, BLOCK=block, num_warps=warps, **pdl.args(x))
     return out
 
 
@@ -700,34 +785,38 @@ ADD_NORM_WARPS: dict[int, int] = {2048: 8, 4096: 8}
 
 def add_norm(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor | None, eps: float,
              x2: torch.Tensor | None = None, x_scale: float = 1.0, gemma: bool = True,
-             out: torch.Tensor | None = None, r_out: torch.Tensor | None = None,
+             out: torch.Tensor | None = None, r_out: torch.Tensor | None = None, rows: torch.Tensor | None = None,
              ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(rms_norm(r) or None when w is None, r) with r = reference.add_residual(x, residual, x2, x_scale).
     x/x2/residual [..., N] in one dtype; `out` / `r_out` ([R, N], any row stride) receive y / r when given.
-    When r would be x itself (nothing to add) it is not copied: x is returned as r."""
+    When r would be x itself (nothing to add) it is not copied: x is returned as r. `rows` [R] int64: only
+    those input rows, in that order (y, r [R, N]: the gather x[rows] etc. folded into the launch)."""
     n = x.shape[-1]
     xr = _rows(x)
     if residual is not None and residual.dtype != x.dtype or x2 is not None and x2.dtype != x.dtype:
         raise TypeError(f"add_rms_norm: x {x.dtype}, residual {getattr(residual, 'dtype', None)} and x2 "
                         f"{getattr(x2, 'dtype', None)} must share one dtype (the model's)")
     has_scale, has_x2, has_res = x_scale != 1.0, x2 is not None, residual is not None
-    write_r = has_scale or has_x2 or has_res or r_out is not None
-    r = r_out if r_out is not None else torch.empty_like(xr) if write_r else xr
+    write_r = has_scale or has_x2 or has_res or r_out is not None or rows is not None
+    shape = (rows.shape[0], n) if rows is not None else xr.shape
+    r = r_out if r_out is not None else torch.empty(shape, dtype=x.dtype, device=x.device) if write_r else xr
     y = None
     if w is not None:
         ydt = x.dtype if gemma else torch.promote_types(x.dtype, w.dtype)
-        y = out if out is not None else torch.empty(xr.shape, dtype=ydt, device=x.device)
-    if xr.shape[0]:
+        y = out if out is not None else torch.empty(shape, dtype=ydt, device=x.device)
+    if shape[0]:
         block = triton.next_power_of_2(n)
         res = _rows(residual) if has_res else xr
         x2r = _rows(x2) if has_x2 else xr
         yy = y if y is not None else xr  # placeholders for absent tensors are never read or written
-        _add_norm_kernel[(xr.shape[0],)](
-            xr, x2r, res, w if w is not None else xr, yy, r, n, float(x_scale), float(eps),
-            xr.stride(0), x2r.stride(0), res.stride(0), yy.stride(0), r.stride(0),
+        _add_norm_kernel[(shape[0],)](
+            xr, x2r, res, w if w is not None else xr, yy, r, rows.contiguous() if rows is not None else xr, n,
+            float(x_scale), float(eps), xr.stride(0), x2r.stride(0), res.stride(0), yy.stride(0), r.stride(0),
             HAS_SCALE=has_scale, HAS_X2=has_x2, HAS_RES=has_res, WRITE_R=write_r, NORM=w is not None,
-            GEMMA=gemma, PRECISE=_precise(), BLOCK=block, num_warps=ADD_NORM_WARPS.get(block, _warps(block)),
-            **_opts(), **pdl.args(xr))
+            GEMMA=gemma, ROWS=rows is not None, PRECISE=_precise(), BLOCK=block,
+            num_warps=ADD_NORM_WARPS.get(block, _warps(block)), **_opts(), **pdl.args(xr))
+    if rows is not None:
+        return y, r
     if y is not None and out is None:
         y = y.view(x.shape)
     if r_out is None:
@@ -755,7 +844,7 @@ def norm_cat(xs: list[torch.Tensor], ws: list[torch.Tensor], eps: float, out: to
         wr = list(ws) + [ws[0]] * (NORM_CAT_MAX - g)
         block = triton.next_power_of_2(n)
         _norm_cat_kernel[(t, g)](
-            xr[0], xr[1], xr[2], wr[0], wr[1], wr[2], ids if ids is not None else xr[0], out, n, float(eps),
+            xr[0], xr[1], xr[2], wr[0], wr[1], wr[2], ids.contiguous() if ids is not None else xr[0], out, n, float(eps),
             xr[0].stride(0), xr[1].stride(0), xr[2].stride(0), out.stride(0), GATHER=ids is not None,
             GEMMA=gemma, PRECISE=_precise(), BLOCK=block, num_warps=ADD_NORM_WARPS.get(block, _warps(block)),
             **_opts(), **pdl.args(out))
@@ -785,21 +874,31 @@ def _heads(x: torch.Tensor) -> torch.Tensor:
 def qkv_rope_store(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, q_w: torch.Tensor | None,
                    k_w: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                    k_pool: torch.Tensor | None, v_pool: torch.Tensor | None, slots: torch.Tensor | None,
-                   index: tuple | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                   index: tuple | None = None, rope: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """reference.qkv_rope_store in one launch (k None: reference.qk_norm_rope of q alone). q/k/v [T, H, D]
     with any token/head strides (views of the projections' outputs); pools [S, H, D] or [S, D].
 
     index = (iq [T, Hi, Di], ik [T, 1, Di], iq_w, ik_w, rope_dim, ik_pool [S, Di]): a sparse layer's
     indexer rides in the same launch (reference.qkv_index_rope_store: its tables are the first rope_dim
-    columns of cos/sin, its norms use the same eps); returns (q, iq) then."""
+    columns of cos/sin, its norms use the same eps); returns (q, iq) then.
+
+    rope = (positions [T], inv_freq [R/2] fp32, mscale) in place of cos / sin (None): the launch computes
+    the tables' values itself, as `rope_table` would (a layer that is its forward's only reader of them)."""
     t, hq, dim = q.shape
-    rdim = cos.shape[-1]
+    if rope is not None:
+        pos, inv, mscale = rope
+        rdim = 2 * inv.shape[0]
+        cos = sin = q  # never read (TABLE=False)
+    else:
+        rdim = cos.shape[-1]
+        pos, inv, mscale = q, q, 1.0  # never read (TABLE=True)
+        for name, tab in (("cos", cos), ("sin", sin)):
+            if tab.dtype != q.dtype or tab.stride(-1) != 1:
+                raise TypeError(f"{name} must be a {q.dtype} table with unit channel stride (rope_cos_sin's), "
+                                f"got {tab.dtype} strides {tab.stride()}")
     if rdim > dim or rdim % 2:
         raise ValueError(f"rope dim {rdim} must be even and <= head dim {dim}")
-    for name, tab in (("cos", cos), ("sin", sin)):
-        if tab.dtype != q.dtype or tab.stride(-1) != 1:
-            raise TypeError(f"{name} must be a {q.dtype} table with unit channel stride (rope_cos_sin's), "
-                            f"got {tab.dtype} strides {tab.stride()}")
     q = _heads(q)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     hk = k.shape[1] if k is not None else 0
@@ -837,9 +936,11 @@ def qkv_rope_store(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
         q, q.stride(0), q.stride(1), q_out, q_out.stride(0), q_out.stride(1), q_w if q_w is not None else q, hq,
         kk, kk.stride(0), kk.stride(1), kp, kp.stride(0), kp.stride(1), k_w if k_w is not None else q, hk,
         vv, vv.stride(0), vv.stride(1), vp, vp.stride(0), vp.stride(1), hv,
-        slots if slots is not None else q, cos, sin, cos.stride(0), sin.stride(0), dim, rdim, float(eps), nbq,
+        slots if slots is not None else q, cos, sin, cos.stride(0), sin.stride(0),
+        pos.contiguous() if rope is not None else pos, inv, float(mscale), dim, rdim, float(eps), nbq,
         nbk, nbv, *ix, Q_NORM=q_w is not None, K_NORM=k_w is not None, INDEX=index is not None,
-        PRECISE=_precise(), BLOCK_H=block_h, BLOCK_D=block_d, num_warps=_warps(block_h * block_d), **_opts(), **pdl.args(q))
+        TABLE=rope is None, HAS_MSCALE=mscale != 1.0, PRECISE=_precise(), BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=_warps(block_h * block_d), **_opts(), **pdl.args(q))
     return q_out if index is None else (q_out, iq_out)
 
 
@@ -1194,18 +1295,35 @@ class TritonFused:
         # running every projection through it took 160 s instead of ~10.
         self.gemv_max_t = gemv_max_t
 
-    def linear(self, x, w):
+    def _gemv_takes(self, x, w) -> bool:
         g = self._gemv
         most = self.gemv_max_t if self.gemv_max_t is not None else (g.MAX_T if x.is_cuda else 0)
-        if x.shape[0] <= most and g.supports(x, w) and g.prefers(x.shape[0], w.shape[0], w.shape[1]):
-            return g.linear(x, w, counters=self._gemv_counters)
+        return x.shape[0] <= most and g.supports(x, w) and g.prefers(x.shape[0], w.shape[0], w.shape[1])
+
+    def linear(self, x, w):
+        if self._gemv_takes(x, w):
+            return self._gemv.linear(x, w, counters=self._gemv_counters)
         return torch.nn.functional.linear(x, w)
+
+    def linear_silu_mul(self, x, w):
+        # the activation in the GEMV's epilogue where the GEMV runs unsplit; else the two launches
+        cfg = self._gemv.act_config(x.shape[0], w, x.dtype, x.device) if self._gemv_takes(x, w) else None
+        if cfg is not None:
+            return self._gemv.linear_act(x, w, "silu", config=cfg)
+        gate, up = self.linear(x, w).chunk(2, -1)
+        return silu_mul(gate, up)
+
+    def linear_swiglu_oai(self, x, w, alpha, limit):
+        cfg = self._gemv.act_config(x.shape[0], w, x.dtype, x.device) if self._gemv_takes(x, w) else None
+        if cfg is not None:
+            return self._gemv.linear_act(x, w, "swiglu_oai", alpha, limit, cfg)
+        return swiglu_oai(self.linear(x, w), alpha, limit)
 
     def rms_norm(self, x, w, eps, gemma=True, out=None):
         return add_norm(x, None, w, eps, gemma=gemma, out=out)[0]
 
-    def add_rms_norm(self, x, residual, w, eps, x2=None, x_scale=1.0, gemma=True):
-        y, r = add_norm(x, residual, w, eps, x2, x_scale, gemma)
+    def add_rms_norm(self, x, residual, w, eps, x2=None, x_scale=1.0, gemma=True, rows=None):
+        y, r = add_norm(x, residual, w, eps, x2, x_scale, gemma, rows=rows)
         return y, r
 
     def rms_norm_cat(self, xs, ws, eps, out, gemma=True, ids=None):
@@ -1222,7 +1340,7 @@ class TritonFused:
             return x
         return add_norm(x, residual, None, 0.0, x2, x_scale, r_out=out)[1]
 
-    def rope_cos_sin(self, positions, rotary_dim, theta, dtype, scaling=None):
+    def _rope_inv_freq(self, positions, rotary_dim, theta, scaling):
         from ..models.layers import rope_inv_freq  # models.layers imports this package
 
         key = (rotary_dim, float(theta), _freeze(scaling), positions.device)
@@ -1233,7 +1351,15 @@ class TritonFused:
             # there is used but not kept (the engine's eager warm-up steps fill the cache first).
             if positions.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
                 self._inv_freq[key] = hit
-        return rope_table(positions, hit[0], hit[1], dtype)
+        return hit
+
+    def rope_cos_sin(self, positions, rotary_dim, theta, dtype, scaling=None):
+        inv, mscale = self._rope_inv_freq(positions, rotary_dim, theta, scaling)
+        return rope_table(positions, inv, mscale, dtype)
+
+    def rope_qkv_store(self, q, k, v, positions, rotary_dim, theta, k_pool, v_pool, slots, scaling=None):
+        rope = (positions, *self._rope_inv_freq(positions, rotary_dim, theta, scaling))
+        return qkv_rope_store(q, k, v, None, None, 0.0, None, None, k_pool, v_pool, slots, rope=rope)
 
     def qk_norm_rope(self, x, w, eps, cos, sin):
         return qkv_rope_store(x, None, None, w, None, eps, cos, sin, None, None, None)
@@ -1300,11 +1426,11 @@ class TritonFused:
     def sample_positions(self, row_first, row_qlen, row_num_drafts, positions, ids, k):
         return sample_positions(row_first, row_qlen, row_num_drafts, positions, ids, k)
 
-    def commit_outputs(self, *args, tok_row=None, chain=None):
-        return commit_outputs(*args, tok_row=tok_row, chain=chain)
+    def commit_outputs(self, *args, tok_row=None, chain=None, pages=None):
+        return commit_outputs(*args, tok_row=tok_row, chain=chain, pages=pages)
 
     def greedy_accept(self, greedy_tok, drafts, num_drafts):
         return greedy_accept(greedy_tok, drafts, num_drafts)
 
-    def argmax(self, x, offsets=None):
-        return argmax(x, offsets)
+    def argmax(self, x, offsets=None, out=None, scatter=None):
+        return argmax(x, offsets, out, scatter)

@@ -223,12 +223,13 @@ class Eagle3Attention(nn.Module):
         `qkv` + the cache writes, as one fused op of the engine's (`meta.ops.fused`)."""
         t, c = x.shape[0], self.cfg
         ops = meta.ops or REFERENCE
-        cos, sin = ops.fused.rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)  # [T, D] each
         pq, pk, pv = self.proj(x, ops.fused)
-        q = ops.fused.qkv_rope_store(
+        # No q/k norm in a Llama head; the RoPE tables (full head) are this layer's alone, so they are
+        # computed in the same launch where the backend can.
+        q = ops.fused.rope_qkv_store(
             pq.view(t, c.num_attention_heads, c.head_dim), pk.view(t, c.num_key_value_heads, c.head_dim),
-            pv.view(t, c.num_key_value_heads, c.head_dim),
-            None, None, 0.0, cos, sin, cache.k, cache.v, meta.slot_mapping)  # no q/k norm in a Llama head
+            pv.view(t, c.num_key_value_heads, c.head_dim), positions, c.head_dim, c.rope_theta,
+            cache.k, cache.v, meta.slot_mapping)
         o = ops.attention.attention(q, cache.k, cache.v, meta, self.scale)  # [T, Hq, D]
         return linear(o.reshape(t, -1), self.o_proj.weight, ops.fused)
 
@@ -417,18 +418,20 @@ class Eagle3Head(nn.Module):
         return h_out, (h_out if self.cfg.norm_output else h)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
-                meta: AttnMetadata, cache: LayerCache, from_aux: bool,
+                meta: AttnMetadata, cache: LayerCache, from_aux: bool, rows: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step on the paged cache.
 
         input_ids [T], positions [T], hidden [T, n_aux * Ht] when from_aux (step 0: the target's aux
         states) else [T, H] (the previous step's h_next). Writes K/V at meta.slot_mapping into `cache`.
-        Returns (h_out [T, H] for compute_logits, h_next [T, H] for the next draft step)."""
+        Returns (h_out [T, H] for compute_logits, h_next [T, H] for the next draft step); with `rows` [R]
+        only those tokens' outputs ([R, H] each: every token's K/V is still written)."""
         f = (meta.ops or REFERENCE).fused
         h = self.project_aux(hidden, f) if from_aux else hidden.to(self.fc.weight.dtype)
         emb, ids = self._lookup(input_ids)  # the table and the ids where the lookup rides in the norms' launch
         h, mlp_out = self.midlayer(emb, h, positions, meta, cache, ids)
-        h_out, h = f.add_rms_norm(mlp_out, h, self.norm.weight, self.norm.eps, gemma=False)  # _outputs, fused
+        # _outputs, fused with the residual add (and the row gather, which rides in the same launch)
+        h_out, h = f.add_rms_norm(mlp_out, h, self.norm.weight, self.norm.eps, gemma=False, rows=rows)
         return h_out, (h_out if self.cfg.norm_output else h)
 
     def forward_seq(self, input_ids: torch.Tensor, hidden: torch.Tensor, from_aux: bool,

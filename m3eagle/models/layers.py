@@ -168,8 +168,13 @@ class SwigluOaiMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, fused: Any = None) -> torch.Tensor:
         """x [T, H] -> [T, H]. `fused` (an m3eagle.fused.backend object) runs the activation; None = reference."""
-        act = fused if fused is not None else fused_ref
-        return self.down_proj(act.swiglu_oai(self.gate_up_proj(x, fused), self.alpha, self.limit), fused)
+        gu = self.gate_up_proj
+        if fused is not None and x.dim() == 2 and gu.bias is None:  # one launch on the decode GEMV's path
+            a = fused.linear_swiglu_oai(x, gu.weight, self.alpha, self.limit)
+        else:
+            act = fused if fused is not None else fused_ref
+            a = act.swiglu_oai(gu(x, fused), self.alpha, self.limit)
+        return self.down_proj(a, fused)
 
 
 class SiluMLP(nn.Module):
@@ -183,8 +188,12 @@ class SiluMLP(nn.Module):
         self.gate_up = PackedLinears([self.gate_proj, self.up_proj])  # one GEMM once packed
 
     def forward(self, x: torch.Tensor, fused: Any = None) -> torch.Tensor:
-        act = fused if fused is not None else fused_ref
-        return linear(act.silu_mul(*self.gate_up(x, fused)), self.down_proj.weight, fused)
+        if fused is not None and x.dim() == 2 and self.gate_up.is_packed():
+            a = fused.linear_silu_mul(x, self.gate_up.weight)  # one launch on the decode GEMV's path
+        else:
+            act = fused if fused is not None else fused_ref
+            a = act.silu_mul(*self.gate_up(x, fused))
+        return linear(a, self.down_proj.weight, fused)
 
 
 class Router(nn.Module):
