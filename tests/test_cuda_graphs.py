@@ -358,6 +358,50 @@ def test_gemv_weight_preload_on_gpu_is_bit_equal_under_pdl_graphs():
     assert c is not None and not c.any()
 
 
+def test_draft_step_folds_on_gpu_are_bit_equal_to_their_separate_launches():
+    """The twentieth session's folds on the real compiler (libdevice exp / cos / sin, FMA contraction), also
+    replayed in a PDL-captured graph: the gate_up GEMV's activation epilogue == the GEMV then silu_mul /
+    swiglu_oai (the embedded head's and target's shapes at T = 1 and 4); the q/k/v launch's own RoPE ==
+    the same launch reading rope_cos_sin's tables; add_rms_norm's row gather == the gather after it."""
+    from m3eagle import pdl
+    from m3eagle.fused import gemv, triton_fused
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    f = triton_fused.TritonFused()
+    for n, k, t in ((2560, 256, 1), (2560, 256, 4), (1280, 256, 1), (1280, 256, 4), (4096, 2048, 1)):
+        w = (torch.randn(n, k, generator=g, device="cuda") * 0.05).bfloat16()
+        x = (torch.randn(t, k, generator=g, device="cuda") * 2).bfloat16()
+        cfg = gemv.act_config(t, w, x.dtype, x.device)
+        assert cfg is not None, (n, k, t)
+        y = gemv.linear(x, w, cfg)
+        for act, want in (("silu", triton_fused.silu_mul(*y.chunk(2, -1))),
+                          ("swiglu_oai", triton_fused.swiglu_oai(y, 1.702, 7.0))):
+            assert torch.equal(gemv.linear_act(x, w, act, 1.702, 7.0, cfg), want), (act, n, k, t)
+            with pdl.scope(True):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = gemv.linear_act(f.rms_norm(x, w[0], 1e-6), w, act, 1.702, 7.0, cfg)
+            graph.replay()
+            torch.cuda.synchronize()
+            y2 = gemv.linear(f.rms_norm(x, w[0], 1e-6), w, cfg)
+            ref = triton_fused.silu_mul(*y2.chunk(2, -1)) if act == "silu" else triton_fused.swiglu_oai(y2, 1.702, 7.0)
+            assert torch.equal(out, ref), (act, n, k, t, "graph")
+    pos = torch.tensor([0, 1, 17, 130, 4095, 70000], device="cuda")
+    q, kk, v = (torch.randn(6, h, 64, generator=g, device="cuda").bfloat16() for h in (4, 2, 2))
+    pools = [torch.zeros(64, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    slots = torch.arange(6, device="cuda") * 3
+    got = f.rope_qkv_store(q, kk, v, pos, 64, 10000.0, pools[0], pools[1], slots)
+    cos, sin = f.rope_cos_sin(pos, 64, 10000.0, torch.bfloat16)
+    want = f.qkv_rope_store(q, kk, v, None, None, 0.0, cos, sin, pools[2], pools[3], slots)
+    assert torch.equal(got, want) and torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+    xs, res = (torch.randn(7, 256, generator=g, device="cuda").bfloat16() for _ in range(2))
+    nw = torch.randn(256, generator=g, device="cuda").bfloat16()
+    rows = torch.tensor([6, 0, 3], device="cuda")
+    y_all, r_all = f.add_rms_norm(xs, res, nw, 1e-6, gemma=False)
+    y_r, r_r = f.add_rms_norm(xs, res, nw, 1e-6, gemma=False, rows=rows)
+    assert torch.equal(y_r, y_all[rows]) and torch.equal(r_r, r_all[rows])
+
+
 @pytest.mark.parametrize("t", [1, 4])
 def test_direct_moe_on_gpu_within_bf16_and_graph_replay_equals_eager(t):
     """moe/direct.py compiled for the GPU: m3-mini's layer shape in bf16 (shared expert fused) within bf16

@@ -172,17 +172,21 @@ class ModelRunner:
         if pen is not None:  # history first: a prompt chunk's tokens precede the position it samples
             self.penalty.record_inputs(pen, inp.row_slot, inp.row_gather, ids, meta.tok_row, meta.positions)
         aux = self.aux_buf[: inp.num_tokens] if self.aux_buf is not None else None  # [T, 3H]
-        hidden = self.target(ids, meta.positions, meta, self.caches, self.aux_ids, aux)  # [T, H]
-        prompt_lps = self._prompt_logprobs(inp, ids, hidden) if inp.want_prompt_logprobs else None
-
         # Sampled positions: the last (num_drafts + 1) tokens of each row; the drafts they verify.
         fused = _fused(meta)
         sample_idx, positions, drafts_in = fused.sample_positions(
             inp.row_first, inp.row_qlen, inp.row_num_drafts, meta.positions, ids, k)  # [B, K+1] x 2, [B, K]
+        # The final norm computes only the sampled rows (the gather rides in its launch), unless prompt
+        # logprobs read every token's hidden state.
+        every = inp.want_prompt_logprobs
+        hidden = self.target(ids, meta.positions, meta, self.caches, self.aux_ids, aux,
+                             rows=None if every else sample_idx.reshape(-1))  # [T, H] or [B * (K+1), H]
+        prompt_lps = self._prompt_logprobs(inp, ids, hidden) if every else None
         # fp32 logits only where something reads more than their argmax (an fp32 copy of bf16 logits changes
         # no argmax); these flags are part of a graph's key.
         fp32 = inp.any_random or pen is not None or inp.want_logprobs
-        logits = self.target.compute_logits(hidden[sample_idx.reshape(-1)], fused, fp32).view(inp.num_rows, k + 1, -1)
+        sampled = hidden[sample_idx.reshape(-1)] if every else hidden  # [B * (K+1), H]
+        logits = self.target.compute_logits(sampled, fused, fp32).view(inp.num_rows, k + 1, -1)
         if pen is not None:  # the target distribution of position j given the history and drafts d_1..d_j
             logits = self.penalty.apply(logits, pen, inp.row_slot, drafts_in, inp.row_num_drafts, positions)
         # Draft probabilities exist for rows whose drafts were sampled; greedy rows never read them.

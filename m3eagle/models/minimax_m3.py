@@ -199,7 +199,10 @@ class MiniMaxM3(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 caches: list[LayerCache], aux_layer_ids: tuple[int, ...] = (),
-                aux_out: torch.Tensor | None = None) -> torch.Tensor:
+                aux_out: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> the final norm's hidden states [T, H], or with `rows` [R] only those
+        tokens' ([R, H]: the rows the step samples, gathered inside the final norm's launch). K/V of every
+        token are written to `caches`; `aux_out` [>= T, n_aux * H] receives the aux layers' streams."""
         f = (meta.ops or REFERENCE).fused
         x = self.embed_tokens(input_ids)  # [T, H]
         cos, sin = f.rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype,
@@ -218,7 +221,7 @@ class MiniMaxM3(nn.Module):
                     if d is not x:
                         d.copy_(x)
                 residual, delta = None, (x, None, 1.0)
-        return f.add_rms_norm(delta[0], residual, self.norm.weight, self.norm.eps, delta[1], delta[2])[0]
+        return f.add_rms_norm(delta[0], residual, self.norm.weight, self.norm.eps, delta[1], delta[2], rows=rows)[0]
 
     def forward_seq(self, input_ids: torch.Tensor, aux_layer_ids: tuple[int, ...] = (),
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
