@@ -153,12 +153,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, residual: torch.Tensor | None, delta: Delta, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttnMetadata, cache: LayerCache) -> tuple[torch.Tensor, Delta]:
+                meta: AttnMetadata, cache: LayerCache, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, Delta]:
         """Paged path. The stream entering the layer is residual + delta (residual None: delta alone); so is
-        the one it returns -- the MLP's output is left for the next norm to add (vLLM's fused_add_rms_norm)."""
+        the one it returns -- the MLP's output is left for the next norm to add (vLLM's fused_add_rms_norm).
+        `rows` [T]: the stream is rows `rows` of delta (the first layer's embedding lookup, in its norm)."""
         ops = meta.ops or REFERENCE
         f, ln1, ln2 = ops.fused, self.input_layernorm, self.post_attention_layernorm
-        h, residual = f.add_rms_norm(delta[0], residual, ln1.weight, ln1.eps, delta[1], delta[2])
+        h, residual = f.add_rms_norm(delta[0], residual, ln1.weight, ln1.eps, delta[1], delta[2], rows=rows)
         a = self.self_attn(h, cos, sin, meta, cache)
         h, residual = f.add_rms_norm(a, residual, ln2.weight, ln2.eps)
         if isinstance(self.mlp, SparseMoE):
@@ -204,14 +205,19 @@ class MiniMaxM3(nn.Module):
         tokens' ([R, H]: the rows the step samples, gathered inside the final norm's launch). K/V of every
         token are written to `caches`; `aux_out` [>= T, n_aux * H] receives the aux layers' streams."""
         f = (meta.ops or REFERENCE).fused
-        x = self.embed_tokens(input_ids)  # [T, H]
+        emb = self.embed_tokens
+        if emb.tp.size == 1 and emb.max_norm is None and not (aux_out is not None and 0 in aux_layer_ids):
+            x, first = emb.weight, input_ids  # the lookup rides in the first layer's input norm (its rows)
+        else:  # a vocab-parallel table needs its all-reduce; aux id 0 reads the embeddings themselves
+            x, first = emb(input_ids), None  # [T, H]
         cos, sin = f.rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype,
                                   self.cfg.rope_scaling)  # [T, R] each, shared by every layer
-        h, t = self.cfg.hidden_size, x.shape[0]
+        h, t = self.cfg.hidden_size, input_ids.shape[0]
         residual, delta = None, (x, None, 1.0)  # the stream is residual + delta (see Delta)
         for i in range(len(self.layers) + 1):
             if i:
-                residual, delta = self.layers[i - 1](residual, delta, cos, sin, meta, caches[i - 1])
+                residual, delta = self.layers[i - 1](residual, delta, cos, sin, meta, caches[i - 1],
+                                                     first if i == 1 else None)
             cols = [j for j, lid in enumerate(aux_layer_ids) if lid == i] if aux_out is not None else []
             if cols:  # ids may repeat (e.g. N=4 -> (2, 2, 1)): sum the stream once, into the first column
                 dst = [aux_out[:t, j * h:(j + 1) * h] for j in cols]
