@@ -742,6 +742,21 @@ def test_engine_tokens_equal_with_triton_fused_ops(make_llm):
     assert outs["triton"] == outs["reference"]
 
 
+def test_plain_greedy_steps_launch_no_acceptance(make_llm, monkeypatch):
+    """Without drafts a greedy row emits its argmax: the step takes a constant count instead of the
+    acceptance launch, and its tokens equal the reference backend's."""
+    from m3eagle import SamplingParams
+    from m3eagle.fused import triton_fused
+
+    accepts = spy_launches(monkeypatch, triton_fused, "_accept_kernel")
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    outs = {name: [o.outputs[0].token_ids for o in make_llm(None, fused_backend=name, num_draft_tokens=0,
+                                                             page_size=16).generate([[5, 17, 301]], params)]
+            for name in ("reference", "triton")}
+    assert outs["triton"] == outs["reference"] and len(outs["triton"][0]) == 3
+    assert accepts == []
+
+
 @pytest.mark.parametrize("t,e,h,k", [(1, 32, 64, 4), (3, 16, 300, 4), (33, 34, 600, 3), (64, 8, 40, 2),
                                      (65, 8, 32, 2)])
 def test_route_tokens_one_launch_equals_the_two(t, e, h, k):

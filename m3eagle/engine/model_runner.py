@@ -191,8 +191,10 @@ class ModelRunner:
             logits = self.penalty.apply(logits, pen, inp.row_slot, drafts_in, inp.row_num_drafts, positions)
         # Draft probabilities exist for rows whose drafts were sampled; greedy rows never read them.
         q_probs = self.slot_draft_probs[inp.row_slot] if inp.any_random and self.slot_draft_probs is not None else None
+        # Without drafts every greedy row emits exactly its argmax: no acceptance launch to count that.
+        accept = fused.greedy_accept if k else (lambda tok, _d, _n: self.row_ones[: tok.shape[0]])
         new_tokens, num_new = verify(logits, drafts_in, inp.row_num_drafts, inp.sampling, positions, q_probs,
-                                     inp.any_random, fused.greedy_accept, fused.argmax)
+                                     inp.any_random, accept, fused.argmax)
         # Logprobs of the (penalised) target distribution, before temperature / top-k / top-p / min-p.
         logprobs = token_logprobs(logits, new_tokens, self.n_top) if inp.want_logprobs else None
 

@@ -1,12 +1,14 @@
 """Triton kernels for the models' elementwise chains, one launch per chain, and the `TritonFused` backend.
 
     kernel              replaces (reference.py)                        bf16 launches before -> after
-    _add_norm_kernel    residual add(s) + RMSNorm (Gemma or Llama)      10-13 -> 1
+    _add_norm_kernel    residual add(s) + RMSNorm (Gemma or Llama)      10-13 -> 1 (+ a row gather: the
+                        embedding lookup, the sampled / last-accepted rows -> 0)
     _norm_cat_kernel    2-3 RMSNorms into one row (+ embedding lookup)  2-3 fused launches (+ a gather) -> 1
     _rope_table_kernel  rope_cos_sin (positions -> cos, sin)            12 -> 1 (inv_freq cached)
-    _qkv_rope_kernel    q/k norm + partial NeoX RoPE + K/V cache writes 34 -> 1 (indexer: 33 -> 1)
-    _swiglu_kernel      swiglu_oai (clamps, sigmoid, muls)              7 -> 1
-    _silu_mul_kernel    silu(gate) * up                                 2 -> 1
+    _qkv_rope_kernel    q/k norm + partial NeoX RoPE + K/V cache writes 34 -> 1 (indexer: 33 -> 1; the
+                        table computed in it for a layer that is its only reader: + the table's 1 -> 0)
+    _swiglu_kernel      swiglu_oai (clamps, sigmoid, muls)              7 -> 1 (-> 0 in the decode GEMV's
+    _silu_mul_kernel    silu(gate) * up                                 2 -> 1  epilogue, fused/gemv.py)
     _router_gemv_kernel router_logits (fp32 cast + GEMV, T <= 64)       3 -> 1 (cuBLAS: cast, dot, reduce)
     _route_kernel       sigmoid, + bias, top-k, gather, renormalise     6 -> 1 (after the router GEMM)
     _router_topk_kernel the two above in one launch (T <= 64): the last program of a token routes it
@@ -16,8 +18,10 @@
                         (or the positions and slots alone)              9 -> 1
     _sample_pos_kernel  sample_positions (sampled tokens, positions, drafts)  8 (K=0) / 13 (K>0) -> 1
     _commit_kernel      commit_outputs (slot writes; the drafter's inputs)  6 (no draft) / 18 (draft) -> 1
+                        (+ the draft steps' cache slots: K-1 positions_slots launches -> 0)
     _accept_kernel      greedy_accept (after the argmax)                   3 (K=0) / 8 (K=3) -> 1
-    _argmax_kernel      argmax (+ the draft -> target id map)             1-4 -> 1 (no fp32 copy of bf16 logits)
+    _argmax_kernel      argmax (+ the draft -> target id map)             1-4 -> 1 (no fp32 copy of bf16 logits;
+                        a draft step's stack + index_copy into the slot buffer -> 0)
 
 Exactness. Each kernel computes in fp32 and rounds to the activation dtype exactly where the reference's
 torch ops round (an op on bf16 tensors returns bf16), so that elementwise results can be bit-equal to the
