@@ -198,8 +198,8 @@ class _OracleDrafts:
     def __enter__(self) -> _OracleDrafts:
         runner, orig = self.runner, self.runner._draft
 
-        def draft(inp, meta, aux, s, last_idx, shifted, at):
-            drafts = orig(inp, meta, aux, s, last_idx, shifted, at)  # [B, K]; the head's caches as usual
+        def draft(inp, meta, aux, s, last_idx, shifted, at, at_slots):
+            drafts = orig(inp, meta, aux, s, last_idx, shifted, at, at_slots)  # [B, K]; the head's caches as usual
             by_slot = {r.slot: r for r in self.eng.scheduler.running}
             # at[0]: position of the row's last accepted input token; the bonus token the step sampled sits
             # at at[0] + 1, so draft j is the token at at[0] + 2 + j
