@@ -126,10 +126,9 @@ def _store_act_row(ptr, row, vals, pid_n, T, n_act, stride, alpha, limit, ACT: t
 @triton.jit(do_not_specialize=["T", "n_split"])  # one compile for every T of a BLOCK_T and every split
 def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, stride_wn, stride_yt, k_split, n_split,
                    n_act, alpha, limit, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT: tl.constexpr,
-                   USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, IEEE: tl.constexpr,
-                   UPCAST_DOT: tl.constexpr, PRELOAD: tl.constexpr, ACT: tl.constexpr, PRECISE: tl.constexpr,
-                   PDL: tl.constexpr):
+                   SPLIT: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+                   IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr, PRELOAD: tl.constexpr, ACT: tl.constexpr,
+                   PRECISE: tl.constexpr, PDL: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), n_split): y[:, n-tile] (or its split-s partial) from K range [s*k_split, +k_split).
 
     x [T, K] (row stride stride_xt, unit column stride), w [N, K] (row stride stride_wn), y [T, N] (row stride
