@@ -416,6 +416,16 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, n_exp, stride_l,
 # ---- step inputs ---------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _cache_slot(pt_ptr, row, pos, stride_pt, table_w, page_size, m):
+    """Cache slot of (row, position) pairs (any matching shapes, int64): the page in column floor(pos /
+    page_size) of the row's page table, clamped to the table (attention.metadata.slots_for_positions)."""
+    pc = pos // page_size
+    pc = tl.where((pc * page_size != pos) & (pos < 0), pc - 1, pc)  # floor, not truncation
+    page = tl.load(pt_ptr + row * stride_pt + tl.minimum(tl.maximum(pc, 0), table_w - 1), mask=m, other=0)
+    return page * page_size + (pos - pc * page_size)
+
+
 @triton.jit(do_not_specialize=["n_tok", "n_rows"])  # per-step counts: one compiled variant (design note 17)
 def _step_inputs_kernel(ids_ptr, kv_ptr, q_ptr, tok_row_ptr, tok_col_ptr, pt_ptr, stride_pt, table_w, page_size,
                         slot_ptr, gather_ptr, nd_ptr, correct_ptr, chained_ptr, st_ptr, stride_st, nn_ptr, dev_ptr,
@@ -442,11 +452,8 @@ def _step_inputs_kernel(ids_ptr, kv_ptr, q_ptr, tok_row_ptr, tok_col_ptr, pt_ptr
                                                                                     other=0) == 0)
             kv = kv + tl.where(correct, tl.load(dev_ptr + slot, mask=m & correct, other=0), 0)
         pos = kv - tl.load(q_ptr + row, mask=m, other=0) + col
-        pc = pos // page_size
-        pc = tl.where((pc * page_size != pos) & (pos < 0), pc - 1, pc)  # floor, not truncation
-        page = tl.load(pt_ptr + row * stride_pt + tl.minimum(tl.maximum(pc, 0), table_w - 1), mask=m, other=0)
         tl.store(pos_out + t, pos, mask=m)
-        tl.store(slots_out + t, page * page_size + (pos - pc * page_size), mask=m)
+        tl.store(slots_out + t, _cache_slot(pt_ptr, row, pos, stride_pt, table_w, page_size, m), mask=m)
         if OVERLAP:
             gather = tl.load(gather_ptr + row, mask=m, other=0) != 0
             nd = tl.load(nd_ptr + row, mask=m, other=0)
@@ -557,12 +564,8 @@ def _commit_kernel(new_ptr, nn_ptr, samples_ptr, slot_ptr, dump_slot, nd_ptr, fi
             at = pos[:, None] + j[None, :]  # [BLOCK, BLOCK_J]
             tl.store(at_out + j[None, :] * n_rows + r[:, None], at, mask=jm)
             if SLOTS:
-                pc = at // page_size
-                pc = tl.where((pc * page_size != at) & (at < 0), pc - 1, pc)  # floor, not truncation
-                page = tl.load(pt_ptr + r[:, None] * stride_pt + tl.minimum(tl.maximum(pc, 0), table_w - 1),
-                               mask=jm, other=0)
-                tl.store(at_slot_out + j[None, :] * n_rows + r[:, None], page * page_size + (at - pc * page_size),
-                         mask=jm)
+                tl.store(at_slot_out + j[None, :] * n_rows + r[:, None],
+                         _cache_slot(pt_ptr, r[:, None], at, stride_pt, table_w, page_size, jm), mask=jm)
     else:
         t = (pid - n_row_blocks) * BLOCK + offs
         m = t < n_tok
@@ -611,7 +614,7 @@ def commit_outputs(new_tokens: torch.Tensor, num_new: torch.Tensor, row_samples:
         tok_row = num_new  # never read
     slots = draft and pages is not None
     at_slots = torch.empty_like(at) if slots else None
-    pt = pages[0] if slots and pages[0].stride(-1) == 1 else pages[0].contiguous() if slots else num_new
+    pt = pages[0].contiguous() if slots else num_new  # num_new: never read (SLOTS=False)
     if chain is not None:  # (row_chained, kv_lens, kv_out, chained_out): the kernel steps them with unit stride
         chain_args = tuple(x if x.stride(0) == 1 else _unit_stride_error(x) for x in chain)
     else:
@@ -1309,17 +1312,17 @@ class TritonFused:
             return self._gemv.linear(x, w, counters=self._gemv_counters)
         return torch.nn.functional.linear(x, w)
 
+    def _act_config(self, x, w):
+        """The GEMV config that runs the activation in its epilogue (unsplit GEMV), else None: two launches."""
+        return self._gemv.act_config(x.shape[0], w, x.dtype, x.device) if self._gemv_takes(x, w) else None
+
     def linear_silu_mul(self, x, w):
-        # the activation in the GEMV's epilogue where the GEMV runs unsplit; else the two launches
-        cfg = self._gemv.act_config(x.shape[0], w, x.dtype, x.device) if self._gemv_takes(x, w) else None
-        if cfg is not None:
+        if (cfg := self._act_config(x, w)) is not None:
             return self._gemv.linear_act(x, w, "silu", config=cfg)
-        gate, up = self.linear(x, w).chunk(2, -1)
-        return silu_mul(gate, up)
+        return silu_mul(*self.linear(x, w).chunk(2, -1))
 
     def linear_swiglu_oai(self, x, w, alpha, limit):
-        cfg = self._gemv.act_config(x.shape[0], w, x.dtype, x.device) if self._gemv_takes(x, w) else None
-        if cfg is not None:
+        if (cfg := self._act_config(x, w)) is not None:
             return self._gemv.linear_act(x, w, "swiglu_oai", alpha, limit, cfg)
         return swiglu_oai(self.linear(x, w), alpha, limit)
 
