@@ -402,6 +402,58 @@ def test_draft_step_folds_on_gpu_are_bit_equal_to_their_separate_launches():
     assert torch.equal(y_r, y_all[rows]) and torch.equal(r_r, r_all[rows])
 
 
+def test_gemv_norm_prologue_and_residual_epilogue_on_gpu():
+    """Design note 51's folds compiled for the GPU, at the embedded head's shapes (T = 1 and 4): norm_linear
+    (two inputs with the embedding lookup; one with silu; Gemma scaling) within the norm's fp32 sum order of
+    norm_cat / add_norm followed by the GEMV (the GPU's reduction trees differ); linear_add bit-equal to the
+    GEMV then add_residual; each replayed in a PDL-captured graph equal to its eager launch, bit for bit."""
+    from m3eagle import pdl
+    from m3eagle.fused import gemv, triton_fused
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    f = triton_fused.TritonFused()
+
+    def rnd(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * s).bfloat16()
+
+    for t in (1, 4):
+        table, h, nw0, nw1 = rnd(300, 256), rnd(t, 256, s=3.0), rnd(256), rnd(256)
+        ids = torch.randint(0, 300, (t,), generator=g, device="cuda")
+        cases = [((table, h), (nw0, nw1), rnd(512, 512, s=0.05), ids, None, False),
+                 ((h,), (nw1,), rnd(1280, 256, s=0.05), None, "silu", False),
+                 ((h,), (nw0,), rnd(8192, 256, s=0.05), None, None, False),
+                 ((h,), (nw0,), rnd(512, 256, s=0.05), None, None, True)]
+        for xs, ws, w, idx, act, gemma in cases:
+            cfg = gemv.act_config(t, w, w.dtype, w.device)
+            if cfg is None:  # tl.dot's shapes keep the separate launches
+                continue
+            x = torch.empty(t, w.shape[1], dtype=w.dtype, device="cuda")
+            f.rms_norm_cat(xs, ws, 1e-6, x, gemma, idx)
+            want = gemv.linear_act(x, w, act, config=cfg) if act else gemv.linear(x, w, cfg)
+            got = gemv.norm_linear(xs, ws, 1e-6, w, gemma, idx, act, cfg)
+            err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+            assert err < 2e-2, (t, w.shape, act, err)
+            with pdl.scope(True):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = gemv.norm_linear(xs, ws, 1e-6, w, gemma, idx, act, cfg)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, got), (t, w.shape, act, "graph")
+        for n, k in ((256, 256), (256, 640)):
+            w, x, res = rnd(n, k, s=0.05), rnd(t, k), rnd(t, n, s=2.0)
+            cfg = gemv.act_config(t, w, w.dtype, w.device)
+            want = f.add_residual(gemv.linear(x, w, cfg), res)
+            assert torch.equal(gemv.linear_add(x, w, res, cfg), want), (t, n, k)
+            with pdl.scope(True):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = gemv.linear_add(f.rms_norm(x, x[0], 1e-6), w, res, cfg)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, f.add_residual(gemv.linear(f.rms_norm(x, x[0], 1e-6), w, cfg), res)), (t, n, k)
+
+
 @pytest.mark.parametrize("t", [1, 4])
 def test_direct_moe_on_gpu_within_bf16_and_graph_replay_equals_eager(t):
     """moe/direct.py compiled for the GPU: m3-mini's layer shape in bf16 (shared expert fused) within bf16

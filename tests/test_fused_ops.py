@@ -907,3 +907,65 @@ def test_route_tokens_takes_the_tiled_router_past_the_gemv_limit(monkeypatch):
     key = id(w)
     del w  # the cached split goes with its weight
     assert key not in fused._splits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eagle3_head_folded_gemv_step_equals_its_separate_launches(dtype, monkeypatch):
+    """Design note 51: with the decode GEMV on (gemv_max_t), a one- or two-token draft step runs its norms
+    in the prologues of the GEMVs that read them (q/k/v with the embedding lookup, gate_up + silu, lm_head)
+    and its residual adds in the epilogues of o_proj and down: no norm launch, five `_linear_kernel`
+    launches. Its logits, h_next and K/V equal the same backend's separate launches (the fold switched off)
+    to the norm's fp32 sum order, and the reference's; step 0's `rows` keep the separate final norm."""
+    from m3eagle.fused import gemv, triton_fused
+    from m3eagle.models.eagle3 import Eagle3Config, Eagle3Head
+    from m3eagle.models.layers import pack_projections
+
+    cfg = Eagle3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                       vocab_size=64, draft_vocab_size=40, aux_layer_ids=(1, 2, 3), target_hidden_size=32)
+    torch.manual_seed(3)
+    head = Eagle3Head(cfg).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+    head = head.to(dtype)
+    pack_projections(head)
+    fused = triton_fused.TritonFused(gemv_max_t=gemv.MAX_T)
+    folded = replace(REFERENCE, fused=fused)
+    g = gen(11)
+    q_lens, kv_lens = [1, 1], torch.tensor([6, 3])
+    meta = build_metadata(q_lens, kv_lens, page_table(), 4, CPU, max_kv=24)
+    ids = torch.randint(0, 64, (2,), generator=g)
+    hidden = (torch.randn(2, 32, generator=g) * 2).to(dtype)
+    lin = spy_launches(monkeypatch, gemv, "_linear_kernel", lambda grid, kw: (kw["NSEG"], kw["RES"], kw["ACT"]))
+    norms = spy_launches(monkeypatch, triton_fused, "_add_norm_kernel")
+    cats = spy_launches(monkeypatch, triton_fused, "_norm_cat_kernel")
+    outs = {}
+    for name, ops in (("folded", folded), ("reference", REFERENCE), ("separate", folded)):
+        if name == "separate":
+            monkeypatch.setattr(fused, "folds", lambda t, w: False)
+        lin.clear(), norms.clear(), cats.clear()
+        cache = head.new_cache(12 * 4, dtype, CPU)
+        m = replace(meta, ops=ops)
+        with torch.no_grad():
+            logits, h_next = head(ids, m.positions, hidden, m, cache, from_aux=False, logits=True)
+        outs[name] = (logits, h_next.float(), cache.k.float(), cache.v.float())
+        if name == "folded":
+            assert sorted(lin) == sorted([(2, False, 0), (0, True, 0), (1, False, 1), (0, True, 0), (1, False, 0)])
+            assert norms == [] and cats == []
+        if name == "separate":
+            assert all(n[:2] == (0, False) for n in lin) and len(lin) == 5 and len(norms) == 2 and len(cats) == 1
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for name in ("separate", "reference"):
+        for out, ref in zip(outs["folded"], outs[name]):
+            assert (out - ref).abs().max() <= tol * max(1.0, ref.abs().max().item()), name
+    assert outs["folded"][0].dtype == torch.float32 and outs["folded"][0].shape == (2, 40)
+    # step 0's row selection keeps the final norm's launch (it gathers the rows) and still folds the rest
+    monkeypatch.undo()
+    rows_norms = spy_launches(monkeypatch, triton_fused, "_add_norm_kernel", lambda grid, kw: kw["ROWS"])
+    cache = head.new_cache(12 * 4, dtype, CPU)
+    m = replace(meta, ops=folded)
+    with torch.no_grad():
+        lg, hn = head(ids, m.positions, hidden, m, cache, from_aux=False, rows=torch.tensor([1]), logits=True)
+    assert rows_norms == [True]
+    assert torch.equal(hn, outs["folded"][1][1:].to(dtype)) or (hn.float() - outs["folded"][1][1:]).abs().max() <= tol
+    assert (lg - outs["folded"][0][1:]).abs().max() <= tol * max(1.0, lg.abs().max().item())

@@ -90,6 +90,22 @@ class FusedOps(Protocol):
         -> [T, I] (a fast path computes the activation in the GEMV's epilogue)."""
         ...
 
+    def folds(self, t: int, w: torch.Tensor) -> bool:
+        """Whether `norm_linear` / `linear_add` with weight w run t rows as one launch (a model takes its
+        folded form only where they do: their fallback is the separate launches)."""
+        ...
+
+    def norm_linear(self, xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor], eps: float, w: torch.Tensor,
+                    gemma: bool = False, ids: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
+        """linear(concat_i rms_norm(xs[i], ws[i], eps, gemma), w) (`rms_norm_cat`'s input, ids included); with
+        act="silu" w is a packed gate / up weight and the result silu_mul's. A fast path normalises in the
+        GEMV's prologue (its sum of squares then runs in another order)."""
+        ...
+
+    def linear_add(self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """add_residual(linear(x, w), residual): a projection and the residual add after it."""
+        ...
+
     def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """reference.router_logits: x [T, H] -> [T, E] fp32 (a fast path may sum in another order)."""
         ...
@@ -204,6 +220,21 @@ class ReferenceFused:
 
     def linear_swiglu_oai(self, x, w, alpha, limit):
         return self.swiglu_oai(self.linear(x, w), alpha, limit)
+
+    def folds(self, t, w):
+        return False
+
+    def norm_linear(self, xs, ws, eps, w, gemma=False, ids=None, act=None):
+        # self's ops: a backend without the fold for this shape (triton) runs these as its separate launches
+        if act not in (None, "silu"):
+            raise ValueError(f"norm_linear: act={act!r}; None or 'silu'")
+        t = ids.shape[0] if ids is not None else xs[0].shape[0]
+        x = torch.empty(t, sum(x.shape[-1] for x in xs), dtype=w.dtype, device=w.device)  # [T, K]
+        self.rms_norm_cat(xs, ws, eps, x, gemma, ids)
+        return self.linear_silu_mul(x, w) if act == "silu" else self.linear(x, w)
+
+    def linear_add(self, x, w, residual):
+        return self.add_residual(self.linear(x, w), residual)
 
     def router_logits(self, x, weight):
         return reference.router_logits(x, weight)

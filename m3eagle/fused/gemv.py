@@ -61,7 +61,7 @@ import triton.language as tl
 
 from .. import pdl
 from ..pdl import pdl_wait
-from .triton_fused import silu_mul_f32, swiglu_oai_f32
+from .triton_fused import _rsqrt, silu_mul_f32, swiglu_oai_f32
 
 MAX_T = 32  # rows; past this a GEMM with weight-tile reuse (cuBLAS) is the right tool
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -123,12 +123,67 @@ def _store_act_row(ptr, row, vals, pid_n, T, n_act, stride, alpha, limit, ACT: t
     tl.store(ptr + row * stride + offs, out.to(dt), mask=ok)
 
 
+@triton.jit
+def _res_store_row(ptr, res_ptr, row, vals, offs_n, T, N, stride, stride_r):
+    """RES's store: ptr[row] = res[row] + vals, the GEMV's output rounded to ptr's dtype first and the sum
+    rounded again, as `reference.add_residual(linear(x, w), res)` rounds its two torch ops."""
+    dt = ptr.dtype.element_ty
+    ok = (offs_n < N) & (tl.zeros_like(offs_n) + row < T)  # [BN]
+    res = tl.load(res_ptr + row * stride_r + offs_n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(ptr + row * stride + offs_n, (res + vals.to(dt).to(tl.float32)).to(dt), mask=ok)
+
+
+@triton.jit
+def _norm_src(x_ptr, ids_ptr, row, T, stride_xt, GATHER: tl.constexpr):
+    """Element offset of row `row` (clamped to T - 1) of the first normed input: x's row, or with GATHER the
+    table row ids[row] (the embedding lookup folded in)."""
+    r = tl.minimum(row, T - 1)
+    if GATHER:
+        return tl.load(ids_ptr + r).to(tl.int64) * stride_xt
+    return r.to(tl.int64) * stride_xt
+
+
+@triton.jit
+def _norm_rstd(ptr, seg, eps, SEG_BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of one input row ptr[0:seg], fp32 (`_norm_store`'s formula)."""
+    offs = tl.arange(0, SEG_BLOCK)
+    r = tl.load(ptr + offs, mask=offs < seg, other=0.0).to(tl.float32)
+    return _rsqrt(tl.sum(r * r, axis=0) / seg + eps, PRECISE)
+
+
+@triton.jit
+def _norm_tile(x_ptr, x2_ptr, nw0_ptr, nw1_ptr, src0, src1, kk, k_ok, seg, rstd0, rstd1, dt: tl.constexpr,
+               NSEG: tl.constexpr, GEMMA: tl.constexpr):
+    """NORM's x tile [BN, BK] (fp32) at K indices kk: concat(rms_norm(x0 row), rms_norm(x1 row)) there, each
+    rounded to dt as the norm's own launch stores it (`_norm_store`: Llama rounds before the weight, Gemma
+    scales by 1 + w in fp32). x0's row starts at x_ptr + src0, x1's at x2_ptr + src1 (NSEG = 2)."""
+    if NSEG == 1:
+        raw = tl.load(x_ptr + src0 + kk, mask=k_ok, other=0.0).to(tl.float32)
+        y = raw * rstd0
+        w = tl.load(nw0_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+    else:
+        in0 = kk < seg
+        in1 = k_ok & (kk >= seg)
+        raw = tl.where(in0, tl.load(x_ptr + src0 + kk, mask=in0, other=0.0),
+                       tl.load(x2_ptr + src1 + kk - seg, mask=in1, other=0.0)).to(tl.float32)
+        y = raw * tl.where(in0, rstd0, rstd1)
+        w = tl.where(in0, tl.load(nw0_ptr + kk, mask=in0, other=0.0),
+                     tl.load(nw1_ptr + kk - seg, mask=in1, other=0.0)).to(tl.float32)
+    if GEMMA:
+        y = y * (1.0 + w)
+    else:
+        y = y.to(dt).to(tl.float32) * w
+    return y.to(dt).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["T", "n_split"])  # one compile for every T of a BLOCK_T and every split
 def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, stride_wn, stride_yt, k_split, n_split,
-                   n_act, alpha, limit, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   n_act, alpha, limit, x2_ptr, ids_ptr, nw0_ptr, nw1_ptr, res_ptr, seg, eps, stride_x2, stride_r,
+                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
                    IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr, PRELOAD: tl.constexpr, ACT: tl.constexpr,
-                   PRECISE: tl.constexpr, PDL: tl.constexpr):
+                   NSEG: tl.constexpr, GATHER: tl.constexpr, GEMMA: tl.constexpr, SEG_BLOCK: tl.constexpr,
+                   RES: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), n_split): y[:, n-tile] (or its split-s partial) from K range [s*k_split, +k_split).
 
     x [T, K] (row stride stride_xt, unit column stride), w [N, K] (row stride stride_wn), y [T, N] (row stride
@@ -152,6 +207,8 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, s
         pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     tl.static_assert(not (PRELOAD and (USE_DOT or not PREFETCH)), "PRELOAD is the GEMV's PREFETCH path")
     tl.static_assert(not (ACT and (USE_DOT or SPLIT or BLOCK_N < 2)), "ACT is the unsplit GEMV's, BLOCK_N >= 2")
+    tl.static_assert(not ((NSEG or RES) and (USE_DOT or SPLIT)), "NSEG / RES are the unsplit GEMV's")
+    tl.static_assert(not (RES and ACT), "RES stores the GEMV's own columns")
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
@@ -204,6 +261,36 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, s
         acc3 = acc0
         if PREFETCH and not PRELOAD:
             w_next = _load_k(w_ptrs, ((k0 + offs_k) < k_end)[None, :], EVEN_K)  # the first tile (never empty)
+        if NSEG:  # each row's mean squares, per input (rows past T re-read row T - 1; their stores drop)
+            dt: tl.constexpr = y_ptr.dtype.element_ty
+            s0 = _norm_src(x_ptr, ids_ptr, 0, T, stride_xt, GATHER)
+            s1 = _norm_src(x_ptr, ids_ptr, 1, T, stride_xt, GATHER)
+            s2 = _norm_src(x_ptr, ids_ptr, 2, T, stride_xt, GATHER)
+            s3 = _norm_src(x_ptr, ids_ptr, 3, T, stride_xt, GATHER)
+            u0 = tl.minimum(0, T - 1).to(tl.int64) * stride_x2
+            u1 = tl.minimum(1, T - 1).to(tl.int64) * stride_x2
+            u2 = tl.minimum(2, T - 1).to(tl.int64) * stride_x2
+            u3 = tl.minimum(3, T - 1).to(tl.int64) * stride_x2
+            a0 = _norm_rstd(x_ptr + s0, seg, eps, SEG_BLOCK, PRECISE)
+            b0 = a0
+            if NSEG == 2:
+                b0 = _norm_rstd(x2_ptr + u0, seg, eps, SEG_BLOCK, PRECISE)
+            a1 = a0
+            b1 = b0
+            if BLOCK_T > 1:
+                a1 = _norm_rstd(x_ptr + s1, seg, eps, SEG_BLOCK, PRECISE)
+                if NSEG == 2:
+                    b1 = _norm_rstd(x2_ptr + u1, seg, eps, SEG_BLOCK, PRECISE)
+            a2 = a0
+            b2 = b0
+            a3 = a0
+            b3 = b0
+            if BLOCK_T > 2:
+                a2 = _norm_rstd(x_ptr + s2, seg, eps, SEG_BLOCK, PRECISE)
+                a3 = _norm_rstd(x_ptr + s3, seg, eps, SEG_BLOCK, PRECISE)
+                if NSEG == 2:
+                    b2 = _norm_rstd(x2_ptr + u2, seg, eps, SEG_BLOCK, PRECISE)
+                    b3 = _norm_rstd(x2_ptr + u3, seg, eps, SEG_BLOCK, PRECISE)
         for k in range(k0, k_end, BLOCK_K):
             k_ok = (k + offs_k) < k_end  # [BK]; unused (compiled away) when EVEN_K
             if PREFETCH:
@@ -220,13 +307,27 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, s
             else:
                 w = _load_k(w_ptrs, k_ok[None, :], EVEN_K).to(tl.float32)  # [BN, BK]
                 w_ptrs += BLOCK_K
-            # explicit FMAs: what contraction makes of acc += w * x, and the same without it (ACT)
-            acc0 = tl.fma(w, _load_k(x_row, k_ok[None, :], EVEN_K).to(tl.float32), acc0)
-            if BLOCK_T > 1:
-                acc1 = tl.fma(w, _load_k(x_row + r1, k_ok[None, :], EVEN_K).to(tl.float32), acc1)
-            if BLOCK_T > 2:
-                acc2 = tl.fma(w, _load_k(x_row + r2, k_ok[None, :], EVEN_K).to(tl.float32), acc2)
-                acc3 = tl.fma(w, _load_k(x_row + r3, k_ok[None, :], EVEN_K).to(tl.float32), acc3)
+            # explicit FMAs: what contraction makes of acc += w * x, and the same without it (ACT, NSEG)
+            if NSEG:
+                kk = k + offs_k[None, :] + 0 * rows_n[:, None]  # [BN, BK] K indices
+                kok = kk < k_end
+                acc0 = tl.fma(w, _norm_tile(x_ptr, x2_ptr, nw0_ptr, nw1_ptr, s0, u0, kk, kok, seg, a0, b0, dt, NSEG,
+                                            GEMMA), acc0)
+                if BLOCK_T > 1:
+                    acc1 = tl.fma(w, _norm_tile(x_ptr, x2_ptr, nw0_ptr, nw1_ptr, s1, u1, kk, kok, seg, a1, b1, dt,
+                                                NSEG, GEMMA), acc1)
+                if BLOCK_T > 2:
+                    acc2 = tl.fma(w, _norm_tile(x_ptr, x2_ptr, nw0_ptr, nw1_ptr, s2, u2, kk, kok, seg, a2, b2, dt,
+                                                NSEG, GEMMA), acc2)
+                    acc3 = tl.fma(w, _norm_tile(x_ptr, x2_ptr, nw0_ptr, nw1_ptr, s3, u3, kk, kok, seg, a3, b3, dt,
+                                                NSEG, GEMMA), acc3)
+            else:
+                acc0 = tl.fma(w, _load_k(x_row, k_ok[None, :], EVEN_K).to(tl.float32), acc0)
+                if BLOCK_T > 1:
+                    acc1 = tl.fma(w, _load_k(x_row + r1, k_ok[None, :], EVEN_K).to(tl.float32), acc1)
+                if BLOCK_T > 2:
+                    acc2 = tl.fma(w, _load_k(x_row + r2, k_ok[None, :], EVEN_K).to(tl.float32), acc2)
+                    acc3 = tl.fma(w, _load_k(x_row + r3, k_ok[None, :], EVEN_K).to(tl.float32), acc3)
             x_row += BLOCK_K
         if ACT:
             half: tl.constexpr = BLOCK_N // 2
@@ -246,12 +347,20 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, s
             else:
                 dst = y_ptr
                 stride_d = stride_yt
-            _store_row(dst, 0, tl.sum(acc0, axis=1), offs_n, T, N, stride_d)
-            if BLOCK_T > 1:
-                _store_row(dst, 1, tl.sum(acc1, axis=1), offs_n, T, N, stride_d)
-            if BLOCK_T > 2:
-                _store_row(dst, 2, tl.sum(acc2, axis=1), offs_n, T, N, stride_d)
-                _store_row(dst, 3, tl.sum(acc3, axis=1), offs_n, T, N, stride_d)
+            if RES:
+                _res_store_row(dst, res_ptr, 0, tl.sum(acc0, axis=1), offs_n, T, N, stride_d, stride_r)
+                if BLOCK_T > 1:
+                    _res_store_row(dst, res_ptr, 1, tl.sum(acc1, axis=1), offs_n, T, N, stride_d, stride_r)
+                if BLOCK_T > 2:
+                    _res_store_row(dst, res_ptr, 2, tl.sum(acc2, axis=1), offs_n, T, N, stride_d, stride_r)
+                    _res_store_row(dst, res_ptr, 3, tl.sum(acc3, axis=1), offs_n, T, N, stride_d, stride_r)
+            else:
+                _store_row(dst, 0, tl.sum(acc0, axis=1), offs_n, T, N, stride_d)
+                if BLOCK_T > 1:
+                    _store_row(dst, 1, tl.sum(acc1, axis=1), offs_n, T, N, stride_d)
+                if BLOCK_T > 2:
+                    _store_row(dst, 2, tl.sum(acc2, axis=1), offs_n, T, N, stride_d)
+                    _store_row(dst, 3, tl.sum(acc3, axis=1), offs_n, T, N, stride_d)
     if SPLIT:
         # the tile's last program to finish (by its counter) sums the partials in split order
         tl.debug_barrier()  # every thread's partial store is issued before the release below
@@ -547,23 +656,49 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
     return y
 
 
+@dataclass(frozen=True)
+class NormIn:
+    """NSEG's inputs: x is concat(rms_norm(x0; w0), rms_norm(x1; w1)) -- `x` of `_launch` is x0 (with `ids`
+    the table whose rows ids are x0), x1 the second input [T, seg] or None, ws the norm weights."""
+
+    x1: torch.Tensor | None
+    ws: tuple[torch.Tensor, ...]
+    eps: float
+    gemma: bool
+    ids: torch.Tensor | None = None
+
+
 def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, part: torch.Tensor, cnt: torch.Tensor | None,
             cfg: GemvConfig, grid: tuple[int, int], k_split: int, n_act: int = 0, act: int = 0,
-            alpha: float = 0.0, limit: float = 0.0) -> None:
-    t, k = x.shape
+            alpha: float = 0.0, limit: float = 0.0, norm: NormIn | None = None,
+            residual: torch.Tensor | None = None, t: int | None = None) -> None:
+    """`t`: the rows (x's, unless x is a gathered table)."""
+    t = x.shape[0] if t is None else t
+    k = w.shape[1]
     launch = pdl.args(x)
     # Under PDL the GEMV's first weight tile is read before the wait (w is a weight: see the docstring);
     # that takes the register double buffer (PREFETCH), whose first load it is.
     preload = pdl.preload_weights(launch) and not cfg.use_dot
-    if act:  # the activation as its own launch compiles it (no contraction); the FMAs are explicit
+    if act or norm is not None:  # as the activation / norm launches compile it (no contraction); FMAs explicit
         launch = {**launch, "enable_fp_fusion": False}
+    nseg, seg = 0, 0
+    x1 = nw0 = nw1 = ids = x
+    if norm is not None:
+        nseg, seg = 1 + (norm.x1 is not None), x.shape[1]
+        x1 = norm.x1 if norm.x1 is not None else x
+        nw0, nw1 = norm.ws[0], norm.ws[-1]
+        ids = norm.ids if norm.ids is not None else x
+    res = residual if residual is not None else y
     _linear_kernel[grid](
         x, w, y, part, cnt if cnt is not None else y, t, w.shape[0], k, x.stride(0), w.stride(0), y.stride(0),
-        k_split, grid[1], n_act, float(alpha), float(limit), BLOCK_T=cfg.block_t(t), BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
+        k_split, grid[1], n_act, float(alpha), float(limit), x1, ids, nw0, nw1, res, seg,
+        float(norm.eps) if norm is not None else 0.0, x1.stride(0), res.stride(0), BLOCK_T=cfg.block_t(t),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT=grid[1] > 1, USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0,
         PREFETCH=not cfg.use_dot and (cfg.num_stages > 1 or preload), IEEE=x.dtype == torch.float32,
-        UPCAST_DOT=_interpreting() and x.dtype != torch.float32, PRELOAD=preload, ACT=act,
+        UPCAST_DOT=_interpreting() and x.dtype != torch.float32, PRELOAD=preload, ACT=act, NSEG=nseg,
+        GATHER=norm is not None and norm.ids is not None, GEMMA=norm is not None and norm.gemma,
+        SEG_BLOCK=triton.next_power_of_2(max(seg, 1)), RES=residual is not None,
         PRECISE=not _interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages if cfg.use_dot else 1,
         **launch)
 
@@ -572,12 +707,73 @@ def act_config(t: int, w: torch.Tensor, dtype: torch.dtype, device: torch.device
                ) -> GemvConfig | None:
     """The config `linear_act` runs for x [t, K] and the packed gate / up weight w [2I, K]: the GEMV's
     own pick for that shape, unsplit and with an even BLOCK_N >= 2 -- or None where that pick is tl.dot (the
-    activation then stays a launch of its own)."""
+    activation then stays a launch of its own). `norm_linear` / `linear_add` take the same (their prologue
+    and epilogue are the unsplit GEMV's too)."""
     cfg = pick_config(t, w.shape[0], w.shape[1], dtype, device)
     if cfg.use_dot or t > 4:
         return None
     bn = max(2, cfg.block_n + cfg.block_n % 2)
     return GemvConfig(bn, cfg.block_k, cfg.num_warps, cfg.num_stages, 1, False)
+
+
+def _check_fold(cfg: GemvConfig | None, t: int, what: str) -> None:
+    if cfg is None or cfg.use_dot or cfg.split_k != 1 or t > 4:
+        raise ValueError(f"{what}: {cfg} for T = {t}: the fold needs the unsplit GEMV (T <= 4)")
+
+
+def norm_linear(xs: tuple[torch.Tensor, ...], ws: tuple[torch.Tensor, ...], eps: float, w: torch.Tensor,
+                gemma: bool = False, ids: torch.Tensor | None = None, act: str | None = None,
+                config: GemvConfig | None = None) -> torch.Tensor:
+    """linear(concat_i rms_norm(xs[i], ws[i], eps, gemma), w) -> [T, N] (with `act` "silu" the packed gate /
+    up weight's silu(gate) * up, [T, N / 2]) in one launch: the norms are the GEMV's prologue. 1-2 inputs
+    [T, seg] of w's dtype (with `ids` [T] xs[0] is an embedding table whose rows ids are normed), w [N,
+    len(xs) * seg]. Equal to the separate launches to within the norm's fp32 sum (its order is this
+    launch's). The caller checks `supports` and that `act_config` is not None."""
+    x0 = xs[0]
+    t = ids.shape[0] if ids is not None else x0.shape[0]
+    seg = x0.shape[1]
+    if not 1 <= len(xs) <= 2 or len(ws) != len(xs) or w.shape[1] != len(xs) * seg or any(
+            x.shape[1] != seg or x.stride(1) != 1 or x.dtype != w.dtype for x in xs) or any(
+            n.shape != (seg,) or n.dtype != w.dtype or not n.is_contiguous() for n in ws):
+        raise ValueError(f"norm_linear: {len(xs)} inputs of width {seg} (unit column stride, w's dtype), "
+                         f"{len(ws)} norm weights [{seg}] of w's dtype, w {tuple(w.shape)}: 1-2 inputs, K = inputs * width")
+    if len(xs) == 2 and xs[1].shape[0] != t:
+        raise ValueError(f"norm_linear: the inputs have {t} and {xs[1].shape[0]} rows")
+    cfg = config if config is not None else act_config(t, w, w.dtype, w.device)
+    _check_fold(cfg, t, "norm_linear")
+    norm = NormIn(xs[1] if len(xs) == 2 else None, tuple(ws), eps, gemma, ids.contiguous() if ids is not None else None)
+    if act is not None:
+        if act not in ACTS or w.shape[0] % 2 or cfg.block_n % 2:
+            raise ValueError(f"norm_linear: act={act!r} with w {tuple(w.shape)} and {cfg}: act one of {sorted(ACTS)}, a "
+                             "packed [2I, K] gate / up weight, an even BLOCK_N")
+        inter = w.shape[0] // 2
+        y = torch.empty(t, inter, dtype=w.dtype, device=w.device)  # [T, I]
+        if t:
+            _launch(x0, w, y, y, None, cfg, (triton.cdiv(inter, cfg.block_n // 2), 1), w.shape[1], inter, ACTS[act],
+                    norm=norm, t=t)
+        return y
+    n = w.shape[0]
+    y = torch.empty(t, n, dtype=w.dtype, device=w.device)  # [T, N]
+    if t:
+        _launch(x0, w, y, y, None, cfg, (triton.cdiv(n, cfg.block_n), 1), w.shape[1], norm=norm, t=t)
+    return y
+
+
+def linear_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, config: GemvConfig | None = None,
+               ) -> torch.Tensor:
+    """residual + x @ w^T -> [T, N] in x.dtype, rounded as the two torch ops round (the GEMV's output, then
+    the sum): a projection and the residual add after it in one launch. residual [T, N], x's dtype. The
+    caller checks `supports(x, w)` and that `act_config` is not None."""
+    t, n = x.shape[0], w.shape[0]
+    if residual.shape != (t, n) or residual.dtype != x.dtype or residual.stride(1) != 1:
+        raise ValueError(f"linear_add: residual {tuple(residual.shape)} {residual.dtype} must be [{t}, {n}] "
+                         f"{x.dtype} with unit column stride")
+    cfg = config if config is not None else act_config(t, w, x.dtype, x.device)
+    _check_fold(cfg, t, "linear_add")
+    y = torch.empty(t, n, dtype=x.dtype, device=x.device)  # [T, N]
+    if t:
+        _launch(x, w, y, y, None, cfg, (triton.cdiv(n, cfg.block_n), 1), w.shape[1], residual=residual)
+    return y
 
 
 def linear_act(x: torch.Tensor, w: torch.Tensor, act: str, alpha: float = 0.0, limit: float = 0.0,
