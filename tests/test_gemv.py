@@ -243,3 +243,33 @@ def test_engine_mlp_takes_the_epilogue_where_the_gemv_runs_unsplit(monkeypatch):
     got = ops.linear_swiglu_oai(x, w, 1.702, 7.0)
     assert gemv_l == [True, True] and sw_l == []
     torch.testing.assert_close(got, ReferenceFused().linear_swiglu_oai(x, w, 1.702, 7.0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_norm_prologue_and_residual_epilogue_equal_their_separate_launches(t):
+    """Design note 51: norm_linear (rms_norm in the GEMV's prologue; Llama and Gemma scaling, with and
+    without the silu epilogue) equals rms_norm's launch followed by the GEMV of the same config to within the
+    norm's fp32 sum order (the interpreter happens to sum in the same order: equal here); linear_add (the
+    residual in the epilogue) equals the GEMV followed by the backend's residual add, bit for bit."""
+    from m3eagle.fused.triton_fused import TritonFused
+
+    f = TritonFused()
+    g = torch.Generator().manual_seed(t)
+    x = (torch.randn(t, 96, generator=g) * 3).bfloat16()
+    nw = torch.randn(96, generator=g).bfloat16()
+    for n, act in ((40, None), (80, "silu")):
+        w = (torch.randn(n, 96, generator=g) * 0.1).bfloat16()
+        cfg = gemv.GemvConfig(block_n=4, block_k=64)  # two K steps, the second masked (96 = 64 + 32)
+        for gemma in (False, True):
+            xn = f.rms_norm(x, nw, 1e-6, gemma)
+            want = gemv.linear_act(xn, w, act, config=cfg) if act else gemv.linear(xn, w, cfg)
+            got = gemv.norm_linear(x, nw, 1e-6, w, gemma, act, cfg)
+            assert got.shape == want.shape
+            assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
+            assert torch.equal(got, want)
+    w = (torch.randn(40, 96, generator=g) * 0.1).bfloat16()
+    res = (torch.randn(t, 40, generator=g) * 2).bfloat16()
+    cfg = gemv.GemvConfig(block_n=4, block_k=64)
+    assert torch.equal(gemv.linear_add(x, w, res, cfg), f.add_residual(gemv.linear(x, w, cfg), res))
+    with pytest.raises(ValueError, match="unsplit GEMV"):
+        gemv.linear_add(x, w, res, gemv.GemvConfig(block_n=32, block_k=32, use_dot=True))

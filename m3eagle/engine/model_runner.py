@@ -232,9 +232,7 @@ class ModelRunner:
         last accepted token + j) and at_slots [K+1, B] (their cache slots): commit_outputs'."""
         k, b = self.k, inp.num_rows
         st: SamplingTensors = inp.sampling
-        fp32 = inp.any_random
-        logits, h_next = self.draft(shifted, meta.positions, aux, meta, self.draft_cache, True, rows=last_idx,
-                                    logits=True, fp32=fp32)  # [B, Vd], [B, H]
+        h_out, h_next = self.draft(shifted, meta.positions, aux, meta, self.draft_cache, True, rows=last_idx)  # [B, H]
         pos = at[0]  # position of the last accepted token
         rows = self.row_ids[:b]
         dmeta = AttnMetadata(num_rows=b, max_q=1, max_kv=inp.meta.max_kv + k, page_size=self.page_size,
@@ -244,13 +242,14 @@ class ModelRunner:
         drafts = torch.empty(k, b, dtype=torch.int64, device=at.device).t()  # [B, K]; column j contiguous
         out_probs = []
         for step in range(k):
+            logits = self.draft.compute_logits(h_out, _fused(meta), fp32=inp.any_random)  # [B, Vd]
             tok, probs = self._draft_sample(logits, st, at[step], inp.any_random, _fused(meta), drafts, s, step)
             out_probs.append(probs)
             if step == k - 1:
                 break
             # the drafted token sits at pos + step + 1: dmeta.with_lengths(at[step + 2]), derived by commit
             sm = replace(dmeta, kv_lens=at[step + 2], positions=at[step + 1], slot_mapping=at_slots[step + 1])
-            logits, h_next = self.draft(tok, sm.positions, h_next, sm, self.draft_cache, False, logits=True, fp32=fp32)
+            h_out, h_next = self.draft(tok, sm.positions, h_next, sm, self.draft_cache, False)
         if inp.any_random:
             self.slot_drafts.index_copy_(0, s, drafts)
             self.slot_draft_probs.index_copy_(0, s, torch.stack(out_probs, 1))

@@ -95,11 +95,11 @@ class FusedOps(Protocol):
         folded form only where they do: their fallback is the separate launches)."""
         ...
 
-    def norm_linear(self, xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor], eps: float, w: torch.Tensor,
-                    gemma: bool = False, ids: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
-        """linear(concat_i rms_norm(xs[i], ws[i], eps, gemma), w) (`rms_norm_cat`'s input, ids included); with
-        act="silu" w is a packed gate / up weight and the result silu_mul's. A fast path normalises in the
-        GEMV's prologue (its sum of squares then runs in another order)."""
+    def norm_linear(self, x: torch.Tensor, nw: torch.Tensor, eps: float, w: torch.Tensor, gemma: bool = False,
+                    act: str | None = None) -> torch.Tensor:
+        """linear(rms_norm(x, nw, eps, gemma), w); with act="silu" w is a packed gate / up weight and the result
+        silu_mul's. A fast path normalises in the GEMV's prologue (its sum of squares then runs in another
+        order)."""
         ...
 
     def linear_add(self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -224,14 +224,12 @@ class ReferenceFused:
     def folds(self, t, w):
         return False
 
-    def norm_linear(self, xs, ws, eps, w, gemma=False, ids=None, act=None):
+    def norm_linear(self, x, nw, eps, w, gemma=False, act=None):
         # self's ops: a backend without the fold for this shape (triton) runs these as its separate launches
         if act not in (None, "silu"):
             raise ValueError(f"norm_linear: act={act!r}; None or 'silu'")
-        t = ids.shape[0] if ids is not None else xs[0].shape[0]
-        x = torch.empty(t, sum(x.shape[-1] for x in xs), dtype=w.dtype, device=w.device)  # [T, K]
-        self.rms_norm_cat(xs, ws, eps, x, gemma, ids)
-        return self.linear_silu_mul(x, w) if act == "silu" else self.linear(x, w)
+        xn = self.rms_norm(x, nw, eps, gemma)
+        return self.linear_silu_mul(xn, w) if act == "silu" else self.linear(xn, w)
 
     def linear_add(self, x, w, residual):
         return self.add_residual(self.linear(x, w), residual)

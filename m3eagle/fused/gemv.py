@@ -134,41 +134,20 @@ def _res_store_row(ptr, res_ptr, row, vals, offs_n, T, N, stride, stride_r):
 
 
 @triton.jit
-def _norm_src(x_ptr, ids_ptr, row, T, stride_xt, GATHER: tl.constexpr):
-    """Element offset of row `row` (clamped to T - 1) of the first normed input: x's row, or with GATHER the
-    table row ids[row] (the embedding lookup folded in)."""
-    r = tl.minimum(row, T - 1)
-    if GATHER:
-        return tl.load(ids_ptr + r).to(tl.int64) * stride_xt
-    return r.to(tl.int64) * stride_xt
+def _norm_rstd(row_ptr, k, eps, K_BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of one input row row_ptr[0:k], fp32 (`_norm_store`'s formula)."""
+    offs = tl.arange(0, K_BLOCK)
+    r = tl.load(row_ptr + offs, mask=offs < k, other=0.0).to(tl.float32)
+    return _rsqrt(tl.sum(r * r, axis=0) / k + eps, PRECISE)
 
 
 @triton.jit
-def _norm_rstd(ptr, seg, eps, SEG_BLOCK: tl.constexpr, PRECISE: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of one input row ptr[0:seg], fp32 (`_norm_store`'s formula)."""
-    offs = tl.arange(0, SEG_BLOCK)
-    r = tl.load(ptr + offs, mask=offs < seg, other=0.0).to(tl.float32)
-    return _rsqrt(tl.sum(r * r, axis=0) / seg + eps, PRECISE)
-
-
-@triton.jit
-def _norm_tile(x_ptr, x2_ptr, nw0_ptr, nw1_ptr, src0, src1, kk, k_ok, seg, rstd0, rstd1, dt: tl.constexpr,
-               NSEG: tl.constexpr, GEMMA: tl.constexpr):
-    """NORM's x tile [BN, BK] (fp32) at K indices kk: concat(rms_norm(x0 row), rms_norm(x1 row)) there, each
-    rounded to dt as the norm's own launch stores it (`_norm_store`: Llama rounds before the weight, Gemma
-    scales by 1 + w in fp32). x0's row starts at x_ptr + src0, x1's at x2_ptr + src1 (NSEG = 2)."""
-    if NSEG == 1:
-        raw = tl.load(x_ptr + src0 + kk, mask=k_ok, other=0.0).to(tl.float32)
-        y = raw * rstd0
-        w = tl.load(nw0_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-    else:
-        in0 = kk < seg
-        in1 = k_ok & (kk >= seg)
-        raw = tl.where(in0, tl.load(x_ptr + src0 + kk, mask=in0, other=0.0),
-                       tl.load(x2_ptr + src1 + kk - seg, mask=in1, other=0.0)).to(tl.float32)
-        y = raw * tl.where(in0, rstd0, rstd1)
-        w = tl.where(in0, tl.load(nw0_ptr + kk, mask=in0, other=0.0),
-                     tl.load(nw1_ptr + kk - seg, mask=in1, other=0.0)).to(tl.float32)
+def _norm_tile(row_ptr, nw_ptr, kk, k_ok, rstd, dt: tl.constexpr, GEMMA: tl.constexpr):
+    """NORM's x tile [BN, BK] (fp32) at K indices kk of the row at row_ptr: rms_norm(x; nw) there, rounded to
+    dt as the norm's own launch stores it (`_norm_store`: Llama rounds before the weight, Gemma scales by
+    1 + w in fp32)."""
+    y = tl.load(row_ptr + kk, mask=k_ok, other=0.0).to(tl.float32) * rstd
+    w = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
     if GEMMA:
         y = y * (1.0 + w)
     else:
@@ -178,12 +157,12 @@ def _norm_tile(x_ptr, x2_ptr, nw0_ptr, nw1_ptr, src0, src1, kk, k_ok, seg, rstd0
 
 @triton.jit(do_not_specialize=["T", "n_split"])  # one compile for every T of a BLOCK_T and every split
 def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, stride_wn, stride_yt, k_split, n_split,
-                   n_act, alpha, limit, x2_ptr, ids_ptr, nw0_ptr, nw1_ptr, res_ptr, seg, eps, stride_x2, stride_r,
+                   n_act, alpha, limit, nw_ptr, res_ptr, eps, stride_r,
                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
                    IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr, PRELOAD: tl.constexpr, ACT: tl.constexpr,
-                   NSEG: tl.constexpr, GATHER: tl.constexpr, GEMMA: tl.constexpr, SEG_BLOCK: tl.constexpr,
-                   RES: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+                   NORM: tl.constexpr, GEMMA: tl.constexpr, K_BLOCK: tl.constexpr, RES: tl.constexpr,
+                   PRECISE: tl.constexpr, PDL: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), n_split): y[:, n-tile] (or its split-s partial) from K range [s*k_split, +k_split).
 
     x [T, K] (row stride stride_xt, unit column stride), w [N, K] (row stride stride_wn), y [T, N] (row stride
@@ -202,12 +181,20 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, s
     weight rows are BLOCK_N / 2 gate rows and the up rows of the same columns, interleaved, so each
     activation is computed once, by the program that owns both of its inputs. The accumulation is an
     explicit FMA (what contraction makes of `acc += w * x`), so ACT, compiled without contraction for the
-    activation's sake, sums the same bits."""
+    activation's sake, sums the same bits.
+
+    NORM (GEMV, unsplit): x is rms_norm(x; nw, eps) (GEMMA: the (1 + w) scale), computed here -- each
+    program reduces its rows' mean squares itself (a row is one load of K_BLOCK >= K), then normalises
+    every K tile it multiplies -- instead of by a norm launch before it. The norm rounds as `_norm_store`
+    does; its sum of squares runs in this launch's order, so the result equals the two launches to within
+    the fp32 sum's rounding. RES (GEMV, unsplit, no ACT): y = res + x @ w^T, rounded as the GEMV's output
+    and then as the residual add (`_res_store_row`). NORM compiles without FMA contraction (as the norm
+    launch does); the GEMV's own FMAs are explicit."""
     if not PRELOAD:
         pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     tl.static_assert(not (PRELOAD and (USE_DOT or not PREFETCH)), "PRELOAD is the GEMV's PREFETCH path")
     tl.static_assert(not (ACT and (USE_DOT or SPLIT or BLOCK_N < 2)), "ACT is the unsplit GEMV's, BLOCK_N >= 2")
-    tl.static_assert(not ((NSEG or RES) and (USE_DOT or SPLIT)), "NSEG / RES are the unsplit GEMV's")
+    tl.static_assert(not ((NORM or RES) and (USE_DOT or SPLIT)), "NORM / RES are the unsplit GEMV's")
     tl.static_assert(not (RES and ACT), "RES stores the GEMV's own columns")
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -261,36 +248,17 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, s
         acc3 = acc0
         if PREFETCH and not PRELOAD:
             w_next = _load_k(w_ptrs, ((k0 + offs_k) < k_end)[None, :], EVEN_K)  # the first tile (never empty)
-        if NSEG:  # each row's mean squares, per input (rows past T re-read row T - 1; their stores drop)
+        if NORM:  # each row's mean square (rows past T re-read row T - 1; their stores drop)
             dt: tl.constexpr = y_ptr.dtype.element_ty
-            s0 = _norm_src(x_ptr, ids_ptr, 0, T, stride_xt, GATHER)
-            s1 = _norm_src(x_ptr, ids_ptr, 1, T, stride_xt, GATHER)
-            s2 = _norm_src(x_ptr, ids_ptr, 2, T, stride_xt, GATHER)
-            s3 = _norm_src(x_ptr, ids_ptr, 3, T, stride_xt, GATHER)
-            u0 = tl.minimum(0, T - 1).to(tl.int64) * stride_x2
-            u1 = tl.minimum(1, T - 1).to(tl.int64) * stride_x2
-            u2 = tl.minimum(2, T - 1).to(tl.int64) * stride_x2
-            u3 = tl.minimum(3, T - 1).to(tl.int64) * stride_x2
-            a0 = _norm_rstd(x_ptr + s0, seg, eps, SEG_BLOCK, PRECISE)
-            b0 = a0
-            if NSEG == 2:
-                b0 = _norm_rstd(x2_ptr + u0, seg, eps, SEG_BLOCK, PRECISE)
-            a1 = a0
-            b1 = b0
+            rstd0 = _norm_rstd(x_ptr, K, eps, K_BLOCK, PRECISE)
+            rstd1 = rstd0
+            rstd2 = rstd0
+            rstd3 = rstd0
             if BLOCK_T > 1:
-                a1 = _norm_rstd(x_ptr + s1, seg, eps, SEG_BLOCK, PRECISE)
-                if NSEG == 2:
-                    b1 = _norm_rstd(x2_ptr + u1, seg, eps, SEG_BLOCK, PRECISE)
-            a2 = a0
-            b2 = b0
-            a3 = a0
-            b3 = b0
+                rstd1 = _norm_rstd(x_ptr + r1, K, eps, K_BLOCK, PRECISE)
             if BLOCK_T > 2:
-                a2 = _norm_rstd(x_ptr + s2, seg, eps, SEG_BLOCK, PRECISE)
-                a3 = _norm_rstd(x_ptr + s3, seg, eps, SEG_BLOCK, PRECISE)
-                if NSEG == 2:
-                    b2 = _norm_rstd(x2_ptr + u2, seg, eps, SEG_BLOCK, PRECISE)
-                    b3 = _norm_rstd(x2_ptr + u3, seg, eps, SEG_BLOCK, PRECISE)
+                rstd2 = _norm_rstd(x_ptr + r2, K, eps, K_BLOCK, PRECISE)
+                rstd3 = _norm_rstd(x_ptr + r3, K, eps, K_BLOCK, PRECISE)
         for k in range(k0, k_end, BLOCK_K):
             k_ok = (k + offs_k) < k_end  # [BK]; unused (compiled away) when EVEN_K
             if PREFETCH:
@@ -307,20 +275,16 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, s
             else:
                 w = _load_k(w_ptrs, k_ok[None, :], EVEN_K).to(tl.float32)  # [BN, BK]
                 w_ptrs += BLOCK_K
-            # explicit FMAs: what contraction makes of acc += w * x, and the same without it (ACT, NSEG)
-            if NSEG:
+            # explicit FMAs: what contraction makes of acc += w * x, and the same without it (ACT, NORM)
+            if NORM:
                 kk = k + offs_k[None, :] + 0 * rows_n[:, None]  # [BN, BK] K indices
                 kok = kk < k_end
-                acc0 = tl.fma(w, _norm_tile(x_ptr, x2_ptr, nw0_ptr, nw1_ptr, s0, u0, kk, kok, seg, a0, b0, dt, NSEG,
-                                            GEMMA), acc0)
+                acc0 = tl.fma(w, _norm_tile(x_ptr, nw_ptr, kk, kok, rstd0, dt, GEMMA), acc0)
                 if BLOCK_T > 1:
-                    acc1 = tl.fma(w, _norm_tile(x_ptr, x2_ptr, nw0_ptr, nw1_ptr, s1, u1, kk, kok, seg, a1, b1, dt,
-                                                NSEG, GEMMA), acc1)
+                    acc1 = tl.fma(w, _norm_tile(x_ptr + r1, nw_ptr, kk, kok, rstd1, dt, GEMMA), acc1)
                 if BLOCK_T > 2:
-                    acc2 = tl.fma(w, _norm_tile(x_ptr, x2_ptr, nw0_ptr, nw1_ptr, s2, u2, kk, kok, seg, a2, b2, dt,
-                                                NSEG, GEMMA), acc2)
-                    acc3 = tl.fma(w, _norm_tile(x_ptr, x2_ptr, nw0_ptr, nw1_ptr, s3, u3, kk, kok, seg, a3, b3, dt,
-                                                NSEG, GEMMA), acc3)
+                    acc2 = tl.fma(w, _norm_tile(x_ptr + r2, nw_ptr, kk, kok, rstd2, dt, GEMMA), acc2)
+                    acc3 = tl.fma(w, _norm_tile(x_ptr + r3, nw_ptr, kk, kok, rstd3, dt, GEMMA), acc3)
             else:
                 acc0 = tl.fma(w, _load_k(x_row, k_ok[None, :], EVEN_K).to(tl.float32), acc0)
                 if BLOCK_T > 1:
@@ -656,49 +620,28 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
     return y
 
 
-@dataclass(frozen=True)
-class NormIn:
-    """NSEG's inputs: x is concat(rms_norm(x0; w0), rms_norm(x1; w1)) -- `x` of `_launch` is x0 (with `ids`
-    the table whose rows ids are x0), x1 the second input [T, seg] or None, ws the norm weights."""
-
-    x1: torch.Tensor | None
-    ws: tuple[torch.Tensor, ...]
-    eps: float
-    gemma: bool
-    ids: torch.Tensor | None = None
-
-
 def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, part: torch.Tensor, cnt: torch.Tensor | None,
             cfg: GemvConfig, grid: tuple[int, int], k_split: int, n_act: int = 0, act: int = 0,
-            alpha: float = 0.0, limit: float = 0.0, norm: NormIn | None = None,
-            residual: torch.Tensor | None = None, t: int | None = None) -> None:
-    """`t`: the rows (x's, unless x is a gathered table)."""
-    t = x.shape[0] if t is None else t
-    k = w.shape[1]
+            alpha: float = 0.0, limit: float = 0.0, norm: tuple[torch.Tensor, float, bool] | None = None,
+            residual: torch.Tensor | None = None) -> None:
+    """`norm`: (nw, eps, gemma) of NORM; `residual`: RES's."""
+    t, k = x.shape
     launch = pdl.args(x)
     # Under PDL the GEMV's first weight tile is read before the wait (w is a weight: see the docstring);
     # that takes the register double buffer (PREFETCH), whose first load it is.
     preload = pdl.preload_weights(launch) and not cfg.use_dot
     if act or norm is not None:  # as the activation / norm launches compile it (no contraction); FMAs explicit
         launch = {**launch, "enable_fp_fusion": False}
-    nseg, seg = 0, 0
-    x1 = nw0 = nw1 = ids = x
-    if norm is not None:
-        nseg, seg = 1 + (norm.x1 is not None), x.shape[1]
-        x1 = norm.x1 if norm.x1 is not None else x
-        nw0, nw1 = norm.ws[0], norm.ws[-1]
-        ids = norm.ids if norm.ids is not None else x
+    nw, eps, gemma = norm if norm is not None else (x, 0.0, False)
     res = residual if residual is not None else y
     _linear_kernel[grid](
         x, w, y, part, cnt if cnt is not None else y, t, w.shape[0], k, x.stride(0), w.stride(0), y.stride(0),
-        k_split, grid[1], n_act, float(alpha), float(limit), x1, ids, nw0, nw1, res, seg,
-        float(norm.eps) if norm is not None else 0.0, x1.stride(0), res.stride(0), BLOCK_T=cfg.block_t(t),
+        k_split, grid[1], n_act, float(alpha), float(limit), nw, res, float(eps), res.stride(0), BLOCK_T=cfg.block_t(t),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT=grid[1] > 1, USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0,
         PREFETCH=not cfg.use_dot and (cfg.num_stages > 1 or preload), IEEE=x.dtype == torch.float32,
-        UPCAST_DOT=_interpreting() and x.dtype != torch.float32, PRELOAD=preload, ACT=act, NSEG=nseg,
-        GATHER=norm is not None and norm.ids is not None, GEMMA=norm is not None and norm.gemma,
-        SEG_BLOCK=triton.next_power_of_2(max(seg, 1)), RES=residual is not None,
+        UPCAST_DOT=_interpreting() and x.dtype != torch.float32, PRELOAD=preload, ACT=act, NORM=norm is not None,
+        GEMMA=gemma, K_BLOCK=triton.next_power_of_2(k) if norm is not None else 1, RES=residual is not None,
         PRECISE=not _interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages if cfg.use_dot else 1,
         **launch)
 
@@ -721,27 +664,18 @@ def _check_fold(cfg: GemvConfig | None, t: int, what: str) -> None:
         raise ValueError(f"{what}: {cfg} for T = {t}: the fold needs the unsplit GEMV (T <= 4)")
 
 
-def norm_linear(xs: tuple[torch.Tensor, ...], ws: tuple[torch.Tensor, ...], eps: float, w: torch.Tensor,
-                gemma: bool = False, ids: torch.Tensor | None = None, act: str | None = None,
-                config: GemvConfig | None = None) -> torch.Tensor:
-    """linear(concat_i rms_norm(xs[i], ws[i], eps, gemma), w) -> [T, N] (with `act` "silu" the packed gate /
-    up weight's silu(gate) * up, [T, N / 2]) in one launch: the norms are the GEMV's prologue. 1-2 inputs
-    [T, seg] of w's dtype (with `ids` [T] xs[0] is an embedding table whose rows ids are normed), w [N,
-    len(xs) * seg]. Equal to the separate launches to within the norm's fp32 sum (its order is this
-    launch's). The caller checks `supports` and that `act_config` is not None."""
-    x0 = xs[0]
-    t = ids.shape[0] if ids is not None else x0.shape[0]
-    seg = x0.shape[1]
-    if not 1 <= len(xs) <= 2 or len(ws) != len(xs) or w.shape[1] != len(xs) * seg or any(
-            x.shape[1] != seg or x.stride(1) != 1 or x.dtype != w.dtype for x in xs) or any(
-            n.shape != (seg,) or n.dtype != w.dtype or not n.is_contiguous() for n in ws):
-        raise ValueError(f"norm_linear: {len(xs)} inputs of width {seg} (unit column stride, w's dtype), "
-                         f"{len(ws)} norm weights [{seg}] of w's dtype, w {tuple(w.shape)}: 1-2 inputs, K = inputs * width")
-    if len(xs) == 2 and xs[1].shape[0] != t:
-        raise ValueError(f"norm_linear: the inputs have {t} and {xs[1].shape[0]} rows")
+def norm_linear(x: torch.Tensor, nw: torch.Tensor, eps: float, w: torch.Tensor, gemma: bool = False,
+                act: str | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+    """linear(rms_norm(x, nw, eps, gemma), w) -> [T, N] (with `act` "silu" the packed gate / up weight's
+    silu(gate) * up, [T, N / 2]) in one launch: the norm is the GEMV's prologue. x [T, K] and nw [K] in w's
+    dtype. Equal to the two launches to within the norm's fp32 sum (its order is this launch's). The
+    caller checks `supports(x, w)` and that `act_config` is not None."""
+    t, k = x.shape
+    if nw.shape != (k,) or nw.dtype != w.dtype or not nw.is_contiguous() or x.dtype != w.dtype:
+        raise ValueError(f"norm_linear: x {tuple(x.shape)} {x.dtype}, norm weight {tuple(nw.shape)} {nw.dtype}, w "
+                         f"{tuple(w.shape)} {w.dtype}: one dtype, a contiguous [{k}] norm weight")
     cfg = config if config is not None else act_config(t, w, w.dtype, w.device)
     _check_fold(cfg, t, "norm_linear")
-    norm = NormIn(xs[1] if len(xs) == 2 else None, tuple(ws), eps, gemma, ids.contiguous() if ids is not None else None)
     if act is not None:
         if act not in ACTS or w.shape[0] % 2 or cfg.block_n % 2:
             raise ValueError(f"norm_linear: act={act!r} with w {tuple(w.shape)} and {cfg}: act one of {sorted(ACTS)}, a "
@@ -749,13 +683,13 @@ def norm_linear(xs: tuple[torch.Tensor, ...], ws: tuple[torch.Tensor, ...], eps:
         inter = w.shape[0] // 2
         y = torch.empty(t, inter, dtype=w.dtype, device=w.device)  # [T, I]
         if t:
-            _launch(x0, w, y, y, None, cfg, (triton.cdiv(inter, cfg.block_n // 2), 1), w.shape[1], inter, ACTS[act],
-                    norm=norm, t=t)
+            _launch(x, w, y, y, None, cfg, (triton.cdiv(inter, cfg.block_n // 2), 1), k, inter, ACTS[act],
+                    norm=(nw, eps, gemma))
         return y
     n = w.shape[0]
     y = torch.empty(t, n, dtype=w.dtype, device=w.device)  # [T, N]
     if t:
-        _launch(x0, w, y, y, None, cfg, (triton.cdiv(n, cfg.block_n), 1), w.shape[1], norm=norm, t=t)
+        _launch(x, w, y, y, None, cfg, (triton.cdiv(n, cfg.block_n), 1), k, norm=(nw, eps, gemma))
     return y
 
 

@@ -217,20 +217,14 @@ class Eagle3Attention(nn.Module):
         v = self.v_proj(x).view(t, c.num_key_value_heads, c.head_dim)
         return q, k, v
 
-    def forward(self, x: torch.Tensor | None, positions: torch.Tensor, meta: AttnMetadata,
-                cache: LayerCache, qkv: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                cache: LayerCache, residual: torch.Tensor | None = None) -> torch.Tensor:
         """Paged path: x [T, 2H] -> [T, H]. Writes this step's K/V at meta.slot_mapping first. Same math as
-        `qkv` + the cache writes, as one fused op of the engine's (`meta.ops.fused`). `qkv` [T, (Hq + 2Hkv)
-        D]: the packed projection already done (x None); `residual` [T, H]: returns residual + the output,
-        the add in o_proj's launch (`fused.linear_add`)."""
-        c = self.cfg
+        `qkv` + the cache writes, as one fused op of the engine's (`meta.ops.fused`). With `residual` [T, H]
+        returns residual + the output (the add in o_proj's launch: `fused.linear_add`)."""
+        t, c = x.shape[0], self.cfg
         ops = meta.ops or REFERENCE
-        if qkv is not None:
-            pq, pk, pv = qkv.split(self.proj.sizes, -1)
-        else:
-            pq, pk, pv = self.proj(x, ops.fused)
-        t = pq.shape[0]
+        pq, pk, pv = self.proj(x, ops.fused)
         # No q/k norm in a Llama head; the RoPE tables (full head) are this layer's alone, so they are
         # computed in the same launch where the backend can.
         q = ops.fused.rope_qkv_store(
@@ -307,24 +301,13 @@ class Eagle3DecoderLayer(nn.Module):
         return torch.cat((self.input_layernorm(emb), self.hidden_norm(h)), dim=-1)
 
     def forward(self, emb: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
-                cache: LayerCache, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                cache: LayerCache, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Paged path: (residual [T, H], mlp output [T, H]) -- the layer's output is their sum, which the
-        head's final norm adds in (fused); (the sum, None) where the fused ops fold the add into down's GEMV. The residual stream starts from the hidden input, not from the
+        head's final norm adds in (fused). The residual stream starts from the hidden input, not from the
         embedding (EAGLE-3 reference). emb [T, H], or with `ids` [T] the embedding table [V, H] whose rows
         ids are the embeddings (the lookup rides in the norms' launch)."""
         f = (meta.ops or REFERENCE).fused
         n1, n2, n3 = self.input_layernorm, self.hidden_norm, self.post_attention_layernorm
-        attn, mlp, t = self.self_attn, self.mlp, h.shape[0]
-        if (n1.eps == n2.eps and attn.proj.is_packed() and mlp.gate_up.is_packed() and f.folds(t, attn.proj.weight)
-                and f.folds(t, attn.o_proj.weight) and f.folds(t, mlp.gate_up.weight)):
-            # Each norm in the prologue of the GEMV that reads it, each residual add in the epilogue of the
-            # GEMV before it (design note 51): input norms + q/k/v, attention, o + add, norm + gate_up + silu.
-            qkv = f.norm_linear((emb, h), (n1.weight, n2.weight), n1.eps, attn.proj.weight, ids=ids)
-            h = attn(None, positions, meta, cache, qkv=qkv, residual=h)
-            a = f.norm_linear((h,), (n3.weight,), n3.eps, mlp.gate_up.weight, act="silu")  # [T, I]
-            if f.folds(t, mlp.down_proj.weight):  # down + the residual add: the layer's whole output
-                return f.linear_add(a, mlp.down_proj.weight, h), None
-            return h, linear(a, mlp.down_proj.weight, f)
         width = emb.shape[-1]
         # attn_input without the cat: the two norms write the halves of the [T, 2H] projection input.
         x = torch.empty(h.shape[0], 2 * width, dtype=self.self_attn.q_proj.weight.dtype, device=h.device)
@@ -334,6 +317,13 @@ class Eagle3DecoderLayer(nn.Module):
             emb = torch.nn.functional.embedding(ids, emb) if ids is not None else emb
             f.rms_norm(emb, n1.weight, n1.eps, gemma=False, out=x[:, :width])
             f.rms_norm(h, n2.weight, n2.eps, gemma=False, out=x[:, width:])
+        attn, mlp = self.self_attn, self.mlp
+        if mlp.gate_up.is_packed() and f.folds(x.shape[0], attn.o_proj.weight) and f.folds(x.shape[0], mlp.gate_up.weight):
+            # The residual add in o_proj's epilogue, the post-attention norm in gate_up's prologue (design note
+            # 51): one launch fewer than o_proj, add_rms_norm, gate_up -- the one such fold that paid.
+            h = attn(x, positions, meta, cache, residual=h)
+            a = f.norm_linear(h, n3.weight, n3.eps, mlp.gate_up.weight, gemma=False, act="silu")  # [T, I]
+            return h, linear(a, mlp.down_proj.weight, f)
         hn, h = f.add_rms_norm(self.self_attn(x, positions, meta, cache), h, n3.weight, n3.eps, gemma=False)
         return h, self.mlp(hn, f)
 
@@ -439,28 +429,20 @@ class Eagle3Head(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                 meta: AttnMetadata, cache: LayerCache, from_aux: bool, rows: torch.Tensor | None = None,
-                logits: bool = False, fp32: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step on the paged cache.
 
         input_ids [T], positions [T], hidden [T, n_aux * Ht] when from_aux (step 0: the target's aux
         states) else [T, H] (the previous step's h_next). Writes K/V at meta.slot_mapping into `cache`.
         Returns (h_out [T, H] for compute_logits, h_next [T, H] for the next draft step); with `rows` [R]
-        only those tokens' outputs ([R, H] each: every token's K/V is still written). With `logits` the
-        first output is compute_logits(h_out, fused, fp32) [T or R, Vd] (the final norm may then ride in
-        lm_head's launch)."""
+        only those tokens' outputs ([R, H] each: every token's K/V is still written)."""
         f = (meta.ops or REFERENCE).fused
         h = self.project_aux(hidden, f) if from_aux else hidden.to(self.fc.weight.dtype)
         emb, ids = self._lookup(input_ids)  # the table and the ids where the lookup rides in the norms' launch
         h, mlp_out = self.midlayer(emb, h, positions, meta, cache, ids)
-        if (mlp_out is None and logits and rows is None and not self.cfg.norm_output
-                and f.folds(h.shape[0], self.lm_head.weight)):  # the final norm in lm_head's prologue
-            out = f.norm_linear((h,), (self.norm.weight,), self.norm.eps, self.lm_head.weight)  # [T, Vd]
-            return (out.float() if fp32 else out), h
-        # _outputs, fused with the residual add where the layer left it (and the row gather, in the same launch)
-        x, res = (h, None) if mlp_out is None else (mlp_out, h)
-        h_out, h = f.add_rms_norm(x, res, self.norm.weight, self.norm.eps, gemma=False, rows=rows)
-        h_next = h_out if self.cfg.norm_output else h
-        return (self.compute_logits(h_out, f, fp32) if logits else h_out), h_next
+        # _outputs, fused with the residual add (and the row gather, which rides in the same launch)
+        h_out, h = f.add_rms_norm(mlp_out, h, self.norm.weight, self.norm.eps, gemma=False, rows=rows)
+        return h_out, (h_out if self.cfg.norm_output else h)
 
     def forward_seq(self, input_ids: torch.Tensor, hidden: torch.Tensor, from_aux: bool,
                     cache_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
