@@ -909,7 +909,7 @@ def test_route_tokens_takes_the_tiled_router_past_the_gemv_limit(monkeypatch):
     assert key not in fused._splits
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32])  # fp32: a tight bound; the bf16 roundings: test_gemv's test
 def test_eagle3_head_folded_gemv_step_equals_its_separate_launches(dtype, monkeypatch):
     """Design note 51: with the decode GEMV on (gemv_max_t), a one-token draft step adds the attention's
     residual in o_proj's epilogue and runs the post-attention norm in gate_up's prologue (with its silu

@@ -245,7 +245,7 @@ def test_engine_mlp_takes_the_epilogue_where_the_gemv_runs_unsplit(monkeypatch):
     torch.testing.assert_close(got, ReferenceFused().linear_swiglu_oai(x, w, 1.702, 7.0), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("t", [1, 2, 4])
+@pytest.mark.parametrize("t", [1, 3])  # 3: BLOCK_T = 4 with a clamped padding row
 def test_norm_prologue_and_residual_epilogue_equal_their_separate_launches(t):
     """Design note 51: norm_linear (rms_norm in the GEMV's prologue; Llama and Gemma scaling, with and
     without the silu epilogue) equals rms_norm's launch followed by the GEMV of the same config to within the
