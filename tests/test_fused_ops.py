@@ -915,7 +915,8 @@ def test_eagle3_head_folded_gemv_step_equals_its_separate_launches(dtype, monkey
     residual in o_proj's epilogue and runs the post-attention norm in gate_up's prologue (with its silu
     epilogue): no add_rms_norm launch between them. Its h_out, h_next and K/V equal the same backend's
     separate launches (the fold switched off) to the norm's fp32 sum order, and the reference's. Steps of
-    more tokens than FOLD_MAX_T (where the fold measured slower) keep the separate launches."""
+    more tokens than FOLD_MAX_T and weights wider than FOLD_MAX_K (where the fold measured slower) keep the
+    separate launches."""
     from m3eagle.fused import gemv, triton_fused
     from m3eagle.models.eagle3 import Eagle3Config, Eagle3Head
     from m3eagle.models.layers import pack_projections
@@ -963,3 +964,6 @@ def test_eagle3_head_folded_gemv_step_equals_its_separate_launches(dtype, monkey
     with torch.no_grad():
         head(torch.arange(t), m.positions, hidden.expand(t, -1), m, head.new_cache(12 * 4, dtype, CPU), from_aux=False)
     assert len(lin) == 4 and not any(norm or res for norm, res in lin)
+    f = triton_fused.TritonFused(gemv_max_t=gemv.MAX_T)  # and weights wider than FOLD_MAX_K (m3-8b's 4096) neither
+    k = f.FOLD_MAX_K
+    assert f.folds(1, torch.zeros(8, k)) and not f.folds(1, torch.zeros(8, 2 * k)) and not f.folds(2, torch.zeros(8, k))

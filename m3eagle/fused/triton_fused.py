@@ -1316,17 +1316,20 @@ class TritonFused:
         """The GEMV config that runs the activation in its epilogue (unsplit GEMV), else None: two launches."""
         return self._gemv.act_config(x.shape[0], w, x.dtype, x.device) if self._gemv_takes(x, w) else None
 
-    # Rows up to which `folds` says yes: in a PDL chain of the head's layer on the H200 the o_proj / gate_up
-    # fold took 11.57 -> 10.86 us per layer at T = 1 and 16.27 -> 17.73 us at T = 4 (design note 51).
+    # Where `folds` says yes, from a PDL chain of the head's layer on the H200 (benchmarks/fold_chain.py,
+    # design note 51): the o_proj / gate_up fold took 11.57 -> 10.86 us per layer at T = 1 and 16.27 -> 17.73
+    # at T = 4 (embedded); at T = 1 70.07 -> 69.38 us for m3-mini's 2048-wide head and 183.1 -> 190.0 us for
+    # m3-8b's 4096-wide one (every program of gate_up re-reduces the row). Rows and the weight's K at most:
     FOLD_MAX_T = 1
+    FOLD_MAX_K = 2048
 
     def fold_config(self, t: int, w: torch.Tensor):
         """The unsplit GEMV config under which `norm_linear` / `linear_add` with weight w [N, K] run t rows as
         one launch (their norm prologue / residual epilogue), or None: they run as the separate launches."""
         g = self._gemv
         most = self.gemv_max_t if self.gemv_max_t is not None else (g.MAX_T if w.is_cuda else 0)
-        if not (1 <= t <= min(most, self.FOLD_MAX_T) and w.dim() == 2 and w.stride(1) == 1 and w.dtype in g.DTYPES
-                and g.prefers(t, w.shape[0], w.shape[1])):
+        if not (1 <= t <= min(most, self.FOLD_MAX_T) and w.dim() == 2 and w.shape[1] <= self.FOLD_MAX_K
+                and w.stride(1) == 1 and w.dtype in g.DTYPES and g.prefers(t, w.shape[0], w.shape[1])):
             return None
         return g.act_config(t, w, w.dtype, w.device)
 
