@@ -61,7 +61,7 @@ import triton.language as tl
 
 from .. import pdl
 from ..pdl import pdl_wait
-from .triton_fused import _rsqrt, silu_mul_f32, swiglu_oai_f32
+from .triton_fused import rms_rstd, rms_scale, silu_mul_f32, swiglu_oai_f32
 
 MAX_T = 32  # rows; past this a GEMM with weight-tile reuse (cuBLAS) is the right tool
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -135,24 +135,18 @@ def _res_store_row(ptr, res_ptr, row, vals, offs_n, T, N, stride, stride_r):
 
 @triton.jit
 def _norm_rstd(row_ptr, k, eps, K_BLOCK: tl.constexpr, PRECISE: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of one input row row_ptr[0:k], fp32 (`_norm_store`'s formula)."""
+    """`rms_rstd` of one input row row_ptr[0:k] (the norm launches' formula; this launch's sum order)."""
     offs = tl.arange(0, K_BLOCK)
-    r = tl.load(row_ptr + offs, mask=offs < k, other=0.0).to(tl.float32)
-    return _rsqrt(tl.sum(r * r, axis=0) / k + eps, PRECISE)
+    return rms_rstd(tl.load(row_ptr + offs, mask=offs < k, other=0.0).to(tl.float32), k, eps, PRECISE)
 
 
 @triton.jit
 def _norm_tile(row_ptr, nw_ptr, kk, k_ok, rstd, dt: tl.constexpr, GEMMA: tl.constexpr):
-    """NORM's x tile [BN, BK] (fp32) at K indices kk of the row at row_ptr: rms_norm(x; nw) there, rounded to
-    dt as the norm's own launch stores it (`_norm_store`: Llama rounds before the weight, Gemma scales by
-    1 + w in fp32)."""
+    """NORM's x tile [BN, BK] (fp32) at K indices kk of the row at row_ptr: rms_norm(x; nw) there, scaled and
+    rounded to dt as the norm's own launch stores it (`rms_scale`, `_norm_store`'s)."""
     y = tl.load(row_ptr + kk, mask=k_ok, other=0.0).to(tl.float32) * rstd
     w = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-    if GEMMA:
-        y = y * (1.0 + w)
-    else:
-        y = y.to(dt).to(tl.float32) * w
-    return y.to(dt).to(tl.float32)
+    return rms_scale(y, w, dt, GEMMA).to(dt).to(tl.float32)
 
 
 @triton.jit(do_not_specialize=["T", "n_split"])  # one compile for every T of a BLOCK_T and every split
@@ -675,17 +669,9 @@ def norm_linear(x: torch.Tensor, nw: torch.Tensor, eps: float, w: torch.Tensor, 
         raise ValueError(f"norm_linear: x {tuple(x.shape)} {x.dtype}, norm weight {tuple(nw.shape)} {nw.dtype}, w "
                          f"{tuple(w.shape)} {w.dtype}: one dtype, a contiguous [{k}] norm weight")
     cfg = config if config is not None else act_config(t, w, w.dtype, w.device)
-    _check_fold(cfg, t, "norm_linear")
     if act is not None:
-        if act not in ACTS or w.shape[0] % 2 or cfg.block_n % 2:
-            raise ValueError(f"norm_linear: act={act!r} with w {tuple(w.shape)} and {cfg}: act one of {sorted(ACTS)}, a "
-                             "packed [2I, K] gate / up weight, an even BLOCK_N")
-        inter = w.shape[0] // 2
-        y = torch.empty(t, inter, dtype=w.dtype, device=w.device)  # [T, I]
-        if t:
-            _launch(x, w, y, y, None, cfg, (triton.cdiv(inter, cfg.block_n // 2), 1), k, inter, ACTS[act],
-                    norm=(nw, eps, gemma))
-        return y
+        return linear_act(x, w, act, config=cfg, norm=(nw, eps, gemma))
+    _check_fold(cfg, t, "norm_linear")
     n = w.shape[0]
     y = torch.empty(t, n, dtype=w.dtype, device=w.device)  # [T, N]
     if t:
@@ -711,12 +697,14 @@ def linear_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, config:
 
 
 def linear_act(x: torch.Tensor, w: torch.Tensor, act: str, alpha: float = 0.0, limit: float = 0.0,
-               config: GemvConfig | None = None) -> torch.Tensor:
+               config: GemvConfig | None = None, norm: tuple[torch.Tensor, float, bool] | None = None,
+               ) -> torch.Tensor:
     """act(x @ w[:I]^T, x @ w[I:]^T) -> [T, I] in x.dtype for a packed gate / up weight w [2I, K]: an MLP's
     gate_up GEMV with its activation in the epilogue (one launch instead of two). act "silu": silu(gate) *
     up (the Llama MLP); "swiglu_oai": M3's clamped (up + 1) * gate * sigmoid(alpha * gate). Bit-equal to
     `linear` followed by `triton_fused.silu_mul` / `swiglu_oai` (the same sums, rounded to x.dtype, then the
-    same activation code). The caller checks `supports(x, w)` and that `act_config` is not None."""
+    same activation code). `norm` (nw, eps, gemma): x is normed in the prologue first (`norm_linear`). The
+    caller checks `supports(x, w)` and that `act_config` is not None."""
     t, k = x.shape
     if act not in ACTS:
         raise ValueError(f"linear_act: act={act!r}; choose one of {sorted(ACTS)}")
@@ -729,5 +717,6 @@ def linear_act(x: torch.Tensor, w: torch.Tensor, act: str, alpha: float = 0.0, l
     inter = w.shape[0] // 2
     y = torch.empty(t, inter, dtype=x.dtype, device=x.device)  # [T, I]
     if t:
-        _launch(x, w, y, y, None, cfg, (triton.cdiv(inter, cfg.block_n // 2), 1), k, inter, ACTS[act], alpha, limit)
+        _launch(x, w, y, y, None, cfg, (triton.cdiv(inter, cfg.block_n // 2), 1), k, inter, ACTS[act], alpha, limit,
+                norm)
     return y

@@ -131,17 +131,28 @@ def _add_norm_kernel(x_ptr, x2_ptr, res_ptr, w_ptr, y_ptr, r_ptr, rows_ptr, n, x
 
 
 @triton.jit
+def rms_rstd(r, n, eps, PRECISE: tl.constexpr):
+    """1 / sqrt(mean(r^2) + eps) of a row r [BLOCK] fp32 whose lanes past n are zero (the sum is then over
+    the n real channels)."""
+    return _rsqrt(tl.sum(r * r, axis=0) / n + eps, PRECISE)
+
+
+@triton.jit
+def rms_scale(y, w, dt: tl.constexpr, GEMMA: tl.constexpr):
+    """The normalised row y = x * rstd (fp32) scaled by the norm weight w (fp32), before the store's rounding
+    to dt: Gemma (x * rstd) * (1 + w) in fp32; Llama rounds to x's dtype, then scales (w * y in torch)."""
+    if GEMMA:
+        return y * (1.0 + w)
+    return y.to(dt).to(tl.float32) * w
+
+
+@triton.jit
 def _norm_store(r, w_ptr, y_row, offs, m, n, eps, dt: tl.constexpr, GEMMA: tl.constexpr, PRECISE: tl.constexpr):
     """y_row[offs] = rms_norm(r) for one row r [BLOCK] fp32 (lanes past n zero) of dtype dt: the RMSNorm of
     `_add_norm_kernel` and `_norm_cat_kernel`, so the two are bit-equal at equal BLOCK and warps."""
-    # masked lanes load 0, so the sum is over the n real channels
-    y = r * _rsqrt(tl.sum(r * r, axis=0) / n + eps, PRECISE)
+    y = r * rms_rstd(r, n, eps, PRECISE)
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    if GEMMA:
-        y = y * (1.0 + w)  # (x * rstd) * (1 + w) in fp32, one rounding at the store
-    else:
-        y = y.to(dt).to(tl.float32) * w  # Llama: round to x's dtype, then scale (w * y in torch)
-    tl.store(y_row + offs, y.to(y_row.dtype.element_ty), mask=m)
+    tl.store(y_row + offs, rms_scale(y, w, dt, GEMMA).to(y_row.dtype.element_ty), mask=m)
 
 
 @triton.jit
