@@ -402,6 +402,41 @@ def test_draft_step_folds_on_gpu_are_bit_equal_to_their_separate_launches():
     assert torch.equal(y_r, y_all[rows]) and torch.equal(r_r, r_all[rows])
 
 
+def test_gemv_argmax_epilogue_on_gpu():
+    """ARGMAX compiled for the GPU at the embedded lm_heads' shapes (draft 6144 x 256, target 8192 x 256; T = 1
+    and 4): the picks bit-equal to the GEMV then the argmax launch, ties across tiles (a duplicated maximum
+    row: the lower column) and NaN among infinities (the first NaN) forced; replayed 50 times in a
+    PDL-captured graph, each replay's picks equal and the counter zero after."""
+    from m3eagle import pdl
+    from m3eagle.fused import gemv, triton_fused
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    counters = gemv.SplitCounters().get("cuda")
+    for n in (6144, 8192):
+        for t in (1, 4):
+            x = torch.randn(t, 256, generator=g, device="cuda").bfloat16()
+            w = (torch.randn(n, 256, generator=g, device="cuda") * 0.05).bfloat16()
+            w[100] = x[0] * 0.05  # ~13 against a random row's ~0.8 sd
+            w[n - 7] = w[100]  # tied with row 0's maximum, in the last tiles
+            if t > 1:
+                x[1, 0] = float("inf")
+                w[3000, 0] = w[3001, 0] = 0.0  # row 1: NaN at 3000 and 3001, +-inf elsewhere
+            off = torch.randint(-5, 5, (n,), generator=g, device="cuda")
+            # the engine's config where the fold runs (T = 1); at T = 4 its pick is tl.dot, so the GEMV's
+            cfg = gemv.act_config(t, w, w.dtype, w.device) or gemv.GemvConfig(block_n=16, block_k=256)
+            want = triton_fused.argmax(gemv.linear(x, w, cfg), off)
+            assert want[0] == 100 + off[100] and (t == 1 or want[1] == 3000 + off[3000])
+            assert torch.equal(gemv.linear_argmax(x, w, counters, off, config=cfg)[1], want), (n, t)
+            with pdl.scope(True):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = gemv.linear_argmax(x, w, counters, off, config=cfg)[1]
+            for _ in range(50):
+                graph.replay()
+                assert torch.equal(out, want), (n, t, "graph")
+            assert int(counters.abs().sum()) == 0
+
+
 def test_gemv_norm_prologue_and_residual_epilogue_on_gpu():
     """Design note 51's folds compiled for the GPU, at the embedded head's shapes (T = 1 and 4): norm_linear
     (gate_up with silu, Llama scaling; a Gemma-scaled plain GEMV) within the norm's fp32 sum order of the

@@ -186,15 +186,21 @@ class ModelRunner:
         # no argmax); these flags are part of a graph's key.
         fp32 = inp.any_random or pen is not None or inp.want_logprobs
         sampled = hidden[sample_idx.reshape(-1)] if every else hidden  # [B * (K+1), H]
-        logits = self.target.compute_logits(sampled, fused, fp32).view(inp.num_rows, k + 1, -1)
-        if pen is not None:  # the target distribution of position j given the history and drafts d_1..d_j
-            logits = self.penalty.apply(logits, pen, inp.row_slot, drafts_in, inp.row_num_drafts, positions)
-        # Draft probabilities exist for rows whose drafts were sampled; greedy rows never read them.
-        q_probs = self.slot_draft_probs[inp.row_slot] if inp.any_random and self.slot_draft_probs is not None else None
         # Without drafts every greedy row emits exactly its argmax: no acceptance launch to count that.
         accept = fused.greedy_accept if k else (lambda tok, _d, _n: self.row_ones[: tok.shape[0]])
-        new_tokens, num_new = verify(logits, drafts_in, inp.row_num_drafts, inp.sampling, positions, q_probs,
-                                     inp.any_random, accept, fused.argmax)
+        if not fp32:  # all greedy, nothing else reads the logits: verify's greedy path, the argmax in lm_head's launch
+            greedy = self.target.greedy_ids(sampled, fused).view(inp.num_rows, k + 1)  # [B, K+1]
+            new_tokens, num_new = greedy, accept(greedy, drafts_in, inp.row_num_drafts)
+            logits = None
+        else:
+            logits = self.target.compute_logits(sampled, fused, fp32).view(inp.num_rows, k + 1, -1)
+            if pen is not None:  # the target distribution of position j given the history and drafts d_1..d_j
+                logits = self.penalty.apply(logits, pen, inp.row_slot, drafts_in, inp.row_num_drafts, positions)
+            # Draft probabilities exist for rows whose drafts were sampled; greedy rows never read them.
+            q_probs = (self.slot_draft_probs[inp.row_slot] if inp.any_random and self.slot_draft_probs is not None
+                       else None)
+            new_tokens, num_new = verify(logits, drafts_in, inp.row_num_drafts, inp.sampling, positions, q_probs,
+                                         inp.any_random, accept, fused.argmax)
         # Logprobs of the (penalised) target distribution, before temperature / top-k / top-p / min-p.
         logprobs = token_logprobs(logits, new_tokens, self.n_top) if inp.want_logprobs else None
 
@@ -242,8 +248,11 @@ class ModelRunner:
         drafts = torch.empty(k, b, dtype=torch.int64, device=at.device).t()  # [B, K]; column j contiguous
         out_probs = []
         for step in range(k):
-            logits = self.draft.compute_logits(h_out, _fused(meta), fp32=inp.any_random)  # [B, Vd]
-            tok, probs = self._draft_sample(logits, st, at[step], inp.any_random, _fused(meta), drafts, s, step)
+            if inp.any_random:
+                logits = self.draft.compute_logits(h_out, _fused(meta))  # [B, Vd] fp32
+                tok, probs = self._draft_sample(logits, st, at[step], _fused(meta), drafts, step)
+            else:  # draft_to_target(argmax), into column `step` and the slot buffer's rows s, with the lm_head
+                tok, probs = self.draft.greedy_ids(h_out, _fused(meta), drafts[:, step], (self.slot_drafts, s, step)), None
             out_probs.append(probs)
             if step == k - 1:
                 break
@@ -255,15 +264,12 @@ class ModelRunner:
             self.slot_draft_probs.index_copy_(0, s, torch.stack(out_probs, 1))
         return drafts
 
-    def _draft_sample(self, logits: torch.Tensor, st: SamplingTensors, pos: torch.Tensor, random: bool,
-                      fused: Any, drafts: torch.Tensor, s: torch.Tensor, step: int,
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Greedy rows take the draft argmax; sampled rows draw from the draft's processed
-        distribution (same temperature / top-k / top-p as the target) mapped to target ids. The tokens go
-        to drafts[:, step]; an all-greedy step also writes them to the slot buffer's rows s (in the argmax
-        launch, where a sampled one copies its [B, K] drafts at the end)."""
-        if not random:  # draft_to_target(logits.argmax(-1)), stored in both places, in one launch
-            return fused.argmax(logits, self.draft.d2t, out=drafts[:, step], scatter=(self.slot_drafts, s, step)), None
+    def _draft_sample(self, logits: torch.Tensor, st: SamplingTensors, pos: torch.Tensor, fused: Any,
+                      drafts: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sampled step (some row has temperature > 0): greedy rows take the draft argmax, sampled rows draw
+        from the draft's processed distribution (same temperature / top-k / top-p as the target) mapped to
+        target ids; the tokens go to drafts[:, step] (`_draft` copies the [B, K] drafts to the slot buffer at
+        the end). An all-greedy step takes `Eagle3Head.greedy_ids` instead."""
         greedy = fused.argmax(logits, self.draft.d2t)
         q = self.draft.draft_probs_to_target(probs_from_logits(logits, st))  # [B, V]
         drawn = sample_from_probs(q, st.seed, pos, SALT_DRAFT)

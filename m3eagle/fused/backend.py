@@ -106,6 +106,13 @@ class FusedOps(Protocol):
         """add_residual(linear(x, w), residual): a projection and the residual add after it."""
         ...
 
+    def linear_argmax(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None, scatter: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                      ) -> torch.Tensor:
+        """argmax(linear(x, w), offsets, out, scatter): a greedy pick that reads nothing of the logits but
+        their argmax (a fast path picks it in the GEMV's launch)."""
+        ...
+
     def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """reference.router_logits: x [T, H] -> [T, E] fp32 (a fast path may sum in another order)."""
         ...
@@ -233,6 +240,9 @@ class ReferenceFused:
 
     def linear_add(self, x, w, residual):
         return self.add_residual(self.linear(x, w), residual)
+
+    def linear_argmax(self, x, w, offsets=None, out=None, scatter=None):
+        return self.argmax(self.linear(x, w), offsets, out, scatter)
 
     def router_logits(self, x, weight):
         return reference.router_logits(x, weight)

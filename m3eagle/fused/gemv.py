@@ -133,6 +133,53 @@ def _res_store_row(ptr, res_ptr, row, vals, offs_n, T, N, stride, stride_r):
     tl.store(ptr + row * stride + offs_n, (res + vals.to(dt).to(tl.float32)).to(dt), mask=ok)
 
 
+INT64_MIN = tl.constexpr(-(2**63))  # a constexpr: jit code reads no plain globals
+
+
+@triton.jit
+def _argmax_key(vals, offs_n, N, dt: tl.constexpr):
+    """ARGMAX: the best of one row's tile as an int64 key whose signed order is argmax's -- the value as
+    stored (rounded to dt) in the high 32 bits, its bits made monotone (negatives' magnitude bits flipped,
+    -0 taken as +0, every NaN above +inf), and 2^31 - 1 - column in the low 32 bits (a tie goes to the
+    lower column; the first NaN wins, as torch.argmax). Columns past N: INT64_MIN."""
+    v = vals.to(dt).to(tl.float32)
+    v = tl.where(v == 0.0, 0.0, v)
+    bits = v.to(tl.int32, bitcast=True)
+    hi = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    hi = tl.where(v != v, 0x7FFFFFFF, hi)
+    key = (hi.to(tl.int64) << 32) | (2147483647 - offs_n).to(tl.int64)
+    key = tl.where(offs_n < N, key, INT64_MIN)
+    return tl.max(key, axis=0)
+
+
+@triton.jit
+def _store_row_key(ptr, row, vals, offs_n, T, N, stride, key_ptr, pid_n, BLOCK_T: tl.constexpr,
+                   ARGMAX: tl.constexpr):
+    """`_store_row`, and with ARGMAX the tile's argmax key of the row at key_ptr[pid_n * BLOCK_T + row]."""
+    _store_row(ptr, row, vals, offs_n, T, N, stride)
+    if ARGMAX:
+        tl.store(key_ptr + pid_n * BLOCK_T + row, _argmax_key(vals, offs_n, N, ptr.dtype.element_ty))
+
+
+@triton.jit
+def _argmax_finish(key_ptr, off_ptr, am_ptr, sc_ptr, sc_rows_ptr, stride_am, stride_sc, col, T, n_prog,
+                   BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, HAS_OFF: tl.constexpr, SCATTER: tl.constexpr):
+    """ARGMAX's last program: each row's best key over every program's tile -> the column (+ off[column]),
+    stored as `triton_fused.argmax` stores it (am[row * stride_am], and sc[rows[row], col] with SCATTER)."""
+    offs_p = tl.arange(0, BLOCK_P)
+    for t in tl.static_range(BLOCK_T):
+        if t < T:
+            keys = tl.load(key_ptr + offs_p * BLOCK_T + t, mask=offs_p < n_prog, other=INT64_MIN,
+                           cache_modifier=".cg")
+            best = tl.max(keys, axis=0)
+            i = (2147483647 - (best & 0xFFFFFFFF)).to(tl.int64)
+            if HAS_OFF:
+                i += tl.load(off_ptr + i)
+            tl.store(am_ptr + t * stride_am, i)
+            if SCATTER:
+                tl.store(sc_ptr + tl.load(sc_rows_ptr + t) * stride_sc + col, i)
+
+
 @triton.jit
 def _norm_rstd(row_ptr, k, eps, K_BLOCK: tl.constexpr, PRECISE: tl.constexpr):
     """`rms_rstd` of one input row row_ptr[0:k] (the norm launches' formula; this launch's sum order)."""
@@ -149,13 +196,16 @@ def _norm_tile(row_ptr, nw_ptr, kk, k_ok, rstd, dt: tl.constexpr, GEMMA: tl.cons
     return rms_scale(y, w, dt, GEMMA).to(dt).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["T", "n_split"])  # one compile for every T of a BLOCK_T and every split
+# one compile for every T of a BLOCK_T, every split, and every draft step's slot-buffer column
+@triton.jit(do_not_specialize=["T", "n_split", "stride_am", "stride_sc", "col"])
 def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, stride_wn, stride_yt, k_split, n_split,
-                   n_act, alpha, limit, nw_ptr, res_ptr, eps, stride_r,
+                   n_act, alpha, limit, nw_ptr, res_ptr, eps, stride_r, off_ptr, am_ptr, sc_ptr, sc_rows_ptr,
+                   stride_am, stride_sc, col,
                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
                    IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr, PRELOAD: tl.constexpr, ACT: tl.constexpr,
                    NORM: tl.constexpr, GEMMA: tl.constexpr, K_BLOCK: tl.constexpr, RES: tl.constexpr,
+                   ARGMAX: tl.constexpr, HAS_OFF: tl.constexpr, SCATTER: tl.constexpr, BLOCK_P: tl.constexpr,
                    PRECISE: tl.constexpr, PDL: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), n_split): y[:, n-tile] (or its split-s partial) from K range [s*k_split, +k_split).
 
@@ -183,13 +233,21 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, s
     does; its sum of squares runs in this launch's order, so the result equals the two launches to within
     the fp32 sum's rounding. RES (GEMV, unsplit, no ACT): y = res + x @ w^T, rounded as the GEMV's output
     and then as the residual add (`_res_store_row`). NORM compiles without FMA contraction (as the norm
-    launch does); the GEMV's own FMAs are explicit."""
+    launch does); the GEMV's own FMAs are explicit.
+
+    ARGMAX (GEMV, unsplit, no ACT / RES): y as always, and the argmax of each row of y (`_argmax_key`'s
+    order: torch.argmax's on the stored values) in the same launch, for the greedy picks that read only it:
+    each program stores its tile's best key per row to part [grid, BLOCK_T] int64, then (CTA barrier,
+    acq_rel counter cnt[0], the split-K reduction's pattern) the last program to finish reduces the keys and
+    stores the column, + off[column] with HAS_OFF, to am[t * stride_am] and with SCATTER also to
+    sc[sc_rows[t] * stride_sc + col]; it zeroes cnt[0] again. The argmax launch after the GEMV is gone."""
     if not PRELOAD:
         pdl_wait(PDL)  # programmatic dependent launch (m3eagle/pdl.py): before any memory access
     tl.static_assert(not (PRELOAD and (USE_DOT or not PREFETCH)), "PRELOAD is the GEMV's PREFETCH path")
     tl.static_assert(not (ACT and (USE_DOT or SPLIT or BLOCK_N < 2)), "ACT is the unsplit GEMV's, BLOCK_N >= 2")
     tl.static_assert(not ((NORM or RES) and (USE_DOT or SPLIT)), "NORM / RES are the unsplit GEMV's")
     tl.static_assert(not (RES and ACT), "RES stores the GEMV's own columns")
+    tl.static_assert(not (ARGMAX and (USE_DOT or SPLIT or ACT or RES)), "ARGMAX is the plain unsplit GEMV's")
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
@@ -313,12 +371,15 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, s
                     _res_store_row(dst, res_ptr, 2, tl.sum(acc2, axis=1), offs_n, T, N, stride_d, stride_r)
                     _res_store_row(dst, res_ptr, 3, tl.sum(acc3, axis=1), offs_n, T, N, stride_d, stride_r)
             else:
-                _store_row(dst, 0, tl.sum(acc0, axis=1), offs_n, T, N, stride_d)
+                _store_row_key(dst, 0, tl.sum(acc0, axis=1), offs_n, T, N, stride_d, part_ptr, pid_n, BLOCK_T, ARGMAX)
                 if BLOCK_T > 1:
-                    _store_row(dst, 1, tl.sum(acc1, axis=1), offs_n, T, N, stride_d)
+                    _store_row_key(dst, 1, tl.sum(acc1, axis=1), offs_n, T, N, stride_d, part_ptr, pid_n, BLOCK_T,
+                                   ARGMAX)
                 if BLOCK_T > 2:
-                    _store_row(dst, 2, tl.sum(acc2, axis=1), offs_n, T, N, stride_d)
-                    _store_row(dst, 3, tl.sum(acc3, axis=1), offs_n, T, N, stride_d)
+                    _store_row_key(dst, 2, tl.sum(acc2, axis=1), offs_n, T, N, stride_d, part_ptr, pid_n, BLOCK_T,
+                                   ARGMAX)
+                    _store_row_key(dst, 3, tl.sum(acc3, axis=1), offs_n, T, N, stride_d, part_ptr, pid_n, BLOCK_T,
+                                   ARGMAX)
     if SPLIT:
         # the tile's last program to finish (by its counter) sums the partials in split order
         tl.debug_barrier()  # every thread's partial store is issued before the release below
@@ -333,6 +394,15 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, s
             tl.store(y_ptr + offs_r[:, None] * stride_yt + offs_n[None, :], total.to(y_ptr.dtype.element_ty),
                      mask=mask_r)
             tl.store(cnt_ptr + pid_n, 0)  # zero again for the next launch / graph replay
+    if ARGMAX:
+        # the last program to finish (by cnt[0]) reduces every tile's keys: as the split-K reduction above
+        tl.debug_barrier()  # every thread's key store is issued before the release below
+        n_prog = tl.num_programs(0)
+        done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        if done == n_prog - 1:
+            _argmax_finish(part_ptr, off_ptr, am_ptr, sc_ptr, sc_rows_ptr, stride_am, stride_sc, col, T, n_prog,
+                           BLOCK_T, BLOCK_P, HAS_OFF, SCATTER)
+            tl.store(cnt_ptr, 0)
 
 
 def _interpreting() -> bool:
@@ -617,8 +687,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
 def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, part: torch.Tensor, cnt: torch.Tensor | None,
             cfg: GemvConfig, grid: tuple[int, int], k_split: int, n_act: int = 0, act: int = 0,
             alpha: float = 0.0, limit: float = 0.0, norm: tuple[torch.Tensor, float, bool] | None = None,
-            residual: torch.Tensor | None = None) -> None:
-    """`norm`: (nw, eps, gemma) of NORM; `residual`: RES's."""
+            residual: torch.Tensor | None = None, argmax: tuple | None = None) -> None:
+    """`norm`: (nw, eps, gemma) of NORM; `residual`: RES's; `argmax`: ARGMAX's (offsets or None, out, scatter
+    buffer, scatter rows, column, scatter or not) -- `part` then holds its keys and `cnt` its counters."""
     t, k = x.shape
     launch = pdl.args(x)
     # Under PDL the GEMV's first weight tile is read before the wait (w is a weight: see the docstring);
@@ -628,15 +699,19 @@ def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, part: torch.Tenso
         launch = {**launch, "enable_fp_fusion": False}
     nw, eps, gemma = norm if norm is not None else (x, 0.0, False)
     res = residual if residual is not None else y
+    off, am, sc, sc_rows, col, scatter = argmax if argmax is not None else (None, y, y, y, 0, False)
     _linear_kernel[grid](
         x, w, y, part, cnt if cnt is not None else y, t, w.shape[0], k, x.stride(0), w.stride(0), y.stride(0),
-        k_split, grid[1], n_act, float(alpha), float(limit), nw, res, float(eps), res.stride(0), BLOCK_T=cfg.block_t(t),
+        k_split, grid[1], n_act, float(alpha), float(limit), nw, res, float(eps), res.stride(0),
+        off if off is not None else am, am, sc, sc_rows, am.stride(0), sc.stride(0), col, BLOCK_T=cfg.block_t(t),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT=grid[1] > 1, USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0,
         PREFETCH=not cfg.use_dot and (cfg.num_stages > 1 or preload), IEEE=x.dtype == torch.float32,
         UPCAST_DOT=_interpreting() and x.dtype != torch.float32, PRELOAD=preload, ACT=act, NORM=norm is not None,
         GEMMA=gemma, K_BLOCK=triton.next_power_of_2(k) if norm is not None else 1, RES=residual is not None,
-        PRECISE=not _interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages if cfg.use_dot else 1,
+        ARGMAX=argmax is not None, HAS_OFF=off is not None, SCATTER=scatter,
+        BLOCK_P=triton.next_power_of_2(grid[0]) if argmax is not None else 1, PRECISE=not _interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages if cfg.use_dot else 1,
         **launch)
 
 
@@ -694,6 +769,28 @@ def linear_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, config:
     if t:
         _launch(x, w, y, y, None, cfg, (triton.cdiv(n, cfg.block_n), 1), w.shape[1], residual=residual)
     return y
+
+
+def linear_argmax(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor, offsets: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None, scatter: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                  config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, ids): y = x @ w^T [T, N] in x.dtype and ids = `triton_fused.argmax(y, offsets, out, scatter)`, in
+    one launch (ARGMAX: the last program to finish picks each row's column). counters: a `SplitCounters`
+    buffer (its first counter is taken, and left zero). The caller checks `supports(x, w)` and that
+    `act_config` is not None (the unsplit GEMV); bit-equal to `linear` + `argmax` under that config."""
+    from .triton_fused import argmax_outputs
+
+    t, n = x.shape[0], w.shape[0]
+    cfg = config if config is not None else act_config(t, w, x.dtype, x.device)
+    _check_fold(cfg, t, "linear_argmax")
+    out, buf, rows, col = argmax_outputs(t, x.device, out, scatter)
+    y = torch.empty(t, n, dtype=x.dtype, device=x.device)  # [T, N]
+    if t:
+        tiles = triton.cdiv(n, cfg.block_n)
+        keys = torch.empty(tiles, cfg.block_t(t), dtype=torch.int64, device=x.device)  # [grid, BLOCK_T]
+        _launch(x, w, y, keys, counters, cfg, (tiles, 1), w.shape[1],
+                argmax=(offsets, out, buf, rows, col, scatter is not None))
+    return y, out
 
 
 def linear_act(x: torch.Tensor, w: torch.Tensor, act: str, alpha: float = 0.0, limit: float = 0.0,

@@ -705,6 +705,24 @@ def _argmax_kernel(x_ptr, off_ptr, out_ptr, sc_ptr, rows_ptr, n_cols, stride_x, 
         tl.store(sc_ptr + tl.load(rows_ptr + r) * stride_sc + col, i)
 
 
+def argmax_outputs(n: int, device: torch.device, out: torch.Tensor | None,
+                   scatter: tuple[torch.Tensor, torch.Tensor, int] | None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """`argmax`'s checked outputs for n rows: (out [n] int64, scatter buffer, its rows (contiguous), column);
+    without `scatter` the last three are placeholders that a launch with SCATTER off never reads."""
+    if out is None:
+        out = torch.empty(n, dtype=torch.int64, device=device)
+    elif out.shape != (n,) or out.dtype != torch.int64:
+        raise ValueError(f"argmax: out must be [{n}] int64, got {tuple(out.shape)} {out.dtype}")
+    if scatter is None:
+        return out, out, out, 0
+    buf, rows, col = scatter
+    if buf.dtype != torch.int64 or buf.stride(-1) != 1 or rows.shape != (n,) or not 0 <= col < buf.shape[1]:
+        raise ValueError(f"argmax: scatter needs buf [S, C] int64 with unit column stride, rows [{n}] and "
+                         f"0 <= col < C; got buf {tuple(buf.shape)} {buf.dtype}, rows {tuple(rows.shape)}, col {col}")
+    return out, buf, rows.contiguous(), col
+
+
 def argmax(x: torch.Tensor, offsets: torch.Tensor | None = None, out: torch.Tensor | None = None,
            scatter: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """reference.argmax in one launch: x [N, V] (unit column stride) -> [N] int64 (+ offsets[i]), written to
@@ -713,16 +731,7 @@ def argmax(x: torch.Tensor, offsets: torch.Tensor | None = None, out: torch.Tens
     if x.stride(-1) != 1:
         x = x.contiguous()
     n, v = x.shape
-    if out is None:
-        out = torch.empty(n, dtype=torch.int64, device=x.device)
-    elif out.shape != (n,) or out.dtype != torch.int64:
-        raise ValueError(f"argmax: out must be [{n}] int64, got {tuple(out.shape)} {out.dtype}")
-    buf, rows, col = scatter if scatter is not None else (out, out, 0)  # placeholders, never read (SCATTER=False)
-    if scatter is not None:
-        if buf.dtype != torch.int64 or buf.stride(-1) != 1 or rows.shape != (n,) or not 0 <= col < buf.shape[1]:
-            raise ValueError(f"argmax: scatter needs buf [S, C] int64 with unit column stride, rows [{n}] and "
-                             f"0 <= col < C; got buf {tuple(buf.shape)} {buf.dtype}, rows {tuple(rows.shape)}, col {col}")
-        rows = rows.contiguous()
+    out, buf, rows, col = argmax_outputs(n, x.device, out, scatter)
     if n:
         # One program per row walks the vocabulary; each step is a load's latency (no pipelining without a
         # tl.dot), so wide steps: 16K columns with 16 warps (32 per thread). m3-mini's 32,000-column rows took
@@ -1361,6 +1370,15 @@ class TritonFused:
         if cfg is not None and x.dtype == w.dtype == residual.dtype and x.stride(1) == 1 and residual.stride(1) == 1:
             return self._gemv.linear_add(x, w, residual, cfg)
         return self.add_residual(self.linear(x, w), residual)
+
+    def linear_argmax(self, x, w, offsets=None, out=None, scatter=None):
+        # Unlike the norm / residual folds (note 51), this one adds no work to every program: only the last
+        # program's reduction of one key per tile, in place of the argmax launch's whole walk.
+        cfg = self._act_config(x, w) if x.shape[0] <= 4 else None
+        cnt = self._gemv_counters.get(x.device) if cfg is not None else None
+        if cnt is not None:
+            return self._gemv.linear_argmax(x, w, cnt, offsets, out, scatter, cfg)[1]
+        return self.argmax(self.linear(x, w), offsets, out, scatter)
 
     def linear_silu_mul(self, x, w):
         if (cfg := self._act_config(x, w)) is not None:

@@ -468,6 +468,13 @@ class Eagle3Head(nn.Module):
         logits = linear(h_out, self.lm_head.weight, fused)
         return logits.float() if fp32 else logits
 
+    def greedy_ids(self, h_out: torch.Tensor, fused: Any, out: torch.Tensor | None = None,
+                   scatter: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+        """h_out [N, H] -> [N] target ids of the draft logits' argmax (the logits in the weights' dtype, as
+        compute_logits(fp32=False)), also written to `out` and `scatter` (FusedOps.argmax's). One launch where
+        the fused ops pick the argmax in the lm_head GEMV (`FusedOps.linear_argmax`)."""
+        return fused.linear_argmax(h_out, self.lm_head.weight, self.d2t, out, scatter)
+
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """Draft token ids (any shape) -> target token ids."""
         return ids + self.d2t[ids]

@@ -251,6 +251,14 @@ class MiniMaxM3(nn.Module):
         logits = self.lm_head(hidden, fused)
         return logits.float() if fp32 else logits
 
+    def greedy_ids(self, hidden: torch.Tensor, fused: Any) -> torch.Tensor:
+        """hidden [N, H] -> [N] argmax of compute_logits(hidden, fused, fp32=False): one launch where the fused
+        ops pick the argmax in the lm_head GEMV (`FusedOps.linear_argmax`); a vocab-parallel head gathers
+        its logits first."""
+        if self.lm_head.tp.size > 1:
+            return fused.argmax(self.compute_logits(hidden, fused, fp32=False))
+        return fused.linear_argmax(hidden, self.lm_head.weight)
+
     def new_caches(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> list[LayerCache]:
         c = self.cfg
         out = []
