@@ -669,6 +669,9 @@ def test_target_logits_with_the_decode_gemv(monkeypatch):
                 aux = torch.zeros(sum(q_lens), len(AUX_IDS) * 32)
                 hidden = model(ids, meta.positions, meta, caches, AUX_IDS, aux)
                 got += [model.compute_logits(hidden, o.fused), aux]
+                # the greedy pick in lm_head's launch (design note 52) is the logits' argmax
+                want = model.compute_logits(hidden, o.fused, fp32=False).argmax(-1)
+                assert torch.equal(model.greedy_ids(hidden, o.fused), want)
         outs.append((got, caches))
     assert {tuple(shape) for shape in calls} >= {(64, 32)}  # lm_head [V, H] among them
     assert len(calls) >= 2 * 4  # every layer's projections, two decode steps
@@ -957,6 +960,16 @@ def test_eagle3_head_folded_gemv_step_equals_its_separate_launches(dtype, monkey
     for name in ("separate", "reference"):
         for out, ref in zip(outs["folded"], outs[name]):
             assert (out - ref).abs().max() <= tol * max(1.0, ref.abs().max().item()), name
+    # the greedy pick (design note 52): lm_head + argmax + d2t in one launch, the drafts' column and slot rows
+    # written by it; equal to the logits' argmax of the separate launches
+    head.set_vocab_mapping(torch.randperm(64, generator=g)[:40])
+    h_out = outs["folded"][0].to(dtype)
+    drafts, slots = torch.full((1, 3), -1), torch.full((4, 3), -1)
+    am = spy_launches(monkeypatch, gemv, "_linear_kernel", lambda grid, kw: kw["ARGMAX"])
+    got = head.greedy_ids(h_out, fused, drafts[:, 1], (slots, torch.tensor([2]), 1))
+    assert am == [True]  # one launch
+    want = head.draft_to_target(head.compute_logits(h_out, fused, fp32=False).argmax(-1))
+    assert torch.equal(got, want) and drafts[0, 1] == want[0] and slots[2, 1] == want[0]
     monkeypatch.undo()
     lin = spy_launches(monkeypatch, gemv, "_linear_kernel", lambda grid, kw: (kw["NORM"], kw["RES"]))
     t = triton_fused.TritonFused.FOLD_MAX_T + 1
