@@ -41,6 +41,11 @@ Design.
     graph before they exist, runs unsplit (a zero-fill recorded in a graph would only run at replay).
     Calls sharing counters must be ordered (one stream at a time), as an engine step's are.
     SPLIT is a constexpr, the split count a runtime value: one compile serves every split count.
+  * Folded neighbours (the unsplit GEMV, T <= 4; constexpr branches beside the plain path, each held bit-equal
+    or to the norm's sum order against its separate launches by tests/test_gemv.py): an activation epilogue
+    on a packed gate / up weight (`linear_act`), a residual-add epilogue (`linear_add`), an RMSNorm prologue
+    (`norm_linear`), and the greedy pick (`linear_argmax`: one argmax key per tile and row, reduced by the
+    launch's last program with the split-K counter pattern). Design notes 50-52 say which the engine takes.
   * Config: `pick_config(t, n, k, dtype, device)` -> GemvConfig (BLOCK_N, BLOCK_K, warps, stages, split_k,
     GEMV or dot): the measured TUNED table first, else rules (at pick_config). `benchmarks/gemv.py --tune`
     sweeps the space on a GPU and prints TUNED lines.
