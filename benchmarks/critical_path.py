@@ -73,7 +73,7 @@ def main() -> None:
         dur = [statistics.median(s[i][2] - s[i][1] for s in steps) for i in range(n)]
         split = max((i for i, nm in enumerate(names) if "accept" in nm), default=n - 1) + 1 if k else n
         print(f"K={k} batch 1: {n} kernels per step, step {sum(med):.2f} us (sum of increments)")
-        by_name: dict[str, list[float]] = defaultdict(list)
+        by_name: dict[tuple[str, str], list[float]] = defaultdict(list)
         for i, (nm, m, d) in enumerate(zip(names, med, dur)):
             part = "draft" if i >= split else "target"
             by_name[(part, nm.split("(")[0][:40])].append(m)

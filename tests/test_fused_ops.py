@@ -656,6 +656,7 @@ def test_target_logits_with_the_decode_gemv(monkeypatch):
     calls = []
     linear = gemv.linear
     monkeypatch.setattr(gemv, "linear", lambda *a, **kw: calls.append(a[1].shape) or linear(*a, **kw))
+    picks = spy_launches(monkeypatch, gemv, "_linear_kernel", lambda grid, kw: kw["ARGMAX"])
     ops = replace(REFERENCE, fused=TritonFused(gemv_max_t=gemv.MAX_T))
     model = tiny_target(2)
     outs = []
@@ -674,6 +675,7 @@ def test_target_logits_with_the_decode_gemv(monkeypatch):
                 assert torch.equal(model.greedy_ids(hidden, o.fused), want)
         outs.append((got, caches))
     assert {tuple(shape) for shape in calls} >= {(64, 32)}  # lm_head [V, H] among them
+    assert True in picks  # the decode steps' greedy pick ran in lm_head's launch
     assert len(calls) >= 2 * 4  # every layer's projections, two decode steps
     for out, ref in zip(outs[1][0], outs[0][0]):
         assert_close(out, ref, rel=1e-5)

@@ -66,7 +66,7 @@ import triton.language as tl
 
 from .. import pdl
 from ..pdl import pdl_wait
-from .triton_fused import rms_rstd, rms_scale, silu_mul_f32, swiglu_oai_f32
+from .triton_fused import argmax_outputs, rms_rstd, rms_scale, silu_mul_f32, swiglu_oai_f32
 
 MAX_T = 32  # rows; past this a GEMM with weight-tile reuse (cuBLAS) is the right tool
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -783,8 +783,6 @@ def linear_argmax(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor, offs
     one launch (ARGMAX: the last program to finish picks each row's column). counters: a `SplitCounters`
     buffer (its first counter is taken, and left zero). The caller checks `supports(x, w)` and that
     `act_config` is not None (the unsplit GEMV); bit-equal to `linear` + `argmax` under that config."""
-    from .triton_fused import argmax_outputs
-
     t, n = x.shape[0], w.shape[0]
     cfg = config if config is not None else act_config(t, w, x.dtype, x.device)
     _check_fold(cfg, t, "linear_argmax")
