@@ -89,6 +89,8 @@ def test_sampling_params_normalise():
     ({"num_pages": 5}, "num_pages"),
     ({"num_scheduler_steps": 0}, "num_scheduler_steps"),
     ({"num_scheduler_steps": 2.0}, "num_scheduler_steps"),
+    ({"num_scheduler_steps": "eight"}, "num_scheduler_steps"),
+    ({"num_scheduler_steps": True}, "num_scheduler_steps"),
 ])
 def test_llm_rejects_bad_options(model_dir, head_dir, kw, option):
     kw = {k: (head_dir if v == "HEAD" else v) for k, v in kw.items()}

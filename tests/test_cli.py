@@ -74,6 +74,8 @@ def test_values_over_int64_name_the_option(capsys, flag):
     (["bench", "--num-batches", "0"], "--num-batches"),
     (["bench", "--repeats", "0"], "--repeats"),
     (["bench", "--prompt-len", "0"], "--prompt-len"),
+    (["generate", "hi", "--num-scheduler-steps", "0"], "--num-scheduler-steps"),
+    (["bench", "--num-scheduler-steps", "many"], "--num-scheduler-steps"),
 ])
 def test_bad_values_name_the_option(capsys, argv, flag):
     last = _usage_error(capsys, argv).strip().splitlines()[-1]
@@ -163,3 +165,21 @@ def test_warmup_and_prefill_graph_flags_reach_the_llm(monkeypatch):
     assert seen == [(True, None, 512), (False, True, 512), (False, False, 256), (False, None, 512)]
     with pytest.raises(SystemExit):
         cli.main(["generate", "x", "--max-prefill-graph-tokens", "8"])
+
+
+def test_num_scheduler_steps_flag_reaches_the_llm(monkeypatch):
+    """--num-scheduler-steps: 1 unless given, an integer or 'auto' (the engine resolves it) as given."""
+    from m3eagle.entrypoints import cli
+
+    seen = []
+
+    class FakeLLM:
+        def __init__(self, **kw):
+            seen.append(kw["num_scheduler_steps"])
+            raise RuntimeError("stop here")
+
+    monkeypatch.setattr("m3eagle.LLM", FakeLLM)
+    for argv in (["generate", "x"], ["generate", "x", "--num-scheduler-steps", "4"],
+                 ["generate", "x", "--num-scheduler-steps", "auto"]):
+        assert cli.main(argv) == 2
+    assert seen == [1, 4, "auto"]

@@ -120,6 +120,23 @@ def test_multi_step_replay_equals_eager_with_arrivals(k, sampled):
         assert_clean(llm)
 
 
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_auto_runs_eight_sub_steps_equal_to_eager(sampled):
+    """num_scheduler_steps='auto' gives the embedded pair (24 MB of weights) 8 sub-steps per iteration with
+    graphs (1 eagerly); with arrivals and leaves it equals the eager engine taking the same iterations
+    (num_scheduler_steps=8) token for token."""
+    sps = params(sampled)
+    graph = make(3, True, False, num_scheduler_steps="auto")
+    eager = make(3, True, True, num_scheduler_steps=8)
+    assert graph.engine.cfg.num_scheduler_steps == 8
+    assert make(3, True, True, num_scheduler_steps="auto").engine.cfg.num_scheduler_steps == 1  # eager: 1
+    assert run_with_arrivals(graph, sps) == run_with_arrivals(eager, sps)
+    eng = graph.engine
+    assert eng.graphs.num_replays > 0 and eng.num_iterations < eng.num_steps
+    for llm in (graph, eager):
+        assert_clean(llm)
+
+
 @pytest.mark.parametrize("k", [0, 3])
 def test_graph_replay_under_preemption_churn(k):
     """A preemption forced every 5th plan (recompute, NeedSync under overlap) between replays."""

@@ -258,3 +258,63 @@ def test_served_streams_equal_one_step_at_a_time():
     eng = llm.engine
     assert eng.num_iterations < eng.num_steps
     assert eng.is_idle_and_clean() and eng.owner is None
+
+
+def test_auto_takes_eight_sub_steps_only_for_small_models_replaying_graphs():
+    """num_scheduler_steps='auto' resolves from the device, graphs and the weights' size alone (never a
+    timing): 8 for a CUDA engine replaying graphs of a model up to 1 GiB, 1 for anything bigger, eager or
+    on the CPU; an int passes through; anything else is refused naming the option."""
+    from m3eagle.engine.llm_engine import AUTO_MAX_WEIGHT_BYTES, max_scheduler_steps, resolve_scheduler_steps, weight_bytes
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_scheduler_steps("auto", cuda, True, 24 << 20) == 8
+    assert resolve_scheduler_steps("auto", cuda, True, AUTO_MAX_WEIGHT_BYTES) == 8
+    assert resolve_scheduler_steps("auto", cuda, True, AUTO_MAX_WEIGHT_BYTES + 1) == 1
+    assert resolve_scheduler_steps("auto", cuda, False, 24 << 20) == 1  # enforce_eager
+    assert resolve_scheduler_steps("auto", cpu, True, 24 << 20) == 1
+    assert resolve_scheduler_steps(3, cuda, True, 24 << 20) == 3
+    assert max_scheduler_steps("auto") == 8 and max_scheduler_steps(2) == 2
+    for bad in (0, "8", 1.0, None, True):
+        with pytest.raises(ValueError, match="num_scheduler_steps"):
+            resolve_scheduler_steps(bad, cuda, True, 0)
+    # A table two modules share counts once (the Eagle3 head reads the target's embeddings).
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    b.weight = a.weight
+    assert weight_bytes(a, b, None) == (16 + 4 + 2) * 4
+
+
+def test_auto_resolves_to_one_step_on_the_cpu():
+    """LLM keeps 'auto' in its own config; the engine's config holds what it runs (1 on the CPU)."""
+    llm = LLM(TARGET, draft=HEAD, num_draft_tokens=3, device="cpu", max_model_len=128, max_num_seqs=2,
+              num_scheduler_steps="auto")
+    assert llm.config.num_scheduler_steps == "auto" and llm.engine.cfg.num_scheduler_steps == 1
+    assert len(llm.engine.runner.host_bufs) == 2
+
+
+def test_one_sub_step_after_a_step_with_prompt_rows(prompts):
+    """After a step with prompt rows the next iteration runs one sub-step (under overlap the prompt's first
+    token is processed once that iteration is launched, not after N launches); steady iterations after it
+    run N. Forced: a request arrives into a running multi-step batch."""
+    llm = build(4, 3)
+    eng = llm.engine
+    plans = []
+    schedule = eng.scheduler.schedule
+
+    def spy(steps=1):
+        batch = schedule(steps)
+        plans.append((all(r.gather for r in batch.rows), batch.steps))
+        return batch
+
+    eng.scheduler.schedule = spy
+    sp = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    eng.add_request(prompts[0], sp)
+    for _ in range(6):
+        eng.step()
+    eng.add_request(prompts[1], sp)  # its prompt step lands among steady iterations
+    eng.run()
+    prompt_at = [i for i, (steady, _) in enumerate(plans) if not steady]
+    assert len(prompt_at) >= 2 and any(n > 1 for _, n in plans)
+    for i in prompt_at:
+        if i + 1 < len(plans):
+            assert plans[i + 1][1] == 1, plans
+    assert plans[prompt_at[0] + 2][1] > 1, plans  # then N again

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ..engine.llm_engine import LLMEngine
+from ..engine.llm_engine import LLMEngine, max_scheduler_steps
 from ..engine.request import Request
 from ..loader.dummy import target_config
 from ..models.layers import Router
@@ -101,7 +101,7 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
     max_b = max(a.batch_sizes)
     # The steady-state measurement keeps every row alive through all its steps (K+1 tokens a step at most).
     step_len = ((STEADY_STEPS + 2 + a.decode_steps + a.profile_steps + 2) * (k + 1)
-                * getattr(a, "num_scheduler_steps", 1))  # a multi-step iteration runs N steps per engine step
+                * max_scheduler_steps(getattr(a, "num_scheduler_steps", 1)))  # N steps per engine step
     mml = a.prompt_len + max(a.max_tokens, step_len) + 2 * (k + 1) + 1
     if mml > tcfg.max_position_embeddings:
         raise ValueError(f"--prompt-len {a.prompt_len} + --max-tokens {a.max_tokens} (and {step_len} tokens of "

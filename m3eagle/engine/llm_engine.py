@@ -96,7 +96,58 @@ class EngineConfig:
     # sub-steps, and the host then processes their outputs in order. The same tokens as one step at a time
     # for the same batches (arrivals wait for an iteration's end, so in bf16 a step may see another batch
     # and round differently); streams get them up to N steps at once. 1: every step is planned by the host.
-    num_scheduler_steps: int = 1
+    # "auto": `resolve_scheduler_steps` (8 for small models replaying CUDA graphs, else 1); the engine's
+    # own config holds the resolved int.
+    num_scheduler_steps: int | str = 1
+
+
+# num_scheduler_steps="auto" (opt-in). A replayed decode step of a model whose weights are a few hundred MB
+# takes ~0.1-0.5 ms on an H200, about what the host's Python for one step takes (plan, pack, launch, copy
+# back, process: 0.1-0.4 ms on the lent hosts), so on a slow host one plan per step leaves the GPU idle half
+# the time (embedded pair, batch 1 K=3: 50% busy, 8,368 tok/s; with 8 sub-steps 97%, 14,488 tok/s -- design
+# note 53). A model of a GiB or more streams its weights for longer than the host works, so it keeps one
+# plan per step. The rule reads only the weights' size (never a timing), so a given model and config always
+# takes the same iterations and the same tokens. Not the default: on a fast host the embedded pair's
+# batch-32 K=3 bench lost tok/s with it (note 53).
+AUTO_SCHEDULER_STEPS = 8
+AUTO_MAX_WEIGHT_BYTES = 2**30
+
+
+def check_scheduler_steps(value: Any) -> None:
+    """num_scheduler_steps must be "auto" or an int >= 1; the error names the option and the choices."""
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return
+    raise ValueError(f"num_scheduler_steps={value!r} must be 'auto' or an int >= 1 (1: a host plan for every "
+                     f"step; auto: {AUTO_SCHEDULER_STEPS} for models of up to {AUTO_MAX_WEIGHT_BYTES >> 20} MiB "
+                     "replaying CUDA graphs, else 1)")
+
+
+def max_scheduler_steps(value: int | str) -> int:
+    """The most sub-steps an iteration may run under this setting (what to size a run's token budget for)."""
+    check_scheduler_steps(value)
+    return AUTO_SCHEDULER_STEPS if value == "auto" else int(value)
+
+
+def resolve_scheduler_steps(value: int | str, device: torch.device, graphs: bool, weight_bytes: int) -> int:
+    """The sub-steps per iteration an engine runs: an int as given; "auto" -> AUTO_SCHEDULER_STEPS on a CUDA
+    device replaying graphs when the weights a step reads (target and head, this rank's share) are at most
+    AUTO_MAX_WEIGHT_BYTES, else 1 (eager steps and CPU steps are slower than the host's part of them)."""
+    check_scheduler_steps(value)
+    if value != "auto":
+        return int(value)
+    small = weight_bytes <= AUTO_MAX_WEIGHT_BYTES
+    return AUTO_SCHEDULER_STEPS if device.type == "cuda" and graphs and small else 1
+
+
+def weight_bytes(*models: torch.nn.Module | None) -> int:
+    """Bytes of the distinct parameters and buffers of `models` (a table two models share counts once)."""
+    seen: dict[int, int] = {}
+    for m in models:
+        if m is None:
+            continue
+        for t in itertools.chain(m.parameters(), m.buffers()):
+            seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
+    return sum(seen.values())
 
 
 @dataclass
@@ -157,9 +208,7 @@ class LLMEngine:
         self.device = device
         if not 0.0 < cfg.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={cfg.gpu_memory_utilization} must be in (0, 1]")
-        if not isinstance(cfg.num_scheduler_steps, int) or cfg.num_scheduler_steps < 1:
-            raise ValueError(f"num_scheduler_steps={cfg.num_scheduler_steps!r} must be an int >= 1 (1: a host "
-                             "plan for every step)")
+        check_scheduler_steps(cfg.num_scheduler_steps)
         if cfg.max_prefill_graph_tokens < 16:
             raise ValueError(f"max_prefill_graph_tokens={cfg.max_prefill_graph_tokens} must be >= 16 (the "
                              "smallest prefill-graph bucket); turn prefill graphs off with prefill_graphs=False")
@@ -167,8 +216,10 @@ class LLMEngine:
             device.type == "cuda" and tp.size == 1)  # with enforce_eager too: eager pads as a replay would
         num_pages = resolve_num_pages(replace(cfg, prefill_graphs=pg), target, draft if k else None, dtype,
                                       device, k, tp)
+        steps = resolve_scheduler_steps(cfg.num_scheduler_steps, device, not cfg.enforce_eager,
+                                        weight_bytes(target, draft if k else None))
         # The choices, so an engine built from this config agrees.
-        cfg = self.cfg = replace(cfg, num_pages=num_pages, prefill_graphs=pg)
+        cfg = self.cfg = replace(cfg, num_pages=num_pages, prefill_graphs=pg, num_scheduler_steps=steps)
         self.pool = PagePool(num_pages, cfg.page_size)
         self.table_width = pages_per_seq(cfg, k) + 1
         if self.table_width - 1 > self.pool.num_usable:
@@ -204,6 +255,7 @@ class LLMEngine:
         self._ids = itertools.count()
         # Under overlap, the iteration launched last: its plan and one output per sub-step.
         self._pending: tuple[ScheduledBatch, list[StepOutput]] | None = None
+        self._steady = False  # the last iteration's rows all continued from slot buffers (no prompt rows)
         self._lock = threading.RLock()  # the step lock
         # Intake, guarded by its own lock so that adding or aborting never waits for a step:
         # - _live: every unfinished request by id (intake, waiting or running); finished requests are
@@ -461,7 +513,12 @@ class LLMEngine:
         self._load = EngineLoad(running, sched.num_waiting, max(0.0, used))
 
     def _step(self) -> None:
-        steps = self.cfg.num_scheduler_steps
+        # After a step with prompt rows, one sub-step first: under overlap the previous step's outputs (a
+        # prompt's first token) are processed once this iteration is launched, and launching N replays
+        # first holds them back by N launches (H200, embedded pair, batch 1 with 8: first token 0.7 ms with
+        # one step per plan, 1.8-1.9 without this, 0.8-0.9 with it; design note 53). The plan still depends
+        # on the schedule alone.
+        steps = self.cfg.num_scheduler_steps if self._steady else 1
         try:
             batch = self.scheduler.schedule(steps)
         except NeedSync:
@@ -476,6 +533,7 @@ class LLMEngine:
                 self._fail(req, f"request {req.request_id} ({req.num_known} tokens) cannot be scheduled: the KV "
                            f"pool has {self.pool.num_usable} pages of {self.cfg.page_size}; raise num_pages")
             return
+        self._steady = all(r.gather for r in batch.rows)  # every row continues from the slot buffers
         bucket = self.graphs.bucket(batch) if self.graph_shapes else None
         self.graphs.ensure(batch, bucket)
         inp = self.graphs.build(batch, bucket)

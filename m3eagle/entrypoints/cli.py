@@ -27,6 +27,11 @@ MAX_BATCH = 1024
 # ------------------------------------------------------------------------------------------------
 
 
+def steps_arg(text: str) -> int | str:
+    """--num-scheduler-steps: 'auto' or an integer from 1 to 64."""
+    return "auto" if text == "auto" else int_in(1, 64)(text)
+
+
 def int_in(lo: int, hi: int = INT64_MAX) -> Callable[[str], int]:
     """An argparse type: a base-10 integer in [lo, hi] (hi defaults to the int64 maximum the engine holds)."""
 
@@ -121,9 +126,10 @@ def _device_args(p: argparse.ArgumentParser) -> None:
                         "(row and token buckets, each captured on first use); default: on for one CUDA device")
     p.add_argument("--max-prefill-graph-tokens", type=int_in(16), default=512,
                    help="the largest prompt / mixed step replayed as a CUDA graph; larger ones run eagerly")
-    p.add_argument("--num-scheduler-steps", type=int_in(1, 64), default=1,
+    p.add_argument("--num-scheduler-steps", type=steps_arg, default=1,
                    help="steady decode / verify steps run N at a time per host iteration (one plan, N graph "
-                        "replays): for host-bound batches; same tokens, streamed N steps at a time")
+                        "replays): for host-bound batches; same tokens, streamed N steps at a time. auto: 8 "
+                        "for models of up to 1 GiB replaying CUDA graphs, else 1")
     p.add_argument("--tensor-parallel-size", "-tp", type=int_in(1, 1024), default=1,
                    help="split the target over N ranks (one per GPU; see docs/parallel.md)")
 

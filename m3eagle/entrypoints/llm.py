@@ -19,7 +19,7 @@ from tqdm import tqdm
 from ..config import M3Config
 from ..distributed import launch
 from ..distributed.parallel_state import SINGLE, TPGroup
-from ..engine.llm_engine import EngineConfig, LLMEngine, RequestError
+from ..engine.llm_engine import EngineConfig, LLMEngine, RequestError, check_scheduler_steps
 from ..engine.request import RequestOutput
 from ..loader.checkpoint import load_config, load_target
 from ..loader.dummy import LOAD_FORMATS, dummy_eagle3, dummy_target, eagle3_config, target_config
@@ -73,6 +73,9 @@ class LLM:
     lengths between them; the host then processes the N outputs. Same tokens as N = 1; streamed output
     arrives up to N steps at a time, and the last steps before a request's length limit run one at a time.
     For host-bound batches (small models, many rows). Under tensor parallelism rank 0 broadcasts each sub-step.
+    'auto': 8 when CUDA graphs replay a model whose weights (target and head, per rank) are at most 1 GiB --
+    its steps are about as short as the host's Python for them -- else 1 (engine.cfg holds the choice; a rule
+    on the weights' size, never on timings, so a model always takes the same iterations).
     load_format: 'auto' reads the checkpoints; 'dummy' builds random seeded weights on the device from the
     configs alone (vLLM's dummy format, for benchmarks) -- then model / draft may also be an M3Config /
     Eagle3Config or a config.json dict.
@@ -90,7 +93,7 @@ class LLM:
                  moe_backend: str = "auto", enforce_eager: bool = False, graph_shapes: bool | None = None,
                  fused_backend: str = "auto", tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.9, warmup: bool = False, prefill_graphs: bool | None = None,
-                 max_prefill_graph_tokens: int = 512, num_scheduler_steps: int = 1,
+                 max_prefill_graph_tokens: int = 512, num_scheduler_steps: int | str = 1,
                  _worker: tuple[int, int, str] | None = None):
         # What a spawned worker needs to build its rank of this same LLM (_worker: its rank, size, rendezvous).
         spawn_kwargs = {k: v for k, v in locals().items() if k not in ("self", "_worker")}
@@ -113,9 +116,7 @@ class LLM:
                              "(an Eagle3 checkpoint) or num_draft_tokens=0")
         if page_size < 1:
             raise ValueError(f"page_size={page_size} must be >= 1")
-        if not isinstance(num_scheduler_steps, int) or num_scheduler_steps < 1:
-            raise ValueError(f"num_scheduler_steps={num_scheduler_steps!r} must be an int >= 1 (1: a host plan "
-                             "for every step)")
+        check_scheduler_steps(num_scheduler_steps)
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={load_format!r}: choose 'auto' (read the checkpoint) or 'dummy' "
                              "(random weights built on the device)")
@@ -198,7 +199,7 @@ class LLM:
                page_size: int, max_num_tokens: int, max_model_len: int | None, max_num_seqs: int, num_pages: int,
                overlap: bool | None, enforce_eager: bool, graph_shapes: bool | None,
                gpu_memory_utilization: float, prefill_graphs: bool | None = None,
-               max_prefill_graph_tokens: int = 512, num_scheduler_steps: int = 1) -> None:
+               max_prefill_graph_tokens: int = 512, num_scheduler_steps: int | str = 1) -> None:
         """Weights (this rank's shard), tokenizer and engine."""
         tp = self.tp
         if load_format == "dummy":
