@@ -216,7 +216,8 @@ class LLMEngine:
             device.type == "cuda" and tp.size == 1)  # with enforce_eager too: eager pads as a replay would
         num_pages = resolve_num_pages(replace(cfg, prefill_graphs=pg), target, draft if k else None, dtype,
                                       device, k, tp)
-        steps = resolve_scheduler_steps(cfg.num_scheduler_steps, device, not cfg.enforce_eager,
+        replays = not cfg.enforce_eager and cfg.graph_shapes is not False  # graph-shaped steps replay graphs
+        steps = resolve_scheduler_steps(cfg.num_scheduler_steps, device, replays,
                                         weight_bytes(target, draft if k else None))
         # The choices, so an engine built from this config agrees.
         cfg = self.cfg = replace(cfg, num_pages=num_pages, prefill_graphs=pg, num_scheduler_steps=steps)
