@@ -534,7 +534,8 @@ class LLMEngine:
                 self._fail(req, f"request {req.request_id} ({req.num_known} tokens) cannot be scheduled: the KV "
                            f"pool has {self.pool.num_usable} pages of {self.cfg.page_size}; raise num_pages")
             return
-        self._steady = all(r.gather for r in batch.rows)  # every row continues from the slot buffers
+        if self.cfg.num_scheduler_steps > 1:  # (one step per plan never reads it: no loop over rows then)
+            self._steady = all(r.gather for r in batch.rows)  # every row continues from the slot buffers
         bucket = self.graphs.bucket(batch) if self.graph_shapes else None
         self.graphs.ensure(batch, bucket)
         inp = self.graphs.build(batch, bucket)
