@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fused_ops import time_fn  # noqa: E402  (the script's own folder: one graph timer for the op benchmarks)
 
-from m3eagle.fused import triton_fused as tf  # noqa: E402
+from m3eagle.kernels.fused import triton_fused as tf  # noqa: E402
 
 
 def main() -> int:

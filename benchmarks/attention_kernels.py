@@ -28,9 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from m3eagle.attention import reference  # noqa: E402
-from m3eagle.attention.metadata import build_metadata  # noqa: E402
-from m3eagle.attention.triton_backend import TritonBackend  # noqa: E402
+from m3eagle.kernels.attention import reference  # noqa: E402
+from m3eagle.kernels.attention.metadata import build_metadata  # noqa: E402
+from m3eagle.kernels.attention.triton_backend import TritonBackend  # noqa: E402
 
 HQ, HKV, D, HI, DI, PAGE = 8, 2, 64, 2, 64, 16
 
@@ -113,7 +113,7 @@ def run_case(case: Case, gen: torch.Generator, dev: torch.device, tri: TritonBac
 
 def check_fp32(dev: torch.device) -> tuple[float, int]:
     """(max relative error, mismatched selections) of TritonBackend vs reference, fp32, mixed rows."""
-    from m3eagle.attention import triton_kernels
+    from m3eagle.kernels.attention import triton_kernels
 
     gen = torch.Generator().manual_seed(1)
     worst, mismatched = 0.0, 0

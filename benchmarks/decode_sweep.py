@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from m3eagle.attention.metadata import build_metadata  # noqa: E402
-from m3eagle.attention.triton_backend import TritonBackend  # noqa: E402
+from m3eagle.kernels.attention.metadata import build_metadata  # noqa: E402
+from m3eagle.kernels.attention.triton_backend import TritonBackend  # noqa: E402
 
 PAGE = 16
 # (name, hq, hkv, d, hi, di, block, topk)

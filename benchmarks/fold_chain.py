@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from m3eagle import pdl  # noqa: E402
-from m3eagle.fused import gemv  # noqa: E402
-from m3eagle.fused.triton_fused import TritonFused  # noqa: E402
+from m3eagle.kernels import pdl  # noqa: E402
+from m3eagle.kernels.fused import gemv  # noqa: E402
+from m3eagle.kernels.fused.triton_fused import TritonFused  # noqa: E402
 
 # geometry -> (H, heads * head_dim, packed q/k/v rows, intermediate, draft vocabulary): the heads of
 # m3eagle/bench/geometries.py and the embedded pair's

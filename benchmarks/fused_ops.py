@@ -1,4 +1,4 @@
-"""Fused elementwise ops (m3eagle/fused/triton_fused.py) on a CUDA GPU in bf16: exactness against the
+"""Fused elementwise ops (m3eagle/kernels/fused/triton_fused.py) on a CUDA GPU in bf16: exactness against the
 PyTorch reference, time per op, and kernel launches per decode step.
 
     python benchmarks/fused_ops.py                       # H200: < 2 minutes
@@ -44,9 +44,9 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from m3eagle.attention.metadata import build_metadata  # noqa: E402
-from m3eagle.fused import backend  # noqa: E402
-from m3eagle.ops import make_ops  # noqa: E402
+from m3eagle.kernels.attention.metadata import build_metadata  # noqa: E402
+from m3eagle.kernels.fused import backend  # noqa: E402
+from m3eagle.kernels.ops import make_ops  # noqa: E402
 
 REPEAT = 10  # calls per captured graph in the op timings
 EPS, ALPHA, LIMIT = 1e-6, 1.702, 7.0
@@ -225,8 +225,8 @@ ROUTER_TILES = [(bm, bh, w, st) for bm in (16, 32, 64) for bh in (64, 128, 256) 
 def router_sweep(dev: torch.device, tokens: list[int], reps: int) -> list[dict]:
     """Prompt-sized routers: the cast + cuBLAS fp32 GEMM + route path (what steps past ROUTER_GEMV_MAX_T
     took before the tiled router) against `route_tiles` per (block_m, block_h, warps, stages), same inputs."""
-    from m3eagle.fused import reference as fref
-    from m3eagle.fused import triton_fused
+    from m3eagle.kernels.fused import reference as fref
+    from m3eagle.kernels.fused import triton_fused
 
     tri = backend.create("triton")
     rows = []
@@ -424,7 +424,7 @@ def main() -> None:
     t0 = time.time()
     doc: dict[str, Any] = {"device": torch.cuda.get_device_name() if not cpu else "cpu", "dtype": str(dtype)}
     if args.router_sweep:
-        from m3eagle.fused import triton_fused
+        from m3eagle.kernels.fused import triton_fused
 
         doc["router_sweep"] = router_sweep(dev, [65] if cpu else [256, 2048, 8192], args.reps)
         for r in doc["router_sweep"]:

@@ -1,5 +1,5 @@
 """Skinny GEMMs of decode (y [T, N] = x [T, K] @ w[N, K]^T, T = 1..32): cuBLAS (F.linear) vs the Triton kernel of
-m3eagle/fused/gemv.py, on a CUDA GPU.
+m3eagle/kernels/fused/gemv.py, on a CUDA GPU.
 
     python benchmarks/gemv.py                              # every shape x T in (1, 2, 4, 8, 16, 32)
     python benchmarks/gemv.py --json gemv.json             # also write every number to a file
@@ -176,7 +176,7 @@ _COUNTERS: list[Any] = []
 def split_counters() -> Any:
     """The script's one gemv.SplitCounters (split-K configs split only with counters)."""
     if not _COUNTERS:
-        from m3eagle.fused import gemv
+        from m3eagle.kernels.fused import gemv
 
         _COUNTERS.append(gemv.SplitCounters())
     return _COUNTERS[0]
@@ -191,7 +191,7 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 def candidates(t: int, n: int, k: int) -> list[Any]:
     """The tuning grid for one shape and T (split-K is swept afterwards on the best few, see tune_one)."""
-    from m3eagle.fused.gemv import GemvConfig
+    from m3eagle.kernels.fused.gemv import GemvConfig
 
     out = []
     kp = triton_next_pow2(k)
@@ -231,7 +231,7 @@ def split_variants(cfg: Any, n: int, k: int) -> list[Any]:
 
 def _compile_worker(job: tuple[str, list[tuple[int, int, int, dict[str, Any]]]]) -> int:
     """Compile (not time) the listed launches in a spawned process; they land in Triton's disk cache."""
-    from m3eagle.fused import gemv
+    from m3eagle.kernels.fused import gemv
 
     dtype_name, launches = job
     dtype = DTYPES[dtype_name]
@@ -270,7 +270,7 @@ def precompile(launches: list[tuple[int, int, int, Any]], dtype_name: str, jobs:
 def tune_one(x: torch.Tensor, ws: list[torch.Tensor], ref: torch.Tensor, args: argparse.Namespace,
              ) -> list[dict[str, Any]]:
     """Time every candidate, then split-K variants of the 4 best; rows sorted by time."""
-    from m3eagle.fused import gemv
+    from m3eagle.kernels.fused import gemv
 
     t, k = x.shape
     n = ws[0].shape[0]
@@ -322,8 +322,8 @@ def summarise_tune(tuned: list[dict[str, Any]]) -> None:
 
 
 def emit_table(tuned: list[dict[str, Any]]) -> None:
-    """The best config per (N, K, T) as lines for m3eagle/fused/gemv.py's TUNED (keyed by next_pow2(T))."""
-    print("\n# paste into m3eagle/fused/gemv.py TUNED (best of the sweep; us, x vs cuBLAS, x vs pick_config's):")
+    """The best config per (N, K, T) as lines for m3eagle/kernels/fused/gemv.py's TUNED (keyed by next_pow2(T))."""
+    print("\n# paste into m3eagle/kernels/fused/gemv.py TUNED (best of the sweep; us, x vs cuBLAS, x vs pick_config's):")
     for r in tuned:
         c = r["configs"][0]
         args = ", ".join(f"{f}={c[f]}" for f in GEMV_FIELDS)
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         print("benchmarks/gemv.py times CUDA kernels and needs a CUDA GPU; none is visible (the CPU tests are "
               "tests/test_gemv.py)", file=sys.stderr)
         return 2
-    from m3eagle.fused import gemv
+    from m3eagle.kernels.fused import gemv
 
     dev = torch.device(args.device)
     dtype = DTYPES[args.dtype]

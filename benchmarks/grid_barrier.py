@@ -27,8 +27,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from m3eagle import pdl  # noqa: E402
-from m3eagle.pdl import pdl_wait  # noqa: E402
+from m3eagle.kernels import pdl  # noqa: E402
+from m3eagle.kernels.pdl import pdl_wait  # noqa: E402
 
 N = K = 256
 

@@ -1,4 +1,4 @@
-"""Fused routed-experts kernels (m3eagle/moe/triton_moe.py) on a CUDA GPU in bf16: correctness, CUDA-graph
+"""Fused routed-experts kernels (m3eagle/kernels/moe/triton_moe.py) on a CUDA GPU in bf16: correctness, CUDA-graph
 capture, timing against the roofline, and block-size tuning.
 
     python benchmarks/moe_kernel.py --json moe.json                # check + time both shapes, ~1-2 min on an H200
@@ -26,7 +26,7 @@ experts, top-2, intermediate 160, shared 128), with random weights and a random 
    measures a dense bf16 torch.mm of the same FLOPs ([T*k, H] @ [H, 3I] and [T*(k+1), H] @ [H, 3I], its own
    LAYERS weights) and the HBM copy bandwidth of a 4 GiB device-to-device copy. Decode-sized steps
    (T <= 16) are timed once more with programmatic dependent launch ("PDL us"), as the engine captures the
-   graphs of batches of up to 4 rows under M3EAGLE_PDL=auto (m3eagle/pdl.py); the column is empty where
+   graphs of batches of up to 4 rows under M3EAGLE_PDL=auto (m3eagle/kernels/pdl.py); the column is empty where
    the GPU cannot (before sm_90) or M3EAGLE_PDL=0. A line under each shape's table states the issue's
    bars: decode-sized layers as % of the copy bandwidth (with and without PDL), T >= 256 as % of torch.mm.
 4. --tune: per T bucket of the table, time the whole layer as the engine runs it (fused router, then the
@@ -34,7 +34,7 @@ experts, top-2, intermediate 160, shared 128), with random weights and a random 
    the engine's small-batch graphs launch them) for each candidate config (the sort-free
    direct path's tiles up to T = 4, decode candidates with small row blocks up to T = 256, prefill
    candidates from 256 up), keep the fastest that matches the reference, print the table, and with --write
-   merge it into m3eagle/moe/tuned_configs.json under this GPU's name. The timing pass then uses the tuned
+   merge it into m3eagle/kernels/moe/tuned_configs.json under this GPU's name. The timing pass then uses the tuned
    configs.
 
 A readable table goes to stderr; one JSON line to stdout (and to --json FILE).
@@ -123,8 +123,8 @@ def profile_step(shape: Shape, layers: list, t: int, tri, dev: torch.device, dty
     all `layers` (graphs, so no launch gaps of eager mode are counted); logged as a table."""
     from torch.profiler import ProfilerActivity, profile
 
-    from m3eagle.fused import backend as fused_backend
-    from m3eagle.ops import Ops
+    from m3eagle.kernels.fused import backend as fused_backend
+    from m3eagle.kernels.ops import Ops
 
     x = make_x(shape, t, dev, dtype, seed=t)
     fused_ops = Ops(attention=None, moe=tri, fused=fused_backend.create("triton"))
@@ -255,9 +255,9 @@ def copy_bandwidth(dev: torch.device) -> float:
 def check(shape: Shape, layer, t: int, tri, dev: torch.device, dtype: torch.dtype) -> dict:
     """Errors of one step: routed triton and routed bf16 reference vs the fp32 oracle, layer vs layer, and
     two expert subsets vs the full routed output; the engine's layer (shared expert fused) vs fp32."""
-    from m3eagle.fused import backend as fused_backend
-    from m3eagle.moe import backend, reference
-    from m3eagle.ops import Ops
+    from m3eagle.kernels.fused import backend as fused_backend
+    from m3eagle.kernels.moe import backend, reference
+    from m3eagle.kernels.ops import Ops
 
     ref_impl = backend.reference()
     x = make_x(shape, t, dev, dtype, seed=100 + t)
@@ -292,8 +292,8 @@ def check_graph(shape: Shape, layer, impl_of: Callable[[int], object], dev: torc
                 dtype: torch.dtype) -> dict:
     """Capture the layer with the triton impl; replay on other inputs (other routing) == eager, bit for bit.
     Also one eager call with sync debug mode "error": any host sync would raise."""
-    from m3eagle.fused import backend as fused_backend
-    from m3eagle.ops import Ops
+    from m3eagle.kernels.fused import backend as fused_backend
+    from m3eagle.kernels.ops import Ops
 
     if dev.type != "cuda":
         return {"graph_equal": None, "no_sync": None}
@@ -345,10 +345,10 @@ def check_graph(shape: Shape, layer, impl_of: Callable[[int], object], dev: torc
 
 def time_step(shape: Shape, layers: list, t: int, tri, timer: Timer, dev: torch.device, dtype: torch.dtype,
               with_reference: bool = True) -> dict:
-    from m3eagle import pdl
-    from m3eagle.fused import backend as fused_backend
-    from m3eagle.moe import backend
-    from m3eagle.ops import Ops
+    from m3eagle.kernels import pdl
+    from m3eagle.kernels.fused import backend as fused_backend
+    from m3eagle.kernels.moe import backend
+    from m3eagle.kernels.ops import Ops
 
     ref_impl = backend.reference()
     itemsize = torch.finfo(dtype).bits // 8
@@ -398,7 +398,7 @@ def time_step(shape: Shape, layers: list, t: int, tri, timer: Timer, dev: torch.
             pdl_on = pdl.enabled(dev)  # sm_90+ and not M3EAGLE_PDL=0
         if t <= PDL_MAX_T and pdl_on:
             # as the engine runs decode-sized layers: its graphs of <= pdl.AUTO_MAX_BUCKET rows (T <= 16 at
-            # K <= 3) are captured with programmatic dependent launch (m3eagle/pdl.py, M3EAGLE_PDL=auto)
+            # K <= 3) are captured with programmatic dependent launch (m3eagle/kernels/pdl.py, M3EAGLE_PDL=auto)
             with pdl.scope(True):
                 r["engine_layer_pdl_us"] = timer(engine_layer_all, len(layers)) * 1e6
         r["shared_fused"] = bool(layers[0].shared_joinable())
@@ -430,9 +430,9 @@ def time_step(shape: Shape, layers: list, t: int, tri, timer: Timer, dev: torch.
 
 
 def candidates(bucket: int, dev: torch.device):
-    from m3eagle.moe.tuning import MoEConfig as C
+    from m3eagle.kernels.moe.tuning import MoEConfig as C
 
-    # the sort-free decode path (m3eagle/moe/direct.py): gate_up tile x down tile, for up to 4 tokens
+    # the sort-free decode path (m3eagle/kernels/moe/direct.py): gate_up tile x down tile, for up to 4 tokens
     # (few compiles: each kernel's tiles compile once and every pairing reuses them). Narrow, K-deep tiles put
     # a whole row segment's loads in flight at once, as fused/gemv.py's tuned configs do.
     # (num_stages 1: no software pipelining of the K loop; 2-3: the next tiles' loads in flight meanwhile)
@@ -509,9 +509,9 @@ def candidates(bucket: int, dev: torch.device):
 
 def align_sweep(dev: torch.device, timer: Timer) -> list[dict]:
     """The alignment alone (count + place, graph replay) at prompt sizes per chunk (pairs per program;
-    m3eagle.moe.align.chunk_size picks one), routed only and with a shared expert, on m3-mini's routing
+    m3eagle.kernels.moe.align.chunk_size picks one), routed only and with a shared expert, on m3-mini's routing
     shape (32 experts, top-4, block_m 128)."""
-    from m3eagle.moe import align as al
+    from m3eagle.kernels.moe import align as al
 
     rows = []
     for t in (512, 2048, 8192):
@@ -531,10 +531,10 @@ def align_sweep(dev: torch.device, timer: Timer) -> list[dict]:
 def tune_shape(shape: Shape, layers: list, dev: torch.device, dtype: torch.dtype, timer: Timer,
                buckets: tuple[int, ...]) -> tuple[dict, list]:
     """{bucket: best config dict} and the rows of every measurement."""
-    from m3eagle import pdl
-    from m3eagle.fused import backend as fused_backend
-    from m3eagle.moe import backend
-    from m3eagle.ops import Ops
+    from m3eagle.kernels import pdl
+    from m3eagle.kernels.fused import backend as fused_backend
+    from m3eagle.kernels.moe import backend
+    from m3eagle.kernels.ops import Ops
 
     fused = fused_backend.create("triton")
     best, rows = {}, []
@@ -574,7 +574,7 @@ def tune_shape(shape: Shape, layers: list, dev: torch.device, dtype: torch.dtype
 
 
 def write_table(dev_name: str, tuned: dict[str, dict[int, object]]) -> Path:
-    from m3eagle.moe import tuning
+    from m3eagle.kernels.moe import tuning
 
     raw = json.loads(tuning.TABLE_PATH.read_text()) if tuning.TABLE_PATH.exists() else {}
     per_dev = raw.setdefault(dev_name, {})
@@ -610,7 +610,7 @@ def main() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first `import triton`
     elif not torch.cuda.is_available():
         raise SystemExit("benchmarks/moe_kernel.py needs a CUDA device, or --device cpu for the smoke test")
-    from m3eagle.moe import backend, tuning
+    from m3eagle.kernels.moe import backend, tuning
 
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     shapes = SHAPES if dev.type == "cuda" else [TINY]

@@ -55,11 +55,11 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from m3eagle.attention import reference  # noqa: E402
-from m3eagle.attention.metadata import TRASH_PAGE, AttnMetadata, build_metadata  # noqa: E402
-from m3eagle.attention.triton_backend import TritonBackend  # noqa: E402
 from m3eagle.bench import roofline  # noqa: E402
 from m3eagle.config import M3Config  # noqa: E402
+from m3eagle.kernels.attention import reference  # noqa: E402
+from m3eagle.kernels.attention.metadata import TRASH_PAGE, AttnMetadata, build_metadata  # noqa: E402
+from m3eagle.kernels.attention.triton_backend import TritonBackend  # noqa: E402
 from m3eagle.loader.dummy import dummy_target  # noqa: E402
 from m3eagle.models.layers import pack_projections, rope_cos_sin  # noqa: E402
 from m3eagle.models.minimax_m3 import LayerCache, MiniMaxM3  # noqa: E402
@@ -109,9 +109,9 @@ def dense_config(cfg: M3Config) -> M3Config:
 
 def make_ops(device: torch.device):
     """How the models get their fast paths (attention backend, MoE, fused elementwise ops) -- the one
-    place that knows. The engine hands an `m3eagle.ops.Ops` to the models with each step's metadata
+    place that knows. The engine hands an `m3eagle.kernels.ops.Ops` to the models with each step's metadata
     (`meta.ops`). Triton attention always (the interpreter on CPU); the rest as the engine picks them."""
-    from m3eagle.ops import make_ops as engine_ops
+    from m3eagle.kernels.ops import make_ops as engine_ops
 
     return engine_ops("triton", "auto", device)
 
@@ -427,7 +427,7 @@ def check(args, cfg: M3Config, msa: MiniMaxM3, pools: Pools, ctx: int, tri: Trit
 
 
 def tri_kernels():
-    from m3eagle.attention import triton_kernels
+    from m3eagle.kernels.attention import triton_kernels
 
     return triton_kernels
 

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def parity(tmp: Path) -> dict:
     from hf_utils import random_hf_model, tiny_hf_config
 
+    from m3eagle.kernels.ops import make_ops
     from m3eagle.loader.checkpoint import load_target
-    from m3eagle.ops import make_ops
 
     res = {}
     for seed in (0, 1):
@@ -47,7 +47,7 @@ def parity(tmp: Path) -> dict:
                 res[f"seed{seed}_{name}"] = f"unavailable: {e}"
                 continue
             m = load_target(d, torch.bfloat16, "cuda")
-            from m3eagle.attention.metadata import build_metadata
+            from m3eagle.kernels.attention.metadata import build_metadata
 
             n = ids.shape[1]
             ps = 16

@@ -74,8 +74,8 @@ def install_recorder(records: dict[str, list]) -> None:
 
 def workload() -> None:
     from m3eagle import LLM, SamplingParams
-    from m3eagle.fused import gemv
-    from m3eagle.moe import triton_moe
+    from m3eagle.kernels.fused import gemv
+    from m3eagle.kernels.moe import triton_moe
 
     llm = LLM(None, device="cpu", dtype="bfloat16", attention_backend="triton", moe_backend="triton",
               fused_backend="triton", num_draft_tokens=3, page_size=16, max_model_len=256)
@@ -94,7 +94,7 @@ def workload() -> None:
     idx = torch.argsort(torch.rand(5, 8, generator=g), 1)[:, :2]
     triton_moe.fused_experts(xs, torch.full((5, 2), 0.5), idx, w13, w2, 1.702, 7.0, (2, 6))
     # the sorted GEMMs' half-height tail tiles (MoEConfig.split_tail: 64-row blocks, 32-row tails)
-    from m3eagle.moe.tuning import MoEConfig
+    from m3eagle.kernels.moe.tuning import MoEConfig
 
     xt = torch.randn(40, 64, generator=g).bfloat16()
     idx = torch.argsort(torch.rand(40, 8, generator=g), 1)[:, :2]
@@ -102,7 +102,7 @@ def workload() -> None:
                              config=MoEConfig(64, 32, 32, 4, 4, 3, split_tail=1))
     # the decode MoE's router + shared-expert launch and down's weight preload (moe/direct.py; the tuning
     # table asks for them on the H200 only)
-    from m3eagle.moe import direct
+    from m3eagle.kernels.moe import direct
 
     direct.route_direct_experts(xs[:1], torch.randn(8, 64, generator=g), torch.zeros(8), 2,
                                 torch.zeros(64, dtype=torch.int32), w13, w2, 1.702, 7.0,
@@ -120,7 +120,7 @@ def workload() -> None:
                                           down_preload=1, route_shared=1, down_rows=2, gate_rows=2, shared_down=2),
                                 (w13[0], w2[0]), 2.5)
     # the tiled router's other block shapes (long prompts, MiniMax-M3's 128 experts)
-    from m3eagle.fused import triton_fused
+    from m3eagle.kernels.fused import triton_fused
 
     xr = torch.randn(70, 256, generator=g).bfloat16()
     for n_exp, bm, bh in ((128, None, None), (32, 64, 128), (128, 64, 64)):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from m3eagle.attention.metadata import build_metadata
+from m3eagle.kernels.attention.metadata import build_metadata
 
 
 def step_case(seed: int, k: int, page_size: int, n_slots: int = 6, device: torch.device | str = "cpu"):

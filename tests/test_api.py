@@ -19,7 +19,7 @@ from m3eagle import LLM, CompletionOutput, RequestMetrics, RequestOutput, Sampli
 from m3eagle.entrypoints.chat import ChatTemplate
 from m3eagle.entrypoints.cli import build_parser, main
 from m3eagle.entrypoints.llm import default_model_paths
-from m3eagle.logging_utils import ENV_LEVEL, init_logging
+from m3eagle.entrypoints.logging_setup import ENV_LEVEL, init_logging
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Foo:"]
 
@@ -145,7 +145,7 @@ def test_chat_without_template_names_the_file(tmp_path):
 
 
 def test_log_level_from_env():
-    code = ("import logging, m3eagle; from m3eagle.logging_utils import init_logging; init_logging(); "
+    code = ("import logging, m3eagle; from m3eagle.entrypoints.logging_setup import init_logging; init_logging(); "
             "lg = logging.getLogger('m3eagle'); print(lg.level, len(lg.handlers))")
     for env, want in (("DEBUG", logging.DEBUG), ("warning", logging.WARNING), (None, logging.INFO)):
         e = {k: v for k, v in os.environ.items() if k != ENV_LEVEL}

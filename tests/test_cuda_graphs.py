@@ -173,9 +173,9 @@ def _compiled_variants() -> dict[str, int]:
     """Compiled variants per Triton kernel of the engine (attention, fused ops, MoE), from the JIT caches."""
     import triton
 
-    from m3eagle.attention import triton_kernels
-    from m3eagle.fused import triton_fused
-    from m3eagle.moe import align, direct, triton_moe
+    from m3eagle.kernels.attention import triton_kernels
+    from m3eagle.kernels.fused import triton_fused
+    from m3eagle.kernels.moe import align, direct, triton_moe
 
     out = {}
     for mod in (triton_kernels, triton_fused, triton_moe, align, direct):
@@ -192,8 +192,8 @@ def test_indexer_and_attention_do_not_specialize_on_lengths():
     reuse one compiled variant of every attention kernel: per-step ints are not specialized on, so a new
     prompt shape never compiles (a compile stalls serving for hundreds of ms). Tile sizes are constexprs
     chosen from powers of two of the step shape -- a bounded set, outside this test."""
-    from m3eagle.attention import triton_kernels as tk
-    from m3eagle.attention.metadata import build_metadata
+    from m3eagle.kernels.attention import triton_kernels as tk
+    from m3eagle.kernels.attention.metadata import build_metadata
 
     dev, gen = torch.device("cuda"), torch.Generator().manual_seed(0)
     hq, hkv, d, hi, di, block, page = 8, 2, 64, 2, 64, 64, 16
@@ -241,8 +241,8 @@ def test_fused_step_inputs_equal_reference_on_cuda(k):
 
     from step_cases import chain_case, commit_case, sample_case, step_case
 
-    from m3eagle.attention.metadata import derive_positions_and_slots
-    from m3eagle.ops import make_ops
+    from m3eagle.kernels.attention.metadata import derive_positions_and_slots
+    from m3eagle.kernels.ops import make_ops
 
     ref, fast = make_ops(device="cuda", fused="reference"), make_ops(device="cuda")
     assert fast.fused.name == "triton"
@@ -315,7 +315,7 @@ def test_gemv_on_gpu_equals_cublas_within_bf16_and_repeats_bit_for_bit():
     config and the engine's preferred shapes, in bf16, within bf16 error of cuBLAS (F.linear), and
     bit-equal from run to run (the split-K configs' last-program reduction has a fixed order); its split-K
     counters end at zero."""
-    from m3eagle.fused import gemv
+    from m3eagle.kernels.fused import gemv
 
     g = torch.Generator(device="cuda").manual_seed(0)
     counters = gemv.SplitCounters()
@@ -339,8 +339,8 @@ def test_gemv_weight_preload_on_gpu_is_bit_equal_under_pdl_graphs():
     """Design note 48 on the GPU: the GEMV with its first weight tile read before the PDL wait, replayed in a
     PDL-captured graph behind a producer of x (a norm launch), equals the launch without PDL -- the first
     replay, and after 9 more replays with new inputs and no sync."""
-    from m3eagle import pdl
-    from m3eagle.fused import gemv, triton_fused
+    from m3eagle.kernels import pdl
+    from m3eagle.kernels.fused import gemv, triton_fused
 
     g = torch.Generator(device="cuda").manual_seed(1)
     counters = gemv.SplitCounters()
@@ -380,8 +380,8 @@ def test_draft_step_folds_on_gpu_are_bit_equal_to_their_separate_launches():
     replayed in a PDL-captured graph: the gate_up GEMV's activation epilogue == the GEMV then silu_mul /
     swiglu_oai (the embedded head's and target's shapes at T = 1 and 4); the q/k/v launch's own RoPE ==
     the same launch reading rope_cos_sin's tables; add_rms_norm's row gather == the gather after it."""
-    from m3eagle import pdl
-    from m3eagle.fused import gemv, triton_fused
+    from m3eagle.kernels import pdl
+    from m3eagle.kernels.fused import gemv, triton_fused
 
     g = torch.Generator(device="cuda").manual_seed(2)
     f = triton_fused.TritonFused()
@@ -424,8 +424,8 @@ def test_gemv_argmax_epilogue_on_gpu():
     and 4): the picks bit-equal to the GEMV then the argmax launch, ties across tiles (a duplicated maximum
     row: the lower column) and NaN among infinities (the first NaN) forced; replayed 50 times in a
     PDL-captured graph, each replay's picks equal and the counter zero after."""
-    from m3eagle import pdl
-    from m3eagle.fused import gemv, triton_fused
+    from m3eagle.kernels import pdl
+    from m3eagle.kernels.fused import gemv, triton_fused
 
     g = torch.Generator(device="cuda").manual_seed(6)
     counters = gemv.SplitCounters().get("cuda")
@@ -459,8 +459,8 @@ def test_gemv_norm_prologue_and_residual_epilogue_on_gpu():
     (gate_up with silu, Llama scaling; a Gemma-scaled plain GEMV) within the norm's fp32 sum order of the
     norm launch followed by the GEMV (the GPU's reduction trees differ); linear_add bit-equal to the GEMV
     then add_residual; each replayed in a PDL-captured graph equal to its eager launch, bit for bit."""
-    from m3eagle import pdl
-    from m3eagle.fused import gemv, triton_fused
+    from m3eagle.kernels import pdl
+    from m3eagle.kernels.fused import gemv, triton_fused
 
     g = torch.Generator(device="cuda").manual_seed(5)
     f = triton_fused.TritonFused()
@@ -503,8 +503,8 @@ def test_gemv_norm_prologue_and_residual_epilogue_on_gpu():
 def test_direct_moe_on_gpu_within_bf16_and_graph_replay_equals_eager(t):
     """moe/direct.py compiled for the GPU: m3-mini's layer shape in bf16 (shared expert fused) within bf16
     error of the fp32 reference, and a CUDA graph of it replayed on new routing equal to eager, bit for bit."""
-    from m3eagle.moe import reference, triton_moe
-    from m3eagle.moe.tuning import MoEConfig
+    from m3eagle.kernels.moe import reference, triton_moe
+    from m3eagle.kernels.moe.tuning import MoEConfig
 
     g = torch.Generator(device="cuda").manual_seed(t)
     e, h, i, k = 32, 2048, 1024, 4
@@ -565,13 +565,13 @@ def test_moe_route_shared_and_down_preload_under_pdl_graphs_equal_the_separate_l
     programmatic dependent launch, replayed on new inputs without a sync between replays, equal bit for bit
     to the separate launches (fused router, then the direct path without preload) run eagerly without PDL
     -- so the routing that down reads before its wait is the current one."""
-    from m3eagle import pdl
-    from m3eagle.fused import backend as fused_backend
+    from m3eagle.kernels import pdl
+    from m3eagle.kernels.fused import backend as fused_backend
+    from m3eagle.kernels.moe import backend as moe_backend
+    from m3eagle.kernels.moe import direct
+    from m3eagle.kernels.moe.tuning import MoEConfig
+    from m3eagle.kernels.ops import Ops
     from m3eagle.models.layers import SparseMoE
-    from m3eagle.moe import backend as moe_backend
-    from m3eagle.moe import direct
-    from m3eagle.moe.tuning import MoEConfig
-    from m3eagle.ops import Ops
 
     torch.manual_seed(0)
     layers = []

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from m3eagle.attention.metadata import TRASH_PAGE, build_metadata
 from m3eagle.config import M3Config
+from m3eagle.kernels.attention.metadata import TRASH_PAGE, build_metadata
 from m3eagle.loader.checkpoint import CheckpointError
 from m3eagle.loader.eagle3 import load_eagle3, save_eagle3
 from m3eagle.models.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids

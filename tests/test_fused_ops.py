@@ -1,5 +1,5 @@
-"""The fused Triton ops (m3eagle/fused/triton_fused.py) held equal to their PyTorch reference
-(m3eagle/fused/reference.py), on CPU under the Triton interpreter, in fp32.
+"""The fused Triton ops (m3eagle/kernels/fused/triton_fused.py) held equal to their PyTorch reference
+(m3eagle/kernels/fused/reference.py), on CPU under the Triton interpreter, in fp32.
 
 Op by op: residual add + Gemma / Llama RMSNorm (strided rows, every optional term), the RoPE tables (plain
 and yarn), per-head norm + partial RoPE with the K/V cache writes (target attention, the indexer's one-head
@@ -30,10 +30,10 @@ pytest.importorskip("triton")
 from kernel_spy import spy_launches  # noqa: E402
 from step_cases import chain_case, commit_case, sample_case, step_case  # noqa: E402
 
-from m3eagle.attention.metadata import build_metadata  # noqa: E402
-from m3eagle.fused import backend, reference  # noqa: E402
+from m3eagle.kernels.attention.metadata import build_metadata  # noqa: E402
+from m3eagle.kernels.fused import backend, reference  # noqa: E402
+from m3eagle.kernels.ops import REFERENCE, make_ops  # noqa: E402
 from m3eagle.models.layers import rope_cos_sin, rope_inv_freq  # noqa: E402
-from m3eagle.ops import REFERENCE, make_ops  # noqa: E402
 
 CPU = torch.device("cpu")
 TRITON = replace(REFERENCE, fused=backend.create("triton"))
@@ -102,7 +102,7 @@ def test_rms_norm_cat_is_one_norm_per_block_in_one_launch(groups, gather, gemma,
     a slice of a wider buffer out; with ids the first input is a table whose rows ids are normed (padding
     ids at 0 included); one launch for up to 3 inputs, the per-input norms past that; and the reference
     backend's form is the reference math."""
-    from m3eagle.fused import triton_fused
+    from m3eagle.kernels.fused import triton_fused
 
     launches = spy_launches(monkeypatch, triton_fused, "_norm_cat_kernel", lambda grid, kw: grid)
     g, n, t = gen(groups), 48, 5
@@ -127,7 +127,7 @@ def test_rms_norm_cat_is_one_norm_per_block_in_one_launch(groups, gather, gemma,
 
 
 def test_rms_norm_cat_rejects_mismatched_inputs():
-    from m3eagle.fused import triton_fused
+    from m3eagle.kernels.fused import triton_fused
 
     x = torch.randn(3, 16)
     with pytest.raises(ValueError, match="out \\[T, inputs \\* width\\]"):
@@ -210,7 +210,7 @@ def test_rope_qkv_store_computes_the_tables_in_its_launch(scaling, dtype, monkey
     pos = torch.tensor([0, 1, 17, 63, 500, 4095, 3])
     slots = torch.randperm(s, generator=g)[:t]
     pools = [torch.zeros(s, hk, d, dtype=dtype) for _ in range(6)]
-    from m3eagle.fused import triton_fused as tf
+    from m3eagle.kernels.fused import triton_fused as tf
     tabled = spy_launches(monkeypatch, tf, "_rope_table_kernel")
     fused = spy_launches(monkeypatch, tf, "_qkv_rope_kernel", lambda grid, kw: kw["TABLE"])
     got = TRITON.fused.rope_qkv_store(q, k, v, pos, d, 10000.0, pools[0], pools[1], slots, scaling)
@@ -271,7 +271,7 @@ def test_qkv_index_rope_store_one_launch(d, di, rdim, r):
     untouched = torch.ones(s, dtype=torch.bool)
     untouched[slots] = False
     assert all(torch.all(p[untouched] == 5.0) for p in pools[0])
-    from m3eagle.fused import triton_fused
+    from m3eagle.kernels.fused import triton_fused
 
     launches = []
     real = triton_fused._qkv_rope_kernel
@@ -370,7 +370,7 @@ def test_router_logits_match_the_reference_gemm(t, e, h, dtype):
     to fp32 summation order, in both launch shapes: one expert row per program (T * E <= 1024; H = 5000
     past one 4096-wide load) and 4-row programs (33 x 34: E not a multiple of 4; H = 600 in two 512-wide chunks).
     T = 65 takes the reference path itself."""
-    from m3eagle.fused import triton_fused
+    from m3eagle.kernels.fused import triton_fused
 
     x = (torch.randn(t, h, generator=gen(t + e)) * 2).to(dtype)
     w = torch.randn(e, h, generator=gen(h))
@@ -536,7 +536,7 @@ def test_argmax_writes_a_strided_out_and_scatters_into_slot_rows():
 def test_positions_slots_equal_reference_with_clamps_and_negative_positions():
     """with_lengths' fused op: positions past the table width clamp to its last column; a (never planned)
     negative position still follows torch's floor division."""
-    from m3eagle.attention.metadata import derive_positions_and_slots
+    from m3eagle.kernels.attention.metadata import derive_positions_and_slots
 
     meta, _ = step_case(7, 3, 4)
     kv = meta.kv_lens.clone()
@@ -568,7 +568,7 @@ def test_reference_path_does_not_import_triton():
     import sys
 
     # Vacuous (not failing) if something else in the package already imports triton.
-    code = ("import sys, torch; from m3eagle.ops import REFERENCE, make_ops; before = 'triton' in sys.modules; "
+    code = ("import sys, torch; from m3eagle.kernels.ops import REFERENCE, make_ops; before = 'triton' in sys.modules; "
             "f = make_ops(device='cpu').fused; x = torch.randn(3, 8); f.add_rms_norm(x, x, torch.zeros(8), 1e-6); "
             "f.route(torch.randn(3, 4), torch.zeros(4), 2); "
             "assert ('triton' in sys.modules) == before, 'the reference fused path imported triton'")
@@ -650,8 +650,8 @@ def test_target_logits_with_the_decode_gemv(monkeypatch):
     """The decode GEMV (fused/gemv.py) inside the model: with fused ops that take it on CPU too
     (gemv_max_t set; the default leaves it to CUDA), one-token steps run every projection and lm_head
     through it and give the reference's logits, K/V and aux captures within fp32 rounding."""
-    from m3eagle.fused import gemv
-    from m3eagle.fused.triton_fused import TritonFused
+    from m3eagle.kernels.fused import gemv
+    from m3eagle.kernels.fused.triton_fused import TritonFused
 
     calls = []
     linear = gemv.linear
@@ -751,7 +751,7 @@ def test_plain_greedy_steps_launch_no_acceptance(make_llm, monkeypatch):
     """Without drafts a greedy row emits its argmax: the step takes a constant count instead of the
     acceptance launch, and its tokens equal the reference backend's."""
     from m3eagle import SamplingParams
-    from m3eagle.fused import triton_fused
+    from m3eagle.kernels.fused import triton_fused
 
     accepts = spy_launches(monkeypatch, triton_fused, "_accept_kernel")
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
@@ -771,7 +771,7 @@ def test_route_tokens_one_launch_equals_the_two(t, e, h, k):
     the reference's experts, weights to fp32 rounding; test_route_tiles_* hold it).
     NOTE: the interpreter's barrier and atomics let every program see every other's logits, so routing
     by the wrong program would pass here (checked); benchmarks/fused_ops.py checks the experts on the GPU."""
-    from m3eagle.fused import triton_fused
+    from m3eagle.kernels.fused import triton_fused
 
     fused = triton_fused.TritonFused()
     for seed in range(3 if t <= 16 else 1):  # the interpreter's time grows with T: one draw of the wide steps
@@ -795,8 +795,8 @@ def test_route_tokens_preloading_the_expert_rows_is_bit_equal(monkeypatch):
     """With PDL's weight preload (the router's expert rows read before the wait, one H tile:
     pdl.preload_weights forced on; the interpreter has no wait) the fused router gives the same weights,
     experts and counters as without it; past one H tile it does not take it."""
-    from m3eagle import pdl
-    from m3eagle.fused import triton_fused
+    from m3eagle.kernels import pdl
+    from m3eagle.kernels.fused import triton_fused
 
     cases = [(1, 32, 64, 4), (3, 16, 300, 4), (2, 8, 5000, 2)]  # the last: H > the decode router's one tile
     data = [(torch.randn(t, h, generator=gen(t + h)), torch.randn(e, h, generator=gen(e)) / h**0.5,
@@ -818,7 +818,7 @@ def test_route_tokens_preloading_the_expert_rows_is_bit_equal(monkeypatch):
 def test_router_split_is_exact():
     """Three bf16 parts sum to the fp32 weight exactly (in fp32, in order), across magnitudes from 1e-25 to
     1e30, signs, and values that round up in bf16 (the parts change sign)."""
-    from m3eagle.fused import triton_fused
+    from m3eagle.kernels.fused import triton_fused
 
     w = torch.randn(64, 300, generator=gen(3)) * torch.logspace(-25, 30, 300)[None, :]
     w[0, :8] = torch.tensor([1 + 2**-8, 1 + 2**-9 + 2**-23, -(1 - 2**-24), 3.0, 0.0, -0.0, 2**-110, 1e38])
@@ -835,7 +835,7 @@ def test_route_tiles_match_the_reference(t, e, h, k):
     route) in its order, its weights to fp32 rounding. Shapes: a partial last tile (65, 300, 17), E not a
     power of two and below the dot's 16 columns (3, 34), E = 256 (the tile's limit), H not a multiple of
     the chunk (200, 50, 130), k up to 8; block_m 16 and 64, block_h 32 and 128."""
-    from m3eagle.fused import triton_fused
+    from m3eagle.kernels.fused import triton_fused
 
     for seed in range(2):
         x = torch.randn(t, h, generator=gen(seed + t)).to(torch.bfloat16)
@@ -853,7 +853,7 @@ def test_route_tiles_ties_nan_and_minus_inf():
     """The tie rule on whole tiles: equal logits (identical weight rows) go to the lowest ids in order; a
     NaN logit ranks first (torch.sort's place for NaN); -inf-biased experts fill the top-k only when they
     must, each once. Rows of one tile get their own routing (a row of ties next to ordinary rows)."""
-    from m3eagle.fused import triton_fused
+    from m3eagle.kernels.fused import triton_fused
 
     t, e, h, k = 40, 6, 32, 3
     x = torch.randn(t, h, generator=gen(1)).to(torch.bfloat16)
@@ -878,7 +878,7 @@ def test_route_tokens_takes_the_tiled_router_past_the_gemv_limit(monkeypatch):
     router for bf16 activations, an fp32 weight with E <= ROUTER_TILE_MAX_E and T >= H / 4, else the
     reference's cast + GEMM + route. The weight's split is made once, again after an in-place change, and
     dropped with the weight."""
-    from m3eagle.fused import triton_fused
+    from m3eagle.kernels.fused import triton_fused
 
     calls, splits = [], []
     real_tiles, real_split = triton_fused.route_tiles, triton_fused.router_split
@@ -922,7 +922,7 @@ def test_eagle3_head_folded_gemv_step_equals_its_separate_launches(dtype, monkey
     separate launches (the fold switched off) to the norm's fp32 sum order, and the reference's. Steps of
     more tokens than FOLD_MAX_T and weights wider than FOLD_MAX_K (where the fold measured slower) keep the
     separate launches."""
-    from m3eagle.fused import gemv, triton_fused
+    from m3eagle.kernels.fused import gemv, triton_fused
     from m3eagle.models.eagle3 import Eagle3Config, Eagle3Head
     from m3eagle.models.layers import pack_projections
 

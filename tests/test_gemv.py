@@ -1,4 +1,4 @@
-"""The skinny-GEMM Triton kernel (m3eagle/fused/gemv.py) held equal to x @ w^T, on CPU under the Triton
+"""The skinny-GEMM Triton kernel (m3eagle/kernels/fused/gemv.py) held equal to x @ w^T, on CPU under the Triton
 interpreter.
 
 fp32 at 1e-5 relative error (max error over the reference's largest magnitude) for T = 1, 3, 8, 16 rows,
@@ -24,8 +24,8 @@ pytest.importorskip("triton")
 
 from kernel_spy import spy_launches  # noqa: E402
 
-from m3eagle.fused import gemv  # noqa: E402
-from m3eagle.fused.gemv import GemvConfig  # noqa: E402
+from m3eagle.kernels.fused import gemv  # noqa: E402
+from m3eagle.kernels.fused.gemv import GemvConfig  # noqa: E402
 
 N, K = 77, 200  # N % BLOCK_N != 0 and K % BLOCK_K != 0 for every config below
 GEMV = {  # elementwise, T <= 4
@@ -144,7 +144,7 @@ def test_engine_linear_takes_the_kernel_where_preferred_only(monkeypatch):
     """TritonFused.linear (what every paged-path projection calls): the kernel for few rows of a small
     weight (gemv.prefers), F.linear itself -- bit for bit -- for many rows or gemv_max_t=0; the table rules
     out shapes where cuBLAS won. Off the GPU the engine's default is F.linear (gemv_max_t=None), so the test opts in."""
-    from m3eagle.fused.triton_fused import TritonFused
+    from m3eagle.kernels.fused.triton_fused import TritonFused
 
     calls = []
     kernel = gemv.linear
@@ -166,7 +166,7 @@ def test_weight_preload_is_bit_equal(monkeypatch):
     forced on here; the interpreter has no wait) the GEMV computes the same bits as without it -- one and
     several K steps, EVEN_K or masked, split or not, configs with and without the prefetch -- and the dot
     path never takes it."""
-    from m3eagle import pdl
+    from m3eagle.kernels import pdl
 
     counters = gemv.SplitCounters()
     cases = [(t, n, k, cfg) for t in (1, 3) for n, k, cfg in (  # BLOCK_T 1 and 4 (a clamped row)
@@ -190,8 +190,8 @@ def test_gate_up_activation_epilogue_is_bit_equal_to_the_gemv_then_its_launch(dt
     clamped row), I not a multiple of the program's columns, K masked or whole, with and without the prefetch
     and (bf16) the PDL weight preload. Each program owns the gate and up rows of its columns: a mutation
     pairing a gate with another column's up fails it."""
-    from m3eagle import pdl
-    from m3eagle.fused.triton_fused import silu_mul, swiglu_oai
+    from m3eagle.kernels import pdl
+    from m3eagle.kernels.fused.triton_fused import silu_mul, swiglu_oai
 
     inter = 37  # 2I = 74 weight rows
     masked, whole = GemvConfig(block_n=4, block_k=64, num_stages=2), GemvConfig(block_n=16, block_k=128, num_stages=2)
@@ -222,9 +222,9 @@ def test_engine_mlp_takes_the_epilogue_where_the_gemv_runs_unsplit(monkeypatch):
     launch) where the
     GEMV takes the shape; tl.dot shapes keep the two launches; the reference backend's op is the plain
     chunk + silu_mul. All three agree."""
-    from m3eagle.fused import triton_fused
-    from m3eagle.fused.backend import ReferenceFused
-    from m3eagle.fused.triton_fused import TritonFused
+    from m3eagle.kernels.fused import triton_fused
+    from m3eagle.kernels.fused.backend import ReferenceFused
+    from m3eagle.kernels.fused.triton_fused import TritonFused
 
     gemv_l = spy_launches(monkeypatch, gemv, "_linear_kernel", lambda grid, kw: kw["ACT"] > 0)
     act_l = spy_launches(monkeypatch, triton_fused, "_silu_mul_kernel")
@@ -251,7 +251,7 @@ def test_norm_prologue_and_residual_epilogue_equal_their_separate_launches(t):
     without the silu epilogue) equals rms_norm's launch followed by the GEMV of the same config to within the
     norm's fp32 sum order (the interpreter happens to sum in the same order: equal here); linear_add (the
     residual in the epilogue) equals the GEMV followed by the backend's residual add, bit for bit."""
-    from m3eagle.fused.triton_fused import TritonFused
+    from m3eagle.kernels.fused.triton_fused import TritonFused
 
     f = TritonFused()
     g = torch.Generator().manual_seed(t)
@@ -282,8 +282,8 @@ def test_argmax_epilogue_equals_the_gemv_then_the_argmax_launch(monkeypatch):
     forced: a column tied with the maximum in a later tile (the lower column wins), NaN columns among
     infinities (the first NaN wins, as torch.argmax), an all-zero row (column 0). The counter is left zero;
     TritonFused takes the fold for T <= 4 (no argmax launch) and the two launches past it."""
-    from m3eagle.fused import triton_fused
-    from m3eagle.fused.triton_fused import TritonFused
+    from m3eagle.kernels.fused import triton_fused
+    from m3eagle.kernels.fused.triton_fused import TritonFused
 
     t = 3  # BLOCK_T 4 with a padding row (CI time: one T here; the H200 test runs T = 1 and 4)
     g = torch.Generator().manual_seed(40 + t)

@@ -5,7 +5,7 @@ compiler rejects (tl.dot tiles under 16, layouts and types only the compiler che
 tests/data/kernel_launches.json holds each distinct launch of a bf16 engine run with every fast path on
 (kernel, argument types, constexprs, launch options; `scripts/record_kernel_launches.py` writes it); here
 each is compiled with Triton's own CUDA toolchain (ptxas ships with the triton wheel) in a subprocess
-without TRITON_INTERPRET, with programmatic dependent launch on (m3eagle/pdl.py): a kernel's PDL constexpr
+without TRITON_INTERPRET, with programmatic dependent launch on (m3eagle/kernels/pdl.py): a kernel's PDL constexpr
 only adds its `griddepcontrol` instructions (`pdl_wait`), so the variant with them compiles everything the
 recorded one (PDL off) does, and the suite compiles each launch once.
 A record whose kernel's parameters changed fails with the command that re-records them. Skipped where
@@ -99,7 +99,7 @@ def test_every_recorded_launch_compiles_for_sm90(tmp_path):
 
 def test_the_records_cover_the_decode_path():
     """The recording saw the kernels of a speculative decode step with every fast path on, and every kernel
-    takes the PDL constexpr (m3eagle/pdl.py: a kernel launched with PDL must wait before touching memory)."""
+    takes the PDL constexpr (m3eagle/kernels/pdl.py: a kernel launched with PDL must wait before touching memory)."""
     records = json.loads(RECORDS.read_text())
     names = {r[1] for r in records}
     assert all("PDL" in r[4] for r in records), sorted({r[1] for r in records if "PDL" not in r[4]})

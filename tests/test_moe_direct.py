@@ -1,4 +1,4 @@
-"""The sort-free decode MoE path (m3eagle/moe/direct.py) held equal to the dense reference, on CPU under the
+"""The sort-free decode MoE path (m3eagle/kernels/moe/direct.py) held equal to the dense reference, on CPU under the
 Triton interpreter, in fp32 at 1e-5 relative error.
 
 Covers T = 1, 3, 4 (decode and a batch-1 verify) and 17; top-k not a power of two (padded slots); H and I
@@ -22,10 +22,10 @@ from dataclasses import replace  # noqa: E402
 
 from kernel_spy import spy_launches  # noqa: E402
 
-from m3eagle.moe import backend as moe_backend  # noqa: E402
-from m3eagle.moe import direct, reference, triton_moe, tuning  # noqa: E402
-from m3eagle.moe.tuning import MoEConfig  # noqa: E402
-from m3eagle.ops import Ops  # noqa: E402
+from m3eagle.kernels.moe import backend as moe_backend  # noqa: E402
+from m3eagle.kernels.moe import direct, reference, triton_moe, tuning  # noqa: E402
+from m3eagle.kernels.moe.tuning import MoEConfig  # noqa: E402
+from m3eagle.kernels.ops import Ops  # noqa: E402
 
 ALPHA, LIMIT = 1.702, 7.0
 # several K steps of both GEMVs; narrow down tiles; and tiles wider than H / I (masked K, clamped rows)
@@ -315,8 +315,8 @@ def route_calls(monkeypatch) -> list[int]:
 def test_router_and_shared_expert_in_one_launch(t, monkeypatch):
     """route_direct_experts == the fused router's route_tokens, then direct_experts with the shared expert:
     the same weights and experts, the same output bits; the counters are left zero; and it is the layer."""
-    from m3eagle.fused import backend as fused_backend
-    from m3eagle.fused import triton_fused
+    from m3eagle.kernels.fused import backend as fused_backend
+    from m3eagle.kernels.fused import triton_fused
 
     moe = route_layer(50 + t)
     g, ex, sh = moe.gate, moe.experts, moe.shared_experts
@@ -352,8 +352,8 @@ def test_route_shared_preloading_its_weights_is_bit_equal(monkeypatch):
     shared-expert programs their first K step's gate / up tiles, before the wait: pdl.preload_weights forced
     on; the interpreter has no wait) gives the same bits as without it, K a multiple of the step or not,
     counters left zero."""
-    from m3eagle import pdl
-    from m3eagle.fused import triton_fused
+    from m3eagle.kernels import pdl
+    from m3eagle.kernels.fused import triton_fused
 
     moe = route_layer(61)
     g, ex, sh = moe.gate, moe.experts, moe.shared_experts
@@ -380,8 +380,8 @@ def test_route_shared_preloading_its_weights_is_bit_equal(monkeypatch):
 def test_router_and_shared_launch_falls_back_where_it_cannot_match(monkeypatch):
     """A warp count other than the router's (another reduction order), a step past the decode router, or
     a narrower shared expert: the layer routes and runs the experts apart, still exact."""
-    from m3eagle.fused import backend as fused_backend
-    from m3eagle.fused import triton_fused
+    from m3eagle.kernels.fused import backend as fused_backend
+    from m3eagle.kernels.fused import triton_fused
 
     calls = route_calls(monkeypatch)
     moe = route_layer(60)
@@ -478,7 +478,7 @@ def test_layer_fuses_a_narrower_shared_expert(monkeypatch):
     """SparseMoE.forward_parts: a narrower shared expert rides in the direct kernels (rest None), and with a
     route_shared entry in the router's launch too, bit-equal to routing apart; and in the sorted GEMMs. All
     within fp32 rounding of the reference layer."""
-    from m3eagle.fused import backend as fused_backend
+    from m3eagle.kernels.fused import backend as fused_backend
 
     moe = route_layer(80, s_i=24)
     assert not moe.can_fuse_shared() and moe.shared_joinable()

@@ -22,11 +22,11 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from m3eagle.fused.gemv import SplitCounters  # noqa: E402
+from m3eagle.kernels.fused.gemv import SplitCounters  # noqa: E402
+from m3eagle.kernels.moe import backend, reference, triton_moe, tuning  # noqa: E402
+from m3eagle.kernels.moe.align import align, max_blocks  # noqa: E402
+from m3eagle.kernels.moe.tuning import MoEConfig  # noqa: E402
 from m3eagle.models.layers import SparseMoE  # noqa: E402
-from m3eagle.moe import backend, reference, triton_moe, tuning  # noqa: E402
-from m3eagle.moe.align import align, max_blocks  # noqa: E402
-from m3eagle.moe.tuning import MoEConfig  # noqa: E402
 
 H, I, E = 32, 64, 8  # hidden, expert intermediate, experts
 ALPHA, LIMIT = 1.702, 7.0
@@ -91,7 +91,7 @@ def test_down_gemm_with_its_own_tiles(monkeypatch):
     w13, w2 = make_weights(31)
     assert_close(*run_both(x, w, idx, w13, w2, cfg))
     moe = make_layer(32)
-    from m3eagle.ops import Ops
+    from m3eagle.kernels.ops import Ops
 
     with torch.no_grad():
         out, rest, _ = moe.forward_parts(x, Ops(attention=None, moe=backend.create("triton", config=cfg), fused=None))
@@ -425,7 +425,7 @@ def make_layer(seed: int, shared_inter: int = I, scaling: float = 2.5) -> Sparse
 def test_shared_expert_fused_into_the_routed_kernels(t, cfg):
     """A shared expert as wide as the routed ones runs as one more expert of the same launches: the layer's
     paged output (routed * scale + shared, as one tensor) equals the reference layer."""
-    from m3eagle.ops import Ops
+    from m3eagle.kernels.ops import Ops
 
     moe = make_layer(t)
     assert moe.can_fuse_shared()
@@ -476,7 +476,7 @@ def test_shared_expert_of_another_width_in_the_sorted_gemms(t, s_i):
     """A shared expert narrower or wider than the routed ones (the embedded target: 128 vs 160) runs in the
     grouped GEMMs as one more segment with its own width and row stride: the layer's output equals the
     reference layer, with split-tail tiles and the fused combine (T <= 16) too."""
-    from m3eagle.ops import Ops
+    from m3eagle.kernels.ops import Ops
 
     moe = make_layer(t + 40, shared_inter=s_i)
     assert not moe.can_fuse_shared() and moe.shared_joinable()
@@ -502,7 +502,7 @@ def test_shared_expert_fusion_refuses_what_it_cannot_do():
     s2_t = s2[0].t().contiguous().t()  # [H, I] values, column-major
     with pytest.raises(ValueError, match="inner strides"):
         triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=SMALL, shared=(s13[0], s2_t))
-    from m3eagle.ops import Ops
+    from m3eagle.kernels.ops import Ops
 
     # a same-width shared expert whose weights have another layout is not fused either
     moe = make_layer(31)
@@ -520,9 +520,9 @@ def test_shared_expert_fusion_refuses_what_it_cannot_do():
 def test_model_logits_equal_with_the_triton_impl():
     """A whole tiny model (3 MoE layers) through the paged forward: logits with the engine's ops carrying
     the Triton MoE equal those with the reference ops (the contiguous forward_seq always runs the reference)."""
-    from m3eagle.attention.metadata import build_metadata
+    from m3eagle.kernels.attention.metadata import build_metadata
+    from m3eagle.kernels.ops import REFERENCE, Ops
     from m3eagle.models.minimax_m3 import MiniMaxM3
-    from m3eagle.ops import REFERENCE, Ops
     from m3eagle.training.target import init_weights, model_config
 
     torch.manual_seed(0)
@@ -551,7 +551,7 @@ def test_registry_and_lazy_triton_import():
     import sys
 
     # Vacuous (not failing) if something else in the package already imports triton.
-    code = ("import sys, torch; from m3eagle.models import layers; from m3eagle.moe import backend; "
+    code = ("import sys, torch; from m3eagle.models import layers; from m3eagle.kernels.moe import backend; "
             "before = 'triton' in sys.modules; m = layers.Experts(4, 8, 16, 1.7, 7.0); "
             "[torch.nn.init.normal_(p) for p in m.parameters()]; "
             "m(torch.randn(3, 8), torch.rand(3, 2), torch.tensor([[0, 1], [2, 3], [1, 2]])); "

@@ -22,10 +22,10 @@ from engine_utils import Counters, assert_clean, chi2_sf
 from spec_utils import predictable_target, random_head, trained_head
 
 from m3eagle import LLM, SamplingParams
-from m3eagle.attention.metadata import TRASH_PAGE, build_metadata
 from m3eagle.engine.input_builder import build_step_input
 from m3eagle.engine.request import Request
 from m3eagle.engine.scheduler import ScheduledBatch, ScheduledRow
+from m3eagle.kernels.attention.metadata import TRASH_PAGE, build_metadata
 
 MIXED_LENS = (3, 70, 12, 40, 5, 25, 64, 8, 33, 17, 50, 6, 9, 45, 28, 14, 61, 4)
 NEW = 23

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (m3eagle/pdl.py) is opt-in and never reaches the CPU interpreter; every
+"""Programmatic dependent launch (m3eagle/kernels/pdl.py) is opt-in and never reaches the CPU interpreter; every
 Triton kernel of the engine waits for its predecessor before touching memory when it is on.
 
 The wait-first rule is checked on the kernels' source (the GPU behaviour is the H200 run's: engine tokens
@@ -20,13 +20,13 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from m3eagle import pdl  # noqa: E402  (imports triton)
+from m3eagle.kernels import pdl  # noqa: E402  (imports triton)
 
 
 def kernels():
-    from m3eagle.attention import triton_kernels
-    from m3eagle.fused import gemv, triton_fused
-    from m3eagle.moe import align, direct, triton_moe
+    from m3eagle.kernels.attention import triton_kernels
+    from m3eagle.kernels.fused import gemv, triton_fused
+    from m3eagle.kernels.moe import align, direct, triton_moe
 
     for mod in (triton_kernels, triton_fused, gemv, triton_moe, align, direct):
         for name, fn in vars(mod).items():
@@ -68,21 +68,21 @@ def test_modes_and_the_small_bucket_scope(monkeypatch):
 
 # The one documented exception (design note 43): with PRELOAD, direct down reads its routing and its weight
 # tiles before the wait -- weights no kernel writes, and idx written two launches back. Only those.
-PRELOADING = {"m3eagle.moe.direct._direct_down_kernel": ({"idx_ptr + pair"}, {"w_ptrs", "s_ptrs"}),
+PRELOADING = {"m3eagle.kernels.moe.direct._direct_down_kernel": ({"idx_ptr + pair"}, {"w_ptrs", "s_ptrs"}),
               # the same exception with ROWS column tiles per program: the routing and the first tile only
-              "m3eagle.moe.direct._direct_down_rows_kernel": (
+              "m3eagle.kernels.moe.direct._direct_down_rows_kernel": (
                   {"idx_ptr + pair"}, {"w_base + rows.to(tl.int64)[None, :, None] * stride_wh",
                                        "s_base + rows.to(tl.int64)[:, None] * stride_swh"})}
 LOAD_HELPERS = {"_load_k", "_router_w_tile"}  # jit helpers that load their first argument
 
 # The third (pdl.preload_weights, design note 48): with PRELOAD the decode GEMV's first weight tile and the
 # router's expert rows are read before the wait; x, the counters and every store after it.
-WEIGHT_PRELOAD = {"m3eagle.fused.gemv._linear_kernel", "m3eagle.fused.triton_fused._router_topk_kernel",
-                  "m3eagle.moe.direct._route_shared_kernel"}
+WEIGHT_PRELOAD = {"m3eagle.kernels.fused.gemv._linear_kernel", "m3eagle.kernels.fused.triton_fused._router_topk_kernel",
+                  "m3eagle.kernels.moe.direct._route_shared_kernel"}
 
 # The second exception (moe/direct.py, design note 46): with SD the routed gate_up launch's shared-down programs
 # load their weights before their wait (`_shared_down_program`); every other program waits at once.
-SHARED_DOWN = {"m3eagle.moe.direct._direct_gate_up_rows_kernel"}
+SHARED_DOWN = {"m3eagle.kernels.moe.direct._direct_gate_up_rows_kernel"}
 
 
 def _memory_calls(stmts) -> list[tuple[str, str]]:
@@ -122,7 +122,7 @@ def _check_shared_down(name: str, body: list) -> None:
     """`if not SD: pdl_wait(PDL)` first; then, touching no memory, the SD branch: the shared-down programs
     call `_shared_down_program` and return, every other program waits at once; the helper loads only its
     weight tiles before its own wait."""
-    from m3eagle.moe import direct
+    from m3eagle.kernels.moe import direct
 
     assert ast.unparse(body[0]) == "if not SD:\n    pdl_wait(PDL)", name
     i_sd = next(i for i, st in enumerate(body) if isinstance(st, ast.If) and ast.unparse(st.test) == "SD")
@@ -150,7 +150,7 @@ def _preload_branch(stmts, allowed: set[str]) -> None:
 
 
 def _router_program_preloads_rows_only() -> None:
-    from m3eagle.fused import triton_fused
+    from m3eagle.kernels.fused import triton_fused
 
     body = ast.parse(inspect.getsource(triton_fused._router_topk_program.fn)).body[0].body[1:]
     i = next(i for i, st in enumerate(body) if isinstance(st, ast.If) and ast.unparse(st.test) == "PRELOAD")
@@ -178,7 +178,7 @@ def _check_weight_preload(name: str, body: list) -> None:
     assert _helpers(body[i].orelse) == ["_gate_up_rows"], name
     call = next(n for st in body[i].orelse for n in ast.walk(st) if isinstance(n, ast.Call))
     assert [ast.unparse(a) for a in call.args[-2:]] == ["PRELOAD", "PDL"], name
-    from m3eagle.moe import direct
+    from m3eagle.kernels.moe import direct
 
     helper = ast.parse(inspect.getsource(direct._gate_up_rows.fn)).body[0].body[1:]
     j = next(j for j, st in enumerate(helper) if isinstance(st, ast.If) and ast.unparse(st.test) == "PRELOAD")

@@ -9,15 +9,15 @@ import random
 import pytest
 import torch
 
-from m3eagle.attention.metadata import (
+from m3eagle.engine.input_builder import build_step_input
+from m3eagle.engine.request import Request, Status
+from m3eagle.engine.scheduler import NeedSync, ScheduledBatch, Scheduler
+from m3eagle.kernels.attention.metadata import (
     TRASH_PAGE,
     build_metadata,
     derive_positions_and_slots,
     gather_slots,
 )
-from m3eagle.engine.input_builder import build_step_input
-from m3eagle.engine.request import Request, Status
-from m3eagle.engine.scheduler import NeedSync, ScheduledBatch, Scheduler
 from m3eagle.kvcache.page_pool import OutOfPages, PagePool
 from m3eagle.sampling.params import SamplingParams
 

@@ -25,9 +25,9 @@ import torch
 from engine_utils import Counters, assert_clean
 
 from m3eagle import LLM, SamplingParams
-from m3eagle.distributed.launch import WorkerError
 from m3eagle.distributed.layers import param_shards
 from m3eagle.distributed.parallel_state import TPError, TPGroup
+from m3eagle.engine.executor import WorkerError
 
 REPO = Path(__file__).resolve().parent.parent
 KW = dict(device="cpu", page_size=4, max_model_len=128, max_num_tokens=48, graph_shapes=True)
@@ -286,7 +286,7 @@ def test_bench_reports_tp(one_thread):
 def test_stuck_group_teardown_is_abandoned_not_waited_on(monkeypatch):
     """NCCL's teardown can block on a stuck or dead peer (seen at shutdown on 2 x H200 with CUDA graphs):
     leave_group with a timeout must come back, say so, and not block the caller past the timeout."""
-    from m3eagle.distributed import launch
+    from m3eagle.engine import executor as launch
 
     release = threading.Event()
     calls = []
@@ -306,7 +306,7 @@ def test_shutdown_releases_every_engines_graphs_before_leaving_the_group(monkeyp
     one's) after STOP and before leaving the group. A fault path (no STOP) must not wait for the device."""
     from types import SimpleNamespace
 
-    from m3eagle.distributed import launch
+    from m3eagle.engine import executor as launch
 
     events = []
 

@@ -28,10 +28,10 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from m3eagle.attention import backend, reference, triton_kernels  # noqa: E402
-from m3eagle.attention.metadata import TRASH_PAGE, AttnMetadata, build_metadata  # noqa: E402
-from m3eagle.attention.triton_backend import TritonBackend  # noqa: E402
-from m3eagle.ops import REFERENCE  # noqa: E402
+from m3eagle.kernels.attention import backend, reference, triton_kernels  # noqa: E402
+from m3eagle.kernels.attention.metadata import TRASH_PAGE, AttnMetadata, build_metadata  # noqa: E402
+from m3eagle.kernels.attention.triton_backend import TritonBackend  # noqa: E402
+from m3eagle.kernels.ops import REFERENCE  # noqa: E402
 
 CPU = torch.device("cpu")
 # Keys a kernel must never let through its masks (slots past kv_len, the trash page) hold this: one such

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import M3Config
-from ..models.eagle3 import Eagle3Config, default_aux_layer_ids
+from m3eagle.config import M3Config
+from m3eagle.models.eagle3 import Eagle3Config, default_aux_layer_ids
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "default"
 FULL, SPARSE, DENSE, MOE = "full_attention", "minimax_m3_sparse", "dense", "sparse"

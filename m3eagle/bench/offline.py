@@ -37,12 +37,12 @@ from typing import Any
 
 import torch
 
-from ..engine.llm_engine import LLMEngine, max_scheduler_steps
-from ..engine.request import Request
-from ..loader.dummy import target_config
-from ..models.layers import Router
-from ..sampling.params import SamplingParams
-from . import geometries, roofline
+from m3eagle.bench import geometries, roofline
+from m3eagle.engine.llm_engine import LLMEngine, max_scheduler_steps
+from m3eagle.engine.request import Request
+from m3eagle.loader.dummy import target_config
+from m3eagle.models.layers import Router
+from m3eagle.sampling.params import SamplingParams
 
 SCHEMA = "m3eagle.bench/1"
 STEADY_STEPS = 2  # samples every row has taken before a steady-state measurement starts
@@ -89,7 +89,7 @@ DEFINITIONS = {
 
 def run_bench(a: argparse.Namespace) -> dict[str, Any]:
     """Run the whole benchmark described by the parsed `m3eagle bench` arguments; return the JSON document."""
-    from ..entrypoints.llm import LLM
+    from m3eagle.entrypoints.llm import LLM
 
     say = Progress()
     geo = geometries.resolve(a.geometry, a.draft, a.load_format)
@@ -284,7 +284,7 @@ def throughput(engine: LLMEngine, prompts: list[list[int]], batch: int, max_toke
                dev: torch.device) -> dict[str, Any]:
     """Warm-up batch, then `repeats` timed batches of fresh prompts. Returns tok/s stats, the speculative
     acceptance over the timed batches, and the first timed request's tokens (for --compare-hf)."""
-    from ..entrypoints.llm import aggregate_stats
+    from m3eagle.entrypoints.llm import aggregate_stats
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     _generate(engine, prompts[:batch], sp)  # compilation, autotuning, allocator growth
@@ -426,7 +426,7 @@ def capture_router_choices(target: torch.nn.Module) -> Iterator[_RouterChoices]:
 def device_wait_timer() -> Iterator[list[float]]:
     """Seconds the host spends blocked in StepOutput.wait() (the engine's only wait on the device) while
     the block runs, accumulated into the yielded one-element list."""
-    from ..engine import model_runner
+    from m3eagle.engine import model_runner
 
     cls = model_runner.StepOutput
     orig = cls.wait
@@ -642,7 +642,7 @@ def format_table(doc: dict[str, Any]) -> str:
 
 
 def _env(llm, dev: torch.device) -> dict[str, Any]:
-    from .. import __version__
+    from m3eagle import __version__
 
     env: dict[str, Any] = {
         "device": str(dev), "dtype": str(llm.dtype).replace("torch.", ""),

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..config import M3Config
-from ..models.eagle3 import Eagle3Config
+from m3eagle.config import M3Config
+from m3eagle.models.eagle3 import Eagle3Config
 
 GiB = 1 << 30
 

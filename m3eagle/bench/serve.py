@@ -59,7 +59,7 @@ DEFINITIONS = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..entrypoints.cli import float_in, int_in
+    from m3eagle.entrypoints.cli import float_in, int_in
 
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's root URL")
     p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"],

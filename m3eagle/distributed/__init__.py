@@ -7,6 +7,6 @@
 See docs/parallel.md.
 """
 
-from .parallel_state import SINGLE, TPError, TPGroup
+from m3eagle.distributed.parallel_state import SINGLE, TPError, TPGroup
 
 __all__ = ["SINGLE", "TPError", "TPGroup"]

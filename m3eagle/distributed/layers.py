@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .parallel_state import SINGLE, TPGroup
+from m3eagle.distributed.parallel_state import SINGLE, TPGroup
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def iter_sharded(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, Shard | 
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, fused: Any = None) -> torch.Tensor:
-    """F.linear(x, w), or `fused.linear` (an m3eagle.fused.backend object: the engine's decode GEMV) when
+    """F.linear(x, w), or `fused.linear` (an m3eagle.kernels.fused.backend object: the engine's decode GEMV) when
     given and x is [T, K]."""
     return fused.linear(x, w) if fused is not None and x.dim() == 2 else F.linear(x, w)
 

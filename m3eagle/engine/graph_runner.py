@@ -34,7 +34,7 @@ width), so greedy tokens can differ from an engine without prefill graphs, never
 Graph-shaped steps get the same padding and KV bound when they run eagerly (enforce_eager), so eager and
 replay launch the same kernels on the same shapes and agree token for token.
 
-Tensor parallel: on rank 0 a `driver` (distributed/launch.py) broadcasts each step's buffers and each
+Tensor parallel: on rank 0 a `driver` (engine/executor.py) broadcasts each step's buffers and each
 capture before it runs here, so every rank captures the same graphs and runs the same steps.
 """
 
@@ -46,9 +46,9 @@ from typing import Any
 
 import torch
 
-from .input_builder import StepBuffers, StepInput, build_step_input
-from .model_runner import ModelRunner, StepOutput
-from .scheduler import ScheduledBatch
+from m3eagle.engine.input_builder import StepBuffers, StepInput, build_step_input
+from m3eagle.engine.model_runner import ModelRunner, StepOutput
+from m3eagle.engine.scheduler import ScheduledBatch
 
 log = logging.getLogger("m3eagle")
 
@@ -110,7 +110,7 @@ def is_prefill_shaped(batch: ScheduledBatch) -> bool:
 def pdl_in_graph(bucket: Any) -> bool:
     """Whether the graph of `bucket` is captured with programmatic dependent launch under M3EAGLE_PDL=auto:
     decode / verify buckets of up to pdl.AUTO_MAX_BUCKET rows (prefill graphs' buckets are tuples)."""
-    from .. import pdl  # here, not at the top: pdl.py defines a jit helper, and the engine must not import
+    from m3eagle.kernels import pdl  # here, not at the top: pdl.py defines a jit helper, and the engine must not import
     # triton before a CPU test sets TRITON_INTERPRET (kernels and helpers decorate for the GPU otherwise)
 
     return isinstance(bucket, int) and bucket <= pdl.AUTO_MAX_BUCKET
@@ -255,8 +255,8 @@ class GraphRunner:
             self.pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.runner.device)
         side.wait_stream(torch.cuda.current_stream(self.runner.device))
-        # Programmatic dependent launch inside the graphs of small decode buckets (m3eagle/pdl.py, "auto")
-        from .. import pdl  # (see pdl_in_graph)
+        # Programmatic dependent launch inside the graphs of small decode buckets (m3eagle/kernels/pdl.py, "auto")
+        from m3eagle.kernels import pdl  # (see pdl_in_graph)
 
         small = pdl_in_graph(bucket)
         with pdl.scope(small), torch.cuda.stream(side):  # warm-up: triton compiles, cuBLAS picks its kernels

@@ -30,11 +30,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..attention.metadata import TRASH_PAGE, AttnMetadata
-from ..sampling.params import MAX_MIN_TOKENS_STOP_IDS
-from ..sampling.penalties import PenaltyTensors
-from ..sampling.sampler import SamplingTensors
-from .scheduler import ScheduledBatch
+from m3eagle.engine.scheduler import ScheduledBatch
+from m3eagle.kernels.attention.metadata import TRASH_PAGE, AttnMetadata
+from m3eagle.sampling.params import MAX_MIN_TOKENS_STOP_IDS
+from m3eagle.sampling.penalties import PenaltyTensors
+from m3eagle.sampling.sampler import SamplingTensors
 
 
 @dataclass

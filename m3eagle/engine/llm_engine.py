@@ -28,17 +28,13 @@ from typing import Any
 
 import torch
 
-from ..distributed.parallel_state import SINGLE, TPGroup
-from ..kvcache.page_pool import PagePool
-from ..models.layers import pack_projections
-from ..ops import Ops, make_ops
-from ..sampling.params import SamplingParams
-from .detokenizer import FinalTextDetokenizer, IncrementalDetokenizer
-from .graph_runner import GraphRunner
-from .input_builder import StepBuffers
-from .kv_budget import pages_per_seq, resolve_num_pages
-from .model_runner import ModelRunner, StepOutput
-from .request import (
+from m3eagle.distributed.parallel_state import SINGLE, TPGroup
+from m3eagle.engine.detokenizer import FinalTextDetokenizer, IncrementalDetokenizer
+from m3eagle.engine.graph_runner import GraphRunner
+from m3eagle.engine.input_builder import StepBuffers
+from m3eagle.engine.kv_budget import pages_per_seq, resolve_num_pages
+from m3eagle.engine.model_runner import ModelRunner, StepOutput
+from m3eagle.engine.request import (
     Logprob,
     PositionLogprobs,
     Request,
@@ -49,7 +45,11 @@ from .request import (
     StopConditions,
     per_position_counts,
 )
-from .scheduler import NeedSync, ScheduledBatch, Scheduler
+from m3eagle.engine.scheduler import NeedSync, ScheduledBatch, Scheduler
+from m3eagle.kernels.ops import Ops, make_ops
+from m3eagle.kvcache.page_pool import PagePool
+from m3eagle.models.layers import pack_projections
+from m3eagle.sampling.params import SamplingParams
 
 log = logging.getLogger("m3eagle")
 

@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from ..attention.metadata import AttnMetadata
-from ..models.minimax_m3 import LayerCache, MiniMaxM3
-from ..ops import REFERENCE
-from ..sampling.params import MAX_LOGPROBS
-from ..sampling.penalties import PenaltyState
-from ..sampling.sampler import SALT_DRAFT, SamplingTensors, probs_from_logits, sample_from_probs
-from ..sampling.verify import verify
-from .input_builder import StepInput
+from m3eagle.engine.input_builder import StepInput
+from m3eagle.kernels.attention.metadata import AttnMetadata
+from m3eagle.kernels.ops import REFERENCE
+from m3eagle.models.minimax_m3 import LayerCache, MiniMaxM3
+from m3eagle.sampling.params import MAX_LOGPROBS
+from m3eagle.sampling.penalties import PenaltyState
+from m3eagle.sampling.sampler import SALT_DRAFT, SamplingTensors, probs_from_logits, sample_from_probs
+from m3eagle.sampling.verify import verify
 
 
 @dataclass

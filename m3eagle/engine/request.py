@@ -8,7 +8,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..sampling.params import SamplingParams
+from m3eagle.sampling.params import SamplingParams
 
 
 class Status(enum.Enum):

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from ..kvcache.page_pool import PagePool
-from .request import Request, Status
+from m3eagle.engine.request import Request, Status
+from m3eagle.kvcache.page_pool import PagePool
 
 
 class NeedSync(Exception):

@@ -368,7 +368,7 @@ def _add_bench_serve(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from m3eagle import __version__
-    from m3eagle.logging_utils import ENV_LEVEL, LEVELS
+    from m3eagle.entrypoints.logging_setup import ENV_LEVEL, LEVELS
 
     p = argparse.ArgumentParser(prog="m3eagle", description=__doc__, formatter_class=_Formatter)
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -403,7 +403,7 @@ def _is_library_error(e: BaseException) -> bool:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.log_level is not None:
-        from m3eagle.logging_utils import set_level
+        from m3eagle.entrypoints.logging_setup import set_level
 
         set_level(a.log_level)
     a.argv = list(sys.argv[1:] if argv is None else argv)

@@ -16,19 +16,19 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..config import M3Config
-from ..distributed import launch
-from ..distributed.parallel_state import SINGLE, TPGroup
-from ..engine.llm_engine import EngineConfig, LLMEngine, RequestError, check_scheduler_steps
-from ..engine.request import RequestOutput
-from ..loader.checkpoint import load_config, load_target
-from ..loader.dummy import LOAD_FORMATS, dummy_eagle3, dummy_target, eagle3_config, target_config
-from ..loader.tokenizer import load_tokenizer as _load_tokenizer
-from ..models.eagle3 import Eagle3Config
-from ..models.minimax_m3 import MiniMaxM3
-from ..ops import make_ops
-from ..sampling.params import SamplingParams
-from .chat import ChatTemplate
+from m3eagle.config import M3Config
+from m3eagle.distributed.parallel_state import SINGLE, TPGroup
+from m3eagle.engine import executor as launch
+from m3eagle.engine.llm_engine import EngineConfig, LLMEngine, RequestError, check_scheduler_steps
+from m3eagle.engine.request import RequestOutput
+from m3eagle.entrypoints.chat import ChatTemplate
+from m3eagle.kernels.ops import make_ops
+from m3eagle.loader.checkpoint import load_config, load_target
+from m3eagle.loader.dummy import LOAD_FORMATS, dummy_eagle3, dummy_target, eagle3_config, target_config
+from m3eagle.loader.tokenizer import load_tokenizer as _load_tokenizer
+from m3eagle.models.eagle3 import Eagle3Config
+from m3eagle.models.minimax_m3 import MiniMaxM3
+from m3eagle.sampling.params import SamplingParams
 
 log = logging.getLogger("m3eagle")
 
@@ -208,7 +208,7 @@ class LLM:
             self.target = load_target(self.model_path, self.dtype, dev, tp=tp)
         self.draft = None
         if draft is not None and num_draft_tokens > 0:
-            from ..loader.eagle3 import load_eagle3
+            from m3eagle.loader.eagle3 import load_eagle3
 
             # The Eagle3 head is small: every rank holds all of it and drafts the same tokens.
             if load_format == "dummy":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..attention.metadata import TRASH_PAGE
+from m3eagle.kernels.attention.metadata import TRASH_PAGE
 
 
 class OutOfPages(RuntimeError):

@@ -34,11 +34,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..config import ConfigError, M3Config, eos_ids
-from ..distributed.layers import Shard, param_shards
-from ..distributed.parallel_state import SINGLE, TPGroup
-from ..models.layers import Router
-from ..models.minimax_m3 import MiniMaxM3
+from m3eagle.config import ConfigError, M3Config, eos_ids
+from m3eagle.distributed.layers import Shard, param_shards
+from m3eagle.distributed.parallel_state import SINGLE, TPGroup
+from m3eagle.models.layers import Router
+from m3eagle.models.minimax_m3 import MiniMaxM3
 
 log = logging.getLogger("m3eagle")
 

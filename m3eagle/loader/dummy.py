@@ -30,13 +30,13 @@ from typing import Any
 
 import torch
 
-from ..config import M3Config
-from ..distributed.layers import Shard, iter_sharded
-from ..distributed.parallel_state import SINGLE, TPGroup
-from ..models.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
-from ..models.layers import GemmaRMSNorm, LlamaRMSNorm, Router
-from ..models.minimax_m3 import MiniMaxM3
-from .checkpoint import materialize, read_config
+from m3eagle.config import M3Config
+from m3eagle.distributed.layers import Shard, iter_sharded
+from m3eagle.distributed.parallel_state import SINGLE, TPGroup
+from m3eagle.loader.checkpoint import materialize, read_config
+from m3eagle.models.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
+from m3eagle.models.layers import GemmaRMSNorm, LlamaRMSNorm, Router
+from m3eagle.models.minimax_m3 import MiniMaxM3
 
 LOAD_FORMATS = ("auto", "dummy")
 INIT_STD = 0.02
@@ -54,7 +54,7 @@ def target_config(spec: M3Config | dict[str, Any] | str | Path) -> M3Config:
 
 def eagle3_config(spec: Eagle3Config | dict[str, Any] | str | Path, target: M3Config) -> Eagle3Config:
     """An Eagle3Config for `target`, with default aux layer ids filled in; validated against the target."""
-    from .eagle3 import validate_against_target
+    from m3eagle.loader.eagle3 import validate_against_target
 
     if isinstance(spec, Eagle3Config):
         cfg, explicit = spec, True

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..config import ConfigError, M3Config
-from ..models.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
-from .checkpoint import CheckpointError, iter_tensors, load_into, read_config
+from m3eagle.config import ConfigError, M3Config
+from m3eagle.loader.checkpoint import CheckpointError, iter_tensors, load_into, read_config
+from m3eagle.models.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
 
 log = logging.getLogger("m3eagle")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import CheckpointError
+from m3eagle.loader.checkpoint import CheckpointError
 
 
 class Tokenizer:

@@ -41,12 +41,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..attention import reference
-from ..attention.metadata import AttnMetadata
-from ..distributed.layers import linear
-from ..ops import REFERENCE
-from .layers import LlamaRMSNorm, PackedLinears, SiluMLP, apply_rope, rope_cos_sin
-from .minimax_m3 import LayerCache
+from m3eagle.distributed.layers import linear
+from m3eagle.kernels.attention import reference
+from m3eagle.kernels.attention.metadata import AttnMetadata
+from m3eagle.kernels.ops import REFERENCE
+from m3eagle.models.layers import LlamaRMSNorm, PackedLinears, SiluMLP, apply_rope, rope_cos_sin
+from m3eagle.models.minimax_m3 import LayerCache
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 

@@ -1,6 +1,6 @@
 """Building blocks shared by the target and the draft head: norms, RoPE, SwiGLU-OAI, MoE.
 
-The elementwise math lives in `m3eagle.fused.reference` (and is re-exported here): the modules call it, and
+The elementwise math lives in `m3eagle.kernels.fused.reference` (and is re-exported here): the modules call it, and
 the paged forward paths hand the same ops to the engine's fused backend (`meta.ops.fused`) instead."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..distributed.layers import ColumnParallelLinear, RowParallelLinear, linear, rows
-from ..distributed.parallel_state import SINGLE, TPGroup
-from ..fused import reference as fused_ref
-from ..fused.reference import apply_rope, swiglu_oai  # noqa: F401  (re-exported: models, training, moe use them)
-from ..moe import backend as moe_backend
+from m3eagle.distributed.layers import ColumnParallelLinear, RowParallelLinear, linear, rows
+from m3eagle.distributed.parallel_state import SINGLE, TPGroup
+from m3eagle.kernels.fused import reference as fused_ref
+from m3eagle.kernels.fused.reference import apply_rope, swiglu_oai  # noqa: F401  (re-exported: models, training, moe use them)
+from m3eagle.kernels.moe import backend as moe_backend
 
 
 class GemmaRMSNorm(nn.Module):
@@ -131,7 +131,7 @@ class PackedLinears:
 
     def __call__(self, x: torch.Tensor, fused: Any = None) -> list[torch.Tensor]:
         """x [T, in] -> one [T, n_i] output per module (column views of one GEMM's output when packed).
-        `fused` (an m3eagle.fused.backend object) runs the packed GEMM (its decode GEMV); None = F.linear."""
+        `fused` (an m3eagle.kernels.fused.backend object) runs the packed GEMM (its decode GEMV); None = F.linear."""
         if self.is_packed():
             return list(linear(x, self.weight, fused).split(self.sizes, -1))
         return [m(x) for m in self.mods]
@@ -167,7 +167,7 @@ class SwigluOaiMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, tp, reduce, what)
 
     def forward(self, x: torch.Tensor, fused: Any = None) -> torch.Tensor:
-        """x [T, H] -> [T, H]. `fused` (an m3eagle.fused.backend object) runs the activation; None = reference."""
+        """x [T, H] -> [T, H]. `fused` (an m3eagle.kernels.fused.backend object) runs the activation; None = reference."""
         gu = self.gate_up_proj
         if fused is not None and x.dim() == 2 and gu.bias is None:  # one launch on the decode GEMV's path
             a = fused.linear_swiglu_oai(x, gu.weight, self.alpha, self.limit)
@@ -232,7 +232,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                 impl: moe_backend.MoEImpl | None = None) -> torch.Tensor:
-        """x [T, H], weights/idx [T, k] -> [T, H]. `impl` (an `m3eagle.moe.backend` object the engine owns)
+        """x [T, H], weights/idx [T, k] -> [T, H]. `impl` (an `m3eagle.kernels.moe.backend` object the engine owns)
         does the work; None means the dense reference, which training and `forward_seq` use."""
         impl = impl if impl is not None else moe_backend.reference()
         return impl.experts(x, weights, idx, self.gate_up_proj, self.down_proj, self.alpha, self.limit,
@@ -259,7 +259,7 @@ class SparseMoE(nn.Module):
         return self.experts(x, w, idx, impl) * self.routed_scaling_factor + self.shared_experts(x)
 
     def forward_parts(self, x: torch.Tensor, ops: Any) -> tuple[torch.Tensor, torch.Tensor | None, float]:
-        """Paged path with the engine's `ops` (m3eagle.ops.Ops): (a, b, s) [T, H], [T, H] | None, float,
+        """Paged path with the engine's `ops` (m3eagle.kernels.ops.Ops): (a, b, s) [T, H], [T, H] | None, float,
         standing for a * s + b, which the caller leaves to the next fused add + norm. Usually (routed,
         shared, routed_scaling_factor); a MoE backend that fuses the shared expert into the routed kernels
         returns the whole sum, (out, None, 1.0)."""

@@ -15,13 +15,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..attention import reference
-from ..attention.metadata import AttnMetadata
-from ..config import M3Config
-from ..distributed.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
-from ..distributed.parallel_state import SINGLE, TPGroup
-from ..ops import REFERENCE
-from .layers import GemmaRMSNorm, PackedLinears, SparseMoE, SwigluOaiMLP, apply_rope, rope_cos_sin
+from m3eagle.config import M3Config
+from m3eagle.distributed.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from m3eagle.distributed.parallel_state import SINGLE, TPGroup
+from m3eagle.kernels.attention import reference
+from m3eagle.kernels.attention.metadata import AttnMetadata
+from m3eagle.kernels.ops import REFERENCE
+from m3eagle.models.layers import GemmaRMSNorm, PackedLinears, SparseMoE, SwigluOaiMLP, apply_rope, rope_cos_sin
 
 Delta = tuple[torch.Tensor, torch.Tensor | None, float]
 """A sub-layer's output not yet added to the residual stream: (x, x2, scale) stands for x * scale + x2 (the

@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..fused.reference import greedy_accept
-from .sampler import SALT_ACCEPT, SALT_SAMPLE, SamplingTensors, probs_from_logits, sample_from_probs, uniform
+from m3eagle.kernels.fused.reference import greedy_accept
+from m3eagle.sampling.sampler import SALT_ACCEPT, SALT_SAMPLE, SamplingTensors, probs_from_logits, sample_from_probs, uniform
 
 
 def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, st: SamplingTensors,

@@ -1,5 +1,5 @@
 """`python -m m3eagle.training CMD ...`: the training commands without the `m3eagle` entry point."""
 
-from .cli import main
+from m3eagle.training.cli import main
 
 main()

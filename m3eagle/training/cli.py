@@ -154,7 +154,7 @@ def _add_eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_corpus(args: argparse.Namespace) -> None:
-    from .corpus import CorpusConfig, build
+    from m3eagle.training.corpus import CorpusConfig, build
 
     cfg = CorpusConfig()
     if args.max_code_mb is not None:
@@ -164,7 +164,7 @@ def cmd_corpus(args: argparse.Namespace) -> None:
 
 
 def cmd_tokenizer(args: argparse.Namespace) -> None:
-    from .tokenizer import TokenizerConfig, build
+    from m3eagle.training.tokenizer import TokenizerConfig, build
 
     print(json.dumps(build(args.corpus, args.out, _override(TokenizerConfig(), args)), indent=2))
 
@@ -173,7 +173,7 @@ def cmd_tokenizer(args: argparse.Namespace) -> None:
 
 
 def cmd_train_target(args: argparse.Namespace) -> None:
-    from .target import TargetTrainConfig, train_target
+    from m3eagle.training.target import TargetTrainConfig, train_target
 
     cfg = _override(TargetTrainConfig(), args)
     final = train_target(args.data, args.out, cfg)
@@ -181,7 +181,7 @@ def cmd_train_target(args: argparse.Namespace) -> None:
 
 
 def cmd_train_draft(args: argparse.Namespace) -> None:
-    from .draft import DraftTrainConfig, train_draft
+    from m3eagle.training.draft import DraftTrainConfig, train_draft
 
     cfg = _override(DraftTrainConfig(), args)
     final = train_draft(args.data, args.target, args.out, cfg)
@@ -197,11 +197,11 @@ def offline_acceptance(target_dir, draft_dir, n_prompts: int, device: str | None
     """Engine-free greedy acceptance of a trained pair on held-out stdlib prompts."""
     import torch
 
-    from ..loader.checkpoint import load_target
-    from ..loader.eagle3 import load_eagle3
-    from .common import pick_device
-    from .evaluate import simulate_acceptance, stdlib_code_prompts
-    from .tokenizer import load_tokenizer
+    from m3eagle.loader.checkpoint import load_target
+    from m3eagle.loader.eagle3 import load_eagle3
+    from m3eagle.training.common import pick_device
+    from m3eagle.training.evaluate import simulate_acceptance, stdlib_code_prompts
+    from m3eagle.training.tokenizer import load_tokenizer
 
     dev = pick_device(device)
     target = load_target(target_dir, torch.float32, dev)
@@ -256,7 +256,7 @@ def cmd_average_heads(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from .evaluate import QUICK, EvalConfig, dumps, plot_acceptance, require_matplotlib, run_eval
+    from m3eagle.training.evaluate import QUICK, EvalConfig, dumps, plot_acceptance, require_matplotlib, run_eval
 
     if args.plot:
         require_matplotlib()  # fail before the long run, naming the extra
@@ -265,7 +265,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         cfg = replace(cfg, ks=tuple(int(k) for k in args.ks.split(",")))
     cfg = _override(cfg, argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "ks"}))
     if args.offline:
-        from ..entrypoints.llm import default_model_paths
+        from m3eagle.entrypoints.llm import default_model_paths
 
         model, draft = (args.model, args.draft) if args.model else default_model_paths()
         result = offline_acceptance(model, args.draft or draft, cfg.code_prompts, cfg.device, cfg.ks,
@@ -295,13 +295,13 @@ def install_assets(target_final: str | Path, draft_final: str | Path, dest: Path
 
 
 def cmd_train_all(args: argparse.Namespace) -> None:
-    from .corpus import CorpusConfig
-    from .corpus import build as build_corpus
-    from .draft import DraftTrainConfig, train_draft
-    from .evaluate import EvalConfig, dumps, run_eval
-    from .target import TargetTrainConfig, train_target
-    from .tokenizer import TokenizerConfig
-    from .tokenizer import build as build_tok
+    from m3eagle.training.corpus import CorpusConfig
+    from m3eagle.training.corpus import build as build_corpus
+    from m3eagle.training.draft import DraftTrainConfig, train_draft
+    from m3eagle.training.evaluate import EvalConfig, dumps, run_eval
+    from m3eagle.training.target import TargetTrainConfig, train_target
+    from m3eagle.training.tokenizer import TokenizerConfig
+    from m3eagle.training.tokenizer import build as build_tok
 
     out = Path(args.out)
     build_corpus(out / "corpus", CorpusConfig())

@@ -25,8 +25,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import arithmetic
-from .progress import progress
+from m3eagle.training import arithmetic
+from m3eagle.training.progress import progress
 
 # Path components of site-packages code that is a copy or backport of the stdlib. Keeping them would
 # leak the held-out domain into training.

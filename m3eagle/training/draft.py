@@ -31,11 +31,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..loader.checkpoint import load_target
-from ..loader.eagle3 import load_eagle3, save_eagle3
-from ..models.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
-from ..models.minimax_m3 import MiniMaxM3
-from .common import (
+from m3eagle.loader.checkpoint import load_target
+from m3eagle.loader.eagle3 import load_eagle3, save_eagle3
+from m3eagle.models.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
+from m3eagle.models.minimax_m3 import MiniMaxM3
+from m3eagle.training.common import (
     JsonlLog,
     RunState,
     autocast,
@@ -48,8 +48,8 @@ from .common import (
     save_state,
     seed_everything,
 )
-from .progress import progress
-from .tokenizer import load_tokens
+from m3eagle.training.progress import progress
+from m3eagle.training.tokenizer import load_tokens
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,7 @@ def self_distill_pool(target: MiniMaxM3, tokens: np.ndarray, cfg: DraftTrainConf
                       out: Path) -> torch.Tensor:
     """[rows, prompt + gen] token rows: a seeded corpus window, then the target's greedy continuation.
     Cached in out/ so a resumed run reuses it."""
-    from .evaluate import greedy_continue
+    from m3eagle.training.evaluate import greedy_continue
 
     cache = out / "self_distill.npy"
     if cache.is_file():

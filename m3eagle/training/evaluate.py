@@ -36,9 +36,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import arithmetic
-from .common import autocast
-from .corpus import CorpusConfig, stdlib_dir, stdlib_files
+from m3eagle.training import arithmetic
+from m3eagle.training.common import autocast
+from m3eagle.training.corpus import CorpusConfig, stdlib_dir, stdlib_files
 
 log = logging.getLogger("m3eagle")
 
@@ -211,7 +211,7 @@ def simulate_acceptance(target, head, prompts: list[list[int]], gen_tokens: int,
     walk each sequence as the engine does (start after the prompt; a round accepting a drafts moves the
     chain a + 1 tokens). Prompts are left-truncated to prompt_len (shorter ones are dropped) so they
     batch without padding."""
-    from .draft import ttt_forward
+    from m3eagle.training.draft import ttt_forward
 
     rows = [p[-prompt_len:] for p in prompts if len(p) >= prompt_len]
     if not rows:
@@ -279,7 +279,7 @@ class _Progress:
 
 
 def _llm(model: Path, draft: Path | None, k: int, cfg: EvalConfig):
-    from .. import LLM
+    from m3eagle import LLM
 
     return LLM(model=str(model), draft=str(draft) if draft is not None and k > 0 else None,
                num_draft_tokens=k, device=cfg.device, dtype=cfg.dtype, max_model_len=cfg.max_model_len)
@@ -288,9 +288,9 @@ def _llm(model: Path, draft: Path | None, k: int, cfg: EvalConfig):
 def run_eval(model_dir: str | Path | None, draft_dir: str | Path | None, cfg: EvalConfig = EvalConfig(),
              ) -> dict[str, Any]:
     """Everything the README reports, as one dict (the CLI prints it as JSON)."""
-    from .. import SamplingParams
-    from ..entrypoints.llm import default_model_paths
-    from .tokenizer import load_tokenizer
+    from m3eagle import SamplingParams
+    from m3eagle.entrypoints.llm import default_model_paths
+    from m3eagle.training.tokenizer import load_tokenizer
 
     if model_dir is None:
         model_dir, default_draft = default_model_paths()

@@ -36,12 +36,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..attention import reference
-from ..config import DENSE_MLP, FULL, MOE_MLP, SPARSE, M3Config
-from ..loader.checkpoint import cast_model, save_target
-from ..models.layers import SparseMoE, apply_rope, rope_cos_sin
-from ..models.minimax_m3 import Attention, MiniMaxM3
-from .common import (
+from m3eagle.config import DENSE_MLP, FULL, MOE_MLP, SPARSE, M3Config
+from m3eagle.kernels.attention import reference
+from m3eagle.loader.checkpoint import cast_model, save_target
+from m3eagle.models.layers import SparseMoE, apply_rope, rope_cos_sin
+from m3eagle.models.minimax_m3 import Attention, MiniMaxM3
+from m3eagle.training.common import (
     JsonlLog,
     RunState,
     autocast,
@@ -54,8 +54,8 @@ from .common import (
     save_state,
     seed_everything,
 )
-from .progress import progress
-from .tokenizer import load_tokens, write_hf_tokenizer_config
+from m3eagle.training.progress import progress
+from m3eagle.training.tokenizer import load_tokens, write_hf_tokenizer_config
 
 # ------------------------------------------------------------------------------------------------
 # Model presets

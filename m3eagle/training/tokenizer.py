@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .corpus import read_jsonl
-from .progress import progress
+from m3eagle.training.corpus import read_jsonl
+from m3eagle.training.progress import progress
 
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS]

@@ -2,6 +2,6 @@
 async_engine.py (the engine thread and its hand-off to asyncio), metrics.py (Prometheus). Chat
 templates live in ../chat.py, shared with LLM.chat()."""
 
-from .app import OpenAIServer, ServerThread, run_server
+from m3eagle.entrypoints.server.app import OpenAIServer, ServerThread, run_server
 
 __all__ = ["OpenAIServer", "ServerThread", "run_server"]

@@ -40,14 +40,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ...engine.llm_engine import RequestError
-from ...engine.request import PositionLogprobs, RequestDelta
-from ...sampling.params import SamplingParams, SamplingParamsError
-from ..chat import ChatTemplate, ChatTemplateError
-from ..llm import LLM
-from .async_engine import AsyncEngine, RequestStream
-from .metrics import ServerMetrics
-from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, error_body, refuse_unsupported
+from m3eagle.engine.llm_engine import RequestError
+from m3eagle.engine.request import PositionLogprobs, RequestDelta
+from m3eagle.entrypoints.chat import ChatTemplate, ChatTemplateError
+from m3eagle.entrypoints.llm import LLM
+from m3eagle.entrypoints.server.async_engine import AsyncEngine, RequestStream
+from m3eagle.entrypoints.server.metrics import ServerMetrics
+from m3eagle.entrypoints.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    refuse_unsupported,
+)
+from m3eagle.sampling.params import SamplingParams, SamplingParamsError
 
 log = logging.getLogger("m3eagle")
 
@@ -487,7 +493,7 @@ class OpenAIServer:
 
 
 def _is_embedded(llm: LLM) -> bool:
-    from ..llm import ASSETS
+    from m3eagle.entrypoints.llm import ASSETS
 
     return llm.model_path is not None and Path(llm.model_path).resolve() == (ASSETS / "target").resolve()
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...engine.llm_engine import LLMEngine, SpecCounters
-from ...engine.request import RequestDelta
-from ...sampling.params import SamplingParams
-from .metrics import RequestTimes, ServerMetrics
+from m3eagle.engine.llm_engine import LLMEngine, SpecCounters
+from m3eagle.engine.request import RequestDelta
+from m3eagle.entrypoints.server.metrics import RequestTimes, ServerMetrics
+from m3eagle.sampling.params import SamplingParams
 
 log = logging.getLogger("m3eagle")
 

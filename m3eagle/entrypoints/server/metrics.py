@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from ...engine.llm_engine import LLMEngine, SpecCounters
-    from ...engine.request import RequestDelta
+    from m3eagle.engine.llm_engine import LLMEngine, SpecCounters
+    from m3eagle.engine.request import RequestDelta
 
 log = logging.getLogger("m3eagle")
 
