@@ -1,4 +1,4 @@
-"""Fused elementwise ops (m3eagle/kernels/fused/triton_fused.py) on a CUDA GPU in bf16: exactness against the
+"""Fused elementwise ops (m3eagle/kernels/fused/ and m3eagle/kernels/moe/router.py) on a CUDA GPU in bf16: exactness against the
 PyTorch reference, time per op, and kernel launches per decode step.
 
     python benchmarks/fused_ops.py                       # H200: < 2 minutes
@@ -45,7 +45,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from m3eagle.kernels.attention.metadata import build_metadata  # noqa: E402
-from m3eagle.kernels.fused import backend  # noqa: E402
+from m3eagle.kernels.fused import registry as backend  # noqa: E402
 from m3eagle.kernels.ops import make_ops  # noqa: E402
 
 REPEAT = 10  # calls per captured graph in the op timings
@@ -226,14 +226,14 @@ def router_sweep(dev: torch.device, tokens: list[int], reps: int) -> list[dict]:
     """Prompt-sized routers: the cast + cuBLAS fp32 GEMM + route path (what steps past ROUTER_GEMV_MAX_T
     took before the tiled router) against `route_tiles` per (block_m, block_h, warps, stages), same inputs."""
     from m3eagle.kernels.fused import reference as fref
-    from m3eagle.kernels.fused import triton_fused
+    from m3eagle.kernels.moe import router
 
     tri = backend.create("triton")
     rows = []
     for name, n_exp, hid in ROUTERS:
         g = torch.Generator(device=dev).manual_seed(n_exp)
         w = (torch.randn(n_exp, hid, generator=g, device=dev) * hid ** -0.5).float()
-        w3 = triton_fused.router_split(w)
+        w3 = router.router_split(w)
         bias = (torch.randn(n_exp, generator=g, device=dev) * 0.1).float()
         for t in tokens:
             x = torch.randn(t, hid, generator=g, device=dev).to(torch.bfloat16)
@@ -242,7 +242,7 @@ def router_sweep(dev: torch.device, tokens: list[int], reps: int) -> list[dict]:
             row: dict[str, Any] = {"router": name, "E": n_exp, "H": hid, "T": t,
                                    "cublas_us": time_fn(base, dev, reps) * 1e6, "tiles": {}}
             for bm, bh, nw, st in ROUTER_TILES if not dev.type == "cpu" else ROUTER_TILES[:1]:
-                fn = lambda x=x, w3=w3, bias=bias, c=(bm, bh, nw, st): triton_fused.route_tiles(  # noqa: E731
+                fn = lambda x=x, w3=w3, bias=bias, c=(bm, bh, nw, st): router.route_tiles(  # noqa: E731
                     x, w3, bias, 4, *c)
                 try:
                     tw, ti = fn()
@@ -424,12 +424,12 @@ def main() -> None:
     t0 = time.time()
     doc: dict[str, Any] = {"device": torch.cuda.get_device_name() if not cpu else "cpu", "dtype": str(dtype)}
     if args.router_sweep:
-        from m3eagle.kernels.fused import triton_fused
+        from m3eagle.kernels.moe import router
 
         doc["router_sweep"] = router_sweep(dev, [65] if cpu else [256, 2048, 8192], args.reps)
         for r in doc["router_sweep"]:
             tiles = sorted(r["tiles"].items(), key=lambda kv: kv[1]["us"])
-            default = dict(tiles).get("{},{},4,3".format(*triton_fused._tile_blocks(r["T"], max(16, r["E"]))), {})
+            default = dict(tiles).get("{},{},4,3".format(*router.router_tile_blocks(r["T"], max(16, r["E"]))), {})
             log(f"  {r['router']:10s} T={r['T']:<5d} cuBLAS path {r['cublas_us']:7.1f} us | tiles (block_m, block_h,"
                 f" warps, stages), best first: " + "  ".join(f"{c} {v['us']:.1f}" for c, v in tiles[:6])
                 + f" | default {default.get('us', float('nan')):.1f}"

@@ -123,7 +123,7 @@ def profile_step(shape: Shape, layers: list, t: int, tri, dev: torch.device, dty
     all `layers` (graphs, so no launch gaps of eager mode are counted); logged as a table."""
     from torch.profiler import ProfilerActivity, profile
 
-    from m3eagle.kernels.fused import backend as fused_backend
+    from m3eagle.kernels.fused import registry as fused_backend
     from m3eagle.kernels.ops import Ops
 
     x = make_x(shape, t, dev, dtype, seed=t)
@@ -255,7 +255,7 @@ def copy_bandwidth(dev: torch.device) -> float:
 def check(shape: Shape, layer, t: int, tri, dev: torch.device, dtype: torch.dtype) -> dict:
     """Errors of one step: routed triton and routed bf16 reference vs the fp32 oracle, layer vs layer, and
     two expert subsets vs the full routed output; the engine's layer (shared expert fused) vs fp32."""
-    from m3eagle.kernels.fused import backend as fused_backend
+    from m3eagle.kernels.fused import registry as fused_backend
     from m3eagle.kernels.moe import backend, reference
     from m3eagle.kernels.ops import Ops
 
@@ -292,7 +292,7 @@ def check_graph(shape: Shape, layer, impl_of: Callable[[int], object], dev: torc
                 dtype: torch.dtype) -> dict:
     """Capture the layer with the triton impl; replay on other inputs (other routing) == eager, bit for bit.
     Also one eager call with sync debug mode "error": any host sync would raise."""
-    from m3eagle.kernels.fused import backend as fused_backend
+    from m3eagle.kernels.fused import registry as fused_backend
     from m3eagle.kernels.ops import Ops
 
     if dev.type != "cuda":
@@ -346,7 +346,7 @@ def check_graph(shape: Shape, layer, impl_of: Callable[[int], object], dev: torc
 def time_step(shape: Shape, layers: list, t: int, tri, timer: Timer, dev: torch.device, dtype: torch.dtype,
               with_reference: bool = True) -> dict:
     from m3eagle.kernels import pdl
-    from m3eagle.kernels.fused import backend as fused_backend
+    from m3eagle.kernels.fused import registry as fused_backend
     from m3eagle.kernels.moe import backend
     from m3eagle.kernels.ops import Ops
 
@@ -532,7 +532,7 @@ def tune_shape(shape: Shape, layers: list, dev: torch.device, dtype: torch.dtype
                buckets: tuple[int, ...]) -> tuple[dict, list]:
     """{bucket: best config dict} and the rows of every measurement."""
     from m3eagle.kernels import pdl
-    from m3eagle.kernels.fused import backend as fused_backend
+    from m3eagle.kernels.fused import registry as fused_backend
     from m3eagle.kernels.moe import backend
     from m3eagle.kernels.ops import Ops
 

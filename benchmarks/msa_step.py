@@ -60,8 +60,9 @@ from m3eagle.config import M3Config  # noqa: E402
 from m3eagle.kernels.attention import reference  # noqa: E402
 from m3eagle.kernels.attention.metadata import TRASH_PAGE, AttnMetadata, build_metadata  # noqa: E402
 from m3eagle.kernels.attention.triton_backend import TritonBackend  # noqa: E402
+from m3eagle.kernels.fused.reference import rope_cos_sin  # noqa: E402
 from m3eagle.loader.dummy import dummy_target  # noqa: E402
-from m3eagle.models.layers import pack_projections, rope_cos_sin  # noqa: E402
+from m3eagle.models.layers import pack_projections  # noqa: E402
 from m3eagle.models.minimax_m3 import LayerCache, MiniMaxM3  # noqa: E402
 
 FULL, SPARSE, DENSE_MLP, MOE_MLP = "full_attention", "minimax_m3_sparse", "dense", "sparse"

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The H200 runs behind the bench numbers in the README (issue 8). Run from the repository root:
+# Offline benches of the three bench geometries on one GPU (`m3eagle bench`). Run from the repository root:
 #
-#   bash scripts/h200_bench.sh [mini|8b|embedded|all]      (default: all)
+#   OUT=<dir> bash scripts/bench_gpu.sh [mini|8b|embedded|all]      (default: all)
 #
 # Each run writes $OUT/bench_<name>.json (the JSON document) and $OUT/bench_<name>.log (progress + table);
-# $OUT defaults to docs/results. Expected wall time on one H200 (estimates; the JSON's wall_s is the truth):
+# $OUT defaults to out/bench. Expected wall time on one H200 (estimates; the JSON's wall_s is the truth):
 # mini ~2.5-3.5 min (incl. --compare-hf), 8b ~4-5 min, embedded ~1 min. To stay inside a 10-minute
 # command, run "mini embedded" in one call and "8b" in another.
 set -euo pipefail
-OUT=${OUT:-docs/results}
+OUT=${OUT:-out/bench}
 mkdir -p "$OUT"
 export KINETO_LOG_LEVEL=${KINETO_LOG_LEVEL:-5}  # keep the profiler's own log lines out of the table
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Serving numbers for the embedded model on one H200 (issue 11). Run from the repository root:
+# Serving numbers for the embedded model on one GPU. Run from the repository root:
 #
-#   bash scripts/h200_serve.sh [spec|plain]...      (default: spec plain)
+#   OUT=<dir> bash scripts/bench_serve.sh [spec|plain]...      (default: spec plain)
 #
 # For each mode it starts `m3eagle serve` on the GPU (spec: the embedded Eagle3 head, K=3; plain: K=0),
 # waits for /health, runs `m3eagle bench-serve` at max concurrency 1, 8 and 32 (stdlib prompts, 128 tokens in,
 # 128 out, EOS ignored, greedy), then stops the server with SIGTERM and checks that it exits 0. Writes two
-# files per mode under $OUT (default docs/results), so both modes fit the device tool's 8 returned files:
+# files per mode under $OUT (default out/serve):
 #   serve_<mode>.json  {"concurrency_1": doc, "concurrency_8": doc, "concurrency_32": doc, "server_exit": rc}
 #                      where doc is bench-serve's JSON (TTFT/TPOT/ITL p50/p90/p99, throughput, acceptance)
 #   serve_<mode>.log   the server's log (periodic stats lines: throughput, queue, KV usage, acceptance), then
@@ -19,9 +19,9 @@
 #       --python-version 3.11 --platform manylinux2014_x86_64
 # and carry out/wheels to the device (WHEELS=out/wheels is the default).
 #
-# A quick dry run on CPU: DEVICE=cpu INPUT_LEN=16 OUTPUT_LEN=8 MIN_PROMPTS=4 PER_SLOT=1 bash scripts/h200_serve.sh spec
+# A quick dry run on CPU: DEVICE=cpu INPUT_LEN=16 OUTPUT_LEN=8 MIN_PROMPTS=4 PER_SLOT=1 bash scripts/bench_serve.sh spec
 set -euo pipefail
-OUT=${OUT:-docs/results}
+OUT=${OUT:-out/serve}
 PORT=${PORT:-8321}
 WHEELS=${WHEELS:-out/wheels}
 DEVICE=${DEVICE:-cuda}

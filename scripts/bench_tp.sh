@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Tensor parallel on one host of 2 x H200: the m3-8b bench (random weights, bf16, CUDA graphs, triton
+# Tensor parallel on one host of 2 GPUs: the m3-8b bench (random weights, bf16, CUDA graphs, triton
 # attention / MoE / fused ops, overlap on, greedy) at batch 1, 8, 32 with TP=1, then TP=2. Run from the
 # repository root (python3 with torch 2.11 and PYTHONPATH set; no network needed):
 #
-#   OUT=/some/dir bash scripts/h200x2_tp.sh
+#   OUT=<dir> bash scripts/bench_tp.sh
 #
 # Writes $OUT/bench_${GEOMETRY}_tp{1,2}.json (the bench's JSON document: env.tensor_parallel_size, per batch
 # tok/s, step ms, GPU busy, comm_ms / comm_frac = NCCL kernel time per step and its share of the step,
@@ -13,7 +13,7 @@
 # left (logged as tp2_eager). Plain decoding by default (K=0); K=3 adds the speculative rows (about twice
 # the time: raise RUN_S and mind the 8 minutes).
 set -uo pipefail
-OUT=${OUT:-docs/results/h200x2-tp}
+OUT=${OUT:-out/tp}
 K=${K:-0}
 GEOMETRY=${GEOMETRY:-m3-8b}   # (the CPU dry run of this script: GEOMETRY=embedded BATCHES=1,4 EXTRA="--device cpu ...")
 BATCHES=${BATCHES:-1,8,32}

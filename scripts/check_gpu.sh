@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One call on one H200 (~4-5 min) that checks what the CPU cannot: run from the repository root,
+# One run on one GPU (~4-5 min on an H200) that checks what the CPU cannot: run from the repository root,
 #
-#   OUT=<dir> bash scripts/h200_check.sh
+#   OUT=<dir> bash scripts/check_gpu.sh
 #
 # 1. the GPU test file (graph replay == eager, sync-free steady state, the fused step-input kernel
 #    bit-equal to the reference ops on CUDA, released graphs recapture) and the 128k-prompt test;
@@ -14,7 +14,7 @@
 # 5. with FUSED=1, benchmarks/fused_ops.py (each fused op vs its reference in bf16) first; with M3_8B=1 the
 #    m3-8b bench last; REPLAY=0 / MOE=0 skip stages 3 / 4's MoE part; MOE_TUNE=1 makes stage 4 retune the
 #    MoE block table first (`moe_kernel.py --tune --write`, < 2 min on an H200) and return the rewritten
-#    m3eagle/moe/tuned_configs.json as $OUT/tuned_configs.json, so the benches after it use the new table;
+#    m3eagle/kernels/moe/tuned_configs.json as $OUT/tuned_configs.json, so the benches after it use the new table;
 #    MSA=1 runs benchmarks/msa_step.py (MSA vs dense steps, kernel tables at 1k and 16k; MSA_ARGS replaces
 #    those flags, MSA_TIMEOUT its 240 s limit) after the tests; MOE_TUNE_ARGS adds flags to the tune
 #    (e.g. "--buckets 1,4"), MOE_ARGS flags to every moe_kernel.py run (e.g. "--profile 1,4,2048"); GEMV_ARGS runs benchmarks/gemv.py with those flags before stage 4;
@@ -90,7 +90,7 @@ if [[ ${MOE:-1} == 1 ]] && (( SECONDS - t0 < ${MOE_DEADLINE:-330} )); then
   [[ -n ${MOE_ARGS:-} ]] && tune+=(${MOE_ARGS})
   timeout 330 python3 benchmarks/moe_kernel.py "${tune[@]}" --json "$W/moe_kernel.json" > /dev/null 2> "$W/moe_kernel.log"
   stamp "moe_kernel ${tune[*]}: exit $?"
-  [[ ${MOE_TUNE:-0} == 1 ]] && cp m3eagle/moe/tuned_configs.json "$OUT/"
+  [[ ${MOE_TUNE:-0} == 1 ]] && cp m3eagle/kernels/moe/tuned_configs.json "$OUT/"
   grep -E "best|^ +(T|[0-9]+) |HBM|check|profile|^ +[0-9.]+ us" "$W/moe_kernel.log"
   pack
 fi

@@ -120,12 +120,12 @@ def workload() -> None:
                                           down_preload=1, route_shared=1, down_rows=2, gate_rows=2, shared_down=2),
                                 (w13[0], w2[0]), 2.5)
     # the tiled router's other block shapes (long prompts, MiniMax-M3's 128 experts)
-    from m3eagle.kernels.fused import triton_fused
+    from m3eagle.kernels.moe import router
 
     xr = torch.randn(70, 256, generator=g).bfloat16()
     for n_exp, bm, bh in ((128, None, None), (32, 64, 128), (128, 64, 64)):
         wr = torch.randn(n_exp, 256, generator=g) / 16
-        triton_fused.route_tiles(xr, triton_fused.router_split(wr), torch.zeros(n_exp), 8, bm, bh)
+        router.route_tiles(xr, router.router_split(wr), torch.zeros(n_exp), 8, bm, bh)
 
 
 def main() -> int:

@@ -6,10 +6,9 @@
 #   bash scripts/train_default.sh install   # copy $RUN's finals into the package, then `eval`
 #   bash scripts/train_default.sh all       # the three in a row
 #
-# The shipped pair was trained with these defaults on nvidia-h200-x2 by scripts/h200x2_train_pair.sh
-# (corpus built there from that machine's site-packages; 1984 target steps and 3404 head steps, also in
-# docs/results/h200x2-2026-11-30c/train/*_summary.json; set TARGET_STEPS=1984 DRAFT_STEPS=3404 to replay
-# that schedule on any machine). Run `data` on the machine that trains: the corpus is its site-packages.
+# The shipped pair was trained with these defaults on a host of 2 x H200 by scripts/train_pair_multi_gpu.sh
+# (corpus built there from that machine's site-packages; 1984 target steps and 3404 head steps; set
+# TARGET_STEPS=1984 DRAFT_STEPS=3404 to replay that schedule on any machine). Run `data` on the machine that trains: the corpus is its site-packages.
 # Progress bars go to stderr; losses go to $RUN/{target,draft}/log.jsonl.
 set -euo pipefail
 STAGE=${1:-all}

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Issue 15: rebuild the embedded pair on nvidia-h200-x2 from that machine's own site-packages.
+# Rebuild the embedded pair on one host of 2 GPUs from that machine's own site-packages.
 #
-#   STAGE=1 OUT=... bash scripts/h200x2_train_pair.sh   # corpus + tokens (CPU), target on GPU 0;
+#   STAGE=1 OUT=... bash scripts/train_pair_multi_gpu.sh   # corpus + tokens (CPU), target on GPU 0;
 #                                                       # GPU 1: the GPU test file, then a head for the
 #                                                       # shipped target on the new corpus (data effect)
-#   STAGE=2 OUT=... bash scripts/h200x2_train_pair.sh   # two heads for the new target, in parallel:
+#   STAGE=2 OUT=... bash scripts/train_pair_multi_gpu.sh   # two heads for the new target, in parallel:
 #                                                       # GPU 0 without, GPU 1 with self-distillation
-#   STAGE=3 OUT=... bash scripts/h200x2_train_pair.sh   # two head variants for the SHIPPED target, in
+#   STAGE=3 OUT=... bash scripts/train_pair_multi_gpu.sh   # two head variants for the SHIPPED target, in
 #                                                       # parallel (HEAD_A_ARGS / HEAD_B_ARGS; defaults:
 #                                                       # draft vocab 6144, and TTT 7 steps with decay 0.9);
 #                                                       # one call from a cold machine (data rebuilt first)

@@ -18,8 +18,8 @@ import pytest
 from m3eagle import LLM, CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 from m3eagle.entrypoints.chat import ChatTemplate
 from m3eagle.entrypoints.cli import build_parser, main
-from m3eagle.entrypoints.llm import default_model_paths
 from m3eagle.entrypoints.logging_setup import ENV_LEVEL, init_logging
+from m3eagle.loader.assets import default_model_paths
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Foo:"]
 

@@ -1,12 +1,15 @@
 """`m3eagle bench` on CPU: a tiny geometry through every code path (plain + spec, the steady-state step
 profile, the profiler, --compare-hf), the JSON document's schema, the byte count checked by hand, and
-the random-weight loader (load_format="dummy") the large geometries stand on."""
+the random-weight loader (load_format="dummy") the large geometries stand on. `m3eagle bench-serve` against a
+real in-process streaming server (timings, failures, concurrency, arrivals, acceptance from /metrics), and its
+percentiles and Prometheus parsing."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -315,3 +318,242 @@ def test_msa_step_benchmark_runs_on_cpu():
     assert doc["check"]["ok"] and doc["steps"] and doc["layer"]
     layer = doc["layer"][0]
     assert layer["qkv_rope_with_index_us"] > 0 and layer["indexer_us"] > 0
+
+
+# ---- bench-serve: against a real in-process OpenAI-style server ----------------------------------
+
+
+class FakeServer:
+    """A small OpenAI-compatible streaming server (Starlette on uvicorn, in a thread, on a real socket). Each
+    streamed completion sends `events` text events `gap` seconds apart, each carrying `per_event` tokens
+    (as one speculative step may), then a usage event and [DONE]. Arrival numbers in `http_500` get an
+    HTTP 500, those in `error_event` an error event mid-stream. Every stream that finishes adds 4 drafts
+    (12 draft tokens, 6 accepted: 3 / 2 / 1 at positions 0 / 1 / 2) to the /metrics counters."""
+
+    def __init__(self, gap=0.02, events=3, per_event=2, http_500=(), error_event=()):
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+        from starlette.routing import Route
+
+        self.gap, self.events, self.per_event = gap, events, per_event
+        self.http_500, self.error_event = set(http_500), set(error_event)
+        self.arrivals: list[float] = []
+        self.bodies: list[dict] = []
+        self.in_flight = self.max_in_flight = 0
+        self.drafts = 0
+        import time as _time
+
+        async def models(request):
+            return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+        async def metrics(request):
+            d = self.drafts
+            page = ["# HELP fake:spec_decode_num_drafts Verify rows.", "# TYPE fake:spec_decode_num_drafts counter",
+                    f'fake:spec_decode_num_drafts_total{{model_name="fake-model"}} {d}',
+                    "# TYPE fake:spec_decode_num_draft_tokens counter",
+                    f'fake:spec_decode_num_draft_tokens_total{{model_name="fake-model"}} {3 * d}',
+                    "# TYPE fake:spec_decode_num_accepted_tokens counter",
+                    f'fake:spec_decode_num_accepted_tokens_total{{model_name="fake-model"}} {1.5 * d}',
+                    "# TYPE fake:spec_decode_num_accepted_tokens_per_pos counter"]
+            page += [f'fake:spec_decode_num_accepted_tokens_per_pos_total{{model_name="fake-model",position="{j}"}} '
+                     f"{(3 - j) / 4 * d}" for j in range(3)]
+            page += ["# TYPE fake:num_requests_running gauge", "fake:num_requests_running 0"]
+            return PlainTextResponse("\n".join(page) + "\n")
+
+        async def completions(request):
+            import asyncio as _asyncio
+
+            body = await request.json()
+            n = len(self.arrivals)
+            self.arrivals.append(_time.perf_counter())
+            self.bodies.append(body)
+            if n in self.http_500:
+                return JSONResponse({"error": {"message": "injected failure"}}, status_code=500)
+            chat = request.url.path.endswith("/chat/completions")
+            prompt_tokens = len(body["prompt"]) if "prompt" in body else 7
+
+            async def stream():
+                self.in_flight += 1
+                self.max_in_flight = max(self.max_in_flight, self.in_flight)
+                try:
+                    for i in range(self.events):
+                        await _asyncio.sleep(self.gap)
+                        if n in self.error_event and i == 1:
+                            yield f"data: {json.dumps({'error': {'message': 'injected error event'}})}\n\n"
+                            yield "data: [DONE]\n\n"
+                            return
+                        piece = "ab"[:self.per_event]
+                        choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
+                        yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+                    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": self.events * self.per_event}
+                    yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+                    yield "data: [DONE]\n\n"
+                    self.drafts += 4
+                finally:
+                    self.in_flight -= 1
+
+            return StreamingResponse(stream(), media_type="text/event-stream")
+
+        self.app = Starlette(routes=[Route("/v1/models", models), Route("/metrics", metrics),
+                                     Route("/v1/completions", completions, methods=["POST"]),
+                                     Route("/v1/chat/completions", completions, methods=["POST"])])
+
+    def __enter__(self):
+        import socket
+        import threading
+
+        import uvicorn
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        import time as _time
+
+        deadline = _time.monotonic() + 20
+        while not self.server.started:
+            assert _time.monotonic() < deadline, "the fake server did not start"
+            _time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+
+def _bench_serve(url: str, tmp_path: Path, *extra: str) -> tuple[dict, str]:
+    f = tmp_path / "serve.json"
+    rc, out, err = _run(["bench-serve", "--base-url", url, "--dataset", "random", "--input-len", "16", "--output-len",
+                         "6", "--json", str(f), *extra])
+    assert rc == 0, err
+    assert out == ""
+    return json.loads(f.read_text()), err
+
+
+def test_bench_serve_against_a_server(tmp_path):
+    """12 measured requests, 3 at a time, after 2 warm-ups: 2 of them fail (an HTTP 500, an error event), the
+    other 10 are timed from their stream's arrival times, and acceptance is the /metrics delta."""
+    gap = 0.02
+    # arrivals 0 and 1 are the warm-ups; 2 + 3 and 2 + 7 are measured requests that fail
+    with FakeServer(gap=gap, http_500={5}, error_event={9}) as srv:
+        doc, err = _bench_serve(srv.url, tmp_path, "--num-prompts", "12", "--max-concurrency", "3", "--warmup", "2")
+    assert doc["schema"] == "m3eagle.bench_serve/1"
+    s, r, acc = doc["settings"], doc["results"], doc["acceptance"]
+    assert s["model"] == "fake-model" and s["base_url"] == srv.url and s["request_rate"] is None
+    assert len(srv.bodies) == 2 + 12  # warm-ups, then the measured requests
+    assert all(b["prompt"] and len(b["prompt"]) == 16 and b["max_tokens"] == 6 and b["ignore_eos"] and b["stream"]
+               for b in srv.bodies)
+    assert srv.max_in_flight == 3  # --max-concurrency holds
+    assert r["completed"] == 10 and r["failed"] == 2
+    assert sorted(doc["errors"]) == ["HTTP 500: {\"error\":{\"message\":\"injected failure\"}}", "injected error event"]
+    assert r["output_tokens"] == 10 * 6  # usage.completion_tokens, not the 3 events
+    assert r["input_tokens"] == 10 * 16
+    assert r["output_throughput"] == pytest.approx(r["output_tokens"] / r["duration_s"])
+    # the first event comes `gap` after the request; then two gaps of `gap` between the 3 events
+    assert r["ttft_ms"]["p50"] >= gap * 1e3 * 0.9
+    assert gap * 1e3 * 0.5 <= r["itl_ms"]["p50"] <= gap * 1e3 * 10  # gaps seen by the client jitter around `gap`
+    assert r["e2e_ms"]["p50"] >= 3 * gap * 1e3 * 0.9
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        row = r[key]
+        assert row["p50"] <= row["p90"] <= row["p99"], key
+    # tpot = (e2e - ttft) / 5 output tokens after the first: ~2 gaps / 5
+    assert r["tpot_ms"]["p50"] == pytest.approx(2 * gap * 1e3 / 5, rel=0.9)
+    assert acc == {"num_drafts": 40, "num_draft_tokens": 120, "num_accepted_tokens": 60, "acceptance_rate": 0.5,
+                   "mean_acceptance_length": 2.5, "per_position": [0.75, 0.5, 0.25]}
+    assert "TTFT ms" in err and "acceptance: mean length 2.500" in err and "failed 2" in err
+    assert "warm-up 2/2" in err
+
+
+def test_bench_serve_chat_and_poisson_arrivals(tmp_path):
+    """Chat requests carry the prompt's text; at --request-rate the arrivals spread out (Poisson), where at the
+    default (inf) they all come at once."""
+    with FakeServer(gap=0.01, events=2, per_event=1) as srv:
+        doc, _ = _bench_serve(srv.url, tmp_path, "--num-prompts", "8", "--warmup", "0", "--request-rate", "40",
+                              "--endpoint", "/v1/chat/completions")
+        spread = srv.arrivals[-1] - srv.arrivals[0]
+    r = doc["results"]
+    assert r["completed"] == 8 and r["failed"] == 0 and r["output_tokens"] == 8 * 2
+    assert r["input_tokens"] == 8 * 7  # usage.prompt_tokens (a chat prompt grows by its template)
+    assert all(isinstance(b["messages"][0]["content"], str) and "prompt" not in b for b in srv.bodies)
+    assert doc["settings"]["request_rate"] == 40
+    # the client sleeps an exponential gap (seeded: --seed 0 + 1) after sending each request
+    rng = random.Random(1)
+    assert spread >= 0.9 * sum(rng.expovariate(40) for _ in range(7))
+    with FakeServer(gap=0.5, events=2, per_event=1) as srv:  # each stream lasts >= 1 s
+        _bench_serve(srv.url, tmp_path, "--num-prompts", "8", "--warmup", "0")
+    assert srv.max_in_flight == 8  # at the default rate (inf) and no --max-concurrency, all are sent at once
+
+
+def test_bench_serve_without_a_server(capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: connections are refused
+        assert main(["bench-serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is the server running" in err[0]
+    assert main(["bench-serve", "--base-url", "localhost:8000", "--num-prompts", "1"]) == 2
+    assert "--base-url" in capsys.readouterr().err
+
+
+# ---- bench-serve: the pieces ---------------------------------------------------------------------
+
+
+def test_serve_percentiles():
+    from m3eagle.bench.serve import percentiles
+
+    # seconds in, milliseconds out; linear interpolation between order statistics
+    assert percentiles([0.004, 0.001, 0.003, 0.002]) == pytest.approx({"mean": 2.5, "p50": 2.5, "p90": 3.7,
+                                                                        "p99": 3.97})
+    assert percentiles([5.0], scale=1) == {"mean": 5.0, "p50": 5.0, "p90": 5.0, "p99": 5.0}
+    assert percentiles([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+    row = percentiles([float(x) for x in range(101)], scale=1)
+    assert row == {"mean": 50.0, "p50": 50.0, "p90": 90.0, "p99": 99.0}
+    assert all(type(v) is float for v in row.values())  # plain floats: the JSON document takes them
+
+
+def test_serve_spec_counters_from_metrics_text():
+    from m3eagle.bench.serve import acceptance, spec_counters
+
+    page = """# HELP vllm:spec_decode_num_drafts Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="a"} 10.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="a"} 6.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="a"} 1.7e9
+# TYPE vllm:spec_decode_num_draft_tokens counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="a"} 48.0
+# TYPE vllm:spec_decode_num_accepted_tokens counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="a"} 20.0
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="a",position="1"} 8.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="a",position="0"} 12.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="a",position="0"} 2.0
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_bucket{le="+Inf",model_name="a"} 3.0
+vllm:e2e_request_latency_seconds_count{model_name="a"} 3.0
+vllm:e2e_request_latency_seconds_sum{model_name="a"} 1.5
+"""
+    c = spec_counters(page)
+    assert c == {"drafts": 16.0, "draft_tokens": 48.0, "accepted": 20.0, "per_pos": {0: 14.0, 1: 8.0}}
+    assert spec_counters("# TYPE x counter\nx_total 3\n") is None  # no spec_decode counters
+    assert spec_counters('{"detail": "Not Found"}') is None  # not Prometheus text
+    before = {"drafts": 6.0, "draft_tokens": 18.0, "accepted": 5.0, "per_pos": {0: 4.0, 1: 1.0}}
+    acc = acceptance(before, c)
+    assert acc == pytest.approx({"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 15,
+                                 "acceptance_rate": 0.5, "mean_acceptance_length": 2.5, "per_position": [1.0, 0.7]})
+    assert acceptance(c, c) is None and acceptance(None, c) is None
+
+
+def test_serve_base_url():
+    from m3eagle.bench.serve import base_url
+
+    assert base_url("http://127.0.0.1:8000") == "http://127.0.0.1:8000"
+    assert base_url("http://localhost/") == "http://localhost:80"
+    assert base_url("https://example.com/proxy/v/") == "https://example.com:443/proxy/v"
+    for bad in ("localhost:8000", "ftp://h:1", "http://"):
+        with pytest.raises(ValueError, match="--base-url"):
+            base_url(bad)

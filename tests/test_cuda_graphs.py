@@ -173,12 +173,14 @@ def _compiled_variants() -> dict[str, int]:
     """Compiled variants per Triton kernel of the engine (attention, fused ops, MoE), from the JIT caches."""
     import triton
 
+    from m3eagle.engine import step_kernels
     from m3eagle.kernels.attention import triton_kernels
-    from m3eagle.kernels.fused import triton_fused
-    from m3eagle.kernels.moe import align, direct, triton_moe
+    from m3eagle.kernels.fused import activation, norm, rope
+    from m3eagle.kernels.fused import argmax as fused_argmax
+    from m3eagle.kernels.moe import align, direct, router, triton_moe
 
     out = {}
-    for mod in (triton_kernels, triton_fused, triton_moe, align, direct):
+    for mod in (triton_kernels, norm, rope, activation, fused_argmax, router, step_kernels, triton_moe, align, direct):
         for name, fn in vars(mod).items():
             if isinstance(fn, triton.runtime.jit.JITFunction):
                 caches = getattr(fn, "device_caches", None)
@@ -241,6 +243,7 @@ def test_fused_step_inputs_equal_reference_on_cuda(k):
 
     from step_cases import chain_case, commit_case, sample_case, step_case
 
+    from m3eagle.engine.step_ops import ReferenceStepOps, TritonStepOps
     from m3eagle.kernels.attention.metadata import derive_positions_and_slots
     from m3eagle.kernels.ops import make_ops
 
@@ -248,17 +251,17 @@ def test_fused_step_inputs_equal_reference_on_cuda(k):
     assert fast.fused.name == "triton"
     for seed in range(3):
         meta, (ids, *rest) = step_case(seed, k, 16, device="cuda")
-        want_ids, want = ref.fused.overlap_inputs(ids, replace(meta, ops=ref), *rest)
-        got_ids, got = fast.fused.overlap_inputs(ids, replace(meta, ops=fast), *rest)
+        want_ids, want = ReferenceStepOps().overlap_inputs(ids, replace(meta, ops=ref), *rest)
+        got_ids, got = TritonStepOps().overlap_inputs(ids, replace(meta, ops=fast), *rest)
         assert torch.equal(got_ids, want_ids) and torch.equal(got.kv_lens, want.kv_lens)
         assert torch.equal(got.positions, want.positions) and torch.equal(got.slot_mapping, want.slot_mapping)
         kv = meta.kv_lens.clone()
         kv[0], kv[1] = 500, 0  # past the table's width; below zero
         args = (kv, meta.q_lens, meta.tok_row, meta.tok_col, meta.page_table, 16)
-        for a, b in zip(fast.fused.positions_slots(*args), derive_positions_and_slots(*args)):
+        for a, b in zip(TritonStepOps().positions_slots(*args), derive_positions_and_slots(*args)):
             assert torch.equal(a, b)
         case = sample_case(seed, k, device="cuda")
-        for a, b in zip(fast.fused.sample_positions(*case), ref.fused.sample_positions(*case)):
+        for a, b in zip(TritonStepOps().sample_positions(*case), ReferenceStepOps().sample_positions(*case)):
             assert a.shape == b.shape and torch.equal(a, b)
         for draft in (False, True):
             args, tok_row = commit_case(seed, k, draft, device="cuda")
@@ -266,8 +269,8 @@ def test_fused_step_inputs_equal_reference_on_cuda(k):
             chained, kv, kv_in, _ = chain_case(seed, args[1].shape[0], device="cuda")
             chains = [(c := chained.clone(), kv, kv_in.clone(), c) for _ in range(2)]
             pt = torch.randint(0, 50, (args[1].shape[0], 20), device="cuda")
-            want = ref.fused.commit_outputs(*args[:11], *bufs[0], *args[14:], chain=chains[0], pages=(pt, 16))
-            got = fast.fused.commit_outputs(*args[:11], *bufs[1], *args[14:], tok_row=tok_row, chain=chains[1],
+            want = ReferenceStepOps().commit_outputs(*args[:11], *bufs[0], *args[14:], chain=chains[0], pages=(pt, 16))
+            got = TritonStepOps().commit_outputs(*args[:11], *bufs[1], *args[14:], tok_row=tok_row, chain=chains[1],
                                             pages=(pt, 16))
             for a, b in zip(got, want):
                 assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
@@ -277,7 +280,8 @@ def test_fused_step_inputs_equal_reference_on_cuda(k):
         greedy_tok = torch.randint(0, 4, (300, k + 1), device="cuda")  # 4 ids: many matches
         drafts = torch.randint(0, 4, (300, k), device="cuda")
         nd = torch.randint(0, k + 1, (300,), device="cuda")
-        assert torch.equal(fast.fused.greedy_accept(greedy_tok, drafts, nd), ref.fused.greedy_accept(greedy_tok, drafts, nd))
+        assert torch.equal(TritonStepOps().greedy_accept(greedy_tok, drafts, nd),
+                           ReferenceStepOps().greedy_accept(greedy_tok, drafts, nd))
 
 
 
@@ -340,11 +344,11 @@ def test_gemv_weight_preload_on_gpu_is_bit_equal_under_pdl_graphs():
     PDL-captured graph behind a producer of x (a norm launch), equals the launch without PDL -- the first
     replay, and after 9 more replays with new inputs and no sync."""
     from m3eagle.kernels import pdl
-    from m3eagle.kernels.fused import gemv, triton_fused
+    from m3eagle.kernels.fused import gemv, triton_backend
 
     g = torch.Generator(device="cuda").manual_seed(1)
     counters = gemv.SplitCounters()
-    fused = triton_fused.TritonFused()
+    fused = triton_backend.TritonFused()
     for n, k, t in ((256, 1280, 1), (256, 1280, 2), (2560, 256, 1), (6144, 256, 1), (96, 4096, 1)):
         w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).bfloat16()
         x0 = (torch.randn(t, k, generator=g, device="cuda") * 2).bfloat16()
@@ -381,18 +385,18 @@ def test_draft_step_folds_on_gpu_are_bit_equal_to_their_separate_launches():
     swiglu_oai (the embedded head's and target's shapes at T = 1 and 4); the q/k/v launch's own RoPE ==
     the same launch reading rope_cos_sin's tables; add_rms_norm's row gather == the gather after it."""
     from m3eagle.kernels import pdl
-    from m3eagle.kernels.fused import gemv, triton_fused
+    from m3eagle.kernels.fused import activation, gemv, triton_backend
 
     g = torch.Generator(device="cuda").manual_seed(2)
-    f = triton_fused.TritonFused()
+    f = triton_backend.TritonFused()
     for n, k, t in ((2560, 256, 1), (2560, 256, 4), (1280, 256, 1), (1280, 256, 4), (4096, 2048, 1)):
         w = (torch.randn(n, k, generator=g, device="cuda") * 0.05).bfloat16()
         x = (torch.randn(t, k, generator=g, device="cuda") * 2).bfloat16()
         cfg = gemv.act_config(t, w, x.dtype, x.device)
         assert cfg is not None, (n, k, t)
         y = gemv.linear(x, w, cfg)
-        for act, want in (("silu", triton_fused.silu_mul(*y.chunk(2, -1))),
-                          ("swiglu_oai", triton_fused.swiglu_oai(y, 1.702, 7.0))):
+        for act, want in (("silu", activation.silu_mul(*y.chunk(2, -1))),
+                          ("swiglu_oai", activation.swiglu_oai(y, 1.702, 7.0))):
             assert torch.equal(gemv.linear_act(x, w, act, 1.702, 7.0, cfg), want), (act, n, k, t)
             with pdl.scope(True):
                 graph = torch.cuda.CUDAGraph()
@@ -401,7 +405,7 @@ def test_draft_step_folds_on_gpu_are_bit_equal_to_their_separate_launches():
             graph.replay()
             torch.cuda.synchronize()
             y2 = gemv.linear(f.rms_norm(x, w[0], 1e-6), w, cfg)
-            ref = triton_fused.silu_mul(*y2.chunk(2, -1)) if act == "silu" else triton_fused.swiglu_oai(y2, 1.702, 7.0)
+            ref = activation.silu_mul(*y2.chunk(2, -1)) if act == "silu" else activation.swiglu_oai(y2, 1.702, 7.0)
             assert torch.equal(out, ref), (act, n, k, t, "graph")
     pos = torch.tensor([0, 1, 17, 130, 4095, 70000], device="cuda")
     q, kk, v = (torch.randn(6, h, 64, generator=g, device="cuda").bfloat16() for h in (4, 2, 2))
@@ -425,7 +429,8 @@ def test_gemv_argmax_epilogue_on_gpu():
     row: the lower column) and NaN among infinities (the first NaN) forced; replayed 50 times in a
     PDL-captured graph, each replay's picks equal and the counter zero after."""
     from m3eagle.kernels import pdl
-    from m3eagle.kernels.fused import gemv, triton_fused
+    from m3eagle.kernels.fused import argmax as fused_argmax
+    from m3eagle.kernels.fused import gemv
 
     g = torch.Generator(device="cuda").manual_seed(6)
     counters = gemv.SplitCounters().get("cuda")
@@ -441,7 +446,7 @@ def test_gemv_argmax_epilogue_on_gpu():
             off = torch.randint(-5, 5, (n,), generator=g, device="cuda")
             # the engine's config where the fold runs (T = 1); at T = 4 its pick is tl.dot, so the GEMV's
             cfg = gemv.act_config(t, w, w.dtype, w.device) or gemv.GemvConfig(block_n=16, block_k=256)
-            want = triton_fused.argmax(gemv.linear(x, w, cfg), off)
+            want = fused_argmax.argmax(gemv.linear(x, w, cfg), off)
             assert want[0] == 100 + off[100] and (t == 1 or want[1] == 3000 + off[3000])
             assert torch.equal(gemv.linear_argmax(x, w, counters, off, config=cfg)[1], want), (n, t)
             with pdl.scope(True):
@@ -460,10 +465,10 @@ def test_gemv_norm_prologue_and_residual_epilogue_on_gpu():
     norm launch followed by the GEMV (the GPU's reduction trees differ); linear_add bit-equal to the GEMV
     then add_residual; each replayed in a PDL-captured graph equal to its eager launch, bit for bit."""
     from m3eagle.kernels import pdl
-    from m3eagle.kernels.fused import gemv, triton_fused
+    from m3eagle.kernels.fused import gemv, triton_backend
 
     g = torch.Generator(device="cuda").manual_seed(5)
-    f = triton_fused.TritonFused()
+    f = triton_backend.TritonFused()
 
     def rnd(*shape, s=1.0):
         return (torch.randn(*shape, generator=g, device="cuda") * s).bfloat16()
@@ -566,7 +571,7 @@ def test_moe_route_shared_and_down_preload_under_pdl_graphs_equal_the_separate_l
     to the separate launches (fused router, then the direct path without preload) run eagerly without PDL
     -- so the routing that down reads before its wait is the current one."""
     from m3eagle.kernels import pdl
-    from m3eagle.kernels.fused import backend as fused_backend
+    from m3eagle.kernels.fused import registry as fused_backend
     from m3eagle.kernels.moe import backend as moe_backend
     from m3eagle.kernels.moe import direct
     from m3eagle.kernels.moe.tuning import MoEConfig

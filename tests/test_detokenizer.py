@@ -13,7 +13,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from m3eagle import LLM, SamplingParams
 from m3eagle.engine.detokenizer import IncrementalDetokenizer
-from m3eagle.entrypoints.llm import ASSETS
+from m3eagle.loader.assets import ASSETS
 from m3eagle.loader.tokenizer import Tokenizer
 
 

@@ -1,4 +1,4 @@
-"""The fused Triton ops (m3eagle/kernels/fused/triton_fused.py) held equal to their PyTorch reference
+"""The fused Triton ops (m3eagle/kernels/fused/ and m3eagle/kernels/moe/router.py) held equal to their PyTorch reference
 (m3eagle/kernels/fused/reference.py), on CPU under the Triton interpreter, in fp32.
 
 Op by op: residual add + Gemma / Llama RMSNorm (strided rows, every optional term), the RoPE tables (plain
@@ -30,13 +30,15 @@ pytest.importorskip("triton")
 from kernel_spy import spy_launches  # noqa: E402
 from step_cases import chain_case, commit_case, sample_case, step_case  # noqa: E402
 
+from m3eagle.engine.step_ops import ReferenceStepOps, TritonStepOps  # noqa: E402
 from m3eagle.kernels.attention.metadata import build_metadata  # noqa: E402
-from m3eagle.kernels.fused import backend, reference  # noqa: E402
+from m3eagle.kernels.fused import reference, registry  # noqa: E402
+from m3eagle.kernels.fused.reference import rope_cos_sin, rope_inv_freq  # noqa: E402
 from m3eagle.kernels.ops import REFERENCE, make_ops  # noqa: E402
-from m3eagle.models.layers import rope_cos_sin, rope_inv_freq  # noqa: E402
 
 CPU = torch.device("cpu")
-TRITON = replace(REFERENCE, fused=backend.create("triton"))
+TRITON = replace(REFERENCE, fused=registry.create("triton"))
+REF_STEP, TRITON_STEP = ReferenceStepOps(), TritonStepOps()
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
         "beta_slow": 1.0, "truncate": True, "attention_factor": 1.2}
 
@@ -102,9 +104,9 @@ def test_rms_norm_cat_is_one_norm_per_block_in_one_launch(groups, gather, gemma,
     a slice of a wider buffer out; with ids the first input is a table whose rows ids are normed (padding
     ids at 0 included); one launch for up to 3 inputs, the per-input norms past that; and the reference
     backend's form is the reference math."""
-    from m3eagle.kernels.fused import triton_fused
+    from m3eagle.kernels.fused import norm
 
-    launches = spy_launches(monkeypatch, triton_fused, "_norm_cat_kernel", lambda grid, kw: grid)
+    launches = spy_launches(monkeypatch, norm, "_norm_cat_kernel", lambda grid, kw: grid)
     g, n, t = gen(groups), 48, 5
     wide = (torch.randn(t, groups * n + 8, generator=g) * 3).to(dtype)
     xs = [wide[:, i * n:(i + 1) * n] for i in range(groups)]  # rows of a wider buffer
@@ -123,17 +125,17 @@ def test_rms_norm_cat_is_one_norm_per_block_in_one_launch(groups, gather, gemma,
             assert torch.equal(out[:, i * n:(i + 1) * n], want), (ops.name, i)
             if ops is REFERENCE.fused:
                 assert torch.equal(want, reference.rms_norm(x, w, 1e-6, gemma).to(dtype))
-    assert launches == ([(t, groups)] if groups <= triton_fused.NORM_CAT_MAX else [])
+    assert launches == ([(t, groups)] if groups <= norm.NORM_CAT_MAX else [])
 
 
 def test_rms_norm_cat_rejects_mismatched_inputs():
-    from m3eagle.kernels.fused import triton_fused
+    from m3eagle.kernels.fused import norm
 
     x = torch.randn(3, 16)
     with pytest.raises(ValueError, match="out \\[T, inputs \\* width\\]"):
-        triton_fused.norm_cat([x, x], [x[0], x[0]], 1e-6, torch.empty(3, 16))
+        norm.norm_cat([x, x], [x[0], x[0]], 1e-6, torch.empty(3, 16))
     with pytest.raises(ValueError, match="one dtype, one width"):
-        triton_fused.norm_cat([x, x.double()], [x[0], x[0]], 1e-6, torch.empty(3, 32))
+        norm.norm_cat([x, x.double()], [x[0], x[0]], 1e-6, torch.empty(3, 32))
 
 
 def test_add_residual_into_a_strided_slice():
@@ -204,15 +206,16 @@ def test_rope_qkv_store_computes_the_tables_in_its_launch(scaling, dtype, monkey
     """The Eagle3 head's q/k/v op: the launch computes cos/sin from the positions. Bit-equal to the same
     launch reading `rope_cos_sin`'s tables (same fp32 angle and functions, rounded to the table dtype),
     one launch instead of two, and close to the reference (other libm)."""
+    from m3eagle.kernels.fused import rope
+
     t, hq, hk, d, s = 7, 4, 2, 16, 30
     g = gen(5)
     q, k, v = (torch.randn(t, h, d, generator=g).to(dtype) for h in (hq, hk, hk))
     pos = torch.tensor([0, 1, 17, 63, 500, 4095, 3])
     slots = torch.randperm(s, generator=g)[:t]
     pools = [torch.zeros(s, hk, d, dtype=dtype) for _ in range(6)]
-    from m3eagle.kernels.fused import triton_fused as tf
-    tabled = spy_launches(monkeypatch, tf, "_rope_table_kernel")
-    fused = spy_launches(monkeypatch, tf, "_qkv_rope_kernel", lambda grid, kw: kw["TABLE"])
+    tabled = spy_launches(monkeypatch, rope, "_rope_table_kernel")
+    fused = spy_launches(monkeypatch, rope, "_qkv_rope_kernel", lambda grid, kw: kw["TABLE"])
     got = TRITON.fused.rope_qkv_store(q, k, v, pos, d, 10000.0, pools[0], pools[1], slots, scaling)
     assert tabled == [] and fused == [False]  # one launch, no table
     cos, sin = TRITON.fused.rope_cos_sin(pos, d, 10000.0, dtype, scaling)
@@ -271,21 +274,21 @@ def test_qkv_index_rope_store_one_launch(d, di, rdim, r):
     untouched = torch.ones(s, dtype=torch.bool)
     untouched[slots] = False
     assert all(torch.all(p[untouched] == 5.0) for p in pools[0])
-    from m3eagle.kernels.fused import triton_fused
+    from m3eagle.kernels.fused import rope
 
     launches = []
-    real = triton_fused._qkv_rope_kernel
+    real = rope._qkv_rope_kernel
 
     class Count:
         def __getitem__(self, grid):
             launches.append(grid)
             return real[grid]
 
-    triton_fused._qkv_rope_kernel = Count()
+    rope._qkv_rope_kernel = Count()
     try:
         TRITON.fused.qkv_index_rope_store(*args, *pools[0][:2], slots, iq, ik, w[2], w[3], r, pools[0][2])
     finally:
-        triton_fused._qkv_rope_kernel = real
+        rope._qkv_rope_kernel = real
     assert len(launches) == 1
     with pytest.raises(ValueError, match="index rope dim"):
         TRITON.fused.qkv_index_rope_store(*args, *pools[0][:2], slots, iq, ik, w[2], w[3], r + 1, pools[0][2])
@@ -370,7 +373,7 @@ def test_router_logits_match_the_reference_gemm(t, e, h, dtype):
     to fp32 summation order, in both launch shapes: one expert row per program (T * E <= 1024; H = 5000
     past one 4096-wide load) and 4-row programs (33 x 34: E not a multiple of 4; H = 600 in two 512-wide chunks).
     T = 65 takes the reference path itself."""
-    from m3eagle.kernels.fused import triton_fused
+    from m3eagle.kernels.moe import router
 
     x = (torch.randn(t, h, generator=gen(t + e)) * 2).to(dtype)
     w = torch.randn(e, h, generator=gen(h))
@@ -378,7 +381,7 @@ def test_router_logits_match_the_reference_gemm(t, e, h, dtype):
     ref = reference.router_logits(x, w)
     assert out.dtype == torch.float32 and out.shape == (t, e)
     assert_close(out, ref)  # 2e-6: fp32 sums of up to 5,000 terms in another order
-    if t > triton_fused.ROUTER_GEMV_MAX_T:
+    if t > router.ROUTER_GEMV_MAX_T:
         assert torch.equal(out, ref)
     # a strided activation view is read as is (the packed projections hand over column views)
     wide = torch.randn(t, h + 8, generator=gen(5)).to(dtype)
@@ -400,8 +403,8 @@ def test_overlap_inputs_equal_reference(k, page_size, seed):
     """ids (last tokens and drafts gathered from the slots), corrected kv_lens, positions and slots: one
     Triton kernel, bit-equal to reference.overlap_ids_kv + derive_positions_and_slots."""
     meta, (ids, *rest) = step_case(seed, k, page_size)
-    want_ids, want = REFERENCE.fused.overlap_inputs(ids, replace(meta, ops=REFERENCE), *rest)
-    got_ids, got = TRITON.fused.overlap_inputs(ids, replace(meta, ops=TRITON), *rest)
+    want_ids, want = REF_STEP.overlap_inputs(ids, replace(meta, ops=REFERENCE), *rest)
+    got_ids, got = TRITON_STEP.overlap_inputs(ids, replace(meta, ops=TRITON), *rest)
     assert torch.equal(got_ids, want_ids) and torch.equal(got.kv_lens, want.kv_lens)
     assert torch.equal(got.positions, want.positions) and torch.equal(got.slot_mapping, want.slot_mapping)
     assert not torch.equal(want_ids, ids) or k == 0  # the case does gather something
@@ -413,8 +416,8 @@ def test_overlap_inputs_equal_reference(k, page_size, seed):
 def test_sample_positions_equal_reference(k, seed):
     """Sampled token indices, their positions and the drafts they verify: bit-equal, rows of 37 kinds."""
     args = sample_case(seed, k)
-    want = REFERENCE.fused.sample_positions(*args)
-    got = TRITON.fused.sample_positions(*args)
+    want = REF_STEP.sample_positions(*args)
+    got = TRITON_STEP.sample_positions(*args)
     for a, b in zip(got, want):
         assert a.shape == b.shape and torch.equal(a, b)
     assert k == 0 or (want[2] != 0).any()
@@ -439,8 +442,8 @@ def test_commit_outputs_equal_reference(k, draft, chain):
             ref_chain = (c := chained.clone(), kv, kv_in.clone(), c)
             fast_chain = (c := chained.clone(), kv, kv_in.clone(), c)
         pt = torch.randint(0, 50, (b, 20), generator=torch.Generator().manual_seed(seed))  # positions run past it
-        want = REFERENCE.fused.commit_outputs(*args[:11], *ref_bufs, *args[14:], chain=ref_chain, pages=(pt, 16))
-        got = TRITON.fused.commit_outputs(*args[:11], *fast_bufs, *args[14:], tok_row=tok_row, chain=fast_chain,
+        want = REF_STEP.commit_outputs(*args[:11], *ref_bufs, *args[14:], chain=ref_chain, pages=(pt, 16))
+        got = TRITON_STEP.commit_outputs(*args[:11], *fast_bufs, *args[14:], tok_row=tok_row, chain=fast_chain,
                                           pages=(pt, 16))
         assert len(got) == len(want) == 6
         for a, b_ in zip(got, want):
@@ -476,8 +479,8 @@ def test_greedy_accept_equal_reference(k):
     j = torch.arange(k)
     drafts = torch.where(j[None, :] < prefix[:, None], greedy_tok[:, :k], greedy_tok[:, :k] + 1)
     drafts = torch.where(torch.rand(b, k, generator=g) < 0.1, greedy_tok[:, :k], drafts)  # matches after a miss
-    want = REFERENCE.fused.greedy_accept(greedy_tok, drafts, nd)
-    got = TRITON.fused.greedy_accept(greedy_tok, drafts, nd)
+    want = REF_STEP.greedy_accept(greedy_tok, drafts, nd)
+    got = TRITON_STEP.greedy_accept(greedy_tok, drafts, nd)
     assert torch.equal(got, want)
     assert k == 0 or len(set(want.tolist())) == k + 1  # every count occurs
 
@@ -543,7 +546,7 @@ def test_positions_slots_equal_reference_with_clamps_and_negative_positions():
     kv[0], kv[1] = 200, 0  # row 0 past 6 pages of 4; row 1 starts below zero
     args = (kv, meta.q_lens, meta.tok_row, meta.tok_col, meta.page_table, 4)
     want = derive_positions_and_slots(*args)
-    got = TRITON.fused.positions_slots(*args)
+    got = TRITON_STEP.positions_slots(*args)
     assert (want[0] < 0).any() and (want[0] >= 24).any()
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(replace(meta, ops=TRITON).with_lengths(kv).slot_mapping, want[1])
@@ -553,13 +556,13 @@ def test_positions_slots_equal_reference_with_clamps_and_negative_positions():
 
 
 def test_registry_and_make_ops():
-    assert backend.names() == ["reference", "triton"]
+    assert registry.names() == ["reference", "triton"]
     assert make_ops(device="cpu").fused.name == "reference"  # auto on CPU
     assert make_ops(device="cpu", fused="triton").fused.name == "triton"
     assert REFERENCE.fused.name == "reference"
     with pytest.raises(ValueError, match="fused_backend"):
-        backend.create("cuda-graphs")
-    a, b = backend.create("triton"), backend.create("triton")
+        registry.create("cuda-graphs")
+    a, b = registry.create("triton"), registry.create("triton")
     assert a is not b  # per engine: no shared cache
 
 
@@ -651,7 +654,7 @@ def test_target_logits_with_the_decode_gemv(monkeypatch):
     (gemv_max_t set; the default leaves it to CUDA), one-token steps run every projection and lm_head
     through it and give the reference's logits, K/V and aux captures within fp32 rounding."""
     from m3eagle.kernels.fused import gemv
-    from m3eagle.kernels.fused.triton_fused import TritonFused
+    from m3eagle.kernels.fused.triton_backend import TritonFused
 
     calls = []
     linear = gemv.linear
@@ -751,9 +754,9 @@ def test_plain_greedy_steps_launch_no_acceptance(make_llm, monkeypatch):
     """Without drafts a greedy row emits its argmax: the step takes a constant count instead of the
     acceptance launch, and its tokens equal the reference backend's."""
     from m3eagle import SamplingParams
-    from m3eagle.kernels.fused import triton_fused
+    from m3eagle.engine import step_kernels
 
-    accepts = spy_launches(monkeypatch, triton_fused, "_accept_kernel")
+    accepts = spy_launches(monkeypatch, step_kernels, "_accept_kernel")
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     outs = {name: [o.outputs[0].token_ids for o in make_llm(None, fused_backend=name, num_draft_tokens=0,
                                                              page_size=16).generate([[5, 17, 301]], params)]
@@ -771,23 +774,24 @@ def test_route_tokens_one_launch_equals_the_two(t, e, h, k):
     the reference's experts, weights to fp32 rounding; test_route_tiles_* hold it).
     NOTE: the interpreter's barrier and atomics let every program see every other's logits, so routing
     by the wrong program would pass here (checked); benchmarks/fused_ops.py checks the experts on the GPU."""
-    from m3eagle.kernels.fused import triton_fused
+    from m3eagle.kernels.fused import triton_backend
+    from m3eagle.kernels.moe import router
 
-    fused = triton_fused.TritonFused()
+    fused = triton_backend.TritonFused()
     for seed in range(3 if t <= 16 else 1):  # the interpreter's time grows with T: one draw of the wide steps
         x = torch.randn(t, h, generator=gen(seed + t))
         w = torch.randn(e, h, generator=gen(seed + h)) / h**0.5  # logits ~ N(0, 1): sigmoids far from 0 and 1
         bias = torch.randn(e, generator=gen(seed + e)) * 0.1
         got_w, got_idx = fused.route_tokens(x, w, bias, k)
         want_w, want_idx = fused.route(fused.router_logits(x, w), bias, k)
-        if t <= triton_fused.ROUTER_GEMV_MAX_T:
+        if t <= router.ROUTER_GEMV_MAX_T:
             assert torch.equal(got_idx, want_idx) and torch.equal(got_w, want_w)
         ref_w, ref_idx = reference.route_tokens(x, w, bias, k)
         assert torch.equal(got_idx, ref_idx)
         assert_close(got_w, ref_w)
         assert got_w.std() > 0.01  # distinct weights: not a saturated (all-tied) router
     counters = fused._counters.get(torch.device("cpu"))
-    if t <= triton_fused.ROUTER_GEMV_MAX_T:
+    if t <= router.ROUTER_GEMV_MAX_T:
         assert counters is not None and not counters.any()
 
 
@@ -796,17 +800,17 @@ def test_route_tokens_preloading_the_expert_rows_is_bit_equal(monkeypatch):
     pdl.preload_weights forced on; the interpreter has no wait) the fused router gives the same weights,
     experts and counters as without it; past one H tile it does not take it."""
     from m3eagle.kernels import pdl
-    from m3eagle.kernels.fused import triton_fused
+    from m3eagle.kernels.moe import router
 
     cases = [(1, 32, 64, 4), (3, 16, 300, 4), (2, 8, 5000, 2)]  # the last: H > the decode router's one tile
     data = [(torch.randn(t, h, generator=gen(t + h)), torch.randn(e, h, generator=gen(e)) / h**0.5,
              torch.randn(e, generator=gen(k)) * 0.1, k) for t, e, h, k in cases]
     counters = torch.zeros(8, dtype=torch.int32)
-    want = [triton_fused.route_tokens(x, w, b, k, counters) for x, w, b, k in data]
-    launches = spy_launches(monkeypatch, triton_fused, "_router_topk_kernel")
+    want = [router.route_tokens(x, w, b, k, counters) for x, w, b, k in data]
+    launches = spy_launches(monkeypatch, router, "_router_topk_kernel")
     monkeypatch.setattr(pdl, "preload_weights", lambda launch: True)
     for (x, w, b, k), (ww, wi) in zip(data, want):
-        gw, gi = triton_fused.route_tokens(x, w, b, k, counters)
+        gw, gi = router.route_tokens(x, w, b, k, counters)
         assert torch.equal(gi, wi) and torch.equal(gw, ww)
     assert [kw["PRELOAD"] for kw in launches] == [True, True, False]
     assert not counters.any()
@@ -818,11 +822,11 @@ def test_route_tokens_preloading_the_expert_rows_is_bit_equal(monkeypatch):
 def test_router_split_is_exact():
     """Three bf16 parts sum to the fp32 weight exactly (in fp32, in order), across magnitudes from 1e-25 to
     1e30, signs, and values that round up in bf16 (the parts change sign)."""
-    from m3eagle.kernels.fused import triton_fused
+    from m3eagle.kernels.moe import router
 
     w = torch.randn(64, 300, generator=gen(3)) * torch.logspace(-25, 30, 300)[None, :]
     w[0, :8] = torch.tensor([1 + 2**-8, 1 + 2**-9 + 2**-23, -(1 - 2**-24), 3.0, 0.0, -0.0, 2**-110, 1e38])
-    parts = triton_fused.router_split(w)
+    parts = router.router_split(w)
     assert parts.shape == (3, 64, 300) and parts.dtype == torch.bfloat16
     assert torch.equal(parts[0].float() + parts[1].float() + parts[2].float(), w)
 
@@ -835,7 +839,7 @@ def test_route_tiles_match_the_reference(t, e, h, k):
     route) in its order, its weights to fp32 rounding. Shapes: a partial last tile (65, 300, 17), E not a
     power of two and below the dot's 16 columns (3, 34), E = 256 (the tile's limit), H not a multiple of
     the chunk (200, 50, 130), k up to 8; block_m 16 and 64, block_h 32 and 128."""
-    from m3eagle.kernels.fused import triton_fused
+    from m3eagle.kernels.moe import router
 
     for seed in range(2):
         x = torch.randn(t, h, generator=gen(seed + t)).to(torch.bfloat16)
@@ -843,7 +847,7 @@ def test_route_tiles_match_the_reference(t, e, h, k):
         bias = torch.randn(e, generator=gen(seed + e)) * 0.1
         ref_w, ref_idx = reference.route_tokens(x, w, bias, k)
         for block_m, block_h in ((16, 32), (64, 128)):
-            got_w, got_idx = triton_fused.route_tiles(x, triton_fused.router_split(w), bias, k, block_m, block_h)
+            got_w, got_idx = router.route_tiles(x, router.router_split(w), bias, k, block_m, block_h)
             assert got_idx.dtype == torch.int64 and torch.equal(got_idx, ref_idx)
             assert_close(got_w, ref_w)
         assert ref_w.std() > 0.01  # distinct weights: not a saturated (all-tied) router
@@ -853,7 +857,7 @@ def test_route_tiles_ties_nan_and_minus_inf():
     """The tie rule on whole tiles: equal logits (identical weight rows) go to the lowest ids in order; a
     NaN logit ranks first (torch.sort's place for NaN); -inf-biased experts fill the top-k only when they
     must, each once. Rows of one tile get their own routing (a row of ties next to ordinary rows)."""
-    from m3eagle.kernels.fused import triton_fused
+    from m3eagle.kernels.moe import router
 
     t, e, h, k = 40, 6, 32, 3
     x = torch.randn(t, h, generator=gen(1)).to(torch.bfloat16)
@@ -864,7 +868,7 @@ def test_route_tiles_ties_nan_and_minus_inf():
     for bias in (torch.zeros(e), torch.tensor([float("-inf"), 0.0, float("-inf"), 0.0, float("-inf"),
                                                float("-inf")])):
         ref_w, ref_idx = reference.route_tokens(x, w, bias, k)
-        got_w, got_idx = triton_fused.route_tiles(x, triton_fused.router_split(w), bias, k)
+        got_w, got_idx = router.route_tiles(x, router.router_split(w), bias, k)
         assert torch.equal(got_idx, ref_idx)
         assert torch.allclose(got_w, ref_w, rtol=2e-6, atol=0, equal_nan=True)
         assert got_idx[5].tolist() == ([0, 1, 2] if not bias[0] else [1, 3, 0])
@@ -878,15 +882,16 @@ def test_route_tokens_takes_the_tiled_router_past_the_gemv_limit(monkeypatch):
     router for bf16 activations, an fp32 weight with E <= ROUTER_TILE_MAX_E and T >= H / 4, else the
     reference's cast + GEMM + route. The weight's split is made once, again after an in-place change, and
     dropped with the weight."""
-    from m3eagle.kernels.fused import triton_fused
+    from m3eagle.kernels.fused import triton_backend
+    from m3eagle.kernels.moe import router
 
     calls, splits = [], []
-    real_tiles, real_split = triton_fused.route_tiles, triton_fused.router_split
-    monkeypatch.setattr(triton_fused, "route_tiles", lambda *a, **kw: calls.append(1) or real_tiles(*a, **kw))
-    monkeypatch.setattr(triton_fused, "router_split", lambda w: splits.append(1) or real_split(w))
-    fused = triton_fused.TritonFused()
-    lim, big = triton_fused.ROUTER_GEMV_MAX_T, triton_fused.ROUTER_TILE_MAX_E + 1
-    wide = (lim + 1) * triton_fused.ROUTER_TILE_MIN_T_PER_H
+    real_tiles, real_split = router.route_tiles, router.router_split
+    monkeypatch.setattr(router, "route_tiles", lambda *a, **kw: calls.append(1) or real_tiles(*a, **kw))
+    monkeypatch.setattr(triton_backend, "router_split", lambda w: splits.append(1) or real_split(w))
+    fused = triton_backend.TritonFused()
+    lim, big = router.ROUTER_GEMV_MAX_T, router.ROUTER_TILE_MAX_E + 1
+    wide = (lim + 1) * router.ROUTER_TILE_MIN_T_PER_H
     for t, e, h, dtype, tiled in ((lim, 8, 32, torch.bfloat16, False), (lim + 1, 8, 32, torch.bfloat16, True),
                                   (lim + 1, 8, 32, torch.float32, False), (lim + 1, big, 32, torch.bfloat16, False),
                                   (lim + 1, 8, wide, torch.bfloat16, True), (lim + 1, 8, wide + 1, torch.bfloat16, False)):
@@ -922,7 +927,7 @@ def test_eagle3_head_folded_gemv_step_equals_its_separate_launches(dtype, monkey
     separate launches (the fold switched off) to the norm's fp32 sum order, and the reference's. Steps of
     more tokens than FOLD_MAX_T and weights wider than FOLD_MAX_K (where the fold measured slower) keep the
     separate launches."""
-    from m3eagle.kernels.fused import gemv, triton_fused
+    from m3eagle.kernels.fused import gemv, norm, triton_backend
     from m3eagle.models.eagle3 import Eagle3Config, Eagle3Head
     from m3eagle.models.layers import pack_projections
 
@@ -935,14 +940,14 @@ def test_eagle3_head_folded_gemv_step_equals_its_separate_launches(dtype, monkey
             torch.nn.init.normal_(p, std=0.3)
     head = head.to(dtype)
     pack_projections(head)
-    fused = triton_fused.TritonFused(gemv_max_t=gemv.MAX_T)
+    fused = triton_backend.TritonFused(gemv_max_t=gemv.MAX_T)
     folded = replace(REFERENCE, fused=fused)
     g = gen(11)
     meta = build_metadata([1], torch.tensor([6]), page_table()[:1], 4, CPU, max_kv=24)
     ids = torch.randint(0, 64, (1,), generator=g)
     hidden = (torch.randn(1, 32, generator=g) * 2).to(dtype)
     lin = spy_launches(monkeypatch, gemv, "_linear_kernel", lambda grid, kw: (kw["NORM"], kw["RES"], kw["ACT"]))
-    norms = spy_launches(monkeypatch, triton_fused, "_add_norm_kernel")
+    norms = spy_launches(monkeypatch, norm, "_add_norm_kernel")
     outs = {}
     for name, ops in (("folded", folded), ("reference", REFERENCE), ("separate", folded)):
         if name == "separate":
@@ -974,11 +979,11 @@ def test_eagle3_head_folded_gemv_step_equals_its_separate_launches(dtype, monkey
     assert torch.equal(got, want) and drafts[0, 1] == want[0] and slots[2, 1] == want[0]
     monkeypatch.undo()
     lin = spy_launches(monkeypatch, gemv, "_linear_kernel", lambda grid, kw: (kw["NORM"], kw["RES"]))
-    t = triton_fused.TritonFused.FOLD_MAX_T + 1
+    t = triton_backend.TritonFused.FOLD_MAX_T + 1
     m = replace(build_metadata([1] * t, torch.tensor([6, 3, 5][:t]), page_table()[:t], 4, CPU, max_kv=24), ops=folded)
     with torch.no_grad():
         head(torch.arange(t), m.positions, hidden.expand(t, -1), m, head.new_cache(12 * 4, dtype, CPU), from_aux=False)
     assert len(lin) == 4 and not any(norm or res for norm, res in lin)
-    f = triton_fused.TritonFused(gemv_max_t=gemv.MAX_T)  # and weights wider than FOLD_MAX_K (m3-8b's 4096) neither
+    f = triton_backend.TritonFused(gemv_max_t=gemv.MAX_T)  # and weights wider than FOLD_MAX_K (m3-8b's 4096) neither
     k = f.FOLD_MAX_K
     assert f.folds(1, torch.zeros(8, k)) and not f.folds(1, torch.zeros(8, 2 * k)) and not f.folds(2, torch.zeros(8, k))

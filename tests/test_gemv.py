@@ -144,7 +144,7 @@ def test_engine_linear_takes_the_kernel_where_preferred_only(monkeypatch):
     """TritonFused.linear (what every paged-path projection calls): the kernel for few rows of a small
     weight (gemv.prefers), F.linear itself -- bit for bit -- for many rows or gemv_max_t=0; the table rules
     out shapes where cuBLAS won. Off the GPU the engine's default is F.linear (gemv_max_t=None), so the test opts in."""
-    from m3eagle.kernels.fused.triton_fused import TritonFused
+    from m3eagle.kernels.fused.triton_backend import TritonFused
 
     calls = []
     kernel = gemv.linear
@@ -191,7 +191,7 @@ def test_gate_up_activation_epilogue_is_bit_equal_to_the_gemv_then_its_launch(dt
     and (bf16) the PDL weight preload. Each program owns the gate and up rows of its columns: a mutation
     pairing a gate with another column's up fails it."""
     from m3eagle.kernels import pdl
-    from m3eagle.kernels.fused.triton_fused import silu_mul, swiglu_oai
+    from m3eagle.kernels.fused.activation import silu_mul, swiglu_oai
 
     inter = 37  # 2I = 74 weight rows
     masked, whole = GemvConfig(block_n=4, block_k=64, num_stages=2), GemvConfig(block_n=16, block_k=128, num_stages=2)
@@ -222,12 +222,12 @@ def test_engine_mlp_takes_the_epilogue_where_the_gemv_runs_unsplit(monkeypatch):
     launch) where the
     GEMV takes the shape; tl.dot shapes keep the two launches; the reference backend's op is the plain
     chunk + silu_mul. All three agree."""
-    from m3eagle.kernels.fused import triton_fused
+    from m3eagle.kernels.fused import activation
     from m3eagle.kernels.fused.backend import ReferenceFused
-    from m3eagle.kernels.fused.triton_fused import TritonFused
+    from m3eagle.kernels.fused.triton_backend import TritonFused
 
     gemv_l = spy_launches(monkeypatch, gemv, "_linear_kernel", lambda grid, kw: kw["ACT"] > 0)
-    act_l = spy_launches(monkeypatch, triton_fused, "_silu_mul_kernel")
+    act_l = spy_launches(monkeypatch, activation, "_silu_mul_kernel")
     ops = TritonFused(gemv_max_t=gemv.MAX_T)
     x, w = make(3, 1, n=128, k=64)
     got = ops.linear_silu_mul(x, w)
@@ -239,7 +239,7 @@ def test_engine_mlp_takes_the_epilogue_where_the_gemv_runs_unsplit(monkeypatch):
                                rtol=1e-5, atol=1e-6)
     assert gemv_l == [True] and len(act_l) == 1
     # M3's swiglu-oai MLP: the same, against its own launch
-    sw_l = spy_launches(monkeypatch, triton_fused, "_swiglu_kernel")
+    sw_l = spy_launches(monkeypatch, activation, "_swiglu_kernel")
     got = ops.linear_swiglu_oai(x, w, 1.702, 7.0)
     assert gemv_l == [True, True] and sw_l == []
     torch.testing.assert_close(got, ReferenceFused().linear_swiglu_oai(x, w, 1.702, 7.0), rtol=1e-5, atol=1e-6)
@@ -251,7 +251,7 @@ def test_norm_prologue_and_residual_epilogue_equal_their_separate_launches(t):
     without the silu epilogue) equals rms_norm's launch followed by the GEMV of the same config to within the
     norm's fp32 sum order (the interpreter happens to sum in the same order: equal here); linear_add (the
     residual in the epilogue) equals the GEMV followed by the backend's residual add, bit for bit."""
-    from m3eagle.kernels.fused.triton_fused import TritonFused
+    from m3eagle.kernels.fused.triton_backend import TritonFused
 
     f = TritonFused()
     g = torch.Generator().manual_seed(t)
@@ -278,12 +278,12 @@ def test_norm_prologue_and_residual_epilogue_equal_their_separate_launches(t):
 def test_argmax_epilogue_equals_the_gemv_then_the_argmax_launch(monkeypatch):
     """ARGMAX (gemv.linear_argmax): the GEMV's logits and, picked by its last program from one key per tile,
     each row's argmax + offset, written to a strided `out` and scattered into a slot buffer -- equal to
-    `gemv.linear` then `triton_fused.argmax` under the same config, with the argmax's tie and NaN rules
+    `gemv.linear` then `fused_argmax.argmax` under the same config, with the argmax's tie and NaN rules
     forced: a column tied with the maximum in a later tile (the lower column wins), NaN columns among
     infinities (the first NaN wins, as torch.argmax), an all-zero row (column 0). The counter is left zero;
     TritonFused takes the fold for T <= 4 (no argmax launch) and the two launches past it."""
-    from m3eagle.kernels.fused import triton_fused
-    from m3eagle.kernels.fused.triton_fused import TritonFused
+    from m3eagle.kernels.fused import argmax as fused_argmax
+    from m3eagle.kernels.fused.triton_backend import TritonFused
 
     t = 3  # BLOCK_T 4 with a padding row (CI time: one T here; the H200 test runs T = 1 and 4)
     g = torch.Generator().manual_seed(40 + t)
@@ -304,7 +304,7 @@ def test_argmax_epilogue_equals_the_gemv_then_the_argmax_launch(monkeypatch):
         want_y = gemv.linear(x, w, cfg)
         buf_want, buf_got = torch.zeros(6, 3, dtype=torch.int64), torch.zeros(6, 3, dtype=torch.int64)
         rows = torch.tensor([4, 1, 5, 0][:t])
-        want = triton_fused.argmax(want_y, offsets, scatter=(buf_want, rows, 2))
+        want = fused_argmax.argmax(want_y, offsets, scatter=(buf_want, rows, 2))
         out = torch.full((t, 3), -1, dtype=torch.int64)[:, 1]  # strided
         y, ids = gemv.linear_argmax(x, w, counters, offsets, out, (buf_got, rows, 2), cfg)
         torch.testing.assert_close(y, want_y, rtol=0, atol=0, equal_nan=True)  # the logits as the GEMV's
@@ -313,16 +313,16 @@ def test_argmax_epilogue_equals_the_gemv_then_the_argmax_launch(monkeypatch):
         assert want[1] == 33 + offsets[33] and want[2] == offsets[0]
         assert int(counters.abs().sum()) == 0
         plain = gemv.linear_argmax(x, w, counters, config=cfg)[1]  # no offsets / out / scatter
-        assert torch.equal(plain, triton_fused.argmax(want_y))
+        assert torch.equal(plain, fused_argmax.argmax(want_y))
     xf, wf = torch.randn(2, k, generator=g), torch.randn(n, k, generator=g)  # distinct fp32 values, no NaN:
     assert torch.equal(gemv.linear_argmax(xf, wf, counters, config=cfg)[1], (xf @ wf.T).argmax(-1))  # torch's
 
     ops = TritonFused(gemv_max_t=gemv.MAX_T)
     for rows_t, folded in ((1, True), (5, False)):  # T = 5: the projection, then the argmax launch
         xb, wb = make(50 + rows_t, rows_t, n=256, k=256, dtype=torch.bfloat16)  # a shape the GEMV takes at T <= 4
-        want = triton_fused.argmax(gemv.linear(xb, wb))
+        want = fused_argmax.argmax(gemv.linear(xb, wb))
         gemv_l = spy_launches(monkeypatch, gemv, "_linear_kernel", lambda grid, kw: kw["ARGMAX"])
-        am_l = spy_launches(monkeypatch, triton_fused, "_argmax_kernel", lambda grid, kw: True)
+        am_l = spy_launches(monkeypatch, fused_argmax, "_argmax_kernel", lambda grid, kw: True)
         assert torch.equal(ops.linear_argmax(xb, wb), want)
         assert (gemv_l == [True] and am_l == []) if folded else (True not in gemv_l and am_l == [True])
         monkeypatch.undo()

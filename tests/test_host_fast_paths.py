@@ -759,7 +759,7 @@ def test_extend_equals_add_token_by_token():
     from tokenizers import Tokenizer as HFTokenizer
 
     from m3eagle.engine.detokenizer import IncrementalDetokenizer
-    from m3eagle.entrypoints.llm import ASSETS
+    from m3eagle.loader.assets import ASSETS
     from m3eagle.loader.tokenizer import Tokenizer
 
     tok = Tokenizer(HFTokenizer.from_file(str(ASSETS / "target" / "tokenizer.json")))

@@ -315,8 +315,8 @@ def route_calls(monkeypatch) -> list[int]:
 def test_router_and_shared_expert_in_one_launch(t, monkeypatch):
     """route_direct_experts == the fused router's route_tokens, then direct_experts with the shared expert:
     the same weights and experts, the same output bits; the counters are left zero; and it is the layer."""
-    from m3eagle.kernels.fused import backend as fused_backend
-    from m3eagle.kernels.fused import triton_fused
+    from m3eagle.kernels.fused import registry as fused_backend
+    from m3eagle.kernels.moe import router
 
     moe = route_layer(50 + t)
     g, ex, sh = moe.gate, moe.experts, moe.shared_experts
@@ -325,7 +325,7 @@ def test_router_and_shared_expert_in_one_launch(t, monkeypatch):
     cfg = replace(PRELOAD, route_shared=1)
     counters = torch.zeros(64, dtype=torch.int32)
     with torch.no_grad():
-        w, idx = triton_fused.route_tokens(x, g.weight, g.e_score_correction_bias, 3, torch.zeros(64, dtype=torch.int32))
+        w, idx = router.route_tokens(x, g.weight, g.e_score_correction_bias, 3, torch.zeros(64, dtype=torch.int32))
         sep = direct.direct_experts(x, w, idx, ex.gate_up_proj, ex.down_proj, 0, ALPHA, LIMIT, cfg, shared, 2.5)
         one = direct.route_direct_experts(x, g.weight, g.e_score_correction_bias, 3, counters, ex.gate_up_proj,
                                           ex.down_proj, ALPHA, LIMIT, cfg, shared, 2.5)
@@ -353,7 +353,7 @@ def test_route_shared_preloading_its_weights_is_bit_equal(monkeypatch):
     on; the interpreter has no wait) gives the same bits as without it, K a multiple of the step or not,
     counters left zero."""
     from m3eagle.kernels import pdl
-    from m3eagle.kernels.fused import triton_fused
+    from m3eagle.kernels.moe import router
 
     moe = route_layer(61)
     g, ex, sh = moe.gate, moe.experts, moe.shared_experts
@@ -374,20 +374,20 @@ def test_route_shared_preloading_its_weights_is_bit_equal(monkeypatch):
             assert torch.equal(run(x, cfg), w), cfg
     assert [kw["PRELOAD"] for kw in launches] == [True] * 4 and not counters.any()
     assert [kw["EVEN_K"] for kw in launches] == [True, False] * 2
-    assert triton_fused.router_preload({"PDL": True}, 4096, 4097) is False  # past one H tile: never
+    assert router.router_preload({"PDL": True}, 4096, 4097) is False  # past one H tile: never
 
 
 def test_router_and_shared_launch_falls_back_where_it_cannot_match(monkeypatch):
     """A warp count other than the router's (another reduction order), a step past the decode router, or
     a narrower shared expert: the layer routes and runs the experts apart, still exact."""
-    from m3eagle.kernels.fused import backend as fused_backend
-    from m3eagle.kernels.fused import triton_fused
+    from m3eagle.kernels.fused import registry as fused_backend
+    from m3eagle.kernels.moe import router
 
     calls = route_calls(monkeypatch)
     moe = route_layer(60)
     x = torch.randn(2, 48, generator=torch.Generator().manual_seed(2))
     fused = fused_backend.create("triton")
-    assert triton_fused._gemv_blocks(2, 8, 48)[2] == 4
+    assert router.router_gemv_blocks(2, 8, 48)[2] == 4
     for cfg in (MoEConfig(16, 16, 16, num_warps=2, direct=1, route_shared=1),
                 MoEConfig(16, 16, 16, direct=1, route_shared=0)):
         ops = Ops(attention=None, moe=moe_backend.create("triton", config=cfg), fused=fused)
@@ -395,7 +395,7 @@ def test_router_and_shared_launch_falls_back_where_it_cannot_match(monkeypatch):
             out, _, _ = moe.forward_parts(x, ops)
             assert_close(out, moe(x))
     assert calls == []
-    big = torch.randn(triton_fused.ROUTER_GEMV_MAX_T + 1, 48)
+    big = torch.randn(router.ROUTER_GEMV_MAX_T + 1, 48)
     assert not direct.can_route(big, moe.gate.weight, 3, MoEConfig(16, 16, 16, direct=1, route_shared=1))
 
 
@@ -478,7 +478,7 @@ def test_layer_fuses_a_narrower_shared_expert(monkeypatch):
     """SparseMoE.forward_parts: a narrower shared expert rides in the direct kernels (rest None), and with a
     route_shared entry in the router's launch too, bit-equal to routing apart; and in the sorted GEMMs. All
     within fp32 rounding of the reference layer."""
-    from m3eagle.kernels.fused import backend as fused_backend
+    from m3eagle.kernels.fused import registry as fused_backend
 
     moe = route_layer(80, s_i=24)
     assert not moe.can_fuse_shared() and moe.shared_joinable()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from m3eagle import LLM, SamplingParams
-from m3eagle.entrypoints.llm import default_model_paths
+from m3eagle.loader.assets import default_model_paths
 
 TARGET, HEAD = default_model_paths()
 

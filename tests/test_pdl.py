@@ -24,11 +24,13 @@ from m3eagle.kernels import pdl  # noqa: E402  (imports triton)
 
 
 def kernels():
+    from m3eagle.engine import step_kernels
     from m3eagle.kernels.attention import triton_kernels
-    from m3eagle.kernels.fused import gemv, triton_fused
-    from m3eagle.kernels.moe import align, direct, triton_moe
+    from m3eagle.kernels.fused import activation, gemv, norm, rope
+    from m3eagle.kernels.fused import argmax as fused_argmax
+    from m3eagle.kernels.moe import align, direct, router, triton_moe
 
-    for mod in (triton_kernels, triton_fused, gemv, triton_moe, align, direct):
+    for mod in (triton_kernels, norm, rope, activation, fused_argmax, router, step_kernels, gemv, triton_moe, align, direct):
         for name, fn in vars(mod).items():
             # a JITFunction, or an InterpretedFunction when another test module set TRITON_INTERPRET first
             if name.endswith("_kernel") and inspect.isfunction(getattr(fn, "fn", None)):
@@ -77,7 +79,7 @@ LOAD_HELPERS = {"_load_k", "_router_w_tile"}  # jit helpers that load their firs
 
 # The third (pdl.preload_weights, design note 48): with PRELOAD the decode GEMV's first weight tile and the
 # router's expert rows are read before the wait; x, the counters and every store after it.
-WEIGHT_PRELOAD = {"m3eagle.kernels.fused.gemv._linear_kernel", "m3eagle.kernels.fused.triton_fused._router_topk_kernel",
+WEIGHT_PRELOAD = {"m3eagle.kernels.fused.gemv._linear_kernel", "m3eagle.kernels.moe.router._router_topk_kernel",
                   "m3eagle.kernels.moe.direct._route_shared_kernel"}
 
 # The second exception (moe/direct.py, design note 46): with SD the routed gate_up launch's shared-down programs
@@ -150,9 +152,9 @@ def _preload_branch(stmts, allowed: set[str]) -> None:
 
 
 def _router_program_preloads_rows_only() -> None:
-    from m3eagle.kernels.fused import triton_fused
+    from m3eagle.kernels.moe import router
 
-    body = ast.parse(inspect.getsource(triton_fused._router_topk_program.fn)).body[0].body[1:]
+    body = ast.parse(inspect.getsource(router.router_topk_program.fn)).body[0].body[1:]
     i = next(i for i, st in enumerate(body) if isinstance(st, ast.If) and ast.unparse(st.test) == "PRELOAD")
     assert not _memory_calls(body[:i])
     _preload_branch(body[i].body, {"w_ptr"})
@@ -169,11 +171,11 @@ def _check_weight_preload(name: str, body: list) -> None:
         return
     _router_program_preloads_rows_only()
     if name.endswith("_router_topk_kernel"):
-        assert not _memory_calls(body[1:]) and _helpers(body[1:]) == ["_router_topk_program"], name
+        assert not _memory_calls(body[1:]) and _helpers(body[1:]) == ["router_topk_program"], name
         return
     i = next(i for i, st in enumerate(body) if isinstance(st, ast.If) and ast.unparse(st.test) == "pid < n_router")
     assert not _memory_calls(body[1:i + 1]), name  # the router branch only calls the program (checked above)
-    assert _helpers(body[i].body) == ["_router_topk_program"], name
+    assert _helpers(body[i].body) == ["router_topk_program"], name
     # the shared expert's programs: `_gate_up_rows` with PRELOAD reads only its first gate / up tiles first
     assert _helpers(body[i].orelse) == ["_gate_up_rows"], name
     call = next(n for st in body[i].orelse for n in ast.walk(st) if isinstance(n, ast.Call))

@@ -31,10 +31,10 @@ import urllib.request
 from pathlib import Path
 
 import openai  # a test extra
+import httpx
 import pytest
 
 from m3eagle import LLM, SamplingParams
-from m3eagle.bench.serve import Server, request
 from m3eagle.entrypoints.server import OpenAIServer, ServerThread
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -342,30 +342,27 @@ def test_503_while_draining(served):
 async def _stream(st: ServerThread, body: dict, drop_after: int | None = None) -> tuple[int, str, bool]:
     """POST a streaming request; read events (closing the connection after `drop_after` text events).
     Returns (status, text, saw [DONE])."""
-    r = await request(Server.parse(st.url), "POST", "/v1/completions", body)
-    text, events, done, buf = "", 0, False, b""
-    try:
-        if r.status != 200:
-            return r.status, (await r.read()).decode(), False
-        async for chunk in r.chunks():
-            buf += chunk
-            while b"\n\n" in buf:
-                ev, buf = buf.split(b"\n\n", 1)
-                data = ev.removeprefix(b"data: ")
-                if data == b"[DONE]":
-                    done = True
-                    continue
-                obj = json.loads(data)
-                if "error" in obj:
-                    return 500, obj["error"]["message"], False
-                for ch in obj["choices"]:
-                    text += ch["text"]
-                    events += 1
-                if drop_after is not None and events >= drop_after:
-                    return r.status, text, False
-    finally:
-        r.close()
-    return r.status, text, done
+    text, events, done = "", 0, False
+    async with httpx.AsyncClient(base_url=st.url, timeout=60, trust_env=False) as c, \
+            c.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return r.status_code, (await r.aread()).decode(), False
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                done = True
+                continue
+            obj = json.loads(data)
+            if "error" in obj:
+                return 500, obj["error"]["message"], False
+            for ch in obj["choices"]:
+                text += ch["text"]
+                events += 1
+            if drop_after is not None and events >= drop_after:
+                return r.status_code, text, False  # leaving the block closes the connection mid-stream
+    return r.status_code, text, done
 
 
 def test_disconnect_mid_stream_frees_pages(served):

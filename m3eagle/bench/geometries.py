@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from m3eagle.config import M3Config
+from m3eagle.loader.assets import ASSETS
 from m3eagle.models.eagle3 import Eagle3Config, default_aux_layer_ids
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets" / "default"
 FULL, SPARSE, DENSE, MOE = "full_attention", "minimax_m3_sparse", "dense", "sparse"
 
 

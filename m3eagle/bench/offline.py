@@ -89,7 +89,7 @@ DEFINITIONS = {
 
 def run_bench(a: argparse.Namespace) -> dict[str, Any]:
     """Run the whole benchmark described by the parsed `m3eagle bench` arguments; return the JSON document."""
-    from m3eagle.entrypoints.llm import LLM
+    from m3eagle.engine.runtime import Runtime
 
     say = Progress()
     geo = geometries.resolve(a.geometry, a.draft, a.load_format)
@@ -116,7 +116,7 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
 
     say(f"building {geo.description}")
     t0 = time.perf_counter()
-    llm = LLM(geo.model, geo.draft if k else None, num_draft_tokens=k, dtype=a.dtype, device=str(dev),
+    llm = Runtime(geo.model, geo.draft if k else None, num_draft_tokens=k, dtype=a.dtype, device=str(dev),
               page_size=a.page_size, max_num_tokens=a.max_num_tokens, max_model_len=mml, max_num_seqs=max_b,
               num_pages=1 + max_b * pages_per_seq, overlap=overlap, attention_backend=a.attention_backend,
               moe_backend=a.moe_backend, enforce_eager=a.enforce_eager, load_format=geo.load_format,
@@ -284,7 +284,7 @@ def throughput(engine: LLMEngine, prompts: list[list[int]], batch: int, max_toke
                dev: torch.device) -> dict[str, Any]:
     """Warm-up batch, then `repeats` timed batches of fresh prompts. Returns tok/s stats, the speculative
     acceptance over the timed batches, and the first timed request's tokens (for --compare-hf)."""
-    from m3eagle.entrypoints.llm import aggregate_stats
+    from m3eagle.engine.runtime import aggregate_stats
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     _generate(engine, prompts[:batch], sp)  # compilation, autotuning, allocator growth
@@ -642,13 +642,13 @@ def format_table(doc: dict[str, Any]) -> str:
 
 
 def _env(llm, dev: torch.device) -> dict[str, Any]:
-    from m3eagle import __version__
+    from importlib.metadata import version
 
     env: dict[str, Any] = {
         "device": str(dev), "dtype": str(llm.dtype).replace("torch.", ""),
         "device_name": (torch.cuda.get_device_name(dev) if dev.type == "cuda"
                         else f"cpu ({platform.processor() or platform.machine()})"),
-        "m3eagle": __version__, "torch": torch.__version__, "python": platform.python_version(),
+        "m3eagle": version("m3eagle"), "torch": torch.__version__, "python": platform.python_version(),
         "attention_backend": llm.engine.ops.attention.name, "moe_backend": llm.engine.ops.moe.name,
         "cuda_graphs": llm.engine.graphs.use_graphs, "overlap": llm.config.overlap,
         "tensor_parallel_size": llm.tp.size,

@@ -13,8 +13,11 @@ A run, in order:
      vLLM-style `*spec_decode_*` counters.
   5. A table (stderr) and a JSON document (stdout or --json FILE); `DEFINITIONS` travels inside it.
 
-The HTTP client is a small one on asyncio streams (HTTP/1.1, chunked or sized bodies, server-sent events):
-it costs little per event, so the client is not what limits a fast server, and it needs no dependency.
+The client is one `httpx.AsyncClient` (a connection pool sized to the most requests in flight, per-operation
+timeouts and a per-request deadline, TLS for https); server-sent events are read line by line as they arrive
+and timed on arrival. /metrics is parsed with prometheus_client's text parser, percentiles with numpy.
+The command's options are defined by the CLI (`m3eagle.entrypoints.cli`); this module reads them from the
+argparse namespace it is given.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ import ssl
 import sys
 import sysconfig
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 SCHEMA = "m3eagle.bench_serve/1"
 EMBEDDED_TOKENIZER = Path(__file__).resolve().parent.parent / "assets" / "default" / "target"
@@ -51,38 +56,6 @@ DEFINITIONS = {
                   "tokens, mean_acceptance_length = 1 + accepted / drafts (verify steps), per_position = accepted "
                   "at draft position i / drafts; null when the server exports no spec_decode counters",
 }
-
-
-# ------------------------------------------------------------------------------------------------
-# Options
-# ------------------------------------------------------------------------------------------------
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from m3eagle.entrypoints.cli import float_in, int_in
-
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's root URL")
-    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"],
-                   help="completions get token-id prompts (exact lengths); chat gets their text")
-    p.add_argument("--model", default=None, help="model name to send; none: the first of GET /v1/models")
-    p.add_argument("--dataset", choices=["random", "stdlib"], default="stdlib",
-                   help="random token ids, or windows of held-out stdlib code")
-    p.add_argument("--tokenizer", default=None, metavar="DIR",
-                   help="directory with the served model's tokenizer.json; none: the embedded model's")
-    p.add_argument("--input-len", type=int_in(1), default=128, help="prompt tokens per request")
-    p.add_argument("--output-len", type=int_in(1), default=64, help="generated tokens per request")
-    p.add_argument("--num-prompts", type=int_in(1), default=100, help="measured requests")
-    p.add_argument("--request-rate", type=float_in(0.0, lo_open=True), default=math.inf,
-                   help="Poisson arrival rate (requests/s); inf: send all at once")
-    p.add_argument("--max-concurrency", type=int_in(1), default=None, help="most requests in flight; none: no limit")
-    p.add_argument("--temperature", type=float_in(0.0), default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="let requests stop at EOS (output lengths then vary)")
-    p.add_argument("--warmup", type=int_in(0), default=2, help="unmeasured requests sent first, one at a time")
-    p.add_argument("--timeout", type=float_in(0.0, lo_open=True), default=600.0, help="seconds per request")
-    p.add_argument("--seed", type=int_in(0), default=0, help="prompt and arrival seed")
-    p.add_argument("--label", default=None, help="free text stored in the JSON (e.g. the server's settings)")
-    p.add_argument("--json", metavar="FILE", default=None, help="write the JSON document here instead of stdout")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -127,86 +100,37 @@ def make_prompts(tok, dataset: str, n: int, length: int, seed: int) -> list[list
 
 
 # ------------------------------------------------------------------------------------------------
-# A small HTTP/1.1 client on asyncio streams
+# The HTTP client (httpx)
 # ------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Server:
-    scheme: str
-    host: str
-    port: int
-    prefix: str  # a path the base URL carries (behind a proxy, say)
-
-    @classmethod
-    def parse(cls, url: str) -> Server:
-        u = urlsplit(url)
-        if u.scheme not in ("http", "https") or not u.hostname:
-            raise ValueError(f"--base-url {url!r}: give http://HOST:PORT (or https://)")
-        return cls(u.scheme, u.hostname, u.port or (443 if u.scheme == "https" else 80), u.path.rstrip("/"))
-
-    @property
-    def url(self) -> str:
-        return f"{self.scheme}://{self.host}:{self.port}{self.prefix}"
-
-
-class HttpResponse:
-    def __init__(self, status: int, headers: dict[str, str], reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter):
-        self.status, self.headers, self._reader, self._writer = status, headers, reader, writer
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        r = self._reader
-        if self.headers.get("transfer-encoding", "").lower() == "chunked":
-            while True:
-                size = int((await r.readline()).split(b";")[0].strip() or b"0", 16)
-                if size == 0:
-                    return
-                yield await r.readexactly(size)
-                await r.readexactly(2)  # CRLF after each chunk
-        elif "content-length" in self.headers:
-            yield await r.readexactly(int(self.headers["content-length"]))
-        else:
-            while data := await r.read(65536):
-                yield data
-
-    async def read(self) -> bytes:
-        return b"".join([c async for c in self.chunks()])
-
-    def close(self) -> None:
-        self._writer.close()
-
-
-async def request(server: Server, method: str, path: str, body: Any = None) -> HttpResponse:
-    ctx = ssl.create_default_context() if server.scheme == "https" else None
+def base_url(url: str) -> str:
+    """--base-url checked and normalised to scheme://host:port[/prefix] (a prefix: behind a proxy, say)."""
     try:
-        reader, writer = await asyncio.open_connection(server.host, server.port, ssl=ctx, limit=1 << 22)
-    except OSError as e:
-        raise OSError(f"cannot reach {server.url} ({e}); is the server running?") from None
-    data = json.dumps(body).encode() if body is not None else b""
-    head = (f"{method} {server.prefix}{path} HTTP/1.1\r\nHost: {server.host}:{server.port}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n")
-    writer.write(head.encode() + data)
-    await writer.drain()
-    status_line = await reader.readline()
-    try:
-        status = int(status_line.split()[1])
-    except (IndexError, ValueError):
-        writer.close()
-        raise OSError(f"{server.url}{path}: not an HTTP response ({status_line[:80]!r})") from None
-    headers: dict[str, str] = {}
-    while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
-        k, _, v = line.decode("latin-1").partition(":")
-        headers[k.strip().lower()] = v.strip()
-    return HttpResponse(status, headers, reader, writer)
+        u = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError):
+        u = None
+    if u is None or u.scheme not in ("http", "https") or not u.host:
+        raise ValueError(f"--base-url {url!r}: give http://HOST:PORT (or https://)")
+    host = f"[{u.host}]" if ":" in u.host else u.host
+    return f"{u.scheme}://{host}:{u.port or (443 if u.scheme == 'https' else 80)}{u.path.rstrip('/')}"
 
 
-async def get_text(server: Server, path: str) -> tuple[int, str]:
-    r = await request(server, "GET", path)
+def make_client(url: str, timeout: float, connections: int) -> httpx.AsyncClient:
+    """One client for the run: a connection pool as large as the most requests in flight (so no request waits
+    for a connection), `timeout` seconds for each connect / read / write, TLS for https against the system's
+    CA store. Proxy settings of the environment are ignored: the load goes straight to the server."""
+    return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout), trust_env=False,
+                             verify=ssl.create_default_context() if url.startswith("https:") else True,
+                             limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))
+
+
+async def get_text(client: httpx.AsyncClient, path: str) -> tuple[int, str]:
     try:
-        return r.status, (await r.read()).decode()
-    finally:
-        r.close()
+        r = await client.get(path)
+    except httpx.TransportError as e:
+        raise OSError(f"cannot reach {client.base_url} ({type(e).__name__}: {e}); is the server running?") from None
+    return r.status_code, r.text
 
 
 # ------------------------------------------------------------------------------------------------
@@ -237,44 +161,40 @@ def payload(endpoint: str, model: str, ids: list[int], text: str, a: argparse.Na
     return body
 
 
-async def run_one(server: Server, endpoint: str, body: dict[str, Any], prompt_len: int, timeout: float) -> Result:
+async def run_one(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any], prompt_len: int,
+                  timeout: float) -> Result:
+    """One streamed request: every server-sent `data:` line is timed as it arrives; a line whose choices
+    carry text is a token event (TTFT is the first, ITL the gaps between them)."""
     res = Result(prompt_len)
     t0 = time.perf_counter()
     times: list[float] = []
     usage = None
     try:
-        async with asyncio.timeout(timeout):
-            r = await request(server, "POST", endpoint, body)
-            try:
-                if r.status != 200:
-                    res.error = f"HTTP {r.status}: {(await r.read())[:300].decode(errors='replace')}"
-                    return res
-                buf = b""
-                async for chunk in r.chunks():
-                    buf += chunk.replace(b"\r\n", b"\n")
-                    while b"\n\n" in buf:
-                        event, buf = buf.split(b"\n\n", 1)
-                        for line in event.split(b"\n"):
-                            if not line.startswith(b"data:"):
-                                continue
-                            data = line[5:].strip()
-                            if data == b"[DONE]":
-                                continue
-                            obj = json.loads(data)
-                            if "error" in obj:
-                                res.error = str(obj["error"].get("message", obj["error"]))
-                                continue
-                            if obj.get("usage"):
-                                usage = obj["usage"]
-                            for ch in obj.get("choices") or []:
-                                piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
-                                if piece:
-                                    times.append(time.perf_counter())
-            finally:
-                r.close()
+        async with asyncio.timeout(timeout), client.stream("POST", endpoint, json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:300].decode(errors='replace')}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank lines end events; comments and other fields carry nothing timed
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    continue
+                obj = json.loads(data)
+                if "error" in obj:
+                    res.error = str(obj["error"].get("message", obj["error"]))
+                    continue
+                if obj.get("usage"):
+                    usage = obj["usage"]
+                for ch in obj.get("choices") or []:
+                    piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
+                    if piece:
+                        times.append(time.perf_counter())
     except TimeoutError:
         res.error = f"timed out after {timeout:g} s"
-    except (OSError, ValueError, asyncio.IncompleteReadError) as e:
+    except httpx.TimeoutException as e:
+        res.error = f"timed out ({type(e).__name__}, {timeout:g} s per read)"
+    except (httpx.HTTPError, OSError, ValueError) as e:  # transport and protocol errors, a bad JSON event
         res.error = f"{type(e).__name__}: {e}"
     res.e2e = time.perf_counter() - t0
     if res.error is None and times:
@@ -294,30 +214,28 @@ async def run_one(server: Server, endpoint: str, body: dict[str, Any], prompt_le
 # ------------------------------------------------------------------------------------------------
 
 
+SPEC_COUNTERS = {"spec_decode_num_drafts_total": "drafts", "spec_decode_num_draft_tokens_total": "draft_tokens",
+                 "spec_decode_num_accepted_tokens_total": "accepted"}
+PER_POS = "spec_decode_num_accepted_tokens_per_pos_total"
+
+
 def spec_counters(text: str) -> dict[str, Any] | None:
-    """Sums of vLLM-style spec_decode counters (any prefix: m3eagle:, vllm:) in a Prometheus text page."""
-    keys = {"spec_decode_num_drafts_total": "drafts", "spec_decode_num_draft_tokens_total": "draft_tokens",
-            "spec_decode_num_accepted_tokens_total": "accepted"}
+    """Sums of vLLM-style spec_decode counters (any prefix: m3eagle:, vllm:) in a Prometheus text page,
+    over all label sets; None when the page holds none (or is not Prometheus text)."""
     out: dict[str, Any] = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": {}}
     seen = False
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name, _, labels = name_labels.partition("{")
-        try:
-            v = float(value)
-        except ValueError:
-            continue
-        for suffix, key in keys.items():
-            if name.endswith(suffix):
-                out[key] += v
-                seen = True
-        if name.endswith("spec_decode_num_accepted_tokens_per_pos_total"):
-            pos = next((kv.split("=", 1)[1].strip('"') for kv in labels.rstrip("}").split(",")
-                        if kv.startswith("position=")), None)
-            if pos is not None:
-                out["per_pos"][int(pos)] = out["per_pos"].get(int(pos), 0.0) + v
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                key = next((k for suffix, k in SPEC_COUNTERS.items() if s.name.endswith(suffix)), None)
+                if key is not None:
+                    out[key] += s.value
+                    seen = True
+                elif s.name.endswith(PER_POS) and "position" in s.labels:
+                    pos = int(s.labels["position"])
+                    out["per_pos"][pos] = out["per_pos"].get(pos, 0.0) + s.value
+    except ValueError:  # not Prometheus text (an HTML or JSON error page, say)
+        return None
     return out if seen else None
 
 
@@ -334,67 +252,68 @@ def acceptance(before: dict[str, Any] | None, after: dict[str, Any] | None) -> d
             "mean_acceptance_length": 1 + d["accepted"] / d["drafts"], "per_position": per}
 
 
+async def scrape(client: httpx.AsyncClient) -> dict[str, Any] | None:
+    status, text = await get_text(client, "/metrics")
+    return spec_counters(text) if status == 200 else None
+
+
 # ------------------------------------------------------------------------------------------------
 # The run
 # ------------------------------------------------------------------------------------------------
 
 
 def percentiles(xs: list[float], scale: float = 1e3) -> dict[str, float | None]:
+    """Mean, p50, p90 and p99 of xs x scale (linearly interpolated percentiles); None each when xs is empty."""
     if not xs:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
-    s = sorted(xs)
-
-    def q(p: float) -> float:
-        r = p / 100 * (len(s) - 1)
-        lo = int(r)
-        hi = min(lo + 1, len(s) - 1)
-        return (s[lo] + (s[hi] - s[lo]) * (r - lo)) * scale
-
-    return {"mean": sum(s) / len(s) * scale, "p50": q(50), "p90": q(90), "p99": q(99)}
+    v = np.asarray(xs, dtype=np.float64) * scale
+    p50, p90, p99 = np.percentile(v, [50, 90, 99])
+    return {"mean": float(v.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
 async def _bench(a: argparse.Namespace) -> dict[str, Any]:
-    server = Server.parse(a.base_url)
-    status, text = await get_text(server, "/v1/models")
-    if status != 200:
-        raise OSError(f"GET {server.url}/v1/models answered {status}: {text[:200]}")
-    model = a.model or json.loads(text)["data"][0]["id"]
-    tok = load_tokenizer(a.tokenizer)
-    prompts = make_prompts(tok, a.dataset, a.warmup + a.num_prompts, a.input_len, a.seed)
-    texts = [tok.decode(p) for p in prompts] if a.endpoint != "/v1/completions" else [""] * len(prompts)
-    bodies = [payload(a.endpoint, model, p, t, a) for p, t in zip(prompts, texts)]
+    url = base_url(a.base_url)
+    async with make_client(url, a.timeout, a.max_concurrency or a.num_prompts) as client:
+        status, text = await get_text(client, "/v1/models")
+        if status != 200:
+            raise OSError(f"GET {url}/v1/models answered {status}: {text[:200]}")
+        model = a.model or json.loads(text)["data"][0]["id"]
+        tok = load_tokenizer(a.tokenizer)
+        prompts = make_prompts(tok, a.dataset, a.warmup + a.num_prompts, a.input_len, a.seed)
+        texts = [tok.decode(p) for p in prompts] if a.endpoint != "/v1/completions" else [""] * len(prompts)
+        bodies = [payload(a.endpoint, model, p, t, a) for p, t in zip(prompts, texts)]
 
-    for i in range(a.warmup):
-        r = await run_one(server, a.endpoint, bodies[i], len(prompts[i]), a.timeout)
-        if not r.ok:
-            raise OSError(f"warm-up request failed: {r.error}")
-        print(f"warm-up {i + 1}/{a.warmup}: {r.e2e * 1e3:.0f} ms", file=sys.stderr)
-    before = spec_counters((await get_text(server, "/metrics"))[1])
+        for i in range(a.warmup):
+            r = await run_one(client, a.endpoint, bodies[i], len(prompts[i]), a.timeout)
+            if not r.ok:
+                raise OSError(f"warm-up request failed: {r.error}")
+            print(f"warm-up {i + 1}/{a.warmup}: {r.e2e * 1e3:.0f} ms", file=sys.stderr)
+        before = await scrape(client)
 
-    rng = random.Random(a.seed + 1)
-    sem = asyncio.Semaphore(a.max_concurrency) if a.max_concurrency else None
-    done = [0]
+        rng = random.Random(a.seed + 1)
+        sem = asyncio.Semaphore(a.max_concurrency) if a.max_concurrency else None
+        done = [0]
 
-    async def limited(i: int) -> Result:
-        if sem is None:
-            r = await run_one(server, a.endpoint, bodies[i], len(prompts[i]), a.timeout)
-        else:
-            async with sem:
-                r = await run_one(server, a.endpoint, bodies[i], len(prompts[i]), a.timeout)
-        done[0] += 1
-        if done[0] % max(1, a.num_prompts // 10) == 0:
-            print(f"  {done[0]}/{a.num_prompts} done", file=sys.stderr)
-        return r
+        async def limited(i: int) -> Result:
+            if sem is None:
+                r = await run_one(client, a.endpoint, bodies[i], len(prompts[i]), a.timeout)
+            else:
+                async with sem:
+                    r = await run_one(client, a.endpoint, bodies[i], len(prompts[i]), a.timeout)
+            done[0] += 1
+            if done[0] % max(1, a.num_prompts // 10) == 0:
+                print(f"  {done[0]}/{a.num_prompts} done", file=sys.stderr)
+            return r
 
-    t0 = time.perf_counter()
-    tasks = []
-    for i in range(a.warmup, a.warmup + a.num_prompts):
-        tasks.append(asyncio.create_task(limited(i)))
-        if math.isfinite(a.request_rate):
-            await asyncio.sleep(rng.expovariate(a.request_rate))  # Poisson arrivals
-    results: list[Result] = await asyncio.gather(*tasks)
-    duration = time.perf_counter() - t0
-    after = spec_counters((await get_text(server, "/metrics"))[1])
+        t0 = time.perf_counter()
+        tasks = []
+        for i in range(a.warmup, a.warmup + a.num_prompts):
+            tasks.append(asyncio.create_task(limited(i)))
+            if math.isfinite(a.request_rate):
+                await asyncio.sleep(rng.expovariate(a.request_rate))  # Poisson arrivals
+        results: list[Result] = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+        after = await scrape(client)
 
     ok = [r for r in results if r.ok]
     out_tok = sum(r.output_tokens for r in ok)
@@ -402,7 +321,7 @@ async def _bench(a: argparse.Namespace) -> dict[str, Any]:
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1 and r.ttft is not None]
     return {
         "schema": SCHEMA,
-        "settings": {"base_url": server.url, "endpoint": a.endpoint, "model": model, "dataset": a.dataset,
+        "settings": {"base_url": url, "endpoint": a.endpoint, "model": model, "dataset": a.dataset,
                      "tokenizer": str(a.tokenizer or EMBEDDED_TOKENIZER), "input_len": a.input_len,
                      "output_len": a.output_len, "num_prompts": a.num_prompts,
                      "request_rate": None if math.isinf(a.request_rate) else a.request_rate,

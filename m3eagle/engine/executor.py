@@ -110,12 +110,13 @@ def free_tcp_address() -> str:
 
 
 class Workers:
-    """The N-1 worker processes rank 0 spawned (torch.multiprocessing, 'spawn'): each runs `LLM(**kwargs)`
-    as rank r and serves steps until stopped."""
+    """The N-1 worker processes rank 0 spawned (torch.multiprocessing, 'spawn'): each builds `build(**kwargs,
+    _worker=...)` -- rank 0's own class (runtime.Runtime or a subclass), passed by reference so this module
+    imports none of them -- as rank r, which serves steps until stopped."""
 
-    def __init__(self, size: int, init_method: str, llm_kwargs: dict[str, Any]):
+    def __init__(self, size: int, init_method: str, build: Callable[..., Any], llm_kwargs: dict[str, Any]):
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_worker_main, args=(r, size, init_method, llm_kwargs, os.getpid()),
+        self.procs = [ctx.Process(target=_worker_main, args=(r, size, init_method, build, llm_kwargs, os.getpid()),
                                   name=f"m3eagle-tp-rank{r}", daemon=True) for r in range(1, size)]
         for p in self.procs:
             p.start()
@@ -138,15 +139,14 @@ class Workers:
                 p.join(5)
 
 
-def _worker_main(rank: int, size: int, init_method: str, llm_kwargs: dict[str, Any], parent: int) -> None:
+def _worker_main(rank: int, size: int, init_method: str, build: Callable[..., Any], llm_kwargs: dict[str, Any],
+                 parent: int) -> None:
     """A spawned worker: watch the parent, build this rank's LLM, which serves until rank 0 says stop."""
     _watch_parent(parent)
     if str(llm_kwargs.get("device") or "").startswith("cpu"):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))  # the ranks share the host's cores
-    from m3eagle.entrypoints.llm import LLM
-
     try:
-        LLM(**llm_kwargs, _worker=(rank, size, init_method))
+        build(**llm_kwargs, _worker=(rank, size, init_method))
     except BaseException:
         print(f"m3eagle: tensor-parallel worker rank {rank} failed:\n{traceback.format_exc()}", flush=True)
         os._exit(1)

@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
+from m3eagle.engine import step_ops
 from m3eagle.engine.input_builder import StepInput
+from m3eagle.engine.step_ops import StepOps
 from m3eagle.kernels.attention.metadata import AttnMetadata
 from m3eagle.kernels.ops import REFERENCE
 from m3eagle.models.minimax_m3 import LayerCache, MiniMaxM3
@@ -89,8 +91,22 @@ class StepOutput:
 
 
 def _fused(meta: AttnMetadata):
-    """The step's fused ops (fused/backend.py): the engine's, or the plain torch reference without any."""
+    """The step's fused ops (kernels/fused/backend.py): the engine's, or the plain torch reference without any."""
     return meta.ops.fused if meta.ops is not None else REFERENCE.fused
+
+
+# The step bookkeeping (step_ops.py) named like each fused backend: stateless, so one object per name serves
+# every engine.
+_STEP_OPS: dict[str, StepOps] = {}
+
+
+def _step_ops(meta: AttnMetadata) -> StepOps:
+    """The step's bookkeeping ops: the implementation named like the step's fused backend."""
+    name = _fused(meta).name
+    ops = _STEP_OPS.get(name)
+    if ops is None:
+        ops = _STEP_OPS[name] = step_ops.create(name)
+    return ops
 
 
 class ModelRunner:
@@ -159,7 +175,7 @@ class ModelRunner:
         rows whose sampling steps were still in flight then; chained rows (later sub-steps of a multi-step
         iteration) already hold exact lengths. The metadata hook then re-derives positions and slots."""
         meta = inp.meta
-        return _fused(meta).overlap_inputs(inp.input_ids, meta, inp.row_slot, inp.row_first, inp.row_gather,
+        return _step_ops(meta).overlap_inputs(inp.input_ids, meta, inp.row_slot, inp.row_first, inp.row_gather,
                                     inp.row_num_drafts, inp.row_correct, inp.row_chained, self.slot_tokens,
                                     self.slot_num_new, self.slot_dev, self.slot_drafts, self.k)
 
@@ -173,8 +189,8 @@ class ModelRunner:
             self.penalty.record_inputs(pen, inp.row_slot, inp.row_gather, ids, meta.tok_row, meta.positions)
         aux = self.aux_buf[: inp.num_tokens] if self.aux_buf is not None else None  # [T, 3H]
         # Sampled positions: the last (num_drafts + 1) tokens of each row; the drafts they verify.
-        fused = _fused(meta)
-        sample_idx, positions, drafts_in = fused.sample_positions(
+        fused, book = _fused(meta), _step_ops(meta)
+        sample_idx, positions, drafts_in = book.sample_positions(
             inp.row_first, inp.row_qlen, inp.row_num_drafts, meta.positions, ids, k)  # [B, K+1] x 2, [B, K]
         # The final norm computes only the sampled rows (the gather rides in its launch), unless prompt
         # logprobs read every token's hidden state.
@@ -187,7 +203,7 @@ class ModelRunner:
         fp32 = inp.any_random or pen is not None or inp.want_logprobs
         sampled = hidden[sample_idx.reshape(-1)] if every else hidden  # [B * (K+1), H]
         # Without drafts every greedy row emits exactly its argmax: no acceptance launch to count that.
-        accept = fused.greedy_accept if k else (lambda tok, _d, _n: self.row_ones[: tok.shape[0]])
+        accept = book.greedy_accept if k else (lambda tok, _d, _n: self.row_ones[: tok.shape[0]])
         if not fp32:  # all greedy, nothing else reads the logits: verify's greedy path, the argmax in lm_head's launch
             greedy = self.target.greedy_ids(sampled, fused).view(inp.num_rows, k + 1)  # [B, K+1]
             new_tokens, num_new = greedy, accept(greedy, drafts_in, inp.row_num_drafts)
@@ -209,7 +225,7 @@ class ModelRunner:
         # The step's own kv_len / chained inputs advance in place, so replaying these inputs runs the next
         # sub-step of a multi-step iteration (a host-built step overwrites them).
         drafting = self.draft is not None and k > 0
-        num_new, s, last_idx, shifted, at, at_slots = fused.commit_outputs(
+        num_new, s, last_idx, shifted, at, at_slots = book.commit_outputs(
             new_tokens, num_new, inp.row_samples, inp.row_slot, self.dump_slot, inp.row_num_drafts, inp.row_first,
             inp.row_qlen, inp.row_next_token, ids, meta.positions, self.slot_tokens, self.slot_num_new,
             self.slot_dev, k, drafting, tok_row=meta.tok_row,

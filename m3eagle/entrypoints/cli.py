@@ -348,8 +348,6 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
 
 
 def _add_bench_serve(sub) -> None:
-    from m3eagle.bench.serve import add_arguments
-
     b = sub.add_parser(
         "bench-serve", help="load-test an OpenAI-compatible server (m3eagle, vLLM, SGLang): TTFT, TPOT, ITL",
         description="Send --num-prompts streaming requests to an OpenAI-compatible server, Poisson at\n"
@@ -357,7 +355,28 @@ def _add_bench_serve(sub) -> None:
                     "(random token ids or held-out stdlib code). Reports TTFT, TPOT and ITL (mean, p50, p90,\n"
                     "p99), request and token throughput, and the server's speculative acceptance read from its\n"
                     "/metrics. A table goes to stderr, the JSON document to stdout (or --json FILE).")
-    add_arguments(b)
+    b.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's root URL")
+    b.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"],
+                   help="completions get token-id prompts (exact lengths); chat gets their text")
+    b.add_argument("--model", default=None, help="model name to send; none: the first of GET /v1/models")
+    b.add_argument("--dataset", choices=["random", "stdlib"], default="stdlib",
+                   help="random token ids, or windows of held-out stdlib code")
+    b.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="directory with the served model's tokenizer.json; none: the embedded model's")
+    b.add_argument("--input-len", type=int_in(1), default=128, help="prompt tokens per request")
+    b.add_argument("--output-len", type=int_in(1), default=64, help="generated tokens per request")
+    b.add_argument("--num-prompts", type=int_in(1), default=100, help="measured requests")
+    b.add_argument("--request-rate", type=float_in(0.0, lo_open=True), default=math.inf,
+                   help="Poisson arrival rate (requests/s); inf: send all at once")
+    b.add_argument("--max-concurrency", type=int_in(1), default=None, help="most requests in flight; none: no limit")
+    b.add_argument("--temperature", type=float_in(0.0), default=0.0, help="sampling temperature (0: greedy)")
+    b.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="let requests stop at EOS (output lengths then vary)")
+    b.add_argument("--warmup", type=int_in(0), default=2, help="unmeasured requests sent first, one at a time")
+    b.add_argument("--timeout", type=float_in(0.0, lo_open=True), default=600.0, help="seconds per request")
+    b.add_argument("--seed", type=int_in(0), default=0, help="prompt and arrival seed")
+    b.add_argument("--label", default=None, help="free text stored in the JSON (e.g. the server's settings)")
+    b.add_argument("--json", metavar="FILE", default=None, help="write the JSON document here instead of stdout")
     b.set_defaults(func=cmd_bench_serve)
 
 

@@ -2,7 +2,7 @@
 elementwise ops (norms, RoPE, activations, router).
 
 An `Ops` is built once per engine (`make_ops`) from per-concern registries of lazy factories
-(`attention.backend`, `moe.backend`, `fused.backend`) and reaches the models with each step's metadata (`meta.ops`). Nothing
+(`attention.backend`, `moe.backend`, `fused.registry`) and reaches the models with each step's metadata (`meta.ops`). Nothing
 is a module global: two LLMs in one process can run different backends side by side, and a failed
 construction leaves every other engine as it was. Paths that have no step metadata -- training and the
 contiguous `forward_seq` oracle -- use `REFERENCE`, the plain PyTorch ops, explicitly.
@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from m3eagle.kernels.attention import backend as attention_backend
-from m3eagle.kernels.fused import backend as fused_backend
+from m3eagle.kernels.fused import registry as fused_registry
+from m3eagle.kernels.fused.backend import ReferenceFused
 from m3eagle.kernels.moe import backend as moe_backend
 
 
@@ -24,7 +25,7 @@ from m3eagle.kernels.moe import backend as moe_backend
 class Ops:
     attention: Any  # attention.backend.AttentionBackend
     moe: Any  # moe.backend.MoEImpl
-    fused: Any = field(default_factory=fused_backend.ReferenceFused)  # fused.backend.FusedOps
+    fused: Any = field(default_factory=ReferenceFused)  # fused.backend.FusedOps
 
     @property
     def names(self) -> dict[str, str]:
@@ -39,8 +40,8 @@ def make_ops(attention: str = "auto", moe: str = "auto", device: torch.device | 
     fast = "triton" if dev.type == "cuda" else "reference"
     return Ops(attention=attention_backend.create(fast if attention == "auto" else attention),
                moe=moe_backend.create(fast if moe == "auto" else moe),
-               fused=fused_backend.create(fast if fused == "auto" else fused))
+               fused=fused_registry.create(fast if fused == "auto" else fused))
 
 
 REFERENCE = Ops(attention=attention_backend.ReferenceBackend(), moe=moe_backend.ReferenceMoE(),
-                fused=fused_backend.ReferenceFused())
+                fused=ReferenceFused())

@@ -44,8 +44,9 @@ import torch.nn as nn
 from m3eagle.distributed.layers import linear
 from m3eagle.kernels.attention import reference
 from m3eagle.kernels.attention.metadata import AttnMetadata
+from m3eagle.kernels.fused.reference import apply_rope, rope_cos_sin
 from m3eagle.kernels.ops import REFERENCE
-from m3eagle.models.layers import LlamaRMSNorm, PackedLinears, SiluMLP, apply_rope, rope_cos_sin
+from m3eagle.models.layers import LlamaRMSNorm, PackedLinears, SiluMLP
 from m3eagle.models.minimax_m3 import LayerCache
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"

@@ -5,7 +5,6 @@ the paged forward paths hand the same ops to the engine's fused backend (`meta.o
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -14,7 +13,6 @@ import torch.nn as nn
 from m3eagle.distributed.layers import ColumnParallelLinear, RowParallelLinear, linear, rows
 from m3eagle.distributed.parallel_state import SINGLE, TPGroup
 from m3eagle.kernels.fused import reference as fused_ref
-from m3eagle.kernels.fused.reference import apply_rope, swiglu_oai  # noqa: F401  (re-exported: models, training, moe use them)
 from m3eagle.kernels.moe import backend as moe_backend
 
 
@@ -40,61 +38,6 @@ class LlamaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused_ref.rms_norm(x, self.weight, self.eps, gemma=False)
-
-
-def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any] | None = None,
-                  device: torch.device | str | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [rotary_dim/2] (fp32) and the cos/sin scale of one RoPE type, with
-    transformers' formulas (modeling_rope_utils) so logits match it. `scaling` is `M3Config.rope_scaling`:
-    None for plain RoPE, else rope_type linear / yarn / llama3 with every parameter resolved by the config."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
-    kind = scaling["rope_type"] if scaling else "default"
-    if kind == "default":
-        return inv_freq, 1.0
-    factor = scaling["factor"]
-    if kind == "linear":
-        return inv_freq / factor, 1.0
-    orig = scaling["original_max_position_embeddings"]
-    if kind == "llama3":
-        # wavelengths shorter than orig / high_freq_factor keep their frequency, longer than
-        # orig / low_freq_factor are divided by factor, and the band between is interpolated.
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > orig / low, inv_freq / factor, inv_freq)
-        smooth = (orig / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < orig / high) * ~(wavelen > orig / low)
-        return torch.where(medium, smoothed, scaled), 1.0
-    if kind == "yarn":
-        # Dimensions that rotate more than beta_fast times over the original context extrapolate (keep
-        # their frequency), fewer than beta_slow interpolate (divided by factor), a linear ramp between.
-        def correction_dim(rotations: float) -> float:
-            return rotary_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-        lo, hi = correction_dim(scaling["beta_fast"]), correction_dim(scaling["beta_slow"])
-        if scaling["truncate"]:
-            lo, hi = math.floor(lo), math.ceil(hi)
-        lo, hi = max(lo, 0), min(hi, rotary_dim - 1)
-        if lo == hi:
-            hi += 0.001  # as transformers: avoid a zero-width ramp
-        ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32, device=device) - lo) / (hi - lo)).clamp(0, 1)
-        extrapolate = 1 - ramp
-        pos_freqs = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim)
-        inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
-        return inv_freq, scaling["attention_factor"]
-    raise ValueError(f"rope_type={kind!r} is not implemented; choose default, linear, yarn or llama3")
-
-
-def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype,
-                 scaling: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """NeoX RoPE tables: positions [...] -> cos, sin [..., rotary_dim], computed in fp32 (and scaled by
-    yarn's attention factor, as transformers scales them)."""
-    inv_freq, mscale = rope_inv_freq(rotary_dim, theta, scaling, positions.device)
-    freqs = positions.float()[..., None] * inv_freq  # [..., rotary_dim/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    if mscale == 1.0:
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-    return (emb.cos() * mscale).to(dtype), (emb.sin() * mscale).to(dtype)
 
 
 class PackedLinears:

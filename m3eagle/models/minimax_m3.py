@@ -20,8 +20,9 @@ from m3eagle.distributed.layers import ColumnParallelLinear, ParallelLMHead, Row
 from m3eagle.distributed.parallel_state import SINGLE, TPGroup
 from m3eagle.kernels.attention import reference
 from m3eagle.kernels.attention.metadata import AttnMetadata
+from m3eagle.kernels.fused.reference import apply_rope, rope_cos_sin
 from m3eagle.kernels.ops import REFERENCE
-from m3eagle.models.layers import GemmaRMSNorm, PackedLinears, SparseMoE, SwigluOaiMLP, apply_rope, rope_cos_sin
+from m3eagle.models.layers import GemmaRMSNorm, PackedLinears, SparseMoE, SwigluOaiMLP
 
 Delta = tuple[torch.Tensor, torch.Tensor | None, float]
 """A sub-layer's output not yet added to the residual stream: (x, x2, scale) stands for x * scale + x2 (the

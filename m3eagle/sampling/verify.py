@@ -18,8 +18,17 @@ from collections.abc import Callable
 
 import torch
 
-from m3eagle.kernels.fused.reference import greedy_accept
 from m3eagle.sampling.sampler import SALT_ACCEPT, SALT_SAMPLE, SamplingTensors, probs_from_logits, sample_from_probs, uniform
+
+
+def greedy_accept(greedy_tok: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+    """Greedy verification after the argmax: greedy_tok [B, K+1] (argmax of each scored position), drafts
+    [B, K], num_drafts [B] -> num_new [B] = 1 + the number of leading drafts equal to the argmax before
+    them (verify's greedy path)."""
+    k = drafts.shape[1]
+    in_row = torch.arange(k, device=drafts.device)[None, :] < num_drafts[:, None]  # [B, K]
+    match = (drafts == greedy_tok[:, :k]) & in_row
+    return match.long().cumprod(-1).sum(-1) + 1
 
 
 def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, st: SamplingTensors,
@@ -32,7 +41,7 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
     were drawn from; None means every draft was chosen deterministically, i.e. q is one-hot on the draft,
     vLLM's convention: accept with probability p(d), resample from p without d), any_random: some row has
     temperature > 0 (host flag; False takes the all-greedy fast path), accept: that path's acceptance count
-    (fused/reference.greedy_accept, or the engine's fused op), argmax: [N, V] -> [N] (torch.argmax's; the
+    (greedy_accept, or the engine's step op), argmax: [N, V] -> [N] (torch.argmax's; the
     engine's fused op) -> (new_tokens [B, K+1], num_new [B]). On the all-greedy path only the argmax reads
     the logits, so they may be in any float dtype there.
     new_tokens[b, :num_new[b]] are the emitted tokens."""

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets" / "default"
+from m3eagle.loader.assets import ASSETS
 
 
 def _add_budget(p: argparse.ArgumentParser) -> None:
@@ -265,7 +265,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         cfg = replace(cfg, ks=tuple(int(k) for k in args.ks.split(",")))
     cfg = _override(cfg, argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "ks"}))
     if args.offline:
-        from m3eagle.entrypoints.llm import default_model_paths
+        from m3eagle.loader.assets import default_model_paths
 
         model, draft = (args.model, args.draft) if args.model else default_model_paths()
         result = offline_acceptance(model, args.draft or draft, cfg.code_prompts, cfg.device, cfg.ks,

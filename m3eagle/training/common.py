@@ -1,5 +1,6 @@
-"""Pieces both training stages share: device and precision, seeded batches, the LR schedule, a resumable
-training state, a JSONL log, and sizing a run to a wall-clock budget."""
+"""Pieces the training stages and the evaluation share: device and precision, greedy decoding by
+recomputation, seeded batches, the LR schedule, a resumable training state, a JSONL log, and sizing a run
+to a wall-clock budget."""
 
 from __future__ import annotations
 
@@ -29,6 +30,20 @@ def autocast(device: torch.device, amp: str) -> contextlib.AbstractContextManage
     if not on:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+@torch.no_grad()
+def greedy_continue(model, ids: torch.Tensor, n: int, device: torch.device, amp: str = "auto",
+                    ) -> torch.Tensor:
+    """Greedy continuation by recomputation (no cache): ids [B, P] -> [B, P + n]. The oracle the
+    engine-free acceptance estimate decodes with, and the self-distillation pool's generator."""
+    x = ids.to(device)
+    for _ in range(n):
+        with autocast(device, amp):
+            hidden, _ = model.forward_seq(x)
+            nxt = model.compute_logits(hidden[:, -1]).argmax(-1, keepdim=True)
+        x = torch.cat([x, nxt], dim=1)
+    return x
 
 
 def seed_everything(seed: int) -> None:

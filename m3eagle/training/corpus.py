@@ -25,8 +25,9 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
 from m3eagle.training import arithmetic
-from m3eagle.training.progress import progress
 
 # Path components of site-packages code that is a copy or backport of the stdlib. Keeping them would
 # leak the held-out domain into training.
@@ -145,8 +146,8 @@ def build(out_dir: str | Path, cfg: CorpusConfig = CorpusConfig()) -> dict:
         text = _read_source(p)
         if text is not None:
             std_digests.add(_digest(text))
-    files = list(progress(iter_site_packages_code(std_digests), desc="corpus: scan site-packages",
-                          unit="file"))
+    files = list(tqdm(iter_site_packages_code(std_digests), desc="corpus: scan site-packages",
+                          unit="file", mininterval=2.0, dynamic_ncols=True))
     random.Random(cfg.seed).shuffle(files)  # the cap keeps a random sample of packages, not a-z
     code_bytes = n_code = 0
     with open(out / "code.jsonl.tmp", "w", encoding="utf-8") as fh:
@@ -162,7 +163,8 @@ def build(out_dir: str | Path, cfg: CorpusConfig = CorpusConfig()) -> dict:
     arith_bytes = 0
     with open(out / "arithmetic.jsonl.tmp", "w", encoding="utf-8") as fh:
         problems = arithmetic.generate(cfg.arith_problems, cfg.arith_seed)
-        for prob in progress(problems, total=cfg.arith_problems, desc="corpus: arithmetic", unit="problem"):
+        for prob in tqdm(problems, total=cfg.arith_problems, desc="corpus: arithmetic", unit="problem",
+                         mininterval=2.0, dynamic_ncols=True):
             fh.write(json.dumps({"text": prob.text}) + "\n")
             arith_bytes += len(prob.text)
     (out / "arithmetic.jsonl.tmp").replace(out / "arithmetic.jsonl")

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from m3eagle.loader.checkpoint import load_target
 from m3eagle.loader.eagle3 import load_eagle3, save_eagle3
@@ -39,6 +40,7 @@ from m3eagle.training.common import (
     JsonlLog,
     RunState,
     autocast,
+    greedy_continue,
     load_state,
     lr_at,
     param_groups,
@@ -48,7 +50,6 @@ from m3eagle.training.common import (
     save_state,
     seed_everything,
 )
-from m3eagle.training.progress import progress
 from m3eagle.training.tokenizer import load_tokens
 
 
@@ -191,14 +192,13 @@ def self_distill_pool(target: MiniMaxM3, tokens: np.ndarray, cfg: DraftTrainConf
                       out: Path) -> torch.Tensor:
     """[rows, prompt + gen] token rows: a seeded corpus window, then the target's greedy continuation.
     Cached in out/ so a resumed run reuses it."""
-    from m3eagle.training.evaluate import greedy_continue
-
     cache = out / "self_distill.npy"
     if cache.is_file():
         return torch.from_numpy(np.load(cache)).to(device)
     rows = []
     chunk = 1024
-    for i in progress(range(0, cfg.self_distill_rows, chunk), desc="train-draft: self-distill pool"):
+    for i in tqdm(range(0, cfg.self_distill_rows, chunk), desc="train-draft: self-distill pool", mininterval=2.0,
+                  dynamic_ncols=True):
         n = min(chunk, cfg.self_distill_rows - i)
         prompt = sample_batch(tokens, n, cfg.self_distill_prompt - 1, cfg.seed + 104729, i, device)
         rows.append(greedy_continue(target, prompt, cfg.self_distill_gen, device, cfg.amp).cpu())
@@ -269,7 +269,8 @@ def train_draft(data_dir: str | Path, target_dir: str | Path, out_dir: str | Pat
         state = RunState(len(probe_out), total, 0.0)
         print(f"train-draft: {total} steps")
     total = state.total_steps
-    bar = progress(total=total, initial=state.step, desc="train-draft", unit="step")
+    bar = tqdm(total=total, initial=state.step, desc="train-draft", unit="step", mininterval=2.0,
+               dynamic_ncols=True)
     for step in range(state.step, total):
         r = step_fn(step, total)
         bar.update(1)

@@ -37,8 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from m3eagle.training import arithmetic
-from m3eagle.training.common import autocast
+from m3eagle.training.common import autocast, greedy_continue
 from m3eagle.training.corpus import CorpusConfig, stdlib_dir, stdlib_files
+from m3eagle.training.draft import ttt_forward
 
 log = logging.getLogger("m3eagle")
 
@@ -190,20 +191,6 @@ class AcceptanceStats:
 
 
 @torch.no_grad()
-def greedy_continue(model, ids: torch.Tensor, n: int, device: torch.device, amp: str = "auto",
-                    ) -> torch.Tensor:
-    """Greedy continuation by recomputation (no cache): ids [B, P] -> [B, P + n]. The oracle the
-    engine-free acceptance estimate decodes with."""
-    x = ids.to(device)
-    for _ in range(n):
-        with autocast(device, amp):
-            hidden, _ = model.forward_seq(x)
-            nxt = model.compute_logits(hidden[:, -1]).argmax(-1, keepdim=True)
-        x = torch.cat([x, nxt], dim=1)
-    return x
-
-
-@torch.no_grad()
 def simulate_acceptance(target, head, prompts: list[list[int]], gen_tokens: int, ks: tuple[int, ...],
                         device: torch.device, amp: str = "auto", prompt_len: int = 128,
                         batch: int = 32) -> dict[str, Any]:
@@ -211,8 +198,6 @@ def simulate_acceptance(target, head, prompts: list[list[int]], gen_tokens: int,
     walk each sequence as the engine does (start after the prompt; a round accepting a drafts moves the
     chain a + 1 tokens). Prompts are left-truncated to prompt_len (shorter ones are dropped) so they
     batch without padding."""
-    from m3eagle.training.draft import ttt_forward
-
     rows = [p[-prompt_len:] for p in prompts if len(p) >= prompt_len]
     if not rows:
         raise ValueError(f"no prompt has >= prompt_len={prompt_len} tokens")
@@ -279,17 +264,17 @@ class _Progress:
 
 
 def _llm(model: Path, draft: Path | None, k: int, cfg: EvalConfig):
-    from m3eagle import LLM
+    from m3eagle.engine.runtime import Runtime
 
-    return LLM(model=str(model), draft=str(draft) if draft is not None and k > 0 else None,
+    return Runtime(model=str(model), draft=str(draft) if draft is not None and k > 0 else None,
                num_draft_tokens=k, device=cfg.device, dtype=cfg.dtype, max_model_len=cfg.max_model_len)
 
 
 def run_eval(model_dir: str | Path | None, draft_dir: str | Path | None, cfg: EvalConfig = EvalConfig(),
              ) -> dict[str, Any]:
     """Everything the README reports, as one dict (the CLI prints it as JSON)."""
-    from m3eagle import SamplingParams
-    from m3eagle.entrypoints.llm import default_model_paths
+    from m3eagle.loader.assets import default_model_paths
+    from m3eagle.sampling.params import SamplingParams
     from m3eagle.training.tokenizer import load_tokenizer
 
     if model_dir is None:

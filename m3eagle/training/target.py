@@ -35,11 +35,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from m3eagle.config import DENSE_MLP, FULL, MOE_MLP, SPARSE, M3Config
 from m3eagle.kernels.attention import reference
+from m3eagle.kernels.fused.reference import apply_rope, rope_cos_sin
 from m3eagle.loader.checkpoint import cast_model, save_target
-from m3eagle.models.layers import SparseMoE, apply_rope, rope_cos_sin
+from m3eagle.models.layers import SparseMoE
 from m3eagle.models.minimax_m3 import Attention, MiniMaxM3
 from m3eagle.training.common import (
     JsonlLog,
@@ -54,7 +56,6 @@ from m3eagle.training.common import (
     save_state,
     seed_everything,
 )
-from m3eagle.training.progress import progress
 from m3eagle.training.tokenizer import load_tokens, write_hf_tokenizer_config
 
 # ------------------------------------------------------------------------------------------------
@@ -335,7 +336,8 @@ def train_target(data_dir: str | Path, out_dir: str | Path, cfg: TargetTrainConf
         print(f"train-target: {state.total_steps} steps "
               f"({state.total_steps * tokens_per_step / 1e6:.0f}M tokens)")
     total = state.total_steps
-    bar = progress(total=total, initial=state.step, desc="train-target", unit="step")
+    bar = tqdm(total=total, initial=state.step, desc="train-target", unit="step", mininterval=2.0,
+               dynamic_ncols=True)
     t_log = time.perf_counter()
     tokens_since = 0
     for step in range(state.step, total):

@@ -20,9 +20,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from m3eagle.training.corpus import read_jsonl
-from m3eagle.training.progress import progress
 
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS]
@@ -86,7 +86,7 @@ def _documents(corpus_dir: Path, seed: int) -> list[str]:
 def _encode(tok, docs: list[str], desc: str) -> np.ndarray:
     eos = tok.token_to_id(EOS)
     parts: list[np.ndarray] = []
-    bar = progress(total=len(docs), desc=desc, unit="doc")
+    bar = tqdm(total=len(docs), desc=desc, unit="doc", mininterval=2.0, dynamic_ncols=True)
     for i in range(0, len(docs), 512):
         for enc in tok.encode_batch(docs[i:i + 512], add_special_tokens=False):
             parts.append(np.asarray(enc.ids + [eos], dtype=np.uint16))

@@ -493,7 +493,7 @@ class OpenAIServer:
 
 
 def _is_embedded(llm: LLM) -> bool:
-    from m3eagle.entrypoints.llm import ASSETS
+    from m3eagle.loader.assets import ASSETS
 
     return llm.model_path is not None and Path(llm.model_path).resolve() == (ASSETS / "target").resolve()
 

@@ -54,9 +54,8 @@ class AttnMetadata:
         """The overlap hook: re-derive positions and slots from corrected KV lengths.
 
         Idempotent: it depends only on `kv_lens`, never on the previous derived values."""
-        args = (kv_lens, self.q_lens, self.tok_row, self.tok_col, self.page_table, self.page_size)
-        # The engine's fused op when it has one (one kernel instead of ~10; equal, tests/test_fused_ops.py).
-        pos, slots = self.ops.fused.positions_slots(*args) if self.ops is not None else derive_positions_and_slots(*args)
+        pos, slots = derive_positions_and_slots(kv_lens, self.q_lens, self.tok_row, self.tok_col, self.page_table,
+                                                self.page_size)
         return replace(self, kv_lens=kv_lens, positions=pos, slot_mapping=slots)
 
 

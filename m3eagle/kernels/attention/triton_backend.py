@@ -56,7 +56,7 @@ class TritonBackend:
                  min_index_keys_per_split: int | None = None, max_index_splits: int = 512,
                  index_num_warps: int | None = None, index_keys_per_iter: int = 256,
                  index_merge_warps: int | None = None) -> None:
-        # None = the measured policy (benchmarks/decode_sweep.py on an H200, bench head shapes):
+        # None = the measured policy (a sweep of the decode kernels on an H200 at the bench geometries' head shapes):
         # decode / verify steps of <= 8 rows are latency-bound, one program walking a row's keys serially,
         # so they take 32-key tiles and splits of >= 64 keys (m3-mini b1, 137 keys: 9.6 -> 5.9 us; 4k keys:
         # 10.6 -> 9.1 us); wider steps keep 64-key tiles and 128-key splits. The indexer splits at two

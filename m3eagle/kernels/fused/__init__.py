@@ -1,2 +1,3 @@
-"""Fused elementwise ops (norms, RoPE, activations, router): plain PyTorch in `reference.py`, one Triton
-kernel per chain in `triton_fused.py`, picked per engine through `backend.create`."""
+"""Fused elementwise ops (norms, RoPE, activations, argmax) and the decode GEMV: plain PyTorch in `reference.py`,
+one Triton launch per chain in `norm.py`, `rope.py`, `activation.py`, `argmax.py` and `gemv.py`, behind the
+`FusedOps` interface (`backend.py`, `triton_backend.py`) that each engine picks through `registry.create`."""

@@ -1,8 +1,8 @@
-"""Fused elementwise ops behind one small interface, and a registry of lazy factories.
+"""Fused elementwise ops behind one small interface (`FusedOps`) and its plain PyTorch implementation.
 
 `reference` runs the plain PyTorch ops of `reference.py` -- the math the models are defined by, one
 kernel per torch op (a Gemma RMSNorm alone is ~8 launches). `triton` runs each chain as one Triton kernel
-(`triton_fused.py`); triton is imported only when that backend is built. The engine owns its object and
+(`triton_backend.py`); triton is imported only when that backend is built (`registry.py`). The engine owns its object and
 hands it to the models in `meta.ops.fused` (see m3eagle/kernels/ops.py), like the attention and MoE backends.
 
 Every method takes tensors and Python numbers only, syncs nothing with the host and keeps shapes fixed by
@@ -12,7 +12,7 @@ no autograd (training and `forward_seq` call `reference.py` directly).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -124,42 +124,6 @@ class FusedOps(Protocol):
         """route(router_logits(x, weight), bias, k): the whole router (a fast path may fuse the two)."""
         ...
 
-    def positions_slots(self, kv_lens: torch.Tensor, q_lens: torch.Tensor, tok_row: torch.Tensor,
-                        tok_col: torch.Tensor, page_table: torch.Tensor, page_size: int,
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """attention.metadata.derive_positions_and_slots: (positions [T], slot_mapping [T])."""
-        ...
-
-    def overlap_inputs(self, input_ids: torch.Tensor, meta: Any, row_slot: torch.Tensor, row_first: torch.Tensor,
-                       row_gather: torch.Tensor, row_num_drafts: torch.Tensor, row_correct: torch.Tensor,
-                       row_chained: torch.Tensor, slot_tokens: torch.Tensor, slot_num_new: torch.Tensor,
-                       slot_dev: torch.Tensor, slot_drafts: torch.Tensor, k: int) -> tuple[torch.Tensor, Any]:
-        """reference.overlap_ids_kv, then meta.with_lengths(kv_lens): (ids [T], the corrected metadata)."""
-        ...
-
-    def sample_positions(self, row_first: torch.Tensor, row_qlen: torch.Tensor, row_num_drafts: torch.Tensor,
-                         positions: torch.Tensor, ids: torch.Tensor, k: int,
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """reference.sample_positions: (sample_idx [B, K+1], positions [B, K+1], drafts_in [B, K])."""
-        ...
-
-    def commit_outputs(self, new_tokens: torch.Tensor, num_new: torch.Tensor, row_samples: torch.Tensor,
-                       row_slot: torch.Tensor, dump_slot: int, row_num_drafts: torch.Tensor,
-                       row_first: torch.Tensor, row_qlen: torch.Tensor, row_next_token: torch.Tensor,
-                       ids: torch.Tensor, positions: torch.Tensor, slot_tokens: torch.Tensor,
-                       slot_num_new: torch.Tensor, slot_dev: torch.Tensor, k: int, draft: bool,
-                       tok_row: torch.Tensor | None = None, chain: tuple | None = None,
-                       pages: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, ...]:
-        """reference.commit_outputs: (num_new, s, last_idx, shifted, at, at_slots); slot buffers (and with
-        `chain` the step's kv_len / chained input views) written in place. `tok_row` [T]: the step's (a fused
-        kernel needs it with `draft`)."""
-        ...
-
-    def greedy_accept(self, greedy_tok: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
-                      ) -> torch.Tensor:
-        """reference.greedy_accept: num_new [B] of an all-greedy verification."""
-        ...
-
     def argmax(self, x: torch.Tensor, offsets: torch.Tensor | None = None, out: torch.Tensor | None = None,
                scatter: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
         """reference.argmax: x [N, V] (any float dtype) -> [N] int64, the first maximum of each row (NaN
@@ -194,9 +158,7 @@ class ReferenceFused:
         return r if out is None else out.copy_(r)
 
     def rope_cos_sin(self, positions, rotary_dim, theta, dtype, scaling=None):
-        from m3eagle.models.layers import rope_cos_sin  # models.layers imports this package
-
-        return rope_cos_sin(positions, rotary_dim, theta, dtype, scaling)
+        return reference.rope_cos_sin(positions, rotary_dim, theta, dtype, scaling)
 
     def qk_norm_rope(self, x, w, eps, cos, sin):
         return reference.qk_norm_rope(x, w, eps, cos, sin)
@@ -253,50 +215,5 @@ class ReferenceFused:
     def route_tokens(self, x, weight, bias, k):
         return reference.route_tokens(x, weight, bias, k)
 
-    def positions_slots(self, kv_lens, q_lens, tok_row, tok_col, page_table, page_size):
-        from m3eagle.kernels.attention.metadata import derive_positions_and_slots  # attention imports this package
-
-        return derive_positions_and_slots(kv_lens, q_lens, tok_row, tok_col, page_table, page_size)
-
-    def overlap_inputs(self, input_ids, meta, row_slot, row_first, row_gather, row_num_drafts, row_correct,
-                       row_chained, slot_tokens, slot_num_new, slot_dev, slot_drafts, k):
-        ids, kv = reference.overlap_ids_kv(input_ids, meta.kv_lens, row_slot, row_first, row_gather,
-                                           row_num_drafts, row_correct, row_chained, slot_tokens, slot_num_new,
-                                           slot_dev, slot_drafts, k)
-        return ids, meta.with_lengths(kv)
-
-    def sample_positions(self, row_first, row_qlen, row_num_drafts, positions, ids, k):
-        return reference.sample_positions(row_first, row_qlen, row_num_drafts, positions, ids, k)
-
-    def commit_outputs(self, *args, tok_row=None, chain=None, pages=None):
-        return reference.commit_outputs(*args, chain=chain, pages=pages)
-
-    def greedy_accept(self, greedy_tok, drafts, num_drafts):
-        return reference.greedy_accept(greedy_tok, drafts, num_drafts)
-
     def argmax(self, x, offsets=None, out=None, scatter=None):
         return reference.argmax(x, offsets, out, scatter)
-
-
-def _triton() -> FusedOps:
-    from m3eagle.kernels.fused.triton_fused import TritonFused  # imports triton; only when asked for
-
-    return TritonFused()
-
-
-# Lazy factories: nothing here imports triton, and no module global remembers a choice.
-_FACTORIES: dict[str, Callable[[], FusedOps]] = {"reference": ReferenceFused, "triton": _triton}
-
-
-def register(name: str, factory: Callable[[], FusedOps]) -> None:
-    _FACTORIES[name] = factory
-
-
-def names() -> list[str]:
-    return sorted(_FACTORIES)
-
-
-def create(name: str) -> FusedOps:
-    if name not in _FACTORIES:
-        raise ValueError(f"fused_backend={name!r} is unknown; choose one of {names()} or 'auto'")
-    return _FACTORIES[name]()

@@ -57,15 +57,19 @@ CPU interpreter a bf16 tl.dot multiplies raw int16 bits, so the operands are upc
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
 from m3eagle.kernels import pdl
-from m3eagle.kernels.fused.triton_fused import argmax_outputs, rms_rstd, rms_scale, silu_mul_f32, swiglu_oai_f32
+from m3eagle.kernels.fused.activation import silu_mul_f32, swiglu_oai_f32
+from m3eagle.kernels.fused.argmax import argmax_outputs
+from m3eagle.kernels.fused.norm import rms_rstd, rms_scale
 from m3eagle.kernels.pdl import pdl_wait
 
 MAX_T = 32  # rows; past this a GEMM with weight-tile reuse (cuBLAS) is the right tool
@@ -170,7 +174,7 @@ def _store_row_key(ptr, row, vals, offs_n, T, N, stride, key_ptr, pid_n, BLOCK_T
 def _argmax_finish(key_ptr, off_ptr, am_ptr, sc_ptr, sc_rows_ptr, stride_am, stride_sc, col, T, n_prog,
                    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, HAS_OFF: tl.constexpr, SCATTER: tl.constexpr):
     """ARGMAX's last program: each row's best key over every program's tile -> the column (+ off[column]),
-    stored as `triton_fused.argmax` stores it (am[row * stride_am], and sc[rows[row], col] with SCATTER)."""
+    stored as `argmax.argmax` stores it (am[row * stride_am], and sc[rows[row], col] with SCATTER)."""
     offs_p = tl.arange(0, BLOCK_P)
     for t in tl.static_range(BLOCK_T):
         if t < T:
@@ -446,150 +450,31 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.device.type == "cuda" or _interpreting()
 
 
-# Tuned configs, (N, K, next_pow2(T)) -> GemvConfig, for 2-byte dtypes: `benchmarks/gemv.py --tune` prints
-# these lines for the shapes it swept (H200). A shape missing here takes the rules in `pick_config`.
-TUNED: dict[tuple[int, int, int], GemvConfig] = {
-    # m3-mini, H200, `benchmarks/gemv.py --tune --no-head --geometry m3-mini --t 1,2,4,8` (commit 9003f4c;
-    # docs/results/h200-2026-12-01/gemv/tune_mini.log): best config, its time, and the ratio to cuBLAS.
-    # 4.65 us, 1.27x cuBLAS, 1.04x pick_config
-    (2560, 2048, 1): GemvConfig(block_n=2, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 5.31 us, 1.19x cuBLAS, 1.19x pick_config
-    (2560, 2048, 2): GemvConfig(block_n=2, block_k=512, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 6.94 us, 0.90x cuBLAS, 1.25x pick_config
-    (2560, 2048, 4): GemvConfig(block_n=4, block_k=256, num_warps=4, num_stages=2, split_k=1, use_dot=False),
-    # 6.67 us, 0.94x cuBLAS, 1.19x pick_config
-    (2560, 2048, 8): GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=2, use_dot=True),
-    # 5.06 us, 1.30x cuBLAS, 1.13x pick_config
-    (2944, 2048, 1): GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 5.66 us, 1.13x cuBLAS, 1.16x pick_config
-    (2944, 2048, 2): GemvConfig(block_n=4, block_k=512, num_warps=8, num_stages=1, split_k=1, use_dot=False),
-    # 7.17 us, 0.90x cuBLAS, 1.37x pick_config
-    (2944, 2048, 4): GemvConfig(block_n=8, block_k=256, num_warps=4, num_stages=2, split_k=1, use_dot=False),
-    # 6.72 us, 0.96x cuBLAS, 1.28x pick_config
-    (2944, 2048, 8): GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=2, use_dot=True),
-    # 4.24 us, 1.44x cuBLAS, 1.01x pick_config
-    (2048, 2048, 1): GemvConfig(block_n=2, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 4.66 us, 1.33x cuBLAS, 1.23x pick_config
-    (2048, 2048, 2): GemvConfig(block_n=2, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 5.63 us, 1.08x cuBLAS, 1.32x pick_config
-    (2048, 2048, 4): GemvConfig(block_n=8, block_k=512, num_warps=8, num_stages=2, split_k=1, use_dot=False),
-    # 6.06 us, 1.01x cuBLAS, 1.15x pick_config
-    (2048, 2048, 8): GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=4, use_dot=True),
-    # 10.04 us, 1.05x cuBLAS, 1.13x pick_config
-    (8192, 2048, 1): GemvConfig(block_n=16, block_k=256, num_warps=8, num_stages=2, split_k=1, use_dot=False),
-    # 10.49 us, 1.01x cuBLAS, 1.25x pick_config
-    (8192, 2048, 2): GemvConfig(block_n=16, block_k=256, num_warps=8, num_stages=1, split_k=1, use_dot=False),
-    # 11.84 us, 0.90x cuBLAS, 1.68x pick_config
-    (8192, 2048, 4): GemvConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, split_k=2, use_dot=True),
-    # 11.60 us, 0.93x cuBLAS, 1.49x pick_config
-    (8192, 2048, 8): GemvConfig(block_n=128, block_k=128, num_warps=8, num_stages=4, split_k=1, use_dot=True),
-    # 6.48 us, 1.32x cuBLAS, 0.95x pick_config
-    (2048, 4096, 1): GemvConfig(block_n=2, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 6.81 us, 1.28x cuBLAS, 1.21x pick_config
-    (2048, 4096, 2): GemvConfig(block_n=2, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 8.19 us, 1.04x cuBLAS, 1.18x pick_config
-    (2048, 4096, 4): GemvConfig(block_n=4, block_k=512, num_warps=4, num_stages=2, split_k=1, use_dot=False),
-    # 7.99 us, 1.06x cuBLAS, 1.11x pick_config
-    (2048, 4096, 8): GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=4, use_dot=True),
-    # 3.21 us, 1.47x cuBLAS, 1.00x pick_config
-    (2048, 1024, 1): GemvConfig(block_n=2, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 3.51 us, 1.34x cuBLAS, 1.02x pick_config
-    (2048, 1024, 2): GemvConfig(block_n=4, block_k=512, num_warps=8, num_stages=2, split_k=1, use_dot=False),
-    # 4.20 us, 1.13x cuBLAS, 1.34x pick_config
-    (2048, 1024, 4): GemvConfig(block_n=4, block_k=512, num_warps=4, num_stages=2, split_k=1, use_dot=False),
-    # 4.55 us, 1.05x cuBLAS, 1.15x pick_config
-    (2048, 1024, 8): GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=1, use_dot=True),
-    # 31.33 us, 1.06x cuBLAS, 1.08x pick_config
-    (32000, 2048, 1): GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 32.08 us, 1.05x cuBLAS, 1.33x pick_config
-    (32000, 2048, 2): GemvConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, split_k=1, use_dot=True),
-    # 32.55 us, 1.05x cuBLAS, 1.31x pick_config
-    (32000, 2048, 4): GemvConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, split_k=1, use_dot=True),
-    # 32.58 us, 1.05x cuBLAS, 1.15x pick_config
-    (32000, 2048, 8): GemvConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, split_k=1, use_dot=True),
-    # m3-8b, H200, `benchmarks/gemv.py --tune --no-head --geometry m3-8b --t 1,2 --time-limit 100` (commit f08bb3a;
-    # docs/results/h200-2026-12-01/tune2/tune_8b_TUNED_lines.txt, copied from the call's output).
-    # 12.54 us, 1.03x cuBLAS, 1.24x pick_config
-    (5120, 4096, 1): GemvConfig(block_n=4, block_k=512, num_warps=4, num_stages=2, split_k=1, use_dot=False),
-    # 13.96 us, 0.95x cuBLAS, 1.10x pick_config
-    (5120, 4096, 2): GemvConfig(block_n=8, block_k=256, num_warps=8, num_stages=2, split_k=1, use_dot=False),
-    # 13.73 us, 1.13x cuBLAS, 1.23x pick_config
-    (5760, 4096, 1): GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 14.98 us, 1.04x cuBLAS, 1.09x pick_config
-    (5760, 4096, 2): GemvConfig(block_n=8, block_k=256, num_warps=8, num_stages=2, split_k=1, use_dot=False),
-    # 10.95 us, 1.17x cuBLAS, 1.14x pick_config
-    (4096, 4096, 1): GemvConfig(block_n=1, block_k=2048, num_warps=4, num_stages=2, split_k=1, use_dot=False),
-    # 11.57 us, 1.11x cuBLAS, 1.02x pick_config
-    (4096, 4096, 2): GemvConfig(block_n=4, block_k=512, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 48.43 us, 1.03x cuBLAS, 1.05x pick_config
-    (24576, 4096, 1): GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 50.33 us, 1.00x cuBLAS, 1.14x pick_config
-    (24576, 4096, 2): GemvConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, split_k=1, use_dot=True),
-    # 26.37 us, 1.10x cuBLAS, 1.19x pick_config
-    (4096, 12288, 1): GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 26.76 us, 1.09x cuBLAS, 1.03x pick_config
-    (4096, 12288, 2): GemvConfig(block_n=8, block_k=512, num_warps=8, num_stages=1, split_k=1, use_dot=False),
-    # 8.30 us, 1.32x cuBLAS, 1.01x pick_config
-    (3072, 4096, 1): GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 9.28 us, 1.17x cuBLAS, 1.07x pick_config
-    (3072, 4096, 2): GemvConfig(block_n=8, block_k=512, num_warps=8, num_stages=2, split_k=1, use_dot=False),
-    # 5.25 us, 1.16x cuBLAS, 1.44x pick_config
-    (4096, 1536, 1): GemvConfig(block_n=4, block_k=512, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 5.74 us, 1.06x cuBLAS, 1.40x pick_config
-    (4096, 1536, 2): GemvConfig(block_n=16, block_k=512, num_warps=8, num_stages=2, split_k=1, use_dot=False),
-    # 61.85 us, 1.06x cuBLAS, 1.05x pick_config
-    (32000, 4096, 1): GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 63.06 us, 1.03x cuBLAS, 1.14x pick_config
-    (32000, 4096, 2): GemvConfig(block_n=128, block_k=64, num_warps=8, num_stages=3, split_k=1, use_dot=True),
-    # embedded pair at T = 4 (a batch-1 K=3 verify), H200, `benchmarks/gemv.py --tune --geometry embedded --t 4
-    # --time-limit 60` (commit 8594a83; docs/results/h200-2026-12-01b/direct/gemv.log).
-    # 1.97 us, 1.36x cuBLAS, 1.14x pick_config
-    (512, 256, 4): GemvConfig(block_n=4, block_k=256, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 2.33 us, 1.30x cuBLAS, 1.12x pick_config
-    (608, 256, 4): GemvConfig(block_n=8, block_k=256, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 2.18 us, 1.35x cuBLAS, 1.14x pick_config
-    (256, 256, 4): GemvConfig(block_n=4, block_k=256, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 2.49 us, 1.24x cuBLAS, 1.13x pick_config
-    (1280, 256, 4): GemvConfig(block_n=4, block_k=256, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 2.95 us, 1.23x cuBLAS, 1.29x pick_config
-    (256, 640, 4): GemvConfig(block_n=2, block_k=1024, num_warps=8, num_stages=1, split_k=1, use_dot=False),
-    # 1.75 us, 1.34x cuBLAS, 1.13x pick_config
-    (256, 128, 4): GemvConfig(block_n=4, block_k=256, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 3.65 us, 1.04x cuBLAS, 1.75x pick_config
-    (8192, 256, 4): GemvConfig(block_n=128, block_k=64, num_warps=8, num_stages=4, split_k=1, use_dot=True),
-    # 2.94 us, 1.32x cuBLAS, 1.32x pick_config
-    (256, 768, 4): GemvConfig(block_n=1, block_k=1024, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 2.71 us, 1.27x cuBLAS, 1.37x pick_config
-    (512, 512, 4): GemvConfig(block_n=2, block_k=512, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 2.84 us, 1.14x cuBLAS, 1.19x pick_config
-    (2560, 256, 4): GemvConfig(block_n=8, block_k=256, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 3.03 us, 1.52x cuBLAS, 1.31x pick_config
-    (256, 1280, 4): GemvConfig(block_n=1, block_k=2048, num_warps=4, num_stages=1, split_k=1, use_dot=False),
-    # 3.45 us, 1.06x cuBLAS, 1.57x pick_config
-    (6144, 256, 4): GemvConfig(block_n=128, block_k=64, num_warps=4, num_stages=4, split_k=1, use_dot=True),
-}
+# Tuned configs, (N, K, next_pow2(T)) -> GemvConfig, for 2-byte dtypes, from `gemv_configs.json` (beside this
+# file): `benchmarks/gemv.py --tune` measures them on a GPU. A shape missing there takes the rules in `pick_config`.
+CONFIGS_PATH = Path(__file__).with_name("gemv_configs.json")
+
+
+def load_configs(path: Path = CONFIGS_PATH) -> tuple[dict[tuple[int, int, int], GemvConfig], dict[tuple[int, int], int]]:
+    """(tuned, preferred) from the JSON table: tuned (N, K, next_pow2(T)) -> GemvConfig and preferred (N, K) -> the
+    most rows for which the GEMV beat cuBLAS."""
+    raw = json.loads(path.read_text())
+    tuned = {(e["n"], e["k"], e["t"]): GemvConfig(**e["config"]) for e in raw["tuned"]}
+    preferred = {(e["n"], e["k"]): e["max_t"] for e in raw["preferred"]}
+    return tuned, preferred
+
+
+TUNED, PREFERRED = load_configs()
 
 GEMV_MAX_T = 2  # rows up to which the elementwise GEMV is picked; tl.dot above (see pick_config)
 
-# The engine's policy (fused.triton_fused.TritonFused.linear). Measured on the H200 against cuBLAS in one run
-# (`benchmarks/gemv.py`, docs/results/h200-2026-12-01/gemv/): every embedded-sized weight (<= 3 MB) ran
-# 1.2-1.8x faster here at T = 1 and 2; m3-mini's 8-17 MB projections 1.3-1.5x at T = 1 (tuned), fading to
-# ~1.0x by T = 4-8; m3-8b's 34-200 MB weights lost untuned (0.84-0.95x: cuBLAS's wide tiles already stream
-# at 3.2-4.2 TB/s there) and won 1.03-1.32x tuned (docs/results/h200-2026-12-01/tune2/). So: the measured
-# shapes by their table, others up to DEFAULT_MAX_T rows when the weight is at most SMALL_WEIGHT elements.
+# The engine's policy (triton_backend.TritonFused.linear), measured on an H200 against cuBLAS (`benchmarks/gemv.py`):
+# every embedded-sized weight (<= 3 MB) runs 1.2-1.8x faster here at T = 1 and 2; m3-mini's 8-17 MB projections
+# 1.3-1.5x at T = 1 (tuned), fading to ~1.0x by T = 4-8; m3-8b's 34-200 MB weights lose untuned (0.84-0.95x:
+# cuBLAS's wide tiles already stream at 3.2-4.2 TB/s there) and win 1.03-1.32x tuned. So: the measured shapes by
+# PREFERRED, others up to DEFAULT_MAX_T rows when the weight is at most SMALL_WEIGHT elements.
 DEFAULT_MAX_T = 2
 SMALL_WEIGHT = 8 * 2**20  # elements (16 MB of bf16)
-# (N, K) -> the most rows for which this kernel beat cuBLAS (0: never).
-PREFERRED: dict[tuple[int, int], int] = {
-    # m3-mini (tuned): packed qkv(+index), o_proj, dense gate_up / down, lm_head
-    (2560, 2048): 2, (2944, 2048): 2, (2048, 2048): 4, (8192, 2048): 1, (2048, 4096): 8, (32000, 2048): 8,
-    # m3-8b (tuned: 1.03-1.32x at T = 1; at T = 2 the 5120 x 4096 head-less qkv loses, 0.95x)
-    (5120, 4096): 1, (5760, 4096): 2, (4096, 4096): 2, (24576, 4096): 1, (4096, 12288): 2, (32000, 4096): 2,
-    (4096, 1536): 2, (3072, 4096): 2,
-    # the embedded pair (tuned at T = 4: 1.04-1.52x; T = 1-2 won untuned by the default rule's 1.2-1.8x)
-    (512, 256): 4, (608, 256): 4, (256, 256): 4, (1280, 256): 4, (256, 640): 4, (256, 128): 4, (8192, 256): 4,
-    (256, 768): 4, (512, 512): 4, (2560, 256): 4, (256, 1280): 4, (6144, 256): 4,
-}
 
 
 def prefers(t: int, n: int, k: int) -> bool:
@@ -779,7 +664,7 @@ def linear_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, config:
 def linear_argmax(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor, offsets: torch.Tensor | None = None,
                   out: torch.Tensor | None = None, scatter: tuple[torch.Tensor, torch.Tensor, int] | None = None,
                   config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, ids): y = x @ w^T [T, N] in x.dtype and ids = `triton_fused.argmax(y, offsets, out, scatter)`, in
+    """(y, ids): y = x @ w^T [T, N] in x.dtype and ids = `argmax.argmax(y, offsets, out, scatter)`, in
     one launch (ARGMAX: the last program to finish picks each row's column). counters: a `SplitCounters`
     buffer (its first counter is taken, and left zero). The caller checks `supports(x, w)` and that
     `act_config` is not None (the unsplit GEMV); bit-equal to `linear` + `argmax` under that config."""
@@ -802,7 +687,7 @@ def linear_act(x: torch.Tensor, w: torch.Tensor, act: str, alpha: float = 0.0, l
     """act(x @ w[:I]^T, x @ w[I:]^T) -> [T, I] in x.dtype for a packed gate / up weight w [2I, K]: an MLP's
     gate_up GEMV with its activation in the epilogue (one launch instead of two). act "silu": silu(gate) *
     up (the Llama MLP); "swiglu_oai": M3's clamped (up + 1) * gate * sigmoid(alpha * gate). Bit-equal to
-    `linear` followed by `triton_fused.silu_mul` / `swiglu_oai` (the same sums, rounded to x.dtype, then the
+    `linear` followed by `activation.silu_mul` / `swiglu_oai` (the same sums, rounded to x.dtype, then the
     same activation code). `norm` (nw, eps, gemma): x is normed in the prologue first (`norm_linear`). The
     caller checks `supports(x, w)` and that `act_config` is not None."""
     t, k = x.shape

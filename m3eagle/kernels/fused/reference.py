@@ -1,9 +1,10 @@
-"""The plain PyTorch elementwise ops of the models: RMSNorm, RoPE, SwiGLU-OAI, SiLU-mul and the router.
+"""The plain PyTorch elementwise ops of the models: RMSNorm, RoPE (tables and rotation), SwiGLU-OAI,
+SiLU-mul, the router and argmax.
 
 This is the math itself, not a copy of it: `models.layers` builds its modules from these functions
 (GemmaRMSNorm, LlamaRMSNorm, SwigluOaiMLP, SiluMLP, Router), so the training path, the `forward_seq`
 oracle, the reference fused backend and transformers' parity all run exactly this code. The Triton kernels
-in `triton_fused.py` are held to it (tests/test_fused_ops.py).
+(norm.py, rope.py, activation.py, argmax.py, moe/router.py) are held to it (tests/kernels/).
 
 Every op computes in the order the models always have and rounds where they round: an op on bf16
 tensors rounds its result to bf16 before the next op reads it. The kernels replay those roundings, which
@@ -13,6 +14,9 @@ Nothing here imports the models (models.layers imports this module).
 """
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +58,61 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor
 
 
 # ---- RoPE ---------------------------------------------------------------------------------------------
+
+
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any] | None = None,
+                  device: torch.device | str | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [rotary_dim/2] (fp32) and the cos/sin scale of one RoPE type, with
+    transformers' formulas (modeling_rope_utils) so logits match it. `scaling` is `M3Config.rope_scaling`:
+    None for plain RoPE, else rope_type linear / yarn / llama3 with every parameter resolved by the config."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
+    kind = scaling["rope_type"] if scaling else "default"
+    if kind == "default":
+        return inv_freq, 1.0
+    factor = scaling["factor"]
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    orig = scaling["original_max_position_embeddings"]
+    if kind == "llama3":
+        # wavelengths shorter than orig / high_freq_factor keep their frequency, longer than
+        # orig / low_freq_factor are divided by factor, and the band between is interpolated.
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > orig / low, inv_freq / factor, inv_freq)
+        smooth = (orig / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < orig / high) * ~(wavelen > orig / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        # Dimensions that rotate more than beta_fast times over the original context extrapolate (keep
+        # their frequency), fewer than beta_slow interpolate (divided by factor), a linear ramp between.
+        def correction_dim(rotations: float) -> float:
+            return rotary_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        lo, hi = correction_dim(scaling["beta_fast"]), correction_dim(scaling["beta_slow"])
+        if scaling["truncate"]:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, rotary_dim - 1)
+        if lo == hi:
+            hi += 0.001  # as transformers: avoid a zero-width ramp
+        ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32, device=device) - lo) / (hi - lo)).clamp(0, 1)
+        extrapolate = 1 - ramp
+        pos_freqs = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim)
+        inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+        return inv_freq, scaling["attention_factor"]
+    raise ValueError(f"rope_type={kind!r} is not implemented; choose default, linear, yarn or llama3")
+
+
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype,
+                 scaling: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX RoPE tables: positions [...] -> cos, sin [..., rotary_dim], computed in fp32 (and scaled by
+    yarn's attention factor, as transformers scales them)."""
+    inv_freq, mscale = rope_inv_freq(rotary_dim, theta, scaling, positions.device)
+    freqs = positions.float()[..., None] * inv_freq  # [..., rotary_dim/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    if mscale == 1.0:
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * mscale).to(dtype), (emb.sin() * mscale).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -146,107 +205,6 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: i
     return route(router_logits(x, weight), bias, k)
 
 
-# ---- step inputs (the engine's overlap correction) -----------------------------------------------------
-
-
-def overlap_ids_kv(input_ids: torch.Tensor, kv_lens: torch.Tensor, row_slot: torch.Tensor,
-                   row_first: torch.Tensor, row_gather: torch.Tensor, row_num_drafts: torch.Tensor,
-                   row_correct: torch.Tensor, row_chained: torch.Tensor, slot_tokens: torch.Tensor,
-                   slot_num_new: torch.Tensor, slot_dev: torch.Tensor, slot_drafts: torch.Tensor, k: int,
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A step's input ids and true KV lengths from what the previous steps left on the device.
-
-    input_ids [T] (host-packed; gathered positions hold placeholders), kv_lens [B] (host-optimistic, or
-    exact on a chained row), per row: row_slot, row_first (first flat token), row_gather / row_correct /
-    row_chained (bool), row_num_drafts; the slot buffers [S+1, K+1] tokens, [S+1] num_new / dev,
-    [S+1, max(K, 1)] drafts.
-    A gather row's first token is its slot's last emitted token and its next num_drafts tokens are the
-    slot's drafts. A correct row's kv_len moves by the slot's dev: the tokens the steps still in flight
-    when the host planned this one emitted minus what the host assumed (every draft accepted) -- one step
-    under overlap, the whole previous launch of a multi-step iteration. A chained row (a later sub-step of
-    a multi-step iteration: commit_outputs advanced its kv_len exactly) takes no correction.
-    -> (ids [T], kv_lens [B])."""
-    t = input_ids.shape[0]
-    ids = torch.cat([input_ids, input_ids.new_zeros(1)])  # [T+1], index T is a dump slot
-    last = slot_tokens[row_slot].gather(1, (slot_num_new[row_slot] - 1).clamp(min=0)[:, None])[:, 0]
-    dump = torch.full_like(row_first, t)
-    ids.index_put_((torch.where(row_gather, row_first, dump),), last)
-    for j in range(k):
-        ok = row_gather & (j < row_num_drafts)
-        ids.index_put_((torch.where(ok, row_first + 1 + j, dump),), slot_drafts[row_slot, j])
-    corr = torch.where(row_correct & ~row_chained, slot_dev[row_slot], 0)
-    return ids[:t], kv_lens + corr
-
-
-def sample_positions(row_first: torch.Tensor, row_qlen: torch.Tensor, row_num_drafts: torch.Tensor,
-                     positions: torch.Tensor, ids: torch.Tensor, k: int,
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where a step samples: each row's last num_drafts + 1 tokens (padded to K + 1 by repeating its last).
-
-    Per row: row_first, row_qlen, row_num_drafts [B]; positions, ids [T]. -> (sample_idx [B, K+1] flat
-    token indices, their positions [B, K+1], the row's drafts as input ids [B, K], 0 past num_drafts)."""
-    j = torch.arange(k + 1, device=ids.device)
-    row_last = row_first + row_qlen - 1
-    sample_idx = torch.minimum((row_last - row_num_drafts)[:, None] + j, row_last[:, None])
-    d_idx = torch.minimum(row_first[:, None] + j[1:], row_last[:, None])
-    drafts_in = torch.where(j[:k] < row_num_drafts[:, None], ids[d_idx], 0)
-    return sample_idx, positions[sample_idx], drafts_in
-
-
-def commit_outputs(new_tokens: torch.Tensor, num_new: torch.Tensor, row_samples: torch.Tensor,
-                   row_slot: torch.Tensor, dump_slot: int, row_num_drafts: torch.Tensor, row_first: torch.Tensor,
-                   row_qlen: torch.Tensor, row_next_token: torch.Tensor, ids: torch.Tensor,
-                   positions: torch.Tensor, slot_tokens: torch.Tensor, slot_num_new: torch.Tensor,
-                   slot_dev: torch.Tensor, k: int, draft: bool, chain: tuple | None = None,
-                   pages: tuple[torch.Tensor, int] | None = None,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None,
-                              torch.Tensor | None, torch.Tensor | None]:
-    """After verification: what the next step and the drafter read.
-
-    new_tokens [B, K+1], num_new [B] (verify's); per row row_samples (bool), row_slot, row_num_drafts,
-    row_first, row_qlen, row_next_token; ids, positions [T]; the slot buffers, written in place: a sampling
-    row's slot gets its tokens, its count and its deviation from the host's assumption (num_new -
-    (num_drafts + 1)), added to the slot's running deviation on a chained row, replacing it otherwise (the
-    host planned this row knowing everything before the steps in flight); other rows write the dump slot.
-    `chain` = (row_chained [B] bool, kv_lens [B] the step's corrected lengths, kv_out [B], chained_out [B]):
-    the step's own input buffer views, advanced in place for a replay of the same inputs (a multi-step
-    iteration's next sub-step): a sampling row's kv_len moves to exactly kv_len + num_new (its next row
-    starts at its last emitted token) and it is marked chained. Without `chain` no row counts as chained.
-    With `draft`, also the drafter's inputs: each row's last accepted token (last_idx [B]), the input ids
-    shifted by one with the bonus token (or the row's next known token) after it (shifted [T]), and at
-    [K+1, B] = position of the last accepted token + j; with `pages` = (page_table [B, W], page_size) also
-    the cache slots of those positions (at_slots [K+1, B], attention.metadata.slots_for_positions: what the
-    draft steps' metadata would derive from their lengths).
-    -> (num_new [B], 0 for rows that do not sample; s [B] the slots written; last_idx; shifted; at; at_slots)."""
-    num_new = torch.where(row_samples, num_new, 0)
-    s = torch.where(row_samples, row_slot, dump_slot)
-    dev = num_new - (row_num_drafts + 1)
-    if chain is not None:
-        row_chained, kv_lens, kv_out, chained_out = chain
-        dev = dev + torch.where(row_chained, slot_dev[row_slot], 0)
-    slot_tokens.index_copy_(0, s, new_tokens)
-    slot_num_new.index_copy_(0, s, num_new)
-    slot_dev.index_copy_(0, s, dev)
-    if chain is not None:
-        kv_out.copy_(torch.where(row_samples, kv_lens + num_new, kv_out))
-        chained_out.copy_(chained_out | row_samples)
-    if not draft:
-        return num_new, s, None, None, None, None
-    accepted = (num_new - 1).clamp(min=0)  # [B] index of the last emitted token in new_tokens
-    last_idx = row_first + row_qlen - 1 - row_num_drafts + accepted
-    bonus = new_tokens.gather(1, accepted[:, None])[:, 0]
-    shifted = torch.cat([ids[1:], ids.new_zeros(1)])
-    shifted.index_put_((last_idx,), torch.where(row_samples, bonus, row_next_token))
-    at = positions[last_idx][None, :] + torch.arange(k + 1, device=ids.device)[:, None]  # [K+1, B]
-    at_slots = None
-    if pages is not None:
-        from m3eagle.kernels.attention.metadata import slots_for_positions  # attention imports this package
-
-        rows = torch.arange(at.shape[1], device=at.device).expand_as(at)
-        at_slots = slots_for_positions(pages[0], rows, at, pages[1])
-    return num_new, s, last_idx, shifted, at, at_slots
-
-
 def argmax(x: torch.Tensor, offsets: torch.Tensor | None = None, out: torch.Tensor | None = None,
            scatter: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """x [N, V] -> [N] int64: torch.argmax of each row (the first maximum; NaN counts as the largest), plus
@@ -261,13 +219,3 @@ def argmax(x: torch.Tensor, offsets: torch.Tensor | None = None, out: torch.Tens
         buf, rows, col = scatter
         buf[rows, col] = i
     return i
-
-
-def greedy_accept(greedy_tok: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
-    """Greedy verification after the argmax: greedy_tok [B, K+1] (argmax of each scored position), drafts
-    [B, K], num_drafts [B] -> num_new [B] = 1 + the number of leading drafts equal to the argmax before
-    them (sampling/verify.py's greedy path)."""
-    k = drafts.shape[1]
-    in_row = torch.arange(k, device=drafts.device)[None, :] < num_drafts[:, None]  # [B, K]
-    match = (drafts == greedy_tok[:, :k]) & in_row
-    return match.long().cumprod(-1).sum(-1) + 1

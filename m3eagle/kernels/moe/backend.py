@@ -97,7 +97,7 @@ class TritonMoE:
         experts_and_shared)."""
         t = x.shape[0]
         direct = self._mod.direct
-        if t > direct.triton_fused.ROUTER_GEMV_MAX_T:  # past the decode router: no table lookup per layer
+        if t > direct.router.ROUTER_GEMV_MAX_T:  # past the decode router: no table lookup per layer
             return None
         cfg = self.config or self._mod.tuning.get_config(t, gate_up_proj.shape[0], x.shape[1], down_proj.shape[2],
                                                         top_k, x.dtype, x.device)

@@ -53,10 +53,11 @@ import triton
 import triton.language as tl
 
 from m3eagle.kernels import pdl
-from m3eagle.kernels.fused import triton_fused
-from m3eagle.kernels.fused.triton_fused import _router_topk_program
+from m3eagle.kernels.moe import router
+from m3eagle.kernels.moe.router import router_topk_program
 from m3eagle.kernels.moe.tuning import MoEConfig
 from m3eagle.kernels.pdl import pdl_wait
+from m3eagle.kernels.triton_utils import launch_opts, precise
 
 
 @triton.jit
@@ -282,7 +283,7 @@ def _route_shared_kernel(x_ptr, rw_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                          PRELOAD: tl.constexpr, PDL: tl.constexpr):
     """The router and the shared expert's gate_up in one launch: programs [0, T * n_prog) are the fused
-    router's (`_router_topk_program`, bit-equal to its own launch), the rest the shared expert's gate_up
+    router's (`router_topk_program`, bit-equal to its own launch), the rest the shared expert's gate_up
     tiles (`_gate_up_rows`: token q // n_tiles, column tile q % n_tiles of its s_inter columns, act row
     T*TOP_K + token). The shared expert needs no routing, so its weight stream overlaps the router's
     latency. PRELOAD: the router programs read their expert rows, the shared programs their first K step's
@@ -292,7 +293,7 @@ def _route_shared_kernel(x_ptr, rw_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx
     pid = tl.program_id(0)
     n_router = T * n_prog
     if pid < n_router:
-        _router_topk_program(x_ptr, rw_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_ptr, (pid // n_prog).to(tl.int64),
+        router_topk_program(x_ptr, rw_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_ptr, (pid // n_prog).to(tl.int64),
                              pid % n_prog, hidden, n_exp, stride_xt, stride_rw, n_prog, TOP_K, PRECISE, BLOCK_E,
                              BLOCK_H, BLOCK_ALL, BLOCK_KK, PRELOAD, PDL)
     else:
@@ -580,16 +581,16 @@ def can_route(x: torch.Tensor, router_w: torch.Tensor, k: int, cfg: MoEConfig) -
     follows the warps, and one launch has one count)."""
     t, hidden = x.shape
     n_exp = router_w.shape[0]
-    return (triton_fused._gemv_ok(x, router_w) and 1 <= k <= min(n_exp, triton_fused.MAX_TOP_K)
-            and n_exp <= triton_fused.MAX_EXPERTS and t >= 1
-            and triton_fused._gemv_blocks(t, n_exp, hidden)[2] == cfg.num_warps)
+    return (router.router_gemv_ok(x, router_w) and 1 <= k <= min(n_exp, router.MAX_TOP_K)
+            and n_exp <= router.MAX_EXPERTS and t >= 1
+            and router.router_gemv_blocks(t, n_exp, hidden)[2] == cfg.num_warps)
 
 
 def route_direct_experts(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, k: int, counters: torch.Tensor,
                          w13: torch.Tensor, w2: torch.Tensor, alpha: float, limit: float, cfg: MoEConfig,
                          shared: tuple[torch.Tensor, torch.Tensor], routed_scale: float) -> torch.Tensor:
     """SparseMoE's whole output for a decode-sized step in three launches, routing included: (1) the router
-    (`triton_fused.route_tokens`' decode programs, bit-equal) *and* the shared expert's gate_up, which needs
+    (`router.route_tokens`' decode programs, bit-equal) *and* the shared expert's gate_up, which needs
     no routing, in one launch; (2) the routed pairs' gate_up; (3) down + the weighted sum. Equal, bit for
     bit, to `route_tokens` then `direct_experts` (the same programs, in other launches). x [T, H] (T <=
     ROUTER_GEMV_MAX_T), router_w [E, H] fp32, bias [E] fp32, counters [>= T] int32 zero between launches
@@ -603,7 +604,7 @@ def route_direct_experts(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Te
     weights = torch.empty(t, k, dtype=torch.float32, device=x.device)
     idx = torch.empty(t, k, dtype=torch.int64, device=x.device)
     act = torch.empty(t * k + t, max(inter, s_inter), dtype=x.dtype, device=x.device)  # the shared rows last
-    block_e, block_h, _ = triton_fused._gemv_blocks(t, n_exp, hidden)
+    block_e, block_h, _ = router.router_gemv_blocks(t, n_exp, hidden)
     n_prog = triton.cdiv(n_exp, block_e)
     bn, bk = cfg.block_n, cfg.block_k
     n_tiles = triton.cdiv(s_inter, bn)
@@ -611,8 +612,8 @@ def route_direct_experts(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Te
     _route_shared_kernel[(t * n_prog + t * n_tiles,)](
         x, router_w, logits, counters, bias, weights, idx, s13, act, t, hidden, n_exp, s_inter, x.stride(0),
         router_w.stride(0), s13.stride(0), act.stride(0), n_prog, n_tiles, float(alpha), float(limit),
-        TOP_K=k, PRECISE=triton_fused._precise(), BLOCK_E=block_e, BLOCK_H=block_h,
+        TOP_K=k, PRECISE=precise(), BLOCK_E=block_e, BLOCK_H=block_h,
         BLOCK_ALL=triton.next_power_of_2(n_exp), BLOCK_KK=triton.next_power_of_2(k), BLOCK_N=bn, BLOCK_K=bk,
-        EVEN_K=hidden % bk == 0, PRELOAD=triton_fused.router_preload(launch, block_h, hidden),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **triton_fused._opts(), **launch)
+        EVEN_K=hidden % bk == 0, PRELOAD=router.router_preload(launch, block_h, hidden),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(), **launch)
     return direct_experts(x, weights, idx, w13, w2, 0, alpha, limit, cfg, (s13, s2), routed_scale, act=act)

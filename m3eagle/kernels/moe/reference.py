@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from m3eagle.models.layers import swiglu_oai
+from m3eagle.kernels.fused.reference import swiglu_oai
 
 
 def local_experts(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, expert_range: tuple[int, int] | None,
