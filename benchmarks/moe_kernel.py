@@ -464,15 +464,15 @@ def candidates(bucket: int, dev: torch.device):
                  route_shared=1, down_rows=dr, gate_rows=gr)
                for bn, bk in ((1, 1024), (2, 1024), (4, 1024), (2, 512)) for gr in (2, 4, 8)
                for dbn, dr in ((2, 2), (1, 4))]
-    # (gate_up over all of H in one 2048-wide K tile lost to these: 25.1 vs 23.5 us, design note 45)
-    # the shared expert's down in the gate_up launch (shared_down tiles a program, design note 46), on the rows
+    # (gate_up over all of H in one 2048-wide K tile lost to these: 25.1 vs 23.5 us)
+    # the shared expert's down in the gate_up launch (shared_down tiles a program), on the rows
     # configs that won; 8 warps for m3-8b's router (H 4096), so that its router shares a launch at all
     direct += [C(16, bn, bk, num_stages=1, direct=1, down_block_n=dbn, down_block_k=dbk, down_preload=1,
                  route_shared=1, down_rows=dr, gate_rows=gr, shared_down=sd, num_warps=w)
                for bn, bk, gr, dbn, dbk, dr, w in ((2, 512, 2, 2, 1024, 2, 4), (2, 1024, 2, 2, 1024, 2, 4),
                                                    (2, 1024, 1, 1, 2048, 2, 8), (2, 512, 2, 1, 2048, 4, 8))
                for sd in (0, 1, 2, 4)]
-    # (the routed gate_up starting on per-token routing flags instead of its PDL wait lost: note 46)
+    # (the routed gate_up starting on per-token routing flags instead of its PDL wait lost)
     if dev.type != "cuda":  # interpreter smoke test: cheap configs
         return [C(16, 32, 32, 1, 4, 3), C(32, 16, 64, 4, 4, 3)] + (
             [C(16, 16, 32, num_stages=1, direct=1, down_block_n=8, down_block_k=32)] if bucket <= 4 else [])
@@ -556,7 +556,7 @@ def tune_shape(shape: Shape, layers: list, dev: torch.device, dtype: torch.dtype
                             layer.forward_parts(x, ops)
 
                     # buckets of up to pdl.AUTO_MAX_BUCKET tokens run in the engine's PDL graphs (M3EAGLE_PDL
-                    # auto): time their candidates that way too (a layout can win or lose by it, note 39)
+                    # auto): time their candidates that way too (a layout can win or lose by it)
                     with pdl.scope(b <= pdl.AUTO_MAX_BUCKET):
                         us = timer(run, len(layers)) * 1e6
             except Exception as exc:  # a config past the GPU's shared memory or registers: skip it

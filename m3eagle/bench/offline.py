@@ -642,13 +642,13 @@ def format_table(doc: dict[str, Any]) -> str:
 
 
 def _env(llm, dev: torch.device) -> dict[str, Any]:
-    from importlib.metadata import version
+    from m3eagle.version import __version__
 
     env: dict[str, Any] = {
         "device": str(dev), "dtype": str(llm.dtype).replace("torch.", ""),
         "device_name": (torch.cuda.get_device_name(dev) if dev.type == "cuda"
                         else f"cpu ({platform.processor() or platform.machine()})"),
-        "m3eagle": version("m3eagle"), "torch": torch.__version__, "python": platform.python_version(),
+        "m3eagle": __version__, "torch": torch.__version__, "python": platform.python_version(),
         "attention_backend": llm.engine.ops.attention.name, "moe_backend": llm.engine.ops.moe.name,
         "cuda_graphs": llm.engine.graphs.use_graphs, "overlap": llm.config.overlap,
         "tensor_parallel_size": llm.tp.size,

@@ -27,7 +27,7 @@ R' - R padding rows on the trash page (one token each, the last one takes the re
 T, so its launch shape is (R' rows, T tokens); it is captured on first use under the key
 (("prefill", R', T), mode). Prompt steps then replay instead of launching eagerly (on the H200 an eager
 prompt step of the embedded model costs milliseconds of host time; the one-row case took batch-1 plain
-from 2,949 to 3,837 tok/s: docs/results/h200-2026-11-30g/). The real rows compute what they compute
+from 2,949 to 3,837 tok/s). The real rows compute what they compute
 unpadded (tokens of another row never reach them); padding rows sample and verify nothing. Like
 decode buckets, a padded step may round differently from the unpadded one in bf16 (GEMMs of another
 width), so greedy tokens can differ from an engine without prefill graphs, never between replay and eager.

@@ -33,7 +33,7 @@ def _cache_slot(pt_ptr, row, pos, stride_pt, table_w, page_size, m):
     return page * page_size + (pos - pc * page_size)
 
 
-@triton.jit(do_not_specialize=["n_tok", "n_rows"])  # per-step counts: one compiled variant (design note 17)
+@triton.jit(do_not_specialize=["n_tok", "n_rows"])  # per-step counts: one compiled variant
 def _step_inputs_kernel(ids_ptr, kv_ptr, q_ptr, tok_row_ptr, tok_col_ptr, pt_ptr, stride_pt, table_w, page_size,
                         slot_ptr, gather_ptr, nd_ptr, correct_ptr, chained_ptr, st_ptr, stride_st, nn_ptr, dev_ptr,
                         sd_ptr, stride_sd, ids_out, kv_out, pos_out, slots_out, n_tok, n_rows,

@@ -135,7 +135,7 @@ def _device_args(p: argparse.ArgumentParser) -> None:
 
 
 def _make_llm(a: argparse.Namespace):
-    from m3eagle import LLM
+    from m3eagle.entrypoints.llm import LLM
 
     overlap = None if a.overlap == "auto" else a.overlap == "on"
     extra = {k: getattr(a, k) for k in ("max_num_seqs", "num_pages", "gpu_memory_utilization")
@@ -161,7 +161,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def cmd_generate(a: argparse.Namespace) -> int:
     import logging
 
-    from m3eagle import SamplingParams
+    from m3eagle.sampling.params import SamplingParams
 
     llm = _make_llm(a)
     if a.max_tokens > llm.config.max_model_len:
@@ -386,7 +386,7 @@ def _add_bench_serve(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from m3eagle import __version__
+    from m3eagle.version import __version__
     from m3eagle.entrypoints.logging_setup import ENV_LEVEL, LEVELS
 
     p = argparse.ArgumentParser(prog="m3eagle", description=__doc__, formatter_class=_Formatter)

@@ -75,7 +75,7 @@ class FusedOps(Protocol):
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """F.linear(x, w) without bias: x [T, K], w [N, K] -> [T, N] (a fast path may sum in another order).
-        w is a weight: no kernel writes it (the GEMV may read it before its predecessor ends, design note 48)."""
+        w is a weight: no kernel writes it (the GEMV may read it before its predecessor ends: pdl.preload_weights)."""
         ...
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...

@@ -100,7 +100,7 @@ class TritonFused(ReferenceFused):
         return self.add_residual(self.linear(x, w), residual)
 
     def linear_argmax(self, x, w, offsets=None, out=None, scatter=None):
-        # Unlike the norm / residual folds (note 51), this one adds no work to every program: only the last
+        # Unlike the norm / residual folds, this one adds no work to every program: only the last
         # program's reduction of one key per tile, in place of the argmax launch's whole walk.
         cfg = self._act_config(x, w)  # None past T = 4 or where the pick is tl.dot
         cnt = self._gemv_counters.get(x.device) if cfg is not None else None

@@ -24,7 +24,7 @@ outputs run to run. The order of the K sums differs from the tl.dot path, so the
 rounding, not bit for bit: a step size uses one path or the other by its tuning-table entry
 (`MoEConfig.direct`), never both.
 
-Two variants from the tuning table (design note 43), both bit-equal to the above:
+Two variants from the tuning table, both bit-equal to the above:
 - `down_preload`: when one down tile spans all of I, down loads idx and its weight tiles *before* its PDL
   wait, so under programmatic dependent launch its 4-5 weight rows per program stream during gate_up's
   last wave (the one exception to pdl.py's wait-first rule; tests/test_pdl.py checks it loads nothing else).
@@ -32,13 +32,13 @@ Two variants from the tuning table (design note 43), both bit-equal to the above
   one launch (the shared expert needs no routing, so its stream overlaps the router's latency), then
   gate_up over the routed pairs and down as above: three launches for the whole layer, routing included.
 
-And two more (design note 45), bit-equal too: `down_rows` / `gate_rows` > 1 give each program that many
+And two more, bit-equal too: `down_rows` / `gate_rows` > 1 give each program that many
 consecutive column tiles, the next tile's (or K step's) weights loaded before this one's math runs (a
 register double buffer: Triton's pipeliner stages only loads that feed a tl.dot), so a program's slot moves
 more bytes per load latency; down also reads act and the routing once per program
 (`_direct_down_rows_kernel`, `_direct_gate_up_rows_kernel`).
 
-And `shared_down` (design note 46), bit-equal too: after the route + shared launch, the shared expert's down
+And `shared_down`, bit-equal too: after the route + shared launch, the shared expert's down
 runs as extra programs of the routed gate_up launch, its weights loaded before the PDL wait (they stream during
 the router's latency), its rounded output rows added by down (`shared_down_tiles`).
 
@@ -78,7 +78,7 @@ def _gate_up_rows(x_ptr, base, act_ptr, token, p, pid_n, hidden, inter, stride_x
 
     PRELOAD (the shared expert's tiles in the route launch; the kernel has not waited): the first K step's
     gate and up tiles -- a weight, which no kernel writes -- are loaded before the PDL wait, x after it
-    (pdl.py's exception, design note 48); that step is peeled off the loop, with the same FMAs."""
+    (pdl.py's exception); that step is peeled off the loop, with the same FMAs."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     rows = tl.minimum(offs_n, inter - 1)  # clamped, not masked: the weight stream carries no row predicate
     offs_k = tl.arange(0, BLOCK_K)  # [BK]
@@ -287,7 +287,7 @@ def _route_shared_kernel(x_ptr, rw_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx
     tiles (`_gate_up_rows`: token q // n_tiles, column tile q % n_tiles of its s_inter columns, act row
     T*TOP_K + token). The shared expert needs no routing, so its weight stream overlaps the router's
     latency. PRELOAD: the router programs read their expert rows, the shared programs their first K step's
-    weight tiles, before the PDL wait (design note 48)."""
+    weight tiles, before the PDL wait (pdl.py's exception)."""
     if not PRELOAD:
         pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     pid = tl.program_id(0)
@@ -413,7 +413,7 @@ def _direct_down_rows_kernel(act_ptr, idx_ptr, wts_ptr, w_ptr, ws_ptr, out_ptr, 
     register double buffer; Triton's pipeliner stages only loads that feed a tl.dot), and the routing, act
     and the routing weights are read once per program instead of once per tile. Why: a one-tile program
     holds its slot for a load's latency plus a cross-warp reduction while moving ~10 KB (m3-mini), so the
-    down launch streamed at ~55% of copy bandwidth where gate_up reached 65-78% (design notes 36, 43).
+    down launch streamed at ~55% of copy bandwidth where gate_up reached 65-78%.
     PRELOAD: the routing and the first tile's weights are loaded before the PDL wait, as in
     `_direct_down_kernel` (the same exception, the same argument). Per tile the same products and sums:
     bit-equal to `_direct_down_kernel`. SD_DONE (with HAS_SHARED): the shared expert's

@@ -129,7 +129,7 @@ def router_topk_program(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_p
 
     PRELOAD (one H tile: BLOCK_H >= hidden; the kernel has not waited): the expert rows -- a weight, which
     no kernel writes -- are loaded before the programmatic-dependent-launch wait, x after it (pdl.py's
-    exception, design note 48). The same one step of `_router_gemv_rows`: the bits do not change."""
+    exception). The same one step of `_router_gemv_rows`: the bits do not change."""
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     em = offs_e < n_exp
     if PRELOAD:

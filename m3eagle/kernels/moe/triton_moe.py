@@ -90,7 +90,7 @@ def _gate_up_tile(x_ptr, w_base, act_ptr, sorted_ptr, row0, pid_n, num_pairs, ro
 
     The K loop stays masked even where the shapes divide into whole tiles: unmasked loads (padding rows
     reading token 0) made this GEMM slower on the H200 (m3-mini T = 2048: 165 -> 191 us, T = 256: 76 ->
-    115 us; docs/results/h200-2026-12-02/call3), unlike down's (design note 49)."""
+    115 us), unlike down's, whose unmasked loads pay."""
     rows = row0 + tl.arange(0, BM)
     pair = tl.load(sorted_ptr + rows)
     valid = pair < num_pairs  # padding rows load zeros and are not stored
