@@ -1,5 +1,5 @@
-"""Fused elementwise ops (m3eagle/kernels/fused/ and m3eagle/kernels/moe/router.py) on a CUDA GPU in bf16: exactness against the
-PyTorch reference, time per op, and kernel launches per decode step.
+"""Fused elementwise ops (m3eagle/kernels/fused/, m3eagle/kernels/moe/router.py) on a CUDA GPU in bf16:
+exactness against the PyTorch reference, time per op, and kernel launches per decode step.
 
     python benchmarks/fused_ops.py                       # H200: < 2 minutes
     python benchmarks/fused_ops.py --json fused.json     # also write the JSON document to a file

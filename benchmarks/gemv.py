@@ -321,14 +321,24 @@ def summarise_tune(tuned: list[dict[str, Any]]) -> None:
         print(f"  T={t:<3d} " + "   ".join(f"{s} x{v:.3f}" for s, v in top))
 
 
-def emit_table(tuned: list[dict[str, Any]]) -> None:
-    """The best config per (N, K, T) as lines for m3eagle/kernels/fused/gemv.py's TUNED (keyed by next_pow2(T))."""
-    print("\n# paste into m3eagle/kernels/fused/gemv.py TUNED (best of the sweep; us, x vs cuBLAS, x vs pick_config's):")
+def emit_table(tuned: list[dict[str, Any]], write: bool = False) -> None:
+    """The best config per (N, K, T) as entries of m3eagle/kernels/fused/gemv_configs.json (keyed by next_pow2(T)):
+    printed, and with `write` merged into the table the engine loads."""
+    entries = []
     for r in tuned:
         c = r["configs"][0]
-        args = ", ".join(f"{f}={c[f]}" for f in GEMV_FIELDS)
-        print(f"    ({r['n']}, {r['k']}, {triton_next_pow2(r['t'])}): GemvConfig({args}),  # {c['us']:.2f} us, "
-              f"{r['cublas_us'] / c['us']:.2f}x cuBLAS, {r['default_us'] / c['us']:.2f}x pick_config")
+        entries.append({"n": r["n"], "k": r["k"], "t": triton_next_pow2(r["t"]), "model": r.get("geometry"),
+                        "config": {f: c[f] for f in GEMV_FIELDS}, "us": round(c["us"], 2),
+                        "vs_cublas": round(r["cublas_us"] / c["us"], 2),
+                        "vs_pick_config": round(r["default_us"] / c["us"], 2)})
+    print("\n# best of the sweep, as gemv_configs.json entries (us; x vs cuBLAS; x vs pick_config's rules):")
+    for e in entries:
+        print(f"  {json.dumps(e)}")
+    if write:
+        from m3eagle.kernels.fused import gemv
+
+        gemv.write_configs(entries)
+        print(f"wrote {len(entries)} entries into {gemv.CONFIGS_PATH}")
 
 
 # ---- main ---------------------------------------------------------------------------------------------
@@ -350,6 +360,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replays", type=int, default=20, help="timed graph replays (median)")
     p.add_argument("--tune", action="store_true", help="sweep the kernel's configs per shape and T")
     p.add_argument("--tune-replays", type=int, default=7)
+    p.add_argument("--write", action="store_true", help="with --tune: merge the winners into gemv_configs.json")
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
                    help="processes compiling the sweep's kernels up front (1: compile while timing)")
     p.add_argument("--time-limit", type=float, default=0.0,
@@ -365,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         args.rotate_mb, args.jobs = 0.0, 1
     elif not torch.cuda.is_available():
         print("benchmarks/gemv.py times CUDA kernels and needs a CUDA GPU; none is visible (the CPU tests are "
-              "tests/test_gemv.py)", file=sys.stderr)
+              "tests/kernels/test_gemv.py)", file=sys.stderr)
         return 2
     from m3eagle.kernels.fused import gemv
 
@@ -454,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{worst:.1e}; HBM copy {copy_gbps:.0f} GB/s")
     if args.tune and doc["tune"]:
         summarise_tune(doc["tune"])
-        emit_table(doc["tune"])
+        emit_table(doc["tune"], args.write)
     if args.json is not None:
         args.json.write_text(json.dumps(doc, indent=1))
         print(f"wrote {args.json}")

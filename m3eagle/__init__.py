@@ -10,4 +10,4 @@ from m3eagle.entrypoints.llm import LLM  # noqa: E402
 from m3eagle.sampling.params import SamplingParams  # noqa: E402
 from m3eagle.version import __version__  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob", "__version__"]

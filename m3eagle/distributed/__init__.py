@@ -4,7 +4,7 @@
 - `layers.py`: sharded linear and embedding layers, and the `Shard` that says which slice a rank holds;
 - `launch.py`: starting the ranks (spawned workers, or torchrun), the per-step broadcast, faults and shutdown.
 
-See docs/parallel.md.
+See docs/design/parallel.md.
 """
 
 from m3eagle.distributed.parallel_state import SINGLE, TPError, TPGroup

@@ -78,7 +78,7 @@ class Runtime:
     Eagle3Config or a config.json dict.
     tensor_parallel_size: N > 1 splits the target over N ranks (attention heads, MLPs, vocabulary; experts
     expert-parallel; the Eagle3 head replicated). This process is rank 0 and spawns N-1 workers, one per
-    GPU (cuda:0..N-1), or joins a torchrun group when RANK / WORLD_SIZE are set (docs/parallel.md). Call
+    GPU (cuda:0..N-1), or joins a torchrun group when RANK / WORLD_SIZE are set (docs/design/parallel.md). Call
     shutdown() to stop the workers (done at exit too)."""
 
     def __init__(self, model: str | Path | M3Config | dict | None = None,

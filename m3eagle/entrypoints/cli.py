@@ -131,7 +131,7 @@ def _device_args(p: argparse.ArgumentParser) -> None:
                         "replays): for host-bound batches; same tokens, streamed N steps at a time. auto: 8 "
                         "for models of up to 1 GiB replaying CUDA graphs, else 1")
     p.add_argument("--tensor-parallel-size", "-tp", type=int_in(1, 1024), default=1,
-                   help="split the target over N ranks (one per GPU; see docs/parallel.md)")
+                   help="split the target over N ranks (one per GPU; see docs/design/parallel.md)")
 
 
 def _make_llm(a: argparse.Namespace):
@@ -386,8 +386,8 @@ def _add_bench_serve(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from m3eagle.version import __version__
     from m3eagle.entrypoints.logging_setup import ENV_LEVEL, LEVELS
+    from m3eagle.version import __version__
 
     p = argparse.ArgumentParser(prog="m3eagle", description=__doc__, formatter_class=_Formatter)
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")

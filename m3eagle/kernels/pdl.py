@@ -19,15 +19,17 @@ When. Only on a CUDA device of compute capability >= 9; M3EAGLE_PDL (read at eac
 A/B it) says where: "1" every launch, "0" none, unset ("auto") only the launches captured into the CUDA
 graphs of small batch buckets (<= AUTO_MAX_BUCKET rows; the GraphRunner opens `scope(True)` around their
 capture). Why not everywhere: on the H200 PDL made the batch-1 steps faster (m3-mini 0.70 -> 0.63 ms per
-step) but the m3-mini batch-32 K=3 step slower (2.43 -> 2.60 ms) -- multi-wave kernels gain little from an earlier launch, and the cause of the
-loss is not known. Under the CPU interpreter PDL is always off (no launch option, no wait).
+step) but the m3-mini batch-32 K=3 step slower (2.43 -> 2.60 ms) -- multi-wave kernels gain little from an
+earlier launch, and the cause of the loss is not known. Under the CPU interpreter PDL is always off (no launch
+option, no wait).
 
-Exceptions, each named in tests/test_pdl.py, all reads of weights no kernel writes into registers before
+Exceptions, each named in tests/kernels/test_pdl.py, all reads of weights no kernel writes into registers before
 the wait, so that their latency overlaps the predecessor's tail; everything else they read after it:
 - the decode MoE's down kernel with PRELOAD (moe/direct.py): its routing too (written two
   launches back, complete before its predecessor's programs passed their own waits) -- its weight stream
   overlaps gate_up's last wave; the routed gate_up launch's shared-down programs likewise;
-- the decode GEMV's first weight tile and the decode router's expert rows (`preload_weights`): their predecessors at batch 1 are latency-bound norm / attention launches that stream little.
+- the decode GEMV's first weight tile and the decode router's expert rows (`preload_weights`): their
+  predecessors at batch 1 are latency-bound norm / attention launches that stream little.
 
 Not done here: prefetching weights into L2 before the wait (the early blocks idle there). Built and measured
 on the H200, it made every decode layer slower -- the predecessor is itself streaming tens of MB, so the

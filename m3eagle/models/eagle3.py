@@ -320,7 +320,8 @@ class Eagle3DecoderLayer(nn.Module):
             f.rms_norm(h, n2.weight, n2.eps, gemma=False, out=x[:, width:])
         attn, mlp = self.self_attn, self.mlp
         if mlp.gate_up.is_packed() and f.folds(x.shape[0], attn.o_proj.weight) and f.folds(x.shape[0], mlp.gate_up.weight):
-            # The residual add in o_proj's epilogue, the post-attention norm in gate_up's prologue: one launch fewer than o_proj, add_rms_norm, gate_up -- the one such fold that paid.
+            # The residual add in o_proj's epilogue, the post-attention norm in gate_up's prologue: one launch
+            # fewer than o_proj, add_rms_norm, gate_up -- the one such fold that paid.
             h = attn(x, positions, meta, cache, residual=h)
             a = f.norm_linear(h, n3.weight, n3.eps, mlp.gate_up.weight, gemma=False, act="silu")  # [T, I]
             return h, linear(a, mlp.down_proj.weight, f)

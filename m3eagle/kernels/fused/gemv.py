@@ -464,6 +464,24 @@ def load_configs(path: Path = CONFIGS_PATH) -> tuple[dict[tuple[int, int, int], 
     return tuned, preferred
 
 
+def write_configs(entries: list[dict], path: Path = CONFIGS_PATH) -> None:
+    """Merge measured winners into the JSON table: each entry {"n", "k", "t" (next_pow2 of the rows), "config": a
+    GemvConfig's fields, and optionally "us", "vs_cublas", "vs_pick_config", "model"} replaces the one of its
+    (n, k, t). One entry per line, so a re-tune shows as a readable diff."""
+    raw = json.loads(path.read_text())
+    by_key = {(e["n"], e["k"], e["t"]): e for e in raw["tuned"]}
+    for e in entries:
+        GemvConfig(**e["config"])  # refuse a config the kernel cannot take before anything is written
+        by_key[(e["n"], e["k"], e["t"])] = e
+    lines = ["{", f' "_note": {json.dumps(raw["_note"])},', ' "tuned": [']
+    rows = list(by_key.values())
+    lines += [f"  {json.dumps(e)}{',' if i < len(rows) - 1 else ''}" for i, e in enumerate(rows)]
+    lines += [" ],", ' "preferred": [']
+    pref = raw["preferred"]
+    lines += [f"  {json.dumps(e)}{',' if i < len(pref) - 1 else ''}" for i, e in enumerate(pref)]
+    path.write_text("\n".join(lines + [" ]", "}"]) + "\n")
+
+
 TUNED, PREFERRED = load_configs()
 
 GEMV_MAX_T = 2  # rows up to which the elementwise GEMV is picked; tl.dot above (see pick_config)

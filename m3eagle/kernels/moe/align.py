@@ -67,7 +67,8 @@ def chunk_size(num_pairs: int, e_pad: int) -> int:
     12 us on an H200). Past that a program's one-hot work grows with the chunk and every program's histogram
     reduction with the number of chunks, so the chunk grows slowly with the pairs: `benchmarks/moe_kernel.py
     --align-sweep` on the H200 put the best at 64 pairs up to ~4K pairs and 128 from 8K to 40K (m3-mini,
-    with and without the shared expert, measured while the shared expert's pairs were chunked too); 256 past 64K is an extrapolation."""
+    with and without the shared expert, measured while the shared expert's pairs were chunked too); 256 past 64K
+    is an extrapolation."""
     want = 64 if num_pairs <= 4096 else 128 if num_pairs <= 65536 else 256
     return max(16, min(want, MAX_TILE // e_pad, triton.next_power_of_2(max(1, num_pairs))))
 
