@@ -42,7 +42,7 @@ if [[ ${PDL_AB:-0} == 1 ]]; then
 fi
 if [[ ${TESTS:-1} == 1 ]]; then
   stamp "GPU tests${PDL_TESTS:+ (M3EAGLE_PDL=$PDL_TESTS)}"
-  M3EAGLE_PDL=${PDL_TESTS:-auto} timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -m gpu tests/test_cuda_graphs.py tests/test_long_context.py -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} > "$W/cuda_graphs.log" 2>&1
+  M3EAGLE_PDL=${PDL_TESTS:-auto} timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -m gpu tests/engine/test_cuda_graphs.py tests/engine/test_long_context.py -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} > "$W/cuda_graphs.log" 2>&1
   stamp "GPU tests: exit $? ($(tail -1 "$W/cuda_graphs.log"))"
 fi
 if [[ ${MSA:-0} == 1 ]]; then

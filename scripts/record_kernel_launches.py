@@ -1,4 +1,4 @@
-"""Record every Triton kernel launch of a bf16 engine run, for tests/test_kernels_compile.py.
+"""Record every Triton kernel launch of a bf16 engine run, for tests/kernels/test_kernels_compile.py.
 
     python scripts/record_kernel_launches.py [--out tests/data/kernel_launches.json]   (CPU, ~5 min)
 

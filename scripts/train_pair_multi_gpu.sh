@@ -61,7 +61,7 @@ pack_dir() {  # pack_dir NAME TARGET_DIR DRAFT_DIR: a run dir in transport.pack'
 
 if [[ $STAGE == 1 ]]; then
   if [[ $GPU_TESTS == 1 ]]; then
-    (CUDA_VISIBLE_DEVICES=1 timeout 300 $PY -m pytest -q -m gpu tests/test_cuda_graphs.py -p no:cacheprovider \
+    (CUDA_VISIBLE_DEVICES=1 timeout 300 $PY -m pytest -q -m gpu tests/engine/test_cuda_graphs.py -p no:cacheprovider \
        > "$R/cuda_graphs.log" 2>&1; echo "exit $?" >> "$R/cuda_graphs.log") &
     TESTS=$!
   fi

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import logging
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(2)
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -17,8 +14,9 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """(directory, hf_model): 4 layers mixing dense/MoE and full/sparse, block 8, top-2 blocks."""
-    from hf_utils import random_hf_model, tiny_hf_config
     from transformers.utils import logging as hf_logging
+
+    from tests.helpers.hf_utils import random_hf_model, tiny_hf_config
 
     hf_logging.set_verbosity_error()
     cfg = tiny_hf_config(seed=0)
@@ -37,7 +35,7 @@ def model_dir(tiny_model):
 @pytest.fixture(scope="session")
 def head_dir(model_dir, tmp_path_factory):
     """A random Eagle3 head (seed 0) on the tiny target: acceptance near zero, drafting path exercised."""
-    from spec_utils import random_head
+    from tests.helpers.spec_utils import random_head
 
     return random_head(model_dir, tmp_path_factory.mktemp("random_head"))
 
@@ -45,9 +43,8 @@ def head_dir(model_dir, tmp_path_factory):
 @pytest.fixture
 def make_llm():
     """LLM factory; at teardown every engine it built must be idle with all pages free."""
-    from engine_utils import assert_clean
-
     from m3eagle import LLM
+    from tests.helpers.engine_utils import assert_clean
 
     made = []
 

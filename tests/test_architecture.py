@@ -75,6 +75,7 @@ def test_the_loop_finder_finds_a_loop():
     assert _cycles(graph) == [["p.a", "p.b", "p.c"]]
 
 
+@pytest.mark.slow
 def test_layer_contract_holds():
     lint = Path(sys.executable).with_name("lint-imports")
     if not lint.exists():

@@ -255,7 +255,7 @@ class LLMEngine(OutputProcessor):
         self.owner: str | None = None
         self.sync_debug = False  # on CUDA: run execute() under torch.cuda.set_sync_debug_mode("error")
         # Steady rows of a step without logprobs take `_process_plain`'s tight path; tests turn it off to hold
-        # it equal to the per-row path (tests/test_host_fast_paths.py).
+        # it equal to the per-row path (tests/engine/test_host_fast_paths.py).
         self.fast_paths = True
 
     # ---- warm-up ------------------------------------------------------------------------------

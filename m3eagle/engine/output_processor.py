@@ -95,7 +95,7 @@ class OutputProcessor:
         which requests are first touched, hence of their deltas -- and the later ones in (sub-step, row)
         order, the order of finishes and page frees. The combined rows finish nothing and free nothing, and
         their counter updates are sums, so the result is `_process_plain` N times over, which
-        tests/test_host_fast_paths.py holds on random outputs."""
+        tests/engine/test_host_fast_paths.py holds on random outputs."""
         finished, touched, count_verify = Status.FINISHED, self._touched, self._count_verify
         steps = len(num_new)
         later = []  # rows processed sub-step by sub-step after the first
@@ -170,7 +170,7 @@ class OutputProcessor:
         (so it is past its prompt) and nothing can end its output inside this step's tokens -- takes a tight
         path: `_process_row` + `_extend` + `reproject` inlined, the projection adjusted instead of
         recomputed. Every other row takes `_process_row`, in row order (the order of finishes, frees and
-        deltas is the per-row path's). tests/test_host_fast_paths.py holds the two equal."""
+        deltas is the per-row path's). tests/engine/test_host_fast_paths.py holds the two equal."""
         finished, release, touched = Status.FINISHED, self.scheduler.release, self._touched
         c = self.counters
         hist = c.accept_hist

@@ -79,7 +79,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.free_slots = list(range(max_num_seqs))[::-1]
         # The steady state's plan skips the general loop (`_schedule_steady`); tests turn it off to hold the
-        # two equal (tests/test_host_fast_paths.py).
+        # two equal (tests/engine/test_host_fast_paths.py).
         self.fast_path = True
 
     # ---- queue management --------------------------------------------------------------------

@@ -29,7 +29,7 @@ class Ops:
 
     @property
     def names(self) -> dict[str, str]:
-        # NOTE: fused is not listed yet: tests/test_graph_runner.py pins this dict to two keys.
+        # NOTE: fused is not listed yet: tests/engine/test_graph_runner.py pins this dict to two keys.
         return {"attention": self.attention.name, "moe": self.moe.name}
 
 

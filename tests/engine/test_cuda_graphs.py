@@ -1,5 +1,5 @@
 """CUDA-graph replay of whole speculative steps equals eager execution, token for token (issue 9). GPU only:
-run through the device tool with `python -m pytest -q -m gpu tests/test_cuda_graphs.py`.
+run through the device tool with `python -m pytest -q -m gpu tests/engine/test_cuda_graphs.py`.
 
 The eager engine (enforce_eager=True) pads graph-shaped steps to the same buckets with the same fixed KV
 bound, so both launch identical kernels on identical shapes; any difference would be a capture bug
@@ -15,9 +15,9 @@ import dataclasses
 
 import pytest
 import torch
-from engine_utils import Counters, assert_clean
 
 from m3eagle import LLM, SamplingParams
+from tests.helpers.engine_utils import Counters, assert_clean
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -241,11 +241,10 @@ def test_fused_step_inputs_equal_reference_on_cuda(k):
     tests run them under the interpreter only)."""
     from dataclasses import replace
 
-    from step_cases import chain_case, commit_case, sample_case, step_case
-
     from m3eagle.engine.step_ops import ReferenceStepOps, TritonStepOps
     from m3eagle.kernels.attention.metadata import derive_positions_and_slots
     from m3eagle.kernels.ops import make_ops
+    from tests.helpers.step_cases import chain_case, commit_case, sample_case, step_case
 
     ref, fast = make_ops(device="cuda", fused="reference"), make_ops(device="cuda")
     assert fast.fused.name == "triton"
@@ -293,8 +292,7 @@ def test_prefill_graph_replay_equals_eager(k, overlap, sampled):
     time (one-row prompt steps, several token buckets, and a prompt longer than the chunk budget: its last
     chunk reads a cached prefix), then all at once (several prompt rows, then prompt chunks beside verify
     rows). (Against unpadded steps bf16 GEMMs of another width may round differently -- on the H200 one of
-    six 128-token prompts took another greedy path, docs/results/h200-2026-11-30g/prefill_diag/; the CPU
-    tests hold padded == unpadded in fp32.)"""
+    six 128-token prompts took another greedy path; the CPU tests hold padded == unpadded in fp32.)"""
     from m3eagle.engine.graph_runner import PREFILL
 
     prompts = [*TEXTS[:4], "\n".join(TEXTS) * 12]  # the last one: > 256 tokens, so chunked
@@ -340,7 +338,7 @@ def test_gemv_on_gpu_equals_cublas_within_bf16_and_repeats_bit_for_bit():
 
 
 def test_gemv_weight_preload_on_gpu_is_bit_equal_under_pdl_graphs():
-    """Design note 48 on the GPU: the GEMV with its first weight tile read before the PDL wait, replayed in a
+    """Weight preloading on the GPU: the GEMV with its first weight tile read before the PDL wait, replayed in a
     PDL-captured graph behind a producer of x (a norm launch), equals the launch without PDL -- the first
     replay, and after 9 more replays with new inputs and no sync."""
     from m3eagle.kernels import pdl
@@ -380,7 +378,7 @@ def test_gemv_weight_preload_on_gpu_is_bit_equal_under_pdl_graphs():
 
 
 def test_draft_step_folds_on_gpu_are_bit_equal_to_their_separate_launches():
-    """The twentieth session's folds on the real compiler (libdevice exp / cos / sin, FMA contraction), also
+    """The draft step's folds on the real compiler (libdevice exp / cos / sin, FMA contraction), also
     replayed in a PDL-captured graph: the gate_up GEMV's activation epilogue == the GEMV then silu_mul /
     swiglu_oai (the embedded head's and target's shapes at T = 1 and 4); the q/k/v launch's own RoPE ==
     the same launch reading rope_cos_sin's tables; add_rms_norm's row gather == the gather after it."""
@@ -460,7 +458,7 @@ def test_gemv_argmax_epilogue_on_gpu():
 
 
 def test_gemv_norm_prologue_and_residual_epilogue_on_gpu():
-    """Design note 51's folds compiled for the GPU, at the embedded head's shapes (T = 1 and 4): norm_linear
+    """The GEMV's norm / residual folds compiled for the GPU, at the embedded head's shapes (T = 1 and 4): norm_linear
     (gate_up with silu, Llama scaling; a Gemma-scaled plain GEMV) within the norm's fp32 sum order of the
     norm launch followed by the GEMV (the GPU's reduction trees differ); linear_add bit-equal to the GEMV
     then add_residual; each replayed in a PDL-captured graph equal to its eager launch, bit for bit."""

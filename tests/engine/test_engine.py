@@ -11,17 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_utils import Counters, assert_clean, chi2_sf
 
 from m3eagle import LLM, SamplingParams
+from tests.helpers.engine_utils import Counters, assert_clean, chi2_sf, greedy
 
 PROMPT_LENS = (3, 70, 12, 40, 5, 25, 33, 7)
 NEW = 20
 
 
-
-def greedy(max_tokens: int = NEW, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +31,7 @@ def prompts():
 def one_shot(model_dir, prompts):
     """Reference: each prompt alone, prefilled in one step, big pages."""
     llm = LLM(model_dir, device="cpu", page_size=16, max_model_len=128, max_num_tokens=1024)
-    out = [llm.generate([p], greedy())[0].outputs[0].token_ids for p in prompts]
+    out = [llm.generate([p], greedy(NEW))[0].outputs[0].token_ids for p in prompts]
     assert_clean(llm)
     return out
 
@@ -83,7 +80,7 @@ def test_paged_runs_equal_one_shot(make_llm, model_dir, prompts, one_shot, page_
           "preempted": dict(max_num_tokens=48, num_pages=table_pages + 1 + table_pages // 4)}[mode]
     llm = make_llm(model_dir, page_size=page_size, **kw)
     counters = Counters(llm)
-    outs = llm.generate(prompts, greedy())
+    outs = llm.generate(prompts, greedy(NEW))
     assert [o.outputs[0].token_ids for o in outs] == one_shot
     assert (counters.preempted > 0) == (mode == "preempted")
 
@@ -98,15 +95,15 @@ def test_max_num_seqs_limits_concurrency(make_llm, model_dir, prompts, one_shot)
         return orig()
 
     llm.engine.step = step
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy())] == one_shot
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(NEW))] == one_shot
     assert peak[0] <= 2
 
 
 def test_repeated_generate_calls_reuse_the_engine(make_llm, model_dir, prompts, one_shot):
     llm = make_llm(model_dir, max_num_tokens=16, num_pages=60)
     for _ in range(2):
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts[:4], greedy())] == one_shot[:4]
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts[4:], greedy())] == one_shot[4:]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts[:4], greedy(NEW))] == one_shot[:4]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[4:], greedy(NEW))] == one_shot[4:]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -131,7 +128,7 @@ def test_seeded_sampling_reproduces_across_batches(make_llm, model_dir, prompts)
         assert solo.generate([prompts[i]], params[i])[0].outputs[0].token_ids == a[i]
     mixed = [prompts[0], prompts[3], prompts[5]]
     c = make_llm(model_dir, max_num_tokens=9, num_pages=45).generate(
-        mixed + prompts[:1], [params[0], greedy(), params[5], sampled(0)])
+        mixed + prompts[:1], [params[0], greedy(NEW), params[5], sampled(0)])
     assert c[0].outputs[0].token_ids == a[0] and c[2].outputs[0].token_ids == a[5] and c[3].outputs[0].token_ids == a[0]
 
 
@@ -207,7 +204,7 @@ def test_top_k_1_sampling_equals_greedy(make_llm, model_dir, prompts, one_shot):
 
 def test_max_tokens(make_llm, model_dir, prompts, one_shot):
     llm = make_llm(model_dir, max_num_tokens=32)
-    outs = llm.generate(prompts, [greedy(max_tokens=1 + i) for i in range(len(prompts))])
+    outs = llm.generate(prompts, [greedy(1 + i) for i in range(len(prompts))])
     for i, o in enumerate(outs):
         assert o.outputs[0].token_ids == one_shot[i][: 1 + i] and o.outputs[0].finish_reason == "length"
 
@@ -216,13 +213,13 @@ def test_stop_token_ids(make_llm, model_dir, prompts, one_shot):
     """Generation stops at the first stop token, which is returned last; finish_reason 'stop'."""
     llm = make_llm(model_dir, max_num_tokens=32)
     stops = [ref[4] for ref in one_shot]
-    outs = llm.generate(prompts, [greedy(stop_token_ids=[s]) for s in stops])
+    outs = llm.generate(prompts, [greedy(NEW, stop_token_ids=[s]) for s in stops])
     for o, ref, s in zip(outs, one_shot, stops):
         cut = ref.index(s) + 1
         assert o.outputs[0].token_ids == ref[:cut] and o.outputs[0].finish_reason == "stop"
     # a stop id that never appears changes nothing
     never = next(t for t in range(3, 96) if all(t not in ref for ref in one_shot))
-    outs = llm.generate(prompts, greedy(stop_token_ids=[never]))
+    outs = llm.generate(prompts, greedy(NEW, stop_token_ids=[never]))
     assert [o.outputs[0].token_ids for o in outs] == one_shot
 
 
@@ -251,14 +248,14 @@ def test_eos_and_ignore_eos(make_llm, eos_dir, prompts, one_shot):
             assert o.outputs[0].token_ids == ref[: hits[0] + 1] and o.outputs[0].finish_reason == "stop"
         else:
             assert o.outputs[0].token_ids == ref and o.outputs[0].finish_reason == "length"
-    outs = llm.generate(prompts, greedy())
+    outs = llm.generate(prompts, greedy(NEW))
     assert [o.outputs[0].token_ids for o in outs] == one_shot
 
 
 def test_max_model_len_ends_with_length(make_llm, model_dir, prompts, one_shot):
     """Prompt + output never exceed max_model_len."""
     llm = make_llm(model_dir, max_model_len=40, max_num_tokens=16)
-    outs = llm.generate([prompts[3][:30], prompts[0]], greedy(max_tokens=100))
+    outs = llm.generate([prompts[3][:30], prompts[0]], greedy(100))
     assert len(outs[0].outputs[0].token_ids) == 10 and outs[0].outputs[0].finish_reason == "length"
     assert len(outs[1].outputs[0].token_ids) == 40 - len(prompts[0]) and outs[1].outputs[0].token_ids[:NEW] == one_shot[0]
 
@@ -266,7 +263,7 @@ def test_max_model_len_ends_with_length(make_llm, model_dir, prompts, one_shot):
 def test_abort_frees_pages_and_spares_the_others(make_llm, model_dir, prompts, one_shot):
     llm = make_llm(model_dir, max_num_tokens=16, num_pages=50)
     eng = llm.engine
-    reqs = [eng.add_request(p, greedy()) for p in prompts]
+    reqs = [eng.add_request(p, greedy(NEW)) for p in prompts]
     for _ in range(10):
         eng.step()
     eng.abort(reqs[1].request_id)
@@ -290,7 +287,7 @@ def test_logprobs_match_transformers(make_llm, tiny_model, prompts, one_shot):
     and equal to log_softmax of transformers' logits at that position (raw logits, greedy) within 1e-4."""
     d, hf = tiny_model
     llm = make_llm(d, max_num_tokens=16)
-    outs = llm.generate(prompts, greedy(logprobs=0))
+    outs = llm.generate(prompts, greedy(NEW, logprobs=0))
     for o, ref in zip(outs, one_shot):
         c = o.outputs[0]
         assert c.token_ids == ref and len(c.logprobs) == len(c.token_ids)
@@ -302,12 +299,12 @@ def test_logprobs_match_transformers(make_llm, tiny_model, prompts, one_shot):
         want = lp[torch.arange(n - 1, seq.shape[1] - 1), torch.tensor(o.outputs[0].token_ids)]
         got = [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]
         torch.testing.assert_close(torch.tensor(got), want, atol=1e-4, rtol=0)
-    assert all(o.outputs[0].logprobs is None for o in llm.generate(prompts[:2], greedy()))
+    assert all(o.outputs[0].logprobs is None for o in llm.generate(prompts[:2], greedy(NEW)))
 
 
 def test_logprobs_stop_with_the_tokens(make_llm, model_dir, prompts, one_shot):
     llm = make_llm(model_dir, max_num_tokens=16)
-    outs = llm.generate(prompts, [greedy(logprobs=0, stop_token_ids=[r[3]]) for r in one_shot])
+    outs = llm.generate(prompts, [greedy(NEW, logprobs=0, stop_token_ids=[r[3]]) for r in one_shot])
     assert all(len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids) for o in outs)
 
 
@@ -329,11 +326,11 @@ def first_stop(tok_dir: Path, tokens: list[int], stops: list[str]) -> tuple[list
 
 def test_text_is_the_detokenized_output(make_llm, tok_dir, prompts, one_shot):
     llm = make_llm(tok_dir, max_num_tokens=32)
-    outs = llm.generate(prompts, greedy())
+    outs = llm.generate(prompts, greedy(NEW))
     for o, ref in zip(outs, one_shot):
         assert o.outputs[0].token_ids == ref and o.outputs[0].text == decode(tok_dir, ref)
     text = decode(tok_dir, prompts[2])
-    by_text = llm.generate(text, greedy())[0]
+    by_text = llm.generate(text, greedy(NEW))[0]
     assert by_text.prompt_token_ids == prompts[2] and by_text.outputs[0].token_ids == one_shot[2]
     assert by_text.prompt == text
 
@@ -348,9 +345,9 @@ def test_deferred_text_equals_streamed_text(make_llm, tok_dir, prompts, one_shot
 
     llm = make_llm(tok_dir, max_num_tokens=32)
     eng = llm.engine
-    streamed = [eng.add_request(list(p), greedy()) for p in prompts]
-    deferred = [eng.add_request(list(p), greedy(), stream_text=False) for p in prompts]
-    with_stop = eng.add_request(list(prompts[0]), greedy(stop=["\x01never"]), stream_text=False)
+    streamed = [eng.add_request(list(p), greedy(NEW)) for p in prompts]
+    deferred = [eng.add_request(list(p), greedy(NEW), stream_text=False) for p in prompts]
+    with_stop = eng.add_request(list(prompts[0]), greedy(NEW, stop=["\x01never"]), stream_text=False)
     assert all(type(r.detok) is IncrementalDetokenizer for r in streamed + [with_stop])
     assert all(type(r.detok) is FinalTextDetokenizer for r in deferred)
     texts: dict[str, list[str]] = {r.request_id: [] for r in deferred}
@@ -365,9 +362,9 @@ def test_deferred_text_equals_streamed_text(make_llm, tok_dir, prompts, one_shot
         assert all(c == "" for c in chunks[:-1]) and chunks[-1] == d.text
     assert with_stop.text == streamed[0].text
     # generate() takes the deferred path and returns the same text
-    assert [o.outputs[0].text for o in llm.generate(prompts, greedy())] == [s.text for s in streamed]
+    assert [o.outputs[0].text for o in llm.generate(prompts, greedy(NEW))] == [s.text for s in streamed]
     # abort: the deferred text of what was generated so far
-    r = eng.add_request(list(prompts[1]), greedy(max_tokens=64), stream_text=False)
+    r = eng.add_request(list(prompts[1]), greedy(64), stream_text=False)
     while len(r.output_token_ids) < 3:
         eng.step()
     eng.abort(r.request_id)
@@ -383,7 +380,7 @@ def test_stop_strings(make_llm, tok_dir, prompts, one_shot, budget):
     llm = make_llm(tok_dir, max_num_tokens=budget)
     full = [decode(tok_dir, r) for r in one_shot]
     stops = [[t[8:10]] for t in full[:4]] + [[t[12:13], t[5:7]] for t in full[4:7]] + [["\x01never"]]
-    outs = llm.generate(prompts, [greedy(stop=s) for s in stops])
+    outs = llm.generate(prompts, [greedy(NEW, stop=s) for s in stops])
     for o, ref, s in zip(outs, one_shot, stops):
         want_ids, want_text = first_stop(tok_dir, ref, s)
         assert o.outputs[0].token_ids == want_ids

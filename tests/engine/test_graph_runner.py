@@ -20,7 +20,6 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton` (see test_triton_attention.py)
 
 import pytest  # noqa: E402
-from engine_utils import assert_clean  # noqa: E402
 
 from m3eagle import LLM, SamplingParams  # noqa: E402
 from m3eagle.engine.graph_runner import (  # noqa: E402
@@ -33,6 +32,7 @@ from m3eagle.engine.graph_runner import (  # noqa: E402
 )
 from m3eagle.engine.scheduler import ScheduledBatch, ScheduledRow  # noqa: E402
 from m3eagle.kernels.attention.metadata import TRASH_PAGE  # noqa: E402
+from tests.helpers.engine_utils import assert_clean  # noqa: E402
 
 PROMPTS = [[9, 21, 33, 4], [50, 51, 52, 53, 54, 55, 56, 57, 58, 59], [7, 8], [60, 61, 62, 63, 64, 65, 66],
            [12, 13, 14]]

@@ -28,13 +28,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from engine_utils import assert_clean
-from test_default_model import TARGET
 
 from m3eagle import LLM, SamplingParams
 from m3eagle.engine.request import Logprob, Request, Status, per_position_counts
 from m3eagle.engine.scheduler import NeedSync, Scheduler
 from m3eagle.kvcache.page_pool import PagePool
+from tests.entrypoints.test_default_model import TARGET
+from tests.helpers.engine_utils import assert_clean
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,6 +1,6 @@
 """A 128k-token prompt end to end on the GPU (issue 16): the engine sizes KV and index-K pools for it,
 prefills it in chunks through the MiniMax sparse attention layers, and decodes with speculation, without
-the activation memory of a 128k-token step. GPU only: `python -m pytest -q -m gpu tests/test_long_context.py`
+the activation memory of a 128k-token step. GPU only: `python -m pytest -q -m gpu tests/engine/test_long_context.py`
 (on a CPU the reference attention of one 8k chunk against 128k keys would need tens of GB).
 """
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_utils import assert_clean
 
 from m3eagle import LLM, SamplingParams
+from tests.helpers.engine_utils import assert_clean
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -150,7 +150,7 @@ def test_abort_inside_an_iteration_frees_everything(prompts, k):
 def test_forced_preemption(prompts, k):
     """A preemption forced every 4th plan (the scheduler's own path; under overlap it first drains the
     iteration in flight) with multi-step iterations between them: the same tokens."""
-    from engine_utils import Counters
+    from tests.helpers.engine_utils import Counters
 
     sp = SamplingParams(temperature=0, max_tokens=36, ignore_eos=True)
     want = outputs(build(1, k), prompts, sp)

@@ -18,22 +18,19 @@ import shutil
 
 import pytest
 import torch
-from engine_utils import Counters, assert_clean, chi2_sf
-from spec_utils import predictable_target, random_head, trained_head
 
 from m3eagle import LLM, SamplingParams
 from m3eagle.engine.input_builder import build_step_input
 from m3eagle.engine.request import Request
 from m3eagle.engine.scheduler import ScheduledBatch, ScheduledRow
 from m3eagle.kernels.attention.metadata import TRASH_PAGE, build_metadata
+from tests.helpers.engine_utils import Counters, assert_clean, chi2_sf, greedy
+from tests.helpers.spec_utils import predictable_target, random_head, trained_head
 
 MIXED_LENS = (3, 70, 12, 40, 5, 25, 64, 8, 33, 17, 50, 6, 9, 45, 28, 14, 61, 4)
 NEW = 23
 
 
-
-def greedy(max_tokens: int = NEW, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +56,7 @@ def baseline(setups, prompts):
     out = {}
     for name, (target, _) in setups.items():
         llm = LLM(target, device="cpu", page_size=16, max_model_len=128, max_num_tokens=2048)
-        out[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy())]
+        out[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(NEW))]
         assert_clean(llm)
     return out
 
@@ -87,7 +84,7 @@ def test_greedy_speculation_is_lossless(make_llm, setups, baseline, prompts, nam
     llm = spec_llm(make_llm, setups, name, k, overlap, max_num_tokens=16,
                    num_pages=pages_for_one_seq(k) + 14)
     c = Counters(llm, force_every=7)
-    outs = llm.generate(prompts, greedy())
+    outs = llm.generate(prompts, greedy(NEW))
     assert [o.outputs[0].token_ids for o in outs] == baseline[name]
     assert c.preempted > 0
     stats = llm.stats()
@@ -104,7 +101,7 @@ def test_trained_head_beats_random_head(make_llm, setups, prompts):
     rates = {}
     for name in ("random", "trained"):
         llm = spec_llm(make_llm, setups, name, 3, False, max_num_tokens=256)
-        llm.generate(prompts, greedy())
+        llm.generate(prompts, greedy(NEW))
         rates[name] = llm.stats()["acceptance_rate"]
     assert rates["trained"] >= 0.2 and rates["random"] < rates["trained"] / 3
 
@@ -125,7 +122,7 @@ def on_off(make_llm, setups, name, k, prompts, params, **kw):
 @pytest.mark.parametrize("k", [0, 1, 3])
 @pytest.mark.parametrize("name", ["random", "trained"])
 def test_overlap_on_off_identical_greedy(make_llm, setups, baseline, prompts, name, k):
-    off, on = on_off(make_llm, setups, name, k, prompts, greedy(), max_num_tokens=24)
+    off, on = on_off(make_llm, setups, name, k, prompts, greedy(NEW), max_num_tokens=24)
     assert [o.outputs[0].token_ids for o in off] == [o.outputs[0].token_ids for o in on] == baseline[name]
     counts = [[(o.metrics.num_drafted, o.metrics.num_accepted) for o in x] for x in (off, on)]
     assert counts[0] == counts[1]
@@ -193,7 +190,7 @@ def test_overlap_preemption_needsync(make_llm, setups, baseline, prompts, name):
     kw = dict(max_num_tokens=32, num_pages=pages_for_one_seq(k) + 4)
     llms = [spec_llm(make_llm, setups, name, k, ov, **kw) for ov in (False, True)]
     counters = [Counters(x, force_every=6) for x in llms]
-    outs = [[o.outputs[0].token_ids for o in x.generate(prompts, greedy())] for x in llms]
+    outs = [[o.outputs[0].token_ids for o in x.generate(prompts, greedy(NEW))] for x in llms]
     assert outs[0] == outs[1] == baseline[name]
     assert counters[1].needsync > 0 and counters[1].preempted > 0
 
@@ -205,13 +202,13 @@ def test_requests_arriving_mid_run(make_llm, setups, baseline, prompts, k, overl
     request still gets exactly its baseline tokens."""
     llm = spec_llm(make_llm, setups, "trained", k, overlap, max_num_tokens=20, num_pages=80)
     eng = llm.engine
-    reqs = {i: eng.add_request(prompts[i], greedy()) for i in range(3)}
+    reqs = {i: eng.add_request(prompts[i], greedy(NEW)) for i in range(3)}
     nxt, steps = 3, 0
     while eng.has_work() or nxt < len(prompts):
         eng.step()
         steps += 1
         if steps % 2 == 0 and nxt < len(prompts):
-            reqs[nxt] = eng.add_request(prompts[nxt], greedy())
+            reqs[nxt] = eng.add_request(prompts[nxt], greedy(NEW))
             nxt += 1
     assert [reqs[i].output_token_ids for i in range(len(prompts))] == baseline["trained"]
 
@@ -221,7 +218,7 @@ def test_max_tokens_inside_a_verify_row(make_llm, setups, baseline, prompts):
     back, overlap on == off, and the cut really happened mid-row (more tokens emitted than needed)."""
     k = 3
     max_tokens = [5, 6, 7, 9, 10, 11, 13, 14] * 3
-    params = [greedy(max_tokens=m) for m in max_tokens[: len(prompts)]]
+    params = [greedy(m) for m in max_tokens[: len(prompts)]]
     results, cuts = [], []
     for overlap in (False, True):
         llm = spec_llm(make_llm, setups, "trained", k, overlap, max_num_tokens=64)
@@ -265,7 +262,8 @@ def test_stop_strings_and_ids_with_overlap(make_llm, setups, baseline, prompts, 
     params = []
     for i, r in enumerate(ref):
         text = tok.decode(r, skip_special_tokens=True)
-        params.append(greedy(stop=[text[6 + i % 5: 8 + i % 5]]) if i % 3 else greedy(stop_token_ids=[r[3 + i % 7]]))
+        stop = {"stop": [text[6 + i % 5: 8 + i % 5]]} if i % 3 else {"stop_token_ids": [r[3 + i % 7]]}
+        params.append(greedy(NEW, **stop))
     outs = []
     for overlap in (False, True):
         llm = make_llm(d, draft=head if k else None, num_draft_tokens=k, overlap=overlap, max_num_tokens=24)
@@ -286,7 +284,7 @@ def test_stop_strings_and_ids_with_overlap(make_llm, setups, baseline, prompts, 
 def test_abort_under_overlap_frees_pages(make_llm, setups, baseline, prompts):
     llm = spec_llm(make_llm, setups, "trained", 3, True, max_num_tokens=16, num_pages=60)
     eng = llm.engine
-    reqs = [eng.add_request(p, greedy()) for p in prompts]
+    reqs = [eng.add_request(p, greedy(NEW)) for p in prompts]
     for _ in range(8):
         eng.step()
     eng.abort(reqs[0].request_id)
@@ -321,7 +319,7 @@ def test_overlap_correction_matches_from_scratch_metadata(make_llm, setups, seed
     for b in range(rng.randint(2, 7)):
         kind = rng.choice(["verify_corrected", "verify_processed", "prefill_chunk", "decode_corrected"])
         true_start = rng.randint(1, 40)
-        req = Request(f"r{b}", list(range(3, 3 + true_start + 1)), greedy(), b, b)
+        req = Request(f"r{b}", list(range(3, 3 + true_start + 1)), greedy(NEW), b, b)
         req.slot = b
         nd = 0 if kind == "decode_corrected" else k
         if kind in ("verify_corrected", "decode_corrected"):

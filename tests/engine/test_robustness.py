@@ -22,11 +22,11 @@ import weakref
 import numpy as np
 import pytest
 import torch
-from engine_utils import assert_clean
 
 from m3eagle import LLM, SamplingParams
 from m3eagle.engine.llm_engine import RequestError
 from m3eagle.sampling.params import SamplingParamsError
+from tests.helpers.engine_utils import assert_clean
 
 PROMPTS = [[9, 21, 33, 4], [50, 51, 52, 53, 54, 55, 56, 57, 58, 59], [7, 8], [60, 61, 62, 63, 64, 65, 66]]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

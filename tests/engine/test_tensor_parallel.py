@@ -22,14 +22,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_utils import Counters, assert_clean
 
 from m3eagle import LLM, SamplingParams
 from m3eagle.distributed.layers import param_shards
 from m3eagle.distributed.parallel_state import TPError, TPGroup
 from m3eagle.engine.executor import WorkerError
+from tests.helpers.engine_utils import Counters, assert_clean, greedy
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 KW = dict(device="cpu", page_size=4, max_model_len=128, max_num_tokens=48, graph_shapes=True)
 NEW = 12
 
@@ -38,9 +38,6 @@ def prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(3)
     return [torch.randint(3, 90, (n,), generator=g).tolist() for n in (37, 22, 5)]
 
-
-def greedy(n: int = NEW) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
 def tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
@@ -74,7 +71,7 @@ def _shutdown_at_end():
 def mqa_dir(tmp_path_factory):
     """A tiny target with one KV head (and one index head): both are replicated on the two ranks. Its odd
     vocabulary (95) leaves the last rank's embedding / lm_head shard zero-padded, cut after the gather."""
-    from hf_utils import random_hf_model, tiny_hf_config
+    from tests.helpers.hf_utils import random_hf_model, tiny_hf_config
 
     d = tmp_path_factory.mktemp("tiny_mqa")
     random_hf_model(tiny_hf_config(seed=1, kv_heads=1, vocab=95), seed=1).save_pretrained(d)
@@ -86,7 +83,7 @@ def reference(model_dir, head_dir):
     """Single-process outputs: greedy and seeded-sampled, Eagle3 K=3."""
     llm = LLM(model_dir, head_dir, num_draft_tokens=3, **KW)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=NEW, seed=7, ignore_eos=True)
-    return {"greedy": tokens(llm, greedy()), "sampled": tokens(llm, sampled), "sampled_params": sampled,
+    return {"greedy": tokens(llm, greedy(NEW)), "sampled": tokens(llm, sampled), "sampled_params": sampled,
             "penalized": all_samples(llm, PENALIZED)}
 
 
@@ -137,14 +134,16 @@ def test_sizes_that_do_not_divide_are_refused(model_dir):
 # ---- GQA (2 KV heads split over 2 ranks), Eagle3 K=3 ---------------------------------------------
 
 
+@pytest.mark.slow
 def test_greedy_equals_one_process(model_dir, head_dir, reference):
     llm = tp_llm("gqa", model_dir, head_dir, num_draft_tokens=3)
     assert llm.target.layers[0].self_attn.n_kv == 1 and llm.engine.runner.caches[0].k.shape[1] == 1
-    assert tokens(llm, greedy()) == reference["greedy"]
+    assert tokens(llm, greedy(NEW)) == reference["greedy"]
     assert llm.stats()["num_drafted"] > 0
     assert_clean(llm)
 
 
+@pytest.mark.slow
 def test_overlap_and_preemption(model_dir, head_dir, reference):
     """Overlap on (rank 0's scheduling alone: the workers just run what they are sent) with a preemption
     forced every few plans, some of them of requests with a step in flight (NeedSync, drain, re-plan)."""
@@ -154,7 +153,7 @@ def test_overlap_and_preemption(model_dir, head_dir, reference):
     eng.cfg = replace(eng.cfg, overlap=True)
     c = Counters(llm, force_every=4)
     try:
-        assert tokens(llm, greedy()) == reference["greedy"]
+        assert tokens(llm, greedy(NEW)) == reference["greedy"]
     finally:
         eng.cfg = replace(eng.cfg, overlap=False)
         eng.scheduler.schedule, eng.scheduler._preempt = plan, preempt  # undo Counters' patch
@@ -162,25 +161,28 @@ def test_overlap_and_preemption(model_dir, head_dir, reference):
     assert_clean(llm)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 def test_multi_step_iterations_equal_one_process(model_dir, head_dir, reference, sampled):
     """num_scheduler_steps=4 with overlap: rank 0 broadcasts each sub-step (its device buffer, which its own
     commit advanced; the workers' commits advance theirs alike) and the workers replay it; the tokens of one
     process, one step at a time. Iterations of several sub-steps ran (asserted)."""
     llm = tp_llm("gqa-multistep", model_dir, head_dir, num_draft_tokens=3, overlap=True, num_scheduler_steps=4)
-    params = reference["sampled_params"] if sampled else greedy()
+    params = reference["sampled_params"] if sampled else greedy(NEW)
     assert tokens(llm, params) == reference["sampled" if sampled else "greedy"]
     eng = llm.engine
     assert eng.num_iterations < eng.num_steps
     assert_clean(llm)
 
 
+@pytest.mark.slow
 def test_sampled_equals_one_process(model_dir, head_dir, reference):
     """Counter-based sampling: every rank draws the same tokens from the gathered logits."""
     llm = tp_llm("gqa", model_dir, head_dir, num_draft_tokens=3)
     assert tokens(llm, reference["sampled_params"]) == reference["sampled"]
 
 
+@pytest.mark.slow
 def test_penalties_min_tokens_and_n_equal_one_process(model_dir, head_dir, reference):
     """The penalty inputs (per-row parameters, the reset flags, the min_tokens stop ids) and the step's mode
     bits reach the workers, whose device-side penalty state then matches rank 0's."""
@@ -191,6 +193,7 @@ def test_penalties_min_tokens_and_n_equal_one_process(model_dir, head_dir, refer
     assert_clean(llm)
 
 
+@pytest.mark.slow
 def test_fault_on_rank0_stops_the_group(model_dir, head_dir):
     """An exception inside a step on rank 0 leaves the workers in a collective: the group is shut down and
     the LLM says so on every later call (it does not hang)."""
@@ -201,12 +204,13 @@ def test_fault_on_rank0_stops_the_group(model_dir, head_dir):
 
     llm.engine.runner.execute = boom
     with pytest.raises(RuntimeError, match="boom"):
-        llm.generate(prompts(), greedy(), use_tqdm=False)
+        llm.generate(prompts(), greedy(NEW), use_tqdm=False)
     with pytest.raises(WorkerError, match="no longer in step"):
-        llm.generate(prompts(), greedy(), use_tqdm=False)
+        llm.generate(prompts(), greedy(NEW), use_tqdm=False)
     assert all(p.exitcode is not None for p in llm._driver.workers.procs)
 
 
+@pytest.mark.slow
 def test_torchrun_style_launch(tmp_path, model_dir, reference):
     """One process per rank, rendezvous through RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (env://), as
     torchrun starts them: rank 0's LLM() returns and generates, rank 1 serves inside LLM() and exits 0.
@@ -236,15 +240,17 @@ def test_torchrun_style_launch(tmp_path, model_dir, reference):
 # ---- MQA (1 KV head, replicated), then a worker killed mid-run --------------------------------------
 
 
+@pytest.mark.slow
 def test_mqa_replicated_kv_head_odd_vocab(mqa_dir):
-    ref = tokens(LLM(mqa_dir, num_draft_tokens=0, **KW), greedy())
+    ref = tokens(LLM(mqa_dir, num_draft_tokens=0, **KW), greedy(NEW))
     llm = tp_llm("mqa", mqa_dir, num_draft_tokens=0)
     attn = llm.target.layers[-1].self_attn
     assert (attn.n_q, attn.n_kv) == (2, 1) and any(l.self_attn.indexer for l in llm.target.layers)
     assert llm.target.lm_head.weight.shape[0] == 48  # ceil(95 / 2) rows, one of them padding
-    assert tokens(llm, greedy()) == ref
+    assert tokens(llm, greedy(NEW)) == ref
 
 
+@pytest.mark.slow
 def test_worker_killed_mid_run_raises(mqa_dir):
     llm = tp_llm("mqa", mqa_dir, num_draft_tokens=0)
     pid = llm._driver.workers.procs[0].pid
@@ -254,12 +260,13 @@ def test_worker_killed_mid_run_raises(mqa_dir):
         llm.generate(prompts(), greedy(120), use_tqdm=False)
     assert time.monotonic() - t0 < 30
     with pytest.raises(WorkerError, match="died"):  # and it stays down, at once
-        llm.generate(prompts(), greedy(), use_tqdm=False)
+        llm.generate(prompts(), greedy(NEW), use_tqdm=False)
 
 
 # ---- the bench ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bench_reports_tp(one_thread):
     """`m3eagle bench --tensor-parallel-size 2`: plain and spec engines on both ranks (the spec-off engine
     is built on every rank), the TP size and the time in collectives reported."""

@@ -144,6 +144,7 @@ def test_chat_without_template_names_the_file(tmp_path):
 # ---- logging ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_log_level_from_env():
     code = ("import logging, m3eagle; from m3eagle.entrypoints.logging_setup import init_logging; init_logging(); "
             "lg = logging.getLogger('m3eagle'); print(lg.level, len(lg.handlers))")
@@ -208,7 +209,7 @@ def test_warmup_runs_every_chunk_class_and_leaves_no_trace():
     splitting it) through the engine before returning -- with speculation, so verify and draft steps run
     too -- and then leaves it as a fresh engine: all pages free, speculation counters and step count back
     to zero, and the same tokens as an LLM built without it. It refuses an engine with requests."""
-    from engine_utils import assert_clean
+    from tests.helpers.engine_utils import assert_clean
 
     kw = dict(device="cpu", max_num_tokens=64, max_model_len=256, max_num_seqs=4)
     warm = LLM(warmup=True, **kw)

@@ -12,7 +12,7 @@ import pytest
 
 from m3eagle.entrypoints.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TARGET = ROOT / "m3eagle" / "assets" / "default" / "target"
 
 
@@ -132,6 +132,7 @@ def test_bench_json_dir_missing(capsys, tmp_path):
 # ---- a closed stdout pipe ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_closed_stdout_pipe_exits_quietly():
     """`m3eagle generate ... | head -1`: the reader is gone before the first write; no traceback, no
     'Exception ignored' at interpreter exit."""
@@ -158,7 +159,7 @@ def test_warmup_and_prefill_graph_flags_reach_the_llm(monkeypatch):
             seen.append((kw["warmup"], kw["prefill_graphs"], kw["max_prefill_graph_tokens"]))
             raise RuntimeError("stop here")
 
-    monkeypatch.setattr("m3eagle.LLM", FakeLLM)  # what _make_llm imports when it runs
+    monkeypatch.setattr("m3eagle.entrypoints.llm.LLM", FakeLLM)  # what _make_llm imports when it runs
     for argv in (["generate", "x", "--warmup"], ["generate", "x", "--prefill-graphs"],
                  ["generate", "x", "--no-prefill-graphs", "--max-prefill-graph-tokens", "256"], ["generate", "x"]):
         assert cli.main(argv) == 2  # the fake's error, reported as one line
@@ -178,7 +179,7 @@ def test_num_scheduler_steps_flag_reaches_the_llm(monkeypatch):
             seen.append(kw["num_scheduler_steps"])
             raise RuntimeError("stop here")
 
-    monkeypatch.setattr("m3eagle.LLM", FakeLLM)
+    monkeypatch.setattr("m3eagle.entrypoints.llm.LLM", FakeLLM)
     for argv in (["generate", "x"], ["generate", "x", "--num-scheduler-steps", "4"],
                  ["generate", "x", "--num-scheduler-steps", "auto"]):
         assert cli.main(argv) == 2

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ASSETS = Path(__file__).resolve().parent.parent / "m3eagle" / "assets" / "default"
+ASSETS = Path(__file__).resolve().parents[2] / "m3eagle" / "assets" / "default"
 TARGET, DRAFT = ASSETS / "target", ASSETS / "draft"
 
 

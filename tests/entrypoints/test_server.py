@@ -30,34 +30,33 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import openai  # a test extra
 import httpx
+import openai  # a test extra
 import pytest
 
 from m3eagle import LLM, SamplingParams
 from m3eagle.entrypoints.server import OpenAIServer, ServerThread
+from tests.helpers.engine_utils import greedy
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "m3eagle-default"
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:", "for i in range(10):", "def fib(n):\n    if n",
            "while True:", "x = [1, 2, 3]\n", "def main():\n    args ="]
 MAX_TOKENS = 8
 
 
-def greedy(max_tokens: int = MAX_TOKENS, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
-
 
 @pytest.fixture(scope="module")
 def served(one_thread):
     """(ServerThread, reference): the offline greedy outputs are computed on the same LLM before it serves."""
     llm = LLM(device="cpu", max_num_seqs=64, max_model_len=256)
-    ref = {p: o for p, o in zip(PROMPTS, llm.generate(PROMPTS, greedy()))}
+    ref = {p: o for p, o in zip(PROMPTS, llm.generate(PROMPTS, greedy(MAX_TOKENS, ignore_eos=False)))}
     ref["penalized"] = llm.generate(PROMPTS[0], SamplingParams(**PENALIZED), use_tqdm=False)[0]
     with ServerThread(OpenAIServer(llm, log_interval=0)) as st:
         yield st, ref
     assert llm.engine.is_idle_and_clean() and llm.engine.owner is None
-    assert llm.generate(PROMPTS[0], greedy())[0].outputs[0].text == ref[PROMPTS[0]].outputs[0].text  # not served
+    not_served = llm.generate(PROMPTS[0], greedy(MAX_TOKENS, ignore_eos=False))[0].outputs[0].text
+    assert not_served == ref[PROMPTS[0]].outputs[0].text
 
 
 def client(st: ServerThread):
@@ -108,6 +107,7 @@ def wait_idle(st: ServerThread, timeout: float = 30.0) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_official_client_matches_offline(served):
     st, ref = served
     c = client(st)
@@ -127,6 +127,7 @@ def test_official_client_matches_offline(served):
     assert r.choices[0].text == ref[p].outputs[0].text
 
 
+@pytest.mark.slow
 def test_chat_returns_content(served):
     st, _ = served
     c = client(st)
@@ -145,6 +146,7 @@ def test_chat_returns_content(served):
     assert r2.choices[0].message.content == msg.content
 
 
+@pytest.mark.slow
 def test_stop_strings_and_logprobs(served):
     st, ref = served
     c = client(st)
@@ -163,13 +165,14 @@ def test_stop_strings_and_logprobs(served):
 PENALIZED = dict(temperature=0, max_tokens=MAX_TOKENS, repetition_penalty=1.3, presence_penalty=0.5)
 
 
+@pytest.mark.slow
 def test_generate_on_a_served_llm_is_refused(served):
     """The server's engine thread is the only one that may step a served engine: a second stepper would
     take (and the server drop) the other's outputs. A suite run hit exactly that race in an earlier version
     of the test below ("the engine went idle with 1 requests of this call unfinished")."""
     st, _ = served
     with pytest.raises(RuntimeError, match="being served"):
-        st.server.llm.generate(PROMPTS[0], greedy())
+        st.server.llm.generate(PROMPTS[0], greedy(MAX_TOKENS, ignore_eos=False))
     assert st.server.llm.engine.request_ids() == []  # nothing was queued
     # ... and a second server's engine thread on the same LLM does not start
     from m3eagle.entrypoints.server.async_engine import AsyncEngine
@@ -184,6 +187,7 @@ def test_generate_on_a_served_llm_is_refused(served):
     assert not second.alive and st.server.llm.engine.owner is not None
 
 
+@pytest.mark.slow
 def test_n_penalties_and_top_logprobs(served):
     """n choices (index 0..n-1, seeded: reproducible), penalties as in LLM.generate, top logprobs in both
     shapes (completions: text -> logprob per position; chat: top_logprobs lists), echo with prompt logprobs."""
@@ -225,16 +229,17 @@ def test_add_and_abort_from_other_threads_during_a_step(one_thread, monkeypatch)
     """add_request never waits for a running step (it queues in the intake); an abort that finds a step
     running is applied by that step before it returns, so the request's pages are free when step() returns."""
     llm = LLM(device="cpu", num_draft_tokens=3, max_num_seqs=4, max_model_len=128)
-    ref = llm.generate(["class A:"], greedy(6))[0]
+    ref = llm.generate(["class A:"], greedy(6, ignore_eos=False))[0]
     eng = llm.engine
-    a = eng.add_request(llm.encode("def f(x):"), greedy(60, ignore_eos=True))
+    a = eng.add_request(llm.encode("def f(x):"), greedy(60))
     eng.step()
     added: list = []
     orig = eng.runner.execute
 
     def execute(*args, **kw):
         if not added:  # from other threads, while this step holds the engine
-            for target in (lambda: added.append(eng.add_request(llm.encode("class A:"), greedy(6), "class A:")),
+            late = greedy(6, ignore_eos=False)
+            for target in (lambda: added.append(eng.add_request(llm.encode("class A:"), late, "class A:")),
                            lambda: eng.abort(a.request_id)):
                 t = threading.Thread(target=target)
                 t.start()
@@ -257,6 +262,7 @@ def test_add_and_abort_from_other_threads_during_a_step(one_thread, monkeypatch)
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body, status, param", [
     ({"prompt": "x", "temperature": -0.5}, 400, "temperature"),
     ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
@@ -290,6 +296,7 @@ def test_bad_completion_requests(served, body, status, param):
     assert e["type"] == {400: "BadRequestError", 404: "NotFoundError"}[status] and e["message"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("raw, path", [
     ('{"prompt": "x", "max_tokens": ', "/v1/completions"),
     ("not json", "/v1/completions"),
@@ -304,6 +311,7 @@ def test_malformed_bodies(served, raw, path):
     assert code == 400 and err["error"]["type"] == "BadRequestError" and err["error"]["code"] == 400, err
 
 
+@pytest.mark.slow
 def test_errors_never_reach_the_engine_and_the_server_serves_on(served):
     st, ref = served
     eng = st.server.engine
@@ -322,6 +330,7 @@ def test_errors_never_reach_the_engine_and_the_server_serves_on(served):
     assert http(st, "GET", "/health")[0] == 200
 
 
+@pytest.mark.slow
 def test_503_while_draining(served):
     st, _ = served
     st.server.draining = True
@@ -365,6 +374,7 @@ async def _stream(st: ServerThread, body: dict, drop_after: int | None = None) -
     return r.status_code, text, done
 
 
+@pytest.mark.slow
 def test_disconnect_mid_stream_frees_pages(served):
     st, _ = served
     aborted = metric(st, "m3eagle:request_success_total", finished_reason="abort")
@@ -376,6 +386,7 @@ def test_disconnect_mid_stream_frees_pages(served):
     assert st.server.engine.is_idle_and_clean()
 
 
+@pytest.mark.slow
 def test_disconnect_before_a_non_streamed_answer_frees_pages(served):
     st, _ = served
     aborted = metric(st, "m3eagle:request_success_total", finished_reason="abort")
@@ -394,6 +405,7 @@ def test_disconnect_before_a_non_streamed_answer_frees_pages(served):
     wait_idle(st, timeout=10)
 
 
+@pytest.mark.slow
 def test_metrics(served):
     st, _ = served
     c = client(st)
@@ -425,6 +437,7 @@ def test_metrics(served):
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_soak(served):
     """500 streaming requests, 64 at a time, 10% dropped after a random number of events."""
     st, ref = served
@@ -457,6 +470,7 @@ def test_soak(served):
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sigterm_drains_and_exits_cleanly():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -507,6 +521,7 @@ def test_sigterm_drains_and_exits_cleanly():
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_request_failing_in_the_engine_fails_alone(served, monkeypatch):
     """A fault that belongs to one request (here its detokenizer) fails it alone: a 500 OpenAI error for a
     non-streamed request, an error event (then [DONE]) for a streamed one; the server serves on. The fault
@@ -541,6 +556,7 @@ def test_a_request_failing_in_the_engine_fails_alone(served, monkeypatch):
     wait_idle(st)
 
 
+@pytest.mark.slow
 def test_stats_log_line(served):
     st, _ = served
     m = st.server.metrics
@@ -552,6 +568,7 @@ def test_stats_log_line(served):
     assert m.log_line() is None  # idle: quiet
 
 
+@pytest.mark.slow
 def test_bench_serve_against_the_server(served, tmp_path, capsys):
     from m3eagle.entrypoints.cli import main
 

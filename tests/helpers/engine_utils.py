@@ -1,11 +1,16 @@
-"""Engine test helpers shared by several test modules: the page-leak check, a preemption counter and the
-chi-square survival function of the distribution tests."""
+"""Engine test helpers shared by several test modules: greedy sampling parameters, the page-leak check, a
+preemption counter and the chi-square survival function of the distribution tests."""
 
 from __future__ import annotations
 
 import torch
 
-from m3eagle import LLM
+from m3eagle import LLM, SamplingParams
+
+
+def greedy(max_tokens: int, *, ignore_eos: bool = True, **kw) -> SamplingParams:
+    """Greedy decoding for exactly `max_tokens` tokens (unless a stop ends it, or ignore_eos=False and EOS does)."""
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos, **kw)
 
 
 def assert_clean(llm: LLM) -> None:

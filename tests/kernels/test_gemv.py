@@ -22,10 +22,9 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kernel_spy import spy_launches  # noqa: E402
-
 from m3eagle.kernels.fused import gemv  # noqa: E402
 from m3eagle.kernels.fused.gemv import GemvConfig  # noqa: E402
+from tests.helpers.kernel_spy import spy_launches  # noqa: E402
 
 N, K = 77, 200  # N % BLOCK_N != 0 and K % BLOCK_K != 0 for every config below
 GEMV = {  # elementwise, T <= 4
@@ -247,7 +246,7 @@ def test_engine_mlp_takes_the_epilogue_where_the_gemv_runs_unsplit(monkeypatch):
 
 @pytest.mark.parametrize("t", [1, 3])  # 3: BLOCK_T = 4 with a clamped padding row
 def test_norm_prologue_and_residual_epilogue_equal_their_separate_launches(t):
-    """Design note 51: norm_linear (rms_norm in the GEMV's prologue; Llama and Gemma scaling, with and
+    """The GEMV's folds: norm_linear (rms_norm in the GEMV's prologue; Llama and Gemma scaling, with and
     without the silu epilogue) equals rms_norm's launch followed by the GEMV of the same config to within the
     norm's fp32 sum order (the interpreter happens to sum in the same order: equal here); linear_add (the
     residual in the epilogue) equals the GEMV followed by the backend's residual add, bit for bit."""

@@ -20,12 +20,11 @@ pytest.importorskip("triton")
 
 from dataclasses import replace  # noqa: E402
 
-from kernel_spy import spy_launches  # noqa: E402
-
 from m3eagle.kernels.moe import backend as moe_backend  # noqa: E402
 from m3eagle.kernels.moe import direct, reference, triton_moe, tuning  # noqa: E402
 from m3eagle.kernels.moe.tuning import MoEConfig  # noqa: E402
 from m3eagle.kernels.ops import Ops  # noqa: E402
+from tests.helpers.kernel_spy import spy_launches  # noqa: E402
 
 ALPHA, LIMIT = 1.702, 7.0
 # several K steps of both GEMVs; narrow down tiles; and tiles wider than H / I (masked K, clamped rows)
@@ -469,7 +468,7 @@ def test_shared_expert_of_another_width_on_the_direct_path(t, s_i):
                                              routed_scale=2.0)
         assert_close(got[name], ref)
     assert torch.equal(got["loop"], got["pre"])
-    # the sorted path takes it too (its own segment: tests/test_moe_kernel.py)
+    # the sorted path takes it too (its own segment: tests/kernels/test_moe_kernel.py)
     assert_close(triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=MoEConfig(16, 16, 16),
                                           shared=(s13[0], s2[0]), routed_scale=2.0), ref)
 

@@ -546,6 +546,7 @@ def test_model_logits_equal_with_the_triton_impl():
     assert_close(outs[0], seq)
 
 
+@pytest.mark.slow
 def test_registry_and_lazy_triton_import():
     import subprocess
     import sys

@@ -3,7 +3,7 @@ Triton kernel of the engine waits for its predecessor before touching memory whe
 
 The wait-first rule is checked on the kernels' source (the GPU behaviour is the H200 run's: engine tokens
 with PDL on equal those with it off, `scripts/h200_check.sh PDL_AB=1`); compiling each kernel with PDL on for
-sm_90 is tests/test_kernels_compile.py's.
+sm_90 is tests/kernels/test_kernels_compile.py's.
 """
 
 from __future__ import annotations
@@ -68,8 +68,9 @@ def test_modes_and_the_small_bucket_scope(monkeypatch):
         pdl.enabled(cuda)
 
 
-# The one documented exception (design note 43): with PRELOAD, direct down reads its routing and its weight
-# tiles before the wait -- weights no kernel writes, and idx written two launches back. Only those.
+# The first exception (its weight stream overlaps gate_up's last wave): with PRELOAD, direct down reads its
+# routing and its weight tiles before the wait -- weights no kernel writes, and idx written two launches back.
+# Only those.
 PRELOADING = {"m3eagle.kernels.moe.direct._direct_down_kernel": ({"idx_ptr + pair"}, {"w_ptrs", "s_ptrs"}),
               # the same exception with ROWS column tiles per program: the routing and the first tile only
               "m3eagle.kernels.moe.direct._direct_down_rows_kernel": (
@@ -77,12 +78,13 @@ PRELOADING = {"m3eagle.kernels.moe.direct._direct_down_kernel": ({"idx_ptr + pai
                                        "s_base + rows.to(tl.int64)[:, None] * stride_swh"})}
 LOAD_HELPERS = {"_load_k", "_router_w_tile"}  # jit helpers that load their first argument
 
-# The third (pdl.preload_weights, design note 48): with PRELOAD the decode GEMV's first weight tile and the
-# router's expert rows are read before the wait; x, the counters and every store after it.
+# The third (pdl.preload_weights: its predecessors at batch 1 are latency-bound and stream little): with
+# PRELOAD the decode GEMV's first weight tile and the router's expert rows are read before the wait; x, the
+# counters and every store after it.
 WEIGHT_PRELOAD = {"m3eagle.kernels.fused.gemv._linear_kernel", "m3eagle.kernels.moe.router._router_topk_kernel",
                   "m3eagle.kernels.moe.direct._route_shared_kernel"}
 
-# The second exception (moe/direct.py, design note 46): with SD the routed gate_up launch's shared-down programs
+# The second exception (moe/direct.py, the same overlap): with SD the routed gate_up launch's shared-down programs
 # load their weights before their wait (`_shared_down_program`); every other program waits at once.
 SHARED_DOWN = {"m3eagle.kernels.moe.direct._direct_gate_up_rows_kernel"}
 

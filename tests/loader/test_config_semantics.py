@@ -20,18 +20,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_utils import random_hf_model, tiny_hf_config
 from safetensors.torch import load_file, save_file
-from test_loader import edit_copy
-from test_parity import RTOL, paged_forward, rel_err
 
 from m3eagle import SamplingParams
 from m3eagle.config import DEFAULT_EOS_TOKEN_ID, SPARSE, ConfigError, M3Config
 from m3eagle.loader.checkpoint import CheckpointError, load_config, load_target, save_target
 from m3eagle.loader.eagle3 import load_eagle3
 from m3eagle.loader.tokenizer import load_tokenizer
+from tests.helpers.hf_utils import random_hf_model, tiny_hf_config
+from tests.loader.test_loader import edit_copy
+from tests.models.test_parity import RTOL, paged_forward, rel_err
 
-ASSETS = Path(__file__).resolve().parent.parent / "m3eagle" / "assets" / "default"
+ASSETS = Path(__file__).resolve().parents[2] / "m3eagle" / "assets" / "default"
 REAL_VOCAB = 200064  # MiniMax-M3's; kept so that EOS 200020 is a real token of the shrunk model
 LM_HEAD = "language_model.lm_head.weight"
 

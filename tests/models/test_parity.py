@@ -13,13 +13,13 @@ import dataclasses
 
 import pytest
 import torch
-from engine_utils import Counters
-from hf_utils import random_hf_model, tiny_hf_config
 
 from m3eagle import LLM, SamplingParams
 from m3eagle.kernels.attention.metadata import TRASH_PAGE, build_metadata
 from m3eagle.loader.checkpoint import load_target
 from m3eagle.models.minimax_m3 import MiniMaxM3
+from tests.helpers.engine_utils import Counters
+from tests.helpers.hf_utils import random_hf_model, tiny_hf_config
 
 CPU = torch.device("cpu")
 RTOL = 1e-4

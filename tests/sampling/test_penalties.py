@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_sampling import passes_chi_square, reference_probs
 
 from m3eagle import LLM, Logprob, SamplingParams
 from m3eagle.engine.llm_engine import sample_seed
@@ -21,8 +20,9 @@ from m3eagle.sampling.params import SamplingParamsError
 from m3eagle.sampling.penalties import PenaltyState, PenaltyTensors, penalize_reference
 from m3eagle.sampling.sampler import SALT_DRAFT, SamplingTensors, probs_from_logits, sample_from_probs
 from m3eagle.sampling.verify import verify
+from tests.sampling.test_sampling import passes_chi_square, reference_probs
 
-TARGET = Path(__file__).resolve().parent.parent / "m3eagle" / "assets" / "default" / "target"
+TARGET = Path(__file__).resolve().parents[2] / "m3eagle" / "assets" / "default" / "target"
 PROMPTS = ["def add(a, b):", "import os\n", "class Foo:\n    def __init__(self):"]
 NEW = 24
 
@@ -311,7 +311,7 @@ def test_n_samples_with_penalties_and_preemption(model_dir, make_llm, overlap):
     """Samples that share prompt pages copy the parent's prompt mask (repetition penalty covers the whole
     prompt), also through preemptions in a tiny pool and under overlap; greedy samples of one prompt are
     then identical."""
-    from engine_utils import Counters
+    from tests.helpers.engine_utils import Counters
 
     llm = make_llm(model_dir, max_num_tokens=16, num_pages=24, max_num_seqs=4, max_model_len=64, overlap=overlap)
     prompt = list(range(3, 30))

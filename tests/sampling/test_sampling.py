@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-from engine_utils import chi2_sf
 
 from m3eagle.sampling.params import SamplingParams
 from m3eagle.sampling.sampler import (
@@ -24,6 +23,7 @@ from m3eagle.sampling.sampler import (
     uniform64,
 )
 from m3eagle.sampling.verify import verify
+from tests.helpers.engine_utils import chi2_sf
 
 
 def tensors(n: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed0: int = 0,

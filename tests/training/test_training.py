@@ -121,7 +121,7 @@ def test_corpus_excludes_the_stdlib_and_duplicates(tmp_path, monkeypatch):
 
 
 def test_stdlib_code_prompts_are_seeded_stdlib_function_cuts():
-    tok = tokenizer.load_tokenizer(Path(__file__).resolve().parent.parent / "m3eagle/assets/default/target")
+    tok = tokenizer.load_tokenizer(Path(__file__).resolve().parents[2] / "m3eagle/assets/default/target")
     a = stdlib_code_prompts(tok, 5, seed=3)
     assert a == stdlib_code_prompts(tok, 5, seed=3)
     for p in a:

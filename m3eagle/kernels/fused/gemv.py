@@ -42,7 +42,7 @@ Design.
     Calls sharing counters must be ordered (one stream at a time), as an engine step's are.
     SPLIT is a constexpr, the split count a runtime value: one compile serves every split count.
   * Folded neighbours (the unsplit GEMV, T <= 4; constexpr branches beside the plain path, each held bit-equal
-    or to the norm's sum order against its separate launches by tests/test_gemv.py): an activation epilogue
+    or to the norm's sum order against its separate launches by tests/kernels/test_gemv.py): an activation epilogue
     on a packed gate / up weight (`linear_act`), a residual-add epilogue (`linear_add`), an RMSNorm prologue
     (`norm_linear`), and the greedy pick (`linear_argmax`: one argmax key per tile and row, reduced by the
     launch's last program with the split-K counter pattern). Design notes 50-52 say which the engine takes.

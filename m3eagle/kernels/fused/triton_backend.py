@@ -48,7 +48,7 @@ class TritonFused(ReferenceFused):
         self._splits: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
         # linear(): steps of up to this many rows may run `gemv.linear` instead of cuBLAS, where
         # `gemv.prefers` says it wins (0: never). None: gemv.MAX_T on CUDA, 0 elsewhere -- under the CPU
-        # interpreter the kernel is a test subject (tests/test_gemv.py), not a speed-up: an engine test
+        # interpreter the kernel is a test subject (tests/kernels/test_gemv.py), not a speed-up: an engine test
         # running every projection through it took 160 s instead of ~10.
         self.gemv_max_t = gemv_max_t
 

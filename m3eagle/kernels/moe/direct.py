@@ -27,7 +27,7 @@ rounding, not bit for bit: a step size uses one path or the other by its tuning-
 Two variants from the tuning table, both bit-equal to the above:
 - `down_preload`: when one down tile spans all of I, down loads idx and its weight tiles *before* its PDL
   wait, so under programmatic dependent launch its 4-5 weight rows per program stream during gate_up's
-  last wave (the one exception to pdl.py's wait-first rule; tests/test_pdl.py checks it loads nothing else).
+  last wave (the one exception to pdl.py's wait-first rule; tests/kernels/test_pdl.py checks it loads nothing else).
 - `route_shared` (`route_direct_experts`): the router's programs and the shared expert's gate_up tiles in
   one launch (the shared expert needs no routing, so its stream overlaps the router's latency), then
   gate_up over the routed pairs and down as above: three launches for the whole layer, routing included.

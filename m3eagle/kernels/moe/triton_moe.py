@@ -7,7 +7,7 @@
                                                                    (steps of <= COMBINE_FUSE_MAX_T tokens:
                                                                    by down's last program per column tile)
 
-`reference.experts` is the oracle; tests/test_moe_kernel.py holds these kernels equal to it. Steps of a
+`reference.experts` is the oracle; tests/kernels/test_moe_kernel.py holds these kernels equal to it. Steps of a
 few tokens whose tuning entry says `direct` skip the sort and the combine (`direct.py`: two launches).
 
 No blocking CPU operation in this path and no data-dependent shape: every buffer and grid is the static
