@@ -5,15 +5,21 @@ text-only config, and the legacy spellings (`sparse_attention_config`, `moe_laye
 and resolves them the way transformers 5.17's `MiniMaxM3VLConfig` / `MiniMaxM3VLTextConfig` do: the same
 defaults where a key is absent (EOS 200020, RoPE theta 5e6, the indexer shape), the same RoPE types
 (default, linear, yarn, llama3). The model's sizes have no default: a config without them is refused
-rather than read as the full-size model. Values whose semantics m3eagle does not implement (quantized
-weights, the indexer value path, other RoPE types) are rejected here, at load time, with the key named.
+rather than read as the full-size model. Values whose semantics m3eagle does not implement (the indexer
+value path, other RoPE types, quantization methods other than MXFP8 and block FP8) are rejected here, at load
+time, with the key named.
+
+`quantization_config` (top level or in text_config) becomes `M3Config.quantization`: `mxfp8` (the release:
+e4m3 weights, one ue8m0 scale per 1 x 32 block, `weight_block_size` [1, 32]) or block `fp8` (float scales per
+[bn, bk] tile, DeepSeek / MiniMax-M2 style), with `ignored_layers` (MiniMax's name for transformers'
+`modules_to_not_convert`): the modules stored unquantized.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 log = logging.getLogger("m3eagle")
@@ -27,6 +33,29 @@ ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # see models.layers.rope_i
 
 class ConfigError(ValueError):
     """A config value m3eagle cannot honour; the message names the key and the fix."""
+
+
+QUANT_METHODS = ("mxfp8", "fp8")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How a checkpoint's weights are quantized (weights only: m3eagle runs them as W8A16)."""
+
+    method: str  # "mxfp8" | "fp8"
+    block: tuple[int, int]  # weight_block_size: [1, 32] for mxfp8, [bn, bk] for block fp8
+    ignored: tuple[str, ...] = ()  # modules stored unquantized (ignored_layers / modules_to_not_convert)
+
+    def is_ignored(self, module: str) -> bool:
+        """Whether a checkpoint module name (e.g. `language_model.model.layers.3.block_sparse_moe.gate`) is listed
+        unquantized: listed names match whole dotted components at the name's end (`lm_head` matches
+        `language_model.lm_head`), as transformers' `should_convert_module` matches them."""
+        return any(module == i or module.endswith("." + i) or module.startswith(i + ".") or ("." + i + ".") in module
+                   for i in self.ignored)
+
+    @property
+    def scale_dtype(self) -> str:
+        return "uint8 (ue8m0 bytes)" if self.method == "mxfp8" else "float32"
 
 
 @dataclass(frozen=True)
@@ -62,6 +91,8 @@ class M3Config:
     # Resolved RoPE scaling (rope_type linear / yarn / llama3 and every parameter its formula reads);
     # None for plain RoPE. Unhashed: a dict.
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    # The checkpoint's weight quantization (None: bf16 / fp32 weights).
+    quantization: QuantConfig | None = None
 
     # ---- derived -------------------------------------------------------------------------------
     @property
@@ -85,7 +116,7 @@ class M3Config:
         if not isinstance(d, dict):
             raise ConfigError(f"config.json must hold a JSON object, not a {type(d).__name__}")
         if d.get("model_type") == "minimax_m3_vl" or "text_config" in d:
-            _reject_quantized(d, "")
+            top = parse_quantization(d, "")
             if "text_config" not in d:
                 raise ConfigError("config.json has model_type minimax_m3_vl but no text_config")
             if not isinstance(d["text_config"], dict):
@@ -95,14 +126,15 @@ class M3Config:
             # MiniMaxM3VLConfig ties when either level says so, and the VL model it describes
             # (MiniMaxM3SparseForConditionalGeneration) ties on the top-level flag.
             td["tie_word_embeddings"] = bool(d.get("tie_word_embeddings")) or bool(td.get("tie_word_embeddings"))
-            return cls._from_text_dict(td, "text_config.")
+            cfg = cls._from_text_dict(td, "text_config.")
+            return replace(cfg, quantization=top) if top is not None and cfg.quantization is None else cfg
         return cls._from_text_dict(d, "")
 
     @classmethod
     def _from_text_dict(cls, d: dict[str, Any], where: str) -> M3Config:
         """Parse a text config; `where` prefixes key names in errors ('text_config.' inside a VL config)."""
         g = d.get
-        _reject_quantized(d, where)
+        quantization = parse_quantization(d, where)
         sparse_cfg = g("sparse_attention_config") or {}
         if not isinstance(sparse_cfg, dict):
             raise ConfigError(f"{where}sparse_attention_config must be a JSON object")
@@ -187,12 +219,13 @@ class M3Config:
             tie_word_embeddings=bool(g("tie_word_embeddings", False)),
             bos_token_id=g("bos_token_id", DEFAULT_BOS_TOKEN_ID),
             eos_token_ids=eos_ids(g("eos_token_id", DEFAULT_EOS_TOKEN_ID), where + "eos_token_id"),
-            max_position_embeddings=max_pos, rope_scaling=scaling,
+            max_position_embeddings=max_pos, rope_scaling=scaling, quantization=quantization,
         )
 
     def to_hf_text_dict(self) -> dict[str, Any]:
         """A text-only config.json that transformers' MiniMaxM3VLTextConfig and m3eagle both read."""
         d = asdict(self)
+        d.pop("quantization")  # the weights' format, written by whoever writes quantized weights
         eos = d.pop("eos_token_ids")
         d["eos_token_id"] = list(eos) if len(eos) != 1 else eos[0]
         d["layer_types"], d["mlp_layer_types"] = list(self.layer_types), list(self.mlp_layer_types)
@@ -242,13 +275,37 @@ def _require_sizes(d: dict[str, Any], raw: dict[str, Any], layer_types: list | N
                           "MiniMax-M3 sizes. Copy the values from the checkpoint's own config.json.")
 
 
-def _reject_quantized(d: dict[str, Any], where: str) -> None:
+def parse_quantization(d: dict[str, Any], where: str) -> QuantConfig | None:
+    """`quantization_config` -> QuantConfig (None when absent); anything m3eagle cannot run exactly is refused
+    with the key and value named."""
     q = d.get("quantization_config")
-    if q:
-        method = q.get("quant_method") if isinstance(q, dict) else q
-        raise ConfigError(f"{where}quantization_config.quant_method={method!r}: m3eagle loads unquantized "
-                          "(bf16 / fp32) weights only; FP8 support has not landed. Use the bf16 checkpoint, or "
-                          "dequantize the weights (w * weight_scale_inv per block) and drop quantization_config.")
+    if not q:
+        return None
+    key = f"{where}quantization_config"
+    if not isinstance(q, dict):
+        raise ConfigError(f"{key} must be a JSON object, not a {type(q).__name__}")
+    method = q.get("quant_method")
+    if method not in QUANT_METHODS:
+        raise ConfigError(f"{key}.quant_method={method!r} is not supported; m3eagle loads {', '.join(QUANT_METHODS)} "
+                          "checkpoints (MiniMax-M3's MXFP8 release, block-FP8 checkpoints) and unquantized ones")
+    block = q.get("weight_block_size", [1, 32] if method == "mxfp8" else None)
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ConfigError(f"{key}.weight_block_size={block!r}: expected two positive ints [rows, cols] per scale "
+                          "(per-tensor / per-channel FP8 is not supported)")
+    if method == "mxfp8" and list(block) != [1, 32]:
+        raise ConfigError(f"{key}.weight_block_size={list(block)!r}: MXFP8 scales 1 x 32 blocks; expected [1, 32]")
+    scheme = q.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ConfigError(f"{key}.activation_scheme={scheme!r}: m3eagle keeps activations in bf16 (W8A16) and "
+                          "reads no activation scales; only 'dynamic' checkpoints are supported")
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ConfigError(f"{key}.fmt={fmt!r}: only e4m3 FP8 weights are supported")
+    ignored = q.get("ignored_layers", q.get("modules_to_not_convert")) or []
+    if not isinstance(ignored, list) or not all(isinstance(i, str) for i in ignored):
+        raise ConfigError(f"{key}.ignored_layers must be a list of module names, got {ignored!r}")
+    return QuantConfig(method, (int(block[0]), int(block[1])), tuple(ignored))
 
 
 def _resolve_rope(d: dict[str, Any], head_dim: int, max_pos: int, where: str,

@@ -43,6 +43,22 @@ class Shard:
                 out.append((s - lo, e - s))
         return Shard(self.dim, tuple(out), sum(n for _, n in out), hi - lo)
 
+    def blocks(self, block: int) -> Shard:
+        """This shard in units of `block` (the same part of a quantized weight's scale tensor, which holds one
+        scale per `block` elements along `dim`). Every piece must start on a block boundary and end on one (or
+        at the end of the dimension); else ValueError naming the offending offset."""
+        if block == 1:
+            return self
+        out = []
+        for a, n in self.pieces:
+            if a % block or (n % block and a + n != self.full):
+                raise ValueError(f"a shard piece [{a}, {a + n}) of a dimension of {self.full} does not fall on "
+                                 f"whole scale blocks of {block}")
+            out.append((a // block, -(-n // block)))
+        if self.size != sum(n for _, n in self.pieces):
+            raise ValueError("a zero-padded shard (vocabulary rows) has no quantization scales")
+        return Shard(self.dim, tuple(out), sum(n for _, n in out), -(-self.full // block))
+
     def read(self, get: Callable[[tuple[slice, ...]], torch.Tensor]) -> torch.Tensor:
         """Assemble the local tensor from `get(index)`, a reader of full-tensor index tuples (a safetensors
         slice, or a tensor's __getitem__)."""

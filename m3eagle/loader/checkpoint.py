@@ -13,9 +13,17 @@ Tensor parallel (`load_target(..., tp=group)`): each rank reads only its slices 
 (`safe_open(...).get_slice`, the model's `Shard`s in m3eagle.distributed.layers) and only its experts; the
 model is allocated on the device once, in the serving dtype, and filled tensor by tensor.
 
+Quantized checkpoints (config `quantization_config`: the MXFP8 release, block FP8): each quantized weight
+`X.weight` (float8_e4m3fn) comes with its scale `X.weight_scale_inv` (uint8 ue8m0 bytes for MXFP8, float for
+block FP8; for stacked experts `X.gate_up_proj` / `X.gate_up_proj_scale_inv`), read in the stored dtypes --
+under tensor parallelism the scale's slice follows its weight's, in whole blocks -- and dequantized exactly
+(`kernels/quant/mxfp8.py`) into the model's dtype as it is read. Modules listed in `ignored_layers` must be
+stored unquantized.
+
 Vision weights are skipped with one log line. A missing or mis-shaped tensor raises `CheckpointError`
 naming the tensor and the expected shape; so do NaN / Inf values, integer or FP8 tensors where float
-weights belong (never cast), and an unreadable safetensors file (named). config.json and
+weights belong (never cast), an FP8 weight without its scale (named), and an unreadable safetensors file
+(named). config.json and
 generation_config.json are read as transformers reads them: the EOS ids come from generation_config.json
 when it sets them, else from the config (transformers' default 200020 when it names none).
 """
@@ -34,9 +42,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from m3eagle.config import ConfigError, M3Config, eos_ids
+from m3eagle.config import ConfigError, M3Config, QuantConfig, eos_ids
 from m3eagle.distributed.layers import Shard, param_shards
 from m3eagle.distributed.parallel_state import SINGLE, TPGroup
+from m3eagle.kernels.quant.mxfp8 import dequantize_block, dequantize_mx
 from m3eagle.models.layers import Router
 from m3eagle.models.minimax_m3 import MiniMaxM3
 
@@ -147,6 +156,42 @@ def _canonical(name: str) -> str | None:
 
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
 _HALF = re.compile(r"(.*)\.(gate_proj|up_proj)\.weight$")
+_SCALE = "_scale_inv"  # X.weight_scale_inv scales X.weight; X.gate_up_proj_scale_inv the stacked experts' X.gate_up_proj
+
+
+def _weight_spec(cfg: M3Config, shards: dict[str, Shard], name: str, rows: int | None) -> Shard | None | bool:
+    """The shard of weight `name` (m3eagle name) this rank reads: a Shard, None (the whole tensor) or False (an
+    expert of another rank: not read). rows: a gate / up half's rows (None: from the config)."""
+    if m := _EXPERT.match(name):
+        spec = shards.get(m.group(1) + ".gate_up_proj")
+        (e0, n), = spec.pieces if spec is not None else ((0, cfg.num_local_experts),)
+        return None if e0 <= int(m.group(2)) < e0 + n else False
+    spec = shards.get(name)
+    if spec is None and (m := _HALF.match(name)):
+        fused = shards.get(m.group(1) + ".gate_up_proj.weight")
+        if fused is not None:
+            if rows is None:
+                rows = cfg.shared_intermediate_size if ".shared_experts" in name else cfg.dense_intermediate_size
+            lo = 0 if m.group(2) == "gate_proj" else rows
+            spec = fused.restrict(lo, lo + rows)
+    return spec
+
+
+def _dequantize(raw: str, q: torch.Tensor, scale: torch.Tensor, quant: QuantConfig) -> torch.Tensor:
+    """One quantized weight and its scale (checkpoint names in errors) -> fp32, exactly as stored."""
+    if quant.method == "mxfp8":
+        if scale.dtype != torch.uint8:
+            raise CheckpointError(f"tensor {raw + _SCALE!r} is {scale.dtype}; MXFP8 scales are uint8 ue8m0 bytes "
+                                  "(quantization_config.quant_method 'mxfp8')")
+    elif not scale.is_floating_point():
+        raise CheckpointError(f"tensor {raw + _SCALE!r} is {scale.dtype}; block-FP8 scales are floating point "
+                              "(quantization_config.quant_method 'fp8')")
+    try:
+        if quant.method == "mxfp8":
+            return dequantize_mx(q, scale)
+        return dequantize_block(q, scale, quant.block)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"tensor {raw!r}: {e}") from None
 
 
 def _shard_reader(cfg: M3Config, shards: dict[str, Shard]) -> Callable[[str, Any], torch.Tensor | None]:
@@ -158,17 +203,22 @@ def _shard_reader(cfg: M3Config, shards: dict[str, Shard]) -> Callable[[str, Any
         name = _canonical(raw)
         if name is None:
             return torch.empty(0)  # vision / MTP: not read, counted as ignored by the caller
-        if m := _EXPERT.match(name):
-            spec = shards.get(m.group(1) + ".gate_up_proj")
-            (e0, n), = spec.pieces if spec is not None else ((0, cfg.num_local_experts),)
-            return sl[:] if e0 <= int(m.group(2)) < e0 + n else None
-        spec = shards.get(name)
-        if spec is None and (m := _HALF.match(name)):
-            fused = shards.get(m.group(1) + ".gate_up_proj.weight")
-            if fused is not None:
-                inter = sl.get_shape()[0]
-                lo = 0 if m.group(2) == "gate_proj" else inter
-                spec = fused.restrict(lo, lo + inter)
+        if name.endswith(_SCALE) and cfg.quantization is not None:  # the slice of its weight, in scale blocks
+            wname = name[: -len(_SCALE)]
+            spec = _weight_spec(cfg, shards, wname, None)
+            if spec is False or spec is None:
+                return None if spec is False else sl[:]
+            bn, bk = cfg.quantization.block
+            per_dim = (bn, bk) if len(sl.get_shape()) == 2 else (1, bn, bk)  # stacked experts: [E, N, K]
+            try:
+                return spec.blocks(per_dim[spec.dim]).read(sl.__getitem__)
+            except ValueError as e:
+                raise CheckpointError(f"tensor {raw!r}: the tensor-parallel split of {wname!r} cuts a "
+                                      f"quantization block ({e}); use a tensor_parallel_size that splits it on "
+                                      "whole blocks") from None
+        spec = _weight_spec(cfg, shards, name, sl.get_shape()[0])
+        if spec is False:
+            return None
         return spec.read(sl.__getitem__) if spec is not None else sl[:]
 
     return read
@@ -182,12 +232,30 @@ def load_state_dict(path: str | Path, cfg: M3Config, shards: dict[str, Shard] | 
     sd: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, int, str], tuple[str, torch.Tensor]] = {}
     halves: dict[tuple[str, str], tuple[str, torch.Tensor]] = {}
+    quant = cfg.quantization
+    fp8: dict[str, torch.Tensor] = {}  # quantized weights waiting for their scale, by checkpoint name
+    scales: dict[str, torch.Tensor] = {}  # scales waiting for their weight
     skipped = 0
     for raw, t in iter_tensors(path, _shard_reader(cfg, shards) if shards else None):
         name = _canonical(raw)
         if name is None:
             skipped += 1
             continue
+        if quant is not None and raw.endswith(_SCALE):
+            raw = raw[: -len(_SCALE)]
+            if raw not in fp8:
+                scales[raw] = t
+                continue
+            t, name = _dequantize(raw, fp8.pop(raw), t, quant), _canonical(raw)
+        elif quant is not None and t.dtype in _FP8:
+            module = raw.rsplit(".", 1)[0] if raw.endswith(".weight") else raw
+            if quant.is_ignored(module):
+                raise CheckpointError(f"tensor {raw!r} is {t.dtype} but quantization_config.ignored_layers lists "
+                                      f"{module!r} as unquantized; the config does not match the weights")
+            if raw not in scales:
+                fp8[raw] = t
+                continue
+            t = _dequantize(raw, t, scales.pop(raw), quant)
         _check_float(raw, t)
         m = _EXPERT.match(name)
         if m:
@@ -198,6 +266,14 @@ def load_state_dict(path: str | Path, cfg: M3Config, shards: dict[str, Shard] | 
             halves[(m.group(1), m.group(2))] = (raw, t)
             continue
         sd[name] = t
+    if fp8:
+        raw = sorted(fp8)[0]
+        raise CheckpointError(f"missing tensor {raw + _SCALE!r}: the {quant.method.upper()} weight {raw!r} has no "
+                              f"scale ({quant.scale_dtype}); {len(fp8)} quantized weights lack theirs")
+    if scales:
+        raw = sorted(scales)[0]
+        raise CheckpointError(f"tensor {raw + _SCALE!r} scales a weight {raw!r} that is not FP8 (or missing); "
+                              "the checkpoint does not match its quantization_config")
     if skipped:
         log.info("ignored %d vision/MTP tensors (m3eagle serves the text backbone)", skipped)
     h, inter = cfg.hidden_size, cfg.intermediate_size
@@ -238,8 +314,9 @@ def _check_float(name: str, t: torch.Tensor) -> None:
     """Target weights are floating point: an integer or FP8 tensor is refused, never cast (a cast would
     load unscaled quantized values or an index table as weights)."""
     if t.dtype in _FP8:
-        raise CheckpointError(f"tensor {name!r} is {t.dtype}: FP8 weights (with weight_scale_inv) are not "
-                              "supported yet; use the bf16 checkpoint")
+        raise CheckpointError(f"tensor {name!r} is {t.dtype} but config.json has no quantization_config: FP8 "
+                              "weights are read only as the config's quant_method ('mxfp8' or block 'fp8') says, "
+                              "never cast unscaled")
     if not t.is_floating_point():
         raise CheckpointError(f"tensor {name!r} has dtype {t.dtype} where floating-point weights belong; "
                               "the checkpoint is not a MiniMax-M3 bf16/fp32 checkpoint")

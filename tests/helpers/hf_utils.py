@@ -8,7 +8,8 @@ import torch
 def tiny_hf_config(seed: int = 0, vocab: int = 96, layers: int = 4, heads: int = 4, kv_heads: int = 2,
                    head_dim: int = 16, rotary_factor: float = 0.5, block: int = 8, topk: int = 2,
                    index_heads: int | None = None, experts: int = 4, top_k: int = 2, local_blocks: int = 1,
-                   tie: bool = False):
+                   tie: bool = False, hidden: int = 48, inter: int = 24, dense_inter: int = 40, shared_inter: int = 20,
+                   index_head_dim: int = 12):
     from transformers import MiniMaxM3VLTextConfig
 
     g = torch.Generator().manual_seed(seed)
@@ -20,12 +21,12 @@ def tiny_hf_config(seed: int = 0, vocab: int = 96, layers: int = 4, heads: int =
     if "sparse" not in mlp_types:
         mlp_types[-1] = "sparse"
     return MiniMaxM3VLTextConfig(
-        vocab_size=vocab, hidden_size=48, intermediate_size=24, dense_intermediate_size=40,
-        shared_intermediate_size=20, num_hidden_layers=layers, num_attention_heads=heads,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, dense_intermediate_size=dense_inter,
+        shared_intermediate_size=shared_inter, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv_heads, head_dim=head_dim, num_local_experts=experts, num_experts_per_tok=top_k,
         routed_scaling_factor=2.0, rotary_dim=int(head_dim * rotary_factor), partial_rotary_factor=rotary_factor,
         rope_theta=10000.0, layer_types=layer_types, mlp_layer_types=mlp_types,
-        index_n_heads=index_heads or kv_heads, index_head_dim=12, index_block_size=block,
+        index_n_heads=index_heads or kv_heads, index_head_dim=index_head_dim, index_block_size=block,
         index_topk_blocks=topk, index_local_blocks=local_blocks, bos_token_id=1, eos_token_id=2,
         pad_token_id=0, tie_word_embeddings=tie, max_position_embeddings=4096, rms_norm_eps=1e-6)
 

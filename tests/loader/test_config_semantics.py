@@ -267,18 +267,20 @@ def test_unimplemented_rope_is_refused(tiny, edit, key):
 # ------------------------------------------------------------------------------------------------
 
 
-MXFP8 = {"quant_method": "mxfp8", "activation_scheme": "dynamic", "weight_block_size": [1, 32],
-         "ignored_layers": ["lm_head", "model.embed_tokens", "vision_tower"]}
-
-
 @pytest.mark.parametrize("where", ["top", "text_config"])
-def test_quantized_checkpoint_is_refused(public, tmp_path, where):
-    """The MXFP8 release's quantization_config fails the load, naming the method."""
-    def quantize(conf):
-        (conf if where == "top" else conf["text_config"])["quantization_config"] = MXFP8
+def test_quantization_config_is_read_at_either_level(public, tmp_path, where):
+    """The release's quantization_config parses from the top level or text_config; an unsupported method is
+    refused naming the key (tests/loader/test_quantized_checkpoint.py loads the weights themselves)."""
+    mx = {"quant_method": "mxfp8", "activation_scheme": "dynamic", "weight_block_size": [1, 32],
+          "ignored_layers": ["lm_head"]}
 
-    d = edit_copy(public[0], tmp_path / "q", config_edit=quantize)
-    with pytest.raises(ConfigError, match="quant_method='mxfp8'"):
+    def quantize(conf, q=mx):
+        (conf if where == "top" else conf["text_config"])["quantization_config"] = q
+
+    assert load_config(edit_copy(public[0], tmp_path / "q", config_edit=quantize)).quantization.method == "mxfp8"
+    d = edit_copy(public[0], tmp_path / "gptq", config_edit=lambda c: quantize(c, {"quant_method": "gptq"}))
+    prefix = "" if where == "top" else "text_config."
+    with pytest.raises(ConfigError, match=f"{prefix}quantization_config.quant_method='gptq' is not supported"):
         load_target(d)
 
 
