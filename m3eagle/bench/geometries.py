@@ -77,6 +77,26 @@ def m3_8b() -> tuple[M3Config, Eagle3Config]:
     return t, _head(t, heads=32, kv_heads=4, head_dim=128, inter=12288)
 
 
+M3_LAYERS, M3_DENSE_LAYERS = 60, 3
+
+
+def m3(num_layers: int = M3_LAYERS) -> tuple[M3Config, Eagle3Config]:
+    """MiniMax-M3's real text backbone (the release's config.json: hidden 6144, 64 query / 4 KV heads of 128,
+    vocabulary 200064, 3 dense layers of 12288 then MoE layers of 128 experts of 3072, top 4, one shared expert of
+    3072, an indexer of 4 heads of 128 over 128-token blocks, top 16) cut to its first `num_layers` layers, so that
+    a share of the real model's layers fits one GPU and its per-layer step, bytes and MBU are measured at the
+    real shapes. Four layers at least: the Eagle3 head taps three of them. The head is multi-head attention as
+    wide as the target."""
+    if not 4 <= num_layers <= M3_LAYERS:
+        raise ValueError(f"--num-layers {num_layers}: choose 4..{M3_LAYERS} (MiniMax-M3 has {M3_LAYERS} layers; the "
+                         "Eagle3 head taps three)")
+    dense = M3_DENSE_LAYERS
+    t = _m3(vocab=200064, hidden=6144, layers=num_layers, dense_layers=dense, heads=64, kv_heads=4, head_dim=128,
+            dense_inter=12288, experts=128, top_k=4, inter=3072, shared=3072, index_heads=4, index_dim=128,
+            block=128, topk_blocks=16)
+    return t, _head(t, heads=48, kv_heads=48, head_dim=128, inter=16384)
+
+
 def tiny() -> tuple[M3Config, Eagle3Config]:
     # Block 8 x top-2 = 16 tokens: any prompt past 16 tokens exercises block selection. The head drafts
     # over half the vocabulary, so the d2t mapping runs too.
@@ -86,18 +106,22 @@ def tiny() -> tuple[M3Config, Eagle3Config]:
     return t, _head(t, heads=4, kv_heads=2, head_dim=16, inter=128, draft_vocab=256)
 
 
-NAMED = {"m3-mini": m3_mini, "m3-8b": m3_8b, "tiny": tiny}
+NAMED = {"m3-mini": m3_mini, "m3-8b": m3_8b, "m3": m3, "tiny": tiny}
 NAMES = ("embedded", *NAMED)
 
 
-def resolve(name: str, draft: str | Path | None = None, load_format: str = "auto") -> Geometry:
-    """--geometry NAME|DIR (+ --draft DIR, --load-format) -> Geometry; errors name the option."""
+def resolve(name: str, draft: str | Path | None = None, load_format: str = "auto",
+            num_layers: int | None = None) -> Geometry:
+    """--geometry NAME|DIR (+ --draft DIR, --load-format, --num-layers for m3) -> Geometry; errors name the option."""
+    if num_layers is not None and name != "m3":
+        raise ValueError(f"--num-layers is for --geometry m3 (the real model cut to N layers), not {name!r}")
     if name in NAMED:
         if draft is not None:
             raise ValueError(f"--draft is for --geometry DIR; the named geometry {name!r} brings its own "
                              "random Eagle3 head")
-        target, head = NAMED[name]()
-        return Geometry(name, target, head, "dummy", f"{name}: random weights (seed 0) built on the device")
+        target, head = NAMED[name](num_layers) if num_layers is not None else NAMED[name]()
+        what = f" ({target.num_hidden_layers} of its {M3_LAYERS} layers)" if name == "m3" else ""
+        return Geometry(name, target, head, "dummy", f"{name}{what}: random weights (seed 0) built on the device")
     if name == "embedded":
         d = Path(draft) if draft is not None else (ASSETS / "draft")
         what = "random weights" if load_format == "dummy" else "the trained weights"

@@ -92,7 +92,7 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
     from m3eagle.engine.runtime import Runtime
 
     say = Progress()
-    geo = geometries.resolve(a.geometry, a.draft, a.load_format)
+    geo = geometries.resolve(a.geometry, a.draft, a.load_format, getattr(a, "num_layers", None))
     dev = _device(a.device)
     k = a.num_draft_tokens if a.num_draft_tokens is not None else (3 if geo.draft is not None else 0)
     if k and geo.draft is None:

@@ -258,10 +258,13 @@ def _add_bench(sub) -> None:
                     "generate on the same weights. Progress and a table go to stderr, the JSON document to\n"
                     "stdout (or --json FILE).\n\n"
                     "Geometries: embedded (the trained 9M model + Eagle3 head), m3-mini (2.38B params, 0.62B\n"
-                    "active), m3-8b (~10B, ~4.1B active), tiny (a CPU smoke test), or a checkpoint DIR. Named\n"
+                    "active), m3-8b (~10B, ~4.1B active), m3 (MiniMax-M3's real layer shapes, --num-layers N of\n"
+                    "its 60), tiny (a CPU smoke test), or a checkpoint DIR. Named\n"
                     "geometries get random seeded weights built on the device; nothing touches the disk.")
     b.add_argument("--geometry", "--model", default="embedded", metavar="NAME|DIR",
-                   help="embedded | m3-mini | m3-8b | tiny | a checkpoint directory")
+                   help="embedded | m3-mini | m3-8b | m3 | tiny | a checkpoint directory")
+    b.add_argument("--num-layers", type=int_in(4, 60), default=None,
+                   help="for --geometry m3: keep its first N layers (3 dense, then MoE)")
     b.add_argument("--draft", default=None, help="Eagle3 head directory for --geometry DIR")
     b.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="for embedded / DIR: auto reads the weights, dummy uses random ones (named geometries are "

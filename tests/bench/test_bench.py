@@ -558,3 +558,25 @@ def test_serve_base_url():
     for bad in ("localhost:8000", "ftp://h:1", "http://"):
         with pytest.raises(ValueError, match="--base-url"):
             base_url(bad)
+
+
+def test_m3_geometry_has_the_real_layer_shapes():
+    """--geometry m3 is MiniMax-M3's text backbone at its real shapes (426B parameters at 60 layers, counted on
+    the meta device); --num-layers keeps the first N (3 dense, then MoE) and is refused elsewhere, by name."""
+    import torch
+
+    from m3eagle.bench import geometries
+    from m3eagle.models.minimax_m3 import MiniMaxM3
+
+    full = geometries.resolve("m3").model
+    with torch.device("meta"):
+        assert round(sum(p.numel() for p in MiniMaxM3(full).parameters()) / 1e9) == 426
+    cut = geometries.resolve("m3", num_layers=4).model
+    assert (cut.hidden_size, cut.num_attention_heads, cut.num_key_value_heads, cut.head_dim) == (6144, 64, 4, 128)
+    assert (cut.num_local_experts, cut.num_experts_per_tok, cut.intermediate_size, cut.vocab_size) == (128, 4, 3072, 200064)
+    assert cut.mlp_layer_types == ("dense",) * 3 + ("sparse",)
+    with pytest.raises(ValueError, match="--num-layers is for --geometry m3"):
+        geometries.resolve("m3-mini", num_layers=4)
+    for bad in (3, 61):
+        with pytest.raises(ValueError, match=f"--num-layers {bad}: choose 4..60"):
+            geometries.m3(bad)
