@@ -1,9 +1,26 @@
 """Load and save Eagle3 draft heads (config.json + safetensors, the EAGLE / SpecForge layout).
 
 Accepted key spellings, mapped onto `Eagle3Head`'s names: `midlayer.*` or `layers.0.*` (speculators,
-some SpecForge exports), each with or without a `model.` prefix; `fc`, `fc_norm.{i}` (Eagle3.1), `norm`,
-`lm_head`, `d2t`, `t2d`, and an optional `embed_tokens.weight` -- without it the head borrows the
-target's table (`head.cfg.has_embed` is False and the caller runs `head.set_embedding(...)`).
+some SpecForge exports), each with or without a `model.` prefix (which any other key may carry too); `fc`,
+`fc_norm.{i}` (Eagle3.1), `norm`, `lm_head`, `d2t`, `t2d`, and an optional `embed_tokens.weight` --
+without it the head borrows the target's table (`head.cfg.has_embed` is False and the caller runs
+`head.set_embedding(...)`).
+
+Optional `lm_head.weight`: a head that drafts over the target's whole vocabulary (draft_vocab_size ==
+vocab_size; d2t absent or all zero) may leave it out and share the target's lm_head
+(`head.cfg.has_lm_head` is False; `share_target_weights(head, target)` shares both tables). With a
+reduced draft vocabulary it is required, and its absence fails naming the tensor.
+
+Vocabulary mapping: `d2t` [Vd] (target id = draft id + d2t[draft id]) is authoritative; a `t2d` [V]
+beside it is checked for shape and otherwise ignored (t2d is re-derived from d2t). `t2d` alone defines
+the draft ids as the marked target ids in order.
+
+Attention shape: head_dim is config.json's `head_dim` when present (never re-derived as hidden / heads);
+`num_key_value_heads` absent or equal to the heads is multi-head attention, a divisor is GQA.
+
+Aux inputs: m3eagle drafts from exactly 3 aux hidden states (fc over 3 x target_hidden_size). A config
+that names another number of `eagle_aux_hidden_state_layer_ids` (e.g. 3 layer taps + the final layer)
+is refused at load time.
 
 Everything that would make the head disagree with its target fails at load time with a `ValueError`
 (`CheckpointError` for tensors) naming both values: widths, vocabulary sizes, aux layer ids, the draft
@@ -32,6 +49,7 @@ from m3eagle.models.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_id
 log = logging.getLogger("m3eagle")
 
 LAYOUTS = ("midlayer", "layers.0")
+NUM_AUX = 3  # aux hidden states fc reads: the target's residual stream after 3 of its layers
 
 
 def canonical_name(name: str) -> str:
@@ -66,11 +84,13 @@ def load_eagle3(path: str | Path, target_cfg: M3Config, dtype: torch.dtype = tor
         raise ConfigError(f"{Path(path) / 'config.json'}: Eagle3 rms_norm_eps={cfg.rms_norm_eps} must be positive "
                           "(the norms divide by sqrt(mean(x^2) + eps))")
     sd = load_state_dict(path)
-    cfg = replace(cfg, has_embed="embed_tokens.weight" in sd,
+    cfg = replace(cfg, has_embed="embed_tokens.weight" in sd, has_lm_head="lm_head.weight" in sd,
                   aux_layer_ids=cfg.aux_layer_ids or default_aux_layer_ids(target_cfg.num_hidden_layers))
+    _check_aux_count(cfg, sd)
     validate_against_target(cfg, target_cfg, explicit_target_hidden="target_hidden_size" in raw)
     _check_fc(cfg, sd)
     _fill_vocab_mapping(cfg, sd)
+    _check_lm_head(cfg, sd)
     head = Eagle3Head(cfg)
     load_into(head, sd, f"Eagle3 checkpoint {path}")
     return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
@@ -97,6 +117,57 @@ def validate_against_target(cfg: Eagle3Config, target: M3Config, explicit_target
         raise ValueError(f"Eagle3 checkpoint has no embed_tokens.weight and its hidden_size="
                          f"{cfg.hidden_size} differs from the target's hidden_size={target.hidden_size}, so "
                          "the target's embedding table cannot be shared; ship embed_tokens.weight")
+    if not cfg.has_lm_head and cfg.hidden_size != target.hidden_size:
+        raise ValueError(f"Eagle3 checkpoint has no lm_head.weight and its hidden_size={cfg.hidden_size} "
+                         f"differs from the target's hidden_size={target.hidden_size}, so the target's lm_head "
+                         "cannot be shared; ship lm_head.weight")
+
+
+def share_target_weights(head: Eagle3Head, target: torch.nn.Module) -> Eagle3Head:
+    """Give a loaded head the target tables its checkpoint left out: the embedding (cfg.has_embed False)
+    and the lm_head (cfg.has_lm_head False). Under tensor parallelism the target's vocab-parallel modules
+    themselves are shared (their lookups all-reduce, their logits all-gather)."""
+    if not head.cfg.has_embed:
+        emb = target.embed_tokens
+        tp = getattr(emb, "tp", None)
+        if tp is not None and tp.size > 1:
+            head.embed_tokens = emb
+        else:
+            head.set_embedding(emb.weight)
+    if not head.cfg.has_lm_head:
+        head.set_lm_head(target.lm_head)
+    return head
+
+
+def _check_aux_count(cfg: Eagle3Config, sd: dict[str, torch.Tensor]) -> None:
+    ids = list(cfg.aux_layer_ids or ())
+    fc = sd.get("fc.weight")
+    if len(ids) == NUM_AUX:
+        if fc is not None and fc.dim() == 2 and fc.shape[1] == (NUM_AUX + 1) * cfg.target_hidden_size:
+            raise CheckpointError(f"Eagle3 fc.weight takes {fc.shape[1]} = 4 x target_hidden_size="
+                                  f"{cfg.target_hidden_size} inputs: 4 aux hidden states (3 layer taps + the final "
+                                  f"layer?), but eagle_aux_hidden_state_layer_ids={ids} names 3; m3eagle drafts "
+                                  f"from exactly {NUM_AUX} aux hidden states (fc over 3 x target_hidden_size)")
+        return
+    extra = (" (3 layer taps + the final layer)" if len(ids) == NUM_AUX + 1 else "")
+    raise ValueError(f"Eagle3 config eagle_aux_hidden_state_layer_ids={ids} names {len(ids)} aux hidden states"
+                     f"{extra}; m3eagle supports exactly {NUM_AUX}: the target's residual stream after 3 of its "
+                     "layers, concatenated into fc (fc.weight [hidden_size, 3 x target_hidden_size]). A head "
+                     "trained with another number of aux inputs cannot be loaded")
+
+
+def _check_lm_head(cfg: Eagle3Config, sd: dict[str, torch.Tensor]) -> None:
+    """Without lm_head.weight the head shares the target's, which scores the target's vocabulary: only a
+    head whose draft vocabulary IS the target's (no reduced vocab: d2t zero) can do that."""
+    if cfg.has_lm_head:
+        return
+    d2t = sd["d2t"]  # filled in by _fill_vocab_mapping
+    if cfg.draft_vocab_size != cfg.vocab_size or bool(d2t.any()):
+        raise CheckpointError(f"Eagle3 checkpoint has no 'lm_head.weight' (expected shape "
+                              f"{(cfg.draft_vocab_size, cfg.hidden_size)}): it may be left out only when the head "
+                              f"shares the target's lm_head, i.e. draft_vocab_size == vocab_size and d2t absent or "
+                              f"all zero; this head has draft_vocab_size={cfg.draft_vocab_size}, vocab_size="
+                              f"{cfg.vocab_size}" + (", and a nonzero d2t" if bool(d2t.any()) else ""))
 
 
 def _check_fc(cfg: Eagle3Config, sd: dict[str, torch.Tensor]) -> None:
@@ -131,15 +202,22 @@ def _fill_vocab_mapping(cfg: Eagle3Config, sd: dict[str, torch.Tensor]) -> None:
             raise ValueError(f"Eagle3 t2d marks {ids.numel()} target ids but draft_vocab_size={vd}")
         sd["d2t"] = ids - torch.arange(vd)
         return
+    if d2t.is_floating_point() or d2t.dtype == torch.bool:
+        raise ValueError(f"Eagle3 d2t has dtype {d2t.dtype}; it holds integer offsets (target id = draft id + "
+                         "d2t[draft id])")
     target_ids = d2t.long() + torch.arange(vd)
     lo, hi = int(target_ids.min()), int(target_ids.max())
     if lo < 0 or hi >= v:
         raise ValueError(f"Eagle3 d2t maps draft ids to target ids in [{lo}, {hi}], outside [0, {v}) for "
                          f"vocab_size={v}")
-    if t2d is None:
-        t2d = torch.zeros(v, dtype=torch.bool)
-        t2d[target_ids] = True
-        sd["t2d"] = t2d
+    if target_ids.unique().numel() != vd:
+        raise ValueError(f"Eagle3 d2t maps two draft ids to the same target id ({vd} draft ids, "
+                         f"{target_ids.unique().numel()} distinct targets)")
+    sd["d2t"] = d2t.long()
+    # d2t is authoritative: a t2d beside it was checked for shape above and is otherwise ignored.
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[target_ids] = True
+    sd["t2d"] = t2d
 
 
 def save_eagle3(head: Eagle3Head, path: str | Path, layout: str = "midlayer",
@@ -155,7 +233,8 @@ def save_eagle3(head: Eagle3Head, path: str | Path, layout: str = "midlayer",
     path.mkdir(parents=True, exist_ok=True)
     out: dict[str, torch.Tensor] = {}
     for name, t in head.state_dict().items():
-        if name == "embed_tokens.weight" and not head.cfg.has_embed:
+        if (name == "embed_tokens.weight" and not head.cfg.has_embed) or (
+                name.startswith("lm_head.") and not head.cfg.has_lm_head):
             continue
         if layout == "layers.0" and name.startswith("midlayer."):
             name = "layers.0." + name[len("midlayer."):]

@@ -13,7 +13,7 @@ Parameter names are the EAGLE / SpecForge checkpoint names, so `state_dict()` ma
     midlayer.post_attention_layernorm  [H]
     midlayer.mlp.{gate,up,down}_proj   SiLU MLP
     norm.weight                        [H]
-    lm_head.weight                     [Vd, H]
+    lm_head.weight                     [Vd, H]     (absent when the head shares the target's lm_head: Vd == V)
     d2t                                [Vd] int64  target id = draft id + d2t[draft id]
     t2d                                [V] bool    target id is in the draft vocabulary
 
@@ -74,7 +74,7 @@ class Eagle3Config:
     intermediate_size: int
     vocab_size: int  # V: the target vocabulary (embedding rows, t2d length)
     draft_vocab_size: int  # Vd: lm_head rows, d2t length
-    head_dim: int = 0  # 0 -> hidden_size // num_attention_heads (resolved in __post_init__)
+    head_dim: int = 0  # config.json's head_dim when given; 0 -> hidden_size // num_attention_heads
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
@@ -85,11 +85,24 @@ class Eagle3Config:
     fc_norm: bool = False  # Eagle3.1: RMSNorm per aux chunk before fc
     norm_output: bool = False  # Eagle3.1: the next step's hidden is taken after the final norm
     has_embed: bool = True  # False: the checkpoint has no embed_tokens; share the target's table
+    # False: the checkpoint has no lm_head (draft vocabulary == the target's); share the target's lm_head
+    # (`Eagle3Head.set_lm_head`, or `loader.eagle3.share_target_weights` for both tables)
+    has_lm_head: bool = True
 
     def __post_init__(self) -> None:
         # Frozen dataclass: resolve the "0 means derived" defaults once, so equality and to_dict see
         # concrete values.
+        for key in ("hidden_size", "num_attention_heads", "num_key_value_heads"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"Eagle3 config {key}={getattr(self, key)} must be positive")
+        if self.head_dim < 0:
+            raise ValueError(f"Eagle3 config head_dim={self.head_dim} must be positive")
         if not self.head_dim:
+            # Only when config.json names no head_dim: a given head_dim is never re-derived (a head whose
+            # heads x head_dim differs from hidden_size is legal, e.g. 64 x 128 over 6144).
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"Eagle3 config has no head_dim and hidden_size={self.hidden_size} is not a "
+                                 f"multiple of num_attention_heads={self.num_attention_heads}; set head_dim")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if not self.target_hidden_size:
             object.__setattr__(self, "target_hidden_size", self.hidden_size)
@@ -126,24 +139,31 @@ class Eagle3Config:
         theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
         heads = int(d["num_attention_heads"])
         vocab = int(d["vocab_size"])
+        kv_heads = d.get("num_key_value_heads")  # absent / null: multi-head attention (one KV head per head)
+        if kv_heads is not None and (int(kv_heads) <= 0 or heads % int(kv_heads)):
+            raise ValueError(f"Eagle3 config num_key_value_heads={kv_heads} must be positive and divide "
+                             f"num_attention_heads={heads} (MHA: equal, or leave it out; GQA: a divisor)")
         return cls(
             hidden_size=int(d["hidden_size"]), num_attention_heads=heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            num_key_value_heads=int(kv_heads) if kv_heads is not None else heads,
             head_dim=int(d.get("head_dim") or 0), intermediate_size=int(d["intermediate_size"]),
             vocab_size=vocab, draft_vocab_size=int(d.get("draft_vocab_size") or vocab),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             aux_layer_ids=tuple(aux) if aux is not None else None,
             target_hidden_size=int(d.get("target_hidden_size") or 0),
-            fc_norm=fc_norm, norm_output=norm_output, has_embed=bool(eagle.get("has_embed", True)))
+            fc_norm=fc_norm, norm_output=norm_output, has_embed=bool(eagle.get("has_embed", True)),
+            has_lm_head=bool(eagle.get("has_lm_head", True)))
 
     def to_dict(self) -> dict[str, Any]:
         """A config.json that `from_dict`, SpecForge, sglang and vLLM read. fc_norm / norm_output are
         written both top-level (where vLLM / sglang look) and under eagle_config."""
         d = asdict(self)
-        aux, has_embed = d.pop("aux_layer_ids"), d.pop("has_embed")
+        aux, has_embed, has_lm_head = d.pop("aux_layer_ids"), d.pop("has_embed"), d.pop("has_lm_head")
         eagle: dict[str, Any] = {"use_aux_hidden_state": True, "fc_norm": self.fc_norm,
                                  "norm_output": self.norm_output, "has_embed": has_embed}
+        if not has_lm_head:
+            eagle["has_lm_head"] = False
         if aux is not None:
             eagle["eagle_aux_hidden_state_layer_ids"] = list(aux)
         d.update(architectures=[ARCHITECTURE], model_type="llama", num_hidden_layers=1, hidden_act="silu",
@@ -349,7 +369,9 @@ class Eagle3Head(nn.Module):
                                        for _ in range(cfg.num_aux)]) if cfg.fc_norm else None)
         self.midlayer = Eagle3DecoderLayer(cfg)
         self.norm = LlamaRMSNorm(h, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        # Without its own lm_head (draft vocabulary == the target's) the head borrows the target's
+        # (set_lm_head), as it borrows the embedding.
+        self.register_module("lm_head", nn.Linear(h, cfg.draft_vocab_size, bias=False) if cfg.has_lm_head else None)
         # Identity mapping when the draft vocabulary is the full one; otherwise set_vocab_mapping fills it.
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.full((cfg.vocab_size,), cfg.draft_vocab_size == cfg.vocab_size,
@@ -366,6 +388,39 @@ class Eagle3Head(nn.Module):
         # _weight wraps the given storage without allocating a new table; frozen unless the caller's
         # table is itself trainable.
         self.embed_tokens = nn.Embedding(*want, _weight=weight, _freeze=not weight.requires_grad)
+
+    def set_lm_head(self, lm_head: torch.Tensor | nn.Module) -> None:
+        """Share the target's lm_head (a head saved without `lm_head.weight`; its draft vocabulary is the
+        target's, d2t all zero). A [V, H] weight, or the target's `lm_head` module itself -- a vocab-parallel
+        one (tensor parallel) computes its rows' logits and gathers them, see `compute_logits`."""
+        c = self.cfg
+        if c.draft_vocab_size != c.vocab_size or bool(self.d2t.any()):
+            raise ValueError(f"set_lm_head: the target's lm_head scores the full vocabulary ({c.vocab_size}); this "
+                             f"head drafts over draft_vocab_size={c.draft_vocab_size} tokens (d2t) and needs its "
+                             "own lm_head.weight")
+        if isinstance(lm_head, nn.Module):
+            tp = getattr(lm_head, "tp", None)
+            rows = getattr(lm_head, "vocab", None) if tp is not None and tp.size > 1 else lm_head.weight.shape[0]
+            if (rows, lm_head.weight.shape[1]) != (c.vocab_size, c.hidden_size):
+                raise ValueError(f"set_lm_head: lm_head maps {lm_head.weight.shape[1]} -> {rows}, the Eagle3 head "
+                                 f"needs hidden_size={c.hidden_size} -> vocab_size={c.vocab_size}")
+            self.lm_head = lm_head
+            return
+        want = (c.vocab_size, c.hidden_size)
+        if tuple(lm_head.shape) != want:
+            raise ValueError(f"set_lm_head: weight has shape {tuple(lm_head.shape)}, the Eagle3 head needs {want} "
+                             "(vocab_size, hidden_size); a head whose hidden_size differs from the target's must "
+                             "ship its own lm_head.weight")
+        layer = nn.Linear(c.hidden_size, c.vocab_size, bias=False, device="meta")
+        layer.weight = nn.Parameter(lm_head, requires_grad=lm_head.requires_grad)  # the same storage, no copy
+        self.lm_head = layer
+
+    def _lm_head(self) -> nn.Module:
+        if self.lm_head is None:
+            raise RuntimeError("this Eagle3 head has no lm_head (checkpoint without lm_head.weight): call "
+                               "head.set_lm_head(target.lm_head) after loading (or "
+                               "m3eagle.loader.eagle3.share_target_weights(head, target))")
+        return self.lm_head
 
     def set_vocab_mapping(self, draft_to_target: torch.Tensor) -> None:
         """Define the draft vocabulary: draft id i means target id draft_to_target[i] ([Vd] int64,
@@ -466,7 +521,12 @@ class Eagle3Head(nn.Module):
     def compute_logits(self, h_out: torch.Tensor, fused: Any = None, fp32: bool = True) -> torch.Tensor:
         """h_out [N, H] -> draft logits [N, Vd] in fp32 (fp32=False: the weights' dtype, for an argmax that
         needs no copy). `fused`: the engine's fused ops (their decode GEMV)."""
-        logits = linear(h_out, self.lm_head.weight, fused)
+        lm = self._lm_head()
+        tp = getattr(lm, "tp", None)
+        if tp is not None and tp.size > 1:  # the target's vocab-parallel lm_head: its rows, all-gathered
+            logits = lm(h_out, fused)
+        else:
+            logits = linear(h_out, lm.weight, fused)
         return logits.float() if fp32 else logits
 
     def greedy_ids(self, h_out: torch.Tensor, fused: Any, out: torch.Tensor | None = None,
@@ -474,7 +534,11 @@ class Eagle3Head(nn.Module):
         """h_out [N, H] -> [N] target ids of the draft logits' argmax (the logits in the weights' dtype, as
         compute_logits(fp32=False)), also written to `out` and `scatter` (FusedOps.argmax's). One launch where
         the fused ops pick the argmax in the lm_head GEMV (`FusedOps.linear_argmax`)."""
-        return fused.linear_argmax(h_out, self.lm_head.weight, self.d2t, out, scatter)
+        lm = self._lm_head()
+        tp = getattr(lm, "tp", None)
+        if tp is not None and tp.size > 1:  # a shared vocab-parallel lm_head gathers its logits first
+            return fused.argmax(self.compute_logits(h_out, fused, fp32=False), self.d2t, out, scatter)
+        return fused.linear_argmax(h_out, lm.weight, self.d2t, out, scatter)
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """Draft token ids (any shape) -> target token ids."""

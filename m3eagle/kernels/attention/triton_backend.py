@@ -99,7 +99,7 @@ class TritonBackend:
     def attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttnMetadata,
                   scale: float) -> torch.Tensor:
         """q [T, Hq, D] over paged K/V [S, Hkv, D] -> [T, Hq, D] in q's dtype."""
-        programs = triton_kernels.dense_programs(meta, q.shape[1], k_pool.shape[1])
+        programs = triton_kernels.dense_programs(meta, q.shape[1], k_pool.shape[1], q.shape[2])
         splits = self._splits(programs, meta.max_kv, q.device, self._min_keys(meta), self.max_splits)
         return triton_kernels.dense_attention(q, k_pool, v_pool, meta, scale, num_splits=splits,
                                               block_n=self._block_n(meta))
@@ -136,7 +136,7 @@ class TritonBackend:
         """The attention half of a sparse layer: q [T, Hq, D] over the blocks sel [T, Hi, k] (-1 = none)."""
         if self.sparse_tile_min_q is not None and meta.max_q >= self.sparse_tile_min_q:
             keep = triton_kernels.selection_mask(sel, -(-meta.max_kv // block_size))  # [T, Hi, NB]
-            programs = triton_kernels.dense_programs(meta, q.shape[1], k_pool.shape[1])
+            programs = triton_kernels.dense_programs(meta, q.shape[1], k_pool.shape[1], q.shape[2])
             splits = self._splits(programs, meta.max_kv, q.device, self._min_keys(meta), self.max_splits)
             return triton_kernels.dense_attention(q, k_pool, v_pool, meta, scale, num_splits=splits,
                                                   block_n=self._block_n(meta), keep=keep, keep_block=block_size)

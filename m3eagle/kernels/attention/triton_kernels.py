@@ -289,13 +289,14 @@ def _combine_kernel(
     stride_pos, stride_pot, stride_poh, stride_pls, stride_plt, stride_ot, stride_oh, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr):
-    """Grid (T, Hq): out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max)."""
+    """Grid (T, Hq, cdiv(HEAD_DIM, BLOCK_D)): out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max), one
+    BLOCK_D-wide slice of the head per program (so [BLOCK_S, BLOCK_D] stays small for head_dim 256 / 512)."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     s_ok = offs_s < num_splits
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     offs_s64 = offs_s.to(tl.int64)
     lse = tl.load(PartLse + offs_s64 * stride_pls + tok * stride_plt + head, mask=s_ok, other=float("-inf"))
@@ -584,10 +585,45 @@ def _q_tile(group: int, max_q: int, target_rows: int = 64) -> tuple[int, int]:
     return block_q, block_g
 
 
-def dense_programs(meta: AttnMetadata, num_q_heads: int, num_kv_heads: int) -> int:
+# Register budget of the dense kernel, in elements of one [rows, BLOCK_D] or [keys, BLOCK_D] tile per
+# 4 warps: 64 x 128 is the measured D <= 128 shape (the fp32 accumulator alone is then 64 registers a
+# thread). Wider heads keep tiles of the same size by taking fewer query rows and keys per tile.
+_DENSE_TILE_ELEMS = 64 * 128
+
+
+@dataclass(frozen=True)
+class DenseTile:
+    """Launch shape of `_dense_attn_kernel`: a pure function of (head_dim, GQA group, widest row, asked-for
+    key tile) -- `dense_tile`."""
+
+    block_q: int  # query tokens per program
+    block_g: int  # padded query heads per KV head
+    block_n: int  # keys per tile
+    block_d: int  # padded head_dim
+    num_warps: int
+    num_stages: int | None  # None: the compiler's default (unchanged for head_dim <= 128)
+
+
+def dense_tile(head_dim: int, group: int, max_q: int, block_n: int = 64) -> DenseTile:
+    """Tiles and warps for one head shape. head_dim <= 128 (the target's 128, the measured policy): 64 query
+    rows, `block_n` keys, 4 warps, as before. Wider heads (192 / 256 / 512): the [M, D] fp32 accumulator,
+    the q tile and the [N, D] K/V tiles would need 2-4x the registers (D=512 at M=64 spilled and overflowed
+    shared memory on Hopper), so M and N shrink in proportion to D -- M to 32 / 16 rows, N to 32 / 16 keys --
+    and D=512 runs 8 warps over 2 pipeline stages (two 16 x 512 bf16 K/V tiles per stage: 64 KB)."""
+    block_d = _pow2(head_dim, 16)
+    rows = max(16, _DENSE_TILE_ELEMS // max(block_d, 128))  # 64 / 32 / 16 for D <= 128 / 256 / 512
+    block_q, block_g = _q_tile(group, max_q, target_rows=rows)
+    if block_d <= 128:
+        return DenseTile(block_q, block_g, block_n, block_d, 4, None)
+    block_n = max(16, min(_pow2(block_n, 16), _DENSE_TILE_ELEMS // block_d))
+    warps = 8 if block_d >= 512 or block_q * block_g * block_d > _DENSE_TILE_ELEMS else 4
+    return DenseTile(block_q, block_g, block_n, block_d, warps, 2)
+
+
+def dense_programs(meta: AttnMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int = 128) -> int:
     """Programs of one dense launch before splitting (the split policy's input)."""
-    block_q, _ = _q_tile(num_q_heads // num_kv_heads, meta.max_q)
-    return meta.num_rows * -(-meta.max_q // block_q) * num_kv_heads
+    tile = dense_tile(head_dim, num_q_heads // num_kv_heads, meta.max_q)
+    return meta.num_rows * -(-meta.max_q // tile.block_q) * num_kv_heads
 
 
 def sparse_programs(meta: AttnMetadata, num_q_heads: int, num_kv_heads: int, num_index_heads: int) -> int:
@@ -602,11 +638,16 @@ def _partials(num_splits: int, t: int, hq: int, d: int, device: torch.device):
             torch.empty(num_splits, t, hq, dtype=torch.float32, device=device))
 
 
+# Widest head slice one combine program merges: [splits, 128] fp32 stays in registers at 64 splits.
+_COMBINE_MAX_D = 128
+
+
 def _combine(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
     s, t, hq, d = part_o.shape
-    _combine_kernel[(t, hq)](
+    block_d = min(_pow2(d, 16), _COMBINE_MAX_D)
+    _combine_kernel[(t, hq, -(-d // block_d))](
         part_o, part_lse, out, *part_o.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1), s,
-        HEAD_DIM=d, BLOCK_S=_pow2(s), BLOCK_D=_pow2(d, 16), **pdl.args(part_o))
+        HEAD_DIM=d, BLOCK_S=_pow2(s), BLOCK_D=block_d, **pdl.args(part_o))
 
 
 def _check_pools(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
@@ -619,18 +660,23 @@ def _check_pools(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) ->
 
 def dense_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttnMetadata,
                     scale: float, num_splits: int = 1, block_n: int = 64, keep: torch.Tensor | None = None,
-                    keep_block: int = 0, out: torch.Tensor | None = None, num_warps: int = 4) -> torch.Tensor:
+                    keep_block: int = 0, out: torch.Tensor | None = None, num_warps: int | None = None,
+                    ) -> torch.Tensor:
     """q [T, Hq, D] over paged K/V [S, Hkv, D] -> out [T, Hq, D] (q's dtype). Token-causal per row.
 
     keep [T, Hi, NB] int8 (optional): only key blocks of `keep_block` keys marked nonzero for the token's
-    index head are visible -- the block-sparse layer computed tile-wise (see `_dense_attn_kernel`)."""
+    index head are visible -- the block-sparse layer computed tile-wise (see `_dense_attn_kernel`).
+    block_n is a request: heads wider than 128 cap it (`dense_tile`); num_warps None = `dense_tile`'s."""
     _check_pools(q, k_pool, v_pool)
     t, hq, d = q.shape
     hkv = k_pool.shape[1]
+    if k_pool.shape[-1] != d or v_pool.shape[-1] != d:
+        raise ValueError(f"q head_dim {d} but k_pool / v_pool head_dim {k_pool.shape[-1]} / {v_pool.shape[-1]}")
     out = torch.empty_like(q) if out is None else out
     if t == 0:
         return out
-    block_q, block_g = _q_tile(hq // hkv, meta.max_q)
+    tile = dense_tile(d, hq // hkv, meta.max_q, block_n)
+    block_q, block_g, block_n = tile.block_q, tile.block_g, tile.block_n
     n_qtiles = -(-meta.max_q // block_q)
     # At most one split per key tile of max_kv; the kernel cuts each row's real kv_len into `splits`.
     splits = max(1, min(num_splits, -(-meta.max_kv // block_n)))
@@ -643,6 +689,7 @@ def dense_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     # Split ranges and tiles start on multiples of block_n, so a power-of-two block_n that divides
     # keep_block keeps each tile inside one keep block.
     per_tile = keep is not None and keep_block % block_n == 0
+    stages = {"num_stages": tile.num_stages} if tile.num_stages is not None else {}
     _dense_attn_kernel[(meta.num_rows * n_qtiles, hkv, splits)](
         q, k_pool, v_pool, out, part_o, part_lse, page_table, meta.q_index, meta.q_lens, meta.kv_lens,
         meta.positions, keep_args[0],
@@ -651,8 +698,9 @@ def dense_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         keep_args[2], scale * LOG2E, meta.page_size, page_table.shape[1], meta.max_kv, splits, max(1, keep_block),
         n_qtiles, HEAD_DIM=d, GROUP=hq // hkv,
         GROUP_IDX=hq // keep.shape[1] if keep is not None else 1,
-        BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=_pow2(d, 16), HAS_KEEP=keep is not None,
-        KEEP_PER_TILE=per_tile, SPLIT=splits > 1, DOT_PREC=_dot_precision(k_pool.dtype), num_warps=num_warps, **pdl.args(q))
+        BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=tile.block_d, HAS_KEEP=keep is not None,
+        KEEP_PER_TILE=per_tile, SPLIT=splits > 1, DOT_PREC=_dot_precision(k_pool.dtype),
+        num_warps=num_warps or tile.num_warps, **stages, **pdl.args(q))
     if splits > 1:
         _combine(part_o, part_lse, out)
     return out
