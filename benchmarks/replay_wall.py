@@ -10,10 +10,11 @@ and H2D staging of the real device path); the wall time of the bucket's CUDA gra
 with no host work; and the profiler's kernel time of one replay. Reading: engine step ~ host-only step =>
 host-bound (then the host-only step vs host_step.py's CPU number says whether CUDA calls or Python cost
 it); engine step ~ replay wall >> kernel time => gaps inside the graph; engine step ~ host-only + replay
-=> host and device are not overlapping. Each time is the median of --repeats timings. One JSON line per case
-on stdout, and with --json one document of every case (machine, versions, command); --profile adds cProfile's top 25 of the
-host-only loop (builtins included). With --num-scheduler-steps N the engine and host-only times are per
-device step (an engine step runs N).
+=> host and device are not overlapping. Each time is the median of --repeats timings (the engine and
+host-only loops split --steps into --repeats windows, so the requests' lengths do not grow with --repeats).
+One JSON line per case on stdout, and with --json one document of every case (machine, versions, command);
+--profile adds cProfile's top 25 of the host-only loop (builtins included). With --num-scheduler-steps N the
+engine and host-only times are per device step (an engine step runs N).
 """
 
 from __future__ import annotations
@@ -86,11 +87,12 @@ def main() -> None:
                    for i in range(b)]  # text at the end, as `m3eagle bench` runs
             for _ in range(10):  # prompts done, this bucket's graph captured
                 eng.step()
-            step = statistics.median(per_device_step(eng, a.steps) for _ in range(a.repeats))
+            window = max(1, a.steps // a.repeats)
+            step = statistics.median(per_device_step(eng, window) for _ in range(a.repeats))
             real = eng.graphs.run
             eng.graphs.run = without_device(real)
             eng.step()
-            host_only = statistics.median(per_device_step(eng, a.steps) for _ in range(a.repeats))
+            host_only = statistics.median(per_device_step(eng, window) for _ in range(a.repeats))
             if a.profile:
                 print_profile(eng, a.steps, 25)
             eng.graphs.run = real

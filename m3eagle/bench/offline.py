@@ -22,12 +22,15 @@ emits exactly `--max-tokens` tokens.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import platform
 import random
 import re
 import statistics
 import sys
 import sysconfig
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -78,7 +81,11 @@ DEFINITIONS = {
                "intervals from the profiler (all-reduces, logits all-gather, step broadcast; waiting for a slower "
                "peer included), on CPU the host time in the all-reduce / all-gather calls (gloo blocks); "
                "comm_frac = comm_ms / step_ms; null with one rank",
-    "bandwidth": "device-to-device copy of a buffer of bandwidth.buffer_bytes: 2 x bytes (read + write) / time",
+    "bandwidth": "device-to-device copy of a buffer of bandwidth.buffer_bytes: 2 x bytes (read + write) / time; "
+                 "buffer_bytes is the size actually used (--bandwidth-gib, capped at 64 MiB off CUDA)",
+    "draft_params": "the Eagle3 head's parameters: every tensor its forward uses, counted once, including the "
+                    "embedding it shares with the target when it has none of its own -- the count `m3eagle "
+                    "generate` logs when it loads the head; draft_own_params leaves the shared tensors out",
 }
 
 
@@ -141,9 +148,14 @@ def _measure(a: argparse.Namespace, llm, geo: geometries.Geometry, dev: torch.de
         engines["spec"] = llm.engine
     prompts, prompt_source = make_prompts(llm.tokenizer, tcfg.vocab_size, max_b * (a.repeats + 1), a.prompt_len,
                                           a.seed)
-    say(f"HBM copy bandwidth: {a.bandwidth_gib:g} GiB buffer on {dev}")
+    if llm.draft is not None:
+        say(f"Eagle3 head: {_draft_params(llm.draft) / 1e6:.2f}M parameters (shared embedding included; "
+            f"{_own_numel(llm.draft, llm.target) / 1e6:.2f}M its own)")
+    say(f"HBM copy bandwidth on {dev}")
     bw = roofline.measure_copy_bandwidth(dev, int(a.bandwidth_gib * roofline.GiB))
-    say(f"  {bw['bytes_per_s'] / 1e12:.3f} TB/s")
+    capped = f" (--bandwidth-gib {a.bandwidth_gib:g} capped off CUDA)" \
+        if bw["buffer_bytes"] < int(a.bandwidth_gib * roofline.GiB) else ""
+    say(f"  {bw['bytes_per_s'] / 1e12:.3f} TB/s, {bw['buffer_bytes'] / roofline.GiB:g} GiB buffer{capped}")
     dtype_bytes = torch.empty((), dtype=llm.dtype).element_size()
 
     rows: list[dict[str, Any]] = []
@@ -181,7 +193,8 @@ def _measure(a: argparse.Namespace, llm, geo: geometries.Geometry, dev: torch.de
         "command": "m3eagle " + " ".join(getattr(a, "argv", None) or ["bench"]),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(time.time() - say.elapsed())),
         "geometry": {"name": geo.name, "description": geo.description, "load_format": geo.load_format,
-                     **counts, "draft_params": _own_numel(llm.draft, llm.target) if llm.draft is not None else None,
+                     **counts, "draft_params": _draft_params(llm.draft) if llm.draft is not None else None,
+                     "draft_own_params": _own_numel(llm.draft, llm.target) if llm.draft is not None else None,
                      "target": llm.target.cfg.to_hf_text_dict(),
                      "draft": llm.draft.cfg.to_dict() if llm.draft is not None else None},
         "env": _env(llm, dev),
@@ -455,7 +468,7 @@ def profile_window(engine: LLMEngine, steps: int, dev: torch.device) -> dict[str
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     _sync(dev)
     n0 = engine.num_steps
-    with profile(activities=acts) as prof:
+    with _without_native_lines(), profile(activities=acts) as prof:
         for _ in range(steps):
             engine.step()
         _sync(dev)
@@ -476,6 +489,36 @@ def profile_window(engine: LLMEngine, steps: int, dev: torch.device) -> dict[str
             nccl = [(e.time_range.start, e.time_range.end) for e in gpu if "nccl" in e.name.lower()]
             res["comm_ms"] = _union_us(nccl) / 1e3 / steps
     return res
+
+
+# What libkineto writes straight to file descriptor 2 (not through Python) when a CPU profile starts and stops:
+# "USDT:2026-... SyncActivityProfilerHandler.cpp:52] profiler_start". It would land between the progress lines.
+_NATIVE_NOISE = re.compile(rb"^USDT:.*profiler_(start|stop)\s*$")
+
+
+@contextmanager
+def _without_native_lines() -> Iterator[None]:
+    """Run the block with file descriptor 2 sent to a temporary file, then pass on what was written there
+    except the profiler's native USDT lines."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real stderr: nothing to filter
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = b"".join(line for line in tmp.read().splitlines(keepends=True) if not _NATIVE_NOISE.match(line))
+            if kept:
+                os.write(2, kept)
 
 
 def top_kernels(spans: list[tuple[str, float]], steps: int, n: int = 40) -> list[dict[str, Any]]:
@@ -674,6 +717,11 @@ def _si(n: int | float | None) -> str:
         if n >= div:
             return f"{n / div:.2f}{unit}"
     return str(n)
+
+
+def _draft_params(m: torch.nn.Module) -> int:
+    """DEFINITIONS["draft_params"]: every parameter the head uses, each counted once (Runtime's load log)."""
+    return sum(p.numel() for p in m.parameters())
 
 
 def _own_numel(m: torch.nn.Module, shared_with: torch.nn.Module) -> int:

@@ -304,6 +304,7 @@ class LLMEngine(OutputProcessor):
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()  # again: its fields may have been changed since it was built
         if not isinstance(prompt_ids, list) or any(type(t) is not int for t in prompt_ids):
             raise RequestError("prompt token ids must be a list of int (use prompt_token_ids() to convert "
                                f"numpy or torch ids), got {type(prompt_ids).__name__}")

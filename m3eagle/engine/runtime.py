@@ -272,6 +272,7 @@ class Runtime:
 
     # ---- generation -----------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
+        check_text(text, "the prompt")
         if self.tokenizer is None:
             raise ValueError(f"{self.model_path} has no tokenizer.json; pass token-id lists instead of text")
         return self.tokenizer.encode(text)
@@ -289,6 +290,9 @@ class Runtime:
         plist = params if isinstance(params, list) else [params] * len(prompt_list)
         if len(plist) != len(prompt_list):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompt_list)} prompts")
+        for p in {id(p): p for p in plist}.values():  # fields may have changed since construction: check again
+            if isinstance(p, SamplingParams):
+                p.validate()
         if self.engine.owner is not None:
             raise RuntimeError(f"this LLM is being served ({self.engine.owner} steps its engine, and a second "
                                "stepper would take its outputs): send the request to the server, or build "
@@ -412,6 +416,19 @@ def _as_prompt_list(prompts: object) -> list:
         return prompts
     raise RequestError(f"prompts must be a str, a list of int token ids, or a list of those; got "
                        f"{type(prompts).__name__}")
+
+
+def check_text(text: object, what: str) -> None:
+    """A RequestError naming `what` unless `text` is a str that UTF-8 can encode (no lone surrogates, which
+    JSON's \\ud800 escapes and undecodable command-line bytes produce; the tokenizer refuses them with a
+    bare TypeError)."""
+    if not isinstance(text, str):
+        raise RequestError(f"{what} must be a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{what} is not valid Unicode: a lone surrogate {text[e.start]!a} at character "
+                           f"{e.start} (text must encode as UTF-8)") from None
 
 
 def _token_ids(p: object) -> list[int]:

@@ -297,11 +297,12 @@ def _add_bench(sub) -> None:
 
 def cmd_serve(a: argparse.Namespace) -> int:
     from m3eagle.entrypoints.server import OpenAIServer, run_server
-    from m3eagle.entrypoints.server.app import bind_socket
+    from m3eagle.entrypoints.server.app import bind_socket, resolve_api_key
 
     bind_socket(a.host, a.port).close()  # a taken port fails now, in one line, not after the model loads
     llm = _make_llm(a)
-    server = OpenAIServer(llm, served_model_name=a.served_model_name, log_interval=a.log_interval)
+    server = OpenAIServer(llm, served_model_name=a.served_model_name, log_interval=a.log_interval,
+                          api_key=resolve_api_key(a.api_key), max_request_body_bytes=a.max_request_body_bytes)
     run_server(server, a.host, a.port, shutdown_timeout=a.shutdown_timeout, log_level=a.uvicorn_log_level,
                access_log=a.access_log, switch_interval=a.switch_interval)
     return 0
@@ -311,8 +312,10 @@ def _add_serve(sub) -> None:
     s = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)",
         description="Serve one model over HTTP: GET /health, GET /v1/models, POST /v1/completions, POST\n"
-                    "/v1/chat/completions (stream: true for server-sent events), GET /metrics (Prometheus).\n"
-                    "SIGTERM drains: in-flight requests finish (up to --shutdown-timeout), then the process exits.")
+                    "/v1/chat/completions (stream: true for server-sent events), GET /metrics (Prometheus),\n"
+                    "POST /tokenize, POST /detokenize, GET /version.\n"
+                    "SIGTERM drains: new requests get 503, in-flight ones finish (up to --shutdown-timeout; then\n"
+                    "they are answered 503 / an error event), then the process exits.")
     _model_args(s)
     _device_args(s)
     s.add_argument("--max-num-seqs", type=int_in(1, MAX_BATCH), default=64, help="requests in the running batch")
@@ -324,12 +327,18 @@ def _add_serve(sub) -> None:
                         "the activation reserve leave of it")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int_in(0, 65535), default=8000, help="port to listen on (0: a free one)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise; /health, /metrics "
+                        "and /version stay open); none: $M3EAGLE_API_KEY, else no key")
+    s.add_argument("--max-request-body-bytes", type=int_in(1), default=16 * 2**20,
+                   help="larger request bodies get a 413 before they are parsed")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send; none: --model as given, or m3eagle-default")
     s.add_argument("--log-interval", type=float_in(0.0), default=10.0,
                    help="seconds between stats log lines (throughput, queue, KV usage, acceptance); 0: off")
     s.add_argument("--shutdown-timeout", type=float_in(0.0), default=30.0,
-                   help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+                   help="on SIGTERM, seconds to let in-flight requests finish before aborting them (503, or an "
+                        "error event ending a stream)")
     s.add_argument("--uvicorn-log-level", choices=["critical", "error", "warning", "info", "debug"],
                    default="info", help="uvicorn's own log level")
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -416,10 +425,12 @@ def _is_library_error(e: BaseException) -> bool:
 
     ValueError covers m3eagle's own (RequestError, SamplingParamsError, ConfigError, CheckpointError);
     OSError files and pipes; RuntimeError torch's device errors (bad ordinal, out of memory);
-    SafetensorError a damaged shard; a bare Exception is what the tokenizers library raises."""
+    SafetensorError a damaged shard; ImportError a missing optional extra (`eval --plot` without
+    matplotlib names the extra to install); a bare Exception is what the tokenizers library raises."""
     from safetensors import SafetensorError
 
-    return isinstance(e, (ValueError, OSError, RuntimeError, OverflowError, SafetensorError)) or type(e) is Exception
+    return isinstance(e, (ValueError, OSError, RuntimeError, OverflowError, ImportError, SafetensorError)) \
+        or type(e) is Exception
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -449,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         if not _is_library_error(e) or os.environ.get("M3EAGLE_TRACEBACK"):
             raise
         msg = " ".join(str(e).split()) or type(e).__name__
-        if not isinstance(e, ValueError):  # m3eagle's own messages stand alone; others get their kind
+        if not isinstance(e, (ValueError, ImportError)):  # m3eagle's own messages stand alone; others get their kind
             msg = f"{type(e).__name__}: {msg}"
         print(f"m3eagle: error: {msg}", file=sys.stderr)
         return 2

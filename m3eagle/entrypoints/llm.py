@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from m3eagle.engine.llm_engine import RequestError
 from m3eagle.engine.request import RequestOutput
 from m3eagle.engine.runtime import Runtime
-from m3eagle.entrypoints.chat import ChatTemplate
+from m3eagle.entrypoints.chat import ChatTemplate, ChatTemplateError, check_messages
+from m3eagle.loader.tokenizer import Tokenizer
 from m3eagle.sampling.params import SamplingParams
 
 
@@ -33,7 +35,22 @@ class LLM(Runtime):
             raise ValueError(f"{self.model_path / 'tokenizer_config.json'} has no chat_template (nor is there a "
                              "chat_template.jinja beside it): add one, or call generate() with plain prompts")
         if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of those")
-        conversations = messages if isinstance(messages[0], list) else [messages]
-        prompts = [self._chat_template.render(c, add_generation_prompt, **template_kwargs) for c in conversations]
+            raise RequestError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of those")
+        many = isinstance(messages[0], list)
+        conversations = messages if many else [messages]
+        prompts = []
+        for i, c in enumerate(conversations):  # every conversation checked before any is rendered or runs
+            checked = check_messages(c, f"conversations[{i}].messages" if many else "messages")
+            try:
+                prompts.append(self._chat_template.render(checked, add_generation_prompt, **template_kwargs))
+            except ChatTemplateError as e:
+                raise RequestError(f"conversation {i}: {e}" if many else str(e)) from None
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The loaded tokenizer (vLLM's LLM.get_tokenizer): encode(text) -> ids, decode(ids) -> text. A
+        ValueError when the model directory has no tokenizer.json (or the LLM was built from a config)."""
+        if self.tokenizer is None:
+            where = self.model_path if self.model_path is not None else "a config (no model directory)"
+            raise ValueError(f"this LLM has no tokenizer: {where} has no tokenizer.json; prompts must be token ids")
+        return self.tokenizer

@@ -21,6 +21,11 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
+    def encode_releasing_gil(self, text: str) -> list[int]:
+        """encode(text), through the batch call of `tokenizers`, which releases the GIL while it works (the
+        single-text call holds it): a server thread tokenizing a long prompt leaves the event loop running."""
+        return self.tok.encode_batch([text], add_special_tokens=False)[0].ids
+
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 

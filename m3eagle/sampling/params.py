@@ -2,7 +2,8 @@
 
 Every field is checked for its type and range here, before a request can reach the engine: a value
 that would only fail inside a step (an int64 overflow on the device, say) is refused up front with
-a `SamplingParamsError` naming the field.
+a `SamplingParamsError` naming the field. The checks run at construction and again (`validate()`) when
+a request is submitted, so fields assigned in between are checked too.
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the stop string that ended the output in .text
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check (and normalise) every field, raising SamplingParamsError naming the first bad one. The
+        constructor calls it, and LLM.generate calls it again for every request it submits, since a field
+        assigned after construction (`sp.n = 0`) would otherwise skip the checks."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         t = self.temperature

@@ -273,7 +273,7 @@ def test_add_and_abort_from_other_threads_during_a_step(one_thread, monkeypatch)
     ({"prompt": [3] * 200, "max_tokens": 100}, 400, "max_tokens"),  # prompt + output over the limit
     ({"prompt": [10**6]}, 400, "prompt"),  # outside the vocabulary
     ({"prompt": []}, 400, "prompt"),
-    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": ["a", ""]}, 400, "prompt"),  # a list of prompts is served (one choice each); an empty one is not
     ({"prompt": "x", "n": 0}, 400, "n"),
     ({"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400, "echo"),
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),

@@ -29,8 +29,10 @@ def kernels():
     from m3eagle.kernels.fused import activation, gemv, norm, rope
     from m3eagle.kernels.fused import argmax as fused_argmax
     from m3eagle.kernels.moe import align, direct, router, triton_moe
+    from m3eagle.kernels.quant import w8a16
 
-    for mod in (triton_kernels, norm, rope, activation, fused_argmax, router, step_kernels, gemv, triton_moe, align, direct):
+    for mod in (triton_kernels, norm, rope, activation, fused_argmax, router, step_kernels, gemv, triton_moe, align, direct,
+                w8a16):
         for name, fn in vars(mod).items():
             # a JITFunction, or an InterpretedFunction when another test module set TRITON_INTERPRET first
             if name.endswith("_kernel") and inspect.isfunction(getattr(fn, "fn", None)):

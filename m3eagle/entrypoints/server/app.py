@@ -1,21 +1,30 @@
 """`m3eagle serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one LLMEngine.
 
 Routes: GET /health (200 once ready, 503 while starting or draining), GET /v1/models,
-POST /v1/completions, POST /v1/chat/completions (stream: true answers in server-sent events ending in
-`data: [DONE]`), GET /metrics (Prometheus text; see metrics.py).
+POST /v1/completions (a prompt or a list of them: choice index = prompt index x n + sample index),
+POST /v1/chat/completions (stream: true answers in server-sent events ending in `data: [DONE]`),
+GET /metrics (Prometheus text; see metrics.py), POST /tokenize, POST /detokenize, GET /version (vLLM's).
+Choices carry vLLM's `stop_reason` (the stop string or token id that ended them, else null).
 
 Errors are OpenAI-shaped JSON, {"error": {"message", "type", "param", "code"}}: 400 for invalid
-parameters, malformed bodies and over-long prompts, 404 for an unknown model or route, 503 while not
-ready, 500 when a request fails inside the engine. A body is validated in full before anything reaches
-the engine.
+parameters, malformed bodies (invalid UTF-8, lone surrogates) and over-long prompts, 401 without the
+--api-key (every /v1 route; /health, /metrics, /version stay open), 404 for an unknown model or route,
+413 for a body over --max-request-body-bytes (refused before it is parsed), 503 while not ready or
+draining, 500 when a request fails inside the engine. A body is validated in full before anything
+reaches the engine.
+
+Prompts are tokenized (and chat templates rendered) on a thread pool, not on the event loop: a huge
+prompt never stalls /health or the other streams.
 
 Threads (async_engine.py): uvicorn's event loop serves HTTP; one background thread runs the engine loop.
 A client that disconnects -- mid-stream or while waiting for a non-streamed answer -- has its request
 aborted at once, which frees its KV pages (immediately, or when the step running now returns).
 
-Shutdown: SIGTERM (or Ctrl-C) marks the server draining (/health answers 503), uvicorn stops accepting
-connections and waits up to --shutdown-timeout seconds for the requests in flight to finish; whatever is
-left is then cancelled, which aborts it in the engine; the engine thread stops and the process exits 0.
+Shutdown: SIGTERM (or Ctrl-C) marks the server draining: it keeps listening, /health and every new request
+get a 503, and the requests in flight get up to --shutdown-timeout seconds to finish. Whatever is left is
+then aborted in the engine and answered: a 503 for a non-streamed request, a final `data: {"error": ...}`
+event then `data: [DONE]` for a stream. Then uvicorn closes its connections, the engine thread stops and
+the process exits 0.
 """
 
 from __future__ import annotations
@@ -24,11 +33,15 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import secrets
 import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +54,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from m3eagle.engine.llm_engine import RequestError
-from m3eagle.engine.request import PositionLogprobs, RequestDelta
-from m3eagle.entrypoints.chat import ChatTemplate, ChatTemplateError
+from m3eagle.engine.request import PositionLogprobs, RequestDelta, RequestOutput
+from m3eagle.engine.runtime import check_text
+from m3eagle.entrypoints.chat import ChatTemplate, ChatTemplateError, find_invalid_text
 from m3eagle.entrypoints.llm import LLM
 from m3eagle.entrypoints.server.async_engine import AsyncEngine, RequestStream
 from m3eagle.entrypoints.server.metrics import ServerMetrics
@@ -50,6 +64,8 @@ from m3eagle.entrypoints.server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     error_body,
     refuse_unsupported,
 )
@@ -59,6 +75,15 @@ log = logging.getLogger("m3eagle")
 
 EMBEDDED_MODEL_NAME = "m3eagle-default"
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request looks for its client having left
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
+API_KEY_ENV = "M3EAGLE_API_KEY"  # vLLM's is VLLM_API_KEY
+ABORT_ANSWER_S = 5.0  # after the shutdown timeout: time for the aborted requests' answers to be written
+
+
+def resolve_api_key(flag: str | None) -> str | None:
+    """--api-key, else $M3EAGLE_API_KEY, else None (no key: every route open)."""
+    key = flag if flag else os.environ.get(API_KEY_ENV)
+    return key or None
 
 
 def _sse(obj: Any) -> str:
@@ -71,12 +96,14 @@ def _delta_logprobs(deltas: list[RequestDelta]) -> tuple[list[int], list[Positio
 
 
 def _token_entries(ids: list[int], lps: list[PositionLogprobs | None], n_top: int,
+                   decode: Callable[[list[int]], str] | None = None,
                    ) -> list[tuple[str, float | None, list[tuple[str, float]]]]:
-    """Per token: (text, logprob, top n_top (text, logprob) by rank) from vLLM-shaped logprob dicts."""
+    """Per token: (text, logprob, top n_top (text, logprob) by rank) from vLLM-shaped logprob dicts. A token
+    without logprobs (the first prompt token, with echo) is decoded by `decode` (its id without one)."""
     out = []
     for t, d in zip(ids, lps):
         if d is None:  # the first prompt token (echo)
-            out.append((str(t), None, []))
+            out.append((decode([t]) if decode is not None else str(t), None, []))
             continue
         top = sorted(((x.rank, x.decoded_token or str(tid), x.logprob) for tid, x in d.items()
                       if x.rank is not None and x.rank <= n_top), key=lambda e: e[0])
@@ -124,10 +151,109 @@ class SSEResponse(StreamingResponse):
                 await aclose()
 
 
-class OpenAIServer:
-    """The app and its state: one LLM, its engine thread, metrics and chat template."""
+class _Guard:
+    """ASGI middleware in front of every route: the API key on /v1 routes (401), then the body limit (413)
+    -- checked against Content-Length, else counted as the body arrives, before anything parses it -- and
+    the body's UTF-8 (400). The body it read is handed on to the app unchanged."""
 
-    def __init__(self, llm: LLM, served_model_name: str | None = None, log_interval: float = 10.0):
+    def __init__(self, app, server: OpenAIServer):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        srv = self.server
+        path: str = scope.get("path", "")
+        if srv.api_key is not None and (path == "/v1" or path.startswith("/v1/")):
+            headers = dict(scope.get("headers") or [])
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), srv.api_key.encode()):
+                return await _send_json(send, 401, error_body(
+                    401, "invalid or missing API key: send it as 'Authorization: Bearer <key>'", None,
+                    "invalid_api_key"), [(b"www-authenticate", b"Bearer")])
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        limit = srv.max_request_body_bytes
+        too_big = error_body(413, f"the request body is larger than this server's limit of {limit} bytes "
+                             "(--max-request-body-bytes)", None)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return await _send_json(send, 413, too_big, [(b"connection", b"close")])
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return None
+            body = msg.get("body", b"")
+            size += len(body)
+            if size > limit:
+                return await _send_json(send, 413, too_big, [(b"connection", b"close")])
+            chunks.append(body)
+            if not msg.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return await _send_json(send, 400, error_body(
+                400, f"the request body is not valid UTF-8 (byte {e.start}: {body[e.start:e.start + 1]!r})", None))
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+async def _send_json(send, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] = ()) -> None:
+    raw = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": raw})
+
+
+@dataclass
+class _Call:
+    """The engine requests of one HTTP call (one per prompt; a list of prompts makes several), sharing one
+    queue. Choice index = prompt index x n + sample index."""
+
+    streams: list[RequestStream]
+    n: int
+    queue: asyncio.Queue[RequestDelta] = field(default_factory=asyncio.Queue)
+
+    def __post_init__(self) -> None:
+        self.index_streams()
+
+    def index_streams(self) -> None:
+        self.prompt_index = {s.request_id: i for i, s in enumerate(self.streams)}
+
+    @property
+    def request_id(self) -> str:
+        return self.streams[0].request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(s.num_prompt_tokens for s in self.streams)
+
+    def choice(self, d: RequestDelta) -> int:
+        return self.prompt_index[d.request_id] * self.n + d.index
+
+
+class OpenAIServer:
+    """The app and its state: one LLM, its engine thread, metrics and chat template.
+
+    api_key: required as `Authorization: Bearer <key>` on every /v1 route (None: open; see resolve_api_key).
+    max_request_body_bytes: larger bodies get a 413 before they are parsed. Both may be changed while
+    serving (they are read per request)."""
+
+    def __init__(self, llm: LLM, served_model_name: str | None = None, log_interval: float = 10.0,
+                 api_key: str | None = None, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES):
         self.llm, self.engine = llm, llm.engine
         if served_model_name is None:
             served_model_name = str(llm.model_path) if llm.model_path is not None and not _is_embedded(llm) \
@@ -138,6 +264,12 @@ class OpenAIServer:
         self.engine_loop = AsyncEngine(self.engine, self.metrics)
         self.chat_template = ChatTemplate.from_model_dir(llm.model_path)
         self.log_interval = log_interval
+        self.api_key = api_key or None
+        if not isinstance(max_request_body_bytes, int) or max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes={max_request_body_bytes!r} must be an int >= 1")
+        self.max_request_body_bytes = max_request_body_bytes
+        # Tokenizing and rendering off the event loop (the tokenizer's batch call releases the GIL).
+        self._prep_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="m3eagle-tokenize")
         self.created = int(time.time())
         self.ready = False
         self.draining = False
@@ -163,6 +295,23 @@ class OpenAIServer:
         """Shutdown started (SIGTERM): answer 503 to new requests while those in flight finish."""
         self.draining = True
 
+    async def drain(self, timeout: float, give_up: Callable[[], bool] = lambda: False) -> None:
+        """While still listening (new requests get 503): wait up to `timeout` s for the requests in flight to
+        finish, then abort the rest -- each is answered (503, or an error event ending its stream) -- and
+        give those answers a moment to go out. give_up(): a second signal, stop waiting."""
+        self.begin_drain()
+        t_end = time.monotonic() + timeout
+        while self.engine_loop.num_in_flight and time.monotonic() < t_end and not give_up():
+            await asyncio.sleep(0.02)
+        if self.engine_loop.num_in_flight and self.engine_loop.alive:
+            n = self.engine_loop.abort_all()
+            log.warning("shutdown: %d request(s) still in flight after %.1fs: aborted (503 / an error event)", n,
+                        timeout)
+            t_end = time.monotonic() + ABORT_ANSWER_S
+            while self.engine_loop.num_in_flight and time.monotonic() < t_end and self.engine_loop.alive:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the handlers write their last bytes
+
     async def _log_stats(self) -> None:
         if self.log_interval <= 0:
             return
@@ -183,9 +332,27 @@ class OpenAIServer:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r} "
                            "(GET /v1/models)", "model")
 
+    async def _off_loop(self, fn, *args):
+        """fn(*args) on the tokenizer pool (the event loop serves on meanwhile)."""
+        return await asyncio.get_running_loop().run_in_executor(self._prep_pool, fn, *args)
+
+    def _encode(self, text: str, param: str) -> list[int]:
+        """Text -> ids, for the pool's threads: the batch call of `tokenizers` releases the GIL (its
+        single-text call does not), so a long prompt does not stall the event loop either."""
+        try:
+            check_text(text, param)
+        except RequestError:
+            raise ApiError(400, f"{param} is not valid Unicode: it holds a lone surrogate (text must encode as "
+                           "UTF-8)", param) from None
+        tok = self.llm.tokenizer
+        if tok is None:
+            raise ApiError(400, "this model has no tokenizer.json: send the prompt as a list of token ids", param)
+        return tok.encode_releasing_gil(text)
+
     # ---- the app ------------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="m3eagle", lifespan=self.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_middleware(_Guard, server=self)
 
         @app.exception_handler(ApiError)
         async def api_error(_request: Request, e: ApiError) -> JSONResponse:
@@ -202,6 +369,11 @@ class OpenAIServer:
                 message = f"{'.'.join(loc) or 'body'}: {err.get('msg')}"
             return JSONResponse(error_body(400, message, param), status_code=400)
 
+        @app.exception_handler(Exception)
+        async def unexpected(_request: Request, e: Exception) -> JSONResponse:  # a bug: still OpenAI-shaped
+            log.error("unexpected error in a request handler", exc_info=e)
+            return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}"), status_code=500)
+
         @app.exception_handler(StarletteHTTPException)
         async def http_error(_request: Request, e: StarletteHTTPException) -> JSONResponse:
             return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
@@ -210,6 +382,12 @@ class OpenAIServer:
         async def health() -> Response:
             self._check_ready()
             return Response(status_code=200)
+
+        @app.get("/version")
+        async def version() -> dict[str, str]:
+            from m3eagle.version import __version__
+
+            return {"version": __version__}
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
@@ -229,6 +407,28 @@ class OpenAIServer:
         @app.post("/v1/chat/completions")
         async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
             return await self._chat(body, request)
+
+        @app.post("/tokenize")
+        async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+            self._check_model(body.model)
+            if (body.prompt is None) == (body.messages is None):
+                raise ApiError(400, "give either prompt (text) or messages (a chat), not both or neither", "prompt")
+            if body.prompt is not None:
+                ids = await self._off_loop(self._encode, body.prompt, "prompt")
+            else:
+                ids, _ = await self._off_loop(self._chat_prompt, body)
+            return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+
+        @app.post("/detokenize")
+        async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+            self._check_model(body.model)
+            if self.llm.tokenizer is None:
+                raise ApiError(400, "this model has no tokenizer.json to detokenize with", "tokens")
+            v = self.engine.target_cfg.vocab_size
+            bad = [t for t in body.tokens if not 0 <= t < v]
+            if bad:
+                raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {v})", "tokens")
+            return {"prompt": await self._off_loop(self.llm.tokenizer.decode, body.tokens)}
 
         return app
 
@@ -261,38 +461,59 @@ class OpenAIServer:
         except SamplingParamsError as e:
             raise ApiError(400, str(e), str(e).split("=", 1)[0]) from None
 
-    def _add(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None, prefix: str,
-             stream_text: bool) -> RequestStream:
-        """stream_text=False (a non-streamed response reads only the finished output): the engine may decode
+    def _add(self, prompts: list[tuple[list[int], SamplingParams, str | None]], prefix: str, stream_text: bool,
+             n: int) -> _Call:
+        """Queue one engine request per prompt, all validated first (nothing is queued if one is refused).
+        stream_text=False (a non-streamed response reads only the finished output): the engine may decode
         the text once at the end (LLMEngine.add_request)."""
-        try:
-            return self.engine_loop.add(prompt_ids, params, prompt, prefix, stream_text)
-        except RequestError as e:
-            msg = str(e)
-            raise ApiError(400, msg, "stop" if msg.startswith(("stop=", "stop_token_ids")) else "prompt") from None
+        self._check_ready()  # the server may have begun draining while the prompts were tokenized
 
-    async def _collect(self, stream: RequestStream, request: Request) -> list[RequestDelta]:
-        """Every delta of a non-streamed request; aborts it if the client leaves (or we are cancelled)."""
-        out: list[RequestDelta] = []
+        def refused(e: RequestError) -> ApiError:
+            msg = str(e)
+            return ApiError(400, msg, "stop" if msg.startswith(("stop=", "stop_token_ids")) else "prompt")
+
+        try:
+            for ids, params, _ in prompts:
+                self.engine.validate(ids, params)
+        except RequestError as e:
+            raise refused(e) from None
+        call = _Call([], n)
+        try:
+            for ids, params, text in prompts:
+                call.streams.append(self.engine_loop.add(ids, params, text, prefix, stream_text, call.queue))
+        except RequestError as e:
+            for st in call.streams:
+                self.engine_loop.abort(st.request_id)
+            raise refused(e) from None
+        call.index_streams()
+        return call
+
+    async def _collect(self, call: _Call, request: Request) -> dict[str, list[RequestDelta]]:
+        """Every delta of a non-streamed call, per request; aborts its requests if the client leaves (or we
+        are cancelled)."""
+        out: dict[str, list[RequestDelta]] = {st.request_id: [] for st in call.streams}
+        left = set(out)
         checked = time.monotonic()
         try:
-            while True:
+            while left:
                 try:
-                    d = await asyncio.wait_for(stream.queue.get(), timeout=DISCONNECT_POLL_S)
+                    d = await asyncio.wait_for(call.queue.get(), timeout=DISCONNECT_POLL_S)
                 except TimeoutError:
                     d = None
                 if d is not None:
-                    out.append(d)
+                    out[d.request_id].append(d)
                     if d.finished:
-                        return out
+                        left.discard(d.request_id)
+                        continue
                 # Deltas may arrive faster than any timeout, so look for a disconnect by the clock.
                 if time.monotonic() - checked >= DISCONNECT_POLL_S:
                     checked = time.monotonic()
                     if await request.is_disconnected():
                         raise _ClientGone()
+            return out
         finally:
-            if not (out and out[-1].finished):
-                self.engine_loop.abort(stream.request_id)
+            for rid in left:
+                self.engine_loop.abort(rid)
 
     @staticmethod
     def _usage(prompt: int, completion: int) -> dict[str, int]:
@@ -300,74 +521,82 @@ class OpenAIServer:
 
     def _final_error(self, d: RequestDelta) -> ApiError:
         if d.finish_reason == "abort" and self.draining:
-            return ApiError(503, "the server shut down before this request finished")
+            return ApiError(503, "the server shut down before this request finished (--shutdown-timeout passed)")
         return ApiError(500, f"the request failed in the engine: {d.error or d.finish_reason}")
 
     # ---- /v1/completions ----------------------------------------------------------------------
-    def _completion_prompt(self, body: CompletionRequest) -> tuple[list[int], str | None]:
+    def _completion_prompts(self, body: CompletionRequest) -> list[tuple[list[int], str | None]]:
+        """(ids, text or None) per prompt; runs on the tokenizer pool."""
         p: Any = body.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ApiError(400, f"prompt holds {len(p)} prompts; send one prompt per request", "prompt")
-            p = p[0]
-        if isinstance(p, str):
-            if self.llm.tokenizer is None:
-                raise ApiError(400, "this model has no tokenizer.json: send the prompt as a list of token ids",
-                               "prompt")
-            return self.llm.encode(p), p
-        return list(p), None
+        many = isinstance(p, list) and bool(p) and isinstance(p[0], (str, list))
+        out = []
+        for i, one in enumerate(p if many else [p]):
+            if isinstance(one, str):
+                out.append((self._encode(one, "prompt"), one))
+            else:
+                out.append((list(one), None))
+            if not out[-1][0]:
+                which = f"prompt {i} of the list" if many else "the prompt"
+                raise ApiError(400, f"{which} is empty; give at least one token", "prompt")
+        return out
 
-    async def _finished(self, stream: RequestStream, request: Request):
-        """A non-streamed request's RequestOutput (all n completions) once it has finished; a 499 Response if
-        the client left first; a completion's failure as an ApiError."""
+    async def _finished(self, call: _Call, request: Request) -> list[RequestOutput] | Response:
+        """A non-streamed call's RequestOutputs (all n completions each, in prompt order) once every one has
+        finished; a 499 Response if the client left first; a completion's failure as an ApiError."""
         try:
-            deltas = await self._collect(stream, request)
+            deltas = await self._collect(call, request)
         except _ClientGone:
             return Response(status_code=499)
-        out = deltas[-1].output
-        assert out is not None, "the request's finishing delta carries its RequestOutput"
-        for d in deltas:
-            if d.finish_reason is not None and d.finish_reason not in ("stop", "length"):
-                raise self._final_error(d)
-        return out
+        outs = []
+        for st in call.streams:
+            ds = deltas[st.request_id]
+            for d in ds:
+                if d.finish_reason is not None and d.finish_reason not in ("stop", "length"):
+                    raise self._final_error(d)
+            assert ds[-1].output is not None, "the request's finishing delta carries its RequestOutput"
+            outs.append(ds[-1].output)
+        return outs
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.llm.tokenizer.decode(ids) if self.llm.tokenizer is not None else ""
 
     async def _completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_ready()
         self._check_model(body.model)
         refuse_unsupported(body)
-        ids, text = self._completion_prompt(body)
-        if not ids:
-            raise ApiError(400, "the prompt is empty; give at least one token", "prompt")
+        prompts = await self._off_loop(self._completion_prompts, body)
         want_lp = body.logprobs is not None
         # echo with logprobs: the prompt's logprobs come first (vLLM: prompt_logprobs = logprobs)
-        params = self._sampling_params(body, len(ids), 16 if body.max_tokens is None else body.max_tokens,
-                                       body.logprobs, body.logprobs if body.echo and want_lp else None)
-        stream = self._add(ids, params, text, "cmpl", bool(body.stream))
-        echo = (text if text is not None else self.llm.tokenizer.decode(ids) if self.llm.tokenizer else "") \
-            if body.echo else ""
+        reqs = [(ids, self._sampling_params(body, len(ids), 16 if body.max_tokens is None else body.max_tokens,
+                                            body.logprobs, body.logprobs if body.echo and want_lp else None), text)
+                for ids, text in prompts]
+        echoes = [(text if text is not None else self._decode(ids)) if body.echo else "" for ids, text in prompts]
+        call = self._add(reqs, "cmpl", bool(body.stream), body.n)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return SSEResponse(self._completion_events(stream, usage, body.logprobs, body.n, echo))
-        out = await self._finished(stream, request)
-        if isinstance(out, Response):
-            return out
+            return SSEResponse(self._completion_events(call, usage, body.logprobs, echoes))
+        outs = await self._finished(call, request)
+        if isinstance(outs, Response):
+            return outs
         choices = []
-        for c in out.outputs:
-            lp = None
-            if want_lp:
-                p_ids, p_lps = (ids, out.prompt_logprobs or [None] * len(ids)) if body.echo else ([], [])
-                lp = self._completion_logprobs(p_ids + c.token_ids, p_lps + (c.logprobs or []), 0, body.logprobs)
-            choices.append({"index": c.index, "text": echo + (c.text or ""), "finish_reason": c.finish_reason,
-                            "logprobs": lp})
-        return JSONResponse({"id": stream.request_id, "object": "text_completion", "created": int(time.time()),
+        for pi, ((ids, _), out) in enumerate(zip(prompts, outs)):
+            for c in out.outputs:
+                lp = None
+                if want_lp:
+                    p_ids, p_lps = (ids, out.prompt_logprobs or [None] * len(ids)) if body.echo else ([], [])
+                    lp = self._completion_logprobs(p_ids + c.token_ids, p_lps + (c.logprobs or []), 0,
+                                                   body.logprobs)
+                choices.append({"index": pi * body.n + c.index, "text": echoes[pi] + (c.text or ""),
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, "logprobs": lp})
+        n_prompt = sum(len(ids) for ids, _ in prompts)
+        return JSONResponse({"id": call.request_id, "object": "text_completion", "created": int(time.time()),
                              "model": self.model_name, "choices": choices,
-                             "usage": self._usage(len(ids), sum(len(c.token_ids) for c in out.outputs))})
+                             "usage": self._usage(n_prompt, sum(len(c.token_ids) for o in outs for c in o.outputs))})
 
-    @staticmethod
-    def _completion_logprobs(ids: list[int], lps: list[PositionLogprobs | None], offset: int,
+    def _completion_logprobs(self, ids: list[int], lps: list[PositionLogprobs | None], offset: int,
                              n_top: int) -> dict[str, Any]:
         """The legacy completions shape: tokens, token_logprobs, top_logprobs (text -> logprob), text_offset."""
-        entries = _token_entries(ids, lps, n_top)
+        entries = _token_entries(ids, lps, n_top, self._decode)
         offsets = []
         for text, _, _ in entries:
             offsets.append(offset)
@@ -376,58 +605,78 @@ class OpenAIServer:
                 "top_logprobs": [dict(e[2]) if e[1] is not None else None for e in entries] if n_top else None,
                 "text_offset": offsets}
 
-    def _completion_events(self, stream: RequestStream, include_usage: bool, n_top: int | None, n: int,
-                           echo: str) -> AsyncIterator[str]:
-        head = {"id": stream.request_id, "object": "text_completion", "created": int(time.time()),
+    def _completion_events(self, call: _Call, include_usage: bool, n_top: int | None,
+                           echoes: list[str]) -> AsyncIterator[str]:
+        head = {"id": call.request_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
-        offset = [len(echo)] * n  # characters streamed so far per completion: the logprobs' text_offset
+        n = call.n
+        offset = [len(echoes[i // n]) for i in range(len(echoes) * n)]  # per choice: the logprobs' text_offset
 
-        def chunk(ds: list, text: str, finish_reason: str | None, index: int) -> dict[str, Any]:
+        def chunk(ds: list, text: str, finish_reason: str | None, index: int, stop_reason) -> dict[str, Any]:
             lp = self._completion_logprobs(*_delta_logprobs(ds), offset[index], n_top) if n_top is not None else None
             if lp:
                 offset[index] += sum(len(t) for t in lp["tokens"])
-            return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+            return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
+                    "stop_reason": stop_reason}
 
-        opening = [{"index": i, "text": echo, "logprobs": None, "finish_reason": None} for i in range(n)] \
-            if echo else None
-        return self._stream_events(stream, include_usage, n_top is not None, head, chunk, opening)
+        opening = [{"index": i, "text": echoes[i // n], "logprobs": None, "finish_reason": None}
+                   for i in range(len(echoes) * n)] if any(echoes) else None
+        return self._stream_events(call, include_usage, n_top is not None, head, chunk, opening)
 
-    async def _stream_events(self, stream: RequestStream, include_usage: bool, want_lp: bool, head: dict[str, Any],
+    async def _stream_events(self, call: _Call, include_usage: bool, want_lp: bool, head: dict[str, Any],
                              chunk, opening: list[dict[str, Any]] | None = None) -> AsyncIterator[str]:
         """The SSE loop both endpoints share: each batch of deltas becomes one chunk with a choice per
-        completion that changed (`chunk(deltas, text, finish_reason, index)` builds it); a failed completion
-        ends the stream with an error event; then the usage chunk when asked for, and [DONE]. A stream that
-        ends early (client gone, cancelled) aborts its request."""
-        done, n_out = False, 0
+        completion that changed (`chunk(deltas, text, finish_reason, index, stop_reason)` builds it); a failed
+        completion (an engine error, or an abort at shutdown) ends the stream with an error event, then
+        [DONE]; the usage chunk when asked for, and [DONE]. A completion's finish_reason goes out once its
+        request's output (which holds the stop_reason) is in. A stream that ends early (client gone,
+        cancelled) aborts its requests."""
+        left = {st.request_id for st in call.streams}
+        n_out = 0
+        pending: dict[tuple[str, int], str] = {}  # a finished completion waiting for its request's output
         try:
             if opening is not None:
                 yield _sse({**head, "choices": opening})
-            while not done:
-                ds = await _next_deltas(stream.queue)
-                done = ds[-1].finished
+            while left:
+                ds = await _next_deltas(call.queue)
                 n_out += sum(len(d.token_ids) for d in ds)
-                failed = next((d for d in ds if d.finish_reason == "error"), None)
+                failed = next((d for d in ds if d.finish_reason in ("error", "abort")), None)
                 if failed is not None:
                     yield _sse(self._final_error(failed).body())
                     include_usage = False
                     break
+                outputs = {d.request_id: d.output for d in ds if d.output is not None}
                 choices = []
-                for index in sorted({d.index for d in ds}):
-                    di = [d for d in ds if d.index == index]
+                for key in sorted({(call.choice(d), d.request_id, d.index) for d in ds}):
+                    index, rid, sub = key
+                    di = [d for d in ds if d.request_id == rid and d.index == sub]
                     text, finish = "".join(d.text for d in di), di[-1].finish_reason
+                    stop_reason = None
+                    if finish is not None and rid not in outputs:
+                        pending[(rid, sub)], finish = finish, None
+                    elif finish is not None:
+                        stop_reason = outputs[rid].outputs[sub].stop_reason
                     if text or finish or (want_lp and any(d.token_ids for d in di)):
-                        choices.append(chunk(di, text, finish, index))
+                        choices.append(chunk(di, text, finish, index, stop_reason))
+                for rid, out in outputs.items():
+                    left.discard(rid)
+                    for (prid, sub), finish in list(pending.items()):
+                        if prid == rid:
+                            del pending[(prid, sub)]
+                            choices.append(chunk([], "", finish, call.prompt_index[rid] * call.n + sub,
+                                                 out.outputs[sub].stop_reason))
                 if choices:  # else nothing a client can see yet (text held back for a stop string)
                     yield _sse({**head, "choices": choices})
-            if include_usage and done:
-                yield _sse({**head, "choices": [], "usage": self._usage(stream.num_prompt_tokens, n_out)})
+            if include_usage and not left:
+                yield _sse({**head, "choices": [], "usage": self._usage(call.num_prompt_tokens, n_out)})
             yield "data: [DONE]\n\n"
         finally:
-            if not done:
-                self.engine_loop.abort(stream.request_id)
+            for rid in left:
+                self.engine_loop.abort(rid)
 
     # ---- /v1/chat/completions -------------------------------------------------------------------
-    def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], str]:
+    def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> tuple[list[int], str]:
+        """Render and tokenize; runs on the tokenizer pool."""
         if self.chat_template is None:
             raise ApiError(400, "this model has no chat_template (tokenizer_config.json or chat_template.jinja); "
                            "use /v1/completions", "messages")
@@ -435,38 +684,52 @@ class OpenAIServer:
             raise ApiError(400, "this model has no tokenizer.json, which chat needs; use /v1/completions with "
                            "token ids", "messages")
         messages = []
-        for m in body.messages:
+        for i, m in enumerate(body.messages):
             d = m.model_dump()
             c = m.content
             d["content"] = c if isinstance(c, str) else "".join(part.text for part in c or [])
+            bad = find_invalid_text({k: v for k, v in d.items()})
+            if bad is not None:
+                raise ApiError(400, f"messages[{i}].{bad} is not valid Unicode: it holds a lone surrogate (text "
+                               "must encode as UTF-8)", f"messages[{i}].{bad}")
             messages.append(d)
+        kwargs = dict(body.chat_template_kwargs or {})
+        bad = find_invalid_text(kwargs)
+        if bad is not None:
+            raise ApiError(400, f"chat_template_kwargs.{bad} is not valid Unicode (a lone surrogate)",
+                           "chat_template_kwargs")
         try:
-            text = self.chat_template.render(messages, body.add_generation_prompt, **(body.chat_template_kwargs or {}))
+            text = self.chat_template.render(messages, body.add_generation_prompt, body.continue_final_message,
+                                             **kwargs)
         except ChatTemplateError as e:
-            raise ApiError(400, str(e), "messages") from None
-        return self.llm.encode(text), text
+            msg = str(e)
+            param = "chat_template_kwargs" if msg.startswith("chat_template_kwargs") or any(
+                k in msg for k in kwargs) else "messages"
+            raise ApiError(400, msg, param) from None
+        return self._encode(text, "messages"), text
 
     async def _chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_ready()
         self._check_model(body.model)
         refuse_unsupported(body)
-        ids, text = self._chat_prompt(body)
+        ids, text = await self._off_loop(self._chat_prompt, body)
         if not ids:
             raise ApiError(400, "the rendered chat prompt is empty", "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         n_top = (body.top_logprobs or 0) if body.logprobs else None
         params = self._sampling_params(body, len(ids), max_tokens, n_top)
-        stream = self._add(ids, params, text, "chatcmpl", bool(body.stream))
+        call = self._add([(ids, params, text)], "chatcmpl", bool(body.stream), body.n)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return SSEResponse(self._chat_events(stream, usage, n_top, body.n))
-        out = await self._finished(stream, request)
-        if isinstance(out, Response):
-            return out
+            return SSEResponse(self._chat_events(call, usage, n_top))
+        outs = await self._finished(call, request)
+        if isinstance(outs, Response):
+            return outs
+        out = outs[0]
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text or ""},
                     "logprobs": self._chat_logprobs(c.token_ids, c.logprobs or [], n_top) if n_top is not None
-                    else None, "finish_reason": c.finish_reason} for c in out.outputs]
-        return JSONResponse({"id": stream.request_id, "object": "chat.completion", "created": int(time.time()),
+                    else None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+        return JSONResponse({"id": call.request_id, "object": "chat.completion", "created": int(time.time()),
                              "model": self.model_name, "choices": choices,
                              "usage": self._usage(len(ids), sum(len(c.token_ids) for c in out.outputs))})
 
@@ -477,19 +740,18 @@ class OpenAIServer:
                              "top_logprobs": [{"token": x, "logprob": v, "bytes": list(x.encode())} for x, v in top]}
                             for t, lp, top in _token_entries(ids, lps, n_top)]}
 
-    def _chat_events(self, stream: RequestStream, include_usage: bool, n_top: int | None, n: int,
-                     ) -> AsyncIterator[str]:
-        head = {"id": stream.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+    def _chat_events(self, call: _Call, include_usage: bool, n_top: int | None) -> AsyncIterator[str]:
+        head = {"id": call.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model_name}
 
-        def chunk(ds: list, text: str, finish_reason: str | None, index: int) -> dict[str, Any]:
+        def chunk(ds: list, text: str, finish_reason: str | None, index: int, stop_reason) -> dict[str, Any]:
             return {"index": index, "delta": {"content": text} if text else {},
                     "logprobs": self._chat_logprobs(*_delta_logprobs(ds), n_top) if n_top is not None else None,
-                    "finish_reason": finish_reason}
+                    "finish_reason": finish_reason, "stop_reason": stop_reason}
 
         opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                   for i in range(n)]
-        return self._stream_events(stream, include_usage, n_top is not None, head, chunk, opening)
+                   for i in range(call.n)]
+        return self._stream_events(call, include_usage, n_top is not None, head, chunk, opening)
 
 
 def _is_embedded(llm: LLM) -> bool:
@@ -518,11 +780,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 class _Uvicorn(uvicorn.Server):
-    """uvicorn, telling the app when a shutdown signal arrives (so /health turns 503 while draining)."""
+    """uvicorn, telling the app when a shutdown signal arrives (so /health and new requests get 503 while
+    draining), and draining before uvicorn closes its sockets: uvicorn's own shutdown stops listening at
+    once (new connections would be refused, not answered 503) and cancels what is left at its timeout
+    (a plain-text 500, a stream cut without an error event); OpenAIServer.drain answers them instead."""
 
-    def __init__(self, config: uvicorn.Config, server: OpenAIServer):
+    def __init__(self, config: uvicorn.Config, server: OpenAIServer, shutdown_timeout: float):
         super().__init__(config)
-        self.m3 = server
+        self.m3, self.shutdown_timeout = server, shutdown_timeout
 
     def handle_exit(self, sig: int, frame) -> None:
         if not self.m3.draining:
@@ -531,6 +796,7 @@ class _Uvicorn(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets=None) -> None:
+        await self.m3.drain(self.shutdown_timeout, lambda: self.force_exit)
         await super().shutdown(sockets)
         # uvicorn re-raises the signal that stopped it once it has shut down, so the process dies of
         # SIGTERM after all; a completed drain is a clean exit (status 0) instead.
@@ -539,9 +805,11 @@ class _Uvicorn(uvicorn.Server):
             captured.clear()
 
 
-def _uvicorn_config(server: OpenAIServer, shutdown_timeout: float, log_level: str, access_log: bool) -> uvicorn.Config:
-    return uvicorn.Config(server.app, log_level=log_level, access_log=access_log, lifespan="on",
-                          timeout_graceful_shutdown=shutdown_timeout, timeout_keep_alive=30)
+def _uvicorn(server: OpenAIServer, shutdown_timeout: float, log_level: str, access_log: bool) -> _Uvicorn:
+    # uvicorn's own graceful timeout only covers writing the answers after OpenAIServer.drain.
+    config = uvicorn.Config(server.app, log_level=log_level, access_log=access_log, lifespan="on",
+                            timeout_graceful_shutdown=ABORT_ANSWER_S, timeout_keep_alive=30)
+    return _Uvicorn(config, server, shutdown_timeout)
 
 
 def run_server(server: OpenAIServer, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0,
@@ -556,7 +824,7 @@ def run_server(server: OpenAIServer, host: str = "127.0.0.1", port: int = 8000, 
         sys.setswitchinterval(switch_interval)
     sock = bind_socket(host, port)
     log.info("m3eagle listening on http://%s:%d", host, sock.getsockname()[1])
-    _Uvicorn(_uvicorn_config(server, shutdown_timeout, log_level, access_log), server).run(sockets=[sock])
+    _uvicorn(server, shutdown_timeout, log_level, access_log).run(sockets=[sock])
 
 
 class ServerThread:
@@ -567,7 +835,7 @@ class ServerThread:
         self.server, self.host = server, host
         self._sock = bind_socket(host, port)
         self.port = self._sock.getsockname()[1]
-        self._uv = _Uvicorn(_uvicorn_config(server, shutdown_timeout, log_level, False), server)
+        self._uv = _uvicorn(server, shutdown_timeout, log_level, False)
         self._thread = threading.Thread(target=self._uv.run, kwargs={"sockets": [self._sock]}, daemon=True,
                                         name="m3eagle-uvicorn")
 

@@ -88,11 +88,12 @@ class AsyncEngine:
 
     # ---- requests (asyncio thread) ------------------------------------------------------------
     def add(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None, prefix: str,
-            stream_text: bool = True) -> RequestStream:
+            stream_text: bool = True, queue: asyncio.Queue[RequestDelta] | None = None) -> RequestStream:
         """Queue a request; raises RequestError (the engine's validation) before anything is queued.
-        stream_text: see LLMEngine.add_request (False when only the finished output is read)."""
+        stream_text: see LLMEngine.add_request (False when only the finished output is read). queue: where its
+        deltas go (several requests of one HTTP call -- a list of prompts -- share one); none: its own."""
         rid = f"{prefix}-{uuid.uuid4().hex}"
-        stream = RequestStream(rid, len(prompt_ids))
+        stream = RequestStream(rid, len(prompt_ids)) if queue is None else RequestStream(rid, len(prompt_ids), queue)
         self._streams[rid] = stream  # before the engine can produce a delta for it
         try:
             self.engine.add_request(prompt_ids, params, prompt, request_id=rid, stream_text=stream_text)
@@ -110,6 +111,16 @@ class AsyncEngine:
             s.detached = True
         self.engine.abort(request_id)
         self._wake.set()
+
+    def abort_all(self) -> int:
+        """Abort every request in flight (shutdown past its timeout) *without* detaching it: each one's final
+        "abort" delta still reaches its handler, which answers 503 / ends its stream with an error event.
+        Returns how many there were."""
+        rids = list(self._streams)
+        for rid in rids:
+            self.engine.abort(rid)
+        self._wake.set()
+        return len(rids)
 
     def _dispatch(self, deltas: list[RequestDelta], spec: SpecCounters, now: float) -> None:
         """On the asyncio thread: one step's deltas to their queues and to the metrics."""

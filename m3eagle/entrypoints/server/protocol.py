@@ -22,8 +22,8 @@ INT63 = 2**63
 class ApiError(Exception):
     """An error answered as OpenAI-shaped JSON: {"error": {"message", "type", "param", "code"}}."""
 
-    TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
-             503: "ServiceUnavailableError"}
+    TYPES = {400: "BadRequestError", 401: "invalid_request_error", 404: "NotFoundError",
+             413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
@@ -33,9 +33,9 @@ class ApiError(Exception):
         return error_body(self.status, self.message, self.param)
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": ApiError.TYPES.get(status, "Error"), "param": param,
-                      "code": status}}
+                      "code": status if code is None else code}}
 
 
 class _Body(BaseModel):
@@ -99,7 +99,25 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True  # vLLM's extra
+    continue_final_message: bool = False  # vLLM's extra: the prompt ends inside the last message
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra: more variables for the template
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a text prompt, or chat messages rendered with the model's template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # accepted; m3eagle's tokenizer adds none
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
 
 
 def refuse_unsupported(body: _Sampling) -> None:

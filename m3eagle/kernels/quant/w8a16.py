@@ -1,0 +1,481 @@
+"""W8A16 Triton kernels for MXFP8 weights: activations stay bf16 / fp16 / fp32, weights stay float8_e4m3fn in
+memory (one uint8 ue8m0 scale per 1 x 32 block along K, `mxfp8.py`) and are dequantized in registers.
+
+    mx_linear(x [T, K], q [N, K] fp8, scale [N, K/32] u8) -> y [T, N]        (T <= GEMV_MAX_T: decode GEMV;
+                                                                             else the tiled GEMM)
+    mx_moe_experts(x [T, H], weights [T, k], ids [T, k], w13 [E, 2I, H] fp8 + [E, 2I, H/32],
+                   w2 [E, H, I] fp8 + [E, H, I/32], alpha, limit) -> [T, H]   (per-pair GEMVs, two launches)
+
+Dequantization. w = float(q) * 2 ** (s - 127) is exact in fp32: the scale is built from its bits (s << 23, and
+0x00400000 -- the subnormal 2 ** -127 -- for s = 0; s = 255 gives inf as `decode_e8m0` does), so every kernel
+multiplies by exactly the reference's `dequantize_mx` weight.
+
+Decode GEMV (`_mx_gemv_kernel`, T <= 8). Grid (cdiv(N, BLOCK_N), S). Program (n, s) owns BLOCK_N output rows and
+the K range [s * k_split, +k_split) (a whole number of BLOCK_K steps). Each step loads the fp8 tile [BN, BK]
+(1 byte / weight) and its BK / 32 scale bytes per row, dequantizes as a [BN, BK/32, 32] broadcast, and adds
+sum_k w * x[t] (fp32 products and sums) for the T rows (padded to BLOCK_T, clamped to row T - 1 and dropped at
+the store). Split-K (S > 1, for N too small to fill the GPU): each program stores its fp32 partial to part
+[S, T, N], and a second launch (`_split_sum_kernel`) sums them in split order 0..S-1 -- deterministic, no
+float atomics, no counters; graph-capturable (the partials are a torch.empty of static shape).
+
+Tiled GEMM (`_mx_gemm_kernel`, T > 8). Grid cdiv(T, BM) * cdiv(N, BN), grouped (GROUP_M row blocks share a
+weight column block in L2). Per K step: x tile [BM, BK], fp8 tile [BN, BK] and scales [BN, BK/32]; the weight
+is dequantized in registers per 32-column group (the same broadcast) and rounded to x.dtype -- exact for bf16
+(e4m3 has 3 mantissa bits, bf16 7 and fp32's exponent range) -- then tl.dot(x, w^T) into fp32 (fp32 inputs:
+input_precision="ieee"). fp16 cannot hold every q * 2^e (5 exponent bits), so for fp16 x the scale is applied
+after the MMA instead (GROUP_SCALE): per 32-column group acc += tl.dot(x_g, q_g^T) * scale_g (q is exact in
+fp16, the power of two exact in fp32).
+
+Both kernels: `PDL` constexpr with `pdl_wait(PDL)` first (pdl.py), launched with `**pdl.args(x)` and
+`**launch_opts()`; no host sync, no .item(), no data-dependent shapes: capturable in a CUDA graph. The path and
+blocks are `pick_config(t, n, k)`, a pure function of the shape (blocks sized for a 132-SM Hopper). Under the
+CPU interpreter a bf16 / fp16 tl.dot multiplies raw bits, so operands are upcast to fp32 there (UPCAST_DOT).
+
+MoE (`mx_moe_experts`): correctness-first, two launches of per-pair GEMVs, like `moe/direct.py`'s structure
+(no sort, no combine launch) but for any T. `_mx_moe_gate_up_kernel` grid (T * k, cdiv(I, BN)): pair p reads
+token p // k and expert ids[p]'s gate rows [n] and up rows [I + n] (gate_up holds gate then up, as
+`moe/reference.py` chunks it), rounds each sum to x.dtype and applies `swiglu_oai_f32` (fused/activation.py: the
+reference's roundings) -> act [T * k, I] in x.dtype. `_mx_moe_down_kernel` grid (T, cdiv(H, BN)): the token's k
+experts in order j = 0..k-1, each output rounded to x.dtype, times its fp32 routing weight, summed in fp32 in that
+fixed order, rounded once. Pairs whose id is outside [0, E) contribute zero (as the reference's expert_range).
+At prompt sizes each pair re-reads its expert's weights (from L2): a sorted-token grouped GEMM (moe/align.py +
+this GEMM's dequantizing tile) is the fast path still to build.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from m3eagle.kernels import pdl
+from m3eagle.kernels.fused.activation import swiglu_oai_f32
+from m3eagle.kernels.pdl import pdl_wait
+from m3eagle.kernels.quant.mxfp8 import MX_BLOCK
+from m3eagle.kernels.triton_utils import launch_opts
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+GEMV_MAX_T = 8  # rows up to which mx_linear runs the decode GEMV; the tiled GEMM above
+SMS = 132  # the Hopper parts the blocks are sized for (H100 SXM / H200); keeps pick_config a function of shape
+MAX_SPLIT = 8
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ---- configs ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MxConfig:
+    """Launch parameters of one `mx_linear` call. GEMV (use_dot False): block_m is BLOCK_T (next_pow2(T)),
+    split_k the programs per output tile along K. GEMM: block_m rows per program, group_m the grouped order."""
+
+    use_dot: bool
+    block_m: int
+    block_n: int
+    block_k: int  # a multiple of 32 (whole scale groups)
+    num_warps: int = 4
+    num_stages: int = 1
+    split_k: int = 1
+    group_m: int = 8
+
+
+def pick_config(t: int, n: int, k: int) -> MxConfig:
+    """The path and blocks for y [t, n] = x [t, k] @ w[n, k]^T (a pure function of the shape).
+
+    GEMV (t <= GEMV_MAX_T): BLOCK_K = min(512, next_pow2(K)) (>= 32), BLOCK_N 16 for t <= 2 else 8 (fp32 products
+    of BLOCK_T x BLOCK_N x BLOCK_K stay within a 4-warp program's registers), halved while there are < 4 programs
+    per SM; split-K up to 8 when there are < 2 tiles per SM, each split >= 2 K steps.
+    GEMM: BM 128 (T >= 256) / 64 / 16-32, BN 128, BK 64, 8 warps (4 for BM <= 32), 3 cp.async stages."""
+    if t <= GEMV_MAX_T:
+        bt = triton.next_power_of_2(max(t, 1))
+        bk = max(MX_BLOCK, min(512 if t <= 2 else 256, triton.next_power_of_2(k)))
+        bn = 16 if t <= 2 else 8
+        while bn > 1 and triton.cdiv(n, bn) < 4 * SMS:
+            bn //= 2
+        tiles = triton.cdiv(n, bn)
+        split = 1
+        if tiles < 2 * SMS:
+            split = max(1, min(MAX_SPLIT, triton.cdiv(4 * SMS, tiles), k // (2 * bk)))
+        return MxConfig(False, bt, bn, bk, num_warps=4, num_stages=1, split_k=split)
+    if t >= 256:
+        return MxConfig(True, 128, 128, 64, num_warps=8, num_stages=3)
+    bm = 64 if t > 32 else max(16, triton.next_power_of_2(t))
+    return MxConfig(True, bm, 128 if bm >= 64 else 64, 64, num_warps=8 if bm >= 64 else 4, num_stages=3)
+
+
+# ---- shared jit helpers -------------------------------------------------------------------------------
+
+
+@triton.jit
+def _e8m0(s):
+    """uint8 ue8m0 bytes -> fp32 2 ** (s - 127), exactly (bits: s << 23; s = 0 is the subnormal 2 ** -127)."""
+    si = s.to(tl.int32)
+    return tl.where(si == 0, 0x00400000, si << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dequant_tile(q_ptrs, s_ptrs, k_ok, g_ok, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
+    """fp8 tile [BN, BK] at q_ptrs and its scales [BN, BK / 32] at s_ptrs -> fp32 weights [BN, BK] (zeros past K)."""
+    if EVEN_K:
+        q = tl.load(q_ptrs)
+        s = tl.load(s_ptrs)
+    else:
+        q = tl.load(q_ptrs, mask=k_ok, other=0.0)
+        s = tl.load(s_ptrs, mask=g_ok, other=127)
+    w = tl.reshape(q.to(tl.float32), [BN, BK // 32, 32]) * _e8m0(s)[:, :, None]
+    return tl.reshape(w, [BN, BK])
+
+
+# ---- decode GEMV --------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["T", "k_split"])
+def _mx_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_xt, stride_qn, stride_sn, stride_yt, k_split,
+                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                    EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    """Grid (cdiv(N, BLOCK_N), S): y[:, n-tile] (SPLIT: its partial part[s] [T, N] fp32) over K [s*k_split, +k_split)."""
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
+    NB: tl.constexpr = BLOCK_K // 32
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: padding rows re-read row N - 1, the store drops them
+    offs_t = tl.arange(0, BLOCK_T)
+    trow = tl.minimum(offs_t, T - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_g = tl.arange(0, NB)
+    k0 = pid_s * k_split
+    k_end = tl.minimum(k0 + k_split, K)
+    q_ptrs = q_ptr + rows[:, None] * stride_qn + (k0 + offs_k)[None, :]  # [BN, BK]
+    s_ptrs = s_ptr + rows[:, None] * stride_sn + (k0 // 32 + offs_g)[None, :]  # [BN, NB]
+    x_ptrs = x_ptr + trow[:, None] * stride_xt + (k0 + offs_k)[None, :]  # [BT, BK]
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for k in range(k0, k_end, BLOCK_K):
+        k_ok = (k + offs_k) < k_end  # K % 32 == 0: whole groups in or out
+        g_ok = (k + offs_g * 32) < k_end
+        w = _dequant_tile(q_ptrs, s_ptrs, k_ok[None, :], g_ok[None, :], BLOCK_N, BLOCK_K, EVEN_K)  # [BN, BK]
+        if EVEN_K:
+            x = tl.load(x_ptrs).to(tl.float32)
+        else:
+            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)  # [BT, BK]
+        acc += tl.sum(w[None, :, :] * x[:, None, :], axis=2)  # [BT, BN]
+        q_ptrs += BLOCK_K
+        s_ptrs += NB
+        x_ptrs += BLOCK_K
+    mask = (offs_t < T)[:, None] & (offs_n < N)[None, :]
+    if SPLIT:
+        tl.store(part_ptr + (pid_s * T + offs_t[:, None]) * N + offs_n[None, :], acc, mask=mask)
+    else:
+        tl.store(y_ptr + offs_t[:, None] * stride_yt + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["T", "S"])
+def _split_sum_kernel(part_ptr, y_ptr, T, N, S, stride_yt, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Grid (T, cdiv(N, BLOCK)): y[t] = sum_{s = 0..S-1} part[s, t] in split order, rounded once to y's dtype."""
+    pdl_wait(PDL)
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(S):
+        total += tl.load(part_ptr + (s * T + t) * N + offs, mask=ok, other=0.0)
+    tl.store(y_ptr + t * stride_yt + offs, total.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+# ---- tiled GEMM ---------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["T"])
+def _mx_gemm_kernel(x_ptr, q_ptr, s_ptr, y_ptr, T, N, K, stride_xt, stride_qn, stride_sn, stride_yt,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                    EVEN_K: tl.constexpr, IEEE: tl.constexpr, GROUP_SCALE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                    PDL: tl.constexpr):
+    """Grid cdiv(T, BM) * cdiv(N, BN), grouped: y tile [BM, BN] = x [BM, K] @ dequant(q, s)[BN, K]^T, fp32 acc."""
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
+    NB: tl.constexpr = BLOCK_K // 32
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(T, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_m = tl.minimum(offs_m, T - 1).to(tl.int64)  # clamped, dropped at the store
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    dt = x_ptr.dtype.element_ty
+    if GROUP_SCALE:  # fp16: scale applied to each 32-column group's MMA result (q is exact in fp16)
+        offs_c = tl.arange(0, 32)
+        x_ptrs = x_ptr + rows_m[:, None] * stride_xt + offs_c[None, :]  # [BM, 32]
+        q_ptrs = q_ptr + rows_n[:, None] * stride_qn + offs_c[None, :]  # [BN, 32]
+        s_ptrs = s_ptr + rows_n * stride_sn  # [BN]
+        for _g in range(0, K // 32):
+            x = tl.load(x_ptrs)
+            q = tl.load(q_ptrs).to(dt)
+            if UPCAST_DOT:
+                part = tl.dot(x.to(tl.float32), tl.trans(q).to(tl.float32), input_precision="ieee")
+            else:
+                part = tl.dot(x, tl.trans(q))
+            acc += part * _e8m0(tl.load(s_ptrs))[None, :]
+            x_ptrs += 32
+            q_ptrs += 32
+            s_ptrs += 1
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_g = tl.arange(0, NB)
+        x_ptrs = x_ptr + rows_m[:, None] * stride_xt + offs_k[None, :]  # [BM, BK]
+        q_ptrs = q_ptr + rows_n[:, None] * stride_qn + offs_k[None, :]  # [BN, BK]
+        s_ptrs = s_ptr + rows_n[:, None] * stride_sn + offs_g[None, :]  # [BN, NB]
+        for k in range(0, K, BLOCK_K):
+            k_ok = (k + offs_k) < K
+            g_ok = (k + offs_g * 32) < K
+            w = _dequant_tile(q_ptrs, s_ptrs, k_ok[None, :], g_ok[None, :], BLOCK_N, BLOCK_K, EVEN_K)
+            if EVEN_K:
+                x = tl.load(x_ptrs)
+            else:
+                x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+            elif UPCAST_DOT:  # interpreter: exact products of the bf16-rounded weight, as the GPU's MMA
+                acc = tl.dot(x.to(tl.float32), tl.trans(w.to(dt).to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w.to(dt)), acc)
+            x_ptrs += BLOCK_K
+            q_ptrs += BLOCK_K
+            s_ptrs += NB
+    mask = (offs_m < T)[:, None] & (offs_n < N)[None, :]
+    tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mask)
+
+
+# ---- host API -----------------------------------------------------------------------------------------
+
+
+def _check_weight(name: str, q: torch.Tensor, scale: torch.Tensor, sname: str, dims: int, fn: str) -> None:
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{fn}: {name} must be a float8_e4m3fn tensor, got "
+                        f"{q.dtype if isinstance(q, torch.Tensor) else type(q).__name__}")
+    if q.dim() != dims:
+        raise ValueError(f"{fn}: {name} must be {dims}-D, got shape {tuple(q.shape)}")
+    if q.shape[-1] % MX_BLOCK or q.shape[-1] == 0:
+        raise ValueError(f"{fn}: {name}'s K = {q.shape[-1]} must be a positive multiple of {MX_BLOCK} (K % 32 == 0)")
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.uint8:
+        raise TypeError(f"{fn}: {sname} must be a uint8 (ue8m0) tensor, got "
+                        f"{scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__}")
+    want = (*q.shape[:-1], q.shape[-1] // MX_BLOCK)
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{fn}: {sname} shape {tuple(scale.shape)} does not match {name} {tuple(q.shape)}: "
+                         f"expected {want} (one byte per 1 x {MX_BLOCK} block along K)")
+    if q.device != scale.device:
+        raise ValueError(f"{fn}: {name} on {q.device} but {sname} on {scale.device}")
+    if not q.is_contiguous() or not scale.is_contiguous():
+        raise ValueError(f"{fn}: {name} and {sname} must be contiguous")
+
+
+def _check_x(fn: str, x: torch.Tensor, k: int, device: torch.device) -> None:
+    if not isinstance(x, torch.Tensor) or x.dtype not in DTYPES:
+        raise TypeError(f"{fn}: x must be a bf16 / fp16 / fp32 tensor, got "
+                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"{fn}: x shape {tuple(x.shape)} must be [T, {k}] (K of the weight)")
+    if x.device != device:
+        raise ValueError(f"{fn}: x on {x.device} but the weight on {device}")
+    if x.stride(1) != 1 and x.shape[1] > 1:
+        raise ValueError(f"{fn}: x must have unit column stride, got strides {x.stride()}")
+    if device.type != "cuda" and not _interpreting():
+        raise ValueError(f"{fn}: tensors on {device} need a CUDA device or TRITON_INTERPRET=1")
+
+
+def mx_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None,
+              config: MxConfig | None = None) -> torch.Tensor:
+    """y [T, N] = x [T, K] @ dequantize_mx(q, scale)^T in x.dtype, fp32 accumulation (F.linear, no bias).
+
+    x bf16 / fp16 / fp32 [T, K] (unit column stride), q float8_e4m3fn [N, K], scale uint8 [N, K / 32] (both
+    contiguous), K % 32 == 0; out, if given, [T, N] in x.dtype with unit column stride. T <= GEMV_MAX_T runs the
+    decode GEMV, larger T the tiled GEMM (`pick_config`; `config` overrides it: tests, tuning)."""
+    fn = "mx_linear"
+    _check_weight("q", q, scale, "scale", 2, fn)
+    n, k = q.shape
+    _check_x(fn, x, k, q.device)
+    t = x.shape[0]
+    if out is None:
+        out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != (t, n) or out.dtype != x.dtype
+          or out.device != x.device or (out.stride(1) != 1 and n > 1)):
+        raise ValueError(f"{fn}: out must be [{t}, {n}] {x.dtype} on {x.device} with unit column stride, got "
+                         f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
+    if t == 0:
+        return out
+    cfg = config if config is not None else pick_config(t, n, k)
+    if cfg.block_k % MX_BLOCK or cfg.block_k < MX_BLOCK:
+        raise ValueError(f"{fn}: {cfg}: block_k must be a multiple of {MX_BLOCK}")
+    launch = pdl.args(x)
+    if not cfg.use_dot:
+        bt = triton.next_power_of_2(t)
+        split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
+        k_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
+        split = triton.cdiv(k, k_split)
+        part = torch.empty(split, t, n, dtype=torch.float32, device=x.device) if split > 1 else out
+        grid = (triton.cdiv(n, cfg.block_n), split)
+        _mx_gemv_kernel[grid](x, q, scale, out, part, t, n, k, x.stride(0), q.stride(0), scale.stride(0),
+                              out.stride(0), k_split, BLOCK_T=bt, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                              SPLIT=split > 1, EVEN_K=k % cfg.block_k == 0,
+                              num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch, **launch_opts())
+        if split > 1:
+            block = min(1024, triton.next_power_of_2(n))
+            _split_sum_kernel[(t, triton.cdiv(n, block))](part, out, t, n, split, out.stride(0), BLOCK=block,
+                                                          num_warps=4, **pdl.args(x), **launch_opts())
+        return out
+    grid = (triton.cdiv(t, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    interp = _interpreting()
+    _mx_gemm_kernel[grid](x, q, scale, out, t, n, k, x.stride(0), q.stride(0), scale.stride(0), out.stride(0),
+                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                          EVEN_K=k % cfg.block_k == 0, IEEE=x.dtype == torch.float32,
+                          GROUP_SCALE=x.dtype == torch.float16, UPCAST_DOT=interp and x.dtype != torch.float32,
+                          num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch, **launch_opts())
+    return out
+
+
+# ---- routed MoE with MXFP8 experts --------------------------------------------------------------------
+
+
+@triton.jit
+def _gemv_rows(x_row_ptr, q_ptrs, s_ptrs, n_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """sum_k dequant(q, s)[n, k] * x[k] over k < n_k for the BLOCK_N rows at q_ptrs / s_ptrs -> [BLOCK_N] fp32."""
+    NB: tl.constexpr = BLOCK_K // 32
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_g = tl.arange(0, NB)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(0, n_k, BLOCK_K):
+        k_ok = (k + offs_k) < n_k
+        g_ok = (k + offs_g * 32) < n_k
+        w = _dequant_tile(q_ptrs, s_ptrs, k_ok[None, :], g_ok[None, :], BLOCK_N, BLOCK_K, EVEN_K)
+        if EVEN_K:
+            x = tl.load(x_row_ptr + k + offs_k).to(tl.float32)
+        else:
+            x = tl.load(x_row_ptr + k + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        acc += w * x[None, :]
+        q_ptrs += BLOCK_K
+        s_ptrs += NB
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit(do_not_specialize=["P"])
+def _mx_moe_gate_up_kernel(x_ptr, ids_ptr, q_ptr, s_ptr, act_ptr, P, E, H, I, stride_xt, stride_qe, stride_qn,
+                           stride_se, stride_sn, stride_at, alpha, limit, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+    """Grid (T * k, cdiv(I, BN)): act[p, n-tile] = swiglu_oai(x[p // k] @ gate_e^T, x[p // k] @ up_e^T), e = ids[p]."""
+    pdl_wait(PDL)
+    p = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    e = tl.minimum(tl.maximum(e, 0), E - 1)  # an id outside [0, E): any expert (its weight is zeroed in down)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, I - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_g = tl.arange(0, BLOCK_K // 32)
+    x_row = x_ptr + (p // TOP_K) * stride_xt
+    qg = q_ptr + e * stride_qe + rows[:, None] * stride_qn + offs_k[None, :]
+    sg = s_ptr + e * stride_se + rows[:, None] * stride_sn + offs_g[None, :]
+    g = _gemv_rows(x_row, qg, sg, H, BLOCK_N, BLOCK_K, EVEN_K)
+    u = _gemv_rows(x_row, qg + I * stride_qn, sg + I * stride_sn, H, BLOCK_N, BLOCK_K, EVEN_K)
+    dt = act_ptr.dtype.element_ty
+    out = swiglu_oai_f32(g.to(dt).to(tl.float32), u.to(dt).to(tl.float32), alpha, limit, dt, PRECISE)
+    tl.store(act_ptr + p * stride_at + offs_n, out.to(dt), mask=offs_n < I)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _mx_moe_down_kernel(act_ptr, ids_ptr, wts_ptr, q_ptr, s_ptr, out_ptr, T, E, H, I, stride_at, stride_qe, stride_qn,
+                        stride_se, stride_sn, stride_ot, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    """Grid (T, cdiv(H, BN)): out[t, n-tile] = sum_{j = 0..k-1} wts[t, j] * round(act[t*k + j] @ down_e^T)."""
+    pdl_wait(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, H - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_g = tl.arange(0, BLOCK_K // 32)
+    dt = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        p = t * TOP_K + j
+        e_raw = tl.load(ids_ptr + p).to(tl.int64)
+        wt = tl.load(wts_ptr + p).to(tl.float32)
+        wt = tl.where((e_raw >= 0) & (e_raw < E), wt, 0.0)
+        e = tl.minimum(tl.maximum(e_raw, 0), E - 1)
+        qd = q_ptr + e * stride_qe + rows[:, None] * stride_qn + offs_k[None, :]
+        sd = s_ptr + e * stride_se + rows[:, None] * stride_sn + offs_g[None, :]
+        y = _gemv_rows(act_ptr + p * stride_at, qd, sd, I, BLOCK_N, BLOCK_K, EVEN_K)
+        total += wt * y.to(dt).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + offs_n, total.to(dt), mask=offs_n < H)
+
+
+def mx_moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_q: torch.Tensor,
+                   w13_s: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, alpha: float, limit: float,
+                   out: torch.Tensor | None = None, block_n: int | None = None, block_k: int | None = None,
+                   ) -> torch.Tensor:
+    """Routed experts with MXFP8 weights: x [T, H] (bf16 / fp16 / fp32), topk_weights [T, k] (float; used in
+    fp32), topk_ids [T, k] (integer expert ids), w13_q [E, 2I, H] fp8 (gate rows, then up rows) + w13_s
+    [E, 2I, H/32] u8, w2_q [E, H, I] fp8 + w2_s [E, H, I/32] u8 -> [T, H] in x.dtype.
+
+    = `moe.reference.experts(x, topk_weights, topk_ids, dequantize_mx(w13_q, w13_s), dequantize_mx(w2_q, w2_s),
+    alpha, limit)`, with the reference's roundings (gate_up and down outputs and the activation in x.dtype, the
+    weighted sum in fp32) and the k terms summed in order j = 0..k-1. Ids outside [0, E) contribute zero."""
+    fn = "mx_moe_experts"
+    _check_weight("w13_q", w13_q, w13_s, "w13_s", 3, fn)
+    _check_weight("w2_q", w2_q, w2_s, "w2_s", 3, fn)
+    e, two_i, h = w13_q.shape
+    if two_i % 2:
+        raise ValueError(f"{fn}: w13_q {tuple(w13_q.shape)} must be [E, 2I, H] (an even number of gate / up rows)")
+    inter = two_i // 2
+    if tuple(w2_q.shape) != (e, h, inter):
+        raise ValueError(f"{fn}: w2_q shape {tuple(w2_q.shape)} must be [E, H, I] = {(e, h, inter)} to match w13_q "
+                         f"{tuple(w13_q.shape)}")
+    if w2_q.device != w13_q.device:
+        raise ValueError(f"{fn}: w2_q on {w2_q.device} but w13_q on {w13_q.device}")
+    _check_x(fn, x, h, w13_q.device)
+    t = x.shape[0]
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool \
+            or topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_ids.device != x.device:
+        raise ValueError(f"{fn}: topk_ids must be an integer [T={t}, k] tensor on {x.device}, got "
+                         f"{(topk_ids.dtype, tuple(topk_ids.shape)) if isinstance(topk_ids, torch.Tensor) else topk_ids}")
+    top_k = topk_ids.shape[1]
+    if not isinstance(topk_weights, torch.Tensor) or not topk_weights.dtype.is_floating_point \
+            or tuple(topk_weights.shape) != (t, top_k) or topk_weights.device != x.device:
+        raise ValueError(f"{fn}: topk_weights must be a float [{t}, {top_k}] tensor on {x.device} (as topk_ids), got "
+                         f"{(topk_weights.dtype, tuple(topk_weights.shape)) if isinstance(topk_weights, torch.Tensor) else topk_weights}")  # noqa: E501
+    if top_k < 1:
+        raise ValueError(f"{fn}: topk_ids has k = 0 columns")
+    if out is None:
+        out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != (t, h) or out.dtype != x.dtype
+          or out.device != x.device or out.stride(1) != 1):
+        raise ValueError(f"{fn}: out must be [{t}, {h}] {x.dtype} on {x.device} with unit column stride")
+    if t == 0:
+        return out
+    ids = topk_ids.contiguous()
+    wts = topk_weights.float().contiguous()
+    act = torch.empty(t * top_k, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
+    bk1 = block_k or max(32, min(256, triton.next_power_of_2(h)))
+    bk2 = block_k or max(32, min(256, triton.next_power_of_2(inter)))
+    bn1 = block_n or 16
+    bn2 = block_n or 16
+    _mx_moe_gate_up_kernel[(t * top_k, triton.cdiv(inter, bn1))](
+        x, ids, w13_q, w13_s, act, t * top_k, e, h, inter, x.stride(0), w13_q.stride(0), w13_q.stride(1),
+        w13_s.stride(0), w13_s.stride(1), act.stride(0), float(alpha), float(limit), TOP_K=top_k, BLOCK_N=bn1,
+        BLOCK_K=bk1, EVEN_K=h % bk1 == 0, PRECISE=not _interpreting(), num_warps=4, **pdl.args(x), **launch_opts())
+    _mx_moe_down_kernel[(t, triton.cdiv(h, bn2))](
+        act, ids, wts, w2_q, w2_s, out, t, e, h, inter, act.stride(0), w2_q.stride(0), w2_q.stride(1),
+        w2_s.stride(0), w2_s.stride(1), out.stride(0), TOP_K=top_k, BLOCK_N=bn2, BLOCK_K=bk2,
+        EVEN_K=inter % bk2 == 0, num_warps=4, **pdl.args(x), **launch_opts())
+    return out

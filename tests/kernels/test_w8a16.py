@@ -1,0 +1,237 @@
+"""The W8A16 MXFP8 kernels (m3eagle/kernels/quant/w8a16.py) held to the plain PyTorch reference (mxfp8.py), on CPU
+under the Triton interpreter.
+
+`mx_linear`: both paths (decode GEMV, with and without split-K, and the tiled GEMM) equal x.float() @
+dequantize_mx(q, s).T within 1e-5 relative error in fp32 for K = 32..512, odd / even N, T in {1, 3, 8, 17, 64};
+bit-equal on data whose every product and partial sum is exact in fp32 (small integers times powers of two), so
+any summation order gives the same bits; bf16 / fp16 within their rounding. A mis-applied scale (shifted one
+block, transposed, 2 ** (127 - s)) must fail that check. `mx_moe_experts` equals `moe.reference.experts` on the
+dequantized weights (E = 4, k = 2, several T). Bad inputs raise errors that name the argument.
+Speed is measured on the GPU by benchmarks/w8a16.py.
+
+NOTE: TRITON_INTERPRET is set before anything imports triton, and it holds for the whole pytest process.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton` (kernels decorate at import)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from m3eagle.kernels.moe import reference as moe_ref  # noqa: E402
+from m3eagle.kernels.quant import w8a16  # noqa: E402
+from m3eagle.kernels.quant.mxfp8 import dequantize_mx, quantize_mx  # noqa: E402
+from m3eagle.kernels.quant.w8a16 import MxConfig, mx_linear, mx_moe_experts, pick_config  # noqa: E402
+
+CONFIGS = {
+    "auto": None,
+    "gemv": MxConfig(False, 1, 8, 64),  # block_m is ignored by the GEMV (BLOCK_T = next_pow2(T))
+    "gemv_split": MxConfig(False, 1, 16, 32, split_k=3),  # partials + the ordered second-stage sum
+    "gemm": MxConfig(True, 16, 32, 64, group_m=2),
+    "gemm_bk128": MxConfig(True, 32, 16, 128),  # K % BLOCK_K != 0 for K = 96, 160
+}
+SHAPES = [(32, 33), (96, 40), (160, 17), (512, 24)]  # (K, N)
+CASES = [(t, k, n, c) for t in (1, 3, 8, 17, 64) for (k, n) in SHAPES for c in CONFIGS
+         if not (c.startswith("gemv") and t > 8) and not (t == 64 and k == 512)]
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def random_weight(seed: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_mx of a weight whose blocks span ~2**6 in magnitude (scales differ from block to block)."""
+    g = gen(seed)
+    w = torch.randn(n, k, generator=g) * torch.exp2(torch.randint(-8, -2, (n, k // 32), generator=g).float()
+                                                    ).repeat_interleave(32, dim=1)
+    return quantize_mx(w)
+
+
+def exact_data(seed: int, t: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x small integers, q integers in [-8, 8] (exact in e4m3), scales 2 ** -3 .. 2 ** 3: every product and every
+    partial sum is a multiple of 2 ** -3 below 2 ** 17, exact in fp32 -- any summation order gives the same bits."""
+    g = gen(seed)
+    x = torch.randint(-4, 5, (t, k), generator=g).float()
+    q = torch.randint(-8, 9, (n, k), generator=g).float().to(torch.float8_e4m3fn)
+    s = torch.randint(124, 131, (n, k // 32), generator=g).to(torch.uint8)
+    return x, q, s
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
+
+
+@pytest.mark.parametrize("t,k,n,name", CASES)
+def test_linear_fp32_matches_reference(t, k, n, name):
+    g = gen(t * 1000 + k + n)
+    x = torch.randn(t, k + 16, generator=g)[:, 8:8 + k]  # a column slice: row stride > K
+    q, s = random_weight(n + k, n, k)
+    y = mx_linear(x, q, s, config=CONFIGS[name])
+    ref = x @ dequantize_mx(q, s).T
+    assert y.shape == (t, n) and y.dtype == torch.float32
+    assert torch.isfinite(y).all(), "non-finite output: an unwritten element was read"
+    assert rel_err(y, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("t", [1, 8, 17])
+def test_linear_bit_exact_on_exact_data(t, name):
+    if name.startswith("gemv") and t > 8:
+        pytest.skip("the GEMV takes T <= 8")
+    x, q, s = exact_data(t, t, 21, 160)
+    ref = x @ dequantize_mx(q, s).T
+    assert torch.equal(mx_linear(x, q, s, config=CONFIGS[name]), ref)
+
+
+def _mutations(s: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"shifted one block": torch.roll(s, 1, dims=1), "transposed": s.T.contiguous(),
+            "2**(127-s)": (254 - s.int()).to(torch.uint8)}
+
+
+@pytest.mark.parametrize("name", ["gemv", "gemv_split", "gemm"])
+@pytest.mark.parametrize("t", [1, 17])
+def test_misapplied_scale_fails(t, name):
+    """Each mis-application of the scale, run through the kernel, misses the reference by far."""
+    if name.startswith("gemv") and t > 8:
+        pytest.skip("the GEMV takes T <= 8")
+    n, k = 4, 128  # scale [4, 4]: its transpose has the right shape
+    x, q, s = exact_data(7, t, n, k)
+    ref = x @ dequantize_mx(q, s).T
+    assert torch.equal(mx_linear(x, q, s, config=CONFIGS[name]), ref)
+    for what, bad in _mutations(s).items():
+        assert not torch.equal(bad, s), what
+        assert rel_err(mx_linear(x, q, bad, config=CONFIGS[name]), ref) > 1e-2, what
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t,name", [(1, "gemv"), (3, "gemv_split"), (8, "auto"), (17, "gemm"), (64, "auto")])
+def test_linear_half_inputs(t, name, dtype):
+    g = gen(t)
+    x = torch.randn(t, 96, generator=g).to(dtype)
+    q, s = random_weight(5, 33, 96)
+    y = mx_linear(x, q, s, config=CONFIGS[name])
+    assert y.dtype == dtype
+    # the interpreter truncates fp32 -> bf16 (not round-to-nearest): one bf16 ulp of the output
+    assert rel_err(y, x.float() @ dequantize_mx(q, s).T) <= (8e-3 if dtype == torch.bfloat16 else 1e-3)
+
+
+def test_split_deterministic_and_out():
+    x = torch.randn(3, 512, generator=gen(1))
+    q, s = random_weight(2, 24, 512)
+    cfg = MxConfig(False, 1, 8, 32, split_k=8)
+    a = mx_linear(x, q, s, config=cfg)
+    out = torch.full((3, 24), float("nan"))
+    b = mx_linear(x, q, s, out=out, config=cfg)
+    assert b is out and torch.equal(a, b)
+    assert rel_err(a, x @ dequantize_mx(q, s).T) <= 1e-5
+
+
+def test_pick_config_paths():
+    for t in range(1, 9):
+        assert not pick_config(t, 6144, 6144).use_dot
+    for t in (9, 17, 64, 2048):
+        cfg = pick_config(t, 6144, 6144)
+        assert cfg.use_dot and cfg.block_k % 32 == 0
+    assert pick_config(1, 9216, 6144) == pick_config(1, 9216, 6144)  # a pure function of the shape
+    assert pick_config(1, 256, 6144).split_k > 1  # few output tiles: split-K
+
+
+# ---- MoE ------------------------------------------------------------------------------------------------
+
+
+def moe_data(seed: int, t: int, e: int = 4, k: int = 2, h: int = 96, inter: int = 64, dtype=torch.float32):
+    g = gen(seed)
+    x = torch.randn(t, h, generator=g).to(dtype)
+    w13 = torch.randn(e, 2 * inter, h, generator=g) * h ** -0.5
+    w2 = torch.randn(e, h, inter, generator=g) * inter ** -0.5
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])  # [T, k] distinct per token
+    wts = torch.rand(t, k, generator=g)
+    return x, wts, ids, *quantize_mx(w13), *quantize_mx(w2)
+
+
+ALPHA, LIMIT = 1.702, 7.0
+
+
+@pytest.mark.parametrize("t", [1, 3, 8, 17])
+def test_moe_matches_reference(t):
+    x, wts, ids, q13, s13, q2, s2 = moe_data(t, t)
+    if t == 3:
+        ids[1, 0] = -1  # a pair routed outside [0, E): contributes zero, as in the reference
+    out = mx_moe_experts(x, wts, ids, q13, s13, q2, s2, ALPHA, LIMIT)
+    ref = moe_ref.experts(x, wts, ids, dequantize_mx(q13, s13), dequantize_mx(q2, s2), ALPHA, LIMIT)
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    assert rel_err(out, ref) <= 1e-5
+
+
+def test_moe_bf16():
+    x, wts, ids, q13, s13, q2, s2 = moe_data(11, 4, dtype=torch.bfloat16)
+    out = mx_moe_experts(x, wts, ids, q13, s13, q2, s2, ALPHA, LIMIT)
+    ref = moe_ref.experts(x, wts, ids, dequantize_mx(q13, s13, torch.bfloat16), dequantize_mx(q2, s2, torch.bfloat16),
+                          ALPHA, LIMIT)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, ref.float()) <= 3e-2  # bf16 roundings (the interpreter truncates) at three stages
+
+
+# ---- bad inputs -----------------------------------------------------------------------------------------
+
+
+def _lin():
+    x = torch.randn(2, 64)
+    q, s = random_weight(0, 8, 64)
+    return x, q, s
+
+
+LINEAR_BAD = {
+    "q dtype": (lambda x, q, s: (x, q.float(), s), TypeError, "q must be a float8_e4m3fn"),
+    "scale dtype": (lambda x, q, s: (x, q, s.float()), TypeError, "scale must be a uint8"),
+    "scale shape": (lambda x, q, s: (x, q, s[:, :1].contiguous()), ValueError, "scale shape"),
+    "K % 32": (lambda x, q, s: (x[:, :48], q[:, :48].contiguous(), s[:, :1].contiguous()), ValueError, "K % 32"),
+    "x shape": (lambda x, q, s: (x[:, :32], q, s), ValueError, "x shape"),
+    "x dtype": (lambda x, q, s: (x.to(torch.int32), q, s), TypeError, "x must be"),
+    "q 3-D": (lambda x, q, s: (x, q[None], s[None]), ValueError, "q must be 2-D"),
+}
+
+
+@pytest.mark.parametrize("case", list(LINEAR_BAD))
+def test_linear_bad_inputs(case):
+    mutate, exc, msg = LINEAR_BAD[case]
+    with pytest.raises(exc, match=msg.replace("(", r"\(").replace("*", r"\*")):
+        mx_linear(*mutate(*_lin()))
+
+
+def test_linear_bad_out():
+    x, q, s = _lin()
+    with pytest.raises(ValueError, match="out must be"):
+        mx_linear(x, q, s, out=torch.empty(2, 8, dtype=torch.bfloat16))
+
+
+MOE_BAD = {
+    "w13_q dtype": (lambda a: {**a, "w13_q": a["w13_q"].float()}, TypeError, "w13_q must be"),
+    "w13_s shape": (lambda a: {**a, "w13_s": a["w13_s"][:, :, :1].contiguous()}, ValueError, "w13_s shape"),
+    "w2_q shape": (lambda a: {**a, "w2_q": a["w2_q"][:, :32].contiguous(), "w2_s": a["w2_s"][:, :32].contiguous()},
+                   ValueError, "w2_q shape"),
+    "w2_s dtype": (lambda a: {**a, "w2_s": a["w2_s"].float()}, TypeError, "w2_s must be"),
+    "topk_ids float": (lambda a: {**a, "topk_ids": a["topk_ids"].float()}, ValueError, "topk_ids must be"),
+    "topk_weights shape": (lambda a: {**a, "topk_weights": a["topk_weights"][:, :1]}, ValueError, "topk_weights must"),
+    "x hidden": (lambda a: {**a, "x": a["x"][:, :64]}, ValueError, "x shape"),
+}
+
+
+@pytest.mark.parametrize("case", list(MOE_BAD))
+def test_moe_bad_inputs(case):
+    x, wts, ids, q13, s13, q2, s2 = moe_data(0, 2)
+    args = dict(x=x, topk_weights=wts, topk_ids=ids, w13_q=q13, w13_s=s13, w2_q=q2, w2_s=s2)
+    mutate, exc, msg = MOE_BAD[case]
+    with pytest.raises(exc, match=msg):
+        mx_moe_experts(**mutate(args), alpha=ALPHA, limit=LIMIT)
+
+
+def test_module_layering():
+    """kernels/ imports nothing from models / engine and above (lint-imports checks the whole package)."""
+    src = open(w8a16.__file__).read()
+    assert "m3eagle.models" not in src and "m3eagle.engine" not in src
