@@ -1,0 +1,1 @@
+"""Sampling: parameters, counter-based sampling, penalties and lossless speculative verification."""
