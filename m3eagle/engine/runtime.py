@@ -30,6 +30,7 @@ from m3eagle.kernels.ops import make_ops
 from m3eagle.loader.assets import default_model_paths
 from m3eagle.loader.checkpoint import load_config, load_target
 from m3eagle.loader.dummy import LOAD_FORMATS, dummy_eagle3, dummy_target, eagle3_config, target_config
+from m3eagle.loader.eagle3 import load_eagle3, share_target_weights
 from m3eagle.loader.tokenizer import load_tokenizer as _load_tokenizer
 from m3eagle.models.eagle3 import Eagle3Config
 from m3eagle.models.minimax_m3 import MiniMaxM3
@@ -204,17 +205,13 @@ class Runtime:
             self.target = load_target(self.model_path, self.dtype, dev, tp=tp)
         self.draft = None
         if draft is not None and num_draft_tokens > 0:
-            from m3eagle.loader.eagle3 import load_eagle3
-
             # The Eagle3 head is small: every rank holds all of it and drafts the same tokens.
             if load_format == "dummy":
                 self.draft = dummy_eagle3(eagle3_config(draft, self.target.cfg), self.dtype, dev)
             else:
                 self.draft = load_eagle3(draft, self.target.cfg, self.dtype, dev)
-            if not self.draft.cfg.has_embed and tp.size > 1:
-                self.draft.embed_tokens = self.target.embed_tokens  # the vocab-parallel table (all-reduced)
-            elif not self.draft.cfg.has_embed:
-                self.draft.set_embedding(self.target.embed_tokens.weight)
+            # the embedding / lm_head a head's checkpoint leaves out are the target's (vocab-parallel under TP)
+            share_target_weights(self.draft, self.target)
         self.tokenizer = (_load_tokenizer(self.model_path) if self.model_path is not None and tp.is_driver
                           else None)
         mml = max_model_len if max_model_len is not None else min(self.target.cfg.max_position_embeddings, 2048)

@@ -198,16 +198,14 @@ def offline_acceptance(target_dir, draft_dir, n_prompts: int, device: str | None
     import torch
 
     from m3eagle.loader.checkpoint import load_target
-    from m3eagle.loader.eagle3 import load_eagle3
+    from m3eagle.loader.eagle3 import load_eagle3, share_target_weights
     from m3eagle.training.common import pick_device
     from m3eagle.training.evaluate import simulate_acceptance, stdlib_code_prompts
     from m3eagle.training.tokenizer import load_tokenizer
 
     dev = pick_device(device)
     target = load_target(target_dir, torch.float32, dev)
-    head = load_eagle3(draft_dir, target.cfg, torch.float32, dev)
-    if not head.cfg.has_embed:
-        head.set_embedding(target.embed_tokens.weight)
+    head = share_target_weights(load_eagle3(draft_dir, target.cfg, torch.float32, dev), target)
     prompts = stdlib_code_prompts(load_tokenizer(target_dir), n_prompts, seed, max_prompt_tokens=192,
                                   min_prompt_tokens=128)
     return simulate_acceptance(target, head, [p.ids for p in prompts], gen_tokens, ks, dev, prompt_len=128)

@@ -273,3 +273,26 @@ def test_set_lm_head_refuses_a_reduced_vocabulary():
                        has_lm_head=False)
     with pytest.raises(ValueError, match="draft_vocab_size=32"):
         Eagle3Head(cfg).set_lm_head(FakeTarget().lm_head)
+
+
+def test_a_head_without_lm_head_drafts_with_the_targets_through_the_engine(tmp_path, make_llm):
+    """A public-style head that ships no lm_head (full vocabulary, no d2t) is served end to end: the engine gives
+    it the target's lm_head (the same module, no copy) and speculative greedy output equals plain greedy."""
+    from dataclasses import replace as dc_replace
+
+    from m3eagle.bench import geometries
+    from m3eagle.loader.checkpoint import save_target
+    from m3eagle.loader.dummy import dummy_eagle3, dummy_target
+    from m3eagle.loader.eagle3 import save_eagle3
+    from tests.helpers.engine_utils import greedy
+
+    target_cfg, head_cfg = geometries.tiny()
+    head_cfg = dc_replace(head_cfg, draft_vocab_size=target_cfg.vocab_size, has_lm_head=False)
+    save_target(dummy_target(target_cfg, torch.float32, "cpu"), tmp_path / "target")
+    save_eagle3(dummy_eagle3(head_cfg, torch.float32, "cpu"), tmp_path / "head")
+    spec = make_llm(tmp_path / "target", draft=tmp_path / "head", num_draft_tokens=3)
+    assert spec.draft.lm_head is spec.target.lm_head
+    plain = make_llm(tmp_path / "target", num_draft_tokens=0)
+    prompts = [[5, 9, 17, 3], [40, 2, 2, 7, 11, 13, 100]]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(12))]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, greedy(12))] == want
