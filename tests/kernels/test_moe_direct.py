@@ -220,7 +220,7 @@ def test_down_preload_is_bit_equal_to_the_loop(t, k, i, cfg, monkeypatch):
     assert seen[-1] is False
 
 
-@pytest.mark.parametrize("t,k,i,h", [(1, 4, 40, 48), (3, 3, 32, 40), (4, 2, 40, 48)])
+@pytest.mark.parametrize("t,k,i,h", [(1, 4, 40, 48), (4, 2, 40, 48)])  # one row, and the widest T the path takes
 def test_down_rows_are_bit_equal_to_one_tile_per_program(t, k, i, h, monkeypatch):
     """Several column tiles per down program (`down_rows`: the next tile's weights loaded while this one's
     sums run; act and the routing read once) computes the same products and sums per tile: bit-equal to
@@ -257,7 +257,7 @@ def test_down_rows_are_bit_equal_to_one_tile_per_program(t, k, i, h, monkeypatch
     assert len(launches) == 4 * len(runs)
 
 
-@pytest.mark.parametrize("t,k,h,i", [(1, 4, 48, 40), (3, 3, 40, 32), (4, 2, 64, 40)])
+@pytest.mark.parametrize("t,k,h,i", [(1, 4, 48, 40), (4, 2, 64, 40)])  # one row, and the widest T the path takes
 def test_gate_rows_are_bit_equal_to_one_tile_per_program(t, k, h, i, monkeypatch):
     """Several gate_up column tiles per program (`gate_rows`: one unrolled sequence of K steps with the next
     step's weights loaded first) runs the same FMAs per tile: bit-equal to one tile per program, over
@@ -402,7 +402,7 @@ SHARED_DOWN_VARIANTS = [dict(shared_down=1), dict(shared_down=2), dict(shared_do
                         dict(shared_down=2, gate_rows=2, down_rows=3), dict(shared_down=1, down_preload=0)]
 
 
-@pytest.mark.parametrize("t,h,i,s_i", [(1, 48, 40, None), (3, 48, 40, 24), (2, 40, 32, 56)])
+@pytest.mark.parametrize("t,h,i,s_i", [(1, 48, 40, None), (2, 40, 32, 56)])  # same-width and wider shared expert
 def test_shared_down_in_the_gate_up_launch_is_bit_equal(t, h, i, s_i, monkeypatch):
     """The shared expert's down as programs of the routed gate_up launch (shared_down: 1 / 2 / 4 tiles a
     program, its rounded rows added by down), alone, with several gate_up / down tiles and without down's
