@@ -31,6 +31,7 @@ from m3eagle.loader.assets import default_model_paths
 from m3eagle.loader.checkpoint import load_config, load_target
 from m3eagle.loader.dummy import LOAD_FORMATS, dummy_eagle3, dummy_target, eagle3_config, target_config
 from m3eagle.loader.eagle3 import load_eagle3, share_target_weights
+from m3eagle.loader.hub import resolve_checkpoint
 from m3eagle.loader.tokenizer import load_tokenizer as _load_tokenizer
 from m3eagle.models.eagle3 import Eagle3Config
 from m3eagle.models.minimax_m3 import MiniMaxM3
@@ -55,8 +56,10 @@ def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtyp
 class Runtime:
     """A loaded model and its engine (m3eagle.LLM is this class with the chat template on top).
 
-    model: a checkpoint directory (config.json + safetensors [+ tokenizer.json]); None uses the embedded
-    model and its Eagle3 head. draft: an Eagle3 head directory; num_draft_tokens: K (1..8; 0 = off).
+    model: a checkpoint directory (config.json + safetensors [+ tokenizer.json]) or a Hugging Face Hub id
+    ("MiniMaxAI/MiniMax-M3": its cached snapshot, downloaded when online; HF_HUB_OFFLINE=1 reads the cache
+    only); None uses the embedded model and its Eagle3 head. draft: an Eagle3 head directory (or Hub id);
+    num_draft_tokens: K (1..8; 0 = off).
     overlap: None = on for CUDA, off for CPU. attention_backend / moe_backend / fused_backend (norms, RoPE,
     activations, router): 'auto' (triton on CUDA, reference on CPU) | 'reference' | 'triton'.
     enforce_eager: never capture CUDA graphs (they are on by default on CUDA).
@@ -121,6 +124,11 @@ class Runtime:
         if load_format == "auto" and not all(isinstance(x, (str, Path)) for x in (model, draft or "")):
             raise ValueError("model= / draft= given as a config has no weights to read: pass checkpoint "
                              "directories, or load_format='dummy' for random weights")
+        # a Hub repository id ("MiniMaxAI/MiniMax-M3") becomes its local snapshot (cache, or a download)
+        if isinstance(model, (str, Path)):
+            model = resolve_checkpoint(model, "model")
+        if isinstance(draft, (str, Path)) and num_draft_tokens > 0:
+            draft = resolve_checkpoint(draft, "draft")
         self.model_path = Path(model) if isinstance(model, (str, Path)) else None
         # This LLM's own fast paths (no module global): built before the weights so a bad name fails fast.
         self.ops = make_ops(attention_backend, moe_backend, dev, fused_backend)

@@ -149,7 +149,8 @@ def _make_llm(a: argparse.Namespace):
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory; none: the embedded model")
+    p.add_argument("--model", default=None, help="checkpoint directory or Hugging Face id (org/name); none: the "
+                   "embedded model")
     p.add_argument("--draft", default=None, help="Eagle3 head directory; none: the embedded head when --model "
                    "is not given")
     p.add_argument("--num-draft-tokens", type=int_in(0, 8), default=None,
