@@ -1,6 +1,6 @@
 """Triton kernels for paged attention: dense extend, block-sparse extend, the lightning indexer (block
 scores, max-pool and top-k fused in one pass), and the split-KV combine. `reference.py` is the oracle;
-`tests/test_triton_attention.py` holds these equal to it.
+`tests/kernels/test_triton_attention.py` holds these equal to it.
 
 All kernels read K/V straight from the paged pools: key position j of row b lives at slot
 
