@@ -95,25 +95,13 @@ def _fused(meta: AttnMetadata):
     return meta.ops.fused if meta.ops is not None else REFERENCE.fused
 
 
-# The step bookkeeping (step_ops.py) named like each fused backend: stateless, so one object per name serves
-# every engine.
-_STEP_OPS: dict[str, StepOps] = {}
-
-
-def _step_ops(meta: AttnMetadata) -> StepOps:
-    """The step's bookkeeping ops: the implementation named like the step's fused backend."""
-    name = _fused(meta).name
-    ops = _STEP_OPS.get(name)
-    if ops is None:
-        ops = _STEP_OPS[name] = step_ops.create(name)
-    return ops
-
 
 class ModelRunner:
     def __init__(self, target: MiniMaxM3, draft, num_draft_tokens: int, num_pages: int, page_size: int,
                  max_num_seqs: int, dtype: torch.dtype, device: torch.device, max_num_tokens: int = 512,
                  max_rows: int | None = None, host_sets: int = 2):
         self.target, self.draft = target, draft
+        self._book: dict[str, StepOps] = {}  # step bookkeeping ops by fused-backend name (_step_ops)
         self.k = num_draft_tokens if draft is not None else 0
         self.page_size, self.device, self.dtype = page_size, device, dtype
         slots = num_pages * page_size
@@ -161,6 +149,15 @@ class ModelRunner:
         self.row_zeros = torch.zeros(rows, dtype=torch.int64, device=device)  # [R]
         self.row_true = torch.ones(rows, 1, dtype=torch.bool, device=device)  # [R, 1]
 
+    def _step_ops(self, meta: AttnMetadata) -> StepOps:
+        """The step's bookkeeping ops (step_ops.py): the implementation named like the step's fused backend, one
+        object per name for this runner (they are stateless)."""
+        name = _fused(meta).name
+        ops = self._book.get(name)
+        if ops is None:
+            ops = self._book[name] = step_ops.create(name)
+        return ops
+
     def to_host(self, out: StepOutput) -> StepOutput:
         """Launch the step's device->host copy (after execute, or after a graph replay)."""
         out.copy_to_host(self.host_bufs[self._host_parity])
@@ -175,7 +172,7 @@ class ModelRunner:
         rows whose sampling steps were still in flight then; chained rows (later sub-steps of a multi-step
         iteration) already hold exact lengths. The metadata hook then re-derives positions and slots."""
         meta = inp.meta
-        return _step_ops(meta).overlap_inputs(inp.input_ids, meta, inp.row_slot, inp.row_first, inp.row_gather,
+        return self._step_ops(meta).overlap_inputs(inp.input_ids, meta, inp.row_slot, inp.row_first, inp.row_gather,
                                     inp.row_num_drafts, inp.row_correct, inp.row_chained, self.slot_tokens,
                                     self.slot_num_new, self.slot_dev, self.slot_drafts, self.k)
 
@@ -189,7 +186,7 @@ class ModelRunner:
             self.penalty.record_inputs(pen, inp.row_slot, inp.row_gather, ids, meta.tok_row, meta.positions)
         aux = self.aux_buf[: inp.num_tokens] if self.aux_buf is not None else None  # [T, 3H]
         # Sampled positions: the last (num_drafts + 1) tokens of each row; the drafts they verify.
-        fused, book = _fused(meta), _step_ops(meta)
+        fused, book = _fused(meta), self._step_ops(meta)
         sample_idx, positions, drafts_in = book.sample_positions(
             inp.row_first, inp.row_qlen, inp.row_num_drafts, meta.positions, ids, k)  # [B, K+1] x 2, [B, K]
         # The final norm computes only the sampled rows (the gather rides in its launch), unless prompt
