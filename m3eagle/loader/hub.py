@@ -32,8 +32,9 @@ def is_offline() -> bool:
 
 
 def resolve_checkpoint(ref: str | Path, what: str = "model", revision: str | None = None) -> Path:
-    """A local directory as it is; an `org/name` repository id through the Hugging Face cache (downloading the
-    checkpoint files when online). Errors name the argument and the fix."""
+    """A local path as it is (the loader names what a directory lacks); an `org/name` that is no local path
+    through the Hugging Face cache (downloading the checkpoint files when online). Errors name the argument and
+    the fix."""
     path = Path(ref)
     if path.exists():
         if not path.is_dir():
@@ -42,8 +43,7 @@ def resolve_checkpoint(ref: str | Path, what: str = "model", revision: str | Non
         return path
     name = str(ref)
     if not _REPO_ID.fullmatch(name):
-        raise FileNotFoundError(f"{what}={name!r}: no such directory, and not a Hugging Face repository id "
-                                "(org/name)")
+        return path  # a local path that does not exist: the loader's error names the missing config.json
     offline = is_offline()
     try:
         return Path(snapshot_download(repo_id=name, revision=revision, allow_patterns=CHECKPOINT_PATTERNS,
