@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +32,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gemv import graph_time  # noqa: E402  (benchmarks/, the script's directory: one graph timer)
+
+from m3eagle.bench.roofline import measure_copy_bandwidth  # noqa: E402
 
 M3_SHAPES = [  # (what, N, K)
     ("qkv", 9216, 6144), ("o_proj", 6144, 8192), ("dense gate_up", 24576, 6144), ("dense down", 6144, 12288),
@@ -63,49 +65,6 @@ def all_shapes(models: list[str]) -> list[dict[str, Any]]:
 
 
 # ---- timing -------------------------------------------------------------------------------------------
-
-
-def copy_bandwidth(dev: torch.device) -> float:
-    """GB/s of a 1 GiB device-to-device copy, bytes read + written (median of 10)."""
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device=dev).random_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(10):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        dst.copy_(src)
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e-3)
-    del src, dst
-    return 2 * n / statistics.median(times) / 1e9
-
-
-def graph_time(fn: Callable[[Any], Any], args: list[Any], replays: int, min_calls: int) -> float:
-    """us per call: fn(args[i % len(args)]) captured back to back in one CUDA graph, median over replays."""
-    for a in args[:2]:  # compile, cuBLAS handles, counters: before capture
-        fn(a)
-    torch.cuda.synchronize()
-    calls = len(args) * max(1, math.ceil(min_calls / len(args)))
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(args[i % len(args)])
-    for _ in range(2):
-        g.replay()
-    times = []
-    for _ in range(replays):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / calls)
-    del g
-    return statistics.median(times)
 
 
 def copies(nbytes: int, rotate_mb: float, limit: int = 64) -> int:
@@ -140,15 +99,15 @@ def bench_linear(shape: dict[str, Any], ts: list[int], args: argparse.Namespace,
         cfg = pick_config(t, n, k)
         row: dict[str, Any] = {"n": n, "k": k, "t": t, "uses": shape["uses"], "err": err, "config": vars(cfg).copy()}
         out = torch.empty(t, n, dtype=torch.bfloat16, device=dev)
-        us = graph_time(lambda a, x=x, out=out: mx_linear(x, a[0], a[1], out=out), mx, args.replays, args.min_calls)
+        us = graph_time(lambda x, a, out=out: mx_linear(x, a[0], a[1], out=out), x, mx, args.replays, args.min_calls)
         act_bytes = 2 * t * k
         row["mx_us"] = us
         row["mx_gbs"] = (fp8_bytes + act_bytes) / us / 1e3
         row["mx_pct_copy"] = 100 * row["mx_gbs"] / copy_bw
-        row["bf16_cublas_us"] = graph_time(lambda b, x=x: F.linear(x, b), bf, args.replays, args.min_calls)
+        row["bf16_cublas_us"] = graph_time(F.linear, x, bf, args.replays, args.min_calls)
         row["bf16_cublas_gbs"] = (2 * n * k + act_bytes) / row["bf16_cublas_us"] / 1e3
         if t <= gemv.MAX_T:
-            row["bf16_gemv_us"] = graph_time(lambda b, x=x: gemv.linear(x, b, counters=counters), bf, args.replays,
+            row["bf16_gemv_us"] = graph_time(lambda x, b: gemv.linear(x, b, counters=counters), x, bf, args.replays,
                                              args.min_calls)
         if t >= 64:
             row["mx_tflops"] = 2 * t * n * k / us / 1e6
@@ -205,12 +164,12 @@ def bench_moe(ts: list[int], args: argparse.Namespace, copy_bw: float) -> list[d
             row["err_vs_bf16_moe"] = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
         calls = args.min_calls if t <= 8 else 2
         reps = args.replays if t <= 8 else 3
-        us = graph_time(lambda a: mx_moe_experts(*a, q13, s13, q2, s2, alpha, limit), [(x, wts, ids)], reps, calls)
+        us = graph_time(lambda x, a: mx_moe_experts(x, *a, q13, s13, q2, s2, alpha, limit), x, [(wts, ids)], reps, calls)
         row.update(mx_us=us, experts_read=used, mx_gbs=nbytes / us / 1e3)
         row["mx_pct_copy"] = 100 * row["mx_gbs"] / copy_bw
         if bf is not None:
-            row["bf16_moe_us"] = graph_time(lambda a: triton_moe.fused_experts(*a, bf[0], bf[1], alpha, limit),
-                                            [(x, wts, ids)], reps, calls)
+            row["bf16_moe_us"] = graph_time(lambda x, a: triton_moe.fused_experts(x, *a, bf[0], bf[1], alpha, limit),
+                                            x, [(wts, ids)], reps, calls)
         rows.append(row)
         print(f"MoE E={e} k={k} H={h} I={inter} T={t:<5} mx {us:10.1f} us {row['mx_gbs']:7.0f} GB/s "
               f"({row['mx_pct_copy']:4.0f}% copy; {used} experts read) | bf16 triton MoE "
@@ -240,7 +199,7 @@ def main() -> None:
               "tests/kernels/test_w8a16.py)")
         sys.exit(1)
     dev = torch.device("cuda")
-    copy_bw = copy_bandwidth(dev)
+    copy_bw = measure_copy_bandwidth(dev, 1 << 30)["bytes_per_s"] / 1e9
     name = torch.cuda.get_device_name(dev)
     print(f"{name}: device-to-device copy {copy_bw:.0f} GB/s (read + write)")
     ts = [int(v) for v in args.t.split(",")]

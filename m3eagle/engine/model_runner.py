@@ -95,7 +95,6 @@ def _fused(meta: AttnMetadata):
     return meta.ops.fused if meta.ops is not None else REFERENCE.fused
 
 
-
 class ModelRunner:
     def __init__(self, target: MiniMaxM3, draft, num_draft_tokens: int, num_pages: int, page_size: int,
                  max_num_seqs: int, dtype: torch.dtype, device: torch.device, max_num_tokens: int = 512,

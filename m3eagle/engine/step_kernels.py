@@ -269,7 +269,6 @@ def greedy_accept(greedy_tok: torch.Tensor, drafts: torch.Tensor, num_drafts: to
     return out
 
 
-
 STEP_BLOCK = 128
 
 

@@ -283,7 +283,6 @@ def test_fused_step_inputs_equal_reference_on_cuda(k):
                            ReferenceStepOps().greedy_accept(greedy_tok, drafts, nd))
 
 
-
 @pytest.mark.parametrize("k, overlap", [(0, False), (3, True)])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 def test_prefill_graph_replay_equals_eager(k, overlap, sampled):

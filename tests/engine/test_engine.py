@@ -19,8 +19,6 @@ PROMPT_LENS = (3, 70, 12, 40, 5, 25, 33, 7)
 NEW = 20
 
 
-
-
 @pytest.fixture(scope="module")
 def prompts():
     g = torch.Generator().manual_seed(11)

@@ -31,8 +31,6 @@ MIXED_LENS = (3, 70, 12, 40, 5, 25, 64, 8, 33, 17, 50, 6, 9, 45, 28, 14, 61, 4)
 NEW = 23
 
 
-
-
 @pytest.fixture(scope="module")
 def prompts():
     g = torch.Generator().manual_seed(5)

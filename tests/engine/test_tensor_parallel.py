@@ -39,7 +39,6 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, 90, (n,), generator=g).tolist() for n in (37, 22, 5)]
 
 
-
 def tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
 

@@ -45,7 +45,6 @@ PROMPTS = ["def add(a, b):", "import os\n", "class Stack:", "for i in range(10):
 MAX_TOKENS = 8
 
 
-
 @pytest.fixture(scope="module")
 def served(one_thread):
     """(ServerThread, reference): the offline greedy outputs are computed on the same LLM before it serves."""

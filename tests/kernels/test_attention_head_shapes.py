@@ -25,11 +25,9 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from m3eagle.kernels.attention import reference, triton_kernels  # noqa: E402
-from m3eagle.kernels.attention.metadata import TRASH_PAGE, build_metadata  # noqa: E402
 from m3eagle.kernels.attention.triton_backend import TritonBackend  # noqa: E402
-
-CPU = torch.device("cpu")
-POISON = 1e3  # in every slot no row may read: one such key in a softmax breaks the tolerance
+from tests.kernels.test_triton_attention import assert_close  # noqa: E402
+from tests.kernels.test_triton_attention import make_step as attention_step  # noqa: E402
 
 HEAD_DIMS = [64, 96, 128, 192, 256, 512]
 # Every head_dim as MHA (4 / 4) and as GQA (16 / 4); then a group that is no power of 2 (48 / 4), groups of 16
@@ -40,28 +38,9 @@ GRID = [(d, 4, 4) for d in HEAD_DIMS] + [(d, 16, 4) for d in HEAD_DIMS] + [
 
 
 def make_step(seed: int, q_lens: list[int], kv_lens: list[int], page: int, hq: int, hkv: int, d: int):
-    gen = torch.Generator().manual_seed(seed)
-    max_kv = max(kv_lens) + 3  # the host's optimistic bound overshoots
-    width = -(-max_kv // page) + 1
-    held = [-(-n // page) for n in kv_lens]
-    pages = (torch.randperm(sum(held), generator=gen) + 1).tolist()
-    table = torch.full((len(q_lens), width), TRASH_PAGE, dtype=torch.int64)
-    for r, n in enumerate(held):
-        table[r, :n] = torch.tensor(pages[:n], dtype=torch.int64)
-        pages = pages[n:]
-    meta = build_metadata(q_lens, torch.tensor(kv_lens), table, page, CPU, max_kv=max_kv)
-    slots = (sum(held) + 1) * page
-    k, v = torch.randn(slots, hkv, d, generator=gen), torch.randn(slots, hkv, d, generator=gen)
-    valid = torch.zeros(slots, dtype=torch.bool)
-    valid[reference.gather_slots(meta, max_kv)[torch.arange(max_kv)[None, :] < meta.kv_lens[:, None]]] = True
-    k[~valid], v[~valid] = POISON, POISON
-    return meta, torch.randn(sum(q_lens), hq, d, generator=gen), k, v
-
-
-def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> None:
-    assert out.shape == ref.shape and torch.isfinite(out).all(), "a (token, head) left unwritten or a bad mask"
-    err = ((out - ref).abs().max() / ref.abs().max()).item()
-    assert err <= rel, f"max relative error {err:.2e} > {rel:.0e}"
+    """The attention tests' paged step (poisoned slots past every row's keys), at this head shape."""
+    s = attention_step(seed, q_lens, kv_lens, page, hq=hq, hkv=hkv, d=d, extra_kv=3, extra_cols=1)
+    return s.meta, s.q, s.k, s.v
 
 
 @pytest.mark.parametrize("d,hq,hkv", GRID)

@@ -228,7 +228,6 @@ def test_unwritten_rows_are_never_read():
     assert_close(out, reference.experts(x, w, idx, w13, w2, ALPHA, LIMIT, (e0, e1)))
 
 
-
 @pytest.mark.parametrize("cfg", [SMALL, WIDE, MoEConfig(32, 16, 16, 2, 4, 3, split_tail=1)])
 def test_down_unmasked_k_loop_is_bit_equal_to_the_masked_one(cfg):
     """Where I, the shared width and H divide into whole tiles, the sorted down GEMM loads without masks

@@ -159,7 +159,6 @@ def hf_greedy(tiny_model, prompts):
     return out
 
 
-
 @pytest.fixture(scope="module")
 def oracle_greedy(tiny_model, prompts, hf_greedy):
     """Greedy continuations that transformers confirms: prompts 0 and 1 equal its generate() token for

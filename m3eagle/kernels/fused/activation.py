@@ -68,7 +68,6 @@ def silu_mul_f32(g, u, dt: tl.constexpr, PRECISE: tl.constexpr):
     return act * u
 
 
-
 def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """gate_up [..., 2I] (gate then up) -> [..., I], as reference.swiglu_oai."""
     gu = as_rows(gate_up)

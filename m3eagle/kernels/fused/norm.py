@@ -107,7 +107,6 @@ def _norm_cat_kernel(x0_ptr, x1_ptr, x2_ptr, w0_ptr, w1_ptr, w2_ptr, ids_ptr, y_
         _norm_store(r, w2_ptr, y_row, offs, m, n, eps, dt, GEMMA, PRECISE)
 
 
-
 # Warps of `_add_norm_kernel` by row width (BLOCK), where measured to beat `warps_for` (one program per row: at
 # decode its latency is the cost). On an H200, bit-equal at every count: 4096-wide rows take 1.98 us with 8 warps
 # instead of 2.31 with 4 at T = 1 (2.00 vs 2.39 at T = 4); 2048-wide rows 1.68 vs 1.79 us at T = 4.

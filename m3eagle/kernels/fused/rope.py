@@ -157,7 +157,6 @@ def _qkv_rope_kernel(q_ptr, sq_t, sq_h, qo_ptr, sqo_t, sqo_h, qw_ptr, hq,
                              BLOCK_H, BLOCK_D)
 
 
-
 def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, mscale: float, dtype: torch.dtype,
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [...] -> cos, sin [..., R] (R = 2 * len(inv_freq)), as layers.rope_cos_sin."""

@@ -65,7 +65,6 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, n_exp, stride_l,
                BLOCK_E, BLOCK_K, "")
 
 
-
 MAX_EXPERTS, MAX_TOP_K = 1024, 16
 ROUTER_GEMV_MAX_T = 64  # larger steps take the tiled router (or the reference's cast + cuBLAS)
 ROUTER_TILE_MAX_E = 256  # every expert's logit of a row in one program's registers
