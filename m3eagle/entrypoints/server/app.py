@@ -41,24 +41,22 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import anyio
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from m3eagle.engine.llm_engine import RequestError
 from m3eagle.engine.request import PositionLogprobs, RequestDelta, RequestOutput
 from m3eagle.engine.runtime import check_text
-from m3eagle.entrypoints.chat import ChatTemplate, ChatTemplateError, find_invalid_text
+from m3eagle.entrypoints.chat import ChatTemplate
 from m3eagle.entrypoints.llm import LLM
-from m3eagle.entrypoints.server.async_engine import AsyncEngine, RequestStream
+from m3eagle.entrypoints.server.async_engine import AsyncEngine
 from m3eagle.entrypoints.server.metrics import ServerMetrics
 from m3eagle.entrypoints.server.protocol import (
     ApiError,
@@ -68,6 +66,15 @@ from m3eagle.entrypoints.server.protocol import (
     TokenizeRequest,
     error_body,
     refuse_unsupported,
+)
+from m3eagle.entrypoints.server.serving_chat import ChatServing
+from m3eagle.entrypoints.server.streams import (
+    Call,
+    SSEResponse,
+    delta_logprobs,
+    next_deltas,
+    sse_event,
+    token_entries,
 )
 from m3eagle.sampling.params import SamplingParams, SamplingParamsError
 
@@ -86,69 +93,8 @@ def resolve_api_key(flag: str | None) -> str | None:
     return key or None
 
 
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-def _delta_logprobs(deltas: list[RequestDelta]) -> tuple[list[int], list[PositionLogprobs]]:
-    """The new token ids and their logprobs across a run of streamed deltas (of one completion)."""
-    return [t for d in deltas for t in d.token_ids], [x for d in deltas for x in (d.logprobs or [])]
-
-
-def _token_entries(ids: list[int], lps: list[PositionLogprobs | None], n_top: int,
-                   decode: Callable[[list[int]], str] | None = None,
-                   ) -> list[tuple[str, float | None, list[tuple[str, float]]]]:
-    """Per token: (text, logprob, top n_top (text, logprob) by rank) from vLLM-shaped logprob dicts. A token
-    without logprobs (the first prompt token, with echo) is decoded by `decode` (its id without one)."""
-    out = []
-    for t, d in zip(ids, lps):
-        if d is None:  # the first prompt token (echo)
-            out.append((decode([t]) if decode is not None else str(t), None, []))
-            continue
-        top = sorted(((x.rank, x.decoded_token or str(tid), x.logprob) for tid, x in d.items()
-                      if x.rank is not None and x.rank <= n_top), key=lambda e: e[0])
-        own = d[t]
-        out.append((own.decoded_token if own.decoded_token is not None else str(t), own.logprob,
-                    [(txt, lp) for _, txt, lp in top]))
-    return out
-
-
-async def _next_deltas(queue: asyncio.Queue[RequestDelta]) -> list[RequestDelta]:
-    """The next delta plus any queued behind it: a client that fell behind gets them as one event, so a
-    slow reader costs the event loop one chunk per wake-up, not one per engine step."""
-    out = [await queue.get()]
-    while not out[-1].finished and not queue.empty():
-        out.append(queue.get_nowait())
-    return out
-
-
 class _ClientGone(Exception):
     """The client disconnected before its (non-streamed) answer was ready."""
-
-
-class SSEResponse(StreamingResponse):
-    """A streaming response that always closes its body generator when it ends -- finished, client gone
-    (a disconnect message or a failed send) or cancelled at shutdown -- so the generator's `finally`
-    (which aborts the request) runs now rather than whenever the generator is garbage-collected."""
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-
-                async def stream() -> None:
-                    with contextlib.suppress(OSError):  # the socket closed under a send
-                        await self.stream_response(send)
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
 
 
 class _Guard:
@@ -218,34 +164,7 @@ async def _send_json(send, status: int, body: dict[str, Any], headers: list[tupl
     await send({"type": "http.response.body", "body": raw})
 
 
-@dataclass
-class _Call:
-    """The engine requests of one HTTP call (one per prompt; a list of prompts makes several), sharing one
-    queue. Choice index = prompt index x n + sample index."""
-
-    streams: list[RequestStream]
-    n: int
-    queue: asyncio.Queue[RequestDelta] = field(default_factory=asyncio.Queue)
-
-    def __post_init__(self) -> None:
-        self.index_streams()
-
-    def index_streams(self) -> None:
-        self.prompt_index = {s.request_id: i for i, s in enumerate(self.streams)}
-
-    @property
-    def request_id(self) -> str:
-        return self.streams[0].request_id
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(s.num_prompt_tokens for s in self.streams)
-
-    def choice(self, d: RequestDelta) -> int:
-        return self.prompt_index[d.request_id] * self.n + d.index
-
-
-class OpenAIServer:
+class OpenAIServer(ChatServing):
     """The app and its state: one LLM, its engine thread, metrics and chat template.
 
     api_key: required as `Authorization: Bearer <key>` on every /v1 route (None: open; see resolve_api_key).
@@ -462,7 +381,7 @@ class OpenAIServer:
             raise ApiError(400, str(e), str(e).split("=", 1)[0]) from None
 
     def _add(self, prompts: list[tuple[list[int], SamplingParams, str | None]], prefix: str, stream_text: bool,
-             n: int) -> _Call:
+             n: int) -> Call:
         """Queue one engine request per prompt, all validated first (nothing is queued if one is refused).
         stream_text=False (a non-streamed response reads only the finished output): the engine may decode
         the text once at the end (LLMEngine.add_request)."""
@@ -477,7 +396,7 @@ class OpenAIServer:
                 self.engine.validate(ids, params)
         except RequestError as e:
             raise refused(e) from None
-        call = _Call([], n)
+        call = Call([], n)
         try:
             for ids, params, text in prompts:
                 call.streams.append(self.engine_loop.add(ids, params, text, prefix, stream_text, call.queue))
@@ -488,7 +407,7 @@ class OpenAIServer:
         call.index_streams()
         return call
 
-    async def _collect(self, call: _Call, request: Request) -> dict[str, list[RequestDelta]]:
+    async def _collect(self, call: Call, request: Request) -> dict[str, list[RequestDelta]]:
         """Every delta of a non-streamed call, per request; aborts its requests if the client leaves (or we
         are cancelled)."""
         out: dict[str, list[RequestDelta]] = {st.request_id: [] for st in call.streams}
@@ -540,7 +459,7 @@ class OpenAIServer:
                 raise ApiError(400, f"{which} is empty; give at least one token", "prompt")
         return out
 
-    async def _finished(self, call: _Call, request: Request) -> list[RequestOutput] | Response:
+    async def _finished(self, call: Call, request: Request) -> list[RequestOutput] | Response:
         """A non-streamed call's RequestOutputs (all n completions each, in prompt order) once every one has
         finished; a 499 Response if the client left first; a completion's failure as an ApiError."""
         try:
@@ -596,7 +515,7 @@ class OpenAIServer:
     def _completion_logprobs(self, ids: list[int], lps: list[PositionLogprobs | None], offset: int,
                              n_top: int) -> dict[str, Any]:
         """The legacy completions shape: tokens, token_logprobs, top_logprobs (text -> logprob), text_offset."""
-        entries = _token_entries(ids, lps, n_top, self._decode)
+        entries = token_entries(ids, lps, n_top, self._decode)
         offsets = []
         for text, _, _ in entries:
             offsets.append(offset)
@@ -605,7 +524,7 @@ class OpenAIServer:
                 "top_logprobs": [dict(e[2]) if e[1] is not None else None for e in entries] if n_top else None,
                 "text_offset": offsets}
 
-    def _completion_events(self, call: _Call, include_usage: bool, n_top: int | None,
+    def _completion_events(self, call: Call, include_usage: bool, n_top: int | None,
                            echoes: list[str]) -> AsyncIterator[str]:
         head = {"id": call.request_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
@@ -613,7 +532,7 @@ class OpenAIServer:
         offset = [len(echoes[i // n]) for i in range(len(echoes) * n)]  # per choice: the logprobs' text_offset
 
         def chunk(ds: list, text: str, finish_reason: str | None, index: int, stop_reason) -> dict[str, Any]:
-            lp = self._completion_logprobs(*_delta_logprobs(ds), offset[index], n_top) if n_top is not None else None
+            lp = self._completion_logprobs(*delta_logprobs(ds), offset[index], n_top) if n_top is not None else None
             if lp:
                 offset[index] += sum(len(t) for t in lp["tokens"])
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
@@ -623,7 +542,7 @@ class OpenAIServer:
                    for i in range(len(echoes) * n)] if any(echoes) else None
         return self._stream_events(call, include_usage, n_top is not None, head, chunk, opening)
 
-    async def _stream_events(self, call: _Call, include_usage: bool, want_lp: bool, head: dict[str, Any],
+    async def _stream_events(self, call: Call, include_usage: bool, want_lp: bool, head: dict[str, Any],
                              chunk, opening: list[dict[str, Any]] | None = None) -> AsyncIterator[str]:
         """The SSE loop both endpoints share: each batch of deltas becomes one chunk with a choice per
         completion that changed (`chunk(deltas, text, finish_reason, index, stop_reason)` builds it); a failed
@@ -636,13 +555,13 @@ class OpenAIServer:
         pending: dict[tuple[str, int], str] = {}  # a finished completion waiting for its request's output
         try:
             if opening is not None:
-                yield _sse({**head, "choices": opening})
+                yield sse_event({**head, "choices": opening})
             while left:
-                ds = await _next_deltas(call.queue)
+                ds = await next_deltas(call.queue)
                 n_out += sum(len(d.token_ids) for d in ds)
                 failed = next((d for d in ds if d.finish_reason in ("error", "abort")), None)
                 if failed is not None:
-                    yield _sse(self._final_error(failed).body())
+                    yield sse_event(self._final_error(failed).body())
                     include_usage = False
                     break
                 outputs = {d.request_id: d.output for d in ds if d.output is not None}
@@ -666,92 +585,13 @@ class OpenAIServer:
                             choices.append(chunk([], "", finish, call.prompt_index[rid] * call.n + sub,
                                                  out.outputs[sub].stop_reason))
                 if choices:  # else nothing a client can see yet (text held back for a stop string)
-                    yield _sse({**head, "choices": choices})
+                    yield sse_event({**head, "choices": choices})
             if include_usage and not left:
-                yield _sse({**head, "choices": [], "usage": self._usage(call.num_prompt_tokens, n_out)})
+                yield sse_event({**head, "choices": [], "usage": self._usage(call.num_prompt_tokens, n_out)})
             yield "data: [DONE]\n\n"
         finally:
             for rid in left:
                 self.engine_loop.abort(rid)
-
-    # ---- /v1/chat/completions -------------------------------------------------------------------
-    def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> tuple[list[int], str]:
-        """Render and tokenize; runs on the tokenizer pool."""
-        if self.chat_template is None:
-            raise ApiError(400, "this model has no chat_template (tokenizer_config.json or chat_template.jinja); "
-                           "use /v1/completions", "messages")
-        if self.llm.tokenizer is None:
-            raise ApiError(400, "this model has no tokenizer.json, which chat needs; use /v1/completions with "
-                           "token ids", "messages")
-        messages = []
-        for i, m in enumerate(body.messages):
-            d = m.model_dump()
-            c = m.content
-            d["content"] = c if isinstance(c, str) else "".join(part.text for part in c or [])
-            bad = find_invalid_text({k: v for k, v in d.items()})
-            if bad is not None:
-                raise ApiError(400, f"messages[{i}].{bad} is not valid Unicode: it holds a lone surrogate (text "
-                               "must encode as UTF-8)", f"messages[{i}].{bad}")
-            messages.append(d)
-        kwargs = dict(body.chat_template_kwargs or {})
-        bad = find_invalid_text(kwargs)
-        if bad is not None:
-            raise ApiError(400, f"chat_template_kwargs.{bad} is not valid Unicode (a lone surrogate)",
-                           "chat_template_kwargs")
-        try:
-            text = self.chat_template.render(messages, body.add_generation_prompt, body.continue_final_message,
-                                             **kwargs)
-        except ChatTemplateError as e:
-            msg = str(e)
-            param = "chat_template_kwargs" if msg.startswith("chat_template_kwargs") or any(
-                k in msg for k in kwargs) else "messages"
-            raise ApiError(400, msg, param) from None
-        return self._encode(text, "messages"), text
-
-    async def _chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        self._check_ready()
-        self._check_model(body.model)
-        refuse_unsupported(body)
-        ids, text = await self._off_loop(self._chat_prompt, body)
-        if not ids:
-            raise ApiError(400, "the rendered chat prompt is empty", "messages")
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        n_top = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._sampling_params(body, len(ids), max_tokens, n_top)
-        call = self._add([(ids, params, text)], "chatcmpl", bool(body.stream), body.n)
-        if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            return SSEResponse(self._chat_events(call, usage, n_top))
-        outs = await self._finished(call, request)
-        if isinstance(outs, Response):
-            return outs
-        out = outs[0]
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text or ""},
-                    "logprobs": self._chat_logprobs(c.token_ids, c.logprobs or [], n_top) if n_top is not None
-                    else None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
-        return JSONResponse({"id": call.request_id, "object": "chat.completion", "created": int(time.time()),
-                             "model": self.model_name, "choices": choices,
-                             "usage": self._usage(len(ids), sum(len(c.token_ids) for c in out.outputs))})
-
-    @staticmethod
-    def _chat_logprobs(ids: list[int], lps: list[PositionLogprobs], n_top: int) -> dict[str, Any]:
-        """The chat shape: per token {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}."""
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
-                             "top_logprobs": [{"token": x, "logprob": v, "bytes": list(x.encode())} for x, v in top]}
-                            for t, lp, top in _token_entries(ids, lps, n_top)]}
-
-    def _chat_events(self, call: _Call, include_usage: bool, n_top: int | None) -> AsyncIterator[str]:
-        head = {"id": call.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": self.model_name}
-
-        def chunk(ds: list, text: str, finish_reason: str | None, index: int, stop_reason) -> dict[str, Any]:
-            return {"index": index, "delta": {"content": text} if text else {},
-                    "logprobs": self._chat_logprobs(*_delta_logprobs(ds), n_top) if n_top is not None else None,
-                    "finish_reason": finish_reason, "stop_reason": stop_reason}
-
-        opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                   for i in range(call.n)]
-        return self._stream_events(call, include_usage, n_top is not None, head, chunk, opening)
 
 
 def _is_embedded(llm: LLM) -> bool:
