@@ -57,6 +57,7 @@ class StepInput:
     want_logprobs: bool  # some row wants logprobs: the sampled tokens' and the top MAX_LOGPROBS candidates
     penalties: PenaltyTensors | None = None  # some row's distribution depends on its history (penalties.py)
     want_prompt_logprobs: bool = False  # some prompt chunk wants prompt_logprobs (never in graph-shaped steps)
+    grammar: Any = None  # a GrammarStep (structured_step.py): the masks of constrained rows; eager steps only
 
     @property
     def mode(self) -> tuple[bool, bool, bool]:

@@ -43,10 +43,12 @@ from m3eagle.engine.request import (
     StopConditions,
 )
 from m3eagle.engine.scheduler import NeedSync, ScheduledBatch, Scheduler
+from m3eagle.engine.structured_step import GrammarStep
 from m3eagle.kernels.ops import Ops, make_ops
 from m3eagle.kvcache.page_pool import PagePool
 from m3eagle.models.layers import pack_projections
 from m3eagle.sampling.params import SamplingParams
+from m3eagle.sampling.structured import GrammarCompiler, GrammarError
 
 log = logging.getLogger("m3eagle")
 
@@ -247,6 +249,11 @@ class LLMEngine(OutputProcessor):
         # Requests changed since the last step() returned (each gets one delta), in order of change.
         self._touched: dict[str, Request] = {}
         self.counters = SpecCounters(accept_hist=[0] * (k + 1))
+        # Structured output: the compiler (built on first use, from the tokenizer) and the ids of the live
+        # constrained requests; while there are any, steps wait for the previous step's tokens (`_step`).
+        self._compiler: GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
+        self._constrained: set[str] = set()
         self._load = EngineLoad()
         self.num_steps = 0  # device steps launched (each sub-step of a multi-step iteration counts)
         self.num_iterations = 0  # host iterations that launched steps (< num_steps with num_scheduler_steps > 1)
@@ -327,6 +334,26 @@ class LLMEngine(OutputProcessor):
         if params.n > self.cfg.max_num_seqs:
             raise RequestError(f"n={params.n} samples cannot run together with max_num_seqs={self.cfg.max_num_seqs}; "
                                "lower n or raise max_num_seqs")
+        if params.structured_outputs is not None:
+            self.compile_grammar(params)
+
+    def compile_grammar(self, params: SamplingParams) -> Any:
+        """The compiled grammar of params.structured_outputs (cached by spec); RequestError naming the field
+        when it cannot be compiled or this engine cannot constrain (no tokenizer, tensor parallel)."""
+        if self.tokenizer is None:
+            raise RequestError("structured_outputs needs the model's tokenizer.json (grammars are over text), and "
+                               "this model directory has none")
+        if self.tp.size > 1:
+            raise RequestError("structured_outputs is not available with tensor_parallel_size > 1 (the masks are "
+                               "not broadcast to the workers); serve constrained requests with one GPU")
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(self.tokenizer.tok, self.target_cfg.vocab_size,
+                                                 sorted(self.eos_ids))
+            try:
+                return self._compiler.compile(params.structured_outputs)
+            except GrammarError as e:
+                raise RequestError(str(e)) from None
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None, stream_text: bool = True) -> Request:
@@ -335,6 +362,7 @@ class LLMEngine(OutputProcessor):
         from the finished output (LLM.generate), so a request without stop strings is detokenized once at
         the end instead of token by token (its deltas carry no text until the last)."""
         self.validate(prompt_ids, params)
+        compiled = self.compile_grammar(params) if params.structured_outputs is not None else None
         if request_id is not None and not isinstance(request_id, str):
             raise RequestError(f"request_id={request_id!r} must be a str")
         with self._intake_lock:
@@ -361,8 +389,11 @@ class LLMEngine(OutputProcessor):
                 else:
                     req.text = None
                 # Read once here (params changed in place later are not seen, as for the sampling constants).
+                if compiled is not None:  # each sample has its own matcher
+                    req.grammar = self._compiler.matcher(compiled)
+                    self._constrained.add(req.request_id)
                 req.stops = StopConditions.of(params, len(prompt_ids), self._max_model_len, self.eos_ids,
-                                              req.detok is not None and bool(req.detok.stop))
+                                              (req.detok is not None and bool(req.detok.stop)) or compiled is not None)
                 if group is not None:
                     group.members.append(req)
                 self._live[req.request_id] = req
@@ -454,6 +485,7 @@ class LLMEngine(OutputProcessor):
     def _forget(self, req: Request) -> None:
         with self._intake_lock:
             self._live.pop(req.request_id, None)
+            self._constrained.discard(req.request_id)
             if req.group is not None and req.group.finished:
                 self._groups.pop(req.group.request_id, None)
 
@@ -469,7 +501,13 @@ class LLMEngine(OutputProcessor):
         # first holds them back by N launches (H200, embedded pair, batch 1 with 8: first token 0.7 ms with
         # one step per plan, 1.8-1.9 without this, 0.8-0.9 with it). The plan still depends on the schedule
         # alone.
-        steps = self.cfg.num_scheduler_steps if self._steady else 1
+        # A constrained request's masks need its accepted tokens and the drafts its next row verifies, so while
+        # one is live every step waits for the previous one (one step per plan, eager); the others keep the
+        # overlap's sync-free steady state (docs/design/structured-output.md).
+        constrained = bool(self._constrained)
+        if constrained and self._pending is not None:
+            self._drain()
+        steps = self.cfg.num_scheduler_steps if self._steady and not constrained else 1
         try:
             batch = self.scheduler.schedule(steps)
         except NeedSync:
@@ -486,9 +524,13 @@ class LLMEngine(OutputProcessor):
             return
         if self.cfg.num_scheduler_steps > 1:  # (one step per plan never reads it: no loop over rows then)
             self._steady = all(r.gather for r in batch.rows)  # every row continues from the slot buffers
-        bucket = self.graphs.bucket(batch) if self.graph_shapes else None
+        grammar = None
+        if constrained and any(r.samples and r.req.grammar is not None for r in batch.rows):
+            grammar = GrammarStep(batch.rows, len(batch.rows), self.k, self.target_cfg.vocab_size, self.device)
+        bucket = self.graphs.bucket(batch) if self.graph_shapes and grammar is None else None
         self.graphs.ensure(batch, bucket)
         inp = self.graphs.build(batch, bucket)
+        inp.grammar = grammar
         # A multi-step iteration runs the same inputs batch.steps times: each sub-step's commit advances the
         # rows' lengths in the input buffer on the device (ModelRunner.execute), and each is folded into the
         # host's projection like a step of its own (all drafts accepted).
@@ -561,6 +603,8 @@ class LLMEngine(OutputProcessor):
         sched.reset(unfinished)
         self.pool.reset()
         self._pending = None
+        with self._intake_lock:
+            self._constrained &= set(self._live)
         self._publish_load()
         log.warning("engine rolled back after a fault: %d unfinished requests will be recomputed", len(unfinished))
 

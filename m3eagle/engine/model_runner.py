@@ -25,6 +25,7 @@ from m3eagle.models.minimax_m3 import LayerCache, MiniMaxM3
 from m3eagle.sampling.params import MAX_LOGPROBS
 from m3eagle.sampling.penalties import PenaltyState
 from m3eagle.sampling.sampler import SALT_DRAFT, SamplingTensors, probs_from_logits, sample_from_probs
+from m3eagle.sampling.structured import apply_bitmask
 from m3eagle.sampling.verify import verify
 
 
@@ -179,6 +180,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inp: StepInput) -> StepOutput:
         k = self.k
+        grammar = inp.grammar  # a GrammarStep (structured_step.py) when some row is constrained: eager only
         ids, meta = self._apply_overlap_correction(inp)
         pen = inp.penalties
         if pen is not None:  # history first: a prompt chunk's tokens precede the position it samples
@@ -196,7 +198,7 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(inp, ids, hidden) if every else None
         # fp32 logits only where something reads more than their argmax (an fp32 copy of bf16 logits changes
         # no argmax); these flags are part of a graph's key.
-        fp32 = inp.any_random or pen is not None or inp.want_logprobs
+        fp32 = inp.any_random or pen is not None or inp.want_logprobs or grammar is not None
         sampled = hidden[sample_idx.reshape(-1)] if every else hidden  # [B * (K+1), H]
         # Without drafts every greedy row emits exactly its argmax: no acceptance launch to count that.
         accept = book.greedy_accept if k else (lambda tok, _d, _n: self.row_ones[: tok.shape[0]])
@@ -211,7 +213,10 @@ class ModelRunner:
             # Draft probabilities exist for rows whose drafts were sampled; greedy rows never read them.
             q_probs = (self.slot_draft_probs[inp.row_slot] if inp.any_random and self.slot_draft_probs is not None
                        else None)
-            new_tokens, num_new = verify(logits, drafts_in, inp.row_num_drafts, inp.sampling, positions, q_probs,
+            # The grammar's mask of each verify position (the state after the drafts before it); logprobs stay
+            # those of the unmasked distribution, as vLLM's do.
+            scored = apply_bitmask(logits, grammar.verify_mask) if grammar is not None else logits
+            new_tokens, num_new = verify(scored, drafts_in, inp.row_num_drafts, inp.sampling, positions, q_probs,
                                          inp.any_random, accept, fused.argmax)
         # Logprobs of the (penalised) target distribution, before temperature / top-k / top-p / min-p.
         logprobs = token_logprobs(logits, new_tokens, self.n_top) if inp.want_logprobs else None
@@ -230,8 +235,10 @@ class ModelRunner:
         if pen is not None:
             self.penalty.record_outputs(new_tokens, num_new, s)
 
-        drafts = (self._draft(inp, meta, aux, s, last_idx, shifted, at, at_slots) if drafting
+        drafts = (self._draft(inp, meta, aux, s, last_idx, shifted, at, at_slots, (new_tokens, num_new)) if drafting
                   else ids.new_zeros(inp.num_rows, k))
+        if grammar is not None:
+            grammar.finish(drafts if drafting else None)
         return StepOutput(new_tokens, num_new, drafts, logprobs, prompt_lps)
 
     def _prompt_logprobs(self, inp: StepInput, ids: torch.Tensor, hidden: torch.Tensor) -> TokenLogprobs:
@@ -244,10 +251,12 @@ class ModelRunner:
 
     # ---- drafting -------------------------------------------------------------------------------
     def _draft(self, inp: StepInput, meta: AttnMetadata, aux: torch.Tensor, s: torch.Tensor, last_idx: torch.Tensor,
-               shifted: torch.Tensor, at: torch.Tensor, at_slots: torch.Tensor) -> torch.Tensor:
+               shifted: torch.Tensor, at: torch.Tensor, at_slots: torch.Tensor,
+               emitted: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Draft step 0 over every target token (inputs shifted by one, the bonus token after each row's last
         accepted one), then K-1 one-token steps. last_idx [B], shifted [T], at [K+1, B] (position of the
-        last accepted token + j) and at_slots [K+1, B] (their cache slots): commit_outputs'."""
+        last accepted token + j) and at_slots [K+1, B] (their cache slots): commit_outputs'. emitted: the step's
+        (new_tokens [B, K+1], num_new [B]), which a constrained step's draft masks start from."""
         k, b = self.k, inp.num_rows
         st: SamplingTensors = inp.sampling
         h_out, h_next = self.draft(shifted, meta.positions, aux, meta, self.draft_cache, True, rows=last_idx)  # [B, H]
@@ -259,8 +268,13 @@ class ModelRunner:
                              q_valid=self.row_true[:b], positions=pos, slot_mapping=pos, ops=meta.ops)
         drafts = torch.empty(k, b, dtype=torch.int64, device=at.device).t()  # [B, K]; column j contiguous
         out_probs = []
+        grammar = inp.grammar
         for step in range(k):
-            if inp.any_random:
+            if grammar is not None:  # drafts stay inside the grammar: masked over the target vocabulary
+                mask = grammar.draft_mask(step, *emitted, drafts)  # [B, W] (reads back tokens: a host sync)
+                logits = self.draft.compute_logits(h_out, _fused(meta))  # [B, Vd] fp32
+                tok, probs = self._draft_constrained(logits, mask, st, at[step], inp.any_random, drafts, step)
+            elif inp.any_random:
                 logits = self.draft.compute_logits(h_out, _fused(meta))  # [B, Vd] fp32
                 tok, probs = self._draft_sample(logits, st, at[step], _fused(meta), drafts, step)
             else:  # draft_to_target(argmax), into column `step` and the slot buffer's rows s, with the lm_head
@@ -271,10 +285,32 @@ class ModelRunner:
             # the drafted token sits at pos + step + 1: dmeta.with_lengths(at[step + 2]), derived by commit
             sm = replace(dmeta, kv_lens=at[step + 2], positions=at[step + 1], slot_mapping=at_slots[step + 1])
             h_out, h_next = self.draft(tok, sm.positions, h_next, sm, self.draft_cache, False)
-        if inp.any_random:
+        if inp.any_random or grammar is not None:
             self.slot_drafts.index_copy_(0, s, drafts)
+        if inp.any_random:
             self.slot_draft_probs.index_copy_(0, s, torch.stack(out_probs, 1))
         return drafts
+
+    def _draft_constrained(self, logits: torch.Tensor, mask: torch.Tensor, st: SamplingTensors, pos: torch.Tensor,
+                           any_random: bool, drafts: torch.Tensor, step: int,
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A draft step of a constrained step: the head's logits [B, Vd] placed at their target ids (-inf off the
+        draft vocabulary, so the mask is applied after the d2t mapping), masked by the grammar (int32 [B, W]);
+        a row whose allowed tokens all lie outside the draft vocabulary drafts unmasked (its draft is then
+        rejected by the masked target). Greedy rows take the argmax; sampled rows draw from the processed
+        masked distribution, which is also the q that verification divides by. -> (tokens [B] into
+        drafts[:, step], q [B, V] or None)."""
+        b, vd = logits.shape
+        target_ids = torch.arange(vd, device=logits.device) + self.draft.d2t
+        full = logits.new_full((b, self.target.cfg.vocab_size), float("-inf")).index_copy_(1, target_ids, logits)
+        masked = apply_bitmask(full, mask)  # [B, V]
+        masked = torch.where(torch.isinf(masked).all(-1, keepdim=True), full, masked)
+        greedy = masked.argmax(-1)
+        if not any_random:
+            return drafts[:, step].copy_(greedy), None
+        q = probs_from_logits(masked, st)  # [B, V]
+        drawn = sample_from_probs(q, st.seed, pos, SALT_DRAFT)
+        return drafts[:, step].copy_(torch.where(st.greedy, greedy, drawn)), q
 
     def _draft_sample(self, logits: torch.Tensor, st: SamplingTensors, pos: torch.Tensor, fused: Any,
                       drafts: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:

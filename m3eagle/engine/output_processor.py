@@ -324,15 +324,24 @@ class OutputProcessor:
         reason, stop_reason = None, None
         st = req.stops  # read once per request (add_request)
         limit, min_tokens, stop_ids, eos = st.limit, st.min_tokens, st.stop_ids, st.eos
+        grammar = req.grammar
+        if grammar is not None:
+            grammar.sync(out)
         n = n0
         try:
             for t in tokens:
                 out.append(t)
                 n += 1
+                # A structured request's tokens were masked by its grammar, so each one is allowed; one that is
+                # not is an engine fault, which fails this request alone.
+                if grammar is not None and not grammar.accept(t):
+                    raise RuntimeError(f"token {t} is outside the request's structured_outputs grammar")
                 may_stop = n >= min_tokens  # vLLM: no stop check while fewer are out
                 if may_stop and t in stop_ids:  # vLLM's stop_reason: the stop token id (EOS: None)
                     reason, stop_reason = "stop", t
                 elif may_stop and t in eos:
+                    reason = "stop"
+                elif grammar is not None and grammar.terminated:  # its stop token (EOS under ignore_eos)
                     reason = "stop"
                 elif n >= limit:
                     reason = "length"
@@ -344,6 +353,8 @@ class OutputProcessor:
                 det.finish(out)
         except BaseException:
             del out[n0:]  # ... and cut back if anything failed, so the request is exactly as it was
+            if grammar is not None:
+                grammar.rollback_to(n0)
             raise
         if lps is not None:
             req.logprobs += lps[:n - n0]

@@ -111,7 +111,7 @@ class StopConditions:
     stop_ids: frozenset[int]  # stop_token_ids: they end it with stop_reason = the id
     eos: frozenset[int]  # EOS ids (empty with ignore_eos): they end it with stop_reason None
     any_id: frozenset[int]  # stop_ids | eos: one disjointness test tells that no id ends a step's tokens
-    strings: bool  # stop strings: only the detokenizer can see those
+    strings: bool  # stop strings or a grammar: only a check of every token can see those
 
     @classmethod
     def of(cls, params: SamplingParams, prompt_len: int, max_model_len: int, eos_ids: set[int] | frozenset[int],
@@ -177,6 +177,8 @@ class Request:
     # (0 when it computes everything). Reset by preemption and recovery.
     fork_src: Request | None = None
     fork_len: int = 0
+    # Structured output: this sequence's grammar matcher (sampling/structured.RequestGrammar), or None.
+    grammar: Any = None
 
     @property
     def num_verify_steps(self) -> int:

@@ -8,9 +8,11 @@ a request is submitted, so fields assigned in between are checked too.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
+from typing import Any
 
 # Temperatures below this are greedy (vLLM's rule): 1/T overflows fp32 long before T reaches 0, and a
 # temperature of 1e-40 would otherwise turn every logit into inf and the distribution into NaN.
@@ -39,6 +41,60 @@ def _is_real(x: object) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and type(x).__name__ != "bool_"
 
 
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's StructuredOutputsParams): exactly one of a JSON schema (`json`, a
+    dict or its JSON text), a regular expression, a list of choices, an EBNF grammar (xgrammar's dialect,
+    rule `root`) or `json_object=True` (any JSON object). The engine compiles it with xgrammar
+    (sampling/structured.py) and masks every sampled position with it, speculation included."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        """The one field that is set: json, regex, choice, grammar or json_object."""
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def validate(self) -> None:
+        """Exactly one constraint, of the right type; SamplingParamsError names the field."""
+        given = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise SamplingParamsError(f"structured_outputs sets {given or 'nothing'}: set exactly one of "
+                                      f"{', '.join(_STRUCTURED_KINDS)}")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                raise SamplingParamsError(f"structured_outputs.json is not valid JSON ({e}); give a JSON schema "
+                                          "as a dict or its JSON text") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise SamplingParamsError(f"structured_outputs.json={self.json!r} must be a JSON schema: a dict (or "
+                                      "its JSON text)")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise SamplingParamsError(f"structured_outputs.{name}={v!r} must be a non-empty string")
+        c = self.choice
+        if c is not None and (not isinstance(c, (list, tuple)) or not c
+                              or any(not isinstance(x, str) or not x for x in c)):
+            raise SamplingParamsError(f"structured_outputs.choice={c!r} must be a non-empty list of non-empty "
+                                      "strings")
+        if c is not None:
+            self.choice = list(c)
+        if self.json_object not in (None, True, False):
+            raise SamplingParamsError(f"structured_outputs.json_object={self.json_object!r} must be True or None")
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0  # 0 (or below GREEDY_EPS) means greedy
@@ -60,6 +116,8 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop tokens are held back until this many tokens are out
     min_p: float = 0.0  # in [0, 1]: drop tokens whose probability is below min_p x the top probability
     include_stop_str_in_output: bool = False  # keep the stop string that ended the output in .text
+    # The output must match a JSON schema / regex / choice / grammar (a dict with those keys is accepted too)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -129,6 +187,22 @@ class SamplingParams:
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise SamplingParamsError(f"min_p={self.min_p!r} must be a number in [0, 1] (0 disables it)")
         self.min_p = float(self.min_p)
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            bad = sorted(set(so) - set(_STRUCTURED_KINDS))
+            if bad:
+                raise SamplingParamsError(f"structured_outputs has unknown keys {bad}; the keys are "
+                                          f"{', '.join(_STRUCTURED_KINDS)}")
+            so = self.structured_outputs = StructuredOutputsParams(**so)
+        if so is not None:
+            if not isinstance(so, StructuredOutputsParams):
+                raise SamplingParamsError(f"structured_outputs={so!r} must be a StructuredOutputsParams, a dict "
+                                          "of its fields, or None")
+            so.validate()
+            if self.min_tokens:
+                # a grammar that is complete allows only EOS, which min_tokens holds back: nothing would be left
+                raise SamplingParamsError(f"min_tokens={self.min_tokens} cannot be combined with "
+                                          "structured_outputs; leave min_tokens at 0")
 
     @property
     def greedy(self) -> bool:
