@@ -129,7 +129,8 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
               moe_backend=a.moe_backend, enforce_eager=a.enforce_eager, load_format=geo.load_format,
               tensor_parallel_size=tp, prefill_graphs=getattr(a, "prefill_graphs", None),
               max_prefill_graph_tokens=getattr(a, "max_prefill_graph_tokens", 512),
-              num_scheduler_steps=getattr(a, "num_scheduler_steps", 1))
+              num_scheduler_steps=getattr(a, "num_scheduler_steps", 1),
+              quantization=getattr(a, "quantization", None))
     try:  # the measurements, then the workers stop (tensor parallel) whatever happened
         return _measure(a, llm, geo, dev, k, say, t0)
     finally:
@@ -223,7 +224,9 @@ def _plain_engine(llm) -> LLMEngine:
 def _row(b: int, mode: str, k: int, thr: dict, st: dict, llm, dtype_bytes: int, bw: float) -> dict[str, Any]:
     cfg = llm.target.cfg
     experts = st["experts_per_moe_layer"]
-    target = roofline.decode_step_bytes(cfg, b, st["context"], dtype_bytes, tokens=st["tokens"], experts=experts)
+    qb = roofline.MXFP8_BYTES if _weights_format(llm) == "mxfp8" else None
+    target = roofline.decode_step_bytes(cfg, b, st["context"], dtype_bytes, tokens=st["tokens"], experts=experts,
+                                        quant_bytes=qb)
     draft = roofline.draft_step_bytes(llm.draft.cfg, b, st["context"], k, dtype_bytes) if k else None
     total = target["total"] + (draft["total"] if draft else 0.0)
     acc = thr["acceptance"]
@@ -684,6 +687,11 @@ def format_table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _weights_format(llm) -> str | None:
+    """"mxfp8" when the target holds MXFP8 weights (the release, or --quantization fp8), else None."""
+    return "mxfp8" if any(p.dtype == torch.float8_e4m3fn for p in llm.target.parameters()) else None
+
+
 def _env(llm, dev: torch.device) -> dict[str, Any]:
     from m3eagle.version import __version__
 
@@ -694,7 +702,7 @@ def _env(llm, dev: torch.device) -> dict[str, Any]:
         "m3eagle": __version__, "torch": torch.__version__, "python": platform.python_version(),
         "attention_backend": llm.engine.ops.attention.name, "moe_backend": llm.engine.ops.moe.name,
         "cuda_graphs": llm.engine.graphs.use_graphs, "overlap": llm.config.overlap,
-        "tensor_parallel_size": llm.tp.size,
+        "tensor_parallel_size": llm.tp.size, "quantization": _weights_format(llm),
         "engine_config": asdict(llm.config),
     }
     for mod in ("transformers", "triton"):

@@ -75,16 +75,25 @@ def param_counts(cfg: M3Config) -> dict[str, int]:
     return {"params": int(total), "active_params": int(active)}
 
 
+# The weights an MXFP8 model holds in FP8 (`models/quant.py`), and their bytes per element: one e4m3 byte plus
+# one ue8m0 scale byte per 32.
+QUANTIZED_KINDS = ("attention", "indexer", "dense_mlp", "shared_experts", "routed_experts")
+MXFP8_BYTES = 1 + 1 / 32
+
+
 def decode_step_bytes(cfg: M3Config, batch: int, context: float, dtype_bytes: int, tokens: int | None = None,
-                      experts: float | Sequence[float] | None = None) -> dict[str, float]:
+                      experts: float | Sequence[float] | None = None,
+                      quant_bytes: float | None = None) -> dict[str, float]:
     """Bytes one target step reads (see the module docstring). batch rows, each attending over `context`
     tokens; `tokens` query tokens in all (batch for plain decode, batch x (K+1) for a verify step);
-    experts: distinct routed experts per MoE layer (None: the uniform-routing expectation for `tokens`)."""
+    experts: distinct routed experts per MoE layer (None: the uniform-routing expectation for `tokens`);
+    quant_bytes: bytes per element of the QUANTIZED_KINDS (MXFP8_BYTES for an MXFP8 model; None: dtype_bytes)."""
     t = batch if tokens is None else tokens
     if experts is None:
         experts = expected_distinct_experts(cfg.num_local_experts, cfg.num_experts_per_tok, t)
     el = weight_elements(cfg, experts)
-    out = {k: v * (4 if k == "router" else dtype_bytes) for k, v in el.items()}
+    qb = dtype_bytes if quant_bytes is None else quant_bytes
+    out = {k: v * (4 if k == "router" else qb if k in QUANTIZED_KINDS else dtype_bytes) for k, v in el.items()}
     out["embedding"] = t * cfg.hidden_size * dtype_bytes  # rows gathered, not the table
     out["lm_head"] = cfg.vocab_size * cfg.hidden_size * dtype_bytes  # read in full, tied or not
     kv_row = cfg.num_key_value_heads * cfg.head_dim * 2 * dtype_bytes  # K and V of one token, one layer

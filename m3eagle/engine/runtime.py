@@ -35,10 +35,12 @@ from m3eagle.loader.hub import resolve_checkpoint
 from m3eagle.loader.tokenizer import load_tokenizer as _load_tokenizer
 from m3eagle.models.eagle3 import Eagle3Config
 from m3eagle.models.minimax_m3 import MiniMaxM3
+from m3eagle.models.quant import quantize_online
 from m3eagle.sampling.params import SamplingParams
 
 log = logging.getLogger("m3eagle")
 
+QUANTIZATIONS = (None, "fp8")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
@@ -80,6 +82,9 @@ class Runtime:
     load_format: 'auto' reads the checkpoints; 'dummy' builds random seeded weights on the device from the
     configs alone (vLLM's dummy format, for benchmarks) -- then model / draft may also be an M3Config /
     Eagle3Config or a config.json dict.
+    quantization: None serves the checkpoint's weights as stored (the MXFP8 release stays MXFP8 on the device and
+    runs the W8A16 kernels); 'fp8' quantizes a bf16 / fp32 target to the same MXFP8 layout at load (the decoder
+    layers' projections and experts; embeddings, lm_head, routers, norms and the draft head stay as they are).
     tensor_parallel_size: N > 1 splits the target over N ranks (attention heads, MLPs, vocabulary; experts
     expert-parallel; the Eagle3 head replicated). This process is rank 0 and spawns N-1 workers, one per
     GPU (cuda:0..N-1), or joins a torchrun group when RANK / WORLD_SIZE are set (docs/design/parallel.md). Call
@@ -95,7 +100,7 @@ class Runtime:
                  fused_backend: str = "auto", tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.9, warmup: bool = False, prefill_graphs: bool | None = None,
                  max_prefill_graph_tokens: int = 512, num_scheduler_steps: int | str = 1,
-                 _worker: tuple[int, int, str] | None = None):
+                 quantization: str | None = None, _worker: tuple[int, int, str] | None = None):
         # What a spawned worker needs to build its rank of this same LLM (_worker: its rank, size, rendezvous).
         spawn_kwargs = {k: v for k, v in locals().items() if k not in ("self", "_worker")}
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -118,6 +123,10 @@ class Runtime:
         if page_size < 1:
             raise ValueError(f"page_size={page_size} must be >= 1")
         check_scheduler_steps(num_scheduler_steps)
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={quantization!r}: choose None (the checkpoint's own weights: an MXFP8 "
+                             "release stays MXFP8) or 'fp8' (quantize a bf16 checkpoint to MXFP8 at load)")
+        self.quantization = quantization
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={load_format!r}: choose 'auto' (read the checkpoint) or 'dummy' "
                              "(random weights built on the device)")
@@ -211,6 +220,8 @@ class Runtime:
             self.target = dummy_target(target_config(model), self.dtype, dev, tp=tp)
         else:
             self.target = load_target(self.model_path, self.dtype, dev, tp=tp)
+        if self.quantization == "fp8":  # before the engine packs the projections
+            quantize_online(self.target)
         self.draft = None
         if draft is not None and num_draft_tokens > 0:
             # The Eagle3 head is small: every rank holds all of it and drafts the same tokens.

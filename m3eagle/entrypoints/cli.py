@@ -117,6 +117,9 @@ def _device_args(p: argparse.ArgumentParser) -> None:
                    help="auto: triton on CUDA, reference on CPU")
     p.add_argument("--moe-backend", choices=["auto", "reference", "triton"], default="auto",
                    help="routed experts; auto: triton (chosen experts only) on CUDA, the dense reference on CPU")
+    p.add_argument("--quantization", "-q", choices=["fp8"], default=None,
+                   help="fp8: quantize a bf16 target to MXFP8 at load (W8A16 kernels); none: the checkpoint's own "
+                        "weights (the MXFP8 release stays MXFP8)")
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     p.add_argument("--warmup", action="store_true",
                    help="at startup, run dummy prompts of every power-of-two chunk size once (Triton compiles "
@@ -145,7 +148,8 @@ def _make_llm(a: argparse.Namespace):
                page_size=a.page_size, overlap=overlap, attention_backend=a.attention_backend,
                moe_backend=a.moe_backend, enforce_eager=a.enforce_eager, warmup=a.warmup,
                prefill_graphs=a.prefill_graphs, max_prefill_graph_tokens=a.max_prefill_graph_tokens,
-               num_scheduler_steps=a.num_scheduler_steps, tensor_parallel_size=a.tensor_parallel_size, **extra)
+               num_scheduler_steps=a.num_scheduler_steps, tensor_parallel_size=a.tensor_parallel_size,
+               quantization=a.quantization, **extra)
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
