@@ -5,7 +5,8 @@ trim_blocks / lstrip_blocks and loop controls, `raise_exception`, a `tojson` tha
 One implementation for both users: `LLM.chat()` and the server's /v1/chat/completions.
 
 `check_messages` validates a conversation (a RequestError naming `messages[i].field`); `render` takes the
-template's extra variables (vLLM's chat_template_kwargs), where `add_generation_prompt` and
+request's tools (the template's `tools` variable, as transformers passes them) and the template's extra
+variables (vLLM's chat_template_kwargs), where `add_generation_prompt` and
 `continue_final_message` override the arguments of the same name and the names the renderer owns
 (`messages`, `tools`, ...) are refused with a ChatTemplateError naming the key.
 """
@@ -22,6 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from m3eagle.engine.llm_engine import RequestError
 from m3eagle.engine.runtime import check_text
+from m3eagle.entrypoints.tools import ToolsError, prepare_tool_calls
 
 # Template variables the renderer owns (or that name features m3eagle does not implement): never taken from
 # chat_template_kwargs, where they would collide with the renderer's own arguments.
@@ -55,8 +57,10 @@ class ChatTemplate:
         self.variables = dict(variables or {})
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               continue_final_message: bool = False, /, **kwargs: Any) -> str:
-        """The prompt text. kwargs are extra template variables; `add_generation_prompt` /
+               continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None, /,
+               **kwargs: Any) -> str:
+        """The prompt text. tools: the checked tools (tools.check_tools). kwargs are extra template variables;
+        `add_generation_prompt` /
         `continue_final_message` among them override the arguments (as vLLM merges chat_template_kwargs).
         continue_final_message: end the prompt inside the last message (no end-of-turn after it), so the
         model continues it; it excludes add_generation_prompt."""
@@ -74,7 +78,7 @@ class ChatTemplate:
             raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true: set "
                                     "add_generation_prompt to false to continue the final message")
         try:
-            text = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            text = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                         **{**self.variables, **kwargs})
         except ChatTemplateError:
             raise
@@ -124,8 +128,9 @@ class ChatTemplate:
 def check_messages(messages: object, name: str = "messages") -> list[dict[str, Any]]:
     """One conversation, validated: a non-empty list of dicts with a str `role` and a `content` that is a
     str or a list of {"type": "text", "text": str} parts (flattened to its text, as the server does). Every
-    string must be valid Unicode. A RequestError names the message and field (`messages[1].content`).
-    (A None content, which an assistant message with tool calls may carry, is refused: m3eagle has no tools.)"""
+    string must be valid Unicode. A RequestError names the message and field (`messages[1].content`). Only an
+    assistant message with tool_calls may have a None content (rendered as ""); its calls' JSON-string
+    arguments are parsed for the template (tools.prepare_tool_calls)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError(f"{name} must be a non-empty list of {{'role', 'content'}} dicts")
     out = []
@@ -144,9 +149,11 @@ def check_messages(messages: object, name: str = "messages") -> list[dict[str, A
                     raise RequestError(f"{where}.content[{j}] must be a {{'type': 'text', 'text': str}} part")
                 texts.append(part["text"])
             content = "".join(texts)
+        if content is None and role == "assistant" and m.get("tool_calls"):
+            content = ""
         if content is None:
-            raise RequestError(f"{where}.content is None: give the message's text (a str); messages without "
-                               "content (tool calls) are not supported")
+            raise RequestError(f"{where}.content is None: give the message's text (a str); only an assistant "
+                               "message with tool_calls may leave it out")
         if not isinstance(content, str):
             raise RequestError(f"{where}.content must be a str or a list of text parts, got "
                                f"{type(content).__name__}")
@@ -154,7 +161,10 @@ def check_messages(messages: object, name: str = "messages") -> list[dict[str, A
         bad = find_invalid_text({k: v for k, v in m.items() if k not in ("role", "content")})
         if bad is not None:
             raise RequestError(f"{where}.{bad} is not valid Unicode (a lone surrogate)")
-        out.append({**m, "content": content})
+        try:
+            out.append(prepare_tool_calls({**m, "content": content}, where))
+        except ToolsError as e:
+            raise RequestError(str(e)) from None
     return out
 
 

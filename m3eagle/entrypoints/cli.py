@@ -305,9 +305,17 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from m3eagle.entrypoints.server.app import bind_socket, resolve_api_key
 
     bind_socket(a.host, a.port).close()  # a taken port fails now, in one line, not after the model loads
+    template = None
+    if a.chat_template is not None:
+        try:
+            template = Path(a.chat_template).read_text()
+        except OSError as e:
+            raise ValueError(f"--chat-template {a.chat_template}: cannot read it ({e.strerror})") from None
     llm = _make_llm(a)
     server = OpenAIServer(llm, served_model_name=a.served_model_name, log_interval=a.log_interval,
-                          api_key=resolve_api_key(a.api_key), max_request_body_bytes=a.max_request_body_bytes)
+                          api_key=resolve_api_key(a.api_key), max_request_body_bytes=a.max_request_body_bytes,
+                          tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
+                          enable_auto_tool_choice=a.enable_auto_tool_choice, chat_template=template)
     run_server(server, a.host, a.port, shutdown_timeout=a.shutdown_timeout, log_level=a.uvicorn_log_level,
                access_log=a.access_log, switch_interval=a.switch_interval)
     return 0
@@ -337,6 +345,14 @@ def _add_serve(sub) -> None:
                         "and /version stay open); none: $M3EAGLE_API_KEY, else no key")
     s.add_argument("--max-request-body-bytes", type=int_in(1), default=16 * 2**20,
                    help="larger request bodies get a 413 before they are parsed")
+    s.add_argument("--tool-call-parser", choices=["minimax_m3", "none"], default="minimax_m3",
+                   help="parse tool calls in chat replies into tool_calls (MiniMax-M3's format); none: off")
+    s.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
+                   help="allow tool_choice 'auto' (the model decides whether to call a tool)")
+    s.add_argument("--reasoning-parser", choices=["minimax_m3", "none"], default="minimax_m3",
+                   help="return <mm:think> reasoning as reasoning_content, apart from content; none: off")
+    s.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a jinja chat template to use instead of the model's")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send; none: --model as given, or m3eagle-default")
     s.add_argument("--log-interval", type=float_in(0.0), default=10.0,

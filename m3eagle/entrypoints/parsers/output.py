@@ -98,13 +98,11 @@ class ChatOutputParser:
         """A tool call was found."""
         return self.tools is not None and self.tools.called
 
-    def feed(self, text: str) -> MessageDelta:
-        return self._push(text, final=False)
-
     def finish(self) -> MessageDelta:
-        return self._push("", final=True)
+        return self.feed("", final=True)
 
-    def _push(self, text: str, final: bool) -> MessageDelta:
+    def feed(self, text: str, final: bool = False) -> MessageDelta:
+        """The next chunk; final: it is the last (what was held back for an unfinished marker comes out)."""
         thought, content = "", text
         if self.reasoning is not None:
             r = self.reasoning.feed(text)

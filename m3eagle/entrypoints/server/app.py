@@ -56,6 +56,7 @@ from m3eagle.engine.request import PositionLogprobs, RequestDelta, RequestOutput
 from m3eagle.engine.runtime import check_text
 from m3eagle.entrypoints.chat import ChatTemplate
 from m3eagle.entrypoints.llm import LLM
+from m3eagle.entrypoints.parsers.registry import DEFAULT_PARSER, check_parser_name
 from m3eagle.entrypoints.server.async_engine import AsyncEngine
 from m3eagle.entrypoints.server.metrics import ServerMetrics
 from m3eagle.entrypoints.server.protocol import (
@@ -168,12 +169,19 @@ class OpenAIServer(ChatServing):
     """The app and its state: one LLM, its engine thread, metrics and chat template.
 
     api_key: required as `Authorization: Bearer <key>` on every /v1 route (None: open; see resolve_api_key).
+    tool_call_parser / reasoning_parser: parser names (entrypoints/parsers/registry.py; None or "none": off).
+    enable_auto_tool_choice: tool_choice "auto" allowed. chat_template: a template source replacing the model's.
     max_request_body_bytes: larger bodies get a 413 before they are parsed. Both may be changed while
     serving (they are read per request)."""
 
     def __init__(self, llm: LLM, served_model_name: str | None = None, log_interval: float = 10.0,
-                 api_key: str | None = None, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES):
+                 api_key: str | None = None, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+                 tool_call_parser: str | None = DEFAULT_PARSER, reasoning_parser: str | None = DEFAULT_PARSER,
+                 enable_auto_tool_choice: bool = True, chat_template: str | None = None):
         self.llm, self.engine = llm, llm.engine
+        self.tool_call_parser = check_parser_name("tool-call", tool_call_parser)
+        self.reasoning_parser = check_parser_name("reasoning", reasoning_parser)
+        self.enable_auto_tool_choice = enable_auto_tool_choice
         if served_model_name is None:
             served_model_name = str(llm.model_path) if llm.model_path is not None and not _is_embedded(llm) \
                 else EMBEDDED_MODEL_NAME
@@ -182,6 +190,8 @@ class OpenAIServer(ChatServing):
         self.metrics = ServerMetrics(self.engine, self.model_name, self.max_model_len)
         self.engine_loop = AsyncEngine(self.engine, self.metrics)
         self.chat_template = ChatTemplate.from_model_dir(llm.model_path)
+        if chat_template is not None:  # --chat-template: this source, with the model's special tokens
+            self.chat_template = ChatTemplate(chat_template, self.chat_template.variables if self.chat_template else {})
         self.log_interval = log_interval
         self.api_key = api_key or None
         if not isinstance(max_request_body_bytes, int) or max_request_body_bytes < 1:
@@ -576,7 +586,9 @@ class OpenAIServer(ChatServing):
                     elif finish is not None:
                         stop_reason = outputs[rid].outputs[sub].stop_reason
                     if text or finish or (want_lp and any(d.token_ids for d in di)):
-                        choices.append(chunk(di, text, finish, index, stop_reason))
+                        c = chunk(di, text, finish, index, stop_reason)
+                        if c is not None:  # None: all of it held back (chat: a marker may be starting)
+                            choices.append(c)
                 for rid, out in outputs.items():
                     left.discard(rid)
                     for (prid, sub), finish in list(pending.items()):

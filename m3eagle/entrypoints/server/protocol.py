@@ -1,9 +1,10 @@
 """The OpenAI wire format: request bodies as pydantic models, and the error shape.
 
 Bodies are validated strictly (no "1" for a number, no true for an int) before anything reaches the
-engine; ranges that pydantic can check are checked here, the rest by SamplingParams. Fields of the OpenAI
-API that m3eagle does not implement are accepted only at their neutral value (logit_bias empty, best_of 1,
-no suffix or tools) and refused otherwise, never silently ignored. Unknown fields are ignored, as OpenAI
+engine; ranges that pydantic can check are checked here, the rest by SamplingParams (and `tools` /
+`tool_choice` by entrypoints/tools.py). Fields of the OpenAI API that m3eagle does not implement are
+accepted only at their neutral value (logit_bias empty, best_of 1, no suffix) and refused otherwise, never
+silently ignored. Unknown fields are ignored, as OpenAI
 does. vLLM's extra sampling fields that the engine supports (top_k, min_p, repetition_penalty, min_tokens,
 ignore_eos, stop_token_ids, include_stop_str_in_output, prompt_logprobs) are accepted.
 
@@ -98,6 +99,7 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True  # vLLM's extra
     continue_final_message: bool = False  # vLLM's extra: the prompt ends inside the last message
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra: more variables for the template
@@ -138,7 +140,6 @@ def refuse_unsupported(body: _Sampling) -> None:
         checks += [
             (body.top_logprobs is not None and not body.logprobs, "top_logprobs",
              "top_logprobs needs logprobs=true"),
-            (bool(body.tools), "tools", "tools are not supported"),
         ]
     for bad, param, message in checks:
         if bad:
