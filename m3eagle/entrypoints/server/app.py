@@ -376,8 +376,9 @@ class OpenAIServer(ChatServing):
                            f"{prompt_len} tokens and max_tokens={max_tokens} asks for {prompt_len + max_tokens}; "
                            "lower max_tokens or shorten the prompt", "max_tokens")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        structured, field = body.structured_request()
         try:
-            return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
+            params = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                                   top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
                                   max_tokens=max_tokens, seed=body.seed, stop=stop,
                                   stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
@@ -386,9 +387,16 @@ class OpenAIServer(ChatServing):
                                   repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
                                   min_p=body.min_p, include_stop_str_in_output=body.include_stop_str_in_output,
                                   prompt_logprobs=prompt_logprobs if prompt_logprobs is not None
-                                  else body.prompt_logprobs)
+                                  else body.prompt_logprobs, structured_outputs=structured)
         except SamplingParamsError as e:
-            raise ApiError(400, str(e), str(e).split("=", 1)[0]) from None
+            msg = str(e)
+            raise ApiError(400, msg, field if msg.startswith("structured_outputs") else msg.split("=", 1)[0]) from None
+        if structured is not None:
+            try:  # compiled (and cached) here, so that a grammar xgrammar refuses is a 400 naming its field
+                self.engine.compile_grammar(params)
+            except RequestError as e:
+                raise ApiError(400, f"{field}: {e}", field) from None
+        return params
 
     def _add(self, prompts: list[tuple[list[int], SamplingParams, str | None]], prefix: str, stream_text: bool,
              n: int) -> Call:

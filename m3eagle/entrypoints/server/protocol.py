@@ -47,6 +47,20 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """response_format.json_schema: the schema the output must match (m3eagle enforces it whatever `strict`)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Sampling(_Body):
     """Fields shared by completions and chat completions."""
 
@@ -71,6 +85,37 @@ class _Sampling(_Body):
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's extra
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # Structured output: OpenAI's response_format, and vLLM's extras (one source per request)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_request(self) -> tuple[dict[str, Any] | None, str | None]:
+        """(SamplingParams.structured_outputs as a dict, the body field it came from), or (None, None).
+        ApiError(400) naming the fields when more than one asks for a constraint, or a json_schema format has
+        no schema."""
+        rf = self.response_format
+        given: list[tuple[str, dict[str, Any]]] = []
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ApiError(400, "response_format of type json_schema needs json_schema.schema",
+                               "response_format.json_schema")
+            given.append(("response_format", {"json": rf.json_schema.schema_}))
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", dict(self.structured_outputs)))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                given.append((name, {key: getattr(self, name)}))
+        if len(given) > 1:
+            names = [g[0] for g in given]
+            raise ApiError(400, f"{' and '.join(names)} each ask for a structured output; give one", names[1])
+        return (given[0][1], given[0][0]) if given else (None, None)
 
 
 class CompletionRequest(_Sampling):
