@@ -5,6 +5,8 @@ bf16 Triton MoE (m3eagle/kernels/moe/triton_moe.py).
     python benchmarks/w8a16.py                         # M3 + m3-8b + m3-mini shapes, T in 1, 2, 4, 8, 2048, + MoE
     python benchmarks/w8a16.py --json w8a16.json       # also write every number to one JSON document
     python benchmarks/w8a16.py --models m3 --t 1,2048 --no-moe
+    python benchmarks/w8a16.py --tune --write          # sweep GEMV configs at T = 1 (and the MoE's blocks); write
+                                                       # the winners to m3eagle/kernels/quant/w8a16_configs.json
 
 Shapes (one row per distinct N x K, the projections that have it listed): MiniMax-M3 (hidden 6144): packed q/k/v
 [64*128 + 2*4*128, 6144] = [9216, 6144], o_proj [6144, 8192], dense MLP gate_up [24576, 6144] / down [6144, 12288],
@@ -124,6 +126,104 @@ def bench_linear(shape: dict[str, Any], ts: list[int], args: argparse.Namespace,
     return rows
 
 
+# ---- tuning -------------------------------------------------------------------------------------------
+
+
+def gemv_candidates(n: int, k: int) -> list[Any]:
+    """The GEMV configs the sweep times at T = 1: blocks, warps, stages, scale loading, and split-K by the rule
+    (pick_config's: enough programs for the SMs) and at twice the rule."""
+    import triton
+
+    from m3eagle.kernels.quant.w8a16 import MAX_SPLIT, SMS, MxConfig
+
+    out = []
+    for gather in (False, True):
+        for bn in (8, 16, 32):
+            for bk in (256, 512, 1024):
+                if bk > triton.next_power_of_2(k):
+                    continue
+                for warps in (4, 8):
+                    for stages in (1, 3):
+                        tiles = triton.cdiv(n, bn)
+                        rule = max(1, min(MAX_SPLIT, triton.cdiv(4 * SMS, tiles), k // (2 * bk))) if tiles < 2 * SMS else 1
+                        for split in sorted({rule, min(MAX_SPLIT, 2 * rule, max(1, k // bk))}):
+                            out.append(MxConfig(False, 1, bn, bk, num_warps=warps, num_stages=stages, split_k=split,
+                                                gather_scale=gather))
+    return out
+
+
+def tune_gemv(shapes: list[dict[str, Any]], args: argparse.Namespace, copy_bw: float) -> dict[tuple[int, int, int], Any]:
+    from m3eagle.kernels.quant.mxfp8 import quantize_mx
+    from m3eagle.kernels.quant.w8a16 import mx_linear, pick_config
+
+    dev = torch.device("cuda")
+    best: dict[tuple[int, int, int], Any] = {}
+    for shape in shapes:
+        n, k = shape["n"], shape["k"]
+        q0, s0 = quantize_mx(torch.randn(n, k, device=dev).mul_(k ** -0.5))
+        fp8_bytes = n * k + n * k // 32
+        mx = [(q0, s0)] + [(q0.clone(), s0.clone()) for _ in range(copies(fp8_bytes, args.rotate_mb) - 1)]
+        x = torch.randn(1, k, device=dev).to(torch.bfloat16)
+        out = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
+        base = pick_config(1, n, k)
+        timed = []
+        for cfg in [base] + gemv_candidates(n, k):
+            try:
+                us = graph_time(lambda x, a, cfg=cfg, out=out: mx_linear(x, a[0], a[1], out=out, config=cfg), x, mx,
+                                max(5, args.replays // 2), args.min_calls)
+            except Exception as e:  # a config the compiler rejects (registers, shared memory): skip it
+                print(f"  {cfg}: {type(e).__name__}")
+                continue
+            timed.append((us, cfg))
+        us0 = timed[0][0]
+        us, cfg = min(timed, key=lambda p: p[0])
+        best[(1, n, k)] = cfg
+        gbs = (fp8_bytes + 2 * k) / us / 1e3
+        print(f"tune {n:>6} x {k:<6} T=1: rule {us0:7.1f} us -> best {us:7.1f} us ({100 * gbs / copy_bw:4.0f}% copy) "
+              f"{cfg}", flush=True)
+        del mx
+        torch.cuda.empty_cache()
+    return best
+
+
+def tune_moe(args: argparse.Namespace, copy_bw: float) -> list[dict[str, Any]]:
+    """mx_moe_experts' blocks and warps at T = 1 on M3's experts: every combination, timed."""
+    from m3eagle.kernels.quant.mxfp8 import quantize_mx
+    from m3eagle.kernels.quant.w8a16 import mx_moe_experts
+
+    dev = torch.device("cuda")
+    e, k, h, inter = args.experts, args.top_k, args.hidden, args.inter
+    q13 = torch.empty(e, 2 * inter, h, dtype=torch.float8_e4m3fn, device=dev)
+    s13 = torch.empty(e, 2 * inter, h // 32, dtype=torch.uint8, device=dev)
+    q2 = torch.empty(e, h, inter, dtype=torch.float8_e4m3fn, device=dev)
+    s2 = torch.empty(e, h, inter // 32, dtype=torch.uint8, device=dev)
+    for i in range(e):  # one expert at a time: quantize_mx's fp32 temporaries of the whole stack would not fit
+        q13[i], s13[i] = quantize_mx(torch.randn(2 * inter, h, device=dev) * h ** -0.5)
+        q2[i], s2[i] = quantize_mx(torch.randn(h, inter, device=dev) * inter ** -0.5)
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(1, h, device=dev, generator=g).to(torch.bfloat16)
+    args_list = [(torch.rand(1, k, device=dev, generator=g), torch.randperm(e, device=dev, generator=g)[:k][None])
+                 for _ in range(16)]  # 16 routings: each call reads other experts
+    nbytes = k * 3 * h * inter * (1 + 1 / 32) + 2 * h
+    rows = []
+    for bn in (8, 16, 32, 64):
+        for bk in (128, 256, 512):
+            for warps in (2, 4, 8):
+                try:
+                    us = graph_time(lambda x, a, bn=bn, bk=bk, w=warps: mx_moe_experts(
+                        x, a[0], a[1], q13, s13, q2, s2, 1.702, 7.0, block_n=bn, block_k=bk, num_warps=w),
+                        x, args_list, max(5, args.replays // 2), args.min_calls)
+                except Exception as ex:
+                    print(f"  moe bn={bn} bk={bk} warps={warps}: {type(ex).__name__}")
+                    continue
+                rows.append({"block_n": bn, "block_k": bk, "num_warps": warps, "us": us,
+                             "pct_copy": 100 * nbytes / us / 1e3 / copy_bw})
+    rows.sort(key=lambda r: r["us"])
+    for r in rows[:5]:
+        print(f"tune MoE T=1: {r}", flush=True)
+    return rows
+
+
 # ---- MoE ----------------------------------------------------------------------------------------------
 
 
@@ -193,6 +293,8 @@ def main() -> None:
     p.add_argument("--min-calls", type=int, default=32, help="calls per captured graph, at least")
     p.add_argument("--replays", type=int, default=20, help="timed graph replays (median)")
     p.add_argument("--json", type=Path, default=None, help="write every number to this file")
+    p.add_argument("--tune", action="store_true", help="first sweep the GEMV configs at T = 1 and the MoE's blocks")
+    p.add_argument("--write", action="store_true", help="with --tune: write the GEMV winners to the package's table")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/w8a16.py needs a CUDA GPU (the MXFP8 kernels' correctness runs on CPU in "
@@ -204,6 +306,15 @@ def main() -> None:
     print(f"{name}: device-to-device copy {copy_bw:.0f} GB/s (read + write)")
     ts = [int(v) for v in args.t.split(",")]
     doc: dict[str, Any] = {"device": name, "copy_gbs": copy_bw, "linear": [], "moe": []}
+    if args.tune:
+        from m3eagle.kernels.quant.w8a16 import write_tuned
+
+        best = tune_gemv(all_shapes(args.models.split(",")), args, copy_bw)
+        doc["tuned_gemv"] = [{"t": t, "n": n, "k": k, "config": vars(c).copy()} for (t, n, k), c in best.items()]
+        doc["tune_moe"] = tune_moe(args, copy_bw)
+        if args.write:
+            write_tuned(best, f"benchmarks/w8a16.py --tune --write on {name}")
+            print("wrote m3eagle/kernels/quant/w8a16_configs.json")
     for shape in all_shapes(args.models.split(",")):
         doc["linear"] += bench_linear(shape, ts, args, copy_bw)
     if not args.no_moe:

@@ -7,6 +7,10 @@ checkpoint loader and the random-weights builder fill it from the full tensor's 
 
 With a one-process group (`SINGLE`) every class is its plain torch counterpart holding the full weight:
 the same forward, no collective, the same parameter names (so state_dict and training are unchanged).
+
+MXFP8 weights (`quantize_param`): a parameter `X` becomes float8_e4m3fn with a uint8 buffer `X_scale_inv` beside
+it (the checkpoint's names), and `weight_of` hands both to the ops as one `MxWeight`: the fused backends run the
+W8A16 kernels, the plain path dequantizes.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from m3eagle.distributed.parallel_state import SINGLE, TPGroup
+from m3eagle.kernels.quant.mxfp8 import MX_BLOCK, MxWeight, quantize_mx
+
+SCALE_SUFFIX = "_scale_inv"  # X's scales are X_scale_inv (weight_scale_inv, gate_up_proj_scale_inv)
 
 
 @dataclass(frozen=True)
@@ -97,10 +104,50 @@ def iter_sharded(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, Shard | 
             yield name, t, shards.get(name)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, fused: Any = None) -> torch.Tensor:
-    """F.linear(x, w), or `fused.linear` (an m3eagle.kernels.fused.backend object: the engine's decode GEMV) when
-    given and x is [T, K]."""
-    return fused.linear(x, w) if fused is not None and x.dim() == 2 else F.linear(x, w)
+def linear(x: torch.Tensor, w: torch.Tensor | MxWeight, fused: Any = None) -> torch.Tensor:
+    """F.linear(x, w), or `fused.linear` (an m3eagle.kernels.fused.backend object: the engine's decode GEMV, or
+    the W8A16 kernel for an MxWeight) when given and x is [T, K]. Without `fused` an MxWeight is dequantized
+    into x's dtype first."""
+    if fused is not None and x.dim() == 2:
+        return fused.linear(x, w)
+    return F.linear(x, w.dequantize(x.dtype) if isinstance(w, MxWeight) else w)
+
+
+def is_quantized(mod: nn.Module, name: str = "weight") -> bool:
+    """Whether `mod.<name>` is an MXFP8 parameter (its scale buffer beside it)."""
+    return getattr(mod, name + SCALE_SUFFIX, None) is not None
+
+
+def weight_of(mod: nn.Module, name: str = "weight") -> torch.Tensor | MxWeight:
+    """The weight the ops take: `mod.<name>` itself, or an MxWeight of it and its scales."""
+    w = getattr(mod, name)
+    s = getattr(mod, name + SCALE_SUFFIX, None)
+    return w if s is None else MxWeight(w, s)
+
+
+def quantize_param(mod: nn.Module, name: str = "weight", q: torch.Tensor | None = None,
+                   scale: torch.Tensor | None = None) -> None:
+    """Make `mod.<name>` [..., N, K] MXFP8 in place: the parameter becomes float8_e4m3fn q and a uint8 buffer
+    `<name>_scale_inv` [..., N, K / 32] holds its scales. With q / scale None the current values are quantized
+    (online quantization); else they are the given tensors (a checkpoint's). A sharded parameter's scales are
+    sharded alike (in scale blocks along K). Quantize last: a later `.to(dtype)` would cast the fp8 values."""
+    w = getattr(mod, name)
+    if q is None:
+        if w.shape[-1] % MX_BLOCK:
+            raise ValueError(f"{type(mod).__name__}.{name} {tuple(w.shape)}: MXFP8 needs the input dim to be a "
+                             f"multiple of {MX_BLOCK}")
+        # one expert at a time: quantize_mx's fp32 temporaries of a whole [E, N, K] stack would not fit
+        parts = [quantize_mx(e) for e in w.detach().unbind(0)] if w.dim() == 3 else [quantize_mx(w.detach())]
+        q, scale = (torch.stack([a for a, _ in parts]), torch.stack([b for _, b in parts])) if w.dim() == 3 else parts[0]
+    if q.dtype != torch.float8_e4m3fn or scale is None or scale.dtype != torch.uint8 or tuple(q.shape) != tuple(w.shape) \
+            or tuple(scale.shape) != (*w.shape[:-1], w.shape[-1] // MX_BLOCK):
+        raise ValueError(f"{type(mod).__name__}.{name}: MXFP8 needs q float8_e4m3fn {tuple(w.shape)} and scale uint8 "
+                         f"{(*w.shape[:-1], w.shape[-1] // MX_BLOCK)}")
+    setattr(mod, name, nn.Parameter(q, requires_grad=False))
+    mod.register_buffer(name + SCALE_SUFFIX, scale)
+    spec = getattr(mod, "shards", {}).get(name)
+    if spec is not None:
+        mod.shards[name + SCALE_SUFFIX] = spec.blocks(MX_BLOCK) if spec.dim == w.dim() - 1 else spec
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -115,7 +162,9 @@ class ColumnParallelLinear(nn.Linear):
             self.shards = {"weight": Shard(0, pieces, local, out_features)}
 
     def forward(self, x: torch.Tensor, fused: Any = None) -> torch.Tensor:
-        return linear(x, self.weight, fused) if self.bias is None else super().forward(x)
+        if self.bias is None:
+            return linear(x, weight_of(self), fused)
+        return super().forward(x) if not is_quantized(self) else linear(x, weight_of(self), fused) + self.bias
 
 
 class RowParallelLinear(nn.Linear):
@@ -132,7 +181,7 @@ class RowParallelLinear(nn.Linear):
             self.shards = {"weight": rows(start, local, in_features, dim=1)}
 
     def forward(self, x: torch.Tensor, fused: Any = None) -> torch.Tensor:
-        y = linear(x, self.weight, fused)
+        y = linear(x, weight_of(self), fused)
         return self.tp.all_reduce(y) if self.reduce else y
 
 

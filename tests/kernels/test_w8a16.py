@@ -32,6 +32,7 @@ CONFIGS = {
     "auto": None,
     "gemv": MxConfig(False, 1, 8, 64),  # block_m is ignored by the GEMV (BLOCK_T = next_pow2(T))
     "gemv_split": MxConfig(False, 1, 16, 32, split_k=3),  # partials + the ordered second-stage sum
+    "gemv_gather": MxConfig(False, 1, 8, 64, split_k=2, gather_scale=True),  # scales loaded per weight
     "gemm": MxConfig(True, 16, 32, 64, group_m=2),
     "gemm_bk128": MxConfig(True, 32, 16, 128),  # K % BLOCK_K != 0 for K = 96, 160
 }
@@ -94,7 +95,7 @@ def _mutations(s: torch.Tensor) -> dict[str, torch.Tensor]:
             "2**(127-s)": (254 - s.int()).to(torch.uint8)}
 
 
-@pytest.mark.parametrize("name", ["gemv", "gemv_split", "gemm"])
+@pytest.mark.parametrize("name", ["gemv", "gemv_split", "gemv_gather", "gemm"])
 @pytest.mark.parametrize("t", [1, 17])
 def test_misapplied_scale_fails(t, name):
     """Each mis-application of the scale, run through the kernel, misses the reference by far."""

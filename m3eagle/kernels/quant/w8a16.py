@@ -44,8 +44,10 @@ this GEMM's dequantizing tile) is the fast path still to build.
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -61,6 +63,7 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GEMV_MAX_T = 8  # rows up to which mx_linear runs the decode GEMV; the tiled GEMM above
 SMS = 132  # the Hopper parts the blocks are sized for (H100 SXM / H200); keeps pick_config a function of shape
 MAX_SPLIT = 8
+TUNED_PATH = Path(__file__).with_name("w8a16_configs.json")
 
 
 def _interpreting() -> bool:
@@ -83,15 +86,41 @@ class MxConfig:
     num_stages: int = 1
     split_k: int = 1
     group_m: int = 8
+    gather_scale: bool = False  # GEMV: load each weight's scale beside it instead of reshaping the tile
+
+
+def _load_tuned() -> dict[tuple[int, int, int], MxConfig]:
+    """The GEMV configs `benchmarks/w8a16.py --tune --write` measured best, by (T bucket, N, K)."""
+    if not TUNED_PATH.is_file():
+        return {}
+    doc = json.loads(TUNED_PATH.read_text())
+    return {(e["t"], e["n"], e["k"]): MxConfig(**e["config"]) for e in doc.get("gemv", [])}
+
+
+def write_tuned(entries: dict[tuple[int, int, int], MxConfig], note: str) -> None:
+    """Merge measured winners into the table (the one writer beside the loader) and reload it."""
+    merged = {**_load_tuned(), **entries}
+    doc = {"note": note, "gemv": [{"t": t, "n": n, "k": k, "config": asdict(c)}
+                                  for (t, n, k), c in sorted(merged.items())]}
+    TUNED_PATH.write_text(json.dumps(doc, indent=1) + "\n")
+    TUNED.clear()
+    TUNED.update(_load_tuned())
+
+
+def t_bucket(t: int) -> int:
+    return triton.next_power_of_2(max(t, 1))
 
 
 def pick_config(t: int, n: int, k: int) -> MxConfig:
-    """The path and blocks for y [t, n] = x [t, k] @ w[n, k]^T (a pure function of the shape).
+    """The path and blocks for y [t, n] = x [t, k] @ w[n, k]^T (a pure function of the shape): the tuned table's
+    entry for (T bucket, N, K) where there is one, else the rule below.
 
     GEMV (t <= GEMV_MAX_T): BLOCK_K = min(512, next_pow2(K)) (>= 32), BLOCK_N 16 for t <= 2 else 8 (fp32 products
     of BLOCK_T x BLOCK_N x BLOCK_K stay within a 4-warp program's registers), halved while there are < 4 programs
     per SM; split-K up to 8 when there are < 2 tiles per SM, each split >= 2 K steps.
     GEMM: BM 128 (T >= 256) / 64 / 16-32, BN 128, BK 64, 8 warps (4 for BM <= 32), 3 cp.async stages."""
+    if t <= GEMV_MAX_T and (hit := TUNED.get((t_bucket(t), n, k))) is not None:
+        return hit
     if t <= GEMV_MAX_T:
         bt = triton.next_power_of_2(max(t, 1))
         bk = max(MX_BLOCK, min(512 if t <= 2 else 256, triton.next_power_of_2(k)))
@@ -107,6 +136,9 @@ def pick_config(t: int, n: int, k: int) -> MxConfig:
         return MxConfig(True, 128, 128, 64, num_warps=8, num_stages=3)
     bm = 64 if t > 32 else max(16, triton.next_power_of_2(t))
     return MxConfig(True, bm, 128 if bm >= 64 else 64, 64, num_warps=8 if bm >= 64 else 4, num_stages=3)
+
+
+TUNED: dict[tuple[int, int, int], MxConfig] = _load_tuned()
 
 
 # ---- shared jit helpers -------------------------------------------------------------------------------
@@ -138,7 +170,7 @@ def _dequant_tile(q_ptrs, s_ptrs, k_ok, g_ok, BN: tl.constexpr, BK: tl.constexpr
 @triton.jit(do_not_specialize=["T", "k_split"])
 def _mx_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_xt, stride_qn, stride_sn, stride_yt, k_split,
                     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                    EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                    EVEN_K: tl.constexpr, GATHER_S: tl.constexpr, PDL: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), S): y[:, n-tile] (SPLIT: its partial part[s] [T, N] fp32) over K [s*k_split, +k_split)."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     NB: tl.constexpr = BLOCK_K // 32
@@ -156,10 +188,21 @@ def _mx_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_xt, st
     s_ptrs = s_ptr + rows[:, None] * stride_sn + (k0 // 32 + offs_g)[None, :]  # [BN, NB]
     x_ptrs = x_ptr + trow[:, None] * stride_xt + (k0 + offs_k)[None, :]  # [BT, BK]
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    # GATHER_S: each weight's scale byte is loaded beside it ([BN, BK] loads of the same BK / 32 bytes per row,
+    # served from L1), which spares the [BN, BK/32, 32] reshape its register shuffles; the product is the same.
+    sg_ptrs = s_ptr + rows[:, None] * stride_sn + ((k0 + offs_k) // 32)[None, :]  # [BN, BK]
     for k in range(k0, k_end, BLOCK_K):
         k_ok = (k + offs_k) < k_end  # K % 32 == 0: whole groups in or out
         g_ok = (k + offs_g * 32) < k_end
-        w = _dequant_tile(q_ptrs, s_ptrs, k_ok[None, :], g_ok[None, :], BLOCK_N, BLOCK_K, EVEN_K)  # [BN, BK]
+        if GATHER_S:
+            if EVEN_K:
+                w = tl.load(q_ptrs).to(tl.float32) * _e8m0(tl.load(sg_ptrs))
+            else:
+                w = (tl.load(q_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+                     * _e8m0(tl.load(sg_ptrs, mask=k_ok[None, :], other=127)))
+            sg_ptrs += NB
+        else:
+            w = _dequant_tile(q_ptrs, s_ptrs, k_ok[None, :], g_ok[None, :], BLOCK_N, BLOCK_K, EVEN_K)  # [BN, BK]
         if EVEN_K:
             x = tl.load(x_ptrs).to(tl.float32)
         else:
@@ -328,7 +371,7 @@ def mx_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: torch.
         grid = (triton.cdiv(n, cfg.block_n), split)
         _mx_gemv_kernel[grid](x, q, scale, out, part, t, n, k, x.stride(0), q.stride(0), scale.stride(0),
                               out.stride(0), k_split, BLOCK_T=bt, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                              SPLIT=split > 1, EVEN_K=k % cfg.block_k == 0,
+                              SPLIT=split > 1, EVEN_K=k % cfg.block_k == 0, GATHER_S=cfg.gather_scale,
                               num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch, **launch_opts())
         if split > 1:
             block = min(1024, triton.next_power_of_2(n))
@@ -423,7 +466,7 @@ def _mx_moe_down_kernel(act_ptr, ids_ptr, wts_ptr, q_ptr, s_ptr, out_ptr, T, E, 
 def mx_moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_q: torch.Tensor,
                    w13_s: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, alpha: float, limit: float,
                    out: torch.Tensor | None = None, block_n: int | None = None, block_k: int | None = None,
-                   ) -> torch.Tensor:
+                   num_warps: int = 4) -> torch.Tensor:
     """Routed experts with MXFP8 weights: x [T, H] (bf16 / fp16 / fp32), topk_weights [T, k] (float; used in
     fp32), topk_ids [T, k] (integer expert ids), w13_q [E, 2I, H] fp8 (gate rows, then up rows) + w13_s
     [E, 2I, H/32] u8, w2_q [E, H, I] fp8 + w2_s [E, H, I/32] u8 -> [T, H] in x.dtype.
@@ -473,9 +516,10 @@ def mx_moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     _mx_moe_gate_up_kernel[(t * top_k, triton.cdiv(inter, bn1))](
         x, ids, w13_q, w13_s, act, t * top_k, e, h, inter, x.stride(0), w13_q.stride(0), w13_q.stride(1),
         w13_s.stride(0), w13_s.stride(1), act.stride(0), float(alpha), float(limit), TOP_K=top_k, BLOCK_N=bn1,
-        BLOCK_K=bk1, EVEN_K=h % bk1 == 0, PRECISE=not _interpreting(), num_warps=4, **pdl.args(x), **launch_opts())
+        BLOCK_K=bk1, EVEN_K=h % bk1 == 0, PRECISE=not _interpreting(), num_warps=num_warps, **pdl.args(x),
+        **launch_opts())
     _mx_moe_down_kernel[(t, triton.cdiv(h, bn2))](
         act, ids, wts, w2_q, w2_s, out, t, e, h, inter, act.stride(0), w2_q.stride(0), w2_q.stride(1),
         w2_s.stride(0), w2_s.stride(1), out.stride(0), TOP_K=top_k, BLOCK_N=bn2, BLOCK_K=bk2,
-        EVEN_K=inter % bk2 == 0, num_warps=4, **pdl.args(x), **launch_opts())
+        EVEN_K=inter % bk2 == 0, num_warps=num_warps, **pdl.args(x), **launch_opts())
     return out
