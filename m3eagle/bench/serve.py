@@ -4,7 +4,9 @@ A run, in order:
   1. Prompts of exactly `--input-len` tokens: seeded random token ids, or windows of held-out text (the
      stdlib's top-level modules, which the embedded model never trained on), tokenized with --tokenizer
      (default: the embedded model's). /v1/completions receives them as token ids, so the server sees the
-     set length; /v1/chat/completions receives their text.
+     set length; /v1/chat/completions receives their text. Two chat workloads send the stdlib windows to
+     /v1/chat/completions with more than text: `tools` (a `tools` list the model may call, tool_choice
+     auto) and `json` (a `response_format` json_schema the reply must match).
   2. `--warmup` requests one at a time (not measured), then a /metrics scrape.
   3. `--num-prompts` streaming requests: arrivals Poisson at `--request-rate` (inf: all at once), at most
      `--max-concurrency` in flight. Every request asks for `--output-len` tokens with EOS ignored
@@ -71,6 +73,31 @@ def load_tokenizer(directory: str | Path | None):
     if not f.is_file():
         raise ValueError(f"--tokenizer {d}: no tokenizer.json there; give the served model's directory")
     return Tokenizer.from_file(str(f))
+
+
+CHAT_ENDPOINT = "/v1/chat/completions"
+BENCH_TOOLS = [
+    {"type": "function", "function": {"name": "run_tests", "description": "Run a module's unit tests",
+                                      "parameters": {"type": "object", "properties": {
+                                          "module": {"type": "string"}, "verbose": {"type": "boolean"}},
+                                          "required": ["module"]}}},
+    {"type": "function", "function": {"name": "search_docs", "description": "Search the documentation",
+                                      "parameters": {"type": "object", "properties": {
+                                          "query": {"type": "string"}, "limit": {"type": "integer"}},
+                                          "required": ["query"]}}},
+]
+BENCH_SCHEMA = {"type": "object", "properties": {"summary": {"type": "string"},
+                                                 "functions": {"type": "array", "items": {"type": "string"}},
+                                                 "lines": {"type": "integer"}},
+                "required": ["summary", "functions", "lines"], "additionalProperties": False}
+# The workloads that only chat carries, and the instruction each puts before its code window.
+CHAT_DATASETS = {"tools": "Check this code with the tools you have:\n",
+                 "json": "Describe this code as JSON (summary, functions, lines):\n"}
+
+
+def endpoint_of(a: argparse.Namespace) -> str:
+    """The endpoint a run uses: the tools / json workloads are chat requests whatever --endpoint says."""
+    return CHAT_ENDPOINT if a.dataset in CHAT_DATASETS else a.endpoint
 
 
 def make_prompts(tok, dataset: str, n: int, length: int, seed: int) -> list[list[int]]:
@@ -157,7 +184,12 @@ def payload(endpoint: str, model: str, ids: list[int], text: str, a: argparse.Na
     if endpoint == "/v1/completions":
         body["prompt"] = ids
     else:
-        body["messages"] = [{"role": "user", "content": text}]
+        body["messages"] = [{"role": "user", "content": CHAT_DATASETS.get(a.dataset, "") + text}]
+    if a.dataset == "tools":
+        body.update(tools=BENCH_TOOLS, tool_choice="auto")
+    elif a.dataset == "json":
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "code_summary", "schema": BENCH_SCHEMA, "strict": True}}
     return body
 
 
@@ -280,11 +312,12 @@ async def _bench(a: argparse.Namespace) -> dict[str, Any]:
         model = a.model or json.loads(text)["data"][0]["id"]
         tok = load_tokenizer(a.tokenizer)
         prompts = make_prompts(tok, a.dataset, a.warmup + a.num_prompts, a.input_len, a.seed)
-        texts = [tok.decode(p) for p in prompts] if a.endpoint != "/v1/completions" else [""] * len(prompts)
-        bodies = [payload(a.endpoint, model, p, t, a) for p, t in zip(prompts, texts)]
+        endpoint = endpoint_of(a)
+        texts = [tok.decode(p) for p in prompts] if endpoint != "/v1/completions" else [""] * len(prompts)
+        bodies = [payload(endpoint, model, p, t, a) for p, t in zip(prompts, texts)]
 
         for i in range(a.warmup):
-            r = await run_one(client, a.endpoint, bodies[i], len(prompts[i]), a.timeout)
+            r = await run_one(client, endpoint, bodies[i], len(prompts[i]), a.timeout)
             if not r.ok:
                 raise OSError(f"warm-up request failed: {r.error}")
             print(f"warm-up {i + 1}/{a.warmup}: {r.e2e * 1e3:.0f} ms", file=sys.stderr)
@@ -296,10 +329,10 @@ async def _bench(a: argparse.Namespace) -> dict[str, Any]:
 
         async def limited(i: int) -> Result:
             if sem is None:
-                r = await run_one(client, a.endpoint, bodies[i], len(prompts[i]), a.timeout)
+                r = await run_one(client, endpoint, bodies[i], len(prompts[i]), a.timeout)
             else:
                 async with sem:
-                    r = await run_one(client, a.endpoint, bodies[i], len(prompts[i]), a.timeout)
+                    r = await run_one(client, endpoint, bodies[i], len(prompts[i]), a.timeout)
             done[0] += 1
             if done[0] % max(1, a.num_prompts // 10) == 0:
                 print(f"  {done[0]}/{a.num_prompts} done", file=sys.stderr)
@@ -321,7 +354,7 @@ async def _bench(a: argparse.Namespace) -> dict[str, Any]:
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1 and r.ttft is not None]
     return {
         "schema": SCHEMA,
-        "settings": {"base_url": url, "endpoint": a.endpoint, "model": model, "dataset": a.dataset,
+        "settings": {"base_url": url, "endpoint": endpoint, "model": model, "dataset": a.dataset,
                      "tokenizer": str(a.tokenizer or EMBEDDED_TOKENIZER), "input_len": a.input_len,
                      "output_len": a.output_len, "num_prompts": a.num_prompts,
                      "request_rate": None if math.isinf(a.request_rate) else a.request_rate,
