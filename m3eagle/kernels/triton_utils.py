@@ -64,6 +64,11 @@ def precise() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
+def interpreting() -> bool:
+    """Whether Triton kernels run under the CPU interpreter (TRITON_INTERPRET=1)."""
+    return not precise()
+
+
 def launch_opts() -> dict[str, Any]:
     # No FMA contraction: torch runs a*b and + c as separate kernels, each rounding.
     return {"enable_fp_fusion": False}

@@ -16,9 +16,11 @@ model is allocated on the device once, in the serving dtype, and filled tensor b
 Quantized checkpoints (config `quantization_config`: the MXFP8 release, block FP8): each quantized weight
 `X.weight` (float8_e4m3fn) comes with its scale `X.weight_scale_inv` (uint8 ue8m0 bytes for MXFP8, float for
 block FP8; for stacked experts `X.gate_up_proj` / `X.gate_up_proj_scale_inv`), read in the stored dtypes --
-under tensor parallelism the scale's slice follows its weight's, in whole blocks -- and dequantized exactly
-(`kernels/quant/mxfp8.py`) into the model's dtype as it is read. Modules listed in `ignored_layers` must be
-stored unquantized.
+under tensor parallelism the scale's slice follows its weight's, in whole blocks. MXFP8 weights stay MXFP8: the
+model's matching parameters become float8_e4m3fn with their uint8 scales beside them (`models/quant.py`), filled
+byte for byte, and the W8A16 kernels run them (the CPU reference dequantizes per call). Block-FP8 weights are
+dequantized exactly (`kernels/quant/mxfp8.py`) into the model's dtype as they are read: their float scales have
+no exact MX form. Modules listed in `ignored_layers` must be stored unquantized.
 
 Vision weights are skipped with one log line. A missing or mis-shaped tensor raises `CheckpointError`
 naming the tensor and the expected shape; so do NaN / Inf values, integer or FP8 tensors where float
@@ -33,7 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -43,11 +45,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from m3eagle.config import ConfigError, M3Config, QuantConfig, eos_ids
-from m3eagle.distributed.layers import Shard, param_shards
+from m3eagle.distributed.layers import SCALE_SUFFIX, Shard, param_shards
 from m3eagle.distributed.parallel_state import SINGLE, TPGroup
-from m3eagle.kernels.quant.mxfp8 import dequantize_block, dequantize_mx
+from m3eagle.kernels.quant.mxfp8 import MX_BLOCK, MxWeight, dequantize_block
 from m3eagle.models.layers import Router
 from m3eagle.models.minimax_m3 import MiniMaxM3
+from m3eagle.models.quant import mx_shells
 
 log = logging.getLogger("m3eagle")
 
@@ -156,7 +159,7 @@ def _canonical(name: str) -> str | None:
 
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
 _HALF = re.compile(r"(.*)\.(gate_proj|up_proj)\.weight$")
-_SCALE = "_scale_inv"  # X.weight_scale_inv scales X.weight; X.gate_up_proj_scale_inv the stacked experts' X.gate_up_proj
+_SCALE = SCALE_SUFFIX  # X.weight_scale_inv scales X.weight; X.gate_up_proj_scale_inv the stacked experts' X.gate_up_proj
 
 
 def _weight_spec(cfg: M3Config, shards: dict[str, Shard], name: str, rows: int | None) -> Shard | None | bool:
@@ -177,21 +180,44 @@ def _weight_spec(cfg: M3Config, shards: dict[str, Shard], name: str, rows: int |
     return spec
 
 
-def _dequantize(raw: str, q: torch.Tensor, scale: torch.Tensor, quant: QuantConfig) -> torch.Tensor:
-    """One quantized weight and its scale (checkpoint names in errors) -> fp32, exactly as stored."""
+def _quantized(raw: str, q: torch.Tensor, scale: torch.Tensor, quant: QuantConfig) -> torch.Tensor | MxWeight:
+    """One quantized weight and its scale (checkpoint names in errors): MXFP8 as an MxWeight (kept as stored),
+    block FP8 dequantized to fp32 (exact)."""
     if quant.method == "mxfp8":
         if scale.dtype != torch.uint8:
             raise CheckpointError(f"tensor {raw + _SCALE!r} is {scale.dtype}; MXFP8 scales are uint8 ue8m0 bytes "
                                   "(quantization_config.quant_method 'mxfp8')")
-    elif not scale.is_floating_point():
+        if q.dtype != torch.float8_e4m3fn:
+            raise CheckpointError(f"tensor {raw!r}: an MXFP8 weight must be float8_e4m3fn, got {q.dtype}")
+        k = q.shape[-1]
+        if k % MX_BLOCK or tuple(scale.shape) != (*q.shape[:-1], k // MX_BLOCK):
+            raise CheckpointError(f"tensor {raw!r}: MXFP8 scale shape {tuple(scale.shape)} does not match weight "
+                                  f"{tuple(q.shape)}: expected {(*q.shape[:-1], k // MX_BLOCK)} (one byte per 1 x "
+                                  f"{MX_BLOCK} block along the last dim)")
+        return MxWeight(q, scale)
+    if not scale.is_floating_point():
         raise CheckpointError(f"tensor {raw + _SCALE!r} is {scale.dtype}; block-FP8 scales are floating point "
                               "(quantization_config.quant_method 'fp8')")
     try:
-        if quant.method == "mxfp8":
-            return dequantize_mx(q, scale)
         return dequantize_block(q, scale, quant.block)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"tensor {raw!r}: {e}") from None
+
+
+def _cat(ts: list[torch.Tensor | MxWeight], dim: int) -> torch.Tensor | MxWeight:
+    """torch.cat over plain tensors, or over MxWeights (values and scales alike; dim is not the last)."""
+    if all(isinstance(t, MxWeight) for t in ts):
+        return MxWeight(torch.cat([t.q for t in ts], dim), torch.cat([t.scale for t in ts], dim))
+    if any(isinstance(t, MxWeight) for t in ts):
+        raise CheckpointError("the parts of one fused weight (gate/up halves, or one layer's experts) mix MXFP8 and "
+                              "unquantized tensors; the checkpoint does not match its quantization_config")
+    return torch.cat(ts, dim)
+
+
+def _stack(ts: list[torch.Tensor | MxWeight]) -> torch.Tensor | MxWeight:
+    if all(isinstance(t, MxWeight) for t in ts):
+        return MxWeight(torch.stack([t.q for t in ts]), torch.stack([t.scale for t in ts]))
+    return _cat([t.unsqueeze(0) for t in ts], 0)  # raises on a mix
 
 
 def _shard_reader(cfg: M3Config, shards: dict[str, Shard]) -> Callable[[str, Any], torch.Tensor | None]:
@@ -246,7 +272,7 @@ def load_state_dict(path: str | Path, cfg: M3Config, shards: dict[str, Shard] | 
             if raw not in fp8:
                 scales[raw] = t
                 continue
-            t, name = _dequantize(raw, fp8.pop(raw), t, quant), _canonical(raw)
+            t, name = _quantized(raw, fp8.pop(raw), t, quant), _canonical(raw)
         elif quant is not None and t.dtype in _FP8:
             module = raw.rsplit(".", 1)[0] if raw.endswith(".weight") else raw
             if quant.is_ignored(module):
@@ -255,8 +281,9 @@ def load_state_dict(path: str | Path, cfg: M3Config, shards: dict[str, Shard] | 
             if raw not in scales:
                 fp8[raw] = t
                 continue
-            t = _dequantize(raw, t, scales.pop(raw), quant)
-        _check_float(raw, t)
+            t = _quantized(raw, t, scales.pop(raw), quant)
+        if not isinstance(t, MxWeight):
+            _check_float(raw, t)
         m = _EXPERT.match(name)
         if m:
             experts[(m.group(1), int(m.group(2)), m.group(3))] = (raw, t)
@@ -292,8 +319,8 @@ def load_state_dict(path: str | Path, cfg: M3Config, shards: dict[str, Shard] | 
                 if tuple(t.shape) != want[w]:
                     raise CheckpointError(f"tensor {raw!r} has shape {tuple(t.shape)}, expected {want[w]}")
                 parts[w].append(t)
-        sd[prefix + ".gate_up_proj"] = torch.stack([torch.cat([a, b], 0) for a, b in zip(parts["w1"], parts["w3"])])
-        sd[prefix + ".down_proj"] = torch.stack(parts["w2"])
+        sd[prefix + ".gate_up_proj"] = _stack([_cat([a, b], 0) for a, b in zip(parts["w1"], parts["w3"])])
+        sd[prefix + ".down_proj"] = _stack(parts["w2"])
     for prefix in sorted({k[0] for k in halves}):
         inter = cfg.shared_intermediate_size if prefix.endswith("shared_experts") else cfg.dense_intermediate_size
         spec = (shards or {}).get(prefix + ".gate_up_proj.weight")
@@ -306,7 +333,10 @@ def load_state_dict(path: str | Path, cfg: M3Config, shards: dict[str, Shard] | 
             if tuple(t.shape) != (inter, h):
                 raise CheckpointError(f"tensor {raw!r} has shape {tuple(t.shape)}, expected {(inter, h)}")
             pieces.append(t)
-        sd[prefix + ".gate_up_proj.weight"] = torch.cat(pieces, 0)
+        sd[prefix + ".gate_up_proj.weight"] = _cat(pieces, 0)
+    for name in [n for n, t in sd.items() if isinstance(t, MxWeight)]:  # MXFP8: values and scales by their names
+        t = sd.pop(name)
+        sd[name], sd[name + _SCALE] = t.q, t.scale
     return sd
 
 
@@ -336,7 +366,10 @@ def load_into(model: torch.nn.Module, sd: dict[str, torch.Tensor], what: str,
         if tuple(t.shape) != tuple(p.shape):
             raise CheckpointError(f"{what}: tensor {name!r} has shape {tuple(t.shape)}, expected "
                                   f"{tuple(p.shape)}")
-        if p.is_floating_point():
+        if p.dtype in _FP8 or p.dtype == torch.uint8:  # MXFP8 values and scales: byte for byte, never cast
+            if t.dtype != p.dtype:
+                raise CheckpointError(f"{what}: tensor {name!r} is {t.dtype} where the MXFP8 weight needs {p.dtype}")
+        elif p.is_floating_point():
             try:
                 _check_float(name, t)
             except CheckpointError as e:
@@ -364,7 +397,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
     optional = (r".*e_score_correction_bias",) + ((r"lm_head\.weight",) if cfg.tie_word_embeddings else ())
     with torch.device("meta"):
         model = MiniMaxM3(cfg, tp)
-    model = materialize(model, dtype, device)
+    model = materialize(model, dtype, device, quantized=sd.keys())
     if cfg.tie_word_embeddings:  # to_empty gave each module its own tensor; tie them again
         model.lm_head.weight = model.embed_tokens.weight
     with torch.no_grad():  # the optional score-correction bias defaults to zero when absent
@@ -375,12 +408,15 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
     return model.eval().requires_grad_(False)
 
 
-def materialize(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.device) -> torch.nn.Module:
-    """Allocate a meta-device model once on `device`, already in `dtype` (uninitialised); routers stay fp32."""
+def materialize(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.device,
+                quantized: Collection[str] = ()) -> torch.nn.Module:
+    """Allocate a meta-device model once on `device`, already in `dtype` (uninitialised); routers stay fp32. The
+    weights whose scales are named in `quantized` (a checkpoint's keys) are allocated as MXFP8 instead."""
     model.to(dtype=dtype)  # on meta this costs nothing
     for m in model.modules():
         if isinstance(m, Router):
             m.float()  # router weight and bias stay fp32 (cast_model does the same)
+    mx_shells(model, quantized)  # after the cast: a cast would turn the fp8 values into plain numbers
     return model.to_empty(device=device)
 
 

@@ -10,10 +10,19 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from m3eagle.distributed.layers import ColumnParallelLinear, RowParallelLinear, linear, rows
+from m3eagle.distributed.layers import (
+    SCALE_SUFFIX,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    is_quantized,
+    linear,
+    rows,
+    weight_of,
+)
 from m3eagle.distributed.parallel_state import SINGLE, TPGroup
 from m3eagle.kernels.fused import reference as fused_ref
 from m3eagle.kernels.moe import backend as moe_backend
+from m3eagle.kernels.quant.mxfp8 import MxWeight
 
 
 class GemmaRMSNorm(nn.Module):
@@ -47,37 +56,52 @@ class PackedLinears:
     weight a view of its rows: the values, state_dict names and the reference path stay as they were, and
     no memory is duplicated. `__call__` falls back to the separate modules when a weight was replaced
     after packing (a reload), so a stale pack can never be used. Pack after the model reached its final
-    device and dtype (`.to()` makes new tensors)."""
+    device and dtype (`.to()` makes new tensors) and after quantizing. MXFP8 modules pack their scales alike
+    (rows of [sum(out), in / 32]); a group mixing MXFP8 and plain weights stays unpacked."""
 
     def __init__(self, mods: list[nn.Linear]):
         self.mods = mods
         self.sizes = [m.weight.shape[0] for m in mods]
         self.weight: torch.Tensor | None = None  # [sum(sizes), in]
+        self.scale: torch.Tensor | None = None  # [sum(sizes), in / 32] uint8 when MXFP8
 
     def pack(self) -> None:
         if self.is_packed():
             return
+        quant = [is_quantized(m) for m in self.mods]
+        if any(quant) and not all(quant):
+            return
         w = torch.cat([m.weight.detach() for m in self.mods], 0)
-        off = 0
-        for m, n in zip(self.mods, self.sizes):
+        s = torch.cat([getattr(m, "weight" + SCALE_SUFFIX) for m in self.mods], 0) if all(quant) else None
+        for m, n, off in zip(self.mods, self.sizes, _offsets(self.sizes)):
             m.weight.data = w[off:off + n]
-            off += n
-        self.weight = w
+            if s is not None:
+                setattr(m, "weight" + SCALE_SUFFIX, s[off:off + n])
+        self.weight, self.scale = w, s
 
     def is_packed(self) -> bool:
-        w = self.weight
-        if w is None:
-            return False
-        row = w.stride(0) * w.element_size()
-        return all(m.weight.data_ptr() == w.data_ptr() + off * row and m.weight.shape[0] == n
-                   for m, n, off in zip(self.mods, self.sizes, _offsets(self.sizes)))
+        return self.weight is not None and _views_of(self.weight, [m.weight for m in self.mods], self.sizes) and (
+            self.scale is None or _views_of(self.scale, [getattr(m, "weight" + SCALE_SUFFIX, None) for m in self.mods],
+                                            self.sizes))
+
+    def packed_weight(self) -> torch.Tensor | MxWeight:
+        """The packed weight as the ops take it (an MxWeight when MXFP8)."""
+        assert self.weight is not None
+        return self.weight if self.scale is None else MxWeight(self.weight, self.scale)
 
     def __call__(self, x: torch.Tensor, fused: Any = None) -> list[torch.Tensor]:
         """x [T, in] -> one [T, n_i] output per module (column views of one GEMM's output when packed).
         `fused` (an m3eagle.kernels.fused.backend object) runs the packed GEMM (its decode GEMV); None = F.linear."""
         if self.is_packed():
-            return list(linear(x, self.weight, fused).split(self.sizes, -1))
+            return list(linear(x, self.packed_weight(), fused).split(self.sizes, -1))
         return [m(x) for m in self.mods]
+
+
+def _views_of(whole: torch.Tensor, parts: list[torch.Tensor | None], sizes: list[int]) -> bool:
+    """Whether parts[i] is rows [off_i, off_i + sizes[i]) of `whole` (the packed storage)."""
+    row = whole.stride(0) * whole.element_size()
+    return all(p is not None and p.data_ptr() == whole.data_ptr() + off * row and p.shape[0] == n
+               for p, n, off in zip(parts, sizes, _offsets(sizes)))
 
 
 def pack_projections(model: nn.Module) -> int:
@@ -113,7 +137,7 @@ class SwigluOaiMLP(nn.Module):
         """x [T, H] -> [T, H]. `fused` (an m3eagle.kernels.fused.backend object) runs the activation; None = reference."""
         gu = self.gate_up_proj
         if fused is not None and x.dim() == 2 and gu.bias is None:  # one launch on the decode GEMV's path
-            a = fused.linear_swiglu_oai(x, gu.weight, self.alpha, self.limit)
+            a = fused.linear_swiglu_oai(x, weight_of(gu), self.alpha, self.limit)
         else:
             act = fused if fused is not None else fused_ref
             a = act.swiglu_oai(gu(x, fused), self.alpha, self.limit)
@@ -178,8 +202,8 @@ class Experts(nn.Module):
         """x [T, H], weights/idx [T, k] -> [T, H]. `impl` (an `m3eagle.kernels.moe.backend` object the engine owns)
         does the work; None means the dense reference, which training and `forward_seq` use."""
         impl = impl if impl is not None else moe_backend.reference()
-        return impl.experts(x, weights, idx, self.gate_up_proj, self.down_proj, self.alpha, self.limit,
-                            self.expert_range)
+        return impl.experts(x, weights, idx, weight_of(self, "gate_up_proj"), weight_of(self, "down_proj"),
+                            self.alpha, self.limit, self.expert_range)
 
 
 class SparseMoE(nn.Module):
@@ -209,7 +233,8 @@ class SparseMoE(nn.Module):
         fast = getattr(ops.moe, "route_experts_and_shared", None)
         # The router + shared-expert launch routes as the triton fused ops do (bit for bit), so it stands in
         # for them only: with the reference ops the routing would change.
-        if fast is not None and getattr(ops.fused, "name", "") == "triton" and self.shared_joinable():
+        if fast is not None and getattr(ops.fused, "name", "") == "triton" and self.shared_joinable() \
+                and not self.quantized():
             g, e, sh = self.gate, self.experts, self.shared_experts
             out = fast(x, g.weight, g.e_score_correction_bias, g.top_k, e.gate_up_proj, e.down_proj,
                        sh.gate_up_proj.weight, sh.down_proj.weight, sh.alpha, sh.limit, self.routed_scaling_factor)
@@ -222,7 +247,7 @@ class SparseMoE(nn.Module):
                      ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
         """forward_parts after routing (w, idx [T, k] given): the shared expert inside the routed kernels
         when `impl` can and the weights allow it, else the two parts apart."""
-        if getattr(impl, "fuses_shared", False) and self.shared_joinable():
+        if getattr(impl, "fuses_shared", False) and self.shared_joinable() and not self.quantized():
             sh = self.shared_experts
             out = impl.experts_and_shared(x, w, idx, self.experts.gate_up_proj, self.experts.down_proj,
                                           sh.gate_up_proj.weight, sh.down_proj.weight, sh.alpha, sh.limit,
@@ -230,6 +255,13 @@ class SparseMoE(nn.Module):
             if out is not None:  # None: this step's kernels cannot take this shared expert
                 return out, None, 1.0
         return self.experts(x, w, idx, impl), self.shared_experts(x, fused), self.routed_scaling_factor
+
+    def quantized(self) -> bool:
+        """Whether any expert weight is MXFP8: the routed experts then run the W8A16 MoE kernels and the shared
+        expert its own W8A16 GEMMs (the bf16 fused launches take plain weights only)."""
+        e, sh = self.experts, self.shared_experts
+        return (is_quantized(e, "gate_up_proj") or is_quantized(e, "down_proj")
+                or is_quantized(sh.gate_up_proj) or is_quantized(sh.down_proj))
 
     def shared_joinable(self) -> bool:
         """The shared expert may ride in the routed kernels if they can take its shape (the impl decides per

@@ -50,7 +50,7 @@ class Indexer(nn.Module):
         h0, self.n_heads = tp.head_shard(cfg.index_n_heads, "index_n_heads")
         di = cfg.index_head_dim
         self.q_proj = ColumnParallelLinear(cfg.hidden_size, cfg.index_n_heads * di, ((h0 * di, self.n_heads * di),))
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.index_head_dim, bias=False)
+        self.k_proj = ColumnParallelLinear(cfg.hidden_size, cfg.index_head_dim)  # replicated (no shards)
         self.q_norm = GemmaRMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
 

@@ -154,8 +154,35 @@ def _transposed(q, s, dtype=torch.float32):  # the [N, K/32] bytes read as if st
 @pytest.mark.parametrize("wrong", [_shifted, _inverse, _transposed], ids=["shifted", "inverse", "transposed"])
 def test_a_misapplied_scale_fails_the_comparison(release, mx_oracle, monkeypatch, wrong):
     """Mutation check of the test above: the loader with a wrongly applied scale is far outside its tolerance."""
-    monkeypatch.setattr(checkpoint, "dequantize_mx", wrong)
+    monkeypatch.setattr(mxfp8.MxWeight, "dequantize", lambda self, dtype=torch.float32: wrong(self.q, self.scale, dtype))
     assert rel_err(logits_of(load_target(release[0]), IDS), mx_oracle) > 50 * RTOL
+
+
+def test_mxfp8_weights_stay_fp8_byte_for_byte(release):
+    """The release's FP8 values and ue8m0 scales land in the model as stored (no dequantize-requantize): every
+    per-expert and per-projection tensor of the file equals its slice of the model's parameters, bit for bit, and
+    the unquantized ones (routers, norms, embeddings, lm_head) stay floating point."""
+    model = load_target(release[0])
+    sd = model.state_dict()
+    f = load_file(str(release[0] / "model.safetensors"))
+    n_fp8 = 0
+    for k, v in f.items():
+        m = re.match(r"language_model\.model\.(layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\."
+                     r"(weight|weight_scale_inv)$", k)
+        if m is None:
+            continue
+        layer, e, w, what = m.groups()
+        suffix = "" if what == "weight" else "_scale_inv"
+        stack = sd[f"{layer}.mlp.experts.{'down_proj' if w == 'w2' else 'gate_up_proj'}{suffix}"]
+        half = stack.shape[1] // 2
+        got = stack[int(e)] if w == "w2" else stack[int(e), :half] if w == "w1" else stack[int(e), half:]
+        assert got.dtype == v.dtype and torch.equal(got.view(torch.uint8), v.view(torch.uint8)), k
+        n_fp8 += what == "weight"
+    q = sd["layers.0.self_attn.q_proj.weight"]
+    assert q.dtype == torch.float8_e4m3fn and sd["layers.0.self_attn.q_proj.weight_scale_inv"].dtype == torch.uint8
+    assert torch.equal(q.view(torch.uint8), f["language_model.model.layers.0.self_attn.q_proj.weight"].view(torch.uint8))
+    assert n_fp8 > 0
+    assert sd["layers.1.mlp.gate.weight"].dtype == torch.float32 and sd["lm_head.weight"].dtype == torch.float32
 
 
 def test_transformers_layout_loads_the_same_weights(release, tmp_path):

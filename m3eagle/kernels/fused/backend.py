@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from m3eagle.kernels.fused import reference
+from m3eagle.kernels.quant.mxfp8 import MxWeight
 
 
 class FusedOps(Protocol):
@@ -75,6 +76,7 @@ class FusedOps(Protocol):
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """F.linear(x, w) without bias: x [T, K], w [N, K] -> [T, N] (a fast path may sum in another order).
+        w may be an MxWeight (MXFP8): every op taking a weight accepts one (the W8A16 kernels, or dequantized).
         w is a weight: no kernel writes it (the GEMV may read it before its predecessor ends: pdl.preload_weights)."""
         ...
 
@@ -176,6 +178,8 @@ class ReferenceFused:
                                               iq_w, ik_w, index_rope_dim, ik_pool)
 
     def linear(self, x, w):
+        if isinstance(w, MxWeight):  # the plain path dequantizes (exact: an e4m3 value times a power of two)
+            w = w.dequantize(x.dtype)
         return torch.nn.functional.linear(x, w)
 
     def swiglu_oai(self, gate_up, alpha, limit):

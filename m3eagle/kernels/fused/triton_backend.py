@@ -19,6 +19,9 @@ from m3eagle.kernels.fused.norm import NORM_CAT_MAX, add_norm, norm_cat
 from m3eagle.kernels.fused.reference import rope_inv_freq
 from m3eagle.kernels.fused.rope import qkv_rope_store, rope_table
 from m3eagle.kernels.moe.router import ROUTER_GEMV_MAX_T, route, route_tokens, router_logits, router_split, router_tile_ok
+from m3eagle.kernels.quant.mxfp8 import MxWeight
+from m3eagle.kernels.quant.w8a16 import mx_linear
+from m3eagle.kernels.triton_utils import interpreting
 
 # ---- the backend object -------------------------------------------------------------------------------
 
@@ -53,11 +56,17 @@ class TritonFused(ReferenceFused):
         self.gemv_max_t = gemv_max_t
 
     def _gemv_takes(self, x, w) -> bool:
+        if isinstance(w, MxWeight):  # MXFP8: mx_linear's own GEMV / GEMM; the activation and folds run apart
+            return False
         g = self._gemv
         most = self.gemv_max_t if self.gemv_max_t is not None else (g.MAX_T if x.is_cuda else 0)
         return x.shape[0] <= most and g.supports(x, w) and g.prefers(x.shape[0], w.shape[0], w.shape[1])
 
     def linear(self, x, w):
+        if isinstance(w, MxWeight):
+            if x.is_cuda or interpreting():
+                return mx_linear(x.contiguous() if x.stride(-1) != 1 else x, w.q, w.scale)
+            return super().linear(x, w)
         if self._gemv_takes(x, w):
             return self._gemv.linear(x, w, counters=self._gemv_counters)
         return torch.nn.functional.linear(x, w)
@@ -78,6 +87,8 @@ class TritonFused(ReferenceFused):
         one launch (their norm prologue / residual epilogue), or None: they run as the separate launches."""
         g = self._gemv
         most = self.gemv_max_t if self.gemv_max_t is not None else (g.MAX_T if w.is_cuda else 0)
+        if isinstance(w, MxWeight):  # MXFP8 weights run mx_linear, then the norm / residual apart
+            return None
         if not (1 <= t <= min(most, self.FOLD_MAX_T) and w.dim() == 2 and w.shape[1] <= self.FOLD_MAX_K
                 and w.stride(1) == 1 and w.dtype in g.DTYPES and g.prefers(t, w.shape[0], w.shape[1])):
             return None

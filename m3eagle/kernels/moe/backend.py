@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 import torch
 
+from m3eagle.kernels.quant.mxfp8 import MxWeight
+
 
 class MoEImpl(Protocol):
     name: str
@@ -23,7 +25,8 @@ class MoEImpl(Protocol):
                 down_proj: torch.Tensor, alpha: float, limit: float,
                 expert_range: tuple[int, int] | None = None) -> torch.Tensor:
         """x [T, H], weights [T, k] fp32, idx [T, k] -> sum_j weights[t, j] * expert_{idx[t, j]}(x[t]) over
-        the pairs whose expert is in expert_range [e0, e1) (all when None): [T, H] in x.dtype."""
+        the pairs whose expert is in expert_range [e0, e1) (all when None): [T, H] in x.dtype. The expert weights
+        may be MxWeights (MXFP8): the W8A16 kernels run them, or the oracle dequantizes them."""
         ...
 
     # Whether `experts_and_shared` exists: the routed experts and the shared expert in one pass (it returns
@@ -44,7 +47,8 @@ class ReferenceMoE:
         self._experts = reference.experts
 
     def experts(self, x, weights, idx, gate_up_proj, down_proj, alpha, limit, expert_range=None):
-        return self._experts(x, weights, idx, gate_up_proj, down_proj, alpha, limit, expert_range)
+        w13, w2 = (w.dequantize(x.dtype) if isinstance(w, MxWeight) else w for w in (gate_up_proj, down_proj))
+        return self._experts(x, weights, idx, w13, w2, alpha, limit, expert_range)
 
 
 class TritonMoE:
@@ -58,8 +62,10 @@ class TritonMoE:
     def __init__(self, config: Any = None, fuse_combine: bool = True) -> None:
         from m3eagle.kernels.fused.gemv import SplitCounters
         from m3eagle.kernels.moe import triton_moe  # imports triton
+        from m3eagle.kernels.quant import w8a16
 
         self._mod = triton_moe
+        self._w8a16 = w8a16
         self.config = config
         self.fuse_combine = fuse_combine  # decode-sized steps sum in the down launch (triton_moe docstring)
         self._counters = SplitCounters()  # this backend's fused-combine counters, per device
@@ -72,6 +78,18 @@ class TritonMoE:
         return self._counters.get(x.device) if self.fuse_combine else None
 
     def experts(self, x, weights, idx, gate_up_proj, down_proj, alpha, limit, expert_range=None):
+        if isinstance(gate_up_proj, MxWeight) and isinstance(down_proj, MxWeight):
+            # expert_range [e0, e1): the range's experts as local 0..e1-e0 (a slice when the stacks hold every
+            # expert); ids outside it fall outside [0, e1 - e0) and contribute zero, as in the reference
+            g, d, ids = gate_up_proj, down_proj, idx
+            if expert_range is not None:
+                e0, e1 = expert_range
+                if g.shape[0] != e1 - e0:
+                    g, d = MxWeight(g.q[e0:e1], g.scale[e0:e1]), MxWeight(d.q[e0:e1], d.scale[e0:e1])
+                ids = idx - e0
+            return self._w8a16.mx_moe_experts(x, weights, ids, g.q, g.scale, d.q, d.scale, alpha, limit)
+        if isinstance(gate_up_proj, MxWeight) or isinstance(down_proj, MxWeight):
+            raise ValueError("triton MoE: gate_up_proj and down_proj must both be MXFP8 or both plain")
         return self._mod.fused_experts(x, weights, idx, gate_up_proj, down_proj, alpha, limit, expert_range,
                                        config=self.config, combine_counters=self._combine_counters(x))
 

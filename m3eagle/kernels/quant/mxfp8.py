@@ -9,15 +9,53 @@ ceil(K / bk)] float32, w = q * scale over each [bn, bk] tile.
 
 Quantizing picks each block's smallest power of two that maps its largest magnitude into e4m3's range (448), so
 a block's largest value keeps the full 3-bit mantissa and nothing saturates.
+
+`MxWeight` is how a quantized weight travels from a module to a kernel: the fp8 values and their scales as one
+argument, so every op that takes a weight (F.linear's place, the fused GEMVs, the MoE experts) can tell an MXFP8
+weight from a plain one and run the W8A16 kernel or dequantize.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 MX_BLOCK = 32
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 E8M0_BIAS = 127
+
+
+@dataclass(frozen=True)
+class MxWeight:
+    """An MXFP8 weight as one value: q [..., N, K] float8_e4m3fn and scale [..., N, K / 32] uint8 (views of the
+    module's parameter and buffer, so the module stays the owner of the memory)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.q.is_cuda
+
+    def dim(self) -> int:
+        return self.q.dim()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [..., N, K] in `dtype` (exact in fp32; rounded once to a narrower dtype)."""
+        return dequantize_mx(self.q, self.scale, dtype)
 
 
 def decode_e8m0(scale: torch.Tensor) -> torch.Tensor:
