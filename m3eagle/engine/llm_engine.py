@@ -548,7 +548,7 @@ class LLMEngine(OutputProcessor):
             self._process_iteration(batch, outs)
 
     def _execute(self, inp, bucket: int | None) -> StepOutput:
-        if self.sync_debug and self.device.type == "cuda":
+        if self.sync_debug and self.device.type == "cuda" and inp.grammar is None:  # constrained steps sync by design
             torch.cuda.set_sync_debug_mode("error")
             try:
                 return self.graphs.run(inp, bucket)
