@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Offline benches of the three bench geometries on one GPU (`m3eagle bench`). Run from the repository root:
 #
-#   OUT=<dir> bash scripts/bench_gpu.sh [mini|8b|embedded|all]      (default: all)
+#   OUT=<dir> bash scripts/bench_gpu.sh [mini|8b|embedded|m3-fp8|8b-fp8|all]   (default: all)
 #
 # Each run writes $OUT/bench_<name>.json (the JSON document) and $OUT/bench_<name>.log (progress + table);
 # $OUT defaults to out/bench. Expected wall time on one H200 (estimates; the JSON's wall_s is the truth):
@@ -28,11 +28,19 @@ for t in "${targets[@]}"; do
     mini) run m3-mini --geometry m3-mini --batch-sizes 1,8,32 --compare-hf ;;
     8b) run m3-8b --geometry m3-8b --batch-sizes 1,8,32 ;;
     embedded) run embedded --geometry embedded --batch-sizes 1,32 ;;
+    m3-fp8)  # MiniMax-M3's real layer shapes (its first 4 layers), bf16 vs MXFP8, batch 1
+      run m3-l4-bf16 --geometry m3 --num-layers 4 --batch-sizes 1 --num-draft-tokens 0 --repeats 3 --max-tokens 16
+      run m3-l4-fp8 --geometry m3 --num-layers 4 --batch-sizes 1 --num-draft-tokens 0 --repeats 3 --max-tokens 16 \
+        --quantization fp8 ;;
+    8b-fp8)
+      run m3-8b-b1-bf16 --geometry m3-8b --batch-sizes 1 --num-draft-tokens 0 --repeats 3 --max-tokens 16
+      run m3-8b-b1-fp8 --geometry m3-8b --batch-sizes 1 --num-draft-tokens 0 --repeats 3 --max-tokens 16 \
+        --quantization fp8 ;;
     all)
       run m3-mini --geometry m3-mini --batch-sizes 1,8,32 --compare-hf
       run m3-8b --geometry m3-8b --batch-sizes 1,8,32
       run embedded --geometry embedded --batch-sizes 1,32
       ;;
-    *) echo "usage: $0 [mini|8b|embedded|all]..." >&2; exit 2 ;;
+    *) echo "usage: $0 [mini|8b|embedded|m3-fp8|8b-fp8|all]..." >&2; exit 2 ;;
   esac
 done
