@@ -7,7 +7,8 @@ init_logging()  # before anything logs: one handler, level from M3EAGLE_LOGGING_
 
 from m3eagle.engine.request import CompletionOutput, Logprob, RequestMetrics, RequestOutput  # noqa: E402
 from m3eagle.entrypoints.llm import LLM  # noqa: E402
-from m3eagle.sampling.params import SamplingParams  # noqa: E402
+from m3eagle.sampling.params import SamplingParams, StructuredOutputsParams  # noqa: E402
 from m3eagle.version import __version__  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
+           "Logprob", "__version__"]

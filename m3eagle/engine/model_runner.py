@@ -235,7 +235,9 @@ class ModelRunner:
         if pen is not None:
             self.penalty.record_outputs(new_tokens, num_new, s)
 
-        drafts = (self._draft(inp, meta, aux, s, last_idx, shifted, at, at_slots, (new_tokens, num_new)) if drafting
+        if grammar is not None:  # what the draft masks start from: this step's emitted tokens
+            grammar.emitted = (new_tokens, num_new)
+        drafts = (self._draft(inp, meta, aux, s, last_idx, shifted, at, at_slots) if drafting
                   else ids.new_zeros(inp.num_rows, k))
         if grammar is not None:
             grammar.finish(drafts if drafting else None)
@@ -251,12 +253,11 @@ class ModelRunner:
 
     # ---- drafting -------------------------------------------------------------------------------
     def _draft(self, inp: StepInput, meta: AttnMetadata, aux: torch.Tensor, s: torch.Tensor, last_idx: torch.Tensor,
-               shifted: torch.Tensor, at: torch.Tensor, at_slots: torch.Tensor,
-               emitted: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+               shifted: torch.Tensor, at: torch.Tensor, at_slots: torch.Tensor) -> torch.Tensor:
         """Draft step 0 over every target token (inputs shifted by one, the bonus token after each row's last
         accepted one), then K-1 one-token steps. last_idx [B], shifted [T], at [K+1, B] (position of the
-        last accepted token + j) and at_slots [K+1, B] (their cache slots): commit_outputs'. emitted: the step's
-        (new_tokens [B, K+1], num_new [B]), which a constrained step's draft masks start from."""
+        last accepted token + j) and at_slots [K+1, B] (their cache slots): commit_outputs'. A constrained step
+        masks each draft depth with its GrammarStep's draft_mask."""
         k, b = self.k, inp.num_rows
         st: SamplingTensors = inp.sampling
         h_out, h_next = self.draft(shifted, meta.positions, aux, meta, self.draft_cache, True, rows=last_idx)  # [B, H]
@@ -271,7 +272,7 @@ class ModelRunner:
         grammar = inp.grammar
         for step in range(k):
             if grammar is not None:  # drafts stay inside the grammar: masked over the target vocabulary
-                mask = grammar.draft_mask(step, *emitted, drafts)  # [B, W] (reads back tokens: a host sync)
+                mask = grammar.draft_mask(step, drafts)  # [B, W] (reads back tokens: a host sync)
                 logits = self.draft.compute_logits(h_out, _fused(meta))  # [B, Vd] fp32
                 tok, probs = self._draft_constrained(logits, mask, st, at[step], inp.any_random, drafts, step)
             elif inp.any_random:

@@ -33,6 +33,7 @@ class GrammarStep:
         self.num_rows = num_rows
         self._mark: list[int] = []  # per row: the matcher's accepted count before the draft walk
         self._alive: list[bool] = []  # per row: the walk is still inside the grammar
+        self.emitted: tuple[torch.Tensor, torch.Tensor] | None = None  # (new_tokens [B, K+1], num_new [B])
         host = full_bitmask(num_rows * (k + 1), vocab_size)  # [B * (K+1), W]
         for i, (row, g) in enumerate(zip(rows, self.grammars)):
             if g is None:
@@ -55,14 +56,13 @@ class GrammarStep:
     def rows_constrained(self) -> bool:
         return any(g is not None for g in self.grammars)
 
-    def draft_mask(self, depth: int, new_tokens: torch.Tensor, num_new: torch.Tensor,
-                   drafts: torch.Tensor) -> torch.Tensor:
-        """The draft head's mask at `depth` (0..K-1): int32 [B, W] on the device. new_tokens [B, K+1] and
-        num_new [B] (this step's verification), drafts [B, K] (columns < depth filled). Reads back what it
-        needs (a host sync)."""
+    def draft_mask(self, depth: int, drafts: torch.Tensor) -> torch.Tensor:
+        """The draft head's mask at `depth` (0..K-1): int32 [B, W] on the device. drafts [B, K] (columns < depth
+        filled); `emitted` holds this step's verification outputs (new_tokens [B, K+1], num_new [B]), set by
+        the runner before it drafts. Reads back what it needs (a host sync)."""
         host = full_bitmask(self.num_rows, self.vocab_size)
         if depth == 0:
-            toks, counts = new_tokens.tolist(), num_new.tolist()
+            toks, counts = self.emitted[0].tolist(), self.emitted[1].tolist()
             self._mark = [g.num_tokens if g is not None else 0 for g in self.grammars]
             self._alive = [False] * len(self.grammars)
             for i, g in enumerate(self.grammars):

@@ -172,12 +172,12 @@ def test_draft_masks_follow_emitted_tokens_and_drafts(compiler, tok):
     g = compiler.matcher(cg)
     g.sync(tok.encode("1"))
     step = GrammarStep([_row(g, tok.encode("1"), 0)], 1, 2, V, torch.device("cpu"))
-    emitted = torch.tensor([tok.encode("2-") + [0]]), torch.tensor([2])
-    m0 = step.draft_mask(0, *emitted, torch.zeros(1, 2, dtype=torch.int64))
+    step.emitted = torch.tensor([tok.encode("2-") + [0]]), torch.tensor([2])
+    m0 = step.draft_mask(0, torch.zeros(1, 2, dtype=torch.int64))
     allowed = set(torch.nonzero(allowed_from_bitmask(m0, V)[0]).flatten().tolist())
     assert tok.encode("a")[0] in allowed and tok.encode("3")[0] not in allowed  # after "12-": letters only
     drafts = torch.tensor([[tok.encode("b")[0], 0]])
-    m1 = step.draft_mask(1, *emitted, drafts)
+    m1 = step.draft_mask(1, drafts)
     assert 0 in set(torch.nonzero(allowed_from_bitmask(m1, V)[0]).flatten().tolist())  # EOS may end it now
     step.finish(drafts)
     assert g.drafts == drafts[0].tolist() and g.num_tokens == 1
