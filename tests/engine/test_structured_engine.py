@@ -173,3 +173,24 @@ def test_uncompilable_grammar_is_refused_before_anything_runs(llms):
         with pytest.raises(RequestError, match=rf"structured_outputs\.{field} cannot be compiled"):
             llm.generate(PROMPTS[:2], [good, _params(so)], use_tqdm=False)
         assert llm.engine.is_idle_and_clean()
+
+
+def test_constrained_request_joining_a_running_batch(llms, plain):
+    """A constrained request arrives while unconstrained ones decode under overlap (steps in flight): the step in
+    flight is processed first, both kinds share the following steps, and each output equals its own run alone
+    (the unconstrained rows take all-allowed masks)."""
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for key in ((3, True), (0, True)):
+        llm = llms[key]
+        eng, tok = llm.engine, llm.get_tokenizer()
+        alone = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], free, use_tqdm=False)]
+        reqs = [eng.add_request(tok.encode(p), free) for p in PROMPTS[:2]]
+        for _ in range(3):
+            eng.step()
+        assert eng._pending is not None or not key[1]  # a step is in flight when the constrained request joins
+        p, so = _so_cases()[0]
+        late = eng.add_request(tok.encode(p), _params(so))
+        eng.run()
+        assert [r.output_token_ids for r in reqs] == alone
+        assert late.output_token_ids == plain[0]
+        assert_clean(llm)
