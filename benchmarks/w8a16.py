@@ -111,13 +111,16 @@ def bench_linear(shape: dict[str, Any], ts: list[int], args: argparse.Namespace,
         if t <= gemv.MAX_T:
             row["bf16_gemv_us"] = graph_time(lambda x, b: gemv.linear(x, b, counters=counters), x, bf, args.replays,
                                              args.min_calls)
-        if t >= 64:
+        if t >= 64:  # the alternative at prompt sizes: dequantize into a bf16 scratch weight, then cuBLAS
+            row["dequant_cublas_us"] = graph_time(
+                lambda x, a: F.linear(x, dequantize_mx(a[0], a[1], torch.bfloat16)), x, mx, args.replays, 2)
             row["mx_tflops"] = 2 * t * n * k / us / 1e6
             row["bf16_cublas_tflops"] = 2 * t * n * k / row["bf16_cublas_us"] / 1e6
         rows.append(row)
         g = row.get("bf16_gemv_us")
         gemv_s = f"{g:8.1f} us" if g is not None else "      -    "
-        flops = f" (mx {row['mx_tflops']:.0f} / bf16 {row['bf16_cublas_tflops']:.0f} TFLOP/s)" if t >= 64 else ""
+        flops = (f" (mx {row['mx_tflops']:.0f} / bf16 {row['bf16_cublas_tflops']:.0f} TFLOP/s; dequant+cuBLAS "
+                 f"{row['dequant_cublas_us']:.0f} us)" if t >= 64 else "")
         print(f"{n:>6} x {k:<6} T={t:<5} mx {us:8.1f} us {row['mx_gbs']:7.0f} GB/s ({row['mx_pct_copy']:4.0f}% copy)"
               f" | cuBLAS bf16 {row['bf16_cublas_us']:8.1f} us | gemv bf16 {gemv_s}"
               f" | x{row['bf16_cublas_us'] / us:4.2f} vs cuBLAS{flops} | err {err:.1e}", flush=True)
@@ -140,7 +143,7 @@ def gemv_candidates(n: int, k: int) -> list[Any]:
     bk = min(512, triton.next_power_of_2(k))
     for int_dq in (False, True):
         for gather in (False, True):
-            for bn in (8, 16):
+            for bn in (8,):
                 for stages in (1, 3):
                     tiles = triton.cdiv(n, bn)
                     rule = max(1, min(MAX_SPLIT, triton.cdiv(4 * SMS, tiles), k // (2 * bk))) if tiles < 2 * SMS else 1
@@ -150,22 +153,31 @@ def gemv_candidates(n: int, k: int) -> list[Any]:
     return out
 
 
+def gemm_candidates() -> list[Any]:
+    """The tiled (tl.dot) configs the sweep times at T = 2..8 against the GEMV: one 16-row block, whole tiles of
+    the weight read once for every row."""
+    from m3eagle.kernels.quant.w8a16 import MxConfig
+
+    return [MxConfig(True, 16, bn, bk, num_warps=4, num_stages=st) for bn in (64, 128) for bk in (128, 256)
+            for st in (3, 4)]
+
+
 def tune_gemv(shapes: list[dict[str, Any]], args: argparse.Namespace, copy_bw: float) -> dict[tuple[int, int, int], Any]:
     from m3eagle.kernels.quant.mxfp8 import quantize_mx
     from m3eagle.kernels.quant.w8a16 import mx_linear, pick_config
 
     dev = torch.device("cuda")
     best: dict[tuple[int, int, int], Any] = {}
-    for shape in shapes:
+    for shape, t in [(sh, t) for sh in shapes for t in (1, 2, 4, 8)]:
         n, k = shape["n"], shape["k"]
         q0, s0 = quantize_mx(torch.randn(n, k, device=dev).mul_(k ** -0.5))
         fp8_bytes = n * k + n * k // 32
         mx = [(q0, s0)] + [(q0.clone(), s0.clone()) for _ in range(copies(fp8_bytes, args.rotate_mb) - 1)]
-        x = torch.randn(1, k, device=dev).to(torch.bfloat16)
-        out = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
-        base = pick_config(1, n, k)
+        x = torch.randn(t, k, device=dev).to(torch.bfloat16)
+        out = torch.empty(t, n, dtype=torch.bfloat16, device=dev)
+        base = pick_config(t, n, k)
         timed = []
-        for cfg in [base] + gemv_candidates(n, k):
+        for cfg in [base] + (gemv_candidates(n, k) if t == 1 else gemm_candidates()):
             try:
                 us = graph_time(lambda x, a, cfg=cfg, out=out: mx_linear(x, a[0], a[1], out=out, config=cfg), x, mx,
                                 max(5, args.replays // 2), args.min_calls)
@@ -175,9 +187,9 @@ def tune_gemv(shapes: list[dict[str, Any]], args: argparse.Namespace, copy_bw: f
             timed.append((us, cfg))
         us0 = timed[0][0]
         us, cfg = min(timed, key=lambda p: p[0])
-        best[(1, n, k)] = cfg
-        gbs = (fp8_bytes + 2 * k) / us / 1e3
-        print(f"tune {n:>6} x {k:<6} T=1: rule {us0:7.1f} us -> best {us:7.1f} us ({100 * gbs / copy_bw:4.0f}% copy) "
+        best[(t, n, k)] = cfg
+        gbs = (fp8_bytes + 2 * t * k) / us / 1e3
+        print(f"tune {n:>6} x {k:<6} T={t}: rule {us0:7.1f} us -> best {us:7.1f} us ({100 * gbs / copy_bw:4.0f}% copy) "
               f"{cfg}", flush=True)
         del mx
         torch.cuda.empty_cache()
