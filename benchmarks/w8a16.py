@@ -5,7 +5,7 @@ bf16 Triton MoE (m3eagle/kernels/moe/triton_moe.py).
     python benchmarks/w8a16.py                         # M3 + m3-8b + m3-mini shapes, T in 1, 2, 4, 8, 2048, + MoE
     python benchmarks/w8a16.py --json w8a16.json       # also write every number to one JSON document
     python benchmarks/w8a16.py --models m3 --t 1,2048 --no-moe
-    python benchmarks/w8a16.py --tune --write          # sweep GEMV configs at T = 1 (and the MoE's blocks); write
+    python benchmarks/w8a16.py --tune --write          # sweep GEMV / tiled configs at T <= 8 (and the MoE's); write
                                                        # the winners to m3eagle/kernels/quant/w8a16_configs.json
 
 Shapes (one row per distinct N x K, the projections that have it listed): MiniMax-M3 (hidden 6144): packed q/k/v
@@ -154,8 +154,8 @@ def gemv_candidates(n: int, k: int) -> list[Any]:
 
 
 def gemm_candidates() -> list[Any]:
-    """The tiled (tl.dot) configs the sweep times at T = 2..8 against the GEMV: one 16-row block, whole tiles of
-    the weight read once for every row."""
+    """The tiled (tl.dot) configs the sweep times at T = 1..8 against the GEMV: one 16-row block (rows past T
+    padded), whole tiles of the weight read once for every row."""
     from m3eagle.kernels.quant.w8a16 import MxConfig
 
     return [MxConfig(True, 16, bn, bk, num_warps=4, num_stages=st) for bn in (64, 128) for bk in (128, 256)
@@ -177,7 +177,7 @@ def tune_gemv(shapes: list[dict[str, Any]], args: argparse.Namespace, copy_bw: f
         out = torch.empty(t, n, dtype=torch.bfloat16, device=dev)
         base = pick_config(t, n, k)
         timed = []
-        for cfg in [base] + (gemv_candidates(n, k) if t == 1 else gemm_candidates()):
+        for cfg in [base] + (gemv_candidates(n, k) if t == 1 else []) + gemm_candidates():
             try:
                 us = graph_time(lambda x, a, cfg=cfg, out=out: mx_linear(x, a[0], a[1], out=out, config=cfg), x, mx,
                                 max(5, args.replays // 2), args.min_calls)
