@@ -142,11 +142,12 @@ def test_overlap_on_off_identical_seeded_sampling(make_llm, setups, prompts, k):
     assert [o.outputs[0].token_ids for o in other] == [o.outputs[0].token_ids for o in on]
 
 
-_NOT_PATHWISE = pytest.mark.xfail(strict=True, reason=(
+_NOT_PATHWISE = pytest.mark.xfail(strict=False, reason=(
     "seeded speculative sampling is not pathwise reproducible: whether a row verifies drafts depends on "
     "the batch (token budget, preemption); a row without drafts samples with SALT_SAMPLE where a verify "
     "row uses SALT_ACCEPT + the residual, so the same seed gives other tokens. Needs coupled "
-    "verification (accept d_j iff it equals the target's own seeded sample at that position)."))
+    "verification (accept d_j iff it equals the target's own seeded sample at that position). Not strict: "
+    "whether this workload happens to diverge depends on the triton build's rounding."))
 
 
 @pytest.mark.parametrize("k", [0, pytest.param(3, marks=_NOT_PATHWISE)])
