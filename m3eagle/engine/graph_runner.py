@@ -237,6 +237,36 @@ class GraphRunner:
         log.info("captured %d CUDA graphs (buckets %s, K=%d) in %.1f s; graph memory %.0f MiB",
                  len(self.graphs), self.buckets, self.k, self.capture_seconds, used)
 
+    def warm_keys(self) -> list[tuple[Any, tuple[bool, bool, bool]]]:
+        """Every (bucket, mode) a serving step can take, largest first: each decode / verify bucket in each of
+        the 8 modes, and each prefill bucket (R' >= 2 rows, T >= R' tokens: every row holds a token) in the 4
+        modes a prefill graph has (no penalties). The step whose graph `warm` captures is built of padding
+        rows only, so what it compiles and captures is exactly what the first real step of that key would."""
+        flags = (False, True)
+        decode = [(b, (r, lp, pen)) for b in sorted(self.buckets, reverse=True)
+                  for r in flags for lp in flags for pen in flags]
+        prefill = [((PREFILL, rows, t), (r, lp, False)) for t in sorted(self.prefill_buckets, reverse=True)
+                   for rows in sorted(self.prefill_rows, reverse=True) if 2 <= rows <= t
+                   for r in flags for lp in flags]
+        return decode + prefill
+
+    def warm(self, bucket: Any, mode: tuple[bool, bool, bool]) -> bool:
+        """Make the first real step of (bucket, mode) cost what later ones do: capture its graph (its two eager
+        warm-up runs compile the Triton variants), or, where graphs are off (enforce_eager, CPU), run the
+        padding-only step once eagerly. Returns whether it did anything (False: already captured)."""
+        if self.use_graphs:
+            if (bucket, mode) in self.graphs:
+                return False
+            self.capture(bucket, mode)
+            return True
+        if self.driver is not None:  # tensor parallel: an eager step here must run on every rank; skip it
+            return False
+        inp = build_step_input(ScheduledBatch([], []), self.page_size, self.table_width, self.runner.device,
+                               self.bufs, max_kv=self.max_kv, dump_slot=self.runner.dump_slot, ops=self.ops,
+                               mode=mode, **self._padding(bucket, ScheduledBatch([], [])))
+        self.runner.execute(inp)
+        return True
+
     def capture(self, bucket: Any, mode: tuple[bool, bool, bool]) -> None:
         """Capture `execute` on padding rows only (they touch nothing but the trash page and the dump
         slot), so capturing in the middle of serving changes no request's state."""

@@ -47,7 +47,7 @@ from m3eagle.engine.structured_step import GrammarStep
 from m3eagle.kernels.ops import Ops, make_ops
 from m3eagle.kvcache.page_pool import PagePool
 from m3eagle.models.layers import pack_projections
-from m3eagle.sampling.params import SamplingParams
+from m3eagle.sampling.params import SamplingParams, StructuredOutputsParams
 from m3eagle.sampling.structured import GrammarCompiler, GrammarError
 
 log = logging.getLogger("m3eagle")
@@ -282,30 +282,74 @@ class LLMEngine(OutputProcessor):
             n *= 2
         return shapes
 
-    def warmup(self) -> dict[str, Any]:
-        """Run every shape of `warmup_shapes` through the engine once (dummy prompts, greedy, K + 2 new
-        tokens each, so verify and draft steps run too), then forget it: speculation counters and the step
-        count are restored, and the pages are all free again. Opt-in (LLM(warmup=True), --warmup): it
-        moves first-use Triton compiles to startup; what it buys on a GPU has not been measured yet."""
+    def warmup_variants(self) -> list[tuple[str, SamplingParams]]:
+        """The sampling variants the warm-up runs through the engine after the greedy chunk classes: each takes
+        another path through a step (fp32 logits, the sampling and draft-sampling kernels, logprobs, the
+        penalty history, n > 1 samples, prompt logprobs' every-position logits, a grammar's masks)."""
+        k, sampled = self.k + 2, dict(temperature=0.8, top_p=0.9, top_k=40, min_p=0.02, seed=0)
+        out = [("sampled", SamplingParams(max_tokens=k, ignore_eos=True, **sampled)),
+               ("logprobs", SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True, logprobs=5)),
+               ("sampled+logprobs", SamplingParams(max_tokens=k, ignore_eos=True, logprobs=5, **sampled)),
+               ("penalties", SamplingParams(temperature=0.0, max_tokens=k, min_tokens=2, presence_penalty=0.5,
+                                            frequency_penalty=0.5, repetition_penalty=1.1)),
+               ("prompt_logprobs", SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True, prompt_logprobs=2)),
+               ("n=2", SamplingParams(max_tokens=k, ignore_eos=True, n=min(2, self.cfg.max_num_seqs), **sampled))]
+        if self.tokenizer is not None and self.tp.size == 1:  # the grammar compiler is built on first use
+            out.append(("json_object", SamplingParams(temperature=0.0, max_tokens=k,
+                                                      structured_outputs=StructuredOutputsParams(json_object=True))))
+        return out
+
+    def warmup(self, graphs: bool = True) -> dict[str, Any]:
+        """Do at startup the work a serving step would otherwise do on first use, then forget it (speculation
+        counters and step counts restored, every page free again):
+
+        1. `graphs`: every (bucket, mode) of `GraphRunner.warm_keys` -- each decode / verify bucket in all 8
+           modes, each prefill (rows, tokens) bucket in its 4 -- is captured (with graphs off: run once
+           eagerly), which compiles their Triton variants too;
+        2. dummy greedy prompts of every shape of `warmup_shapes` (the eager chunk classes above the prefill
+           graphs' cap included), K + 2 new tokens each, so verify and draft steps run too;
+        3. one short request per `warmup_variants` entry, at a short and at the longest chunk length.
+
+        Returns what it ran: shapes, variants, graphs (keys warmed), steps, seconds."""
         if not self.is_idle_and_clean():
             raise RuntimeError("warmup() runs on an idle engine only (before any request)")
         t0, counters, steps, iters = time.perf_counter(), self.counters.snapshot(), self.num_steps, self.num_iterations
-        vocab = self.target_cfg.vocab_size
-        sp = SamplingParams(temperature=0.0, max_tokens=self.k + 2, ignore_eos=True)
+        warmed = 0
+        if graphs and self.graph_shapes:
+            warmed = sum(self.graphs.warm(b, m) for b, m in self.graphs.warm_keys())
+        t_graphs = time.perf_counter() - t0
         shapes = self.warmup_shapes()
+        greedy = SamplingParams(temperature=0.0, max_tokens=self.k + 2, ignore_eos=True)
         for rows, length in shapes:
-            for r in range(rows):
-                self.add_request([1 + (r * 7919 + i) % (vocab - 1) for i in range(length)], sp,
-                                 request_id=f"warmup-{rows}x{length}-{r}", stream_text=False)
-            while self.has_work():
-                for d in self.step():
-                    if d.finish_reason not in (None, "length"):
-                        raise RuntimeError(f"warm-up request {d.request_id} ended with {d.finish_reason}: {d.error}")
-        info = {"shapes": shapes, "steps": self.num_steps - steps, "seconds": time.perf_counter() - t0}
+            self._warm_batch([(f"{rows}x{length}-{r}", length, greedy) for r in range(rows)])
+        lengths = sorted({16, max((n for r, n in shapes if r == 1), default=16)})
+        variants = []
+        for name, sp in self.warmup_variants():
+            try:
+                self._warm_batch([(f"{name}-{n}", n, sp) for n in lengths])
+                variants.append(name)
+            except (RequestError, ImportError) as e:  # a variant this engine cannot run (no grammar backend)
+                log.info("warm-up: skipped %s (%s)", name, e)
+        info = {"shapes": shapes, "variants": variants, "graphs": warmed, "steps": self.num_steps - steps,
+                "seconds": time.perf_counter() - t0}
         self.counters, self.num_steps, self.num_iterations = counters, steps, iters
-        log.info("warm-up: %d prompt batches (rows x tokens: %s) in %.1f s", len(shapes),
-                 ", ".join(f"{r}x{n}" for r, n in shapes), info["seconds"])
+        log.info("warm-up in %.1f s: %d graph buckets x modes %s in %.1f s (%d captured in all), %d prompt "
+                 "batches (rows x tokens: %s), sampling variants %s", info["seconds"], warmed,
+                 "captured" if self.graphs.use_graphs else "run eagerly", t_graphs, len(self.graphs.graphs),
+                 len(shapes), ", ".join(f"{r}x{n}" for r, n in shapes), ", ".join(variants))
         return info
+
+    def _warm_batch(self, reqs: list[tuple[str, int, SamplingParams]]) -> None:
+        """Run dummy prompts (id suffix, length, params) together until they finish."""
+        vocab, cap = self.target_cfg.vocab_size, self.cfg.max_model_len - self.k - 3
+        for i, (name, length, sp) in enumerate(reqs):
+            length = max(1, min(length, cap))
+            self.add_request([1 + (i * 7919 + j) % (vocab - 1) for j in range(length)], sp,
+                             request_id=f"warmup-{name}", stream_text=False)
+        while self.has_work() or self.has_output():
+            for d in self.step():
+                if d.finish_reason not in (None, "length", "stop"):
+                    raise RuntimeError(f"warm-up request {d.request_id} ended with {d.finish_reason}: {d.error}")
 
     # ---- requests -----------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -121,9 +121,10 @@ def _device_args(p: argparse.ArgumentParser) -> None:
                    help="fp8: quantize a bf16 target to MXFP8 at load (W8A16 kernels); none: the checkpoint's own "
                         "weights (the MXFP8 release stays MXFP8)")
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
-    p.add_argument("--warmup", action="store_true",
-                   help="at startup, run dummy prompts of every power-of-two chunk size once (Triton compiles "
-                        "then, not on a request's first use of a shape)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="at startup, capture every CUDA-graph bucket and run dummy prompts of every chunk size and "
+                        "sampling path once (Triton compiles and captures then, not on a request's first use); "
+                        "default: on for `serve` on CUDA (/health answers 503 until it is done), else off")
     p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="prompt and mixed steps of up to --max-prefill-graph-tokens replay CUDA graphs too "
                         "(row and token buckets, each captured on first use); default: on for one CUDA device")
@@ -137,7 +138,8 @@ def _device_args(p: argparse.ArgumentParser) -> None:
                    help="split the target over N ranks (one per GPU; see docs/design/parallel.md)")
 
 
-def _make_llm(a: argparse.Namespace):
+def _make_llm(a: argparse.Namespace, warmup: bool | None = None):
+    """The LLM of an engine command's flags; `warmup` overrides --warmup (None: the flag, off when unset)."""
     from m3eagle.entrypoints.llm import LLM
 
     overlap = None if a.overlap == "auto" else a.overlap == "on"
@@ -146,7 +148,8 @@ def _make_llm(a: argparse.Namespace):
     return LLM(model=a.model, draft=a.draft, num_draft_tokens=a.num_draft_tokens, device=a.device,
                dtype=a.dtype, max_model_len=a.max_model_len, max_num_tokens=a.max_num_tokens,
                page_size=a.page_size, overlap=overlap, attention_backend=a.attention_backend,
-               moe_backend=a.moe_backend, enforce_eager=a.enforce_eager, warmup=a.warmup,
+               moe_backend=a.moe_backend, enforce_eager=a.enforce_eager,
+               warmup=bool(a.warmup) if warmup is None else warmup,
                prefill_graphs=a.prefill_graphs, max_prefill_graph_tokens=a.max_prefill_graph_tokens,
                num_scheduler_steps=a.num_scheduler_steps, tensor_parallel_size=a.tensor_parallel_size,
                quantization=a.quantization, **extra)
@@ -311,11 +314,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
             template = Path(a.chat_template).read_text()
         except OSError as e:
             raise ValueError(f"--chat-template {a.chat_template}: cannot read it ({e.strerror})") from None
-    llm = _make_llm(a)
+    llm = _make_llm(a, warmup=False)  # the server warms up once it listens, so /health can say 503 meanwhile
+    # On by default on CUDA: a fresh server's first steps of each graph bucket otherwise pay Triton compiles
+    # and captures (a p99 TTFT of 0.9-2 s at concurrency 8-32); a CPU has neither.
+    warmup = a.warmup if a.warmup is not None else llm.device.type == "cuda"
     server = OpenAIServer(llm, served_model_name=a.served_model_name, log_interval=a.log_interval,
                           api_key=resolve_api_key(a.api_key), max_request_body_bytes=a.max_request_body_bytes,
                           tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
-                          enable_auto_tool_choice=a.enable_auto_tool_choice, chat_template=template)
+                          enable_auto_tool_choice=a.enable_auto_tool_choice, chat_template=template, warmup=warmup)
     run_server(server, a.host, a.port, shutdown_timeout=a.shutdown_timeout, log_level=a.uvicorn_log_level,
                access_log=a.access_log, switch_interval=a.switch_interval)
     return 0

@@ -172,12 +172,13 @@ class OpenAIServer(ChatServing):
     tool_call_parser / reasoning_parser: parser names (entrypoints/parsers/registry.py; None or "none": off).
     enable_auto_tool_choice: tool_choice "auto" allowed. chat_template: a template source replacing the model's.
     max_request_body_bytes: larger bodies get a 413 before they are parsed. Both may be changed while
-    serving (they are read per request)."""
+    serving (they are read per request). warmup: the engine thread runs `LLMEngine.warmup` once the server
+    listens; /health and every request get a 503 until it has finished (a failed warm-up stops the server)."""
 
     def __init__(self, llm: LLM, served_model_name: str | None = None, log_interval: float = 10.0,
                  api_key: str | None = None, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                  tool_call_parser: str | None = DEFAULT_PARSER, reasoning_parser: str | None = DEFAULT_PARSER,
-                 enable_auto_tool_choice: bool = True, chat_template: str | None = None):
+                 enable_auto_tool_choice: bool = True, chat_template: str | None = None, warmup: bool = False):
         self.llm, self.engine = llm, llm.engine
         self.tool_call_parser = check_parser_name("tool-call", tool_call_parser)
         self.reasoning_parser = check_parser_name("reasoning", reasoning_parser)
@@ -188,7 +189,7 @@ class OpenAIServer(ChatServing):
         self.model_name = served_model_name
         self.max_model_len = self.engine.cfg.max_model_len
         self.metrics = ServerMetrics(self.engine, self.model_name, self.max_model_len)
-        self.engine_loop = AsyncEngine(self.engine, self.metrics)
+        self.engine_loop = AsyncEngine(self.engine, self.metrics, warmup=warmup)
         self.chat_template = ChatTemplate.from_model_dir(llm.model_path)
         if chat_template is not None:  # --chat-template: this source, with the model's special tokens
             self.chat_template = ChatTemplate(chat_template, self.chat_template.variables if self.chat_template else {})
@@ -202,6 +203,7 @@ class OpenAIServer(ChatServing):
         self.created = int(time.time())
         self.ready = False
         self.draining = False
+        self.failed: str | None = None  # why the server cannot serve (a failed warm-up): it stops
         self.app = self._build_app()
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -209,16 +211,31 @@ class OpenAIServer(ChatServing):
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         self.engine_loop.start()
         logger = asyncio.create_task(self._log_stats())
+        watcher = asyncio.create_task(self._await_warmup())
         self.ready = True
-        log.info("m3eagle serving %s (max_model_len=%d, K=%d, device=%s)", self.model_name, self.max_model_len,
-                 self.engine.k, self.engine.device)
         try:
             yield
         finally:
             self.ready, self.draining = False, True
             logger.cancel()
+            watcher.cancel()
             await self.engine_loop.stop()
             log.info("m3eagle server stopped")
+
+    async def _await_warmup(self) -> None:
+        """Say when the engine thread is ready to serve (after its warm-up), or mark the server failed."""
+        loop, t0 = self.engine_loop, time.monotonic()
+        while not loop.warmed.is_set() and loop.alive:
+            await asyncio.sleep(0.05)
+        if not loop.warmed.is_set():
+            self.failed = f"the engine's warm-up failed ({loop.warmup_error or 'the engine thread ended'})"
+            log.error("%s: stopping the server", self.failed)
+            return
+        info = loop.warmup_info
+        log.info("m3eagle serving %s (max_model_len=%d, K=%d, device=%s)%s", self.model_name, self.max_model_len,
+                 self.engine.k, self.engine.device, f"; ready after a {time.monotonic() - t0:.1f} s warm-up "
+                 f"({info['graphs']} graph buckets x modes, {len(info['shapes'])} prompt shapes, sampling "
+                 f"variants: {', '.join(info['variants'])})" if info else "")
 
     def begin_drain(self) -> None:
         """Shutdown started (SIGTERM): answer 503 to new requests while those in flight finish."""
@@ -255,6 +272,9 @@ class OpenAIServer(ChatServing):
             raise ApiError(503, "the server is shutting down; retry on another replica")
         if not self.ready or not self.engine_loop.alive:
             raise ApiError(503, "the server is not ready yet; retry when GET /health answers 200")
+        if not self.engine_loop.warmed.is_set():
+            raise ApiError(503, "the server is warming up (compiling kernels, capturing CUDA graphs); retry when "
+                           "GET /health answers 200")
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -649,6 +669,11 @@ class _Uvicorn(uvicorn.Server):
         super().__init__(config)
         self.m3, self.shutdown_timeout = server, shutdown_timeout
 
+    async def on_tick(self, counter: int) -> bool:
+        if self.m3.failed:  # a failed warm-up: nothing will serve, so stop rather than answer 503 forever
+            return True
+        return await super().on_tick(counter)
+
     def handle_exit(self, sig: int, frame) -> None:
         if not self.m3.draining:
             log.info("signal %d: draining (in-flight requests finish, new ones get 503)", sig)
@@ -685,6 +710,8 @@ def run_server(server: OpenAIServer, host: str = "127.0.0.1", port: int = 8000, 
     sock = bind_socket(host, port)
     log.info("m3eagle listening on http://%s:%d", host, sock.getsockname()[1])
     _uvicorn(server, shutdown_timeout, log_level, access_log).run(sockets=[sock])
+    if server.failed:
+        raise RuntimeError(server.failed)
 
 
 class ServerThread:

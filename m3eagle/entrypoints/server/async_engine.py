@@ -44,8 +44,15 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics):
+    """`warmup`: the engine thread first runs `LLMEngine.warmup` (graph captures, Triton compiles, every
+    sampling path), then serves; `warmed` is set once it has, `warmup_error` holds why it could not."""
+
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, warmup: bool = False):
         self.engine, self.metrics = engine, metrics
+        self._warmup = warmup
+        self.warmed = threading.Event()
+        self.warmup_error: str | None = None
+        self.warmup_info: dict | None = None
         self._streams: dict[str, RequestStream] = {}  # asyncio thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = threading.Event()
@@ -137,15 +144,24 @@ class AsyncEngine:
 
     # ---- the engine thread --------------------------------------------------------------------
     def _run(self) -> None:
+        eng = self.engine
         try:
+            if eng.device.type == "cuda" and eng.device.index is not None:  # the current device is per thread
+                torch.cuda.set_device(eng.device)
+            if self._warmup:
+                try:
+                    self.warmup_info = eng.warmup()
+                except Exception as e:  # the server cannot promise its latency: it reports and stops
+                    log.exception("warm-up failed")
+                    self.warmup_error = f"{type(e).__name__}: {e}"
+                    return
+            self.warmed.set()
             self._loop_steps()
         finally:
             self.engine.owner = None
 
     def _loop_steps(self) -> None:
         eng, faults = self.engine, 0
-        if eng.device.type == "cuda" and eng.device.index is not None:  # the current device is per thread
-            torch.cuda.set_device(eng.device)
         while not self._stop.is_set():
             if not (eng.has_work() or eng.has_output()):
                 # No wake-up is lost: add/abort set the event after queueing, and the loop re-checks

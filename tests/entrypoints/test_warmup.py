@@ -1,0 +1,158 @@
+"""Warm-up before ready (issue 47, item 6): what `LLMEngine.warmup` covers and how the server waits for it.
+
+- every (graph bucket, mode) a serving step takes -- decode / verify buckets in the 8 modes, prefill buckets
+  in the 4 -- is warmed at startup: graph_shapes=True and prefill_graphs=True force the CUDA bucketing on
+  CPU, where `GraphRunner.warm` runs each one eagerly instead of capturing it; a mixed workload afterwards
+  (greedy, sampled, logprobs, penalties, n = 2, prompt logprobs, staggered arrivals) steps only through keys
+  the warm-up warmed;
+- `OpenAIServer(warmup=True)` listens at once but answers /health and every request 503 ("warming up")
+  until the engine thread's warm-up has finished, then 200; a failed warm-up stops the server with an error;
+- `m3eagle serve` warms up by default on CUDA only; --warmup / --no-warmup decide.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any `import triton` (graph_shapes on CPU)
+
+import threading  # noqa: E402
+import time  # noqa: E402
+import urllib.error  # noqa: E402
+import urllib.request  # noqa: E402
+
+import pytest  # noqa: E402
+
+from m3eagle import LLM, SamplingParams  # noqa: E402
+from m3eagle.engine.graph_runner import PREFILL, GraphRunner  # noqa: E402
+from m3eagle.entrypoints.server import OpenAIServer, ServerThread  # noqa: E402
+from tests.helpers.engine_utils import assert_clean  # noqa: E402
+
+
+def _get(url: str, body: dict | None = None) -> tuple[int, dict | str]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode()
+
+
+def test_warmup_covers_every_bucket_serving_steps_take(one_thread, monkeypatch):
+    llm = LLM(device="cpu", max_num_tokens=64, max_model_len=128, max_num_seqs=4, graph_shapes=True,
+              prefill_graphs=True, max_prefill_graph_tokens=32)
+    eng, gr = llm.engine, llm.engine.graphs
+    warmed, stepped = [], set()
+    real_warm, real_ensure = GraphRunner.warm, GraphRunner.ensure
+
+    def warm(self, bucket, mode):
+        warmed.append((bucket, mode))
+        return real_warm(self, bucket, mode)
+
+    def ensure(self, batch, bucket):
+        if bucket is not None:
+            stepped.add((bucket, self.bufs.step_mode(batch.rows)))
+        return real_ensure(self, batch, bucket)
+
+    monkeypatch.setattr(GraphRunner, "warm", warm)
+    monkeypatch.setattr(GraphRunner, "ensure", ensure)
+    info = eng.warmup()
+    n_prefill = sum(1 for t in gr.prefill_buckets for r in gr.prefill_rows if 2 <= r <= t)
+    assert len(warmed) == len(set(warmed)) == info["graphs"] == 8 * len(gr.buckets) + 4 * n_prefill
+    assert {b for b, _ in warmed} >= set(gr.buckets) | {(PREFILL, r, t) for t in gr.prefill_buckets
+                                                         for r in gr.prefill_rows if 2 <= r <= t}
+    assert set(info["variants"]) >= {"sampled", "logprobs", "penalties", "prompt_logprobs", "n=2"}
+    assert eng.num_steps == 0 and eng.counters.num_drafts == 0
+    assert_clean(llm)
+    # A mixed workload: every keyed step it takes was warmed.
+    stepped.clear()
+    params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=7, ignore_eos=True),
+              SamplingParams(temperature=0, logprobs=2, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=5, seed=1, logprobs=1, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=0, presence_penalty=0.4, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=2, n=2, max_tokens=5, ignore_eos=True)]
+    for i in range(12):
+        eng.add_request([3 + (i * 13 + j) % 90 for j in range(5 + 9 * i % 50)], params[i % len(params)])
+        for _ in range(i % 3):
+            eng.step()
+    eng.run()
+    assert stepped and stepped <= set(warmed), sorted(map(str, stepped - set(warmed)))
+    assert any(isinstance(b, tuple) for b, _ in stepped) and any(isinstance(b, int) for b, _ in stepped)
+    assert_clean(llm)
+
+
+@pytest.fixture(scope="module")
+def small_llm(one_thread):
+    return LLM(device="cpu", max_num_seqs=4, max_model_len=128, max_num_tokens=64)
+
+
+def test_health_is_503_until_warmup_finishes(small_llm, monkeypatch):
+    """Requests arriving during the warm-up get a 503 rather than waiting: the warm-up may take minutes,
+    it needs an idle engine, and a load balancer or client reads /health to know when to send."""
+    release, started = threading.Event(), threading.Event()
+    real = small_llm.engine.warmup
+
+    def blocked_warmup(**kw):
+        started.set()
+        assert release.wait(30)
+        return real(graphs=False)
+
+    monkeypatch.setattr(small_llm.engine, "warmup", blocked_warmup)
+    with ServerThread(OpenAIServer(small_llm, log_interval=0, warmup=True)) as st:
+        assert started.wait(30)
+        status, body = _get(st.url + "/health")
+        assert status == 503 and "warming up" in body["error"]["message"]
+        status, body = _get(st.url + "/v1/completions", {"prompt": "def f(", "max_tokens": 2})
+        assert status == 503 and "warming up" in body["error"]["message"]
+        assert small_llm.engine.is_idle_and_clean()  # nothing reached the engine
+        release.set()
+        t_end = time.monotonic() + 30
+        while _get(st.url + "/health")[0] != 200:
+            assert time.monotonic() < t_end, "not ready after the warm-up"
+            time.sleep(0.02)
+        status, body = _get(st.url + "/v1/completions", {"prompt": "def f(", "max_tokens": 2})
+        assert status == 200 and body["usage"]["completion_tokens"] == 2
+    assert small_llm.engine.num_steps > 0 and small_llm.engine.owner is None
+
+
+def test_a_failed_warmup_stops_the_server(small_llm, monkeypatch):
+    def broken(**kw):
+        raise RuntimeError("no memory for graphs")
+
+    monkeypatch.setattr(small_llm.engine, "warmup", broken)
+    server = OpenAIServer(small_llm, log_interval=0, warmup=True)
+    st = ServerThread(server).start()
+    st._thread.join(20)
+    assert not st._thread.is_alive()
+    assert server.failed is not None and "no memory for graphs" in server.failed
+
+
+def test_serve_warms_up_by_default_on_cuda_only(monkeypatch):
+    from m3eagle.entrypoints import cli
+    from m3eagle.entrypoints import server as server_pkg
+
+    seen, device = [], ["cuda"]
+
+    class FakeServer:
+        def __init__(self, llm, **kw):
+            seen.append(kw["warmup"])
+
+    class FakeLLM:
+        def __init__(self, warmup: bool = False, **kw):
+            assert warmup is False  # the server warms up once it listens
+            self.device = type("D", (), {"type": device[0]})()  # the device the LLM resolved
+
+    monkeypatch.setattr("m3eagle.entrypoints.llm.LLM", FakeLLM)
+    monkeypatch.setattr(server_pkg, "OpenAIServer", FakeServer)
+    monkeypatch.setattr(server_pkg, "run_server", lambda *a, **kw: None)
+    for dev, flags in (("cuda", []), ("cpu", []), ("cuda", ["--no-warmup"]), ("cpu", ["--warmup"])):
+        device[0] = dev
+        assert cli.main(["serve", "--port", "0", *flags]) == 0
+    assert seen == [True, False, False, True]
