@@ -79,8 +79,12 @@ class TritonMoE:
 
     def experts(self, x, weights, idx, gate_up_proj, down_proj, alpha, limit, expert_range=None):
         if isinstance(gate_up_proj, MxWeight) and isinstance(down_proj, MxWeight):
-            # expert_range [e0, e1): the range's experts as local 0..e1-e0 (a slice when the stacks hold every
-            # expert); ids outside it fall outside [0, e1 - e0) and contribute zero, as in the reference
+            if x.shape[0] > self._w8a16.GEMV_MAX_T:  # prompt sizes: the sorted grouped GEMMs on the fp8 tiles
+                return self._mod.mx_fused_experts(x, weights, idx, gate_up_proj, down_proj, alpha, limit, expert_range,
+                                                  combine_counters=self._combine_counters(x))
+            # decode sizes: per-pair GEMVs. expert_range [e0, e1): the range's experts as local 0..e1-e0 (a slice
+            # when the stacks hold every expert); ids outside it fall outside [0, e1 - e0) and contribute zero,
+            # as in the reference
             g, d, ids = gate_up_proj, down_proj, idx
             if expert_range is not None:
                 e0, e1 = expert_range

@@ -34,6 +34,8 @@ computed; the combine skips pairs routed elsewhere, so they contribute zero.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -44,6 +46,8 @@ from m3eagle.kernels.moe.align import Alignment, align
 from m3eagle.kernels.moe.reference import local_experts
 from m3eagle.kernels.moe.tuning import MoEConfig
 from m3eagle.kernels.pdl import pdl_wait
+from m3eagle.kernels.quant.mxfp8 import MX_BLOCK, MxWeight
+from m3eagle.kernels.quant.w8a16 import _dequant_tile, _e8m0
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -82,11 +86,41 @@ def _valid_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_tile(x_ptr, w_base, act_ptr, sorted_ptr, row0, pid_n, num_pairs, routed_pairs, hidden, inter,
-                  stride_xt, stride_xh, stride_wn, stride_wh, stride_am, stride_ai, alpha, limit,
+def _mx_dot(a, q_ptrs, s_ptrs, k_left, acc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+            DOT_PREC: tl.constexpr, GROUP_SCALE: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """acc [BM, BN] + a [BM, BK] @ w^T, w [BN, BK] the fp8 tile at q_ptrs [BN, BK] times its ue8m0 scales at s_ptrs
+    [BN, BK / 32] (`w8a16._mx_gemm_kernel`'s tile): dequantized in registers and rounded to a's dtype, exact for
+    bf16 / fp32 (an e4m3 value times a power of two). Columns from k_left on read as zero unless EVEN_K.
+    GROUP_SCALE (fp16 a, BLOCK_K == 32 and K a multiple of 32: whole steps): fp16 cannot hold every q * 2 ** e, so
+    the MMA takes q (exact in fp16) and its fp32 result is scaled per column. UPCAST_DOT (the CPU interpreter,
+    whose bf16 / fp16 tl.dot multiplies raw bits): the same operand values as fp32, input_precision ieee."""
+    dt = a.dtype
+    if GROUP_SCALE:
+        q = tl.load(q_ptrs).to(dt)  # [BN, 32]
+        scale = tl.trans(_e8m0(tl.load(s_ptrs)))  # [1, BN]
+        if UPCAST_DOT:
+            part = tl.dot(a.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
+        else:
+            part = tl.dot(a, tl.trans(q))
+        acc += part * scale
+    else:
+        k_ok = tl.arange(0, BLOCK_K)[None, :] < k_left  # K % 32 == 0: whole scale groups in or out
+        g_ok = (tl.arange(0, BLOCK_K // 32) * 32)[None, :] < k_left
+        w = _dequant_tile(q_ptrs, s_ptrs, k_ok, g_ok, BLOCK_N, BLOCK_K, EVEN_K, False).to(dt)  # [BN, BK]
+        if UPCAST_DOT:
+            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
+def _gate_up_tile(x_ptr, w_base, s_base, act_ptr, sorted_ptr, row0, pid_n, num_pairs, routed_pairs, hidden, inter,
+                  stride_xt, stride_xh, stride_wn, stride_wh, stride_sn, stride_am, stride_ai, alpha, limit,
                   TOP_K: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  DOT_PREC: tl.constexpr):
-    """The act rows row0 .. row0 + BM - 1, columns of tile pid_n, of one expert (weights at w_base).
+                  DOT_PREC: tl.constexpr, MX: tl.constexpr, GROUP_SCALE: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """The act rows row0 .. row0 + BM - 1, columns of tile pid_n, of one expert (weights at w_base; MX: fp8 with
+    their scales [2I, H / 32] at s_base, row stride stride_sn, `_mx_dot`).
 
     The K loop stays masked even where the shapes divide into whole tiles: unmasked loads (padding rows
     reading token 0) made this GEMM slower on the H200 (m3-mini T = 2048: 165 -> 191 us, T = 256: 76 ->
@@ -104,15 +138,30 @@ def _gate_up_tile(x_ptr, w_base, act_ptr, sorted_ptr, row0, pid_n, num_pairs, ro
     u_ptrs = g_ptrs + inter * stride_wn
     acc_g = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k_ok = offs_k < hidden - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & n_ok[None, :]
-        acc_g = tl.dot(a, tl.load(g_ptrs, mask=w_mask, other=0.0), acc_g, input_precision=DOT_PREC)
-        acc_u = tl.dot(a, tl.load(u_ptrs, mask=w_mask, other=0.0), acc_u, input_precision=DOT_PREC)
-        a_ptrs += BLOCK_K * stride_xh
-        g_ptrs += BLOCK_K * stride_wh
-        u_ptrs += BLOCK_K * stride_wh
+    if MX:  # [BN, BK] tiles of rows clamped into the expert (columns past inter are not stored)
+        w_rows = tl.minimum(offs_n, inter - 1).to(tl.int64)
+        q_ptrs = w_base + w_rows[:, None] * stride_wn + offs_k[None, :] * stride_wh  # [BN, BK]
+        s_ptrs = s_base + w_rows[:, None] * stride_sn + tl.arange(0, BLOCK_K // 32)[None, :]  # [BN, BK / 32]
+        for k0 in range(0, hidden, BLOCK_K):
+            k_ok = offs_k < hidden - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            acc_g = _mx_dot(a, q_ptrs, s_ptrs, hidden - k0, acc_g, BLOCK_N, BLOCK_K, False, DOT_PREC, GROUP_SCALE,
+                            UPCAST_DOT)
+            acc_u = _mx_dot(a, q_ptrs + inter * stride_wn, s_ptrs + inter * stride_sn, hidden - k0, acc_u, BLOCK_N,
+                            BLOCK_K, False, DOT_PREC, GROUP_SCALE, UPCAST_DOT)
+            a_ptrs += BLOCK_K * stride_xh
+            q_ptrs += BLOCK_K * stride_wh
+            s_ptrs += BLOCK_K // 32
+    else:
+        for k0 in range(0, hidden, BLOCK_K):
+            k_ok = offs_k < hidden - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w_mask = k_ok[:, None] & n_ok[None, :]
+            acc_g = tl.dot(a, tl.load(g_ptrs, mask=w_mask, other=0.0), acc_g, input_precision=DOT_PREC)
+            acc_u = tl.dot(a, tl.load(u_ptrs, mask=w_mask, other=0.0), acc_u, input_precision=DOT_PREC)
+            a_ptrs += BLOCK_K * stride_xh
+            g_ptrs += BLOCK_K * stride_wh
+            u_ptrs += BLOCK_K * stride_wh
 
     # SwiGLU-OAI exactly as layers.swiglu_oai: gate clamped above only, up on both sides.
     gate = tl.minimum(acc_g, limit)
@@ -123,13 +172,14 @@ def _gate_up_tile(x_ptr, w_base, act_ptr, sorted_ptr, row0, pid_n, num_pairs, ro
 
 
 @triton.jit(do_not_specialize=["num_pairs", "routed_pairs", "max_blocks"])
-def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
+def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, s_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
                     num_pairs, routed_pairs, shared_col, max_blocks, hidden, inter, s_inter, n_cols,
-                    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_am, stride_ai,
+                    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_se, stride_sn, stride_am, stride_ai,
                     alpha, limit,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr,
-                    SHARED_APART: tl.constexpr, SPLIT_TAIL: tl.constexpr, PDL: tl.constexpr):
+                    SHARED_APART: tl.constexpr, SPLIT_TAIL: tl.constexpr, MX: tl.constexpr, GROUP_SCALE: tl.constexpr,
+                    UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
     """act[r, n] = swiglu_oai(x[token(r)] @ [gate_n; up_n]) for the rows r of one block of one expert.
 
     gate_up_proj [E, 2I, H] holds gate rows 0..I-1 then up rows I..2I-1; a program computes block_n gate
@@ -139,38 +189,44 @@ def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, block_expert_ptr,
     tile -- the same rows, half the MMA work on padding. SHARED_APART: the shared expert is s_inter wide, not
     inter (same inner strides); n_cols = max(inter, s_inter) columns of tiles, a block's tiles past its
     expert's width store nothing, and the shared expert's blocks call the tile with their own width (a
-    separate call keeps the routed one's argument hints)."""
+    separate call keeps the routed one's argument hints). MX: w_ptr is the fp8 stack [E, 2I, H] and s_ptr its scales
+    [E, 2I, H / 32] (unit stride along H / 32; no shared expert), dequantized per tile (`_mx_dot`)."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     pid_m, pid_n = _block_coords(tl.program_id(0), max_blocks, tl.cdiv(n_cols, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     w_base = _expert_base(w_ptr, ws_ptr, expert, stride_we, shared_col, HAS_SHARED)
+    s_base = s_ptr
+    if MX:
+        s_base = s_ptr + expert * stride_se
     if SHARED_APART:
         if expert == shared_col:
             if pid_n * BLOCK_N < s_inter:
-                _gate_up_tile(x_ptr, w_base, act_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs, routed_pairs,
-                              hidden, s_inter, stride_xt, stride_xh, stride_wn, stride_wh, stride_am, stride_ai, alpha,
-                              limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
+                _gate_up_tile(x_ptr, w_base, s_base, act_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs,
+                              routed_pairs, hidden, s_inter, stride_xt, stride_xh, stride_wn, stride_wh, stride_sn,
+                              stride_am, stride_ai, alpha, limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, MX,
+                              GROUP_SCALE, UPCAST_DOT)
             return
         if pid_n * BLOCK_N >= inter:
             return
     if SPLIT_TAIL and _valid_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M) <= BLOCK_M // 2:
-        _gate_up_tile(x_ptr, w_base, act_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs, routed_pairs, hidden,
-                      inter, stride_xt, stride_xh, stride_wn, stride_wh, stride_am, stride_ai, alpha, limit, TOP_K,
-                      BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PREC)
+        _gate_up_tile(x_ptr, w_base, s_base, act_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs, routed_pairs,
+                      hidden, inter, stride_xt, stride_xh, stride_wn, stride_wh, stride_sn, stride_am, stride_ai, alpha,
+                      limit, TOP_K, BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PREC, MX, GROUP_SCALE, UPCAST_DOT)
     else:
-        _gate_up_tile(x_ptr, w_base, act_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs, routed_pairs, hidden,
-                      inter, stride_xt, stride_xh, stride_wn, stride_wh, stride_am, stride_ai, alpha, limit, TOP_K,
-                      BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
+        _gate_up_tile(x_ptr, w_base, s_base, act_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs, routed_pairs,
+                      hidden, inter, stride_xt, stride_xh, stride_wn, stride_wh, stride_sn, stride_am, stride_ai, alpha,
+                      limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, MX, GROUP_SCALE, UPCAST_DOT)
 
 
 @triton.jit
-def _down_tile(act_ptr, w_base, contrib_ptr, weights_ptr, sorted_ptr, row0, pid_n, num_pairs, routed_pairs, hidden,
-               inter, routed_scale, stride_am, stride_ai, stride_wh, stride_wi, stride_cp, stride_ch,
+def _down_tile(act_ptr, w_base, s_base, contrib_ptr, weights_ptr, sorted_ptr, row0, pid_n, num_pairs, routed_pairs,
+               hidden, inter, routed_scale, stride_am, stride_ai, stride_wh, stride_wi, stride_sh, stride_cp, stride_ch,
                BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
-               EVEN: tl.constexpr):
-    """The contrib rows of the pairs in act rows row0 .. row0 + BM - 1, columns of tile pid_n.
+               EVEN: tl.constexpr, MX: tl.constexpr, GROUP_SCALE: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """The contrib rows of the pairs in act rows row0 .. row0 + BM - 1, columns of tile pid_n (MX: fp8 weights
+    with their scales [H, I / 32] at s_base, row stride stride_sh, `_mx_dot`).
 
     EVEN (the K range a multiple of BLOCK_K, hidden of BLOCK_N): whole tiles, no mask. act has every padded
     row (gate_up leaves padding rows unwritten), and an MMA row depends only on its own A row, so the
@@ -185,17 +241,32 @@ def _down_tile(act_ptr, w_base, contrib_ptr, weights_ptr, sorted_ptr, row0, pid_
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ai  # [BM, BK]
     w_ptrs = w_base + offs_n[None, :] * stride_wh + offs_k[:, None] * stride_wi  # [BK, BN]
     acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        if EVEN:
-            a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            k_ok = offs_k < inter - k0
-            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
-        a_ptrs += BLOCK_K * stride_ai
-        w_ptrs += BLOCK_K * stride_wi
+    if MX:  # [BN, BK] tiles of rows clamped into H (columns past hidden are not stored)
+        w_rows = tl.minimum(offs_n, hidden - 1).to(tl.int64)
+        q_ptrs = w_base + w_rows[:, None] * stride_wh + offs_k[None, :] * stride_wi  # [BN, BK]
+        s_ptrs = s_base + w_rows[:, None] * stride_sh + tl.arange(0, BLOCK_K // 32)[None, :]  # [BN, BK / 32]
+        for k0 in range(0, inter, BLOCK_K):
+            if EVEN:
+                a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < inter - k0)[None, :], other=0.0)
+            acc = _mx_dot(a, q_ptrs, s_ptrs, inter - k0, acc, BLOCK_N, BLOCK_K, EVEN, DOT_PREC, GROUP_SCALE,
+                          UPCAST_DOT)
+            a_ptrs += BLOCK_K * stride_ai
+            q_ptrs += BLOCK_K * stride_wi
+            s_ptrs += BLOCK_K // 32
+    else:
+        for k0 in range(0, inter, BLOCK_K):
+            if EVEN:
+                a = tl.load(a_ptrs)
+                w = tl.load(w_ptrs)
+            else:
+                k_ok = offs_k < inter - k0
+                a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+            a_ptrs += BLOCK_K * stride_ai
+            w_ptrs += BLOCK_K * stride_wi
 
     routed = pair < routed_pairs
     route_w = tl.load(weights_ptr + pair, mask=valid & routed, other=0.0).to(tl.float32)  # [BM]
@@ -207,20 +278,22 @@ def _down_tile(act_ptr, w_base, contrib_ptr, weights_ptr, sorted_ptr, row0, pid_
 
 
 @triton.jit(do_not_specialize=["num_pairs", "routed_pairs", "max_blocks", "n_tok", "e_start"])
-def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
+def _down_kernel(act_ptr, w_ptr, ws_ptr, s_ptr, contrib_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr,
                  idx_ptr, out_ptr, cnt_ptr,
                  num_pairs, routed_pairs, shared_col, max_blocks, hidden, inter, s_inter, routed_scale, n_tok, e_start,
-                 num_local, stride_am, stride_ai, stride_we, stride_wh, stride_wi, stride_swh, stride_cp, stride_ch,
-                 stride_ot, stride_oh,
+                 num_local, stride_am, stride_ai, stride_we, stride_wh, stride_wi, stride_swh, stride_se, stride_sh,
+                 stride_cp, stride_ch, stride_ot, stride_oh,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_APART: tl.constexpr,
                  SPLIT_TAIL: tl.constexpr, TOP_K: tl.constexpr, FUSE_COMBINE: tl.constexpr, T_PAD: tl.constexpr,
-                 EVEN: tl.constexpr, PDL: tl.constexpr):
+                 EVEN: tl.constexpr, MX: tl.constexpr, GROUP_SCALE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                 PDL: tl.constexpr):
     """contrib[pair(r)] = weight(pair(r)) * (act[r] @ down_proj[e]^T) for the rows r of one block; a routed
     pair's weight is its routing weight times routed_scale, a shared-expert pair's is 1. SPLIT_TAIL as in
     `_gate_up_kernel`. FUSE_COMBINE (n_tok <= T_PAD tokens, cnt [cdiv(hidden, BLOCK_N)] int32 zero between
     launches): the last program of each column tile also writes out[:, tile] (module docstring); idx_ptr,
-    out_ptr, e_start, num_local and the out strides serve only that.
+    out_ptr, e_start, num_local and the out strides serve only that. MX: w_ptr is the fp8 stack [E, H, I] and s_ptr
+    its scales [E, H, I / 32] (unit stride along I / 32; no shared expert), as in `_gate_up_kernel`.
 
     The expert output is rounded to the activation dtype before the fp32 weighting, as the reference's
     per-expert einsum result is. The weighted row is stored in the activation dtype too: half the traffic
@@ -241,18 +314,21 @@ def _down_kernel(act_ptr, w_ptr, ws_ptr, contrib_ptr, weights_ptr, sorted_ptr, b
         return
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     w_base = _expert_base(w_ptr, ws_ptr, expert, stride_we, shared_col, HAS_SHARED)
+    s_base = s_ptr
+    if MX:
+        s_base = s_ptr + expert * stride_se
     if SHARED_APART and expert == shared_col:  # its own K range and row stride (SHARED_APART: gate_up's)
-        _down_tile(act_ptr, w_base, contrib_ptr, weights_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs,
-                   routed_pairs, hidden, s_inter, routed_scale, stride_am, stride_ai, stride_swh, stride_wi,
-                   stride_cp, stride_ch, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, EVEN)
+        _down_tile(act_ptr, w_base, s_base, contrib_ptr, weights_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs,
+                   routed_pairs, hidden, s_inter, routed_scale, stride_am, stride_ai, stride_swh, stride_wi, stride_sh,
+                   stride_cp, stride_ch, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, EVEN, MX, GROUP_SCALE, UPCAST_DOT)
     elif SPLIT_TAIL and _valid_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M) <= BLOCK_M // 2:
-        _down_tile(act_ptr, w_base, contrib_ptr, weights_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs,
-                   routed_pairs, hidden, inter, routed_scale, stride_am, stride_ai, stride_wh, stride_wi, stride_cp,
-                   stride_ch, BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PREC, EVEN)
+        _down_tile(act_ptr, w_base, s_base, contrib_ptr, weights_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs,
+                   routed_pairs, hidden, inter, routed_scale, stride_am, stride_ai, stride_wh, stride_wi, stride_sh,
+                   stride_cp, stride_ch, BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PREC, EVEN, MX, GROUP_SCALE, UPCAST_DOT)
     else:
-        _down_tile(act_ptr, w_base, contrib_ptr, weights_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs,
-                   routed_pairs, hidden, inter, routed_scale, stride_am, stride_ai, stride_wh, stride_wi, stride_cp,
-                   stride_ch, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, EVEN)
+        _down_tile(act_ptr, w_base, s_base, contrib_ptr, weights_ptr, sorted_ptr, pid_m * BLOCK_M, pid_n, num_pairs,
+                   routed_pairs, hidden, inter, routed_scale, stride_am, stride_ai, stride_wh, stride_wi, stride_sh,
+                   stride_cp, stride_ch, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, EVEN, MX, GROUP_SCALE, UPCAST_DOT)
     if FUSE_COMBINE:
         tl.debug_barrier()  # every thread's contrib stores are issued before the release below
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
@@ -347,16 +423,43 @@ def shared_fusable(t: int, k: int, w13: torch.Tensor, w2: torch.Tensor, shared: 
     return bool(cfg.direct) and direct.usable(w13, w2, shared)
 
 
+def _mx_args(w: torch.Tensor | MxWeight, x: torch.Tensor, cfg: MoEConfig, shared: torch.Tensor | None,
+             ) -> tuple[torch.Tensor, torch.Tensor, int, int, dict[str, bool]]:
+    """(the weight stack the kernel reads, the scale pointer, its expert and row strides, the MX constexprs) for
+    a plain stack (its own tensor as the never-read scale pointer) or an MXFP8 one (`w` [E, N, K] fp8 with
+    scale [E, N, K / 32] u8, unit stride along K and K / 32; block_k a multiple of 32, 32 for fp16 x: its
+    GROUP_SCALE steps are one scale group; no shared expert)."""
+    if not isinstance(w, MxWeight):
+        return w, w, 0, 0, {"MX": False, "GROUP_SCALE": False, "UPCAST_DOT": False}
+    q, sc = w.q, w.scale
+    if shared is not None:
+        raise ValueError("the MXFP8 sorted MoE runs the shared expert apart (no fused shared expert)")
+    if q.dtype != torch.float8_e4m3fn or sc.dtype != torch.uint8 or q.dim() != 3 \
+            or tuple(sc.shape) != (*q.shape[:2], q.shape[2] // MX_BLOCK) or q.shape[2] % MX_BLOCK:
+        raise ValueError(f"MXFP8 experts need q [E, N, K] float8_e4m3fn (K % {MX_BLOCK} == 0) and scale [E, N, K / "
+                         f"{MX_BLOCK}] uint8: got q {q.dtype} {tuple(q.shape)}, scale {sc.dtype} {tuple(sc.shape)}")
+    if q.stride(2) != 1 or sc.stride(2) != 1:
+        raise ValueError(f"MXFP8 experts need unit stride along K: q {q.stride()}, scale {sc.stride()}")
+    group = x.dtype == torch.float16
+    if cfg.block_k % MX_BLOCK or (group and cfg.block_k != MX_BLOCK):
+        raise ValueError(f"MXFP8 experts need block_k a multiple of {MX_BLOCK} ({MX_BLOCK} for fp16), got {cfg}")
+    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return q, sc, sc.stride(0), sc.stride(1), {"MX": True, "GROUP_SCALE": group,
+                                               "UPCAST_DOT": interp and x.dtype != torch.float32}
+
+
 def _split_tail(cfg: MoEConfig) -> bool:
     """Half-height tail tiles: asked for, and block_m / 2 still at least tl.dot's 16 rows."""
     return bool(cfg.split_tail) and cfg.block_m >= 32
 
 
-def gate_up(x: torch.Tensor, w13: torch.Tensor, al: Alignment, top_k: int, alpha: float, limit: float,
+def gate_up(x: torch.Tensor, w13: torch.Tensor | MxWeight, al: Alignment, top_k: int, alpha: float, limit: float,
             cfg: MoEConfig, shared_gate_up: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] -> act [max_blocks * block_m, max(I, I_s)] (rows of padding entries
     unwritten; a row's columns past its expert's width too). With `shared_gate_up` [2I_s, H] (w13's inner
-    strides; alignment made with shared=True) the shared expert's rows are computed too."""
+    strides; alignment made with shared=True) the shared expert's rows are computed too. w13 may be an MXFP8
+    MxWeight (`_mx_args`), dequantized per tile into x.dtype."""
+    w13, s13, stride_se, stride_sn, mx = _mx_args(w13, x, cfg, shared_gate_up)
     inter = w13.shape[1] // 2
     ws = w13 if shared_gate_up is None else shared_gate_up
     s_inter = ws.shape[-2] // 2
@@ -364,13 +467,13 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, al: Alignment, top_k: int, alpha
     act = torch.empty(al.max_blocks * al.block_m, n_cols, dtype=x.dtype, device=x.device)
     grid = (al.max_blocks * triton.cdiv(n_cols, cfg.block_n),)
     _gate_up_kernel[grid](
-        x, w13, ws, act, al.sorted_ids, al.block_expert, al.num_blocks, al.num_pairs, al.routed_pairs,
+        x, w13, ws, s13, act, al.sorted_ids, al.block_expert, al.num_blocks, al.num_pairs, al.routed_pairs,
         w13.shape[0], al.max_blocks,
         x.shape[1], inter, s_inter, n_cols, x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
-        act.stride(0), act.stride(1), float(alpha), float(limit),
+        stride_se, stride_sn, act.stride(0), act.stride(1), float(alpha), float(limit),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         DOT_PREC=_dot_precision(x.dtype), HAS_SHARED=shared_gate_up is not None,
-        SHARED_APART=shared_gate_up is not None and s_inter != inter, SPLIT_TAIL=_split_tail(cfg),
+        SHARED_APART=shared_gate_up is not None and s_inter != inter, SPLIT_TAIL=_split_tail(cfg), **mx,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(x))
     return act
 
@@ -378,7 +481,7 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, al: Alignment, top_k: int, alpha
 COMBINE_FUSE_MAX_T = 16  # steps of up to this many tokens sum in down's last programs (module docstring)
 
 
-def down(act: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, al: Alignment, cfg: MoEConfig,
+def down(act: torch.Tensor, w2: torch.Tensor | MxWeight, weights: torch.Tensor, al: Alignment, cfg: MoEConfig,
          shared_down: torch.Tensor | None = None, routed_scale: float = 1.0,
          combine_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None = None,
          even: bool | None = None) -> torch.Tensor:
@@ -390,7 +493,9 @@ def down(act: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, al: Alignme
     combine(contrib, idx, e_start, num_local, out.dtype, shared) into out, from the same launch (T <=
     COMBINE_FUSE_MAX_T, cdiv(H, block_n) <= counters.numel(); counters zero, used by one stream at a time).
     `even` forces the unmasked K loop on or off (tests); None takes it wherever I, I_s and H divide into
-    whole tiles (act must then have every padded row: gate_up's buffer has)."""
+    whole tiles (act must then have every padded row: gate_up's buffer has). w2 may be an MXFP8 MxWeight
+    (`_mx_args`)."""
+    w2, s2, stride_se, stride_sh, mx = _mx_args(w2, act, cfg, shared_down)
     weights = weights.reshape(-1).float().contiguous()  # [T*k] fp32; no copy when it already is
     hidden, inter = w2.shape[1], w2.shape[2]
     ws = w2 if shared_down is None else shared_down
@@ -412,15 +517,15 @@ def down(act: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, al: Alignme
     else:  # placeholders the kernel never reads (FUSE_COMBINE off)
         idx, out, counters, e_start, num_local, n_tok, top_k = weights, contrib, weights, 0, 0, 0, 1
     _down_kernel[grid](
-        act, w2, ws, contrib, weights, al.sorted_ids, al.block_expert, al.num_blocks, idx, out, counters,
+        act, w2, ws, s2, contrib, weights, al.sorted_ids, al.block_expert, al.num_blocks, idx, out, counters,
         al.num_pairs, al.routed_pairs, w2.shape[0], al.max_blocks, hidden, inter, s_inter, float(routed_scale), n_tok,
-        e_start, num_local, act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), s_row,
-        contrib.stride(0), contrib.stride(1), out.stride(0), out.stride(1),
+        e_start, num_local, act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), s_row, stride_se,
+        stride_sh, contrib.stride(0), contrib.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         DOT_PREC=_dot_precision(act.dtype), HAS_SHARED=shared_down is not None,
         SHARED_APART=shared_down is not None and s_inter != inter, SPLIT_TAIL=_split_tail(cfg), TOP_K=top_k,
         FUSE_COMBINE=combine_into is not None,
-        T_PAD=max(1, triton.next_power_of_2(n_tok)), EVEN=even, num_warps=cfg.num_warps,
+        T_PAD=max(1, triton.next_power_of_2(n_tok)), EVEN=even, **mx, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl.args(act))
     return contrib
 
@@ -480,3 +585,41 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gat
         return out
     contrib = down(act, w2, weights, al, dcfg, s_down, routed_scale)
     return combine(contrib, idx, e0, num_local, x.dtype, shared is not None)
+
+
+def mx_fused_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up_proj: MxWeight,
+                     down_proj: MxWeight, alpha: float, limit: float, expert_range: tuple[int, int] | None = None,
+                     config: MoEConfig | None = None, combine_counters: torch.Tensor | None = None) -> torch.Tensor:
+    """`fused_experts` for MXFP8 experts (prompt-sized steps; `w8a16.mx_moe_experts` is the decode path):
+    x [T, H] bf16 / fp16 / fp32, weights [T, k] fp32, idx [T, k], gate_up_proj MxWeight(q [E, 2I, H] fp8,
+    scale [E, 2I, H / 32] u8), down_proj MxWeight(q [E, H, I], scale [E, H, I / 32]) -> [T, H] x.dtype.
+
+    = `reference.experts` on the dequantized weights, rounded as `fused_experts` rounds: the same sort, grouped
+    GEMMs (each weight tile dequantized in registers, exactly) and combine. No shared expert (MXFP8 layers run
+    it apart). `config` pins the blocks (block_k a multiple of 32; 32 for fp16 x); None takes
+    `tuning.mx_config`'s rule. `combine_counters` as in `fused_experts`."""
+    if not (isinstance(gate_up_proj, MxWeight) and isinstance(down_proj, MxWeight)):
+        raise TypeError("mx_fused_experts: gate_up_proj and down_proj must both be MxWeights")
+    q13, q2, e0 = local_experts(gate_up_proj.q, down_proj.q, expert_range)
+    s13, s2, _ = local_experts(gate_up_proj.scale, down_proj.scale, expert_range)
+    num_local, two_i, hidden = q13.shape
+    if two_i % 2 or tuple(q2.shape) != (num_local, hidden, two_i // 2):
+        raise ValueError(f"MXFP8 experts: gate_up q {tuple(q13.shape)} must be [E, 2I, H] and down q "
+                         f"{tuple(q2.shape)} [E, H, I] of the same E, H, I")
+    if x.dim() != 2 or x.shape[1] != hidden or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"MXFP8 experts: x must be bf16 / fp16 / fp32 [T, {hidden}], got {x.dtype} {tuple(x.shape)}")
+    t, k = idx.shape
+    if t == 0 or num_local == 0:
+        return torch.zeros_like(x)
+    cfg = config or tuning.mx_config(t, num_local, k, x.dtype)
+    al = align(idx, e0, num_local, cfg.block_m)
+    act = gate_up(x, MxWeight(q13, s13), al, k, alpha, limit, cfg)
+    dcfg = cfg.down()
+    w2 = MxWeight(q2, s2)
+    if (combine_counters is not None and t <= COMBINE_FUSE_MAX_T
+            and triton.cdiv(hidden, dcfg.block_n) <= combine_counters.numel()):
+        out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
+        down(act, w2, weights, al, dcfg, combine_into=(idx.contiguous(), out, combine_counters, e0, num_local))
+        return out
+    contrib = down(act, w2, weights, al, dcfg)
+    return combine(contrib, idx, e0, num_local, x.dtype)

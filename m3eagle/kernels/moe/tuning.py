@@ -97,9 +97,13 @@ def heuristic_config(num_tokens: int, num_experts: int, top_k: int) -> MoEConfig
     """H200-minded defaults by tokens per expert (close to what vLLM ships for similar shapes): small row
     blocks and narrow column blocks while the step is weight-bandwidth-bound, so enough programs stream
     the few chosen experts' weights; 64-row blocks and wide tiles once it is FLOP-bound."""
-    per_expert = num_tokens * top_k / max(1, num_experts)
     if num_tokens <= 4:  # decode / batch-1 verify: no sorting, two launches (direct.py)
         return MoEConfig(16, 16, 256, num_stages=1, direct=1, down_block_n=16, down_block_k=128)
+    return _sorted_heuristic(num_tokens * top_k / max(1, num_experts))
+
+
+def _sorted_heuristic(per_expert: float) -> MoEConfig:
+    """The sorted path's blocks by routed pairs per expert."""
     if per_expert <= 4:
         return MoEConfig(16, 32, 128, 1, 4, 4)
     if per_expert <= 16:
@@ -109,6 +113,20 @@ def heuristic_config(num_tokens: int, num_experts: int, top_k: int) -> MoEConfig
     if per_expert <= 256:
         return MoEConfig(64, 64, 64, 8, 4, 3)
     return MoEConfig(64, 128, 64, 8, 8, 3)
+
+
+def mx_config(num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype) -> MoEConfig:
+    """The MXFP8 sorted path's blocks (`triton_moe.mx_fused_experts`): a rule, not the table (its entries are
+    measured with bf16 weights). `heuristic_config`'s sorted-path row and column blocks by tokens per expert,
+    with block_k 64 (two scale groups) and 8 warps from 16 pairs per expert on: the gate and up tiles are
+    dequantized in registers beside the accumulators, and ptxas (sm_90) spills the gate_up GEMM at block_k 128
+    or 4 warps there (16 x 64 x 128: 1.5 KB a thread; 16 x 64 x 64 at 8 warps: none). fp16 activations take
+    block_k 32: their scale applies per 32-column group after the MMA (`triton_moe._mx_dot`'s GROUP_SCALE)."""
+    per_expert = num_tokens * top_k / max(1, num_experts)
+    cfg = replace(_sorted_heuristic(per_expert), block_k=64)
+    if per_expert > 4:
+        cfg = replace(cfg, num_warps=8)
+    return replace(cfg, block_k=32) if dtype == torch.float16 else cfg
 
 
 @functools.cache
