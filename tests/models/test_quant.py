@@ -131,8 +131,14 @@ def test_engine_tokens_equal_the_dequantized_checkpoint(model_dir, head_dir, mak
     assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(8))] == want
 
 
-def test_triton_path_runs_the_w8a16_kernels(model_dir, make_llm, monkeypatch):
+def test_triton_path_runs_the_w8a16_kernels(model_dir, monkeypatch):
+    """A quantized model's projections (packed q/k/v, o_proj, MLPs) and routed experts through the Triton ops run
+    the W8A16 kernels (spied) and match the reference ops, which dequantize, within fp32 summation order."""
     pytest.importorskip("triton")
+    from m3eagle.kernels.fused import triton_backend
+    from m3eagle.kernels.ops import make_ops
+    from m3eagle.models.layers import SparseMoE
+
     calls = {"linear": 0, "moe": 0}
     lin, moe = w8a16.mx_linear, w8a16.mx_moe_experts
 
@@ -144,16 +150,24 @@ def test_triton_path_runs_the_w8a16_kernels(model_dir, make_llm, monkeypatch):
         calls["moe"] += 1
         return moe(*a, **k)
 
-    from m3eagle.kernels.fused import triton_backend
-
     monkeypatch.setattr(triton_backend, "mx_linear", spy_linear)
     monkeypatch.setattr(w8a16, "mx_moe_experts", spy_moe)
-    ref = make_llm(model_dir, num_draft_tokens=0, quantization="fp8")
-    fast = make_llm(model_dir, num_draft_tokens=0, quantization="fp8", fused_backend="triton", moe_backend="triton")
-    want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS[:1], greedy(2))]
-    assert calls == {"linear": 0, "moe": 0}
-    assert [o.outputs[0].token_ids for o in fast.generate(PROMPTS[:1], greedy(2))] == want
-    assert calls["linear"] > 0 and calls["moe"] > 0
+    model = load_target(model_dir)
+    quantize_online(model)
+    pack_projections(model)
+    fast, ref = make_ops("reference", "triton", "cpu", "triton"), make_ops("reference", "reference", "cpu", "reference")
+    x = torch.randn(3, model.cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    layer = next(lay for lay in model.layers if isinstance(lay.mlp, SparseMoE))
+    pairs = [(layer.self_attn.proj(x, fast.fused), layer.self_attn.proj(x, ref.fused)),
+             (layer.self_attn.o_proj(x, fast.fused), layer.self_attn.o_proj(x, ref.fused))]
+    w, idx = layer.mlp.gate(x)
+    fa, fb, _ = layer.mlp.expert_parts(x, w, idx, fast.moe, fast.fused)
+    ra, rb, _ = layer.mlp.expert_parts(x, w, idx, ref.moe, ref.fused)
+    pairs += [([fa, fb], [ra, rb])]
+    for got, want in pairs:
+        for g, r in zip(got, want):
+            assert torch.allclose(g, r, rtol=1e-5, atol=1e-5)
+    assert calls["linear"] >= 4 and calls["moe"] == 1
 
 
 def test_unknown_quantization_is_refused_by_name(model_dir):
