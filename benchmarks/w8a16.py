@@ -1,6 +1,7 @@
 """W8A16 MXFP8 kernels (m3eagle/kernels/quant/w8a16.py) vs bf16 on a CUDA GPU: `mx_linear` against bf16
-F.linear (cuBLAS) and the bf16 decode GEMV (m3eagle/kernels/fused/gemv.py), and `mx_moe_experts` against the
-bf16 Triton MoE (m3eagle/kernels/moe/triton_moe.py).
+F.linear (cuBLAS) and the bf16 decode GEMV (m3eagle/kernels/fused/gemv.py), and the MXFP8 routed MoE as the
+Triton backend runs it (`TritonMoE.experts`: `mx_moe_experts`' per-pair GEMVs at T <= 8, the sorted grouped GEMMs
+`triton_moe.mx_fused_experts` above) against the bf16 Triton MoE (m3eagle/kernels/moe/triton_moe.py).
 
     python benchmarks/w8a16.py                         # M3 + m3-8b + m3-mini shapes, T in 1, 2, 4, 8, 2048, + MoE
     python benchmarks/w8a16.py --json w8a16.json       # also write every number to one JSON document
@@ -239,8 +240,11 @@ def tune_moe(args: argparse.Namespace, copy_bw: float) -> list[dict[str, Any]]:
 
 
 def bench_moe(ts: list[int], args: argparse.Namespace, copy_bw: float) -> list[dict]:
-    from m3eagle.kernels.moe import triton_moe
-    from m3eagle.kernels.quant.mxfp8 import dequantize_mx, quantize_mx
+    """The MXFP8 MoE as `TritonMoE.experts` runs it (path by T) against the bf16 Triton MoE through the same backend;
+    with --moe-pair-gemv also the per-pair GEMVs at T > 8."""
+    from m3eagle.kernels.moe.backend import TritonMoE
+    from m3eagle.kernels.quant import w8a16
+    from m3eagle.kernels.quant.mxfp8 import MxWeight, dequantize_mx, quantize_mx
     from m3eagle.kernels.quant.w8a16 import mx_moe_experts
 
     dev = torch.device("cuda")
@@ -260,29 +264,35 @@ def bench_moe(ts: list[int], args: argparse.Namespace, copy_bw: float) -> list[d
                   torch.stack([dequantize_mx(q2[i], s2[i], torch.bfloat16) for i in range(e)]))
         except torch.OutOfMemoryError:
             print("bf16 MoE weights do not fit: no bf16 comparison")
+    impl = TritonMoE()
+    mx13, mx2 = MxWeight(q13, s13), MxWeight(q2, s2)
     rows = []
     for t in ts:
         g = torch.Generator(device=dev).manual_seed(t)
         x = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16)
         ids = torch.stack([torch.randperm(e, device=dev, generator=g)[:k] for _ in range(t)])
         wts = torch.rand(t, k, device=dev, generator=g)
-        out = mx_moe_experts(x, wts, ids, q13, s13, q2, s2, alpha, limit)
-        row: dict[str, Any] = {"t": t, "E": e, "k": k, "H": h, "I": inter}
+        out = impl.experts(x, wts, ids, mx13, mx2, alpha, limit)
+        path = "pair_gemv" if t <= w8a16.GEMV_MAX_T else "sorted"
+        row: dict[str, Any] = {"t": t, "E": e, "k": k, "H": h, "I": inter, "mx_path": path}
         used = torch.unique(ids).numel()
         nbytes = used * (3 * h * inter) * (1 + 1 / 32) + 2 * t * h
         if bf is not None:
-            ref = triton_moe.fused_experts(x, wts, ids, bf[0], bf[1], alpha, limit)
+            ref = impl.experts(x, wts, ids, bf[0], bf[1], alpha, limit)
             row["err_vs_bf16_moe"] = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
         calls = args.min_calls if t <= 8 else 2
         reps = args.replays if t <= 8 else 3
-        us = graph_time(lambda x, a: mx_moe_experts(x, *a, q13, s13, q2, s2, alpha, limit), x, [(wts, ids)], reps, calls)
+        us = graph_time(lambda x, a: impl.experts(x, *a, mx13, mx2, alpha, limit), x, [(wts, ids)], reps, calls)
         row.update(mx_us=us, experts_read=used, mx_gbs=nbytes / us / 1e3)
         row["mx_pct_copy"] = 100 * row["mx_gbs"] / copy_bw
+        if args.moe_pair_gemv and path != "pair_gemv":
+            row["mx_pair_gemv_us"] = graph_time(lambda x, a: mx_moe_experts(x, *a, q13, s13, q2, s2, alpha, limit), x,
+                                                [(wts, ids)], reps, calls)
         if bf is not None:
-            row["bf16_moe_us"] = graph_time(lambda x, a: triton_moe.fused_experts(x, *a, bf[0], bf[1], alpha, limit),
+            row["bf16_moe_us"] = graph_time(lambda x, a: impl.experts(x, *a, bf[0], bf[1], alpha, limit),
                                             x, [(wts, ids)], reps, calls)
         rows.append(row)
-        print(f"MoE E={e} k={k} H={h} I={inter} T={t:<5} mx {us:10.1f} us {row['mx_gbs']:7.0f} GB/s "
+        print(f"MoE E={e} k={k} H={h} I={inter} T={t:<5} mx ({path}) {us:10.1f} us {row['mx_gbs']:7.0f} GB/s "
               f"({row['mx_pct_copy']:4.0f}% copy; {used} experts read) | bf16 triton MoE "
               f"{row.get('bf16_moe_us', math.nan):10.1f} us | err vs bf16 MoE {row.get('err_vs_bf16_moe', math.nan):.1e}",
               flush=True)
@@ -296,6 +306,8 @@ def main() -> None:
     p.add_argument("--moe-t", default="1,2048", help="tokens per MoE call")
     p.add_argument("--no-moe", action="store_true")
     p.add_argument("--no-bf16-moe", action="store_true", help="skip the bf16 MoE comparison (14.5 GB of weights)")
+    p.add_argument("--moe-pair-gemv", action="store_true",
+                   help="also time the per-pair GEMV MoE (mx_moe_experts) at T > 8, where TritonMoE runs the sorted path")
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--hidden", type=int, default=6144)
