@@ -30,6 +30,11 @@ the separate combine.
 
 Expert subset (tensor / expert parallelism): with expert_range [e0, e1) only those experts are aligned and
 computed; the combine skips pairs routed elsewhere, so they contribute zero.
+
+MXFP8 experts (`mx_fused_experts`, prompt-sized steps): the same launches with the `MX` constexpr, the weight
+stacks fp8 [E, N, K] with ue8m0 scales [E, N, K / 32]; each K step loads the fp8 tile and its scale bytes and
+dequantizes in registers into the activation dtype before tl.dot (`_mx_dot`, `w8a16._mx_gemm_kernel`'s tile),
+exactly for bf16 / fp32. With MX off the kernels are the bf16 ones (the MX code sits under constexpr branches).
 """
 
 from __future__ import annotations

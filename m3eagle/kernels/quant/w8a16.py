@@ -38,8 +38,9 @@ token p // k and expert ids[p]'s gate rows [n] and up rows [I + n] (gate_up hold
 reference's roundings) -> act [T * k, I] in x.dtype. `_mx_moe_down_kernel` grid (T, cdiv(H, BN)): the token's k
 experts in order j = 0..k-1, each output rounded to x.dtype, times its fp32 routing weight, summed in fp32 in that
 fixed order, rounded once. Pairs whose id is outside [0, E) contribute zero (as the reference's expert_range).
-At prompt sizes each pair re-reads its expert's weights (from L2): a sorted-token grouped GEMM (moe/align.py +
-this GEMM's dequantizing tile) is the fast path still to build.
+At prompt sizes each pair re-reads its expert's weights (from L2), so `TritonMoE` runs it only up to GEMV_MAX_T
+tokens; above, `moe/triton_moe.py: mx_fused_experts` sorts the pairs by expert and runs grouped GEMMs on this
+GEMM's dequantizing tile.
 """
 
 from __future__ import annotations
