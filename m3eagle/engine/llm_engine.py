@@ -267,19 +267,26 @@ class LLMEngine(OutputProcessor):
 
     # ---- warm-up ------------------------------------------------------------------------------
     def warmup_shapes(self) -> list[tuple[int, int]]:
-        """(rows, tokens per row) of the warm-up's prompt batches: one row of each power-of-two length from
-        16 up to the step budget, and as many rows as fit (up to 8) splitting that length -- the prompt-chunk
-        shape classes whose Triton tile variants (attention BLOCK_Q, the MoE's per-T-bucket blocks) would
-        otherwise compile on first use, in the middle of serving."""
+        """(rows, tokens per row) of the warm-up's prompt batches: for each power-of-two step size from 16 up to
+        the step budget (and the budget itself), one row of that length where a sequence can hold it, and as
+        many rows as fit (up to 8) splitting it -- the prompt-chunk shape classes whose Triton tile variants
+        (attention BLOCK_Q, the MoE's per-T-bucket blocks) would otherwise compile on first use, in the middle
+        of serving. The full-budget step is what a burst of arrivals fills (8 prompts of 256 tokens)."""
         cfg, shapes = self.cfg, []
-        longest = min(cfg.max_num_tokens, cfg.max_model_len - self.k - 3)
-        n = 16
-        while n <= longest:
-            shapes.append((1, n))
-            rows = min(8, cfg.max_num_seqs, n // 8)
-            if rows > 1:
-                shapes.append((rows, n // rows))
+        per_row = cfg.max_model_len - self.k - 3
+        sizes, n = [], 16
+        while n < cfg.max_num_tokens:
+            sizes.append(n)
             n *= 2
+        sizes.append(cfg.max_num_tokens)
+        for n in sizes:
+            if n <= per_row:
+                shapes.append((1, n))
+            rows = max(1, min(8, cfg.max_num_seqs, n // 8))
+            while rows < cfg.max_num_seqs and n // rows > per_row:
+                rows += 1
+            if rows > 1 and n // rows <= per_row:
+                shapes.append((rows, n // rows))
         return shapes
 
     def warmup_variants(self) -> list[tuple[str, SamplingParams]]:

@@ -66,6 +66,8 @@ class AsyncEngine:
             raise RuntimeError(f"this engine is already stepped by {self.engine.owner}: one server per LLM "
                                "(build another LLM for a second server)")
         self._loop = asyncio.get_running_loop()
+        if not self._warmup:  # ready as soon as it listens (set here: a request may come before the thread runs)
+            self.warmed.set()
         self.engine.owner = "the OpenAI server's engine thread"  # LLM.generate refuses until the thread ends
         self._thread = threading.Thread(target=self._run, name="m3eagle-engine", daemon=True)
         self._thread.start()
