@@ -65,8 +65,9 @@ class Runtime:
     overlap: None = on for CUDA, off for CPU. attention_backend / moe_backend / fused_backend (norms, RoPE,
     activations, router): 'auto' (triton on CUDA, reference on CPU) | 'reference' | 'triton'.
     enforce_eager: never capture CUDA graphs (they are on by default on CUDA).
-    warmup: before returning, run dummy prompts of every power-of-two chunk size through the engine
-    (LLMEngine.warmup), so Triton's first-use compiles happen at startup, not in the middle of serving.
+    warmup: before returning, capture every CUDA-graph bucket x mode and run dummy prompts of every chunk class
+    and sampling path through the engine (LLMEngine.warmup), so first-use compiles and captures happen at
+    startup, not in the middle of serving.
     graph_shapes: pad steady decode steps to graph buckets (None: on for CUDA; True on CPU for tests).
     prefill_graphs: prompt and mixed steps of up to max_prefill_graph_tokens tokens (512) replay CUDA graphs
     too, padded to row and token buckets, each captured on first use (None: on for one CUDA device; False:
