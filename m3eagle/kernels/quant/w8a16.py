@@ -209,7 +209,9 @@ def _mx_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_xt, st
     trow = tl.minimum(offs_t, T - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     offs_g = tl.arange(0, NB)
-    k0 = pid_s * k_split
+    # k_split is a whole number of BLOCK_K steps: said so, the compiler keeps the fp8 loads vectorized (an
+    # unspecialized k_split alone leaves it unable to prove their alignment)
+    k0 = tl.multiple_of(pid_s * k_split, BLOCK_K)
     k_end = tl.minimum(k0 + k_split, K)
     q_ptrs = q_ptr + rows[:, None] * stride_qn + (k0 + offs_k)[None, :]  # [BN, BK]
     s_ptrs = s_ptr + rows[:, None] * stride_sn + (k0 // 32 + offs_g)[None, :]  # [BN, NB]
@@ -272,7 +274,7 @@ def _mx_gemm_kernel(x_ptr, q_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_xt, st
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     NB: tl.constexpr = BLOCK_K // 32
     pid = tl.program_id(0)
-    k0 = tl.program_id(1) * k_split
+    k0 = tl.multiple_of(tl.program_id(1) * k_split, BLOCK_K)  # vectorized loads (see _mx_gemv_kernel)
     k_end = tl.minimum(k0 + k_split, K)
     num_m = tl.cdiv(T, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
