@@ -154,20 +154,13 @@ def gemv_candidates(n: int, k: int) -> list[Any]:
     return out
 
 
-def gemm_candidates(n: int, k: int) -> list[Any]:
+def gemm_candidates() -> list[Any]:
     """The tiled (tl.dot) configs the sweep times at T = 1..8 against the GEMV: one 16-row block (rows past T
-    padded), whole tiles of the weight read once for every row; on weights with few column tiles per SM also
-    split along K (fp32 partials, summed in order)."""
-    import triton
+    padded), whole tiles of the weight read once for every row."""
+    from m3eagle.kernels.quant.w8a16 import MxConfig
 
-    from m3eagle.kernels.quant.w8a16 import SMS, MxConfig
-
-    out = [MxConfig(True, 16, bn, bk, num_warps=4, num_stages=st) for bn in (64, 128) for bk in (128, 256)
-           for st in (3, 4)]
-    if triton.cdiv(n, 64) < 2 * SMS:
-        out += [MxConfig(True, 16, bn, 256, num_warps=4, num_stages=4, split_k=s) for bn in (32, 64) for s in (2, 4)
-                if k // 256 >= 2 * s]
-    return out
+    return [MxConfig(True, 16, bn, bk, num_warps=4, num_stages=st) for bn in (64, 128) for bk in (128, 256)
+            for st in (3, 4)]
 
 
 def tune_gemv(shapes: list[dict[str, Any]], args: argparse.Namespace, copy_bw: float) -> dict[tuple[int, int, int], Any]:
@@ -176,7 +169,7 @@ def tune_gemv(shapes: list[dict[str, Any]], args: argparse.Namespace, copy_bw: f
 
     dev = torch.device("cuda")
     best: dict[tuple[int, int, int], Any] = {}
-    for shape, t in [(sh, t) for sh in shapes for t in args.tune_t]:
+    for shape, t in [(sh, t) for sh in shapes for t in (1, 2, 4, 8)]:
         n, k = shape["n"], shape["k"]
         q0, s0 = quantize_mx(torch.randn(n, k, device=dev).mul_(k ** -0.5))
         fp8_bytes = n * k + n * k // 32
@@ -185,7 +178,7 @@ def tune_gemv(shapes: list[dict[str, Any]], args: argparse.Namespace, copy_bw: f
         out = torch.empty(t, n, dtype=torch.bfloat16, device=dev)
         base = pick_config(t, n, k)
         timed = []
-        for cfg in [base] + (gemv_candidates(n, k) if t == 1 else []) + gemm_candidates(n, k):
+        for cfg in [base] + (gemv_candidates(n, k) if t == 1 else []) + gemm_candidates():
             try:
                 us = graph_time(lambda x, a, cfg=cfg, out=out: mx_linear(x, a[0], a[1], out=out, config=cfg), x, mx,
                                 max(5, args.replays // 2), args.min_calls)
@@ -325,9 +318,6 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None, help="write every number to this file")
     p.add_argument("--tune", action="store_true", help="first sweep the GEMV configs at T = 1 and the MoE's blocks")
     p.add_argument("--write", action="store_true", help="with --tune: write the GEMV winners to the package's table")
-    p.add_argument("--tune-t", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 4, 8],
-                   help="row counts (T buckets) the sweep tunes")
-    p.add_argument("--no-tune-moe", action="store_true", help="with --tune: keep the MoE's tuned blocks")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/w8a16.py needs a CUDA GPU (the MXFP8 kernels' correctness runs on CPU in "
@@ -344,7 +334,7 @@ def main() -> None:
 
         best = tune_gemv(all_shapes(args.models.split(",")), args, copy_bw)
         doc["tuned_gemv"] = [{"t": t, "n": n, "k": k, "config": vars(c).copy()} for (t, n, k), c in best.items()]
-        doc["tune_moe"] = [] if args.no_tune_moe else tune_moe(args, copy_bw)
+        doc["tune_moe"] = tune_moe(args, copy_bw)
         if args.write:
             top = doc["tune_moe"][0] if doc["tune_moe"] else None
             moe = {k: top[k] for k in ("block_n", "block_k", "num_warps", "int_dequant")} if top else None

@@ -209,9 +209,7 @@ def _mx_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_xt, st
     trow = tl.minimum(offs_t, T - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     offs_g = tl.arange(0, NB)
-    # k_split is a whole number of BLOCK_K steps: said so, the compiler keeps the fp8 loads vectorized (an
-    # unspecialized k_split alone leaves it unable to prove their alignment)
-    k0 = tl.multiple_of(pid_s * k_split, BLOCK_K)
+    k0 = pid_s * k_split
     k_end = tl.minimum(k0 + k_split, K)
     q_ptrs = q_ptr + rows[:, None] * stride_qn + (k0 + offs_k)[None, :]  # [BN, BK]
     s_ptrs = s_ptr + rows[:, None] * stride_sn + (k0 // 32 + offs_g)[None, :]  # [BN, NB]
@@ -263,19 +261,15 @@ def _split_sum_kernel(part_ptr, y_ptr, T, N, S, stride_yt, BLOCK: tl.constexpr, 
 # ---- tiled GEMM ---------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["T", "k_split"])
-def _mx_gemm_kernel(x_ptr, q_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_xt, stride_qn, stride_sn, stride_yt, k_split,
+@triton.jit(do_not_specialize=["T"])
+def _mx_gemm_kernel(x_ptr, q_ptr, s_ptr, y_ptr, T, N, K, stride_xt, stride_qn, stride_sn, stride_yt,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                     EVEN_K: tl.constexpr, IEEE: tl.constexpr, GROUP_SCALE: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                    SPLIT: tl.constexpr, PDL: tl.constexpr):
-    """Grid (cdiv(T, BM) * cdiv(N, BN), S), grouped: y tile [BM, BN] = x [BM, K] @ dequant(q, s)[BN, K]^T, fp32
-    acc; SPLIT: program (tile, s) sums K [s * k_split, +k_split) into its fp32 partial part[s] [T, N] (few-row
-    steps on short weights: more programs than output tiles), summed in split order by `_split_sum_kernel`."""
+                    PDL: tl.constexpr):
+    """Grid cdiv(T, BM) * cdiv(N, BN), grouped: y tile [BM, BN] = x [BM, K] @ dequant(q, s)[BN, K]^T, fp32 acc."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     NB: tl.constexpr = BLOCK_K // 32
     pid = tl.program_id(0)
-    k0 = tl.multiple_of(tl.program_id(1) * k_split, BLOCK_K)  # vectorized loads (see _mx_gemv_kernel)
-    k_end = tl.minimum(k0 + k_split, K)
     num_m = tl.cdiv(T, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
@@ -291,10 +285,10 @@ def _mx_gemm_kernel(x_ptr, q_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_xt, st
     dt = x_ptr.dtype.element_ty
     if GROUP_SCALE:  # fp16: scale applied to each 32-column group's MMA result (q is exact in fp16)
         offs_c = tl.arange(0, 32)
-        x_ptrs = x_ptr + rows_m[:, None] * stride_xt + (k0 + offs_c)[None, :]  # [BM, 32]
-        q_ptrs = q_ptr + rows_n[:, None] * stride_qn + (k0 + offs_c)[None, :]  # [BN, 32]
-        s_ptrs = s_ptr + rows_n * stride_sn + k0 // 32  # [BN]
-        for _g in range(k0 // 32, k_end // 32):
+        x_ptrs = x_ptr + rows_m[:, None] * stride_xt + offs_c[None, :]  # [BM, 32]
+        q_ptrs = q_ptr + rows_n[:, None] * stride_qn + offs_c[None, :]  # [BN, 32]
+        s_ptrs = s_ptr + rows_n * stride_sn  # [BN]
+        for _g in range(0, K // 32):
             x = tl.load(x_ptrs)
             q = tl.load(q_ptrs).to(dt)
             if UPCAST_DOT:
@@ -308,12 +302,12 @@ def _mx_gemm_kernel(x_ptr, q_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_xt, st
     else:
         offs_k = tl.arange(0, BLOCK_K)
         offs_g = tl.arange(0, NB)
-        x_ptrs = x_ptr + rows_m[:, None] * stride_xt + (k0 + offs_k)[None, :]  # [BM, BK]
-        q_ptrs = q_ptr + rows_n[:, None] * stride_qn + (k0 + offs_k)[None, :]  # [BN, BK]
-        s_ptrs = s_ptr + rows_n[:, None] * stride_sn + (k0 // 32 + offs_g)[None, :]  # [BN, NB]
-        for k in range(k0, k_end, BLOCK_K):
-            k_ok = (k + offs_k) < k_end
-            g_ok = (k + offs_g * 32) < k_end
+        x_ptrs = x_ptr + rows_m[:, None] * stride_xt + offs_k[None, :]  # [BM, BK]
+        q_ptrs = q_ptr + rows_n[:, None] * stride_qn + offs_k[None, :]  # [BN, BK]
+        s_ptrs = s_ptr + rows_n[:, None] * stride_sn + offs_g[None, :]  # [BN, NB]
+        for k in range(0, K, BLOCK_K):
+            k_ok = (k + offs_k) < K
+            g_ok = (k + offs_g * 32) < K
             w = _dequant_tile(q_ptrs, s_ptrs, k_ok[None, :], g_ok[None, :], BLOCK_N, BLOCK_K, EVEN_K)
             if EVEN_K:
                 x = tl.load(x_ptrs)
@@ -329,12 +323,8 @@ def _mx_gemm_kernel(x_ptr, q_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_xt, st
             q_ptrs += BLOCK_K
             s_ptrs += NB
     mask = (offs_m < T)[:, None] & (offs_n < N)[None, :]
-    if SPLIT:
-        tl.store(part_ptr + (tl.program_id(1) * T + offs_m.to(tl.int64)[:, None]) * N + offs_n[None, :], acc,
-                 mask=mask)
-    else:
-        tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=mask)
+    tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mask)
 
 
 # ---- host API -----------------------------------------------------------------------------------------
@@ -416,23 +406,13 @@ def mx_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: torch.
             _split_sum_kernel[(t, triton.cdiv(n, block))](part, out, t, n, split, out.stride(0), BLOCK=block,
                                                           num_warps=4, **pdl.args(x), **launch_opts())
         return out
-    # split-K: whole BLOCK_K steps per split (whole 32-groups on the fp16 path)
-    split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
-    k_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(k, k_split)
-    part = torch.empty(split, t, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    grid = (triton.cdiv(t, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
+    grid = (triton.cdiv(t, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     interp = _interpreting()
-    _mx_gemm_kernel[grid](x, q, scale, out, part, t, n, k, x.stride(0), q.stride(0), scale.stride(0), out.stride(0),
-                          k_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                          EVEN_K=k % cfg.block_k == 0 and k_split % cfg.block_k == 0, IEEE=x.dtype == torch.float32,
+    _mx_gemm_kernel[grid](x, q, scale, out, t, n, k, x.stride(0), q.stride(0), scale.stride(0), out.stride(0),
+                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                          EVEN_K=k % cfg.block_k == 0, IEEE=x.dtype == torch.float32,
                           GROUP_SCALE=x.dtype == torch.float16, UPCAST_DOT=interp and x.dtype != torch.float32,
-                          SPLIT=split > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
-                          **launch_opts())
-    if split > 1:
-        block = min(1024, triton.next_power_of_2(n))
-        _split_sum_kernel[(t, triton.cdiv(n, block))](part, out, t, n, split, out.stride(0), BLOCK=block,
-                                                      num_warps=4, **pdl.args(x), **launch_opts())
+                          num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch, **launch_opts())
     return out
 
 
