@@ -397,14 +397,14 @@ class LLMEngine(OutputProcessor):
         if self.tp.size > 1:
             raise RequestError("structured_outputs is not available with tensor_parallel_size > 1 (the masks are "
                                "not broadcast to the workers); serve constrained requests with one GPU")
-        with self._compiler_lock:
+        with self._compiler_lock:  # construction only: compiles run outside it (GrammarCompiler guards its cache)
             if self._compiler is None:
                 self._compiler = GrammarCompiler(self.tokenizer.tok, self.target_cfg.vocab_size,
                                                  sorted(self.eos_ids))
-            try:
-                return self._compiler.compile(params.structured_outputs)
-            except GrammarError as e:
-                raise RequestError(str(e)) from None
+        try:
+            return self._compiler.compile(params.structured_outputs)
+        except GrammarError as e:
+            raise RequestError(str(e)) from None
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None, stream_text: bool = True) -> Request:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -109,16 +110,20 @@ class GrammarCompiler:
         self._xgr = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._cache_size = cache_size
+        # Guards the cache only, never a compile: a compile can take a second, and a lookup by the engine or
+        # the server meanwhile must not wait for it (two threads compiling one new spec both compile it).
+        self._lock = threading.Lock()
 
     def compile(self, so: StructuredOutputsParams) -> Any:
         """The CompiledGrammar of `so`; GrammarError naming the field when xgrammar refuses it."""
         kind = so.kind
         value = getattr(so, kind)
         key = json.dumps([kind, value], sort_keys=True)
-        got = self._cache.get(key)
-        if got is not None:
-            self._cache.move_to_end(key)
-            return got
+        with self._lock:
+            got = self._cache.get(key)
+            if got is not None:
+                self._cache.move_to_end(key)
+                return got
         c = self._xgr
         try:
             if kind == "json":
@@ -134,9 +139,10 @@ class GrammarCompiler:
                 got = c.compile_grammar(value)
         except (RuntimeError, ValueError, TypeError) as e:
             raise GrammarError(kind, _clean(e)) from None
-        self._cache[key] = got
-        if len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self._cache[key] = got
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
         return got
 
     def matcher(self, compiled: Any) -> RequestGrammar:

@@ -13,6 +13,7 @@ official openai client, or httpx / raw sockets where the wire matters):
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -150,6 +151,45 @@ def test_health_answers_while_a_prompt_is_tokenized(served, monkeypatch):
         release.set()
         th.join(60)
     assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.slow
+def test_health_answers_while_a_grammar_compiles(served, monkeypatch):
+    """A new schema's grammar compiles off the event loop: with the compile held (forced, not timed), /health
+    and an unconstrained request still answer; the constrained request completes, valid, once released."""
+    st, _ = served
+    eng = st.server.engine
+    started, release = threading.Event(), threading.Event()
+    real = eng.compile_grammar
+
+    def held(params):
+        if not started.is_set():
+            started.set()
+            assert release.wait(30), "never released"
+        return real(params)
+
+    monkeypatch.setattr(eng, "compile_grammar", held)
+    result = {}
+
+    def send():
+        result["r"] = httpx.post(st.url + "/v1/completions", json={"prompt": "x =", "max_tokens": 3, "temperature": 0,
+                                                                   "guided_regex": "7[0-9][0-9]"}, timeout=60)
+
+    th = threading.Thread(target=send)
+    th.start()
+    try:
+        assert started.wait(30), "the request never reached the grammar compiler"
+        with httpx.Client(base_url=st.url, timeout=5, trust_env=False) as c:  # well inside the 30 s hold
+            assert c.get("/health").status_code == 200
+            r = c.post("/v1/completions", json={"prompt": "def f():", "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, r.text
+        assert th.is_alive() and not release.is_set()  # answered while the compile was still held
+    finally:
+        release.set()
+        th.join(60)
+    r = result["r"]
+    assert r.status_code == 200, r.text
+    assert re.fullmatch("7[0-9][0-9]", r.json()["choices"][0]["text"])
 
 
 def test_the_gil_releasing_encode_equals_encode(served):

@@ -411,12 +411,19 @@ class OpenAIServer(ChatServing):
         except SamplingParamsError as e:
             msg = str(e)
             raise ApiError(400, msg, field if msg.startswith("structured_outputs") else msg.split("=", 1)[0]) from None
-        if structured is not None:
-            try:  # compiled (and cached) here, so that a grammar xgrammar refuses is a 400 naming its field
-                self.engine.compile_grammar(params)
-            except RequestError as e:
-                raise ApiError(400, f"{field}: {e}", field) from None
         return params
+
+    async def _compile_grammar(self, body: CompletionRequest | ChatCompletionRequest, params: SamplingParams) -> None:
+        """Compile (and cache) the request's grammar before it is queued, so that one xgrammar refuses is a 400
+        naming its field. Off the event loop: a new schema can take a second to compile, and every stream the
+        loop serves would stall for it."""
+        if params.structured_outputs is None:
+            return
+        field = body.structured_request()[1]
+        try:
+            await self._off_loop(self.engine.compile_grammar, params)
+        except RequestError as e:
+            raise ApiError(400, f"{field}: {e}", field) from None
 
     def _add(self, prompts: list[tuple[list[int], SamplingParams, str | None]], prefix: str, stream_text: bool,
              n: int) -> Call:
@@ -527,6 +534,8 @@ class OpenAIServer(ChatServing):
         reqs = [(ids, self._sampling_params(body, len(ids), 16 if body.max_tokens is None else body.max_tokens,
                                             body.logprobs, body.logprobs if body.echo and want_lp else None), text)
                 for ids, text in prompts]
+        if reqs:  # one spec for every prompt of the request
+            await self._compile_grammar(body, reqs[0][1])
         echoes = [(text if text is not None else self._decode(ids)) if body.echo else "" for ids, text in prompts]
         call = self._add(reqs, "cmpl", bool(body.stream), body.n)
         if body.stream:

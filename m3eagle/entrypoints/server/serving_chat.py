@@ -115,6 +115,7 @@ class ChatServing:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         n_top = (body.top_logprobs or 0) if body.logprobs else None
         params = self._sampling_params(body, len(ids), max_tokens, n_top)
+        await self._compile_grammar(body, params)
         call = self._add([(ids, params, text)], "chatcmpl", bool(body.stream), body.n)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
