@@ -32,28 +32,8 @@ PER_SLOT=${PER_SLOT:-8}
 TMP=$(mktemp -d)
 mkdir -p "$OUT"
 
-if ! python -c "import fastapi, uvicorn, prometheus_client" 2>/dev/null; then
-  echo "+ installing the server's dependencies from $WHEELS"
-  python -m pip install -q --no-index --find-links "$WHEELS" fastapi uvicorn prometheus-client
-fi
-
-healthy() {
-  python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" \
-    "http://127.0.0.1:$PORT/health" 2>/dev/null
-}
-
-SERVER=""
-SERVER_RC=""
-stop_server() {
-  if [ -n "$SERVER" ] && kill -0 "$SERVER" 2>/dev/null; then
-    kill -TERM "$SERVER"
-    SERVER_RC=0
-    wait "$SERVER" || SERVER_RC=$?
-    echo "[server exited with status $SERVER_RC after SIGTERM]"
-  fi
-  SERVER=""
-}
-trap 'stop_server; rm -rf "$TMP"' EXIT
+source "$(dirname "$0")/serve_lib.sh"
+need_packages "fastapi uvicorn prometheus_client" fastapi uvicorn prometheus-client
 
 run_mode() {
   local mode=$1 k

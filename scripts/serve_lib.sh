@@ -1,0 +1,31 @@
+# Sourced by bench_serve.sh and bench_serve_tail.sh: the server's wheels, the health probe and a clean stop.
+# The caller sets PORT, TMP (removed at exit) and WHEELS.
+
+# need_packages "IMPORTS" PACKAGE...: when one of the space-separated import names is missing, install the
+# packages from $WHEELS (the device machine has no package index).
+need_packages() {
+  local imports=$1
+  shift
+  if ! python -c "import ${imports// /, }" 2>/dev/null; then
+    echo "+ installing the server's dependencies from $WHEELS"
+    python -m pip install -q --no-index --find-links "$WHEELS" "$@"
+  fi
+}
+
+healthy() {
+  python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" \
+    "http://127.0.0.1:$PORT/health" 2>/dev/null
+}
+
+SERVER=""
+SERVER_RC=""
+stop_server() {
+  if [ -n "$SERVER" ] && kill -0 "$SERVER" 2>/dev/null; then
+    kill -TERM "$SERVER"
+    SERVER_RC=0
+    wait "$SERVER" || SERVER_RC=$?
+    echo "[server exited with status $SERVER_RC after SIGTERM]"
+  fi
+  SERVER=""
+}
+trap 'stop_server; rm -rf "$TMP"' EXIT
