@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from m3eagle import LLM, SamplingParams
-from tests.engine.test_cuda_graphs import TEXTS, params, run_with_arrivals
+from m3eagle import LLM
+from tests.engine.test_cuda_graphs import assert_steady_state_sync_free, params, run_with_arrivals
 from tests.helpers.engine_utils import assert_clean
 
 pytestmark = [pytest.mark.gpu,
@@ -43,21 +43,7 @@ def test_fp8_graph_replay_equals_eager(k, sampled):
 
 
 def test_fp8_steady_state_makes_no_host_sync():
-    llm = make(3, False)
-    eng = llm.engine
-    sp = SamplingParams(temperature=0.7, max_tokens=200, seed=1, ignore_eos=True)
-    for t in TEXTS:
-        eng.add_request(llm.encode(t), sp)
-    for _ in range(4):
-        eng.step()
-    replays = eng.graphs.num_replays
-    eng.sync_debug = True
-    for _ in range(10):
-        eng.step()
-    eng.sync_debug = False
-    assert eng.graphs.num_replays >= replays + 8
-    eng.run()
-    assert_clean(llm)
+    assert_steady_state_sync_free(make(3, False))
 
 
 @pytest.mark.parametrize("t", [1, 5, 300])
