@@ -190,7 +190,7 @@ def test_draft_step_bytes_by_hand():
     assert b["total"] == 96 + 528 + 96 + 240
 
 
-def test_named_geometries_match_the_issue():
+def test_named_geometries_match_their_definitions():
     mini, _ = geometries.m3_mini()
     big, _ = geometries.m3_8b()
     assert roofline.param_counts(mini) == {"params": 2_379_407_168, "active_params": 617_799_488}

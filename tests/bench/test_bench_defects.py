@@ -1,4 +1,4 @@
-"""`m3eagle bench` on CPU (issue: serving defect 9): the profiler's native `USDT ... profiler_start` lines stay
+"""`m3eagle bench` on CPU: the profiler's native `USDT ... profiler_start` lines stay
 out of the output, the bandwidth buffer the log names is the one the table and the JSON name (the size
 actually used: capped on CPU), and the Eagle3 head's parameter count is one definition in the log, the
 table, the JSON and `generate`'s load line."""

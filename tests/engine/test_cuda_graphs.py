@@ -1,4 +1,4 @@
-"""CUDA-graph replay of whole speculative steps equals eager execution, token for token (issue 9). GPU only:
+"""CUDA-graph replay of whole speculative steps equals eager execution, token for token. GPU only:
 run through the device tool with `python -m pytest -q -m gpu tests/engine/test_cuda_graphs.py`.
 
 The eager engine (enforce_eager=True) pads graph-shaped steps to the same buckets with the same fixed KV

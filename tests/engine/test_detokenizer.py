@@ -1,4 +1,4 @@
-"""Incremental detokenization (issue 11, section 1): DecodeStream text equals a full decode (a trailing
+"""Incremental detokenization: DecodeStream text equals a full decode (a trailing
 partial character is flushed once at the end); stop strings match across token boundaries, the output
 ends at the token that completed one and the text is cut before it; streamed text never shows what a stop
 string later cuts; forks are independent; the engine's per-step deltas add up to the final output; and

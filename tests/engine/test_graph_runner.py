@@ -1,4 +1,4 @@
-"""The graph-ready engine on CPU (issue 9, part 1): per-engine ops, plain-tensor step inputs in
+"""The graph-ready engine on CPU: per-engine ops, plain-tensor step inputs in
 preallocated buffers, and the bucketing / padding that CUDA-graph steps use.
 
 - two LLMs with different attention and MoE backends live side by side in one process, and a failed

@@ -1,4 +1,4 @@
-"""A 128k-token prompt end to end on the GPU (issue 16): the engine sizes KV and index-K pools for it,
+"""A 128k-token prompt end to end on the GPU: the engine sizes KV and index-K pools for it,
 prefills it in chunks through the MiniMax sparse attention layers, and decodes with speculation, without
 the activation memory of a 128k-token step. GPU only: `python -m pytest -q -m gpu tests/engine/test_long_context.py`
 (on a CPU the reference attention of one 8k chunk against 128k keys would need tens of GB).

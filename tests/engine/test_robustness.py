@@ -1,4 +1,4 @@
-"""Faults and bad values never poison the engine (issue 17, sections 3 and 4):
+"""Faults and bad values never poison the engine:
 
 - SamplingParams refuse out-of-range values up front (seeds past int64, bools for ints, logprobs=5);
   a huge top_k means "no limit"; temperatures below 1e-5 are greedy;

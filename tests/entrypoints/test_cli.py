@@ -1,4 +1,4 @@
-"""The command line's contract (issue 17, section 6): library errors are one line on stderr and exit 2,
+"""The command line's contract: library errors are one line on stderr and exit 2,
 out-of-range options name themselves, a closed stdout pipe exits quietly, --version, defaults in --help."""
 
 from __future__ import annotations

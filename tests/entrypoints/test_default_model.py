@@ -1,5 +1,5 @@
 """The embedded default model (m3eagle/assets/default): it is there, small, loadable by m3eagle and by
-transformers, shaped as the issue asks, used by `LLM()` with speculation on, lossless, and its head still
+transformers, shaped as specified, used by `LLM()` with speculation on, lossless, and its head still
 drafts well on held-out stdlib code (an acceptance floor)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Offline input defects (issue: serving defects 1, 4, 5, 14): text that UTF-8 cannot encode, SamplingParams
+"""Offline input defects: text that UTF-8 cannot encode, SamplingParams
 fields changed after construction, chat messages with a None / int content -- each a RequestError /
 SamplingParamsError naming what is wrong, never a TypeError from inside the tokenizer or the step -- and
 LLM.get_tokenizer(). CPU, embedded model."""

@@ -1,4 +1,4 @@
-"""`m3eagle serve` end to end on CPU (issue 11): each test module's server runs the embedded model on a free
+"""`m3eagle serve` end to end on CPU: each test module's server runs the embedded model on a free
 localhost port (in-process on a background thread; the shutdown test runs the real command).
 
 - the official openai client: streamed and non-streamed completions equal offline LLM.generate greedy

@@ -1,4 +1,4 @@
-"""The serving defects and small features of the serving issue, each against a real in-process server (the
+"""Serving defects and small features, each against a real in-process server (the
 official openai client, or httpx / raw sockets where the wire matters):
 
 - lone surrogates / invalid UTF-8 in prompts and chat content: an OpenAI-shaped 400 naming the field, the

@@ -1,4 +1,4 @@
-"""Warm-up before ready (issue 47, item 6): what `LLMEngine.warmup` covers and how the server waits for it.
+"""Warm-up before ready: what `LLMEngine.warmup` covers and how the server waits for it.
 
 - every (graph bucket, mode) a serving step takes -- decode / verify buckets in the 8 modes, prefill buckets
   in the 4 -- is warmed at startup: graph_shapes=True and prefill_graphs=True force the CUDA bucketing on

@@ -1,4 +1,4 @@
-"""Real checkpoints mean what their config says, and checkpoints are checked (issue 17, sections 2 and 5).
+"""Real checkpoints mean what their config says, and checkpoints are checked.
 
 - the public MiniMax-M3 config.json (VL wrapper, legacy sparse_attention_config / moe_layer_freq keys, no
   eos_token_id), sizes shrunk, parses as transformers parses it, gives transformers' logits, and the engine

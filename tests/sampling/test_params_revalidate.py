@@ -1,4 +1,4 @@
-"""SamplingParams.validate(): the constructor's checks, run again on demand (issue: serving defect 4)."""
+"""SamplingParams.validate(): the constructor's checks, run again on demand."""
 
 from __future__ import annotations
 

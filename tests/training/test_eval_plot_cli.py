@@ -1,4 +1,4 @@
-"""`m3eagle eval --plot` without matplotlib (issue: serving defect 8): one line on stderr and exit 2, before
+"""`m3eagle eval --plot` without matplotlib: one line on stderr and exit 2, before
 anything is loaded or run."""
 
 from __future__ import annotations
