@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from m3eagle.entrypoints.parsers.tool_grammar import tool_call_ebnf
+
 TOOL_CHOICES = ("none", "auto", "required")
 
 
@@ -90,11 +92,15 @@ def resolve_tool_choice(tool_choice: object, tools: list[dict[str, Any]] | None)
     return ToolChoice("named", name)
 
 
-def tool_call_grammar(choice: ToolChoice, tools: list[dict[str, Any]] | None) -> Any:
-    """The constraint that would make the model's output a call for `required` / a named function (vLLM
-    builds one on its structured-output backend). None: no grammar backend is wired in yet, so those modes
-    render the tools and check the parsed reply instead; a grammar plugs in here."""
-    return None
+def tool_call_grammar(choice: ToolChoice, tools: list[dict[str, Any]] | None,
+                      reasoning: str | None = None) -> str | None:
+    """The EBNF grammar (xgrammar's dialect) that makes the reply a call for `required` / a named function, as
+    vLLM constrains them on its structured-output backend; None for `auto` and `none`. reasoning: where the
+    output starts against the reasoning block ("inside", "before", "after": `reasoning.prompt_position`), or
+    None when no reasoning parser reads the reply. The grammar's shape: `parsers/tool_grammar.py`."""
+    if choice.mode not in ("required", "named") or not tools:
+        return None
+    return tool_call_ebnf(tools, choice.name if choice.mode == "named" else None, reasoning)
 
 
 def prepare_tool_calls(message: dict[str, Any], where: str) -> dict[str, Any]:

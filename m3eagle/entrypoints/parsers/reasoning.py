@@ -32,6 +32,13 @@ def held_prefix(text: str, marker: str) -> int:
     return 0
 
 
+def prompt_position(prompt: str | None) -> str:
+    """Where the output of this prompt starts: "inside" the reasoning block (the prompt ends by opening it),
+    "after" it (the prompt closes it: thinking disabled) or "before" it (the output may open one)."""
+    end = prompt.rstrip() if prompt is not None else ""
+    return "inside" if end.endswith(THINK_START) else "after" if end.endswith(THINK_END) else "before"
+
+
 @dataclass
 class ReasoningDelta:
     """What one chunk of output added: reasoning text and content text (either may be empty)."""
@@ -57,8 +64,8 @@ class ReasoningParser:
     def for_prompt(cls, prompt: str | None) -> ReasoningParser:
         """A parser for the output of this prompt: inside the block when the prompt ends by opening it, past
         it when the prompt closes it (thinking disabled)."""
-        end = prompt.rstrip() if prompt is not None else ""
-        return cls(starts_in_reasoning=end.endswith(THINK_START), after_reasoning=end.endswith(THINK_END))
+        at = prompt_position(prompt)
+        return cls(starts_in_reasoning=at == "inside", after_reasoning=at == "after")
 
     def feed(self, text: str) -> ReasoningDelta:
         self._buf += text

@@ -81,7 +81,7 @@ class ToolParserDelta:
 # ---- values ----------------------------------------------------------------------------------------
 
 
-def _schema_types(schema: Any) -> list[str]:
+def schema_types(schema: Any) -> list[str]:
     """The JSON types a schema allows, most specific first in the order they are tried."""
     if not isinstance(schema, dict):
         return ["string"]
@@ -102,7 +102,7 @@ def _schema_types(schema: Any) -> list[str]:
             types.append(_json_type(v))
         for key in ("anyOf", "oneOf", "allOf"):
             for sub in schema.get(key) or []:
-                types += _schema_types(sub)
+                types += schema_types(sub)
     return list(dict.fromkeys(types)) or ["string"]
 
 
@@ -139,7 +139,8 @@ def property_schema(schema: Any, name: str) -> Any:
     return None
 
 
-def _item_schema(schema: Any, i: int) -> Any:
+def item_schema(schema: Any, i: int) -> Any:
+    """The schema of item `i` of an array schema (`items`, or `prefixItems` then `additionalItems`)."""
     for b in _branches(schema):
         if isinstance(b.get("items"), dict):
             return b["items"]
@@ -151,7 +152,7 @@ def _item_schema(schema: Any, i: int) -> Any:
 
 def convert_leaf(text: str, schema: Any) -> Any:
     """A parameter's text as the value its schema describes (the raw text when nothing fits)."""
-    types = _schema_types(schema)
+    types = schema_types(schema)
     if text == "":
         for t, empty in (("object", {}), ("array", []), ("null", None)):
             if t in types:
@@ -230,10 +231,10 @@ def _parse_tree(body: str, tag: str) -> _Node:
 def _convert_node(node: _Node, schema: Any) -> Any:
     if not node.children:
         return convert_leaf("".join(node.texts), schema)
-    types = _schema_types(schema) if schema is not None else []
+    types = schema_types(schema) if schema is not None else []
     as_list = "array" in types or (not {"object", "array"} & set(types) and all(c.tag == "item" for c in node.children))
     if as_list and node.children[0].tag == "item":
-        return [_convert_node(c, _item_schema(schema, i)) for i, c in enumerate(node.children)]
+        return [_convert_node(c, item_schema(schema, i)) for i, c in enumerate(node.children)]
     out: dict[str, Any] = {}
     for c in node.children:
         v = _convert_node(c, property_schema(schema, c.tag))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 INT63 = 2**63
 
@@ -148,6 +148,20 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True  # vLLM's extra
     continue_final_message: bool = False  # vLLM's extra: the prompt ends inside the last message
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra: more variables for the template
+    # The grammar of tool_choice `required` / a named function, set by the server once the prompt is rendered
+    _tool_grammar: str | None = PrivateAttr(None)
+
+    def structured_request(self) -> tuple[dict[str, Any] | None, str | None]:
+        """As for completions; a tool_choice that sets a grammar is the request's constraint, with the field
+        "tool_choice", and an ApiError(400) naming the other field when the body also asks for one."""
+        structured, field = super().structured_request()
+        if self._tool_grammar is None:
+            return structured, field
+        if structured is not None:
+            what = repr(self.tool_choice) if isinstance(self.tool_choice, str) else "naming a function"
+            raise ApiError(400, f"tool_choice {what} constrains the reply to a tool call, and {field} asks for "
+                           "another structured output; give one of them", field)
+        return {"grammar": self._tool_grammar}, "tool_choice"
 
 
 class TokenizeRequest(_Body):

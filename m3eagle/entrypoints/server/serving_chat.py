@@ -6,8 +6,8 @@ Tools and reasoning: `tools` are checked and rendered by the template; each repl
 reasoning parser and, unless tool_choice is "none", its tool-call parser (entrypoints/parsers), giving
 `reasoning_content`, `content` and `tool_calls` (finish_reason "tool_calls" when a reply that stopped by
 itself called tools), streamed as `delta.reasoning_content` / `delta.content` / `delta.tool_calls`.
-`required` and a named tool_choice are not enforced while generating (tools.tool_call_grammar is where a
-grammar plugs in): the reply is parsed and checked, and returned as the model wrote it either way."""
+`required` and a named tool_choice are enforced with a grammar (tools.tool_call_grammar), which the request
+carries as its structured output; the parsed reply is still checked (a miss is logged) as a safety net."""
 
 from __future__ import annotations
 
@@ -22,10 +22,18 @@ from fastapi.responses import JSONResponse, Response
 from m3eagle.engine.request import PositionLogprobs
 from m3eagle.entrypoints.chat import ChatTemplateError, find_invalid_text
 from m3eagle.entrypoints.parsers import ChatOutputParser
+from m3eagle.entrypoints.parsers.reasoning import prompt_position
 from m3eagle.entrypoints.parsers.registry import REASONING_PARSERS
 from m3eagle.entrypoints.server.protocol import ApiError, ChatCompletionRequest, TokenizeRequest, refuse_unsupported
 from m3eagle.entrypoints.server.streams import Call, SSEResponse, delta_logprobs, token_entries
-from m3eagle.entrypoints.tools import ToolChoice, ToolsError, check_tools, prepare_tool_calls, resolve_tool_choice
+from m3eagle.entrypoints.tools import (
+    ToolChoice,
+    ToolsError,
+    check_tools,
+    prepare_tool_calls,
+    resolve_tool_choice,
+    tool_call_grammar,
+)
 
 log = logging.getLogger("m3eagle")
 
@@ -56,16 +64,22 @@ class ChatServing:
         tools = tools if choice.parses_calls else None
         return ChatOutputParser(reasoning, tools) if reasoning is not None or tools is not None else None
 
+    def _tool_grammar(self, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None, choice: ToolChoice,
+                      prompt: str) -> None:
+        """Give `required` / a named tool_choice its grammar (the request's structured output from here on),
+        with the reasoning segment the reply parser expects before the call."""
+        reasoning = prompt_position(prompt) if self.reasoning_parser else None
+        body._tool_grammar = tool_call_grammar(choice, tools, reasoning)
+
     @staticmethod
     def _check_tool_choice(choice: ToolChoice, names: list[str], request_id: str) -> None:
-        """required / named are checked after the fact (no grammar yet): a reply that breaks them is logged and
-        returned as written."""
+        """required / named, checked on the parsed reply as well as enforced by the grammar: a reply cut by
+        max_tokens (or a parser and grammar that disagree) is logged and returned as written."""
         if choice.mode == "required" and not names:
-            log.warning("%s: tool_choice 'required' but the reply calls no tool (not enforced while generating)",
-                        request_id)
+            log.warning("%s: tool_choice 'required' but the reply calls no tool", request_id)
         elif choice.mode == "named" and (not names or set(names) != {choice.name}):
-            log.warning("%s: tool_choice names %r but the reply calls %s (not enforced while generating)", request_id,
-                        choice.name, names or "no tool")
+            log.warning("%s: tool_choice names %r but the reply calls %s", request_id, choice.name,
+                        names or "no tool")
 
     def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest,
                      tools: list[dict[str, Any]] | None = None) -> tuple[list[int], str]:
@@ -114,6 +128,7 @@ class ChatServing:
             raise ApiError(400, "the rendered chat prompt is empty", "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         n_top = (body.top_logprobs or 0) if body.logprobs else None
+        self._tool_grammar(body, tools, choice, text)
         params = self._sampling_params(body, len(ids), max_tokens, n_top)
         await self._compile_grammar(body, params)
         call = self._add([(ids, params, text)], "chatcmpl", bool(body.stream), body.n)
