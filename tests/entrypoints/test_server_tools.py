@@ -5,7 +5,8 @@ with a MiniMax-M3-format chat template (tests/entrypoints/fixtures). What the mo
 - tools are rendered by the template, earlier calls and tool results too; replies come back as tool_calls
   (finish_reason "tool_calls"), reasoning_content and content, and the streamed deltas add up to the
   non-streamed message; markup never reaches content;
-- tool_choice none (rendered, not parsed), auto, required and named (checked, never a 400 for the reply);
+- tool_choice none (rendered, not parsed), auto, required and named (their grammar attached; a scripted reply is
+  checked after the fact, never a 400);
 - bad tools / tool_choice / history get a 400 naming the field;
 - one real (unscripted) request with tools through the engine;
 - LLM.chat(tools=...) renders them offline.
@@ -107,7 +108,10 @@ def test_tool_choice_variants(st):
     assert none.choices[0].message.content == CALL and not none.choices[0].message.tool_calls
     assert none.choices[0].finish_reason == "stop"
     assert auto.choices[0].message.tool_calls[0].function.name == "get_weather"
-    # not enforced while generating: the reply comes back as written, never a 400
+    # required / named carry their grammar; a scripted reply bypasses it, so the check after the fact logs the
+    # miss and the reply comes back as written, never a 400
+    assert [p.structured_outputs is not None and p.structured_outputs.kind == "grammar" for p in s.params] == [
+        False, False, True, True, True]
     assert required_unmet.choices[0].message.content == "It is sunny." and required_unmet.choices[0].finish_reason == "stop"
     assert named.choices[0].message.tool_calls[0].function.name == "get_weather"
     assert named_unmet.choices[0].message.content == "It is sunny."
