@@ -21,7 +21,7 @@ schema, in the subset the parser converts:
 - anything else (string, no type, `anyOf`, an object without `properties`): free text, which never holds the
   namespace marker, nor `</TAG>` inside a nested tag (the tree parser would close there), nor `<mm:think>`
   where the reasoning parser could take it for the reasoning's start. Patterns, formats, length and range
-  bounds are not enforced.
+  bounds are not enforced; a property whose name a tag cannot carry (`<`, `>`, `/`, blank) is left out.
 
 Reasoning (`reasoning`, from `reasoning.prompt_position`): "inside" (the prompt opened `<mm:think>`) puts
 any text without `</mm:think>`, then `</mm:think>`, first; "before" allows `<mm:think>...</mm:think>` or a
@@ -42,18 +42,11 @@ MAX_DEPTH = 4  # nested objects / arrays written as tags; deeper values are free
 _WS = "[ \\t\\r\\n]{0,4}"
 _INT = '"-"? ("0" | [1-9] [0-9]{0,17})'
 _NUM = _INT + ' ("." [0-9]{1,17})? ([eE] [+\\-]? [0-9]{1,2})?'
-_CLASS_ESCAPE = set("\\]^-[\"")
 
 
 def _lit(s: str) -> str:
     """An EBNF string literal (JSON's escapes are xgrammar's; non-ASCII stays as written)."""
     return json.dumps(s, ensure_ascii=False)
-
-
-def _class_char(c: str) -> str:
-    if c in _CLASS_ESCAPE:
-        return "\\" + c
-    return json.dumps(c)[1:-1] if c in "\t\n\r" else c
 
 
 def _scalar_text(v: Any) -> str | None:
