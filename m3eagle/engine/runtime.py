@@ -271,8 +271,10 @@ class Runtime:
 
         where = str(model) if isinstance(model, (str, Path)) else f"a {type(model).__name__} config"
         shard = f" (rank 0's shard of {self.tp.size})" if self.tp.size > 1 else ""
-        log.info("loaded target %s (%s weights): %.2fM parameters%s, %s on %s", where, load_format,
-                 n_params(self.target) / 1e6, shard, str(self.dtype).removeprefix("torch."), self.device)
+        fp8 = sum(p.numel() for p in self.target.parameters() if p.dtype == torch.float8_e4m3fn)
+        mx = f" ({fp8 / 1e6:.2f}M of them MXFP8: W8A16 kernels)" if fp8 else ""
+        log.info("loaded target %s (%s weights): %.2fM parameters%s%s, %s on %s", where, load_format,
+                 n_params(self.target) / 1e6, mx, shard, str(self.dtype).removeprefix("torch."), self.device)
         if self.draft is not None:
             dwhere = str(draft) if isinstance(draft, (str, Path)) else f"a {type(draft).__name__} config"
             log.info("loaded Eagle3 draft %s: %.2fM parameters, K=%d", dwhere, n_params(self.draft) / 1e6,
