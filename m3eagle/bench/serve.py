@@ -100,8 +100,15 @@ def endpoint_of(a: argparse.Namespace) -> str:
     return CHAT_ENDPOINT if a.dataset in CHAT_DATASETS else a.endpoint
 
 
-def make_prompts(tok, dataset: str, n: int, length: int, seed: int) -> list[list[int]]:
-    """n prompts of exactly `length` token ids."""
+def make_prompts(tok, dataset: str, n: int, length: int, seed: int, prefix_len: int = 0) -> list[list[int]]:
+    """n prompts of exactly `length` token ids; dataset "prefix": each is one shared `prefix_len`-token stdlib
+    window followed by its own `length`-token window (prefix_len + length ids), the shape of agents' and chat's
+    repeated system prompt + tool definitions + conversation."""
+    if dataset == "prefix":
+        if prefix_len < 1:
+            raise ValueError("--dataset prefix needs --prefix-len N (the shared prefix's tokens), N >= 1")
+        shared = make_prompts(tok, "stdlib", 1, prefix_len, seed + 7919)[0]
+        return [shared + p for p in make_prompts(tok, "stdlib", n, length, seed)]
     rng = random.Random(seed)
     if dataset == "random":
         special = set(tok.get_added_tokens_decoder())
@@ -311,7 +318,8 @@ async def _bench(a: argparse.Namespace) -> dict[str, Any]:
             raise OSError(f"GET {url}/v1/models answered {status}: {text[:200]}")
         model = a.model or json.loads(text)["data"][0]["id"]
         tok = load_tokenizer(a.tokenizer)
-        prompts = make_prompts(tok, a.dataset, a.warmup + a.num_prompts, a.input_len, a.seed)
+        prompts = make_prompts(tok, a.dataset, a.warmup + a.num_prompts, a.input_len, a.seed,
+                               getattr(a, "prefix_len", 0))
         endpoint = endpoint_of(a)
         texts = [tok.decode(p) for p in prompts] if endpoint != "/v1/completions" else [""] * len(prompts)
         bodies = [payload(endpoint, model, p, t, a) for p, t in zip(prompts, texts)]
@@ -356,6 +364,7 @@ async def _bench(a: argparse.Namespace) -> dict[str, Any]:
         "schema": SCHEMA,
         "settings": {"base_url": url, "endpoint": endpoint, "model": model, "dataset": a.dataset,
                      "tokenizer": str(a.tokenizer or EMBEDDED_TOKENIZER), "input_len": a.input_len,
+                     "prefix_len": getattr(a, "prefix_len", 0),
                      "output_len": a.output_len, "num_prompts": a.num_prompts,
                      "request_rate": None if math.isinf(a.request_rate) else a.request_rate,
                      "max_concurrency": a.max_concurrency, "temperature": a.temperature, "ignore_eos": a.ignore_eos,

@@ -1,5 +1,6 @@
-"""`m3eagle bench-serve --dataset tools | json`: the chat requests those workloads build (a tools list with
-tool_choice auto; a response_format json_schema), whatever --endpoint says, and the flag parses."""
+"""`m3eagle bench-serve --dataset tools | json | prefix`: the chat requests the first two build (a tools list with
+tool_choice auto; a response_format json_schema), whatever --endpoint says; the prefix workload's prompts (one
+shared prefix, then each request's own window); and the flags parse."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import argparse
 
 import pytest
 
-from m3eagle.bench.serve import BENCH_SCHEMA, BENCH_TOOLS, CHAT_ENDPOINT, endpoint_of, payload
+from m3eagle.bench.serve import BENCH_SCHEMA, BENCH_TOOLS, CHAT_ENDPOINT, endpoint_of, make_prompts, payload
 from m3eagle.entrypoints import cli
 from m3eagle.entrypoints.tools import check_tools
 
@@ -44,3 +45,18 @@ def test_dataset_flag_parses():
     parser = cli.build_parser()
     for d in ("tools", "json"):
         assert parser.parse_args(["bench-serve", "--dataset", d]).dataset == d
+    assert parser.parse_args(["bench-serve", "--dataset", "prefix", "--prefix-len", "512"]).prefix_len == 512
+
+
+def test_prefix_workload_shares_one_prefix_then_differs():
+    from m3eagle.bench.serve import load_tokenizer
+
+    tok = load_tokenizer(None)  # the embedded model's, as bench-serve loads it
+    prompts = make_prompts(tok, "prefix", 6, 40, seed=3, prefix_len=100)
+    assert len(prompts) == 6 and all(len(p) == 140 for p in prompts)
+    assert all(p[:100] == prompts[0][:100] for p in prompts)  # one shared prefix
+    assert len({tuple(p[100:]) for p in prompts}) == 6  # each request its own suffix
+    assert prompts[0][100:] != prompts[0][:40]  # the suffix is not the prefix again
+    assert make_prompts(tok, "prefix", 6, 40, seed=3, prefix_len=100) == prompts  # seeded
+    with pytest.raises(ValueError, match="--prefix-len"):
+        make_prompts(tok, "prefix", 2, 40, seed=3)
