@@ -41,16 +41,27 @@ def quantizable(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
 
 def quantize_online(model: nn.Module) -> int:
     """Quantize every quantizable weight of `model` to MXFP8 in place (`LLM(quantization="fp8")`); returns how many.
-    Weights whose input dim is not a multiple of 32 stay as they are (logged). Run it after the model reached its
+    Weights whose (whole, unsharded) input dim is not a multiple of 32 stay as they are (logged), so a tensor-
+    parallel rank quantizes exactly the weights one process would, block for block; a split that cuts a 32-column
+    block is refused, naming the weight (as the checkpoint loader refuses it). Run it after the model reached its
     device and dtype and before packing its projections."""
     n, kept = 0, []
     with torch.no_grad():
         for name, m, p in quantizable(model):
             if is_quantized(m, p):
                 continue
-            if getattr(m, p).shape[-1] % MX_BLOCK:
+            w = getattr(m, p)
+            spec = getattr(m, "shards", {}).get(p)
+            along_k = spec is not None and spec.dim == w.dim() - 1
+            if (spec.full if along_k else w.shape[-1]) % MX_BLOCK:
                 kept.append(name)
                 continue
+            if along_k:
+                try:
+                    spec.blocks(MX_BLOCK)
+                except ValueError as e:
+                    raise ValueError(f"quantization='fp8': the tensor-parallel split of {name} ({e}); use a "
+                                     "tensor_parallel_size that splits it on whole blocks, or no quantization") from None
             quantize_param(m, p)
             n += 1
     if kept:
