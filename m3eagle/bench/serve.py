@@ -92,7 +92,8 @@ BENCH_SCHEMA = {"type": "object", "properties": {"summary": {"type": "string"},
                 "required": ["summary", "functions", "lines"], "additionalProperties": False}
 # The workloads that only chat carries, and the instruction each puts before its code window.
 CHAT_DATASETS = {"tools": "Check this code with the tools you have:\n",
-                 "json": "Describe this code as JSON (summary, functions, lines):\n"}
+                 "json": "Describe this code as JSON (summary, functions, lines):\n",
+                 "multiturn": "Go on with this code:\n"}
 
 
 def endpoint_of(a: argparse.Namespace) -> str:
@@ -104,6 +105,8 @@ def make_prompts(tok, dataset: str, n: int, length: int, seed: int, prefix_len: 
     """n prompts of exactly `length` token ids; dataset "prefix": each is one shared `prefix_len`-token stdlib
     window followed by its own `length`-token window (prefix_len + length ids), the shape of agents' and chat's
     repeated system prompt + tool definitions + conversation."""
+    if dataset == "multiturn":  # one stdlib window per user turn (bench-serve chains them into conversations)
+        dataset = "stdlib"
     if dataset == "prefix":
         if prefix_len < 1:
             raise ValueError("--dataset prefix needs --prefix-len N (the shared prefix's tokens), N >= 1")
@@ -181,6 +184,7 @@ class Result:
     e2e: float = 0.0
     output_tokens: int = 0
     itl: list[float] = field(default_factory=list)
+    text: str = ""  # the streamed reply (a multi-turn conversation sends it back in its next turn)
 
 
 def payload(endpoint: str, model: str, ids: list[int], text: str, a: argparse.Namespace) -> dict[str, Any]:
@@ -207,6 +211,7 @@ async def run_one(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any]
     res = Result(prompt_len)
     t0 = time.perf_counter()
     times: list[float] = []
+    pieces: list[str] = []
     usage = None
     try:
         async with asyncio.timeout(timeout), client.stream("POST", endpoint, json=body) as r:
@@ -229,6 +234,7 @@ async def run_one(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any]
                     piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
                     if piece:
                         times.append(time.perf_counter())
+                        pieces.append(piece)
     except TimeoutError:
         res.error = f"timed out after {timeout:g} s"
     except httpx.TimeoutException as e:
@@ -236,6 +242,7 @@ async def run_one(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any]
     except (httpx.HTTPError, OSError, ValueError) as e:  # transport and protocol errors, a bad JSON event
         res.error = f"{type(e).__name__}: {e}"
     res.e2e = time.perf_counter() - t0
+    res.text = "".join(pieces)
     if res.error is None and times:
         res.ok = True
         res.ttft = times[0] - t0
@@ -346,13 +353,29 @@ async def _bench(a: argparse.Namespace) -> dict[str, Any]:
                 print(f"  {done[0]}/{a.num_prompts} done", file=sys.stderr)
             return r
 
+        turns = getattr(a, "turns", 1) if a.dataset == "multiturn" else 1
+
+        async def conversation(first: int) -> list[Result]:
+            """Requests first.. of one conversation, one turn at a time: each turn sends the whole conversation
+            so far (earlier user windows and the server's replies) and then its own user window."""
+            history: list[dict[str, str]] = []
+            out = []
+            for i in range(first, min(first + turns, a.warmup + a.num_prompts)):
+                if turns > 1:
+                    history.append(bodies[i]["messages"][-1])
+                    bodies[i]["messages"] = list(history)
+                r = await limited(i)
+                history.append({"role": "assistant", "content": r.text})
+                out.append(r)
+            return out
+
         t0 = time.perf_counter()
         tasks = []
-        for i in range(a.warmup, a.warmup + a.num_prompts):
-            tasks.append(asyncio.create_task(limited(i)))
+        for i in range(a.warmup, a.warmup + a.num_prompts, turns):
+            tasks.append(asyncio.create_task(conversation(i)))
             if math.isfinite(a.request_rate):
-                await asyncio.sleep(rng.expovariate(a.request_rate))  # Poisson arrivals
-        results: list[Result] = await asyncio.gather(*tasks)
+                await asyncio.sleep(rng.expovariate(a.request_rate))  # Poisson arrivals (of conversations)
+        results: list[Result] = [r for conv in await asyncio.gather(*tasks) for r in conv]
         duration = time.perf_counter() - t0
         after = await scrape(client)
 
@@ -363,6 +386,7 @@ async def _bench(a: argparse.Namespace) -> dict[str, Any]:
     return {
         "schema": SCHEMA,
         "settings": {"base_url": url, "endpoint": endpoint, "model": model, "dataset": a.dataset,
+                     "turns": getattr(a, "turns", 1) if a.dataset == "multiturn" else 1,
                      "tokenizer": str(a.tokenizer or EMBEDDED_TOKENIZER), "input_len": a.input_len,
                      "prefix_len": getattr(a, "prefix_len", 0),
                      "output_len": a.output_len, "num_prompts": a.num_prompts,

@@ -398,10 +398,14 @@ def _add_bench_serve(sub) -> None:
     b.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"],
                    help="completions get token-id prompts (exact lengths); chat gets their text")
     b.add_argument("--model", default=None, help="model name to send; none: the first of GET /v1/models")
-    b.add_argument("--dataset", choices=["random", "stdlib", "tools", "json", "prefix"], default="stdlib",
+    b.add_argument("--dataset", choices=["random", "stdlib", "tools", "json", "prefix", "multiturn"],
+                   default="stdlib",
                    help="random token ids, or windows of held-out stdlib code; tools / json: those windows as chat "
                         "requests with a tools list / a response_format json_schema; prefix: one shared "
-                        "--prefix-len window before each request's own --input-len window")
+                        "--prefix-len window before each request's own --input-len window; multiturn: chat "
+                        "conversations of --turns turns, each turn resending the conversation so far (the "
+                        "server's replies included) plus a new window")
+    b.add_argument("--turns", type=int_in(1), default=4, help="for --dataset multiturn: requests per conversation")
     b.add_argument("--prefix-len", type=int_in(0), default=0,
                    help="for --dataset prefix: the tokens every prompt shares before its own --input-len")
     b.add_argument("--tokenizer", default=None, metavar="DIR",

@@ -488,6 +488,30 @@ def test_bench_serve_chat_and_poisson_arrivals(tmp_path):
     assert srv.max_in_flight == 8  # at the default rate (inf) and no --max-concurrency, all are sent at once
 
 
+def test_bench_serve_multiturn_conversations(tmp_path):
+    """--dataset multiturn: 8 requests as 2 conversations of 4 turns; a turn is sent only after the previous one
+    finished, and carries every earlier user window and the server's streamed reply, then its own window."""
+    with FakeServer(gap=0.01, events=2, per_event=2) as srv:
+        f = tmp_path / "mt.json"
+        rc, _, err = _run(["bench-serve", "--base-url", srv.url, "--dataset", "multiturn", "--turns", "4",
+                           "--input-len", "16", "--output-len", "4", "--num-prompts", "8", "--warmup", "0",
+                           "--json", str(f)])
+    assert rc == 0, err
+    doc = json.loads(f.read_text())
+    assert doc["settings"]["turns"] == 4 and doc["results"]["completed"] == 8
+    convs: dict[str, list[list[dict]]] = {}
+    for b in srv.bodies:
+        convs.setdefault(b["messages"][0]["content"], []).append(b["messages"])
+    assert len(convs) == 2 and srv.max_in_flight <= 2
+    for turns in convs.values():
+        assert [len(m) for m in turns] == [1, 3, 5, 7]  # user (+ assistant + user) per turn
+        for t, msgs in enumerate(turns):
+            assert [m["role"] for m in msgs] == ["user", "assistant"] * t + ["user"]
+            assert all(m["content"] == "abab" for m in msgs if m["role"] == "assistant")  # the streamed reply
+            assert msgs[:-1] == turns[-1][:len(msgs) - 1]  # each turn extends the conversation so far
+        assert len({m[-1]["content"] for m in turns}) == 4  # a new window per turn
+
+
 def test_bench_serve_without_a_server(capsys):
     import socket
 
