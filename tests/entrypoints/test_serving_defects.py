@@ -118,76 +118,59 @@ def test_body_limit_is_a_413_before_parsing(served):
         st.server.max_request_body_bytes = old
 
 
-@pytest.mark.slow
-def test_health_answers_while_a_prompt_is_tokenized(served, monkeypatch):
-    """Tokenization runs off the event loop: with the tokenizer held mid-request (forced, not timed), /health still
-    answers; the held request completes once released."""
-    st, _ = served
-    tok = st.server.llm.tokenizer
+def _held_request(st, monkeypatch, obj, attr: str, holds, body: dict, while_held) -> httpx.Response:
+    """POST `body` to /v1/completions with `obj.attr` held (forced, not timed) at its first call whose argument
+    `holds` accepts; run `while_held(client)` during the hold (within its 30 s), check the request is still
+    waiting then, release it, and return its response."""
     started, release = threading.Event(), threading.Event()
-    real = tok.encode_releasing_gil
+    real = getattr(obj, attr)
 
-    def held(text):
-        if "HOLD" in text:
+    def held(arg):
+        if not started.is_set() and holds(arg):
             started.set()
             assert release.wait(30), "never released"
-        return real(text)
+        return real(arg)
 
-    monkeypatch.setattr(tok, "encode_releasing_gil", held)
+    monkeypatch.setattr(obj, attr, held)
     result = {}
-
-    def send():
-        result["r"] = httpx.post(st.url + "/v1/completions", json={"prompt": "HOLD def f():", "max_tokens": 2},
-                                 timeout=60)
-
-    th = threading.Thread(target=send)
+    th = threading.Thread(target=lambda: result.update(r=httpx.post(st.url + "/v1/completions", json=body,
+                                                                    timeout=60)))
     th.start()
     try:
-        assert started.wait(30), "the request never reached the tokenizer"
+        assert started.wait(30), f"the request never reached {attr}"
         with httpx.Client(base_url=st.url, timeout=5, trust_env=False) as c:  # well inside the 30 s hold
-            assert c.get("/health").status_code == 200
-        assert th.is_alive() and not release.is_set()  # answered while the tokenizer was still held
+            while_held(c)
+        assert th.is_alive() and not release.is_set()  # answered while the request was still held
     finally:
         release.set()
         th.join(60)
-    assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 2
+    return result["r"]
+
+
+@pytest.mark.slow
+def test_health_answers_while_a_prompt_is_tokenized(served, monkeypatch):
+    """Tokenization runs off the event loop: with the tokenizer held mid-request, /health still answers; the
+    held request completes once released."""
+    st, _ = served
+    r = _held_request(st, monkeypatch, st.server.llm.tokenizer, "encode_releasing_gil", lambda text: "HOLD" in text,
+                      {"prompt": "HOLD def f():", "max_tokens": 2},
+                      lambda c: c.get("/health").raise_for_status())
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
 @pytest.mark.slow
 def test_health_answers_while_a_grammar_compiles(served, monkeypatch):
-    """A new schema's grammar compiles off the event loop: with the compile held (forced, not timed), /health
-    and an unconstrained request still answer; the constrained request completes, valid, once released."""
+    """A new schema's grammar compiles off the event loop: with the compile held, /health and an unconstrained
+    request still answer; the constrained request completes, valid, once released."""
     st, _ = served
-    eng = st.server.engine
-    started, release = threading.Event(), threading.Event()
-    real = eng.compile_grammar
 
-    def held(params):
-        if not started.is_set():
-            started.set()
-            assert release.wait(30), "never released"
-        return real(params)
+    def during(c: httpx.Client) -> None:
+        c.get("/health").raise_for_status()
+        r = c.post("/v1/completions", json={"prompt": "def f():", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
 
-    monkeypatch.setattr(eng, "compile_grammar", held)
-    result = {}
-
-    def send():
-        result["r"] = httpx.post(st.url + "/v1/completions", json={"prompt": "x =", "max_tokens": 3, "temperature": 0,
-                                                                   "guided_regex": "7[0-9][0-9]"}, timeout=60)
-
-    th = threading.Thread(target=send)
-    th.start()
-    try:
-        assert started.wait(30), "the request never reached the grammar compiler"
-        with httpx.Client(base_url=st.url, timeout=5, trust_env=False) as c:  # well inside the 30 s hold
-            assert c.get("/health").status_code == 200
-            r = c.post("/v1/completions", json={"prompt": "def f():", "max_tokens": 2, "temperature": 0})
-            assert r.status_code == 200, r.text
-        assert th.is_alive() and not release.is_set()  # answered while the compile was still held
-    finally:
-        release.set()
-        th.join(60)
-    r = result["r"]
+    r = _held_request(st, monkeypatch, st.server.engine, "compile_grammar", lambda params: True,
+                      {"prompt": "x =", "max_tokens": 3, "temperature": 0, "guided_regex": "7[0-9][0-9]"}, during)
     assert r.status_code == 200, r.text
     assert re.fullmatch("7[0-9][0-9]", r.json()["choices"][0]["text"])
 

@@ -12,36 +12,20 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any `import triton` (graph_shapes on CPU)
 
 import threading  # noqa: E402
 import time  # noqa: E402
-import urllib.error  # noqa: E402
-import urllib.request  # noqa: E402
 
 import pytest  # noqa: E402
 
 from m3eagle import LLM, SamplingParams  # noqa: E402
 from m3eagle.engine.graph_runner import PREFILL, GraphRunner  # noqa: E402
 from m3eagle.entrypoints.server import OpenAIServer, ServerThread  # noqa: E402
+from tests.entrypoints.test_server import http  # noqa: E402
 from tests.helpers.engine_utils import assert_clean  # noqa: E402
-
-
-def _get(url: str, body: dict | None = None) -> tuple[int, dict | str]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            status, raw = r.status, r.read()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw.decode()
 
 
 def test_warmup_covers_every_bucket_serving_steps_take(one_thread, monkeypatch):
@@ -107,17 +91,17 @@ def test_health_is_503_until_warmup_finishes(small_llm, monkeypatch):
     monkeypatch.setattr(small_llm.engine, "warmup", blocked_warmup)
     with ServerThread(OpenAIServer(small_llm, log_interval=0, warmup=True)) as st:
         assert started.wait(30)
-        status, body = _get(st.url + "/health")
+        status, body = http(st, "GET", "/health")
         assert status == 503 and "warming up" in body["error"]["message"]
-        status, body = _get(st.url + "/v1/completions", {"prompt": "def f(", "max_tokens": 2})
+        status, body = http(st, "POST", "/v1/completions", {"prompt": "def f(", "max_tokens": 2})
         assert status == 503 and "warming up" in body["error"]["message"]
         assert small_llm.engine.is_idle_and_clean()  # nothing reached the engine
         release.set()
         t_end = time.monotonic() + 30
-        while _get(st.url + "/health")[0] != 200:
+        while http(st, "GET", "/health")[0] != 200:
             assert time.monotonic() < t_end, "not ready after the warm-up"
             time.sleep(0.02)
-        status, body = _get(st.url + "/v1/completions", {"prompt": "def f(", "max_tokens": 2})
+        status, body = http(st, "POST", "/v1/completions", {"prompt": "def f(", "max_tokens": 2})
         assert status == 200 and body["usage"]["completion_tokens"] == 2
     assert small_llm.engine.num_steps > 0 and small_llm.engine.owner is None
 
