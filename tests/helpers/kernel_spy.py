@@ -1,5 +1,5 @@
-"""A launch spy for the Triton kernel tests: which kernel variants ran, so a test of a fast path fails when
-the path it means to exercise never launched."""
+"""Spies for the kernel tests: which kernel variants ran (`spy_launches`), or how often a host function ran
+(`count_calls`), so a test of a fast path fails when the path it means to exercise never ran."""
 
 from __future__ import annotations
 
@@ -23,4 +23,18 @@ def spy_launches(monkeypatch, module: ModuleType, name: str,
             return launch
 
     monkeypatch.setattr(module, name, Spy())
+    return seen
+
+
+def count_calls(monkeypatch, module: ModuleType, name: str) -> list:
+    """Replace the function `module.name` for this test with a wrapper that appends its arguments to the returned
+    list (so len() is the call count), then calls the real function."""
+    seen: list = []
+    real = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        seen.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
     return seen

@@ -26,6 +26,7 @@ from m3eagle.loader.checkpoint import load_target, save_target  # noqa: E402
 from m3eagle.models.layers import PackedLinears, pack_projections  # noqa: E402
 from m3eagle.models.quant import quantizable, quantize_online  # noqa: E402
 from tests.helpers.engine_utils import greedy  # noqa: E402
+from tests.helpers.kernel_spy import count_calls  # noqa: E402
 
 PROMPTS = [[9, 21, 33, 4, 17], [50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60], [7, 8]]
 
@@ -139,19 +140,8 @@ def test_triton_path_runs_the_w8a16_kernels(model_dir, monkeypatch):
     from m3eagle.kernels.ops import make_ops
     from m3eagle.models.layers import SparseMoE
 
-    calls = {"linear": 0, "moe": 0}
-    lin, moe = w8a16.mx_linear, w8a16.mx_moe_experts
-
-    def spy_linear(*a, **k):
-        calls["linear"] += 1
-        return lin(*a, **k)
-
-    def spy_moe(*a, **k):
-        calls["moe"] += 1
-        return moe(*a, **k)
-
-    monkeypatch.setattr(triton_backend, "mx_linear", spy_linear)
-    monkeypatch.setattr(w8a16, "mx_moe_experts", spy_moe)
+    linear_calls = count_calls(monkeypatch, triton_backend, "mx_linear")
+    moe_calls = count_calls(monkeypatch, w8a16, "mx_moe_experts")
     model = load_target(model_dir)
     quantize_online(model)
     pack_projections(model)
@@ -167,7 +157,7 @@ def test_triton_path_runs_the_w8a16_kernels(model_dir, monkeypatch):
     for got, want in pairs:
         for g, r in zip(got, want):
             assert torch.allclose(g, r, rtol=1e-5, atol=1e-5)
-    assert calls["linear"] >= 4 and calls["moe"] == 1
+    assert len(linear_calls) >= 4 and len(moe_calls) == 1
 
 
 def test_unknown_quantization_is_refused_by_name(model_dir):
