@@ -139,6 +139,7 @@ def test_pick_config_paths():
 
     for t in range(1, 9):  # an untuned shape: the rule's GEMV
         assert not pick_config(t, 6000, 6144).use_dot
+    assert w8a16.TUNED  # the package ships its table
     for (t, n, k), cfg in w8a16.TUNED.items():  # tuned shapes: the table's entry, for every T of its bucket
         assert cfg.block_k % 32 == 0 and t in (1, 2, 4, 8)
         assert all(pick_config(r, n, k) == cfg for r in range(t // 2 + 1, t + 1))

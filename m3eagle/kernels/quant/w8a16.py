@@ -46,7 +46,6 @@ GEMM's dequantizing tile.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -59,17 +58,13 @@ from m3eagle.kernels import pdl
 from m3eagle.kernels.fused.activation import swiglu_oai_f32
 from m3eagle.kernels.pdl import pdl_wait
 from m3eagle.kernels.quant.mxfp8 import MX_BLOCK
-from m3eagle.kernels.triton_utils import launch_opts
+from m3eagle.kernels.triton_utils import interpreting, launch_opts
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GEMV_MAX_T = 8  # rows up to which mx_linear runs the decode GEMV; the tiled GEMM above
 SMS = 132  # the Hopper parts the blocks are sized for (H100 SXM / H200); keeps pick_config a function of shape
 MAX_SPLIT = 8
 TUNED_PATH = Path(__file__).with_name("w8a16_configs.json")
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ---- configs ------------------------------------------------------------------------------------------
@@ -361,7 +356,7 @@ def _check_x(fn: str, x: torch.Tensor, k: int, device: torch.device) -> None:
         raise ValueError(f"{fn}: x on {x.device} but the weight on {device}")
     if x.stride(1) != 1 and x.shape[1] > 1:
         raise ValueError(f"{fn}: x must have unit column stride, got strides {x.stride()}")
-    if device.type != "cuda" and not _interpreting():
+    if device.type != "cuda" and not interpreting():
         raise ValueError(f"{fn}: tensors on {device} need a CUDA device or TRITON_INTERPRET=1")
 
 
@@ -407,7 +402,7 @@ def mx_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: torch.
                                                           num_warps=4, **pdl.args(x), **launch_opts())
         return out
     grid = (triton.cdiv(t, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    interp = _interpreting()
+    interp = interpreting()
     _mx_gemm_kernel[grid](x, q, scale, out, t, n, k, x.stride(0), q.stride(0), scale.stride(0), out.stride(0),
                           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                           EVEN_K=k % cfg.block_k == 0, IEEE=x.dtype == torch.float32,
@@ -551,7 +546,7 @@ def mx_moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     _mx_moe_gate_up_kernel[(t * top_k, triton.cdiv(inter, bn1))](
         x, ids, w13_q, w13_s, act, t * top_k, e, h, inter, x.stride(0), w13_q.stride(0), w13_q.stride(1),
         w13_s.stride(0), w13_s.stride(1), act.stride(0), float(alpha), float(limit), TOP_K=top_k, BLOCK_N=bn1,
-        BLOCK_K=bk1, EVEN_K=h % bk1 == 0, PRECISE=not _interpreting(), INT_DQ=int_dequant, num_warps=num_warps,
+        BLOCK_K=bk1, EVEN_K=h % bk1 == 0, PRECISE=not interpreting(), INT_DQ=int_dequant, num_warps=num_warps,
         **pdl.args(x), **launch_opts())
     _mx_moe_down_kernel[(t, triton.cdiv(h, bn2))](
         act, ids, wts, w2_q, w2_s, out, t, e, h, inter, act.stride(0), w2_q.stride(0), w2_q.stride(1),
