@@ -134,7 +134,7 @@ def bench_linear(shape: dict[str, Any], ts: list[int], args: argparse.Namespace,
 
 
 def gemv_candidates(n: int, k: int) -> list[Any]:
-    """The GEMV configs the sweep times at T = 1: blocks, warps, stages, scale loading, and split-K by the rule
+    """The GEMV configs the sweep times at T = 1: BLOCK_N 8 / 16, stages 1 / 3, and split-K by the rule
     (pick_config's: enough programs for the SMs) and at twice the rule."""
     import triton
 
@@ -142,15 +142,12 @@ def gemv_candidates(n: int, k: int) -> list[Any]:
 
     out = []
     bk = min(512, triton.next_power_of_2(k))
-    for int_dq in (False, True):
-        for gather in (False, True):
-            for bn in (8,):
-                for stages in (1, 3):
-                    tiles = triton.cdiv(n, bn)
-                    rule = max(1, min(MAX_SPLIT, triton.cdiv(4 * SMS, tiles), k // (2 * bk))) if tiles < 2 * SMS else 1
-                    for split in sorted({rule, min(MAX_SPLIT, 2 * rule, max(1, k // bk))}):
-                        out.append(MxConfig(False, 1, bn, bk, num_warps=4, num_stages=stages, split_k=split,
-                                            gather_scale=gather, int_dequant=int_dq))
+    for bn in (8, 16):
+        for stages in (1, 3):
+            tiles = triton.cdiv(n, bn)
+            rule = max(1, min(MAX_SPLIT, triton.cdiv(4 * SMS, tiles), k // (2 * bk))) if tiles < 2 * SMS else 1
+            for split in sorted({rule, min(MAX_SPLIT, 2 * rule, max(1, k // bk))}):
+                out.append(MxConfig(False, 1, bn, bk, num_warps=4, num_stages=stages, split_k=split))
     return out
 
 
@@ -217,19 +214,18 @@ def tune_moe(args: argparse.Namespace, copy_bw: float) -> list[dict[str, Any]]:
                  for _ in range(16)]  # 16 routings: each call reads other experts
     nbytes = k * 3 * h * inter * (1 + 1 / 32) + 2 * h
     rows = []
-    for int_dq in (False, True):
-        for bn in (8, 16, 32):
-            for bk in (256, 512):
-                for warps in (4, 8):
-                    try:
-                        us = graph_time(lambda x, a, bn=bn, bk=bk, w=warps, i=int_dq: mx_moe_experts(
-                            x, a[0], a[1], q13, s13, q2, s2, 1.702, 7.0, block_n=bn, block_k=bk, num_warps=w,
-                            int_dequant=i), x, args_list, max(5, args.replays // 2), args.min_calls)
-                    except Exception as ex:
-                        print(f"  moe bn={bn} bk={bk} warps={warps} int={int_dq}: {type(ex).__name__}")
-                        continue
-                    rows.append({"block_n": bn, "block_k": bk, "num_warps": warps, "int_dequant": int_dq, "us": us,
-                                 "pct_copy": 100 * nbytes / us / 1e3 / copy_bw})
+    for bn in (8, 16, 32):
+        for bk in (256, 512):
+            for warps in (4, 8):
+                try:
+                    us = graph_time(lambda x, a, bn=bn, bk=bk, w=warps: mx_moe_experts(
+                        x, a[0], a[1], q13, s13, q2, s2, 1.702, 7.0, block_n=bn, block_k=bk, num_warps=w),
+                        x, args_list, max(5, args.replays // 2), args.min_calls)
+                except Exception as ex:
+                    print(f"  moe bn={bn} bk={bk} warps={warps}: {type(ex).__name__}")
+                    continue
+                rows.append({"block_n": bn, "block_k": bk, "num_warps": warps, "us": us,
+                             "pct_copy": 100 * nbytes / us / 1e3 / copy_bw})
     rows.sort(key=lambda r: r["us"])
     for r in rows[:5]:
         print(f"tune MoE T=1: {r}", flush=True)
@@ -337,7 +333,7 @@ def main() -> None:
         doc["tune_moe"] = tune_moe(args, copy_bw)
         if args.write:
             top = doc["tune_moe"][0] if doc["tune_moe"] else None
-            moe = {k: top[k] for k in ("block_n", "block_k", "num_warps", "int_dequant")} if top else None
+            moe = {k: top[k] for k in ("block_n", "block_k", "num_warps")} if top else None
             write_tuned(best, f"benchmarks/w8a16.py --tune --write on {name}", moe)
             print("wrote m3eagle/kernels/quant/w8a16_configs.json")
     for shape in all_shapes(args.models.split(",")):

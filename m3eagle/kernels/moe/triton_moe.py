@@ -111,7 +111,7 @@ def _mx_dot(a, q_ptrs, s_ptrs, k_left, acc, BLOCK_N: tl.constexpr, BLOCK_K: tl.c
     else:
         k_ok = tl.arange(0, BLOCK_K)[None, :] < k_left  # K % 32 == 0: whole scale groups in or out
         g_ok = (tl.arange(0, BLOCK_K // 32) * 32)[None, :] < k_left
-        w = _dequant_tile(q_ptrs, s_ptrs, k_ok, g_ok, BLOCK_N, BLOCK_K, EVEN_K, False).to(dt)  # [BN, BK]
+        w = _dequant_tile(q_ptrs, s_ptrs, k_ok, g_ok, BLOCK_N, BLOCK_K, EVEN_K).to(dt)  # [BN, BK]
         if UPCAST_DOT:
             acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         else:

@@ -83,8 +83,6 @@ class MxConfig:
     num_stages: int = 1
     split_k: int = 1
     group_m: int = 8
-    gather_scale: bool = False  # GEMV: load each weight's scale beside it instead of reshaping the tile
-    int_dequant: bool = False  # GEMV: e4m3 -> fp32 by integer ops (_fp8_f32) instead of conversion instructions
 
 
 def _load_tuned() -> dict[tuple[int, int, int], MxConfig]:
@@ -96,8 +94,8 @@ def _load_tuned() -> dict[tuple[int, int, int], MxConfig]:
 
 
 def _load_moe_tuned() -> dict[str, Any]:
-    """mx_moe_experts' measured-best launch parameters at decode sizes (block_n, block_k, num_warps,
-    int_dequant), or {} (the built-in defaults)."""
+    """mx_moe_experts' measured-best launch parameters at decode sizes (block_n, block_k, num_warps), or {} (the
+    built-in defaults)."""
     return json.loads(TUNED_PATH.read_text()).get("moe", {}) if TUNED_PATH.is_file() else {}
 
 
@@ -160,21 +158,7 @@ def _e8m0(s):
 
 
 @triton.jit
-def _fp8_f32(q, INT_DQ: tl.constexpr):
-    """e4m3 values -> fp32, exactly. INT_DQ: by integer ops instead of the conversion instructions -- the byte's
-    sign to bit 31 and its 7 exponent + mantissa bits to bits 20..26 is q * 2 ** -120 as an fp32 (subnormals and
-    zero included: e4m3's exponent field lands in fp32's, 120 below its bias), then * 2 ** 120 (exact)."""
-    if INT_DQ:
-        b = q.to(tl.uint8, bitcast=True).to(tl.int32)
-        w = (((b & 0x80) << 24) | ((b & 0x7F) << 20)).to(tl.float32, bitcast=True)
-        return w * 1.329227995784916e36  # 2 ** 120
-    else:
-        return q.to(tl.float32)
-
-
-@triton.jit
-def _dequant_tile(q_ptrs, s_ptrs, k_ok, g_ok, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                  INT_DQ: tl.constexpr = False):
+def _dequant_tile(q_ptrs, s_ptrs, k_ok, g_ok, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
     """fp8 tile [BN, BK] at q_ptrs and its scales [BN, BK / 32] at s_ptrs -> fp32 weights [BN, BK] (zeros past K)."""
     if EVEN_K:
         q = tl.load(q_ptrs)
@@ -182,7 +166,7 @@ def _dequant_tile(q_ptrs, s_ptrs, k_ok, g_ok, BN: tl.constexpr, BK: tl.constexpr
     else:
         q = tl.load(q_ptrs, mask=k_ok, other=0.0)
         s = tl.load(s_ptrs, mask=g_ok, other=127)
-    w = tl.reshape(_fp8_f32(q, INT_DQ), [BN, BK // 32, 32]) * _e8m0(s)[:, :, None]
+    w = tl.reshape(q.to(tl.float32), [BN, BK // 32, 32]) * _e8m0(s)[:, :, None]
     return tl.reshape(w, [BN, BK])
 
 
@@ -192,7 +176,7 @@ def _dequant_tile(q_ptrs, s_ptrs, k_ok, g_ok, BN: tl.constexpr, BK: tl.constexpr
 @triton.jit(do_not_specialize=["T", "k_split"])
 def _mx_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_xt, stride_qn, stride_sn, stride_yt, k_split,
                     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                    EVEN_K: tl.constexpr, GATHER_S: tl.constexpr, INT_DQ: tl.constexpr, PDL: tl.constexpr):
+                    EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), S): y[:, n-tile] (SPLIT: its partial part[s] [T, N] fp32) over K [s*k_split, +k_split)."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     NB: tl.constexpr = BLOCK_K // 32
@@ -210,21 +194,10 @@ def _mx_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_xt, st
     s_ptrs = s_ptr + rows[:, None] * stride_sn + (k0 // 32 + offs_g)[None, :]  # [BN, NB]
     x_ptrs = x_ptr + trow[:, None] * stride_xt + (k0 + offs_k)[None, :]  # [BT, BK]
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-    # GATHER_S: each weight's scale byte is loaded beside it ([BN, BK] loads of the same BK / 32 bytes per row,
-    # served from L1), which spares the [BN, BK/32, 32] reshape its register shuffles; the product is the same.
-    sg_ptrs = s_ptr + rows[:, None] * stride_sn + ((k0 + offs_k) // 32)[None, :]  # [BN, BK]
     for k in range(k0, k_end, BLOCK_K):
         k_ok = (k + offs_k) < k_end  # K % 32 == 0: whole groups in or out
         g_ok = (k + offs_g * 32) < k_end
-        if GATHER_S:
-            if EVEN_K:
-                w = _fp8_f32(tl.load(q_ptrs), INT_DQ) * _e8m0(tl.load(sg_ptrs))
-            else:
-                w = (_fp8_f32(tl.load(q_ptrs, mask=k_ok[None, :], other=0.0), INT_DQ)
-                     * _e8m0(tl.load(sg_ptrs, mask=k_ok[None, :], other=127)))
-            sg_ptrs += NB
-        else:
-            w = _dequant_tile(q_ptrs, s_ptrs, k_ok[None, :], g_ok[None, :], BLOCK_N, BLOCK_K, EVEN_K, INT_DQ)
+        w = _dequant_tile(q_ptrs, s_ptrs, k_ok[None, :], g_ok[None, :], BLOCK_N, BLOCK_K, EVEN_K)  # [BN, BK]
         if EVEN_K:
             x = tl.load(x_ptrs).to(tl.float32)
         else:
@@ -393,8 +366,8 @@ def mx_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: torch.
         grid = (triton.cdiv(n, cfg.block_n), split)
         _mx_gemv_kernel[grid](x, q, scale, out, part, t, n, k, x.stride(0), q.stride(0), scale.stride(0),
                               out.stride(0), k_split, BLOCK_T=bt, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                              SPLIT=split > 1, EVEN_K=k % cfg.block_k == 0, GATHER_S=cfg.gather_scale,
-                              INT_DQ=cfg.int_dequant, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+                              SPLIT=split > 1, EVEN_K=k % cfg.block_k == 0,
+                              num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
                               **launch_opts())
         if split > 1:
             block = min(1024, triton.next_power_of_2(n))
@@ -415,8 +388,7 @@ def mx_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: torch.
 
 
 @triton.jit
-def _gemv_rows(x_row_ptr, q_ptrs, s_ptrs, n_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-               INT_DQ: tl.constexpr):
+def _gemv_rows(x_row_ptr, q_ptrs, s_ptrs, n_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """sum_k dequant(q, s)[n, k] * x[k] over k < n_k for the BLOCK_N rows at q_ptrs / s_ptrs -> [BLOCK_N] fp32."""
     NB: tl.constexpr = BLOCK_K // 32
     offs_k = tl.arange(0, BLOCK_K)
@@ -425,7 +397,7 @@ def _gemv_rows(x_row_ptr, q_ptrs, s_ptrs, n_k, BLOCK_N: tl.constexpr, BLOCK_K: t
     for k in range(0, n_k, BLOCK_K):
         k_ok = (k + offs_k) < n_k
         g_ok = (k + offs_g * 32) < n_k
-        w = _dequant_tile(q_ptrs, s_ptrs, k_ok[None, :], g_ok[None, :], BLOCK_N, BLOCK_K, EVEN_K, INT_DQ)
+        w = _dequant_tile(q_ptrs, s_ptrs, k_ok[None, :], g_ok[None, :], BLOCK_N, BLOCK_K, EVEN_K)
         if EVEN_K:
             x = tl.load(x_row_ptr + k + offs_k).to(tl.float32)
         else:
@@ -439,7 +411,7 @@ def _gemv_rows(x_row_ptr, q_ptrs, s_ptrs, n_k, BLOCK_N: tl.constexpr, BLOCK_K: t
 @triton.jit(do_not_specialize=["P"])
 def _mx_moe_gate_up_kernel(x_ptr, ids_ptr, q_ptr, s_ptr, act_ptr, P, E, H, I, stride_xt, stride_qe, stride_qn,
                            stride_se, stride_sn, stride_at, alpha, limit, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISE: tl.constexpr, INT_DQ: tl.constexpr,
+                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISE: tl.constexpr,
                            PDL: tl.constexpr):
     """Grid (T * k, cdiv(I, BN)): act[p, n-tile] = swiglu_oai(x[p // k] @ gate_e^T, x[p // k] @ up_e^T), e = ids[p]."""
     pdl_wait(PDL)
@@ -454,8 +426,8 @@ def _mx_moe_gate_up_kernel(x_ptr, ids_ptr, q_ptr, s_ptr, act_ptr, P, E, H, I, st
     x_row = x_ptr + (p // TOP_K) * stride_xt
     qg = q_ptr + e * stride_qe + rows[:, None] * stride_qn + offs_k[None, :]
     sg = s_ptr + e * stride_se + rows[:, None] * stride_sn + offs_g[None, :]
-    g = _gemv_rows(x_row, qg, sg, H, BLOCK_N, BLOCK_K, EVEN_K, INT_DQ)
-    u = _gemv_rows(x_row, qg + I * stride_qn, sg + I * stride_sn, H, BLOCK_N, BLOCK_K, EVEN_K, INT_DQ)
+    g = _gemv_rows(x_row, qg, sg, H, BLOCK_N, BLOCK_K, EVEN_K)
+    u = _gemv_rows(x_row, qg + I * stride_qn, sg + I * stride_sn, H, BLOCK_N, BLOCK_K, EVEN_K)
     dt = act_ptr.dtype.element_ty
     out = swiglu_oai_f32(g.to(dt).to(tl.float32), u.to(dt).to(tl.float32), alpha, limit, dt, PRECISE)
     tl.store(act_ptr + p * stride_at + offs_n, out.to(dt), mask=offs_n < I)
@@ -464,7 +436,7 @@ def _mx_moe_gate_up_kernel(x_ptr, ids_ptr, q_ptr, s_ptr, act_ptr, P, E, H, I, st
 @triton.jit(do_not_specialize=["T"])
 def _mx_moe_down_kernel(act_ptr, ids_ptr, wts_ptr, q_ptr, s_ptr, out_ptr, T, E, H, I, stride_at, stride_qe, stride_qn,
                         stride_se, stride_sn, stride_ot, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INT_DQ: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """Grid (T, cdiv(H, BN)): out[t, n-tile] = sum_{j = 0..k-1} wts[t, j] * round(act[t*k + j] @ down_e^T)."""
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -483,7 +455,7 @@ def _mx_moe_down_kernel(act_ptr, ids_ptr, wts_ptr, q_ptr, s_ptr, out_ptr, T, E, 
         e = tl.minimum(tl.maximum(e_raw, 0), E - 1)
         qd = q_ptr + e * stride_qe + rows[:, None] * stride_qn + offs_k[None, :]
         sd = s_ptr + e * stride_se + rows[:, None] * stride_sn + offs_g[None, :]
-        y = _gemv_rows(act_ptr + p * stride_at, qd, sd, I, BLOCK_N, BLOCK_K, EVEN_K, INT_DQ)
+        y = _gemv_rows(act_ptr + p * stride_at, qd, sd, I, BLOCK_N, BLOCK_K, EVEN_K)
         total += wt * y.to(dt).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + offs_n, total.to(dt), mask=offs_n < H)
 
@@ -491,7 +463,7 @@ def _mx_moe_down_kernel(act_ptr, ids_ptr, wts_ptr, q_ptr, s_ptr, out_ptr, T, E, 
 def mx_moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_q: torch.Tensor,
                    w13_s: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, alpha: float, limit: float,
                    out: torch.Tensor | None = None, block_n: int | None = None, block_k: int | None = None,
-                   num_warps: int | None = None, int_dequant: bool | None = None) -> torch.Tensor:
+                   num_warps: int | None = None) -> torch.Tensor:
     """Routed experts with MXFP8 weights: x [T, H] (bf16 / fp16 / fp32), topk_weights [T, k] (float; used in
     fp32), topk_ids [T, k] (integer expert ids), w13_q [E, 2I, H] fp8 (gate rows, then up rows) + w13_s
     [E, 2I, H/32] u8, w2_q [E, H, I] fp8 + w2_s [E, H, I/32] u8 -> [T, H] in x.dtype.
@@ -538,7 +510,6 @@ def mx_moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     block_k = block_k or tuned.get("block_k")
     block_n = block_n or tuned.get("block_n")
     num_warps = num_warps or tuned.get("num_warps", 4)
-    int_dequant = tuned.get("int_dequant", False) if int_dequant is None else int_dequant
     bk1 = block_k or max(32, min(256, triton.next_power_of_2(h)))
     bk2 = block_k or max(32, min(256, triton.next_power_of_2(inter)))
     bn1 = block_n or 16
@@ -546,10 +517,10 @@ def mx_moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     _mx_moe_gate_up_kernel[(t * top_k, triton.cdiv(inter, bn1))](
         x, ids, w13_q, w13_s, act, t * top_k, e, h, inter, x.stride(0), w13_q.stride(0), w13_q.stride(1),
         w13_s.stride(0), w13_s.stride(1), act.stride(0), float(alpha), float(limit), TOP_K=top_k, BLOCK_N=bn1,
-        BLOCK_K=bk1, EVEN_K=h % bk1 == 0, PRECISE=not interpreting(), INT_DQ=int_dequant, num_warps=num_warps,
+        BLOCK_K=bk1, EVEN_K=h % bk1 == 0, PRECISE=not interpreting(), num_warps=num_warps,
         **pdl.args(x), **launch_opts())
     _mx_moe_down_kernel[(t, triton.cdiv(h, bn2))](
         act, ids, wts, w2_q, w2_s, out, t, e, h, inter, act.stride(0), w2_q.stride(0), w2_q.stride(1),
         w2_s.stride(0), w2_s.stride(1), out.stride(0), TOP_K=top_k, BLOCK_N=bn2, BLOCK_K=bk2,
-        EVEN_K=inter % bk2 == 0, INT_DQ=int_dequant, num_warps=num_warps, **pdl.args(x), **launch_opts())
+        EVEN_K=inter % bk2 == 0, num_warps=num_warps, **pdl.args(x), **launch_opts())
     return out
