@@ -98,6 +98,10 @@ class EngineConfig:
     # "auto": `resolve_scheduler_steps` (8 for small models replaying CUDA graphs, else 1); the engine's
     # own config holds the resolved int.
     num_scheduler_steps: int | str = 1
+    # Automatic prefix caching (vLLM's enable_prefix_caching): full pages of KV (target, index-K and the
+    # draft head's) stay cached after their requests finish, keyed by their tokens, and a request whose
+    # prefix is cached computes only the rest (scheduler.py, prefix_keys.py).
+    enable_prefix_caching: bool = True
 
 
 # num_scheduler_steps="auto" (opt-in). A replayed decode step of a model whose weights are a few hundred MB
@@ -205,7 +209,8 @@ class LLMEngine(OutputProcessor):
             raise ValueError(f"num_pages={num_pages} cannot hold one sequence of max_model_len="
                              f"{cfg.max_model_len} (needs {self.table_width - 1} pages of {cfg.page_size}); "
                              "raise num_pages or lower max_model_len")
-        self.scheduler = Scheduler(self.pool, cfg.max_num_tokens, cfg.max_num_seqs, k, self.table_width - 1)
+        self.scheduler = Scheduler(self.pool, cfg.max_num_tokens, cfg.max_num_seqs, k, self.table_width - 1,
+                                   cfg.enable_prefix_caching)
         self.ops = ops if ops is not None else make_ops("auto", "auto", device)
         # Projections that read the same input become one GEMM each (fewer launches per step); the weights
         # become views of the packed tensors, so nothing else changes.
@@ -340,6 +345,9 @@ class LLMEngine(OutputProcessor):
         info = {"shapes": shapes, "variants": variants, "graphs": warmed, "steps": self.num_steps - steps,
                 "seconds": time.perf_counter() - t0}
         self.counters, self.num_steps, self.num_iterations = counters, steps, iters
+        sched = self.scheduler
+        sched.reset_prefix_cache()  # dummy prompts: nothing a user would hit, nothing counted
+        sched.prefix_cache_queries = sched.prefix_cache_hits = 0
         log.info("warm-up in %.1f s: %d graph buckets x modes %s in %.1f s (%d captured in all), %d prompt "
                  "batches (rows x tokens: %s), sampling variants %s", info["seconds"], warmed,
                  "captured" if self.graphs.use_graphs else "run eagerly", t_graphs, len(self.graphs.graphs),
@@ -347,7 +355,9 @@ class LLMEngine(OutputProcessor):
         return info
 
     def _warm_batch(self, reqs: list[tuple[str, int, SamplingParams]]) -> None:
-        """Run dummy prompts (id suffix, length, params) together until they finish."""
+        """Run dummy prompts (id suffix, length, params) together until they finish. The prefix cache is
+        emptied first: the batches' prompts share prefixes, and a hit would leave their shapes unwarmed."""
+        self.scheduler.reset_prefix_cache()
         vocab, cap = self.target_cfg.vocab_size, self.cfg.max_model_len - self.k - 3
         for i, (name, length, sp) in enumerate(reqs):
             length = max(1, min(length, cap))
@@ -612,6 +622,24 @@ class LLMEngine(OutputProcessor):
             pending, self._pending = self._pending, None
             self._process_iteration(*pending)
 
+    # ---- prefix cache ---------------------------------------------------------------------------
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache at admission, so far (vLLM's counter)."""
+        return self.scheduler.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of those, tokens found cached (vLLM's counter)."""
+        return self.scheduler.prefix_cache_hits
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached page (vLLM's reset_prefix_cache): later requests recompute their prefixes.
+        Pages that running requests hold stay theirs. Safe from any thread; True once done."""
+        with self._lock:
+            self.scheduler.reset_prefix_cache()
+        return True
+
     def run(self) -> list[RequestOutput]:
         """Step until idle; returns the outputs of the requests that finished meanwhile."""
         done: list[RequestOutput] = []
@@ -628,7 +656,8 @@ class LLMEngine(OutputProcessor):
         unfinished request goes back to waiting (FCFS by arrival) to be recomputed, exactly as a
         preemption would, every finished one lets go of what it held, and the pool and slot list start
         over. A step that was in flight on the device writes only pages that later steps overwrite
-        (one stream, in order), so no device state needs undoing."""
+        (one stream, in order), so no device state needs undoing. The prefix cache starts empty too: what
+        a faulted step left in a page is not trusted."""
         sched = self.scheduler
         with self._intake_lock:  # the intake is untouched by a step: its requests stay there
             queued = {id(r) for r in self._intake}
@@ -637,7 +666,7 @@ class LLMEngine(OutputProcessor):
         for req in reqs:
             req.inflight_rows.clear()
             req.pages, req.slot, req.pending_free, req.slot_valid = [], -1, False, False
-            req.fork_src, req.fork_len = None, 0
+            req.fork_src, req.fork_len, req.num_registered = None, 0, 0
             req.num_computed = req.proj_computed = 0
             req.proj_known = req.num_known
             if not req.finished:

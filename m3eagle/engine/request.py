@@ -71,6 +71,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # Prompt tokens whose KV came from the prefix cache (vLLM's meaning); None with prefix caching off.
+    num_cached_tokens: int | None = None
 
 
 @dataclass
@@ -179,6 +181,12 @@ class Request:
     fork_len: int = 0
     # Structured output: this sequence's grammar matcher (sampling/structured.RequestGrammar), or None.
     grammar: Any = None
+    # Prefix caching: the keys of its full pages so far (engine/prefix_keys.py), how many of its table's
+    # pages are registered in the cache (reset with its pages), and the prompt tokens its first admission
+    # found cached (None until admitted; RequestOutput.num_cached_tokens).
+    page_keys: list[bytes] = field(default_factory=list)
+    num_registered: int = 0
+    num_cached_tokens: int | None = None
 
     @property
     def num_verify_steps(self) -> int:
@@ -269,7 +277,8 @@ class Request:
         first = members[0]
         plp = list(first.prompt_logprobs) if self.params.prompt_logprobs is not None else None
         return RequestOutput(self.group_id, self.prompt, list(self.prompt_token_ids), plp,
-                             [r.completion() for r in members], all(r.finished for r in members), metrics)
+                             [r.completion() for r in members], all(r.finished for r in members), metrics,
+                             first.num_cached_tokens)
 
 
 @dataclass(eq=False)

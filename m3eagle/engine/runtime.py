@@ -86,6 +86,9 @@ class Runtime:
     quantization: None serves the checkpoint's weights as stored (the MXFP8 release stays MXFP8 on the device and
     runs the W8A16 kernels); 'fp8' quantizes a bf16 / fp32 target to the same MXFP8 layout at load (the decoder
     layers' projections and experts; embeddings, lm_head, routers, norms and the draft head stay as they are).
+    enable_prefix_caching: keep full pages of KV (the target's, index-K and the draft head's) cached after
+    their requests finish and let a request with the same prefix compute only the rest (vLLM's option, on
+    by default); RequestOutput.num_cached_tokens says how many prompt tokens a request found.
     tensor_parallel_size: N > 1 splits the target over N ranks (attention heads, MLPs, vocabulary; experts
     expert-parallel; the Eagle3 head replicated). This process is rank 0 and spawns N-1 workers, one per
     GPU (cuda:0..N-1), or joins a torchrun group when RANK / WORLD_SIZE are set (docs/design/parallel.md). Call
@@ -101,7 +104,8 @@ class Runtime:
                  fused_backend: str = "auto", tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.9, warmup: bool = False, prefill_graphs: bool | None = None,
                  max_prefill_graph_tokens: int = 512, num_scheduler_steps: int | str = 1,
-                 quantization: str | None = None, _worker: tuple[int, int, str] | None = None):
+                 quantization: str | None = None, enable_prefix_caching: bool = True,
+                 _worker: tuple[int, int, str] | None = None):
         # What a spawned worker needs to build its rank of this same LLM (_worker: its rank, size, rendezvous).
         spawn_kwargs = {k: v for k, v in locals().items() if k not in ("self", "_worker")}
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -124,6 +128,9 @@ class Runtime:
         if page_size < 1:
             raise ValueError(f"page_size={page_size} must be >= 1")
         check_scheduler_steps(num_scheduler_steps)
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r} must be True or False")
+        self.enable_prefix_caching = enable_prefix_caching
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={quantization!r}: choose None (the checkpoint's own weights: an MXFP8 "
                              "release stays MXFP8) or 'fp8' (quantize a bf16 checkpoint to MXFP8 at load)")
@@ -245,7 +252,8 @@ class Runtime:
                                    enforce_eager=enforce_eager, graph_shapes=graph_shapes,
                                    gpu_memory_utilization=gpu_memory_utilization, prefill_graphs=prefill_graphs,
                                    max_prefill_graph_tokens=max_prefill_graph_tokens,
-                                   num_scheduler_steps=num_scheduler_steps)
+                                   num_scheduler_steps=num_scheduler_steps,
+                                   enable_prefix_caching=self.enable_prefix_caching)
         self.engine = LLMEngine(self.target, self.draft, self.tokenizer, self.config, self.dtype, dev, self.ops,
                                 tp=tp, driver=self._driver)
 
@@ -369,6 +377,10 @@ class Runtime:
     def stats(self) -> dict[str, Any]:
         """Speculative metrics over every request generated since the last reset_stats()."""
         return self._stats.as_dict()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's LLM.reset_prefix_cache); True once done."""
+        return self.engine.reset_prefix_cache()
 
     def reset_stats(self) -> None:
         self._stats = SpecStats(self.config.num_draft_tokens)

@@ -13,6 +13,15 @@ flight is refused (`NeedSync`): the engine drains the pipeline and plans again.
 Samples of n (SamplingParams.n) wait behind their parent (sample 0) until it has launched the prompt's full
 pages, then share them (`_fork`) and compute only the rest: the last partial page and the last prompt token,
 whose draft KV depends on the token each sample draws.
+
+Prefix caching (`prefix_caching`): full pages whose KV is final -- below the request's host-true computed
+length, which no step in flight or later writes again -- are registered in the pool under their chained
+keys (prefix_keys.py) when the scheduler next sees the request, and before its pages are freed. A
+request being admitted first looks up its known tokens' keys and takes the longest cached prefix, then
+computes only the rest, exactly like a sample of n after a fork: target K/V, index-K and the draft
+head's KV all live in the same slots, so the pages carry all of them. Requests whose processing reads
+the prompt itself (prompt logprobs, a repetition penalty's prompt mask) take no hits; they still
+register their pages.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from m3eagle.engine.prefix_keys import page_keys
 from m3eagle.engine.request import Request, Status
 from m3eagle.kvcache.page_pool import PagePool
 
@@ -67,8 +77,12 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, pool: PagePool, max_num_tokens: int, max_num_seqs: int, num_draft_tokens: int,
-                 max_pages_per_seq: int):
+                 max_pages_per_seq: int, prefix_caching: bool = False):
         self.pool = pool
+        self.prefix_caching = prefix_caching
+        # vLLM's counters: prompt tokens looked up in the cache at admission, and how many were found.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
         self.k = num_draft_tokens
@@ -121,8 +135,10 @@ class Scheduler:
 
     def release(self, req: Request) -> None:
         if req.pages:
+            if self.prefix_caching:
+                self._register(req)
             self.pool.free(req.request_id, req.pages)
-            req.pages = []
+            req.pages, req.num_registered = [], 0
         if req.slot >= 0:
             self.free_slots.append(req.slot)
             req.slot = -1
@@ -131,8 +147,10 @@ class Scheduler:
             self.running.remove(req)
 
     def _preempt(self, req: Request) -> None:
+        if self.prefix_caching:  # its pages stay findable: the readmission (or anyone) may hit them
+            self._register(req)
         self.pool.free(req.request_id, req.pages)
-        req.pages = []
+        req.pages, req.num_registered = [], 0
         self.free_slots.append(req.slot)
         req.slot = -1
         req.status = Status.WAITING
@@ -159,6 +177,44 @@ class Scheduler:
         if parent.proj_computed < shared * self.pool.page_size:  # not launched yet (or admitted just now)
             return None
         return parent.pages[:shared]
+
+    # ---- prefix cache --------------------------------------------------------------------------
+    def _register(self, req: Request) -> None:
+        """Register req's full pages whose KV is final: every position below its host-true computed length
+        (steps in flight write only at or past it), with the token after the page known."""
+        ps = self._page_size
+        full = min(req.num_computed // ps, len(req.pages), (req.num_known - 1) // ps)
+        if full <= req.num_registered:
+            return
+        keys = page_keys(req, full, ps)
+        for p in range(req.num_registered, full):
+            self.pool.register(req.pages[p], keys[p])
+        req.num_registered = full
+
+    def _cache_hit(self, req: Request) -> list[int] | None:
+        """The cached pages a request being admitted can take: the longest cached prefix of its known tokens,
+        leaving at least its last token to compute (its row samples). None: it does not look."""
+        p = req.params
+        if p.prompt_logprobs is not None or p.repetition_penalty != 1.0:
+            return None
+        ps = self._page_size
+        n = min((req.num_known - 1) // ps, self.max_pages_per_seq)
+        return self.pool.lookup(page_keys(req, n, ps)) if n > 0 else []
+
+    def _count_lookup(self, req: Request, hit: list[int] | None) -> None:
+        """Counted once the request is admitted (a request that waits for room looks again next step)."""
+        n = len(hit or ()) * self._page_size
+        if req.num_cached_tokens is None:  # the first admission: what the user's request found
+            req.num_cached_tokens = min(n, len(req.prompt_token_ids))
+        if hit is not None:
+            self.prefix_cache_queries += req.num_known
+            self.prefix_cache_hits += n
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached page; pages held by requests stay theirs and are not registered again."""
+        self.pool.reset_cache()
+        for req in self.running:
+            req.num_registered = len(req.pages)
 
     # ---- planning ----------------------------------------------------------------------------
     def _pages_needed(self, req: Request, kv_len: int) -> int:
@@ -215,10 +271,12 @@ class Scheduler:
         running_, k, edge = Status.RUNNING, self.k, steps * k1 + self._lookahead
         ahead = (steps - 1) * k1  # the last sub-step's row ends this far past the first one's
         new_row, ids = object.__new__, (0,) * k1  # the ids are placeholders: one tuple for the step's rows
-        page_size, num_grow = self._page_size, 0
+        page_size, num_grow, caching = self._page_size, 0, self.prefix_caching
         for req in running:
             if req.status is not running_:  # finished, its pages waiting for the step in flight
                 continue
+            if caching and req.num_computed >= (req.num_registered + 1) * page_size:
+                self._register(req)
             start = req.proj_computed
             if req.proj_known - start != 1 or not req.slot_valid:
                 return None
@@ -268,6 +326,8 @@ class Scheduler:
             # was O(rows^2)).
             if req.status is not running_:
                 continue
+            if self.prefix_caching and req.num_computed >= (req.num_registered + 1) * self._page_size:
+                self._register(req)
             row = self._plan_row(req, budget)
             if row is None:
                 continue
@@ -296,18 +356,25 @@ class Scheduler:
             shared = self._fork(req)
             if shared is None:
                 break  # FCFS: the sample waits for its parent's prompt, and so does everyone behind it
+            hit: list[int] | None = None
             if shared:
                 self.pool.share(req.request_id, shared)
                 req.pages, req.fork_src = list(shared), req.group.members[0]
                 req.num_computed = req.proj_computed = req.fork_len = len(shared) * self.pool.page_size
+            elif self.prefix_caching and (hit := self._cache_hit(req)):
+                self.pool.acquire(req.request_id, hit)
+                req.pages, req.num_registered = list(hit), len(hit)
+                req.num_computed = req.proj_computed = req.fork_len = len(hit) * self.pool.page_size
             row = self._plan_row(req, budget)
             need = self._pages_needed(req, row.kv_len) if row is not None else 0
             if row is None or need > self.pool.num_free:
-                if shared:  # not admitted: give the shared pages back
+                if shared or hit:  # not admitted: give the shared or cached pages back
                     self.pool.free(req.request_id, req.pages)
-                    req.pages, req.fork_src = [], None
+                    req.pages, req.fork_src, req.num_registered = [], None, 0
                     req.num_computed = req.proj_computed = req.fork_len = 0
                 break
+            if self.prefix_caching and not shared:
+                self._count_lookup(req, hit)
             self.waiting.popleft()
             req.status = Status.RUNNING
             req.slot = self.free_slots.pop()
