@@ -5,8 +5,9 @@ A run, in order:
      checkpoint. Plain decoding runs a second engine over the same weights (no copy).
   2. HBM copy bandwidth: a device-to-device copy of a several-GB buffer (the roofline's denominator).
   3. For each batch size, plain then speculative:
-     a. throughput -- a warm-up batch, then `--repeats` timed batches of fresh prompts (prefill plus
-        `--max-tokens` greedy tokens each); tok/s = generated tokens / wall time; median, min, max;
+     a. throughput -- the prefix cache emptied, a warm-up batch, then `--repeats` timed batches of fresh
+        prompts (prefill plus `--max-tokens` greedy tokens each); tok/s = generated tokens / wall time;
+        median, min, max; the prefix-cache hit rate of the timed batches;
      b. a steady decode state (every row decoding or verifying): the router's choices in one step give
         the experts actually read; `--decode-steps` steps are timed (wall, host); the profiler watches
         `--profile-steps` more (kernels per step, GPU busy time). Bytes per step, MBU and the roofline
@@ -55,6 +56,9 @@ DEFINITIONS = {
              "a warm-up batch; median, min and max over --repeats",
     "first_token_ms": "per repeat, wall time from the batch's submission until every request has its first "
                       "output token (the prompt steps; under overlap, one step late): median over --repeats",
+    "prefix_cache_hit_rate": "prompt tokens found in the prefix cache / prompt tokens looked up, over the timed "
+                             "repeats (null with --no-enable-prefix-caching). Each configuration starts with an "
+                             "empty cache and its repeats use fresh prompts, so this stays near 0",
     "steps": "device steps per repeat (prompt, mixed and decode steps, the sub-steps of a multi-step "
              "iteration counted one each; a batch's slowest request decides): median over --repeats",
     "step_ms": "wall time per device step (with --num-scheduler-steps N, an engine step's N sub-steps count "
@@ -130,7 +134,8 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
               tensor_parallel_size=tp, prefill_graphs=getattr(a, "prefill_graphs", None),
               max_prefill_graph_tokens=getattr(a, "max_prefill_graph_tokens", 512),
               num_scheduler_steps=getattr(a, "num_scheduler_steps", 1),
-              quantization=getattr(a, "quantization", None))
+              quantization=getattr(a, "quantization", None),
+              enable_prefix_caching=getattr(a, "enable_prefix_caching", True))
     try:  # the measurements, then the workers stop (tensor parallel) whatever happened
         return _measure(a, llm, geo, dev, k, say, t0)
     finally:
@@ -205,6 +210,7 @@ def _measure(a: argparse.Namespace, llm, geo: geometries.Geometry, dev: torch.de
                      "prefill_graphs": llm.engine.cfg.prefill_graphs,
                      "max_prefill_graph_tokens": llm.engine.cfg.max_prefill_graph_tokens,
                      "num_scheduler_steps": llm.engine.cfg.num_scheduler_steps, "num_draft_tokens": k,
+                     "enable_prefix_caching": llm.engine.cfg.enable_prefix_caching,
                      "prompts": prompt_source, "seed": a.seed},
         "bandwidth": bw,
         "build_s": build_s,
@@ -234,6 +240,7 @@ def _row(b: int, mode: str, k: int, thr: dict, st: dict, llm, dtype_bytes: int, 
     return {
         "batch": b, "mode": mode, "num_draft_tokens": k, "tok_s": thr["tok_s"],
         "first_token_ms": thr["first_token_ms"], "steps": thr["steps"],
+        "prefix_cache_hit_rate": thr["prefix_cache_hit_rate"],
         "acceptance": ({key: acc[key] for key in ("mean_acceptance_length", "acceptance_rate", "per_position_rates")}
                        if acc else None),
         "step": {key: v for key, v in st.items() if key != "experts_per_moe_layer"},
@@ -299,11 +306,18 @@ def make_prompts(tokenizer, vocab: int, n: int, length: int, seed: int) -> tuple
 def throughput(engine: LLMEngine, prompts: list[list[int]], batch: int, max_tokens: int, repeats: int, k: int,
                dev: torch.device) -> dict[str, Any]:
     """Warm-up batch, then `repeats` timed batches of fresh prompts. Returns tok/s stats, the speculative
-    acceptance over the timed batches, and the first timed request's tokens (for --compare-hf)."""
+    acceptance and the prefix-cache hit rate over the timed batches, and the first timed request's tokens (for
+    --compare-hf)."""
     from m3eagle.engine.runtime import aggregate_stats
 
+    caching = engine.cfg.enable_prefix_caching
+    if caching:
+        # Start cold: earlier configurations ran some of these prompts, and a hit would skip prompt steps (the
+        # warm-up's shapes too, leaving them to compile inside a timed repeat).
+        engine.reset_prefix_cache()
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     _generate(engine, prompts[:batch], sp)  # compilation, autotuning, allocator growth
+    q0, h0 = engine.prefix_cache_queries, engine.prefix_cache_hits
     samples, outs, first, steps = [], [], [], []
     for r in range(repeats):
         chunk = prompts[(r + 1) * batch:(r + 2) * batch]
@@ -317,7 +331,12 @@ def throughput(engine: LLMEngine, prompts: list[list[int]], batch: int, max_toke
         first[-1] -= t0
         steps.append(engine.num_steps - n0)
         outs += [q.to_output() for q in reqs]
+    hit_rate = None
+    if caching:
+        queries = engine.prefix_cache_queries - q0
+        hit_rate = (engine.prefix_cache_hits - h0) / queries if queries else 0.0
     return {"tok_s": summarize(samples), "acceptance": aggregate_stats(outs, k) if k else None,
+            "prefix_cache_hit_rate": hit_rate,
             "first_token_ms": statistics.median(first) * 1e3, "steps": statistics.median(steps),
             "first_tokens": list(outs[0].outputs[0].token_ids)}
 
@@ -651,7 +670,8 @@ def format_table(doc: dict[str, Any]) -> str:
         f"{'batch':>5} {'mode':<5} {'tok/s [min, max]':>26} {'step ms':>8} {'host ms':>8} {'GPU busy ms':>14} "
         f"{'kernels':>8} {'context':>7} {'GB/step':>8} {'MBU':>7} {'roofline tok/s':>14} {'accept':>6} "
         f"{'1st tok ms':>10} {'steps':>6}"
-        f"{'  comm ms (share)' if tp > 1 else ''}",
+        f"{'  comm ms (share)' if tp > 1 else ''}"
+        f"{'  prefix hits' if s.get('enable_prefix_caching') else ''}",
     ]
     for r in doc["results"]:
         t, st, rf = r["tok_s"], r["step"], r["roofline"]
@@ -663,7 +683,8 @@ def format_table(doc: dict[str, Any]) -> str:
                      f"{busy:>14} {kern:>8} {st['context']:>7.0f} {rf['bytes_per_step'] / 1e9:>8.3f} "
                      f"{rf['mbu']:>7.2%} {rf['roofline_tok_s']:>14,.0f} {acc:>6} "
                      f"{r.get('first_token_ms', float('nan')):>10.1f} {r.get('steps', float('nan')):>6.0f}"
-                     + (f"  {st['comm_ms']:.2f} ({st['comm_frac']:.0%})" if st.get("comm_ms") is not None else ""))
+                     + (f"  {st['comm_ms']:.2f} ({st['comm_frac']:.0%})" if st.get("comm_ms") is not None else "")
+                     + (f"  {hr:>11.1%}" if (hr := r.get("prefix_cache_hit_rate")) is not None else ""))
     if doc["speedup"]:
         lines.append("")
         lines.append("spec / plain tok/s: " + ", ".join(f"batch {x['batch']} {x['spec_over_plain']:.2f}x"
@@ -683,7 +704,8 @@ def format_table(doc: dict[str, Any]) -> str:
                 lines.append(f"  {kr['us_per_step']:>9.1f} us {kr['calls_per_step']:>6.1f}x  {kr['name']}")
     lines.append("host ms: step time minus time blocked on the device; GPU busy: profiler kernel time per step; "
                  "MBU: bytes/step over step time and copy bandwidth; 1st tok ms: until every request of a repeat "
-                 "has a token; steps: per repeat (JSON 'definitions')")
+                 "has a token; steps: per repeat; prefix hits: cached / looked-up prompt tokens, timed repeats "
+                 "(JSON 'definitions')")
     return "\n".join(lines)
 
 

@@ -136,6 +136,9 @@ def _device_args(p: argparse.ArgumentParser) -> None:
                         "for models of up to 1 GiB replaying CUDA graphs, else 1")
     p.add_argument("--tensor-parallel-size", "-tp", type=int_in(1, 1024), default=1,
                    help="split the target over N ranks (one per GPU; see docs/design/parallel.md)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="automatic prefix caching: a prompt whose leading full KV pages are cached from an "
+                        "earlier request skips computing them")
 
 
 def _make_llm(a: argparse.Namespace, warmup: bool | None = None):
@@ -152,7 +155,7 @@ def _make_llm(a: argparse.Namespace, warmup: bool | None = None):
                warmup=bool(a.warmup) if warmup is None else warmup,
                prefill_graphs=a.prefill_graphs, max_prefill_graph_tokens=a.max_prefill_graph_tokens,
                num_scheduler_steps=a.num_scheduler_steps, tensor_parallel_size=a.tensor_parallel_size,
-               quantization=a.quantization, **extra)
+               quantization=a.quantization, enable_prefix_caching=a.enable_prefix_caching, **extra)
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -332,7 +335,7 @@ def _add_serve(sub) -> None:
         "serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)",
         description="Serve one model over HTTP: GET /health, GET /v1/models, POST /v1/completions, POST\n"
                     "/v1/chat/completions (stream: true for server-sent events), GET /metrics (Prometheus),\n"
-                    "POST /tokenize, POST /detokenize, GET /version.\n"
+                    "POST /tokenize, POST /detokenize, GET /version, POST /reset_prefix_cache.\n"
                     "SIGTERM drains: new requests get 503, in-flight ones finish (up to --shutdown-timeout; then\n"
                     "they are answered 503 / an error event), then the process exits.")
     _model_args(s)
@@ -347,8 +350,8 @@ def _add_serve(sub) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int_in(0, 65535), default=8000, help="port to listen on (0: a free one)")
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise; /health, /metrics "
-                        "and /version stay open); none: $M3EAGLE_API_KEY, else no key")
+                   help="require 'Authorization: Bearer KEY' on every /v1 route and /reset_prefix_cache (401 "
+                        "otherwise; /health, /metrics and /version stay open); none: $M3EAGLE_API_KEY, else no key")
     s.add_argument("--max-request-body-bytes", type=int_in(1), default=16 * 2**20,
                    help="larger request bodies get a 413 before they are parsed")
     s.add_argument("--tool-call-parser", choices=["minimax_m3", "none"], default="minimax_m3",
