@@ -3,15 +3,16 @@
 Routes: GET /health (200 once ready, 503 while starting or draining), GET /v1/models,
 POST /v1/completions (a prompt or a list of them: choice index = prompt index x n + sample index),
 POST /v1/chat/completions (stream: true answers in server-sent events ending in `data: [DONE]`),
-GET /metrics (Prometheus text; see metrics.py), POST /tokenize, POST /detokenize, GET /version (vLLM's).
-Choices carry vLLM's `stop_reason` (the stop string or token id that ended them, else null).
+GET /metrics (Prometheus text; see metrics.py), POST /tokenize, POST /detokenize, GET /version,
+POST /reset_prefix_cache (vLLM's). Choices carry vLLM's `stop_reason` (the stop string or token id that ended
+them, else null); with prefix caching on, usage carries `prompt_tokens_details.cached_tokens`.
 
 Errors are OpenAI-shaped JSON, {"error": {"message", "type", "param", "code"}}: 400 for invalid
 parameters, malformed bodies (invalid UTF-8, lone surrogates) and over-long prompts, 401 without the
---api-key (every /v1 route; /health, /metrics, /version stay open), 404 for an unknown model or route,
-413 for a body over --max-request-body-bytes (refused before it is parsed), 503 while not ready or
-draining, 500 when a request fails inside the engine. A body is validated in full before anything
-reaches the engine.
+--api-key (every /v1 route and /reset_prefix_cache; /health, /metrics, /version stay open), 404 for an
+unknown model or route, 409 when the prefix cache cannot be reset, 413 for a body over
+--max-request-body-bytes (refused before it is parsed), 503 while not ready or draining, 500 when a request
+fails inside the engine. A body is validated in full before anything reaches the engine.
 
 Prompts are tokenized (and chat templates rendered) on a thread pool, not on the event loop: a huge
 prompt never stalls /health or the other streams.
@@ -86,6 +87,8 @@ DISCONNECT_POLL_S = 0.5  # how often a non-streamed request looks for its client
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
 API_KEY_ENV = "M3EAGLE_API_KEY"  # vLLM's is VLLM_API_KEY
 ABORT_ANSWER_S = 5.0  # after the shutdown timeout: time for the aborted requests' answers to be written
+# Routes outside /v1 that change the server's state: the API key guards them as it guards /v1.
+KEYED_ROUTES = frozenset({"/reset_prefix_cache"})
 
 
 def resolve_api_key(flag: str | None) -> str | None:
@@ -99,7 +102,7 @@ class _ClientGone(Exception):
 
 
 class _Guard:
-    """ASGI middleware in front of every route: the API key on /v1 routes (401), then the body limit (413)
+    """ASGI middleware in front of every route: the API key on /v1 and KEYED_ROUTES (401), then the body limit (413)
     -- checked against Content-Length, else counted as the body arrives, before anything parses it -- and
     the body's UTF-8 (400). The body it read is handed on to the app unchanged."""
 
@@ -111,7 +114,7 @@ class _Guard:
             return await self.app(scope, receive, send)
         srv = self.server
         path: str = scope.get("path", "")
-        if srv.api_key is not None and (path == "/v1" or path.startswith("/v1/")):
+        if srv.api_key is not None and (path == "/v1" or path.startswith("/v1/") or path in KEYED_ROUTES):
             headers = dict(scope.get("headers") or [])
             auth = headers.get(b"authorization", b"").decode("latin-1")
             scheme, _, token = auth.partition(" ")
@@ -349,6 +352,15 @@ class OpenAIServer(ChatServing):
         async def metrics() -> Response:
             return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache() -> Response:
+            self._check_ready()
+            log.info("resetting the prefix cache")
+            # Off the event loop: the reset waits for the step the engine thread is running.
+            if not await asyncio.get_running_loop().run_in_executor(None, self.engine.reset_prefix_cache):
+                raise ApiError(409, "the prefix cache could not be reset")
+            return Response(status_code=200)
+
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, request: Request) -> Response:
             return await self._completions(body, request)
@@ -479,9 +491,14 @@ class OpenAIServer(ChatServing):
             for rid in left:
                 self.engine_loop.abort(rid)
 
-    @staticmethod
-    def _usage(prompt: int, completion: int) -> dict[str, int]:
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    def _usage(self, prompt: int, completion: int, outputs: list[RequestOutput]) -> dict[str, Any]:
+        """OpenAI's usage object. With prefix caching on, `prompt_tokens_details.cached_tokens` too: the prompt
+        tokens of `outputs` (one per prompt) that the cache served on their first admission."""
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                                 "total_tokens": prompt + completion}
+        if self.engine.cfg.enable_prefix_caching:
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens or 0 for o in outputs)}
+        return usage
 
     def _final_error(self, d: RequestDelta) -> ApiError:
         if d.finish_reason == "abort" and self.draining:
@@ -557,7 +574,8 @@ class OpenAIServer(ChatServing):
         n_prompt = sum(len(ids) for ids, _ in prompts)
         return JSONResponse({"id": call.request_id, "object": "text_completion", "created": int(time.time()),
                              "model": self.model_name, "choices": choices,
-                             "usage": self._usage(n_prompt, sum(len(c.token_ids) for o in outs for c in o.outputs))})
+                             "usage": self._usage(n_prompt, sum(len(c.token_ids) for o in outs for c in o.outputs),
+                                                  outs)})
 
     def _completion_logprobs(self, ids: list[int], lps: list[PositionLogprobs | None], offset: int,
                              n_top: int) -> dict[str, Any]:
@@ -599,6 +617,7 @@ class OpenAIServer(ChatServing):
         cancelled) aborts its requests."""
         left = {st.request_id for st in call.streams}
         n_out = 0
+        finished: list[RequestOutput] = []  # for the usage chunk's cached_tokens
         pending: dict[tuple[str, int], str] = {}  # a finished completion waiting for its request's output
         try:
             if opening is not None:
@@ -628,6 +647,7 @@ class OpenAIServer(ChatServing):
                             choices.append(c)
                 for rid, out in outputs.items():
                     left.discard(rid)
+                    finished.append(out)
                     for (prid, sub), finish in list(pending.items()):
                         if prid == rid:
                             del pending[(prid, sub)]
@@ -636,7 +656,8 @@ class OpenAIServer(ChatServing):
                 if choices:  # else nothing a client can see yet (text held back for a stop string)
                     yield sse_event({**head, "choices": choices})
             if include_usage and not left:
-                yield sse_event({**head, "choices": [], "usage": self._usage(call.num_prompt_tokens, n_out)})
+                yield sse_event({**head, "choices": [], "usage": self._usage(call.num_prompt_tokens, n_out,
+                                                                             finished)})
             yield "data: [DONE]\n\n"
         finally:
             for rid in left:

@@ -14,6 +14,7 @@ Threading model:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -24,7 +25,7 @@ import torch
 
 from m3eagle.engine.llm_engine import LLMEngine, SpecCounters
 from m3eagle.engine.request import RequestDelta
-from m3eagle.entrypoints.server.metrics import RequestTimes, ServerMetrics
+from m3eagle.entrypoints.server.metrics import PrefixCacheCounts, RequestTimes, ServerMetrics
 from m3eagle.sampling.params import SamplingParams
 
 log = logging.getLogger("m3eagle")
@@ -131,9 +132,11 @@ class AsyncEngine:
         self._wake.set()
         return len(rids)
 
-    def _dispatch(self, deltas: list[RequestDelta], spec: SpecCounters, now: float) -> None:
+    def _dispatch(self, deltas: list[RequestDelta], spec: SpecCounters, cache: PrefixCacheCounts,
+                  now: float) -> None:
         """On the asyncio thread: one step's deltas to their queues and to the metrics."""
         self.metrics.observe_spec(spec)
+        self.metrics.observe_prefix_cache(cache)
         for d in deltas:
             s = self._streams.get(d.request_id)
             if s is None:
@@ -157,6 +160,9 @@ class AsyncEngine:
                     log.exception("warm-up failed")
                     self.warmup_error = f"{type(e).__name__}: {e}"
                     return
+                # The warm-up's dummy prompts are not counted: the engine restarted its prefix-cache totals.
+                with contextlib.suppress(RuntimeError):  # the event loop closed meanwhile (shutdown)
+                    self._loop.call_soon_threadsafe(self.metrics.rebase_prefix_cache, PrefixCacheCounts.of(eng))
             self.warmed.set()
             self._loop_steps()
         finally:
@@ -185,6 +191,7 @@ class AsyncEngine:
             now = time.monotonic()
             if self._loop is not None and not self._loop.is_closed():
                 try:
-                    self._loop.call_soon_threadsafe(self._dispatch, deltas, eng.counters.snapshot(), now)
+                    self._loop.call_soon_threadsafe(self._dispatch, deltas, eng.counters.snapshot(),
+                                                    PrefixCacheCounts.of(eng), now)
                 except RuntimeError:  # the event loop closed under us (shutdown)
                     break

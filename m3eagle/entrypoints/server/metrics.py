@@ -11,6 +11,8 @@ Meanings (as vLLM's):
 - prompt_tokens_total: prompt tokens of requests that produced their first token;
 - generation_tokens_total: output tokens handed out;
 - request_success_total{finished_reason}: finished requests (stop, length, abort, error);
+- prefix_cache_queries_total / prefix_cache_hits_total: prompt tokens looked up in the prefix cache when
+  requests were admitted / of those, tokens found cached (their ratio is the hit rate);
 - spec_decode_num_drafts_total: verify rows (one per request per speculative step);
   spec_decode_num_draft_tokens_total: draft tokens proposed; ..._num_accepted_tokens_total: accepted;
   ..._num_accepted_tokens_per_pos_total{position}: accepted at draft position i (0-based);
@@ -26,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -65,6 +67,17 @@ class RequestTimes:
     last: float | None = None
 
 
+class PrefixCacheCounts(NamedTuple):
+    """The engine's cumulative prefix-cache counters (LLMEngine.prefix_cache_queries / _hits) after a step."""
+
+    queries: int
+    hits: int
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> PrefixCacheCounts:
+        return cls(engine.prefix_cache_queries, engine.prefix_cache_hits)
+
+
 @dataclass
 class _Window:
     """Sums since the last stats log line."""
@@ -76,6 +89,8 @@ class _Window:
     draft_tokens: int = 0
     accepted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    cache_queries: int = 0
+    cache_hits: int = 0
 
 
 class ServerMetrics:
@@ -107,6 +122,11 @@ class ServerMetrics:
         per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted per draft position.",
                           ["position"])
         self.accepted_per_pos = [per_pos.labels(model_name, str(j)) for j in range(self.k)]
+        self.cache_queries = counter("prefix_cache_queries",
+                                     "Prefix cache queries, in prompt tokens looked up.").labels(model_name)
+        self.cache_hits = counter("prefix_cache_hits",
+                                  "Prefix cache hits, in prompt tokens found cached.").labels(model_name)
+        self.prefix_caching = engine.cfg.enable_prefix_caching
 
         def histogram(name: str, doc: str, buckets: list[float]):
             return Histogram(PREFIX + name, doc, lab, buckets=buckets, registry=r).labels(model_name)
@@ -119,6 +139,7 @@ class ServerMetrics:
         self.req_generation = histogram("request_generation_tokens", "Generated tokens per request.", tok_buckets)
 
         self._spec = engine.counters.snapshot()
+        self._cache = PrefixCacheCounts.of(engine)
         self._win = _Window(accepted_per_pos=[0] * self.k)
 
     # ---- updates (asyncio thread) ---------------------------------------------------------------
@@ -159,13 +180,30 @@ class ServerMetrics:
                     w.accepted_per_pos[j] += x
         self._spec = cur
 
+    def rebase_prefix_cache(self, cur: PrefixCacheCounts) -> None:
+        """Count the engine's prefix-cache totals from `cur` on (after its warm-up, which restarts them)."""
+        self._cache = cur
+
+    def observe_prefix_cache(self, cur: PrefixCacheCounts) -> None:
+        """The engine's prefix-cache totals after a step: add what changed since the last call."""
+        prev = self._cache
+        # Totals that went down were restarted by the engine: all of `cur` is new (a Counter cannot go down).
+        dq = cur.queries - prev.queries if cur.queries >= prev.queries else cur.queries
+        dh = cur.hits - prev.hits if cur.hits >= prev.hits else cur.hits
+        if dq or dh:
+            self.cache_queries.inc(dq)
+            self.cache_hits.inc(dh)
+            self._win.cache_queries += dq
+            self._win.cache_hits += dh
+        self._cache = cur
+
     # ---- output -------------------------------------------------------------------------------
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def log_line(self) -> str | None:
-        """vLLM-style periodic line (throughput, queue, KV usage, acceptance) over the window since the last
-        call; None when nothing ran and nothing is queued (an idle server stays quiet)."""
+        """vLLM-style periodic line (throughput, queue, KV usage, prefix cache hit rate, acceptance) over the
+        window since the last call; None when nothing ran and nothing is queued (an idle server stays quiet)."""
         w, now, ld = self._win, time.monotonic(), self.engine.load()
         self._win = _Window(t0=now, accepted_per_pos=[0] * self.k)
         if not (w.prompt or w.generation or ld.num_running or ld.num_waiting):
@@ -174,6 +212,9 @@ class ServerMetrics:
         line = (f"Avg prompt throughput: {w.prompt / dt:.1f} tokens/s, Avg generation throughput: "
                 f"{w.generation / dt:.1f} tokens/s, Running: {ld.num_running} reqs, Waiting: {ld.num_waiting} reqs, "
                 f"KV cache usage: {ld.kv_cache_usage * 100:.1f}%")
+        if self.prefix_caching:
+            rate = w.cache_hits / w.cache_queries if w.cache_queries else 0.0
+            line += f", Prefix cache hit rate: {rate * 100:.1f}%"
         if self.k and w.drafts:
             per_pos = ", ".join(f"{a / w.drafts:.3f}" for a in w.accepted_per_pos)
             line += (f" | SpecDecoding: mean acceptance length {1 + w.accepted / w.drafts:.2f}, accepted "

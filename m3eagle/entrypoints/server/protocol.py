@@ -24,7 +24,7 @@ class ApiError(Exception):
     """An error answered as OpenAI-shaped JSON: {"error": {"message", "type", "param", "code"}}."""
 
     TYPES = {400: "BadRequestError", 401: "invalid_request_error", 404: "NotFoundError",
-             413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+             409: "ConflictError", 413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)

@@ -150,7 +150,7 @@ class ChatServing:
                             else None, "finish_reason": finish, "stop_reason": c.stop_reason})
         return JSONResponse({"id": call.request_id, "object": "chat.completion", "created": int(time.time()),
                              "model": self.model_name, "choices": choices,
-                             "usage": self._usage(len(ids), sum(len(c.token_ids) for c in out.outputs))})
+                             "usage": self._usage(len(ids), sum(len(c.token_ids) for c in out.outputs), [out])})
 
     @staticmethod
     def _message(text: str, parser: ChatOutputParser | None, finish_reason: str | None,
