@@ -19,8 +19,13 @@ Attention shape: head_dim is config.json's `head_dim` when present (never re-der
 `num_key_value_heads` absent or equal to the heads is multi-head attention, a divisor is GQA.
 
 Aux inputs: m3eagle drafts from exactly 3 aux hidden states (fc over 3 x target_hidden_size). A config
-that names another number of `eagle_aux_hidden_state_layer_ids` (e.g. 3 layer taps + the final layer)
-is refused at load time.
+that names another number of `eagle_aux_hidden_state_layer_ids` (e.g. 3 layer taps + the final layer) or
+of `num_aux_hidden_states` is refused at load time.
+
+Tensor names are checked as a set: a tensor the head does not have (a renamed one, `fc_norm.*` under a
+config without fc_norm) fails naming it, as a missing one does; only derived rotary tables
+(`*rotary_emb.inv_freq`) are skipped. The head is built on the meta device and allocated once in the
+serving dtype, so a 3.3B-parameter head costs its bf16 bytes, not an fp32 copy on the host.
 
 Everything that would make the head disagree with its target fails at load time with a `ValueError`
 (`CheckpointError` for tensors) naming both values: widths, vocabulary sizes, aux layer ids, the draft
@@ -30,6 +35,14 @@ NOTE: `eagle_config.eagle_aux_hidden_state_layer_ids` are read in m3eagle's conv
 stream after L layers" (vLLM's). SpecForge's HF backend and sglang's explicit-id path read the same
 field as "the output of 0-based layer L" (one layer deeper). Such a head still loads and drafts
 losslessly, only with lower acceptance; rewrite its ids (+1) in config.json to match.
+
+The public MiniMax-M3 heads (Inferact/MiniMax-M3-EAGLE3 and -GQA) are in m3eagle's convention: TorchSpec
+trained them on hidden states captured by vLLM, shifting its own post-layer ids [1, N//2 - 1, N - 4] by
+one to vLLM's capture indices (2, N//2, N - 3) = (2, 30, 57) on the 60-layer target. Their config.json
+names no ids, so `default_aux_layer_ids` gives exactly those three, as vLLM's default does when it serves
+them. The "+ the final layer" of their model card is the last hidden state TorchSpec computes the
+target's logits from (the training labels), not a fourth fc input: fc takes 3 x 6144. docs/eagle3_heads.md
+has the configs and the sources.
 """
 
 from __future__ import annotations
@@ -38,18 +51,21 @@ import json
 import logging
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
 from m3eagle.config import ConfigError, M3Config
-from m3eagle.loader.checkpoint import CheckpointError, iter_tensors, load_into, read_config
+from m3eagle.loader.checkpoint import CheckpointError, iter_tensors, load_into, materialize, read_config
 from m3eagle.models.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
 
 log = logging.getLogger("m3eagle")
 
 LAYOUTS = ("midlayer", "layers.0")
 NUM_AUX = 3  # aux hidden states fc reads: the target's residual stream after 3 of its layers
+# Tensors some exports carry that the head derives itself (the rotary table); any other unknown name fails.
+DERIVED = ("rotary_emb.inv_freq",)
 
 
 def canonical_name(name: str) -> str:
@@ -86,14 +102,17 @@ def load_eagle3(path: str | Path, target_cfg: M3Config, dtype: torch.dtype = tor
     sd = load_state_dict(path)
     cfg = replace(cfg, has_embed="embed_tokens.weight" in sd, has_lm_head="lm_head.weight" in sd,
                   aux_layer_ids=cfg.aux_layer_ids or default_aux_layer_ids(target_cfg.num_hidden_layers))
-    _check_aux_count(cfg, sd)
+    _check_aux_count(cfg, sd, raw.get("num_aux_hidden_states"))
     validate_against_target(cfg, target_cfg, explicit_target_hidden="target_hidden_size" in raw)
     _check_fc(cfg, sd)
     _fill_vocab_mapping(cfg, sd)
     _check_lm_head(cfg, sd)
-    head = Eagle3Head(cfg)
+    with torch.device("meta"):  # shapes only: the real tensors are allocated once, in `dtype`, on `device`
+        head = Eagle3Head(cfg)
+    _check_names(head, sd, path)
+    head = materialize(head, dtype, device)
     load_into(head, sd, f"Eagle3 checkpoint {path}")
-    return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return head.eval().requires_grad_(False)
 
 
 def validate_against_target(cfg: Eagle3Config, target: M3Config, explicit_target_hidden: bool = True) -> None:
@@ -126,21 +145,73 @@ def validate_against_target(cfg: Eagle3Config, target: M3Config, explicit_target
 def share_target_weights(head: Eagle3Head, target: torch.nn.Module) -> Eagle3Head:
     """Give a loaded head the target tables its checkpoint left out: the embedding (cfg.has_embed False)
     and the lm_head (cfg.has_lm_head False). Under tensor parallelism the target's vocab-parallel modules
-    themselves are shared (their lookups all-reduce, their logits all-gather)."""
-    if not head.cfg.has_embed:
-        emb = target.embed_tokens
+    themselves are shared (their lookups all-reduce, their logits all-gather).
+
+    A frozen head whose own table is an exact copy of the target's (the public MiniMax-M3 heads ship both,
+    copied from the target: 2 x 2.5 GB) shares the target's instead, as vLLM does: the same values, one
+    copy in memory. Under tensor parallelism every rank compares its shard and all agree (one all-reduce
+    per table, so every rank must call this)."""
+    emb = target.embed_tokens
+    if not head.cfg.has_embed or _copy_of(head.embed_tokens.weight, emb):
         tp = getattr(emb, "tp", None)
         if tp is not None and tp.size > 1:
             head.embed_tokens = emb
         else:
             head.set_embedding(emb.weight)
-    if not head.cfg.has_lm_head:
+    c = head.cfg
+    full_vocab = c.draft_vocab_size == c.vocab_size and not bool(head.d2t.any())
+    if not c.has_lm_head or (full_vocab and _copy_of(head.lm_head.weight, target.lm_head)):
         head.set_lm_head(target.lm_head)
     return head
 
 
-def _check_aux_count(cfg: Eagle3Config, sd: dict[str, torch.Tensor]) -> None:
+def _copy_of(own: torch.Tensor, module: torch.nn.Module) -> bool:
+    """True when the head's frozen [V, H] table equals the target module's table (its rows on every rank).
+    A trainable table stays the head's own: training would otherwise update the target's."""
+    theirs = getattr(module, "weight", None)
+    tp = getattr(module, "tp", None)
+    size = tp.size if tp is not None else 1
+    same = not own.requires_grad and theirs is not None and own.dtype == theirs.dtype and own.shape[1:] == theirs.shape[1:]
+    if same:
+        if size > 1:  # this rank's rows: [start, start + held) of the vocabulary
+            start, held, _ = tp.vocab_shard(own.shape[0])
+            same = torch.equal(own[start:start + held], theirs[:held].to(own.device))
+        else:
+            same = own.shape == theirs.shape and torch.equal(own, theirs.to(own.device))
+    if size == 1:
+        return same
+    differ = torch.tensor([0.0 if same else 1.0], device=own.device)
+    return not bool(tp.all_reduce(differ).item())
+
+
+def _check_names(head: Eagle3Head, sd: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Every tensor the head has is in the checkpoint and every checkpoint tensor is one of the head's:
+    a tensor left unread would be a part of the trained model silently dropped."""
+    state = head.state_dict()
+    own = set(state)
+    missing = sorted(own - set(sd))
+    extra = sorted(n for n in set(sd) - own if not n.endswith(DERIVED))
+    if not missing and not extra:
+        return
+    norms = [n for n in extra if n.startswith("fc_norm.")]
+    if norms and not head.cfg.fc_norm:
+        raise CheckpointError(f"Eagle3 checkpoint {path} holds {norms} but config.json does not set fc_norm: "
+                              "true (Eagle3.1: one RMSNorm per aux chunk before fc); without it the norms would "
+                              "be dropped")
+    parts = []
+    if missing:
+        parts.append("missing " + ", ".join(f"{n!r} {tuple(state[n].shape)}" for n in missing))
+    if extra:
+        parts.append("unexpected " + ", ".join(repr(n) for n in extra))
+    raise CheckpointError(f"Eagle3 checkpoint {path}: {'; '.join(parts)} (names after mapping layers.0.* to "
+                          "midlayer.* and dropping a model. prefix)")
+
+
+def _check_aux_count(cfg: Eagle3Config, sd: dict[str, torch.Tensor], num_aux: Any = None) -> None:
     ids = list(cfg.aux_layer_ids or ())
+    if num_aux is not None and int(num_aux) != len(ids):
+        raise ValueError(f"Eagle3 config num_aux_hidden_states={num_aux} but {len(ids)} aux layer ids "
+                         f"{ids}; m3eagle drafts from exactly {NUM_AUX} aux hidden states")
     fc = sd.get("fc.weight")
     if len(ids) == NUM_AUX:
         if fc is not None and fc.dim() == 2 and fc.shape[1] == (NUM_AUX + 1) * cfg.target_hidden_size:

@@ -134,7 +134,7 @@ class Eagle3Config:
         eagle = dict(d.get("eagle_config") or {})
         fc_norm = _flag(d, eagle, "fc_norm")
         norm_output = _flag(d, eagle, "norm_output")
-        aux = eagle.get("eagle_aux_hidden_state_layer_ids", d.get("eagle_aux_hidden_state_layer_ids"))
+        aux = _aux_ids(d, eagle)
         rope = dict(d.get("rope_parameters") or {})
         theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
         heads = int(d["num_attention_heads"])
@@ -179,6 +179,17 @@ def _flag(d: dict[str, Any], eagle: dict[str, Any], key: str) -> bool:
     return bool(top if top is not None else nested)
 
 
+def _aux_ids(d: dict[str, Any], eagle: dict[str, Any]) -> list[int] | None:
+    """eagle_config.eagle_aux_hidden_state_layer_ids or the top-level key (vLLM reads the top level,
+    sglang the nested one); both present must agree, or one of the two servers would tap other layers."""
+    key = "eagle_aux_hidden_state_layer_ids"
+    nested, top = eagle.get(key), d.get(key)
+    if nested is not None and top is not None and list(nested) != list(top):
+        raise ValueError(f"Eagle3 config.json sets {key}={list(top)} at the top level but eagle_config.{key}="
+                         f"{list(nested)}; make them agree")
+    return nested if nested is not None else top
+
+
 def _reject_unsupported(d: dict[str, Any]) -> None:
     """Config values whose semantics the head does not implement fail here, with the key named."""
     scaling = d.get("rope_scaling")
@@ -192,6 +203,19 @@ def _reject_unsupported(d: dict[str, Any]) -> None:
     if kind != "default":
         raise ValueError(f"Eagle3 config rope_parameters.rope_type={kind!r} is not implemented; only "
                          "'default'")
+    # The head rotates every channel of every head (EAGLE / SpecForge / TorchSpec train it so). A partial
+    # rotary width would be honoured by some servers and not by the trainers: refuse it rather than guess.
+    for where, src in (("", d), ("rope_parameters.", rope), ("rope_scaling.", scaling or {})):
+        factor = src.get("partial_rotary_factor")
+        if factor is not None and float(factor) != 1.0:
+            raise ValueError(f"Eagle3 config {where}partial_rotary_factor={factor} is not implemented; the "
+                             "draft head applies RoPE to the whole head_dim")
+    if float(d.get("logit_scale", 1.0)) != 1.0:
+        raise ValueError(f"Eagle3 config logit_scale={d['logit_scale']} is not implemented; the draft logits "
+                         "are lm_head(h) unscaled")
+    if d.get("use_sliding_window"):
+        raise ValueError("Eagle3 config use_sliding_window=true is not implemented; the draft layer attends "
+                         "to every earlier token")
     n = d.get("num_hidden_layers", 1)
     if n != 1:
         raise ValueError(f"Eagle3 config num_hidden_layers={n}: m3eagle's {ARCHITECTURE} has exactly one "
@@ -199,10 +223,13 @@ def _reject_unsupported(d: dict[str, Any]) -> None:
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"Eagle3 config hidden_act={act!r} is not implemented; the head's MLP is SiLU")
-    for key in ("attention_bias", "mlp_bias", "norm_before_fc"):
+    for key in ("attention_bias", "qkv_bias", "mlp_bias", "norm_before_fc"):
         if d.get(key):
             raise ValueError(f"Eagle3 config {key}=true is not implemented (no such weights in the "
                              f"{ARCHITECTURE} layout m3eagle loads)")
+    if d.get("norm_before_residual"):
+        raise ValueError("Eagle3 config norm_before_residual=true is not implemented: m3eagle's residual "
+                         "stream is the hidden input before hidden_norm (the EAGLE-3 reference)")
     eagle = d.get("eagle_config") or {}
     if eagle.get("use_aux_hidden_state", True) is False:
         raise ValueError("eagle_config.use_aux_hidden_state=false is an EAGLE-1/2 head; m3eagle loads "

@@ -1,12 +1,14 @@
 """The dense Triton attention kernel over every head shape an Eagle3 head may have, held equal to
 `reference.paged_attention` under the Triton interpreter.
 
-The public MiniMax-M3 Eagle3 heads do not publish their config.json, so the kernel must serve any plausible
-shape: head_dim 64 / 96 / 128 / 192 / 256 / 512 (512 once crashed it on Hopper: registers and shared
-memory), 4 to 64 query heads, GQA group 1 (MHA) to 16. Each case is one mixed step (a prompt chunk over a
-cached prefix, decode rows, a 1+K verify row) over a shuffled paged pool, run unsplit and split (the
-combine), with tiny lengths so that the interpreter stays fast. `dense_tile` (the launch shape, a pure
-function of the head shape) is checked to stay in the register budget for every shape.
+The kernel serves any plausible shape: head_dim 64 / 96 / 128 / 192 / 256 / 512 (512 once crashed it on
+Hopper: registers and shared memory), 4 to 64 query heads, GQA group 1 (MHA) to 16. Each case is one mixed
+step (a prompt chunk over a cached prefix, decode rows, a 1+K verify row) over a shuffled paged pool, run
+unsplit and split (the combine), with tiny lengths so that the interpreter stays fast. `dense_tile` (the
+launch shape, a pure function of the head shape) is checked to stay in the register budget for every shape.
+
+The two public MiniMax-M3 heads have their own test at their real attention shapes (docs/eagle3_heads.md):
+64 query heads of 128 with 64 KV heads (Inferact/MiniMax-M3-EAGLE3) or 4 (-GQA, group 16).
 
 Not run here: bf16 pools (the interpreter's bf16 path is not the GPU's). This grid (with longer rows:
 decode over 3,000 keys, verify 4x4, a 200-token chunk) was run in bf16 on an H100 against the fp32
@@ -54,6 +56,24 @@ def test_dense_head_shapes_match_reference(d, hq, hkv):
         triton_kernels.dense_attention(q, k, v, meta, scale, num_splits=splits, block_n=64, out=out)
         assert_close(out, ref)
     assert_close(TritonBackend().attention(q, k, v, meta, scale), ref)
+
+
+# (head_dim, query heads, KV heads) of the published MiniMax-M3 heads' config.json
+M3_HEADS = {"Inferact/MiniMax-M3-EAGLE3": (128, 64, 64), "Inferact/MiniMax-M3-EAGLE3-GQA": (128, 64, 4)}
+
+
+@pytest.mark.parametrize("name", sorted(M3_HEADS))
+def test_public_m3_head_shapes_match_reference(name):
+    """The engine's entry (TritonBackend.attention, which picks the split) on a prompt chunk over a cached
+    prefix plus a decode row, and a split launch of the 1+K verify row. The interpreter runs one program per
+    (row, KV head, split): 64 KV heads keep this to two short rows."""
+    d, hq, hkv = M3_HEADS[name]
+    scale = d ** -0.5
+    meta, q, k, v = make_step(hq * 10 + hkv, [3, 1], [9, 5], 4, hq, hkv, d)
+    assert_close(TritonBackend().attention(q, k, v, meta, scale), reference.paged_attention(q, k, v, meta, scale))
+    meta, q, k, v = make_step(hq * 10 + hkv + 1, [4], [6], 4, hq, hkv, d)
+    out = triton_kernels.dense_attention(q, k, v, meta, scale, num_splits=2, block_n=16)
+    assert_close(out, reference.paged_attention(q, k, v, meta, scale))
 
 
 def test_dense_tile_is_a_pure_function_within_budget():
