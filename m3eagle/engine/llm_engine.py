@@ -326,6 +326,7 @@ class LLMEngine(OutputProcessor):
         if not self.is_idle_and_clean():
             raise RuntimeError("warmup() runs on an idle engine only (before any request)")
         t0, counters, steps, iters = time.perf_counter(), self.counters.snapshot(), self.num_steps, self.num_iterations
+        cache_counts = (self.scheduler.prefix_cache_queries, self.scheduler.prefix_cache_hits)
         warmed = 0
         if graphs and self.graph_shapes:
             warmed = sum(self.graphs.warm(b, m) for b, m in self.graphs.warm_keys())
@@ -347,7 +348,7 @@ class LLMEngine(OutputProcessor):
         self.counters, self.num_steps, self.num_iterations = counters, steps, iters
         sched = self.scheduler
         sched.reset_prefix_cache()  # dummy prompts: nothing a user would hit, nothing counted
-        sched.prefix_cache_queries = sched.prefix_cache_hits = 0
+        sched.prefix_cache_queries, sched.prefix_cache_hits = cache_counts
         log.info("warm-up in %.1f s: %d graph buckets x modes %s in %.1f s (%d captured in all), %d prompt "
                  "batches (rows x tokens: %s), sampling variants %s", info["seconds"], warmed,
                  "captured" if self.graphs.use_graphs else "run eagerly", t_graphs, len(self.graphs.graphs),

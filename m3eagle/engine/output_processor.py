@@ -285,11 +285,13 @@ class OutputProcessor:
         a, nd = len(tokens) - 1, row.num_drafts
         if nd:
             self._count_verify(req, nd, [a])
+        # Before the tokens go in: a request they finish is released at once, and the prefix cache registers
+        # its pages by this length (the positions past what it keeps have no key: their tokens are unknown).
+        req.num_computed = start + row.num_tokens - nd + a
         if self._may_stop(req, tokens):
             self._append(req, tokens, lps)
         else:
             self._extend(req, tokens, lps)
-        req.num_computed = start + row.num_tokens - nd + a
 
     def _may_stop(self, req: Request, tokens: list[int]) -> bool:
         """Whether anything could end the output inside `tokens`: a stop id or EOS among them, the length

@@ -161,8 +161,9 @@ class PagePool:
         if len(free) != len(self._free):
             raise AssertionError("a page is on the free list twice")
         evictable = set(self._evictable)
-        if evictable & (free | set(self._owners)):
-            raise AssertionError(f"evictable pages also free or owned: {sorted(evictable & (free | set(self._owners)))[:10]}")
+        both = evictable & (free | set(self._owners))
+        if both:
+            raise AssertionError(f"evictable pages also free or owned: {sorted(both)[:10]}")
         if any(p not in self._key_of for p in evictable):
             raise AssertionError("an evictable page has no key")
         if len(self._by_key) != len(self._key_of) or any(self._by_key.get(k) != p for p, k in self._key_of.items()):

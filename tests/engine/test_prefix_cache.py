@@ -243,3 +243,14 @@ def test_fault_drops_the_cache_and_leaks_nothing(monkeypatch, model_dir, head_di
     want = llm_for(model_dir, head_dir, 3, True, False).generate(prompts, greedy(NEW))
     assert tokens(llm.generate(prompts, greedy(NEW))) == tokens(want)
     assert_clean(llm)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_request_finished_by_its_first_token_caches_its_prompt(model_dir, head_dir, prompts, k):
+    """max_tokens=1 (classification, prompt-only benchmarks): the prompt's pages are registered when the
+    request finishes inside the step that computes its prompt."""
+    llm = llm_for(model_dir, head_dir, k, False, True)
+    p = prompts[1]
+    got = [llm.generate([p], greedy(1))[0].num_cached_tokens for _ in range(2)]
+    assert got == [0, (len(p) - 1) // PS * PS]
+    assert_clean(llm)
