@@ -11,8 +11,8 @@ A run, in order:
   3. `--num-prompts` streaming requests: arrivals Poisson at `--request-rate` (inf: all at once), at most
      `--max-concurrency` in flight. Every request asks for `--output-len` tokens with EOS ignored
      (`ignore_eos`, an extra field vLLM and SGLang accept too), so output lengths are set.
-  4. A second /metrics scrape: the speculative acceptance of the measured window, when the server exports
-     vLLM-style `*spec_decode_*` counters.
+  4. A second /metrics scrape: the speculative acceptance and the prefix-cache hit rate of the measured
+     window, when the server exports vLLM-style `*spec_decode_*` / `*prefix_cache_*` counters.
   5. A table (stderr) and a JSON document (stdout or --json FILE); `DEFINITIONS` travels inside it.
 
 The client is one `httpx.AsyncClient` (a connection pool sized to the most requests in flight, per-operation
@@ -57,6 +57,9 @@ DEFINITIONS = {
     "acceptance": "from the server's /metrics counters over the measured window: rate = accepted / drafted "
                   "tokens, mean_acceptance_length = 1 + accepted / drafts (verify steps), per_position = accepted "
                   "at draft position i / drafts; null when the server exports no spec_decode counters",
+    "prefix_cache": "from the server's /metrics prefix_cache_queries / _hits counters over the measured window: "
+                    "prompt tokens looked up in the prefix cache, those found, hit_rate = found / looked up; null "
+                    "when the server exports neither counter",
 }
 
 
@@ -298,9 +301,38 @@ def acceptance(before: dict[str, Any] | None, after: dict[str, Any] | None) -> d
             "mean_acceptance_length": 1 + d["accepted"] / d["drafts"], "per_position": per}
 
 
-async def scrape(client: httpx.AsyncClient) -> dict[str, Any] | None:
+PREFIX_COUNTERS = {"prefix_cache_queries_total": "queries", "prefix_cache_hits_total": "hits"}
+
+
+def prefix_counters(text: str) -> dict[str, float] | None:
+    """Sums of vLLM-style prefix_cache_queries / _hits counters (prompt tokens looked up / found; any prefix) in a
+    Prometheus text page; None when the page holds neither (a server without the cache, or not Prometheus)."""
+    out = {"queries": 0.0, "hits": 0.0}
+    seen = False
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                key = next((k for suffix, k in PREFIX_COUNTERS.items() if s.name.endswith(suffix)), None)
+                if key is not None:
+                    out[key] += s.value
+                    seen = True
+    except ValueError:
+        return None
+    return out if seen else None
+
+
+def prefix_cache(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
+    """The measured window's prompt tokens looked up / found in the server's prefix cache, and their ratio."""
+    if before is None or after is None:
+        return None
+    q, h = after["queries"] - before["queries"], after["hits"] - before["hits"]
+    return {"queried_tokens": int(q), "hit_tokens": int(h), "hit_rate": h / q if q > 0 else None}
+
+
+async def scrape(client: httpx.AsyncClient) -> tuple[dict[str, Any] | None, dict[str, float] | None]:
+    """(spec_decode counters, prefix-cache counters) of the server's /metrics page, each None when absent."""
     status, text = await get_text(client, "/metrics")
-    return spec_counters(text) if status == 200 else None
+    return (spec_counters(text), prefix_counters(text)) if status == 200 else (None, None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -401,7 +433,8 @@ async def _bench(a: argparse.Namespace) -> dict[str, Any]:
             "ttft_ms": percentiles([r.ttft for r in ok if r.ttft is not None]), "tpot_ms": percentiles(tpot),
             "itl_ms": percentiles([x for r in ok for x in r.itl]), "e2e_ms": percentiles([r.e2e for r in ok]),
         },
-        "acceptance": acceptance(before, after),
+        "acceptance": acceptance(before[0], after[0]),
+        "prefix_cache": prefix_cache(before[1], after[1]),
         "errors": sorted({r.error for r in results if r.error})[:10],
         "definitions": DEFINITIONS,
     }
@@ -432,6 +465,10 @@ def format_table(doc: dict[str, Any]) -> str:
                      f"per position {per}")
     else:
         lines.append("acceptance: - (the server's /metrics reports no speculative drafts in this window)")
+    pc = doc.get("prefix_cache")
+    if pc and pc["hit_rate"] is not None:
+        lines.append(f"prefix cache: {pc['hit_tokens']} of {pc['queried_tokens']} prompt tokens found "
+                     f"(hit rate {pc['hit_rate']:.3f})")
     for e in doc["errors"]:
         lines.append(f"error: {e}")
     return "\n".join(lines)

@@ -83,6 +83,8 @@ class Runtime:
     load_format: 'auto' reads the checkpoints; 'dummy' builds random seeded weights on the device from the
     configs alone (vLLM's dummy format, for benchmarks) -- then model / draft may also be an M3Config /
     Eagle3Config or a config.json dict.
+    tokenizer: a directory holding tokenizer.json to use instead of the model directory's own (vLLM's
+    `tokenizer=`): a config-only model (load_format='dummy') gets text in and out through it.
     quantization: None serves the checkpoint's weights as stored (the MXFP8 release stays MXFP8 on the device and
     runs the W8A16 kernels); 'fp8' quantizes a bf16 / fp32 target to the same MXFP8 layout at load (the decoder
     layers' projections and experts; embeddings, lm_head, routers, norms and the draft head stay as they are).
@@ -105,6 +107,7 @@ class Runtime:
                  gpu_memory_utilization: float = 0.9, warmup: bool = False, prefill_graphs: bool | None = None,
                  max_prefill_graph_tokens: int = 512, num_scheduler_steps: int | str = 1,
                  quantization: str | None = None, enable_prefix_caching: bool = True,
+                 tokenizer: str | Path | None = None,
                  _worker: tuple[int, int, str] | None = None):
         # What a spawned worker needs to build its rank of this same LLM (_worker: its rank, size, rendezvous).
         spawn_kwargs = {k: v for k, v in locals().items() if k not in ("self", "_worker")}
@@ -147,6 +150,10 @@ class Runtime:
         if isinstance(draft, (str, Path)) and num_draft_tokens > 0:
             draft = resolve_checkpoint(draft, "draft")
         self.model_path = Path(model) if isinstance(model, (str, Path)) else None
+        self.tokenizer_path = Path(tokenizer) if tokenizer is not None else self.model_path
+        if tokenizer is not None and not (self.tokenizer_path / "tokenizer.json").is_file():
+            raise ValueError(f"tokenizer={str(tokenizer)!r}: no tokenizer.json there; pass a directory holding one "
+                             "(none: the model directory's own)")
         # This LLM's own fast paths (no module global): built before the weights so a bad name fails fast.
         self.ops = make_ops(attention_backend, moe_backend, dev, fused_backend)
         self._driver: launch.Driver | None = None
@@ -239,7 +246,7 @@ class Runtime:
                 self.draft = load_eagle3(draft, self.target.cfg, self.dtype, dev)
             # the embedding / lm_head a head's checkpoint leaves out are the target's (vocab-parallel under TP)
             share_target_weights(self.draft, self.target)
-        self.tokenizer = (_load_tokenizer(self.model_path) if self.model_path is not None and tp.is_driver
+        self.tokenizer = (_load_tokenizer(self.tokenizer_path) if self.tokenizer_path is not None and tp.is_driver
                           else None)
         mml = max_model_len if max_model_len is not None else min(self.target.cfg.max_position_embeddings, 2048)
         if mml > self.target.cfg.max_position_embeddings:
@@ -301,7 +308,9 @@ class Runtime:
     def encode(self, text: str) -> list[int]:
         check_text(text, "the prompt")
         if self.tokenizer is None:
-            raise ValueError(f"{self.model_path} has no tokenizer.json; pass token-id lists instead of text")
+            where = self.tokenizer_path if self.tokenizer_path is not None else "this LLM (built from a config)"
+            raise ValueError(f"{where} has no tokenizer.json; pass token-id lists instead of text, or tokenizer=DIR "
+                             "(--tokenizer)")
         return self.tokenizer.encode(text)
 
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],

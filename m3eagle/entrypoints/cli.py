@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 INT64_MAX = 2**63 - 1
 MAX_BATCH = 1024
@@ -148,14 +149,36 @@ def _make_llm(a: argparse.Namespace, warmup: bool | None = None):
     overlap = None if a.overlap == "auto" else a.overlap == "on"
     extra = {k: getattr(a, k) for k in ("max_num_seqs", "num_pages", "gpu_memory_utilization")
              if getattr(a, k, None) is not None}
-    return LLM(model=a.model, draft=a.draft, num_draft_tokens=a.num_draft_tokens, device=a.device,
+    model, draft, tokenizer = _model_of(a)
+    return LLM(model=model, draft=draft, num_draft_tokens=a.num_draft_tokens, device=a.device,
                dtype=a.dtype, max_model_len=a.max_model_len, max_num_tokens=a.max_num_tokens,
                page_size=a.page_size, overlap=overlap, attention_backend=a.attention_backend,
                moe_backend=a.moe_backend, enforce_eager=a.enforce_eager,
                warmup=bool(a.warmup) if warmup is None else warmup,
                prefill_graphs=a.prefill_graphs, max_prefill_graph_tokens=a.max_prefill_graph_tokens,
                num_scheduler_steps=a.num_scheduler_steps, tensor_parallel_size=a.tensor_parallel_size,
-               quantization=a.quantization, enable_prefix_caching=a.enable_prefix_caching, **extra)
+               quantization=a.quantization, enable_prefix_caching=a.enable_prefix_caching,
+               load_format=a.load_format, tokenizer=tokenizer, **extra)
+
+
+def _model_of(a: argparse.Namespace) -> tuple[Any, Any, str | None]:
+    """(model, draft, tokenizer) of --model / --draft / --tokenizer / --load-format: with --load-format dummy,
+    --model may name a bench geometry (its config and random Eagle3 head; text through the embedded model's
+    tokenizer where the geometry's vocabulary covers it, else token ids only)."""
+    from m3eagle.bench import geometries
+    from m3eagle.loader.assets import ASSETS
+    from m3eagle.loader.tokenizer import load_tokenizer
+
+    if a.load_format != "dummy" or a.model not in geometries.NAMED:
+        return a.model, a.draft, a.tokenizer
+    if a.draft is not None:
+        raise ValueError(f"--draft: the named geometry {a.model!r} brings its own random Eagle3 head; drop --draft")
+    geo = geometries.resolve(a.model)
+    if a.tokenizer is not None:
+        return geo.model, geo.draft, a.tokenizer
+    embedded = load_tokenizer(ASSETS / "target")
+    fits = embedded is not None and embedded.tok.get_vocab_size() <= geo.model.vocab_size
+    return geo.model, geo.draft, str(ASSETS / "target") if fits else None
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -167,6 +190,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="K drafts per step (0 disables speculation); none: 3 with a draft head")
     p.add_argument("--max-model-len", type=int_in(1), default=None,
                    help="longest prompt + output; none: min(model limit, 2048)")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="auto reads the weights; dummy builds random ones from the config alone (benchmarks); "
+                        "then --model may also name a geometry: m3-mini, m3-8b, m3, tiny")
+    p.add_argument("--tokenizer", default=None, help="a directory holding tokenizer.json to use instead of the "
+                   "model's own")
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -32,13 +32,13 @@ class LLM(Runtime):
         tools: OpenAI-shaped function tools, rendered by the template (its `tools` variable). The outputs stay
         plain text, as in vLLM: `m3eagle.entrypoints.parsers.parse_output(text, tools, prompt)` turns one
         into content, reasoning_content and tool_calls."""
-        if self.model_path is None:
-            raise ValueError("chat needs a model directory with a tokenizer_config.json chat_template; this LLM "
-                             "was built from a config")
+        if self.tokenizer_path is None:
+            raise ValueError("chat needs a model (or tokenizer=) directory with a tokenizer_config.json "
+                             "chat_template; this LLM was built from a config")
         if self._chat_template is None:
-            self._chat_template = ChatTemplate.from_model_dir(self.model_path)
+            self._chat_template = ChatTemplate.from_model_dir(self.tokenizer_path)
         if self._chat_template is None:
-            raise ValueError(f"{self.model_path / 'tokenizer_config.json'} has no chat_template (nor is there a "
+            raise ValueError(f"{self.tokenizer_path / 'tokenizer_config.json'} has no chat_template (nor is there a "
                              "chat_template.jinja beside it): add one, or call generate() with plain prompts")
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of those")

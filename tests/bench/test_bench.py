@@ -466,6 +466,7 @@ def test_bench_serve_against_a_server(tmp_path):
                    "mean_acceptance_length": 2.5, "per_position": [0.75, 0.5, 0.25]}
     assert "TTFT ms" in err and "acceptance: mean length 2.500" in err and "failed 2" in err
     assert "warm-up 2/2" in err
+    assert doc["prefix_cache"] is None  # the fake server exports no prefix_cache counters
 
 
 def test_bench_serve_chat_and_poisson_arrivals(tmp_path):
@@ -604,3 +605,24 @@ def test_m3_geometry_has_the_real_layer_shapes():
     for bad in (3, 61):
         with pytest.raises(ValueError, match=f"--num-layers {bad}: choose 4..60"):
             geometries.m3(bad)
+
+
+def test_serve_prefix_cache_counters_from_metrics_text():
+    from m3eagle.bench.serve import prefix_cache, prefix_counters
+
+    page = """# TYPE m3eagle:prefix_cache_queries counter
+m3eagle:prefix_cache_queries_total{model_name="a"} 1000.0
+m3eagle:prefix_cache_queries_created{model_name="a"} 1.7e9
+# TYPE m3eagle:prefix_cache_hits counter
+m3eagle:prefix_cache_hits_total{model_name="a"} 640.0
+# TYPE m3eagle:spec_decode_num_drafts counter
+m3eagle:spec_decode_num_drafts_total{model_name="a"} 3.0
+"""
+    after = prefix_counters(page)
+    assert after == {"queries": 1000.0, "hits": 640.0}
+    assert prefix_counters("# TYPE x counter\nx_total 3\n") is None
+    assert prefix_counters('{"detail": "Not Found"}') is None
+    got = prefix_cache({"queries": 200.0, "hits": 40.0}, after)
+    assert got == {"queried_tokens": 800, "hit_tokens": 600, "hit_rate": 0.75}
+    assert prefix_cache(after, after)["hit_rate"] is None  # nothing looked up in the window
+    assert prefix_cache(None, after) is None

@@ -193,7 +193,7 @@ class OpenAIServer(ChatServing):
         self.max_model_len = self.engine.cfg.max_model_len
         self.metrics = ServerMetrics(self.engine, self.model_name, self.max_model_len)
         self.engine_loop = AsyncEngine(self.engine, self.metrics, warmup=warmup)
-        self.chat_template = ChatTemplate.from_model_dir(llm.model_path)
+        self.chat_template = ChatTemplate.from_model_dir(llm.tokenizer_path)
         if chat_template is not None:  # --chat-template: this source, with the model's special tokens
             self.chat_template = ChatTemplate(chat_template, self.chat_template.variables if self.chat_template else {})
         self.log_interval = log_interval
