@@ -1,12 +1,12 @@
 """Eagle3 heads in the public layouts, at MiniMax-M3-like shapes made tiny, through `load_eagle3`.
 
 Every layout an Eagle3 head may come in (the Inferact MiniMax-M3 heads' exact format is tested in
-test_public_m3_heads.py) is written here as config.json + model.safetensors and loaded against a small
-target config: head_dim from config.json (also where heads x head_dim != hidden), MHA with
-num_key_value_heads absent / equal and GQA, key layouts `midlayer.*` / `layers.0.*` with and without `model.`, no `lm_head.weight` (the target's is shared when the draft vocabulary is the full
-one), no `embed_tokens.weight`, d2t with and without t2d. Each loaded head's paged step through the
-Triton attention backend (interpreter) equals its reference paged step and its contiguous forward. Bad
-configs and checkpoints fail naming the key. CPU, fp32: seconds.
+test_public_m3_heads.py) is written here as config.json + model.safetensors and loaded against a small target
+config: head_dim from config.json (also where heads x head_dim != hidden), MHA with num_key_value_heads absent /
+equal and GQA, key layouts `midlayer.*` / `layers.0.*` with and without `model.`, no `lm_head.weight` (the target's
+is shared when the draft vocabulary is the full one), no `embed_tokens.weight`, d2t with and without t2d. Each
+loaded head's paged step through the Triton attention backend (interpreter) equals its reference paged step and its
+contiguous forward. Bad configs and checkpoints fail naming the key. CPU, fp32: seconds.
 """
 
 from __future__ import annotations
