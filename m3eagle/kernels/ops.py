@@ -33,11 +33,23 @@ class Ops:
         return {"attention": self.attention.name, "moe": self.moe.name}
 
 
+# Backends whose rows do not depend on the batch: the plain PyTorch oracle (the CPU path, fp32) and the
+# batch-invariant kernels (m3eagle/kernels/batch_invariant/).
+INVARIANT = ("reference", "batch_invariant")
+
+
 def make_ops(attention: str = "auto", moe: str = "auto", device: torch.device | str = "cpu",
-             fused: str = "auto") -> Ops:
-    """'auto' picks triton on CUDA and the reference on CPU, for each concern."""
+             fused: str = "auto", deterministic: bool = False) -> Ops:
+    """'auto' picks triton on CUDA and the reference on CPU, for each concern. deterministic: 'auto' picks
+    batch_invariant on CUDA (the reference on CPU), and a backend whose rows depend on the batch is refused."""
     dev = torch.device(device)
     fast = "triton" if dev.type == "cuda" else "reference"
+    if deterministic:
+        fast = "batch_invariant" if dev.type == "cuda" else "reference"
+        for what, name in (("attention_backend", attention), ("moe_backend", moe), ("fused_backend", fused)):
+            if name != "auto" and name not in INVARIANT:
+                raise ValueError(f"deterministic=True with {what}={name!r}: its results depend on the batch; "
+                                 f"choose one of {list(INVARIANT)} or 'auto'")
     return Ops(attention=attention_backend.create(fast if attention == "auto" else attention),
                moe=moe_backend.create(fast if moe == "auto" else moe),
                fused=fused_registry.create(fast if fused == "auto" else fused))

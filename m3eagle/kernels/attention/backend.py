@@ -43,9 +43,16 @@ def _triton() -> AttentionBackend:
     return TritonBackend()
 
 
+def _batch_invariant() -> AttentionBackend:
+    from m3eagle.kernels.batch_invariant.attention import BatchInvariantBackend  # imports triton
+
+    return BatchInvariantBackend()
+
+
 # Lazy factories: nothing here imports triton, and no module global remembers a choice. Each engine
 # creates its own backend object and hands it to the models with the step's metadata (`meta.ops`).
-_FACTORIES: dict[str, Callable[[], AttentionBackend]] = {"reference": ReferenceBackend, "triton": _triton}
+_FACTORIES: dict[str, Callable[[], AttentionBackend]] = {"reference": ReferenceBackend, "triton": _triton,
+                                                         "batch_invariant": _batch_invariant}
 
 
 def names() -> list[str]:

@@ -661,12 +661,14 @@ def _check_pools(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) ->
 def dense_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttnMetadata,
                     scale: float, num_splits: int = 1, block_n: int = 64, keep: torch.Tensor | None = None,
                     keep_block: int = 0, out: torch.Tensor | None = None, num_warps: int | None = None,
-                    ) -> torch.Tensor:
+                    tile_max_q: int | None = None) -> torch.Tensor:
     """q [T, Hq, D] over paged K/V [S, Hkv, D] -> out [T, Hq, D] (q's dtype). Token-causal per row.
 
     keep [T, Hi, NB] int8 (optional): only key blocks of `keep_block` keys marked nonzero for the token's
     index head are visible -- the block-sparse layer computed tile-wise (see `_dense_attn_kernel`).
-    block_n is a request: heads wider than 128 cap it (`dense_tile`); num_warps None = `dense_tile`'s."""
+    block_n is a request: heads wider than 128 cap it (`dense_tile`); num_warps None = `dense_tile`'s.
+    tile_max_q (the batch-invariant mode): the query tile is sized as for a row of that many tokens, whatever
+    the step's widest row, so every step runs one tile shape."""
     _check_pools(q, k_pool, v_pool)
     t, hq, d = q.shape
     hkv = k_pool.shape[1]
@@ -675,7 +677,7 @@ def dense_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     out = torch.empty_like(q) if out is None else out
     if t == 0:
         return out
-    tile = dense_tile(d, hq // hkv, meta.max_q, block_n)
+    tile = dense_tile(d, hq // hkv, tile_max_q or meta.max_q, block_n)
     block_q, block_g, block_n = tile.block_q, tile.block_g, tile.block_n
     n_qtiles = -(-meta.max_q // block_q)
     # At most one split per key tile of max_kv; the kernel cuts each row's real kv_len into `splits`.
@@ -717,7 +719,7 @@ def selection_mask(sel: torch.Tensor, num_blocks: int) -> torch.Tensor:
 def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttnMetadata,
                      scale: float, sel: torch.Tensor, block_size: int, num_splits: int = 1,
                      keys_per_iter: int = 128, out: torch.Tensor | None = None, num_warps: int = 4,
-                     ) -> torch.Tensor:
+                     sel_chunk: int | None = None) -> torch.Tensor:
     """q [T, Hq, D], sel [T, Hi, k] (block ids, -1 = none) -> out [T, Hq, D]: each token sees only the keys
     of its selected blocks, token-causal. Attention head h reads index head h // (Hq // Hi)."""
     _check_pools(q, k_pool, v_pool)
@@ -738,8 +740,9 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     # Gather several selected blocks per iteration (~keys_per_iter keys), never more than a split holds,
     # and at least 16 keys (the smallest tl.dot).
     block_bs = _pow2(block_size)
-    sel_chunk = min(max(1, keys_per_iter // block_bs), _pow2(per_split))
-    sel_chunk = max(sel_chunk, _pow2(-(-16 // block_bs)))
+    if sel_chunk is None:  # else fixed by the caller (the batch-invariant mode: never from the step)
+        sel_chunk = min(max(1, keys_per_iter // block_bs), _pow2(per_split))
+        sel_chunk = max(sel_chunk, _pow2(-(-16 // block_bs)))
     _sparse_attn_kernel[(t, hq // heads, splits)](
         q, k_pool, v_pool, out, part_o, part_lse, page_table, meta.tok_row, meta.positions, sel,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
@@ -781,7 +784,7 @@ class IndexPlan:
 
 
 def index_plan(num_blocks: int, k: int, block_size: int, num_splits: int = 1, min_blocks_per_split: int = 1,
-               keys_per_iter: int = 128) -> IndexPlan:
+               keys_per_iter: int = 128, span_bound: bool = True) -> IndexPlan:
     """Splits, list capacity and blocks per iteration of `select_blocks` for NB = num_blocks, top-k."""
     min_bps = max(1, min_blocks_per_split)
     splits = max(1, min(num_splits, -(-num_blocks // min_bps)))
@@ -796,14 +799,16 @@ def index_plan(num_blocks: int, k: int, block_size: int, num_splits: int = 1, mi
     # least 16 (the smallest tl.dot), at most 8 blocks (each is offered to the list on its own) and no
     # more than a program scans (the rest would be masked work).
     block_bs = _pow2(block_size)
-    per_iter = max(_pow2(-(-16 // block_bs)), min(8, max(1, keys_per_iter // block_bs), _pow2(span)))
+    # span_bound False (the batch-invariant mode): the score tile never follows the step's KV bound.
+    per_iter = max(_pow2(-(-16 // block_bs)), min(8, max(1, keys_per_iter // block_bs),
+                                                  _pow2(span) if span_bound else 8))
     return IndexPlan(splits, cap, _pow2(cap), span, per_iter)
 
 
 def select_blocks(iq: torch.Tensor, ik_pool: torch.Tensor, meta: AttnMetadata, block_size: int, topk: int,
                   local_blocks: int, num_splits: int = 1, min_blocks_per_split: int = 1, keys_per_iter: int = 128,
                   num_warps: int = 4, merge_small_candidates: int = 256, direct_lists: bool = True,
-                  merge_num_warps: int | None = None) -> torch.Tensor:
+                  merge_num_warps: int | None = None, tile_max_q: int | None = None) -> torch.Tensor:
     """Lightning-indexer selection on flat tokens: iq [T, Hi, Di], ik_pool [S, Di] -> sel [T, Hi, k] int64,
     k = min(topk, NB), NB = ceil(max_kv / block_size): exactly `reference.select_blocks` -- the same blocks
     (score desc, ties to the lower block id), listed in ascending id, -1 where only -inf was left.
@@ -814,7 +819,8 @@ def select_blocks(iq: torch.Tensor, ik_pool: torch.Tensor, meta: AttnMetadata, b
     rows to fill the GPU. Device memory: sel plus, when split, [T, Hi, splits, <=k] int64 keys. The merge
     scans `merge_small_candidates` list entries instead of all when a token's live splits hold no more
     (1: always all); a run that fits its list fills it directly unless `direct_lists` is False (always
-    insert). Both switches exist so that the tests force each path."""
+    insert). Both switches exist so that the tests force each path. tile_max_q (the batch-invariant mode):
+    the query tile and the score tile are sized from it and from keys_per_iter alone, never from the step."""
     t, hi, di = iq.shape
     nb = -(-meta.max_kv // block_size)
     k = min(topk, nb)
@@ -824,10 +830,10 @@ def select_blocks(iq: torch.Tensor, ik_pool: torch.Tensor, meta: AttnMetadata, b
     if ik_pool.stride(-1) != 1 or iq.stride(-1) != 1:
         raise ValueError("iq and ik_pool must be contiguous in their last dim")
     mixed = iq.dtype != ik_pool.dtype
-    block_q, block_h = _q_tile(hi, meta.max_q)
+    block_q, block_h = _q_tile(hi, tile_max_q or meta.max_q)
     n_qtiles = -(-meta.max_q // block_q)
     min_bps = max(1, min_blocks_per_split)
-    plan = index_plan(nb, k, block_size, num_splits, min_bps, keys_per_iter)
+    plan = index_plan(nb, k, block_size, num_splits, min_bps, keys_per_iter, span_bound=tile_max_q is None)
     splits, block_k = plan.splits, plan.block_k
     page_table = meta.page_table.contiguous()
     # [T, Hi, splits * BLOCK_K] int64: each split's list of packed keys (`_pack_key`)

@@ -14,8 +14,15 @@ def _triton() -> FusedOps:
     return TritonFused()
 
 
+def _batch_invariant() -> FusedOps:
+    from m3eagle.kernels.batch_invariant.fused import BatchInvariantFused  # imports triton
+
+    return BatchInvariantFused()
+
+
 # Lazy factories: nothing here imports triton, and no module global remembers a choice.
-_FACTORIES: dict[str, Callable[[], FusedOps]] = {"reference": ReferenceFused, "triton": _triton}
+_FACTORIES: dict[str, Callable[[], FusedOps]] = {"reference": ReferenceFused, "triton": _triton,
+                                                 "batch_invariant": _batch_invariant}
 
 
 def register(name: str, factory: Callable[[], FusedOps]) -> None:

@@ -135,7 +135,14 @@ class TritonMoE:
                                            alpha, limit, cfg, shared, routed_scale)
 
 
-_FACTORIES: dict[str, Callable[..., MoEImpl]] = {"reference": ReferenceMoE, "triton": TritonMoE}
+def _batch_invariant() -> MoEImpl:
+    from m3eagle.kernels.batch_invariant.moe import BatchInvariantMoE  # imports triton
+
+    return BatchInvariantMoE()
+
+
+_FACTORIES: dict[str, Callable[..., MoEImpl]] = {"reference": ReferenceMoE, "triton": TritonMoE,
+                                                 "batch_invariant": _batch_invariant}
 
 
 def register(name: str, factory: Callable[..., MoEImpl]) -> None:

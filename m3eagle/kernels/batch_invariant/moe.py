@@ -1,0 +1,49 @@
+"""`BatchInvariantMoE`: the routed experts with one launch shape for every step.
+
+`TritonMoE` takes the sort-free per-pair GEMV path for decode-sized steps, the sorted grouped GEMMs above,
+with tiles from a tuning table by token bucket, the top-k combine folded into down for small steps and the
+shared expert inside the routed launches: a (token, expert) pair's sum order follows the batch. Here every
+step runs the sorted path (`triton_moe.fused_experts`) under `moe_config(...)`, a pure function of the
+layer's shape (E, H, I, top-k), never of T:
+
+    align (by expert, padded to block_m) -> gate_up GEMM + SwiGLU-OAI -> down GEMM x routing weight
+    -> combine: each token's k contributions summed in fp32 in its top-k order (no atomics)
+
+A pair's row is the same chain of MMAs wherever the sort puts it in its expert's row block. The shared
+expert runs apart on the batch-invariant GEMM (`fuses_shared` False), and routing is the fused ops' (fp32
+GEMM + the row-local route kernel). `reference.experts` stays the oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from m3eagle.kernels.moe.tuning import MoEConfig
+from m3eagle.kernels.quant.mxfp8 import MxWeight
+
+
+def moe_config(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype) -> MoEConfig:
+    """16-row blocks (decode steps route ~1 pair per expert), 64-wide column tiles, 64-deep K steps; no split
+    tail (it would switch a block's tile height with its fill)."""
+    return MoEConfig(block_m=16, block_n=64, block_k=64, group_m=1, num_warps=4, num_stages=3)
+
+
+class BatchInvariantMoE:
+    name = "batch_invariant"
+    fuses_shared = False  # the model runs the shared expert apart, on the batch-invariant GEMM
+
+    def __init__(self) -> None:
+        from m3eagle.kernels.moe import triton_moe  # imports triton; only when this backend is built
+
+        self._mod = triton_moe
+
+    def experts(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
+                down_proj: torch.Tensor, alpha: float, limit: float,
+                expert_range: tuple[int, int] | None = None) -> torch.Tensor:
+        """x [T, H], weights [T, k] fp32, idx [T, k] -> [T, H] in x.dtype (`MoEImpl.experts`)."""
+        if isinstance(gate_up_proj, MxWeight) or isinstance(down_proj, MxWeight):
+            raise ValueError("deterministic=True does not run MXFP8 experts: the batch-invariant MoE takes "
+                             "bf16 / fp16 / fp32 weights; load the checkpoint dequantized or turn deterministic off")
+        cfg = moe_config(gate_up_proj.shape[0], x.shape[1], down_proj.shape[2], idx.shape[1], x.dtype)
+        return self._mod.fused_experts(x, weights, idx, gate_up_proj, down_proj, alpha, limit, expert_range,
+                                       config=cfg, combine_counters=None)
