@@ -29,6 +29,7 @@ import torch
 
 from m3eagle.distributed.parallel_state import SINGLE, TPGroup
 from m3eagle.engine.detokenizer import FinalTextDetokenizer, IncrementalDetokenizer
+from m3eagle.engine.draft_tree import check_tree_engine
 from m3eagle.engine.graph_runner import GraphRunner
 from m3eagle.engine.input_builder import StepBuffers
 from m3eagle.engine.kv_budget import pages_per_seq, resolve_num_pages
@@ -44,6 +45,7 @@ from m3eagle.engine.request import (
 )
 from m3eagle.engine.scheduler import NeedSync, ScheduledBatch, Scheduler
 from m3eagle.engine.structured_step import GrammarStep
+from m3eagle.engine.tree_runner import TreeModelRunner
 from m3eagle.kernels.ops import Ops, make_ops
 from m3eagle.kvcache.page_pool import PagePool
 from m3eagle.models.layers import pack_projections
@@ -102,6 +104,9 @@ class EngineConfig:
     # draft head's) stay cached after their requests finish, keyed by their tokens, and a request whose
     # prefix is cached computes only the rest (scheduler.py, prefix_keys.py).
     enable_prefix_caching: bool = True
+    # A draft tree (draft_tree.TreeSpec) instead of the chain: num_draft_tokens is then its node budget N
+    # (each verify row carries N nodes); the plain eager path only (draft_tree.check_tree_engine).
+    draft_tree: Any = None
 
 
 # num_scheduler_steps="auto" (opt-in). A replayed decode step of a model whose weights are a few hundred MB
@@ -222,9 +227,14 @@ class LLMEngine(OutputProcessor):
         # row more than max_num_seqs (a step of every sequence still gets its padding row).
         max_tokens = max(cfg.max_num_tokens + (cfg.max_num_seqs + 1 if pg else 0), cfg.max_num_seqs * (k + 1))
         max_rows = cfg.max_num_seqs + int(pg)
-        self.runner = ModelRunner(target, draft, k, num_pages, cfg.page_size, cfg.max_num_seqs, dtype, device,
-                                  max_num_tokens=max_tokens, max_rows=max_rows,
-                                  host_sets=2 * cfg.num_scheduler_steps)
+        tree = cfg.draft_tree if k else None
+        if tree is not None:
+            check_tree_engine(tree, cfg.overlap, not cfg.enforce_eager and device.type == "cuda"
+                              or bool(cfg.graph_shapes), pg, steps, tp.size)
+        runner_cls, extra = (TreeModelRunner, {"tree": tree}) if tree is not None else (ModelRunner, {})
+        self.runner = runner_cls(target, draft, k, num_pages, cfg.page_size, cfg.max_num_seqs, dtype, device,
+                                 max_num_tokens=max_tokens, max_rows=max_rows,
+                                 host_sets=2 * cfg.num_scheduler_steps, **extra)
         self.buffers = StepBuffers(max_tokens, max_rows, self.table_width, device)
         graph_shapes = cfg.graph_shapes if cfg.graph_shapes is not None else device.type == "cuda"
         self.graphs = GraphRunner(self.runner, self.buffers, k, cfg.max_num_seqs, cfg.page_size, self.table_width,
@@ -396,6 +406,11 @@ class LLMEngine(OutputProcessor):
         if params.n > self.cfg.max_num_seqs:
             raise RequestError(f"n={params.n} samples cannot run together with max_num_seqs={self.cfg.max_num_seqs}; "
                                "lower n or raise max_num_seqs")
+        if self.cfg.draft_tree is not None and self.k and (params.has_penalties or params.structured_outputs
+                                                           is not None):
+            raise RequestError(f"draft_tree='{self.cfg.draft_tree}' does not support repetition / presence / "
+                               "frequency penalties, min_tokens or structured_outputs yet; drop them or use the "
+                               "chain (num_draft_tokens=K)")
         if params.structured_outputs is not None:
             self.compile_grammar(params)
 

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from m3eagle.config import M3Config
 from m3eagle.distributed.parallel_state import SINGLE, TPGroup
 from m3eagle.engine import executor as launch
+from m3eagle.engine.draft_tree import TreeSpec
 from m3eagle.engine.llm_engine import EngineConfig, LLMEngine, RequestError, check_scheduler_steps
 from m3eagle.engine.request import RequestOutput
 from m3eagle.kernels.ops import make_ops
@@ -61,7 +62,8 @@ class Runtime:
     model: a checkpoint directory (config.json + safetensors [+ tokenizer.json]) or a Hugging Face Hub id
     ("MiniMaxAI/MiniMax-M3": its cached snapshot, downloaded when online; HF_HUB_OFFLINE=1 reads the cache
     only); None uses the embedded model and its Eagle3 head. draft: an Eagle3 head directory (or Hub id);
-    num_draft_tokens: K (1..8; 0 = off).
+    num_draft_tokens: K (1..8; 0 = off). draft_tree: "D,K,N" drafts a dynamic tree instead of the chain (depth D,
+    the K best children per expanded node, N nodes verified; docs/design/speculative.md); plain eager path only.
     overlap: None = on for CUDA, off for CPU. attention_backend / moe_backend / fused_backend (norms, RoPE,
     activations, router): 'auto' (triton on CUDA, reference on CPU) | 'reference' | 'triton'.
     enforce_eager: never capture CUDA graphs (they are on by default on CUDA).
@@ -107,7 +109,7 @@ class Runtime:
                  gpu_memory_utilization: float = 0.9, warmup: bool = False, prefill_graphs: bool | None = None,
                  max_prefill_graph_tokens: int = 512, num_scheduler_steps: int | str = 1,
                  quantization: str | None = None, enable_prefix_caching: bool = True,
-                 tokenizer: str | Path | None = None,
+                 tokenizer: str | Path | None = None, draft_tree: str | tuple | None = None,
                  _worker: tuple[int, int, str] | None = None):
         # What a spawned worker needs to build its rank of this same LLM (_worker: its rank, size, rendezvous).
         spawn_kwargs = {k: v for k, v in locals().items() if k not in ("self", "_worker")}
@@ -120,9 +122,19 @@ class Runtime:
             model, default_draft = default_model_paths()
             if draft is None and num_draft_tokens != 0:
                 draft = default_draft
+        tree = None
+        if draft_tree is not None:  # a tree's verify rows carry its node budget N as their drafts
+            tree = TreeSpec.parse(draft_tree)
+            if num_draft_tokens is not None:
+                raise ValueError(f"num_draft_tokens={num_draft_tokens!r} and draft_tree='{tree}': pass one (the chain "
+                                 "of K drafts, or the tree)")
+            if draft is None:
+                raise ValueError(f"draft_tree='{tree}' needs a draft head: pass draft=DIR (an Eagle3 checkpoint)")
+            if overlap is None:
+                overlap = False
         if num_draft_tokens is None:
-            num_draft_tokens = 3 if draft is not None else 0
-        if not isinstance(num_draft_tokens, int) or not 0 <= num_draft_tokens <= 8:
+            num_draft_tokens = tree.nodes if tree is not None else (3 if draft is not None else 0)
+        elif not isinstance(num_draft_tokens, int) or not 0 <= num_draft_tokens <= 8:
             raise ValueError(f"num_draft_tokens={num_draft_tokens!r} must be an int in 0..8 (0 disables "
                              "speculation)")
         if num_draft_tokens > 0 and draft is None:
@@ -164,7 +176,7 @@ class Runtime:
         try:
             self._build(model, draft, num_draft_tokens, load_format, dev, page_size, max_num_tokens, max_model_len,
                         max_num_seqs, num_pages, overlap, enforce_eager, graph_shapes, gpu_memory_utilization,
-                        prefill_graphs, max_prefill_graph_tokens, num_scheduler_steps)
+                        prefill_graphs, max_prefill_graph_tokens, num_scheduler_steps, tree)
         except BaseException:
             self.shutdown()
             raise
@@ -228,7 +240,8 @@ class Runtime:
                page_size: int, max_num_tokens: int, max_model_len: int | None, max_num_seqs: int, num_pages: int,
                overlap: bool | None, enforce_eager: bool, graph_shapes: bool | None,
                gpu_memory_utilization: float, prefill_graphs: bool | None = None,
-               max_prefill_graph_tokens: int = 512, num_scheduler_steps: int | str = 1) -> None:
+               max_prefill_graph_tokens: int = 512, num_scheduler_steps: int | str = 1,
+               draft_tree: TreeSpec | None = None) -> None:
         """Weights (this rank's shard), tokenizer and engine."""
         tp = self.tp
         if load_format == "dummy":
@@ -260,7 +273,7 @@ class Runtime:
                                    gpu_memory_utilization=gpu_memory_utilization, prefill_graphs=prefill_graphs,
                                    max_prefill_graph_tokens=max_prefill_graph_tokens,
                                    num_scheduler_steps=num_scheduler_steps,
-                                   enable_prefix_caching=self.enable_prefix_caching)
+                                   enable_prefix_caching=self.enable_prefix_caching, draft_tree=draft_tree)
         self.engine = LLMEngine(self.target, self.draft, self.tokenizer, self.config, self.dtype, dev, self.ops,
                                 tp=tp, driver=self._driver)
 
@@ -270,8 +283,8 @@ class Runtime:
         return self._plain_engine(self._driver.new_engine() if self._driver is not None else None)
 
     def _plain_engine(self, driver: launch.Driver | None) -> LLMEngine:
-        return LLMEngine(self.target, None, self.tokenizer, replace(self.config, num_draft_tokens=0), self.dtype,
-                         self.device, self.ops, tp=self.tp, driver=driver)
+        return LLMEngine(self.target, None, self.tokenizer, replace(self.config, num_draft_tokens=0, draft_tree=None),
+                         self.dtype, self.device, self.ops, tp=self.tp, driver=driver)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and leave the process group (nothing to do with one rank). The LLM

@@ -45,6 +45,10 @@ class AttnMetadata:
     slot_mapping: torch.Tensor  # [T] int64 derived
     # the engine's fast paths (m3eagle.kernels.ops.Ops) that the models run this step with; None = reference
     ops: Any = None
+    # [B, max_kv] int64 or None: the cache slot of each row's key position 0..max_kv-1, when it is not the
+    # page table's (a draft-tree node row reads its ancestors' slots at their depth positions); the
+    # reference backend only
+    key_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -110,8 +110,9 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     scale: float, iq: torch.Tensor | None = None, ik_pool: torch.Tensor | None = None,
                     block_size: int = 0, topk: int = 0, local_blocks: int = 0) -> torch.Tensor:
     """q [T, Hq, D] over paged K/V [S, Hkv, D] -> [T, Hq, D]. With iq [T, Hi, Di] and ik_pool [S, Di]
-    the layer is sparse. The current step's K/V must already be written at meta.slot_mapping."""
-    slots = gather_slots(meta, meta.max_kv)  # [B, L]
+    the layer is sparse. The current step's K/V must already be written at meta.slot_mapping. Row b's key
+    position j is read from slot meta.key_slots[b, j] when given, else from the page table."""
+    slots = meta.key_slots if meta.key_slots is not None else gather_slots(meta, meta.max_kv)  # [B, L]
     k, v = k_pool[slots], v_pool[slots]  # [B, L, Hkv, D]
     ik = ik_pool[slots] if iq is not None else None  # [B, L, Di]
     pos = padded_positions(meta)  # [B, Qmax]

@@ -1,0 +1,163 @@
+"""Dynamic draft trees (EAGLE-2/3): the option, the tree's construction and its attention layout.
+
+A tree of depth D, top-k K and node budget N is grown by the Eagle3 head one depth level at a time:
+
+    level 1     the K best tokens of the head's distribution after the last accepted token
+    level l+1   each of the K frontier nodes of level l proposes its K best children (one batched head call
+                over the frontier); score = parent score + log q(child), a cumulative log-probability;
+                the frontier of level l+1 is the K best of those K*K children
+    rerank      the N best of all K + (D-1)K^2 candidates by score, listed in creation order
+
+A child's score never exceeds its parent's (log q <= 0, and fp32 addition is monotonic) and a parent is
+created before its children, so a stable sort by score (ties to the lower creation index) puts every parent
+ahead of its children: the N best are closed under ancestors, and creation order is a topological order.
+
+Storage: node i (1..N) of a row is verify token i after the root (token 0, the last emitted token) and its
+K/V lives at position p0 + i of the row (p0: the root's position); its RoPE / causal position is
+p0 + depth(i). A node's attention reads the committed context (positions 0..p0) and its ancestors; the
+row layout that expresses this (`node_key_positions`) lists, for virtual key position v of node i, the
+storage position of the key the node sees there: v itself up to p0, then its ancestor at depth v - p0.
+Seen that way each node is an ordinary causal sequence, so dense and MSA sparse layers (whose block
+selection max-pools index scores over key positions) treat it exactly as the reference treats that
+sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_DEPTH, MAX_TOPK, MAX_NODES = 8, 8, 64
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """draft_tree = "D,K,N": depth D, top-k K per expanded node, node budget N (the verify rows' drafts)."""
+
+    depth: int
+    topk: int
+    nodes: int
+
+    @property
+    def max_candidates(self) -> int:
+        """Nodes the expansion creates before the rerank: K at level 1, K*K at each later level."""
+        return self.topk + (self.depth - 1) * self.topk * self.topk
+
+    def __str__(self) -> str:
+        return f"{self.depth},{self.topk},{self.nodes}"
+
+    @classmethod
+    def parse(cls, value: object) -> TreeSpec:
+        """A TreeSpec, "D,K,N" or a (D, K, N) sequence -> a validated TreeSpec; errors name the field and the fix."""
+        if isinstance(value, TreeSpec):
+            spec = value
+        else:
+            parts = value.split(",") if isinstance(value, str) else value
+            try:
+                d, k, n = (int(str(x).strip()) for x in parts)  # type: ignore[union-attr]
+            except (TypeError, ValueError):
+                raise ValueError(f"draft_tree={value!r} must be 'DEPTH,TOPK,NODES' (e.g. '3,4,16': depth 3, the 4 "
+                                 "best children per expanded node, 16 nodes verified)") from None
+            spec = cls(d, k, n)
+        for name, v, hi in (("depth", spec.depth, MAX_DEPTH), ("topk", spec.topk, MAX_TOPK),
+                            ("nodes", spec.nodes, MAX_NODES)):
+            if not 1 <= v <= hi:
+                raise ValueError(f"draft_tree {name}={v} must be in 1..{hi} (draft_tree='{spec}')")
+        if spec.nodes > spec.max_candidates:
+            raise ValueError(f"draft_tree nodes={spec.nodes} exceeds the {spec.max_candidates} nodes that depth "
+                             f"{spec.depth} with topk {spec.topk} creates (topk + (depth - 1) * topk^2); lower "
+                             "nodes or raise depth / topk")
+        return spec
+
+
+def check_tree_engine(spec: TreeSpec, overlap: bool, graphs: bool, prefill_graphs: bool, scheduler_steps: int,
+                      tp_size: int) -> None:
+    """Tree drafting runs on the plain path: no overlap, no CUDA graphs, one step per plan, one rank."""
+    bad = [name for name, on in (("overlap=True", overlap), ("CUDA graphs (enforce_eager=False / graph_shapes=True)",
+                                                             graphs),
+                                 ("prefill_graphs=True", prefill_graphs),
+                                 (f"num_scheduler_steps={scheduler_steps}", scheduler_steps != 1),
+                                 (f"tensor_parallel_size={tp_size}", tp_size != 1)) if on]
+    if bad:
+        raise ValueError(f"draft_tree='{spec}' runs on the plain eager path only; it cannot be combined with "
+                         f"{', '.join(bad)}: pass overlap=False, enforce_eager=True, graph_shapes=False, "
+                         "prefill_graphs=False, num_scheduler_steps=1, tensor_parallel_size=1 (or use the chain, "
+                         "num_draft_tokens=K)")
+
+
+# ------------------------------------------------------------------------------------------------
+# Construction
+# ------------------------------------------------------------------------------------------------
+
+
+def best(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of scores [..., M] along the last dim, ties to the lower index (a stable sort: topk's tie
+    order is unspecified and differs between devices) -> (values [..., k], indices [..., k])."""
+    vals, idx = scores.sort(dim=-1, descending=True, stable=True)
+    return vals[..., :k], idx[..., :k]
+
+
+def expand(parent_scores: torch.Tensor, logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each of F frontier nodes' k best children: parent_scores [B, F], logp [B, F, Vd] (the head's log-probs
+    after each node) -> (child draft ids [B, F * k], cumulative scores [B, F * k]); child f * k + c is
+    parent f's c-th best."""
+    lp, tok = best(logp, k)  # [B, F, k]
+    return tok.flatten(1), (parent_scores[..., None] + lp).flatten(1)
+
+
+def rerank(scores: torch.Tensor, parents: torch.Tensor, nodes: int,
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `nodes` best candidates, closed under ancestors, in creation (topological) order.
+
+    scores [B, M] cumulative log-probs, parents [B, M] candidate index of each candidate's parent (-1: the
+    root) -> (sel [B, N] candidate indices ascending, parent [B, N] storage index of each selected node's
+    parent: 0 for the root, i + 1 for sel[:, i])."""
+    b, m = scores.shape
+    _, top = best(scores, nodes)
+    sel = top.sort(dim=-1).values  # [B, N]
+    store = torch.zeros(b, m, dtype=torch.int64, device=scores.device)
+    store.scatter_(1, sel, torch.arange(1, nodes + 1, device=scores.device).expand(b, nodes))
+    par = parents.gather(1, sel)  # [B, N] candidate index, -1 = root
+    return sel, torch.where(par < 0, 0, store.gather(1, par.clamp(min=0)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Layout
+# ------------------------------------------------------------------------------------------------
+
+
+def full_tree(parents: torch.Tensor, depths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """parents, depths [B, N] of nodes 1..N -> the same with the root in column 0 ([B, N+1]; the root is its
+    own parent, depth 0)."""
+    zero = parents.new_zeros(parents.shape[0], 1)
+    return torch.cat([zero, parents], 1), torch.cat([zero, depths], 1)
+
+
+def ancestors(parents: torch.Tensor, depths: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """anc [B, N+1, D+1]: anc[b, i, d] = storage index of node i's ancestor at depth d (d <= depth(i); node i
+    itself at d = depth(i), the root 0 at d = 0), and i past its depth. parents / depths [B, N+1] (full_tree)."""
+    b, n1 = parents.shape
+    cur = torch.arange(n1, device=parents.device).expand(b, n1)
+    anc = cur[..., None].repeat(1, 1, max_depth + 1)
+    for _ in range(max_depth + 1):  # walk up: every node is at most max_depth steps below the root
+        anc.scatter_(2, depths.gather(1, cur)[..., None], cur[..., None])
+        cur = parents.gather(1, cur)
+    return anc
+
+
+def tree_mask(parents: torch.Tensor, depths: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[B, N+1, N+1] bool: node i may attend to node j (j is i or one of its ancestors)."""
+    anc = ancestors(parents, depths, max_depth)  # past a node's depth: the node itself
+    mask = torch.zeros(*parents.shape, parents.shape[1], dtype=torch.bool, device=parents.device)
+    return mask.scatter_(2, anc, True)
+
+
+def node_key_positions(p0: torch.Tensor, anc: torch.Tensor, length: int) -> torch.Tensor:
+    """Storage positions of each node's virtual keys: p0 [B] (root position), anc [B, N+1, D+1] ->
+    [B, N+1, length]: v for v <= p0, else p0 + anc[i, v - p0] (its ancestor at that depth; past its own
+    depth the node's own slot, which causality masks)."""
+    v = torch.arange(length, device=anc.device)  # [L]
+    rel = (v[None, :] - p0[:, None]).clamp(0, anc.shape[2] - 1)  # [B, L]
+    far = anc.gather(2, rel[:, None, :].expand(-1, anc.shape[1], -1))  # [B, N+1, L]
+    return torch.where(v[None, None, :] <= p0[:, None, None], v[None, None, :], p0[:, None, None] + far)

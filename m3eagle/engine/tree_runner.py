@@ -1,0 +1,246 @@
+"""TreeModelRunner.execute: the speculative step with a dynamic draft tree (draft_tree.py) in place of a chain.
+
+One step, for rows verifying a tree of N nodes (q_len N + 1: the last emitted token, the root, then the nodes
+in storage order) and for prompt rows alike:
+
+    1. target forward through the extend path; a tree row is split into N + 1 one-token rows whose keys
+       are the committed context plus the node's ancestors at their depth positions (`key_slots`), so each
+       node sees exactly what plain decoding of its path would; RoPE positions are depth-based
+    2. logits of every node; tree_verify walks the tree (greedy, or recursive rejection over siblings)
+    3. the accepted path's K/V (target layers, index-K) is copied into consecutive slots p0 + 1.. p0 + m:
+       rejected nodes' K/V stays past the row's new length, where nothing reads it
+    4. the head's step 0 over the compacted row (root, accepted path; inputs shifted by one, the bonus token
+       last), which writes the head's K/V of the committed positions, then D - 1 batched head calls that grow
+       the next tree (one per depth level, over the K frontier nodes); their K/V goes to per-row scratch
+       slots past the pool, read by deeper levels under the tree mask and never by anything else
+    5. the rerank to N nodes; tokens, parents and depths into the slot buffers the next step gathers from
+
+Plain path only: the step reads the rows' draft counts back to the host (one sync) to lay out the node rows,
+and nothing here is graph-shaped. Penalties, min_tokens and structured output are refused at admission
+(LLMEngine.add_request); the tree's attention runs on the reference backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from m3eagle.engine.draft_tree import TreeSpec, ancestors, best, expand, full_tree, node_key_positions, rerank
+from m3eagle.engine.input_builder import StepInput
+from m3eagle.engine.model_runner import ModelRunner, StepOutput, _fused, token_logprobs
+from m3eagle.kernels.attention.backend import ReferenceBackend
+from m3eagle.kernels.attention.metadata import AttnMetadata, slots_for_positions
+from m3eagle.kernels.ops import REFERENCE
+from m3eagle.sampling.tree_verify import greedy_walk, pad_columns, tree_verify
+
+
+class TreeModelRunner(ModelRunner):
+    """ModelRunner whose verify rows carry a draft tree (num_draft_tokens = the tree's node budget N)."""
+
+    def __init__(self, *args, tree: TreeSpec, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tree = tree
+        n, nodes = self.slot_tokens.shape[0], tree.nodes
+        self.slot_parents = torch.zeros(n, nodes, dtype=torch.int64, device=self.device)  # [S+1, N]
+        self.slot_depths = torch.ones(n, nodes, dtype=torch.int64, device=self.device)  # [S+1, N]
+        self.slot_draft_probs = None  # tree children are chosen, not drawn: verification needs no q
+        # Scratch slots of the head's frontier K/V, past the pool: (D - 1) * K per step row.
+        self.pool_slots = self.caches[0].k.shape[0]
+        self.scratch_per_row = (tree.depth - 1) * tree.topk
+        if self.draft is not None:
+            rows = self.row_ids.shape[0]
+            self.draft_cache = self.draft.new_cache(self.pool_slots + rows * self.scratch_per_row, self.dtype,
+                                                    self.device)
+
+    @torch.inference_mode()
+    def execute(self, inp: StepInput) -> StepOutput:
+        if inp.penalties is not None or inp.grammar is not None:
+            raise RuntimeError("draft_tree steps do not apply penalties, min_tokens or structured output "
+                               "(LLMEngine.add_request refuses such requests)")
+        k, tree = self.k, self.tree
+        ids, meta = self._apply_overlap_correction(inp)
+        # node rows' key lists (key_slots) are read by the reference attention alone
+        meta = replace(meta, ops=replace(meta.ops or REFERENCE, attention=ReferenceBackend()))
+        fused, book = _fused(meta), self._step_ops(meta)
+        b = inp.num_rows
+        nodes_of = self.row_ids[:b]
+        parents, depths = full_tree(self.slot_parents[inp.row_slot], self.slot_depths[inp.row_slot])  # [B, N+1]
+        anc = ancestors(parents, depths, tree.depth)  # [B, N+1, D+1]
+        p0 = meta.kv_lens - inp.row_qlen  # [B] position of each row's first token (a tree row's root)
+        tmeta, tpos = self._node_rows(inp, meta, depths, anc, p0)
+        aux = self.aux_buf[: inp.num_tokens]  # [T, 3H]
+        sample_idx, node_pos, drafts_in = book.sample_positions(
+            inp.row_first, inp.row_qlen, inp.row_num_drafts, tpos, ids, k)  # [B, N+1] x 2, [B, N]
+        every = inp.want_prompt_logprobs
+        hidden = self.target(ids, tpos, tmeta, self.caches, self.aux_ids, aux,
+                             rows=None if every else sample_idx.reshape(-1))
+        prompt_lps = self._prompt_logprobs(inp, ids, hidden) if every else None
+        sampled = hidden[sample_idx.reshape(-1)] if every else hidden  # [B * (N+1), H]
+        if not (inp.any_random or inp.want_logprobs):  # all greedy: the argmax in lm_head's launch, as the chain's
+            greedy = self.target.greedy_ids(sampled, fused).view(b, k + 1)  # [B, N+1]
+            path, num_new = greedy_walk(greedy, drafts_in, parents[:, 1:], inp.row_num_drafts, tree.depth)
+            new_tokens = pad_columns(greedy.gather(1, path), k + 1)
+        else:
+            logits = self.target.compute_logits(sampled, fused).view(b, k + 1, -1)  # [B, N+1, V] fp32
+            new_tokens, num_new, path = tree_verify(logits, drafts_in, parents[:, 1:], inp.row_num_drafts,
+                                                    tree.depth, inp.sampling, node_pos, inp.any_random, fused.argmax)
+        logprobs = None
+        if inp.want_logprobs:  # emitted token j was predicted by path node j
+            lp_rows = torch.cat([path, path[:, -1:].expand(b, max(k + 1 - path.shape[1], 0))], 1)[:, : k + 1]
+            logprobs = token_logprobs(logits.gather(1, lp_rows[..., None].expand(-1, -1, logits.shape[-1])),
+                                      new_tokens, self.n_top)
+        num_new_s = torch.where(inp.row_samples, num_new, 0)
+        self._compact(meta, p0, path, num_new_s)
+        # The row as if the path had been the verify row: ids / aux of node path[j] at column j.
+        perm = torch.arange(inp.num_tokens, device=ids.device)
+        cols = torch.arange(1, path.shape[1], device=ids.device)  # [D]
+        moved = (cols[None, :] < num_new_s[:, None]) & (inp.row_num_drafts[:, None] > 0)  # [B, D]
+        dump = torch.full_like(path[:, 1:], inp.num_tokens)
+        perm = torch.cat([perm, perm.new_zeros(1)])
+        perm.index_put_((torch.where(moved, inp.row_first[:, None] + cols, dump),),
+                        torch.where(moved, inp.row_first[:, None] + path[:, 1:], 0))
+        perm = perm[: inp.num_tokens]
+        ids_c = ids[perm]
+        num_new, s, last_idx, shifted, at, _ = book.commit_outputs(
+            new_tokens, num_new, inp.row_samples, inp.row_slot, self.dump_slot, inp.row_num_drafts, inp.row_first,
+            inp.row_qlen, inp.row_next_token, ids_c, meta.positions, self.slot_tokens, self.slot_num_new,
+            self.slot_dev, k, True, tok_row=meta.tok_row,
+            chain=(inp.row_chained, meta.kv_lens, inp.meta.kv_lens, inp.row_chained), pages=None)
+        tokens, t_parents, t_depths = self._grow_tree(inp, meta, aux[perm], last_idx, shifted, at, nodes_of)
+        self.slot_drafts.index_copy_(0, s, tokens)
+        self.slot_parents.index_copy_(0, s, t_parents)
+        self.slot_depths.index_copy_(0, s, t_depths)
+        return StepOutput(new_tokens, num_new, tokens, logprobs, prompt_lps)
+
+    # ---- the target's node rows --------------------------------------------------------------------
+    def _node_rows(self, inp: StepInput, meta: AttnMetadata, depths: torch.Tensor, anc: torch.Tensor,
+                   p0: torch.Tensor) -> tuple[AttnMetadata, torch.Tensor]:
+        """The step's metadata with every tree row split into N + 1 one-token rows (node i: position
+        p0 + depth(i), keys = node_key_positions), other rows as they are. -> (metadata, positions [T])."""
+        nd = inp.row_num_drafts.tolist()  # host layout of the node rows (the one sync of a tree step)
+        ql = inp.row_qlen.tolist()
+        n1, dev = self.k + 1, meta.kv_lens.device
+        src, col, q_lens = [], [], []  # per new row: its step row, its node (0 for a whole row), its length
+        for r, (d, q) in enumerate(zip(nd, ql)):
+            if d:
+                src += [r] * n1
+                col += list(range(n1))
+                q_lens += [1] * n1
+            else:
+                src.append(r)
+                col.append(0)
+                q_lens.append(q)
+        src_t = torch.tensor(src, device=dev)
+        col_t = torch.tensor(col, device=dev)
+        is_node = torch.tensor([nd[r] > 0 for r in src], device=dev)
+        t = inp.num_tokens
+        tok_is_node = inp.row_num_drafts[meta.tok_row] > 0  # [T]
+        tok_depth = depths[meta.tok_row, meta.tok_col.clamp(max=n1 - 1)]
+        tpos = torch.where(tok_is_node, p0[meta.tok_row] + tok_depth, meta.positions)  # [T]
+        node_depth = depths[src_t, col_t]
+        kv = torch.where(is_node, p0[src_t] + node_depth + 1, meta.kv_lens[src_t])
+        length = meta.max_kv
+        keys = node_key_positions(p0, anc, length)[src_t, col_t]  # [B', L]
+        plain = torch.arange(length, device=dev).expand(len(src), length)
+        keys = torch.where(is_node[:, None], keys, plain)
+        table = meta.page_table[src_t]
+        rows = torch.arange(len(src), device=dev)
+        key_slots = slots_for_positions(table, rows[:, None], keys, self.page_size)
+        max_q = max(q_lens)
+        first = torch.tensor([0] + q_lens[:-1], device=dev).cumsum(0)
+        j = torch.arange(max_q, device=dev)
+        q_valid = j[None, :] < torch.tensor(q_lens, device=dev)[:, None]
+        q_index = torch.where(q_valid, first[:, None] + j, 0)
+        tok_row = torch.repeat_interleave(rows, torch.tensor(q_lens, device=dev), output_size=t)
+        tmeta = replace(meta, num_rows=len(src), max_q=max_q, q_lens=torch.tensor(q_lens, device=dev), kv_lens=kv,
+                        page_table=table, tok_row=tok_row, tok_col=torch.arange(t, device=dev) - first[tok_row],
+                        q_index=q_index, q_valid=q_valid, positions=tpos, key_slots=key_slots)
+        return tmeta, tpos
+
+    def _compact(self, meta: AttnMetadata, p0: torch.Tensor, path: torch.Tensor, num_new: torch.Tensor) -> None:
+        """Accepted node path[j] (storage position p0 + path[j]) -> position p0 + j, j = 1..accepted, in every
+        target pool (K, V, index-K). Sources are read before any write; other entries copy a slot onto itself."""
+        b, d1 = path.shape
+        j = torch.arange(1, d1, device=path.device)  # [D]
+        ok = (j[None, :] < num_new[:, None]) & (path[:, 1:] > 0)  # [B, D]
+        rows = torch.arange(b, device=path.device)[:, None].expand(b, d1 - 1)
+        dst = slots_for_positions(meta.page_table, rows, p0[:, None] + j, self.page_size)
+        src = slots_for_positions(meta.page_table, rows, p0[:, None] + path[:, 1:], self.page_size)
+        dst, src = dst.reshape(-1), torch.where(ok, src, dst).reshape(-1)
+        for cache in self.caches:
+            for pool in (cache.k, cache.v, cache.idx_k):
+                if pool is not None:
+                    pool.index_copy_(0, dst, pool[src])
+
+    # ---- drafting ----------------------------------------------------------------------------------
+    def _grow_tree(self, inp: StepInput, meta: AttnMetadata, aux: torch.Tensor, last_idx: torch.Tensor,
+                   shifted: torch.Tensor, at: torch.Tensor, row_ids: torch.Tensor,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The head's step 0 over the compacted rows (aux [T, 3H] permuted like them), then the tree grown level
+        by level from each row's last accepted token (position at[0]). -> (tokens [B, N] target ids, parents
+        [B, N] storage index, depths [B, N])."""
+        tree, head, fused = self.tree, self.draft, _fused(meta)
+        kk, b = tree.topk, inp.num_rows
+        h_out, h_next = head(shifted, meta.positions, aux, meta, self.draft_cache, True, rows=last_idx)  # [B, H]
+        logp = torch.log_softmax(head.compute_logits(h_out, fused), -1)  # [B, Vd]
+        tok, score = expand(logp.new_zeros(b, 1), logp[:, None], kk)  # [B, K] each
+        cand_tok, cand_score = [tok], [score]
+        cand_parent = [torch.full_like(tok, -1)]
+        f_tok, f_score, f_cand = tok, score, torch.arange(kk, device=tok.device).expand(b, kk)
+        f_h = h_next[:, None].expand(b, kk, h_next.shape[-1])  # [B, K, H] the parents' h_next
+        f_anc = torch.arange(kk, device=tok.device).expand(b, kk)[..., None]  # [B, K, l] frontier index per level
+        base = at[0]  # [B]
+        length = inp.meta.max_kv + tree.depth
+        scratch = self.pool_slots + row_ids * self.scratch_per_row  # [B]
+        n_made = kk
+        for level in range(1, tree.depth):
+            lvl_slots = scratch[:, None, None] + torch.arange(level, device=tok.device)[None, None, :] * kk + f_anc
+            fmeta = self._frontier_meta(meta, base, level, lvl_slots, length)
+            pos = (base + level).repeat_interleave(kk)
+            h_out, h_next = head(head.draft_to_target(f_tok).reshape(-1), pos, f_h.reshape(b * kk, -1), fmeta,
+                                 self.draft_cache, False)  # [B*K, H]
+            logp = torch.log_softmax(head.compute_logits(h_out, fused), -1).view(b, kk, -1)  # [B, K, Vd]
+            c_tok, c_score = expand(f_score, logp, kk)  # [B, K*K]
+            cand_tok.append(c_tok)
+            cand_score.append(c_score)
+            cand_parent.append(f_cand.repeat_interleave(kk, 1))
+            if level + 1 < tree.depth:
+                f_score, idx = best(c_score, kk)  # [B, K] the next frontier
+                f_tok = c_tok.gather(1, idx)
+                f_cand = n_made + idx
+                par = idx // kk  # its parent's frontier index
+                f_h = h_next.view(b, kk, -1).gather(1, par[..., None].expand(-1, -1, h_next.shape[-1]))
+                f_anc = torch.cat([f_anc.gather(1, par[..., None].expand(-1, -1, level)),
+                                   torch.arange(kk, device=tok.device).expand(b, kk)[..., None]], -1)
+            n_made += kk * kk
+        scores = torch.cat(cand_score, 1)  # [B, M]
+        sel, parents = rerank(scores, torch.cat(cand_parent, 1), tree.nodes)
+        tokens = head.draft_to_target(torch.cat(cand_tok, 1).gather(1, sel))
+        depth_of = torch.cat([torch.ones(kk, dtype=torch.int64)] +
+                             [torch.full((kk * kk,), lv + 1, dtype=torch.int64) for lv in range(1, tree.depth)])
+        return tokens, parents, depth_of.to(sel.device)[sel]
+
+    def _frontier_meta(self, meta: AttnMetadata, base: torch.Tensor, level: int, lvl_slots: torch.Tensor,
+                       length: int) -> AttnMetadata:
+        """Metadata of one head call over the K frontier nodes of depth `level` of each row, one row each: position
+        base + level, K/V to its scratch slot, keys = the row's committed head K/V (positions 0..base) then its
+        ancestors' scratch slots. base [B]; lvl_slots [B, K, level] scratch slot of the node's ancestor at
+        depth 1..level (the node itself last)."""
+        b, kk, _ = lvl_slots.shape
+        dev = base.device
+        rows = torch.arange(b, device=dev).repeat_interleave(kk)  # [B*K]
+        v = torch.arange(length, device=dev)
+        rel = (v[None, :] - base[rows][:, None]).clamp(1, level) - 1  # [B*K, L] ancestor depth - 1
+        scratch = lvl_slots.reshape(b * kk, level).gather(1, rel)
+        paged = slots_for_positions(meta.page_table, rows[:, None], v[None, :].expand(b * kk, length), self.page_size)
+        key_slots = torch.where(v[None, :] <= base[rows][:, None], paged, scratch)
+        n = b * kk
+        ids = torch.arange(n, device=dev)
+        pos = base[rows] + level
+        return AttnMetadata(num_rows=n, max_q=1, max_kv=length, page_size=self.page_size,
+                            q_lens=torch.ones(n, dtype=torch.int64, device=dev), kv_lens=pos + 1,
+                            page_table=meta.page_table[rows], tok_row=ids, tok_col=torch.zeros_like(ids),
+                            q_index=ids[:, None], q_valid=torch.ones(n, 1, dtype=torch.bool, device=dev),
+                            positions=pos, slot_mapping=lvl_slots[..., -1].reshape(-1), ops=meta.ops,
+                            key_slots=key_slots)
