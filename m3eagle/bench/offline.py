@@ -135,7 +135,8 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
               max_prefill_graph_tokens=getattr(a, "max_prefill_graph_tokens", 512),
               num_scheduler_steps=getattr(a, "num_scheduler_steps", 1),
               quantization=getattr(a, "quantization", None),
-              enable_prefix_caching=getattr(a, "enable_prefix_caching", True))
+              enable_prefix_caching=getattr(a, "enable_prefix_caching", True),
+              deterministic=getattr(a, "deterministic", False))
     try:  # the measurements, then the workers stop (tensor parallel) whatever happened
         return _measure(a, llm, geo, dev, k, say, t0)
     finally:
@@ -211,7 +212,7 @@ def _measure(a: argparse.Namespace, llm, geo: geometries.Geometry, dev: torch.de
                      "max_prefill_graph_tokens": llm.engine.cfg.max_prefill_graph_tokens,
                      "num_scheduler_steps": llm.engine.cfg.num_scheduler_steps, "num_draft_tokens": k,
                      "enable_prefix_caching": llm.engine.cfg.enable_prefix_caching,
-                     "prompts": prompt_source, "seed": a.seed},
+                     "deterministic": llm.deterministic, "prompts": prompt_source, "seed": a.seed},
         "bandwidth": bw,
         "build_s": build_s,
         "results": rows,
@@ -659,7 +660,7 @@ def format_table(doc: dict[str, Any]) -> str:
         f"m3eagle bench: {g['description']}",
         f"  {head}",
         f"  {env['device_name']}{f' x {tp} (tensor parallel)' if tp > 1 else ''}, {env['dtype']}, "
-        f"{env['attention_backend']} attention, overlap "
+        f"{env['attention_backend']} attention{', deterministic' if env.get('deterministic') else ''}, overlap "
         f"{'on' if env['overlap'] else 'off'}"
         f"{f', {ms} steps per iteration' if (ms := s.get('num_scheduler_steps', 1)) > 1 else ''}"
         f"; copy bandwidth {bw['bytes_per_s'] / 1e12:.3f} TB/s "
@@ -723,6 +724,7 @@ def _env(llm, dev: torch.device) -> dict[str, Any]:
                         else f"cpu ({platform.processor() or platform.machine()})"),
         "m3eagle": __version__, "torch": torch.__version__, "python": platform.python_version(),
         "attention_backend": llm.engine.ops.attention.name, "moe_backend": llm.engine.ops.moe.name,
+        "fused_backend": llm.engine.ops.fused.name, "deterministic": llm.deterministic,
         "cuda_graphs": llm.engine.graphs.use_graphs, "overlap": llm.config.overlap,
         "tensor_parallel_size": llm.tp.size, "quantization": _weights_format(llm),
         "engine_config": asdict(llm.config),

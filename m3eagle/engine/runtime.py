@@ -96,7 +96,11 @@ class Runtime:
     tensor_parallel_size: N > 1 splits the target over N ranks (attention heads, MLPs, vocabulary; experts
     expert-parallel; the Eagle3 head replicated). This process is rank 0 and spawns N-1 workers, one per
     GPU (cuda:0..N-1), or joins a torchrun group when RANK / WORLD_SIZE are set (docs/design/parallel.md). Call
-    shutdown() to stop the workers (done at exit too)."""
+    shutdown() to stop the workers (done at exit too).
+    deterministic: every kernel computes each row in an order that does not depend on the batch, its chunking
+    or its verify count ('auto' backends become 'batch_invariant' on CUDA; docs/design/deterministic.md), so
+    greedy speculative output equals plain output and a request's output is the same alone or in any batch,
+    in bf16 on the GPU too. Not with MXFP8 weights."""
 
     def __init__(self, model: str | Path | M3Config | dict | None = None,
                  draft: str | Path | Eagle3Config | dict | None = None,
@@ -110,7 +114,7 @@ class Runtime:
                  max_prefill_graph_tokens: int = 512, num_scheduler_steps: int | str = 1,
                  quantization: str | None = None, enable_prefix_caching: bool = True,
                  tokenizer: str | Path | None = None, draft_tree: str | tuple | None = None,
-                 _worker: tuple[int, int, str] | None = None):
+                 deterministic: bool = False, _worker: tuple[int, int, str] | None = None):
         # What a spawned worker needs to build its rank of this same LLM (_worker: its rank, size, rendezvous).
         spawn_kwargs = {k: v for k, v in locals().items() if k not in ("self", "_worker")}
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -166,8 +170,14 @@ class Runtime:
         if tokenizer is not None and not (self.tokenizer_path / "tokenizer.json").is_file():
             raise ValueError(f"tokenizer={str(tokenizer)!r}: no tokenizer.json there; pass a directory holding one "
                              "(none: the model directory's own)")
+        if not isinstance(deterministic, bool):
+            raise ValueError(f"deterministic={deterministic!r} must be True or False")
+        if deterministic and quantization is not None:
+            raise ValueError(f"deterministic=True with quantization={quantization!r}: the batch-invariant kernels "
+                             "take bf16 / fp16 / fp32 weights, not MXFP8; drop one of the two")
+        self.deterministic = deterministic
         # This LLM's own fast paths (no module global): built before the weights so a bad name fails fast.
-        self.ops = make_ops(attention_backend, moe_backend, dev, fused_backend)
+        self.ops = make_ops(attention_backend, moe_backend, dev, fused_backend, deterministic)
         self._driver: launch.Driver | None = None
         self.tp: TPGroup = SINGLE
         if tensor_parallel_size != 1 or _worker is not None:

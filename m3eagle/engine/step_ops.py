@@ -110,8 +110,9 @@ class TritonStepOps:
 
 
 def create(name: str) -> StepOps:
-    """The bookkeeping implementation named like an engine's fused-ops backend ('triton' or 'reference')."""
-    if name == "triton":
+    """The bookkeeping implementation named like an engine's fused-ops backend ('triton' or 'reference';
+    'batch_invariant' takes the triton kernels: integer index arithmetic, the same bits for any batch)."""
+    if name in ("triton", "batch_invariant"):
         return TritonStepOps()
     if name == "reference":
         return ReferenceStepOps()

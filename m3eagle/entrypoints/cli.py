@@ -114,10 +114,14 @@ def _device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int_in(1), default=16, help="KV page size in tokens")
     p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                    help="overlap scheduler; auto: on for CUDA")
-    p.add_argument("--attention-backend", choices=["auto", "reference", "triton"], default="auto",
-                   help="auto: triton on CUDA, reference on CPU")
-    p.add_argument("--moe-backend", choices=["auto", "reference", "triton"], default="auto",
-                   help="routed experts; auto: triton (chosen experts only) on CUDA, the dense reference on CPU")
+    p.add_argument("--attention-backend", choices=["auto", "reference", "triton", "batch_invariant"], default="auto",
+                   help="auto: triton on CUDA (batch_invariant under --deterministic), reference on CPU")
+    p.add_argument("--moe-backend", choices=["auto", "reference", "triton", "batch_invariant"], default="auto",
+                   help="routed experts; auto: triton (chosen experts only) on CUDA (batch_invariant under "
+                        "--deterministic), the dense reference on CPU")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels: a request's output is the same alone or in any batch, chunking "
+                        "or speculation, in bf16 on the GPU too (slower steps; not with MXFP8 weights)")
     p.add_argument("--quantization", "-q", choices=["fp8"], default=None,
                    help="fp8: quantize a bf16 target to MXFP8 at load (W8A16 kernels); none: the checkpoint's own "
                         "weights (the MXFP8 release stays MXFP8)")
@@ -158,7 +162,7 @@ def _make_llm(a: argparse.Namespace, warmup: bool | None = None):
                prefill_graphs=a.prefill_graphs, max_prefill_graph_tokens=a.max_prefill_graph_tokens,
                num_scheduler_steps=a.num_scheduler_steps, tensor_parallel_size=a.tensor_parallel_size,
                quantization=a.quantization, enable_prefix_caching=a.enable_prefix_caching,
-               load_format=a.load_format, tokenizer=tokenizer, **extra)
+               load_format=a.load_format, tokenizer=tokenizer, deterministic=a.deterministic, **extra)
 
 
 def _model_of(a: argparse.Namespace) -> tuple[Any, Any, str | None]:

@@ -447,7 +447,7 @@ def test_argmax_writes_a_strided_out_and_scatters_into_slot_rows():
 
 
 def test_registry_and_make_ops():
-    assert registry.names() == ["reference", "triton"]
+    assert registry.names() == ["batch_invariant", "reference", "triton"]
     assert make_ops(device="cpu").fused.name == "reference"  # auto on CPU
     assert make_ops(device="cpu", fused="triton").fused.name == "triton"
     assert REFERENCE.fused.name == "reference"

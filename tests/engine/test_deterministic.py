@@ -1,0 +1,86 @@
+"""`LLM(deterministic=True)` on CPU (issue 44's properties at the engine level, tiny random geometry).
+
+Fast tests: the mode's plumbing (make_ops choices, the refusals) and, on the CPU's fp32 reference ops it
+selects there, greedy speculative (K = 1, 3) == greedy plain token for token, a request alone == inside a
+batch, across prompt chunk sizes. The `slow` test forces the batch-invariant Triton kernels under the
+interpreter (the GPU path's code) for the same properties on a smaller workload. The bf16 GPU property table
+is tests/engine/test_deterministic_gpu.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from m3eagle import LLM, SamplingParams
+from m3eagle.bench import geometries
+from tests.helpers.engine_utils import assert_clean
+
+BI = {"attention_backend": "batch_invariant", "moe_backend": "batch_invariant", "fused_backend": "batch_invariant"}
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """n prompts of 5..40 token ids of the tiny vocabulary (past the MSA top-k: block selection runs)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (int(torch.randint(5, 41, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def make(k: int, **kw) -> LLM:
+    t, h = geometries.tiny()
+    kw = {"deterministic": True, **kw}
+    return LLM(model=t, draft=h if k else None, num_draft_tokens=k, load_format="dummy", device="cpu", page_size=4,
+               max_model_len=128, **kw)
+
+
+def run(llm: LLM, ps: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    outs = [o.outputs[0].token_ids for o in llm.generate(ps, params)]
+    assert_clean(llm)
+    return outs
+
+
+def test_deterministic_flag_and_refusals():
+    llm = make(0)
+    assert llm.deterministic and llm.engine.ops.attention.name == "reference"  # CPU: the fp32 oracle
+    with pytest.raises(ValueError, match="attention_backend='triton'"):
+        make(0, attention_backend="triton")
+    with pytest.raises(ValueError, match="quantization='fp8'"):
+        make(0, quantization="fp8")
+    with pytest.raises(ValueError, match="deterministic="):
+        make(0, deterministic="yes")
+
+
+def test_greedy_spec_batch_and_chunk_invariant():
+    """Greedy K=1 / K=3 == K=0 on every request; each request alone == inside the batch; prompt chunks of
+    8 / 2048 tokens give the same tokens."""
+    ps = prompts(4)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    plain = run(make(0), ps, params)
+    assert run(make(0, max_num_tokens=8), ps, params) == plain
+    for k in (1, 3):
+        llm = make(k)
+        assert run(llm, ps, params) == plain, f"K={k}"
+        assert run(llm, ps[1:2], params) == plain[1:2], f"K={k} alone"
+
+
+def test_seeded_sampling_alone_equals_batch():
+    ps = prompts(3, seed=1)
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=8, seed=7, ignore_eos=True)
+    llm = make(0)
+    batch = run(llm, ps, params)
+    assert [run(llm, [p], params)[0] for p in ps] == batch
+
+
+@pytest.mark.slow
+def test_batch_invariant_kernels_engine_interpreted():
+    """The batch-invariant Triton kernels forced under the interpreter: greedy K=1 == K=0, alone == batch,
+    chunked == unchunked (minutes on 2 cores: the interpreter runs every launch of every layer)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 before triton is imported (run this module alone with it set)")
+    ps = prompts(2, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    plain = run(make(0, **BI), ps, params)
+    assert run(make(1, **BI), ps, params) == plain
+    assert run(make(0, max_num_tokens=8, **BI), ps[:1], params) == plain[:1]
