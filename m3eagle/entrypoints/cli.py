@@ -154,6 +154,8 @@ def _make_llm(a: argparse.Namespace, warmup: bool | None = None):
     extra = {k: getattr(a, k) for k in ("max_num_seqs", "num_pages", "gpu_memory_utilization")
              if getattr(a, k, None) is not None}
     model, draft, tokenizer = _model_of(a)
+    if getattr(a, "draft_tree", None) is not None:
+        extra["draft_tree"] = a.draft_tree
     return LLM(model=model, draft=draft, num_draft_tokens=a.num_draft_tokens, device=a.device,
                dtype=a.dtype, max_model_len=a.max_model_len, max_num_tokens=a.max_num_tokens,
                page_size=a.page_size, overlap=overlap, attention_backend=a.attention_backend,
@@ -192,6 +194,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    "is not given")
     p.add_argument("--num-draft-tokens", type=int_in(0, 8), default=None,
                    help="K drafts per step (0 disables speculation); none: 3 with a draft head")
+    p.add_argument("--draft-tree", default=None, metavar="D,K,N",
+                   help="draft a dynamic tree instead of the chain: depth D, the K best children per expanded node, "
+                        "N nodes verified per step (e.g. 3,4,16; plain eager path: --overlap off on CUDA with "
+                        "--enforce-eager)")
     p.add_argument("--max-model-len", type=int_in(1), default=None,
                    help="longest prompt + output; none: min(model limit, 2048)")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
