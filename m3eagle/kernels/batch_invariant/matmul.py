@@ -70,7 +70,7 @@ def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
 
 # The row count is not a specialisation key: a new M must not compile a new variant (and it must not change
 # the code a row runs: the launch shape above never reads it).
-@triton.jit(do_not_specialize=["M", "stride_xm", "stride_pm", "stride_ym"])
+@triton.jit(do_not_specialize=["M", "stride_xm", "stride_ps"])
 def _matmul_kernel(X, W, Y, M, N, K, steps_per_split,
                    stride_xm, stride_wn, stride_ym, stride_ps, stride_pm,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
@@ -110,7 +110,7 @@ def _matmul_kernel(X, W, Y, M, N, K, steps_per_split,
         tl.store(ptr, acc.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["numel"])
+@triton.jit(do_not_specialize=["numel", "stride_ps"])
 def _split_sum_kernel(P, Y, numel, stride_ps, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """y[i] = sum_s part[s, i], s = 0, 1, ... in order (fp32), rounded once to Y's dtype. P / Y contiguous."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
