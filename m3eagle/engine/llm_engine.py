@@ -107,6 +107,9 @@ class EngineConfig:
     # A draft tree (draft_tree.TreeSpec) instead of the chain: num_draft_tokens is then its node budget N
     # (each verify row carries N nodes); the plain eager path only (draft_tree.check_tree_engine).
     draft_tree: Any = None
+    # The deterministic mode (LLM(deterministic=True)): besides its batch-invariant kernels (the Ops), verification
+    # is coupled to decoding without drafts (sampling/verify.py), so a seed gives the same tokens with any drafts.
+    deterministic: bool = False
 
 
 # num_scheduler_steps="auto" (opt-in). A replayed decode step of a model whose weights are a few hundred MB
@@ -234,7 +237,7 @@ class LLMEngine(OutputProcessor):
         runner_cls, extra = (TreeModelRunner, {"tree": tree}) if tree is not None else (ModelRunner, {})
         self.runner = runner_cls(target, draft, k, num_pages, cfg.page_size, cfg.max_num_seqs, dtype, device,
                                  max_num_tokens=max_tokens, max_rows=max_rows,
-                                 host_sets=2 * cfg.num_scheduler_steps, **extra)
+                                 host_sets=2 * cfg.num_scheduler_steps, coupled=cfg.deterministic, **extra)
         self.buffers = StepBuffers(max_tokens, max_rows, self.table_width, device)
         graph_shapes = cfg.graph_shapes if cfg.graph_shapes is not None else device.type == "cuda"
         self.graphs = GraphRunner(self.runner, self.buffers, k, cfg.max_num_seqs, cfg.page_size, self.table_width,

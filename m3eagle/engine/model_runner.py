@@ -24,7 +24,7 @@ from m3eagle.kernels.ops import REFERENCE
 from m3eagle.models.minimax_m3 import LayerCache, MiniMaxM3
 from m3eagle.sampling.params import MAX_LOGPROBS
 from m3eagle.sampling.penalties import PenaltyState
-from m3eagle.sampling.sampler import SALT_DRAFT, SamplingTensors, probs_from_logits, sample_from_probs
+from m3eagle.sampling.sampler import SALT_DRAFT, SALT_SAMPLE, SamplingTensors, probs_from_logits, sample_from_probs
 from m3eagle.sampling.structured import apply_bitmask
 from m3eagle.sampling.verify import verify
 
@@ -99,8 +99,13 @@ def _fused(meta: AttnMetadata):
 class ModelRunner:
     def __init__(self, target: MiniMaxM3, draft, num_draft_tokens: int, num_pages: int, page_size: int,
                  max_num_seqs: int, dtype: torch.dtype, device: torch.device, max_num_tokens: int = 512,
-                 max_rows: int | None = None, host_sets: int = 2):
+                 max_rows: int | None = None, host_sets: int = 2, coupled: bool = False):
         self.target, self.draft = target, draft
+        # The deterministic mode's coupled verification (sampling/verify.py): each emitted token is the target's
+        # own draw at its position, and drafts are drawn with that draw's key, so sampled output does not depend
+        # on the drafts, the batch or recomputes.
+        self.coupled = coupled
+        self.draft_salt = SALT_SAMPLE if coupled else SALT_DRAFT
         self._book: dict[str, StepOps] = {}  # step bookkeeping ops by fused-backend name (_step_ops)
         self.k = num_draft_tokens if draft is not None else 0
         self.page_size, self.device, self.dtype = page_size, device, dtype
@@ -217,7 +222,7 @@ class ModelRunner:
             # those of the unmasked distribution, as vLLM's do.
             scored = apply_bitmask(logits, grammar.verify_mask) if grammar is not None else logits
             new_tokens, num_new = verify(scored, drafts_in, inp.row_num_drafts, inp.sampling, positions, q_probs,
-                                         inp.any_random, accept, fused.argmax)
+                                         inp.any_random, accept, fused.argmax, self.coupled)
         # Logprobs of the (penalised) target distribution, before temperature / top-k / top-p / min-p.
         logprobs = token_logprobs(logits, new_tokens, self.n_top) if inp.want_logprobs else None
 
@@ -310,7 +315,7 @@ class ModelRunner:
         if not any_random:
             return drafts[:, step].copy_(greedy), None
         q = probs_from_logits(masked, st)  # [B, V]
-        drawn = sample_from_probs(q, st.seed, pos, SALT_DRAFT)
+        drawn = sample_from_probs(q, st.seed, pos, self.draft_salt)
         return drafts[:, step].copy_(torch.where(st.greedy, greedy, drawn)), q
 
     def _draft_sample(self, logits: torch.Tensor, st: SamplingTensors, pos: torch.Tensor, fused: Any,
@@ -321,6 +326,6 @@ class ModelRunner:
         the end). An all-greedy step takes `Eagle3Head.greedy_ids` instead."""
         greedy = fused.argmax(logits, self.draft.d2t)
         q = self.draft.draft_probs_to_target(probs_from_logits(logits, st))  # [B, V]
-        drawn = sample_from_probs(q, st.seed, pos, SALT_DRAFT)
+        drawn = sample_from_probs(q, st.seed, pos, self.draft_salt)
         return drafts[:, step].copy_(torch.where(st.greedy, greedy, drawn)), q
 

@@ -175,6 +175,9 @@ class Runtime:
         if deterministic and quantization is not None:
             raise ValueError(f"deterministic=True with quantization={quantization!r}: the batch-invariant kernels "
                              "take bf16 / fp16 / fp32 weights, not MXFP8; drop one of the two")
+        if deterministic and draft_tree is not None:
+            raise ValueError(f"deterministic=True with draft_tree={draft_tree!r}: tree verification is not coupled "
+                             "to decoding without drafts yet; use the chain (num_draft_tokens) or drop one of the two")
         self.deterministic = deterministic
         # This LLM's own fast paths (no module global): built before the weights so a bad name fails fast.
         self.ops = make_ops(attention_backend, moe_backend, dev, fused_backend, deterministic)
@@ -283,7 +286,8 @@ class Runtime:
                                    gpu_memory_utilization=gpu_memory_utilization, prefill_graphs=prefill_graphs,
                                    max_prefill_graph_tokens=max_prefill_graph_tokens,
                                    num_scheduler_steps=num_scheduler_steps,
-                                   enable_prefix_caching=self.enable_prefix_caching, draft_tree=draft_tree)
+                                   enable_prefix_caching=self.enable_prefix_caching, draft_tree=draft_tree,
+                                   deterministic=self.deterministic)
         self.engine = LLMEngine(self.target, self.draft, self.tokenizer, self.config, self.dtype, dev, self.ops,
                                 tp=tp, driver=self._driver)
 

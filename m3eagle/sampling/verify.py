@@ -10,6 +10,11 @@ Sampled: (Leviathan et al. / Chen et al.) for j = 0..k-1 with target p_j and dra
     first rejection at j: emit a sample of norm(max(0, p_j - q_j)) and stop
     all accepted:        emit a bonus sample of p_k
   Each emitted token is distributed exactly as the target's (processed) distribution.
+Coupled (the deterministic mode): every scored position j draws the target's own sample x_j -- the draw that
+  decoding without drafts makes there, keyed on (seed, position) -- and d_{j+1} is accepted iff it equals x_j.
+  The emitted tokens are x_0..x_a: token for token what decoding without speculation samples, whatever the
+  drafts (their number, their values), the batch or a recompute after preemption. The drafts are drawn with
+  the same key (inverse CDF of q against x's uniform), so a draft close to the target matches often.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ def greedy_accept(greedy_tok: torch.Tensor, drafts: torch.Tensor, num_drafts: to
 def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, st: SamplingTensors,
            positions: torch.Tensor, draft_probs: torch.Tensor | None, any_random: bool = True,
            accept: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-           argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+           argmax: Callable[[torch.Tensor], torch.Tensor] | None = None, coupled: bool = False,
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, K+1, V] fp32, drafts [B, K] (target ids), num_drafts [B] (0..K), positions [B, K+1]
     (position of the query that predicts each token), draft_probs [B, K, V] (the distributions the drafts
@@ -42,7 +47,8 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
     vLLM's convention: accept with probability p(d), resample from p without d), any_random: some row has
     temperature > 0 (host flag; False takes the all-greedy fast path), accept: that path's acceptance count
     (greedy_accept, or the engine's step op), argmax: [N, V] -> [N] (torch.argmax's; the
-    engine's fused op) -> (new_tokens [B, K+1], num_new [B]). On the all-greedy path only the argmax reads
+    engine's fused op), coupled: the coupled acceptance above (draft_probs unused) -> (new_tokens [B, K+1],
+    num_new [B]). On the all-greedy path only the argmax reads
     the logits, so they may be in any float dtype there.
     new_tokens[b, :num_new[b]] are the emitted tokens."""
     b, kp1, v = logits.shape
@@ -55,6 +61,11 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
 
     rep = st.repeat(kp1)
     p = probs_from_logits(logits.reshape(b * kp1, v), rep).view(b, kp1, v)
+    if coupled:
+        x = sample_from_probs(p.view(b * kp1, v), rep.seed, positions.reshape(-1), SALT_SAMPLE).view(b, kp1)
+        x = torch.where(st.greedy[:, None], greedy_tok, x)  # [B, K+1]
+        match = (drafts == x[:, :k]) & in_row
+        return x, match.long().cumprod(-1).sum(-1) + 1
     q = draft_probs
     if q is None:  # deterministic drafts: q = one-hot(d)
         q = p.new_zeros(b, k, v).scatter_(-1, drafts[..., None], 1.0)

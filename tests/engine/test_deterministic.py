@@ -84,3 +84,47 @@ def test_batch_invariant_kernels_engine_interpreted():
     plain = run(make(0, **BI), ps, params)
     assert run(make(1, **BI), ps, params) == plain
     assert run(make(0, max_num_tokens=8, **BI), ps[:1], params) == plain[:1]
+
+
+def seeded(i: int) -> SamplingParams:
+    return SamplingParams(temperature=1.0, top_p=0.95, max_tokens=12, seed=11 + i, ignore_eos=True)
+
+
+def test_seeded_speculation_equals_seeded_plain_with_coupled_verification():
+    """The coupled verification: with drafts (K = 1, 3), a seeded request emits the very tokens decoding without
+    drafts samples, alone, in a batch and under a preemption forced every 3rd plan (its recompute samples the
+    prompt's last position as a plain step does). The head is random, so most drafts are rejected: the emitted
+    token at a rejection is the target's own draw, not a residual sample."""
+    from tests.helpers.engine_utils import Counters
+
+    ps = prompts(4, seed=3)
+    sps = [seeded(i) for i in range(len(ps))]
+    # decoding without drafts and without the mode (plain sampling), the reference the coupled draws must equal
+    plain = [o.outputs[0].token_ids for o in make(0, deterministic=False).generate(ps, sps)]
+    assert [o.outputs[0].token_ids for o in make(0).generate(ps, sps)] == plain
+    for k in (1, 3):
+        llm = make(k)
+        outs = llm.generate(ps, sps)
+        assert [o.outputs[0].token_ids for o in outs] == plain, f"K={k}"
+        assert sum(o.metrics.num_drafted for o in outs) > sum(o.metrics.num_accepted for o in outs)  # rejections
+        assert [o.outputs[0].token_ids for o in llm.generate(ps[2:3], sps[2:3])] == plain[2:3], f"K={k} alone"
+        c = Counters(llm, force_every=3)
+        assert [o.outputs[0].token_ids for o in llm.generate(ps, sps)] == plain, f"K={k} preempted"
+        assert c.preempted > 0
+        assert_clean(llm)
+
+
+def test_without_the_mode_seeded_speculation_draws_other_tokens():
+    """The control that keeps the test above meaningful: the default (residual) rejection sampling is exact in
+    distribution, but its tokens differ from decoding without drafts on these seeds."""
+    ps = prompts(4, seed=3)
+    sps = [seeded(i) for i in range(len(ps))]
+    plain = [o.outputs[0].token_ids for o in make(0, deterministic=False).generate(ps, sps)]
+    spec = [o.outputs[0].token_ids for o in make(3, deterministic=False).generate(ps, sps)]
+    assert spec != plain
+
+
+def test_deterministic_refuses_a_draft_tree():
+    t, h = geometries.tiny()
+    with pytest.raises(ValueError, match="draft_tree"):
+        LLM(model=t, draft=h, draft_tree="2,2,4", load_format="dummy", device="cpu", deterministic=True)
