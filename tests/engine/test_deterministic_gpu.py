@@ -95,10 +95,15 @@ def properties(eng: Engines, ps: list[list[int]], extra: list[list[int]], ks=(1,
     llm = eng(3, overlap=True)
     Counters(llm, force_every=3)
     assert not diff(tokens(llm, ps, params), base), "forced preemption"
-    for k in (0, 3):  # seeded sampling: alone == in the batch
+    seeded_plain = None
+    for k in (0, 3):  # seeded sampling: alone == in the batch == without drafts (coupled verification)
         llm = eng(k)
         batch = tokens(llm, ps, SEEDED)
+        seeded_plain = batch if seeded_plain is None else seeded_plain
+        assert not diff(batch, seeded_plain), f"seeded K={k} != seeded K=0"
         assert [tokens(llm, [p], SEEDED)[0] for p in probe] == batch[: len(probe)], f"seeded K={k}"
+    Counters(llm, force_every=3)
+    assert not diff(tokens(llm, ps, SEEDED), seeded_plain), "seeded K=3, forced preemption"
 
 
 def test_properties_logic_on_cpu():
