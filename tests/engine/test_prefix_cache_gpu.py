@@ -3,9 +3,9 @@ device tool with `python -m pytest -q -m gpu tests/engine/test_prefix_cache_gpu.
 
 A hit must be invisible: the request that finds its prefix cached computes only its suffix, over cached KV that
 an earlier request wrote. Without the batch-invariant mode, bf16 results depend on a step's shapes, so the
-comparison pins them: every request runs alone, and the cache-off engine prefills in chunks of exactly the
-prefix's length, so it computes the prefix as one chunk (as the request that filled the cache did) and the
-suffix as the next one (as the hit does). Then tokens, and the speculative acceptance, are identical; the steady
+comparison pins them: every request runs alone, and both engines prefill in chunks of exactly the hit's length
+(240 tokens), so the cache-off engine computes the shared pages as one chunk (as the request that filled the
+cache did) and the rest as the next one (as the hit does). Then tokens, and the speculative acceptance, are identical; the steady
 state after a hit makes no host sync (torch.cuda.set_sync_debug_mode("error") through engine.sync_debug).
 """
 
@@ -23,7 +23,10 @@ from tests.helpers.engine_utils import assert_clean
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-PREFIX = 256  # tokens: a whole number of 16-token pages
+PREFIX = 256  # shared tokens: 16 pages of 16
+# A page's key includes the token after it (the head's KV at its last position reads that token), so the shared
+# prefix's last page, followed by each prompt's own token, is not found: a hit covers 15 pages.
+HIT = PREFIX - 16
 
 
 def _prompts(llm: LLM) -> list[list[int]]:
@@ -36,7 +39,7 @@ def _prompts(llm: LLM) -> list[list[int]]:
 
 def _make(k: int, overlap: bool, caching: bool) -> LLM:
     return LLM(device="cuda", num_draft_tokens=k, overlap=overlap, enable_prefix_caching=caching,
-               max_num_tokens=PREFIX, max_model_len=1024, max_num_seqs=8)
+               max_num_tokens=HIT, max_model_len=1024, max_num_seqs=8)
 
 
 def _one_by_one(llm: LLM, prompts: list[list[int]], sp: SamplingParams) -> tuple[list[list[int]], list[int]]:
@@ -58,7 +61,7 @@ def test_hits_equal_the_cache_off_engine_with_graphs(k, overlap, sampled):
     want, _ = _one_by_one(off, prompts, sp)
     on = _make(k, overlap, True)
     got, cached = _one_by_one(on, prompts, sp)
-    assert cached[0] == 0 and all(c == PREFIX for c in cached[1:]), cached  # every later request hits
+    assert cached[0] == 0 and all(c == HIT for c in cached[1:]), cached  # every later request hits
     assert got == want
     assert on.engine.graphs.num_replays > 0
     assert_clean(on)
@@ -75,7 +78,7 @@ def test_acceptance_after_a_hit_equals_the_cache_off_engine():
         llm.generate([prompts[0]], sp, use_tqdm=False)
         llm.reset_stats()
         outs = [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts[1:]]
-        assert all(o.num_cached_tokens == (PREFIX if caching else 0) for o in outs)
+        assert all(o.num_cached_tokens == (HIT if caching else 0) for o in outs)
         m = [(o.metrics.num_drafted, o.metrics.num_accepted, list(o.metrics.accepted_per_position)) for o in outs]
         runs.append(([o.outputs[0].token_ids for o in outs], m))
     assert runs[0] == runs[1]
@@ -91,7 +94,7 @@ def test_steady_state_after_a_hit_makes_no_host_sync():
     reqs = [eng.add_request(p, sp) for p in prompts[1:]]
     for _ in range(4):  # prompts (the hits' suffixes) done, this mode's graphs captured
         eng.step()
-    assert all(r.num_cached_tokens == PREFIX for r in reqs)
+    assert all(r.num_cached_tokens == HIT for r in reqs)
     replays = eng.graphs.num_replays
     eng.sync_debug = True
     for _ in range(10):
