@@ -95,27 +95,6 @@ def test_matmul_rows_invariant(dtype, n, k):
     assert err <= (1e-5 if dtype == torch.float32 else 1e-2), err
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matmul_split_sum_in_the_last_program_equals_the_second_launch(dtype, monkeypatch):
-    """With tile counters, each tile's last split sums the partials in split order: the same bits as the
-    separate split-sum launch, for every row count, and the counters are left zero (graph replays reuse them)."""
-    g = gen(5)
-    w = torch.randn(40, 512, generator=g).to(dtype)
-    cfg = replace(matmul.matmul_config(40, 512, dtype), splits=4)
-    counters = torch.zeros(64, dtype=torch.int32)
-    second = matmul._split_sum_kernel
-    for m in (1, 3, 64):
-        x = torch.randn(m, 512, generator=g).to(dtype)
-        two = matmul.linear(x, w, config=cfg)
-        monkeypatch.setattr(matmul, "_split_sum_kernel", None)  # the fused path must not launch it
-        one = matmul.linear(x, w, config=cfg, counters=counters)
-        monkeypatch.setattr(matmul, "_split_sum_kernel", second)
-        assert torch.equal(one, two), m
-        assert not counters.any()
-    # too few counters for the grid: the second launch, same bits
-    assert torch.equal(matmul.linear(x, w, config=cfg, counters=torch.zeros(1, dtype=torch.int32)), two)
-
-
 def test_matmul_mutation_fails():
     """A K split chosen from the row count (as split-K GEMMs do) breaks the invariance test above."""
     g = gen(2)

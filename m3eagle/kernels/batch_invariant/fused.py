@@ -32,8 +32,7 @@ class BatchInvariantFused(TritonFused):
     def linear(self, x, w):
         if isinstance(w, MxWeight):
             refuse_mxfp8("a projection")
-        # the GEMV's split-K counters (this engine's, stream-ordered, left zero): the K split's sum in the GEMM
-        return matmul.linear(x, w, counters=self._gemv_counters.get(x.device))
+        return matmul.linear(x, w)
 
     def _gemv_takes(self, x, w) -> bool:
         return False  # linear_silu_mul / linear_swiglu_oai / linear_argmax: linear, then the row-local op

@@ -7,12 +7,7 @@ function of one row's work, never of M -- fixes BLOCK_M / BLOCK_N / BLOCK_K, the
 
     x [M, K] ──_matmul_kernel──► part [S, M, N] fp32   grid (cdiv(M, BM) * cdiv(N, BN), S): split s sums
                                                         its K range in BLOCK_K steps, in order
-    part ──► y [M, N]                                   the S partials summed in split order (S > 1 only):
-                                                        by each tile's last program to finish (a counter
-                                                        per tile), or `_split_sum_kernel` without counters
-
-Both reductions start from split 0's partial and add splits 1..S-1 in order, so they give the same bits; the
-fused one saves a launch per projection (a decode step has ~60).
+    part ──_split_sum_kernel──► y [M, N]                the S partials summed in split order (S > 1 only)
 
 Each output element is then the same chain of MMAs on the same operands at every M, its row's position in
 the M tile included (an MMA's element is a function of its own row and column). The split count is fixed per
@@ -77,12 +72,11 @@ def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
 # the code a row runs: the launch shape above never reads it).
 @triton.jit(do_not_specialize=["M", "stride_xm", "stride_ps"])
 def _matmul_kernel(X, W, Y, M, N, K, steps_per_split,
-                   stride_xm, stride_wn, stride_ym, stride_ps, stride_pm, OUT, CNT,
+                   stride_xm, stride_wn, stride_ym, stride_ps, stride_pm,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                   FUSED_SUM: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
+                   DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
     """Grid (cdiv(M, BM) * cdiv(N, BN), splits). x [M, K] and w [N, K] with unit K stride. Unsplit: y [M, N]
-    in Y's dtype; split: fp32 partials at Y + s * stride_ps, and with FUSED_SUM each tile's last program (by
-    CNT[tile], int32, zero between launches and left zero) writes OUT [M, N] (row stride stride_ym)."""
+    in Y's dtype; split: fp32 partials at Y + s * stride_ps."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -109,18 +103,8 @@ def _matmul_kernel(X, W, Y, M, N, K, steps_per_split,
             acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
-        rel = offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]  # [BM, BN] within one split's partial
-        tl.store(Y + split.to(tl.int64) * stride_ps + rel, acc, mask=mask)
-        if FUSED_SUM:
-            tl.debug_barrier()  # every thread's partial store is issued before the release below
-            done = tl.atomic_add(CNT + pid, 1, sem="acq_rel", scope="gpu")
-            if done == tl.num_programs(1) - 1:  # the tile's last split: sum all of them in split order
-                total = tl.load(Y + rel, mask=mask, other=0.0, cache_modifier=".cg")
-                for s in range(1, tl.num_programs(1)):
-                    total += tl.load(Y + s * stride_ps + rel, mask=mask, other=0.0, cache_modifier=".cg")
-                out = OUT + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-                tl.store(out, total.to(OUT.dtype.element_ty), mask=mask)
-                tl.store(CNT + pid, 0)  # zero again for the next launch / graph replay
+        ptr = Y + split.to(tl.int64) * stride_ps + offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
+        tl.store(ptr, acc, mask=mask)
     else:
         ptr = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
         tl.store(ptr, acc.to(Y.dtype.element_ty), mask=mask)
@@ -149,12 +133,9 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.shape[1] == w.shape[1])
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, config: MatmulConfig | None = None,
-           counters: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, config: MatmulConfig | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype, each row's bits independent of M and of the other rows.
-    `config` exists for tests (a mutated, M-dependent choice); the engine always takes `matmul_config`.
-    counters: int32 [>= tiles], zero (left zero), on x's device: a split GEMM then sums its partials in its
-    last programs instead of a second launch (same bits); None, or too few, takes the second launch."""
+    `config` exists for tests (a mutated, M-dependent choice); the engine always takes `matmul_config`."""
     if not supports(x, w):
         raise ValueError(f"batch-invariant linear needs 2-D x / w of one float dtype with equal K, got "
                          f"x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
@@ -172,15 +153,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: MatmulConfig | None = None,
     splits = -(-steps // per_split)  # no empty split
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)
-    fused = splits > 1 and counters is not None and counters.numel() >= grid[0]
     _matmul_kernel[grid](
         x, w, part, m, n, k, per_split, x.stride(0), w.stride(0), y.stride(0),
-        part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0, y,
-        counters if fused else y,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=splits > 1, FUSED_SUM=fused,
+        part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=splits > 1,
         DOT_PREC=_dot_precision(x.dtype), UPCAST_DOT=interpreting() and x.dtype != torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(x))
-    if splits > 1 and not fused:
+    if splits > 1:
         block = 1024
         _split_sum_kernel[(triton.cdiv(m * n, block),)](part, y, m * n, part.stride(0), SPLITS=splits, BLOCK=block,
                                                        num_warps=4, **pdl.args(x))
