@@ -1,11 +1,11 @@
 """Prefix caching on the GPU with CUDA graphs and overlap (bf16, the embedded pair). GPU only: run through the
 device tool with `python -m pytest -q -m gpu tests/engine/test_prefix_cache_gpu.py`.
 
-A hit must be invisible: the request that finds its prefix cached computes only its suffix, over cached KV that
-an earlier request wrote. Without the batch-invariant mode, bf16 results depend on a step's shapes, so the
-comparison pins them: every request runs alone, and both engines prefill in chunks of exactly the hit's length
-(240 tokens), so the cache-off engine computes the shared pages as one chunk (as the request that filled the
-cache did) and the rest as the next one (as the hit does). Then tokens, and the speculative acceptance, are identical; the steady
+A hit must be invisible: the request that finds its prefix cached computes only its suffix, over cached KV that an
+earlier request wrote. Without the batch-invariant mode, bf16 results depend on a step's shapes, so the comparison
+pins them: every request runs alone, and both engines prefill in chunks of exactly the hit's length (240 tokens),
+so the cache-off engine computes the shared pages as one chunk (as the request that filled the cache did) and the
+rest as the next one (as the hit does). Then tokens, and the speculative acceptance, are identical; the steady
 state after a hit makes no host sync (torch.cuda.set_sync_debug_mode("error") through engine.sync_debug).
 """
 
