@@ -24,14 +24,7 @@ from m3eagle.kernels.ops import REFERENCE
 from m3eagle.models.minimax_m3 import LayerCache, MiniMaxM3
 from m3eagle.sampling.params import MAX_LOGPROBS
 from m3eagle.sampling.penalties import PenaltyState
-from m3eagle.sampling.sampler import (
-    SALT_DRAFT,
-    SALT_SAMPLE,
-    SamplingTensors,
-    gumbel_argmax,
-    probs_from_logits,
-    sample_from_probs,
-)
+from m3eagle.sampling.sampler import SALT_DRAFT, SALT_SAMPLE, SamplingTensors, probs_from_logits, sample_from_probs
 from m3eagle.sampling.structured import apply_bitmask
 from m3eagle.sampling.verify import verify
 
@@ -112,6 +105,7 @@ class ModelRunner:
         # own draw at its position, and drafts are drawn with that draw's key, so sampled output does not depend
         # on the drafts, the batch or recomputes.
         self.coupled = coupled
+        self.draft_salt = SALT_SAMPLE if coupled else SALT_DRAFT
         self._book: dict[str, StepOps] = {}  # step bookkeeping ops by fused-backend name (_step_ops)
         self.k = num_draft_tokens if draft is not None else 0
         self.page_size, self.device, self.dtype = page_size, device, dtype
@@ -321,15 +315,8 @@ class ModelRunner:
         if not any_random:
             return drafts[:, step].copy_(greedy), None
         q = probs_from_logits(masked, st)  # [B, V]
-        drawn = self._draw(q, st.seed, pos)
+        drawn = sample_from_probs(q, st.seed, pos, self.draft_salt)
         return drafts[:, step].copy_(torch.where(st.greedy, greedy, drawn)), q
-
-    def _draw(self, q: torch.Tensor, seed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """A sampled draft from q [B, V]: coupled, with the target's own Gumbel noise at that position (the same
-        key as its draw there); else an inverse-CDF draw of the drafts' own salt."""
-        if self.coupled:
-            return gumbel_argmax(q, seed, pos, SALT_SAMPLE)
-        return sample_from_probs(q, seed, pos, SALT_DRAFT)
 
     def _draft_sample(self, logits: torch.Tensor, st: SamplingTensors, pos: torch.Tensor, fused: Any,
                       drafts: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -339,6 +326,6 @@ class ModelRunner:
         the end). An all-greedy step takes `Eagle3Head.greedy_ids` instead."""
         greedy = fused.argmax(logits, self.draft.d2t)
         q = self.draft.draft_probs_to_target(probs_from_logits(logits, st))  # [B, V]
-        drawn = self._draw(q, st.seed, pos)
+        drawn = sample_from_probs(q, st.seed, pos, self.draft_salt)
         return drafts[:, step].copy_(torch.where(st.greedy, greedy, drawn)), q
 

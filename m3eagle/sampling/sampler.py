@@ -67,23 +67,6 @@ def uniform64(seed: torch.Tensor, position: torch.Tensor, salt: int) -> torch.Te
     return (n.to(torch.float64) + 0.5) / float(1 << 52)
 
 
-def gumbel_argmax(probs: torch.Tensor, seed: torch.Tensor, position: torch.Tensor, salt: int) -> torch.Tensor:
-    """One draw per row of probs [N, V] (any non-negative scale) by the Gumbel-max trick -> [N] token ids: the
-    argmax of log p(v) + g(v), with g(v) a standard Gumbel from a 52-bit uniform keyed on (seed, position, salt,
-    token id). Exact like `sample_from_probs`, but its noise is per token: two distributions over the same ids
-    drawn with the same key give the same token whenever their perturbed maxima agree, which couples a draft
-    to the target far more often than a shared inverse-CDF uniform (whose intervals drift apart along the
-    vocabulary). A token of probability 0 is never drawn. Memory: [N, V] fp64 for the scores."""
-    v = probs.shape[-1]
-    tok = torch.arange(v, device=probs.device, dtype=torch.int64)
-    key = _hash(seed, position, salt)[:, None]  # [N, 1]
-    hi = _mix(key ^ _mix(tok * 0x85EBCA6B + 0x1B873593)[None, :]) >> 6  # [N, V] 26 bits
-    lo = _mix(key ^ _mix(tok * 0xCC9E2D51 + 0x3C6EF372)[None, :] ^ 0x5BD1E995) >> 6  # 26 bits
-    u = (((hi << 26) | lo).to(torch.float64) + 0.5) / float(1 << 52)  # strictly inside (0, 1)
-    score = probs.double().log() - torch.log(-torch.log(u))  # log 0 = -inf: never the argmax
-    return score.argmax(-1)
-
-
 def probs_from_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """Apply temperature, min-p, top-k and top-p -> probabilities [N, V] fp32. Greedy rows get temperature 1
     (their probabilities are only used for logprobs-free bookkeeping; greedy picks the argmax).

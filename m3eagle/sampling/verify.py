@@ -10,11 +10,11 @@ Sampled: (Leviathan et al. / Chen et al.) for j = 0..k-1 with target p_j and dra
     first rejection at j: emit a sample of norm(max(0, p_j - q_j)) and stop
     all accepted:        emit a bonus sample of p_k
   Each emitted token is distributed exactly as the target's (processed) distribution.
-Coupled (the deterministic mode): every scored position j draws the target's own sample x_j by the Gumbel-max
-  trick with noise keyed on (seed, position, token) -- the draw the mode's decoding without drafts makes there
-  -- and d_{j+1} is accepted iff it equals x_j. The emitted tokens are x_0..x_a: token for token what decoding
-  without speculation samples, whatever the drafts (their number, their values), the batch or a recompute
-  after preemption. The drafts are drawn with the same noise, so a draft close to the target matches often.
+Coupled (the deterministic mode): every scored position j draws the target's own sample x_j -- the draw that
+  decoding without drafts makes there, keyed on (seed, position) -- and d_{j+1} is accepted iff it equals x_j.
+  The emitted tokens are x_0..x_a: token for token what decoding without speculation samples, whatever the
+  drafts (their number, their values), the batch or a recompute after preemption. The drafts are drawn with
+  the same key (inverse CDF of q against x's uniform), so a draft close to the target matches often.
 """
 
 from __future__ import annotations
@@ -23,15 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from m3eagle.sampling.sampler import (
-    SALT_ACCEPT,
-    SALT_SAMPLE,
-    SamplingTensors,
-    gumbel_argmax,
-    probs_from_logits,
-    sample_from_probs,
-    uniform,
-)
+from m3eagle.sampling.sampler import SALT_ACCEPT, SALT_SAMPLE, SamplingTensors, probs_from_logits, sample_from_probs, uniform
 
 
 def greedy_accept(greedy_tok: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
@@ -70,7 +62,7 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
     rep = st.repeat(kp1)
     p = probs_from_logits(logits.reshape(b * kp1, v), rep).view(b, kp1, v)
     if coupled:
-        x = gumbel_argmax(p.view(b * kp1, v), rep.seed, positions.reshape(-1), SALT_SAMPLE).view(b, kp1)
+        x = sample_from_probs(p.view(b * kp1, v), rep.seed, positions.reshape(-1), SALT_SAMPLE).view(b, kp1)
         x = torch.where(st.greedy[:, None], greedy_tok, x)  # [B, K+1]
         match = (drafts == x[:, :k]) & in_row
         return x, match.long().cumprod(-1).sum(-1) + 1
