@@ -316,3 +316,31 @@ def test_penalties_refused_per_request(embedded):
     for sp in (SamplingParams(presence_penalty=0.5), SamplingParams(min_tokens=3, max_tokens=8)):
         with pytest.raises(Exception, match="draft_tree"):
             tree.generate([[5, 6, 7]], sp)
+
+
+def test_forced_preemption_mid_tree_keeps_greedy_output_and_pages():
+    """A preemption forced every 3rd plan under tree drafting (requests recompute from their accepted tokens,
+    their tree slots rebuilt from a prompt step): still the plain greedy tokens, preemptions really happened,
+    and no page leaks."""
+    from tests.helpers.engine_utils import Counters, assert_clean
+
+    t, h = tiny()
+    kw = dict(device="cpu", load_format="dummy", max_model_len=160, page_size=8)
+    plain = LLM(t, num_draft_tokens=0, **kw)
+    tree = LLM(t, draft=h, draft_tree="3,2,6", **kw)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, t.vocab_size, (n,), generator=g).tolist() for n in (20, 33, 41)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
+    c = Counters(tree, force_every=3)
+    assert [o.outputs[0].token_ids for o in tree.generate(prompts, sp)] == ref
+    assert c.preempted > 0
+    tree.engine.check_integrity()
+    # scripted trees (full, partial and rejected paths) between the preemptions
+    used = scripted_trees(tree, {tuple(p): p + r for p, r in zip(prompts, ref)}, t.vocab_size)
+    before = c.preempted
+    assert [o.outputs[0].token_ids for o in tree.generate(prompts, sp)] == ref
+    assert c.preempted > before and set(used) == {0, 1, 2}
+    assert tree.engine.counters.accept_hist[3] > 0  # full-depth paths were accepted between preemptions
+    tree.engine.check_integrity()
+    assert_clean(tree)
