@@ -4,7 +4,8 @@
 
 The prompts are `m3eagle eval`'s (stdlib code, seed 1234); every configuration's output is checked against plain
 greedy decoding (lossless). MAL = 1 + accepted drafts per verify step (LLM.stats()); a tree's verify step
-is one target pass over its N nodes, a chain's over its K drafts. Prints one JSON document.
+is one target pass over its N nodes, a chain's over its K drafts. Prints one JSON document (and writes it to
+--json FILE).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def main() -> None:
     p.add_argument("--chains", default="3,6", help="comma-separated K")
     p.add_argument("--trees", nargs="*", default=["3,4,16", "6,4,32"], help="D,K,N each")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the JSON document here")
     a = p.parse_args()
     model, draft = default_model_paths()
     prompts = [x.ids for x in stdlib_code_prompts(load_tokenizer(model), a.prompts, a.seed)]
@@ -47,8 +49,14 @@ def main() -> None:
                      "lossless": sum(x == y for x, y in zip(outs, ref)) / len(ref),
                      "wall_s": round(time.perf_counter() - t, 1)})
         print(json.dumps(rows[-1]), flush=True)
-    print(json.dumps({"prompts": len(prompts), "max_tokens": a.max_tokens, "seed": a.seed, "results": rows,
-                      "total_s": round(time.perf_counter() - t0, 1)}, indent=1))
+    doc = {"command": "python benchmarks/tree_mal.py --prompts {} --max-tokens {} --chains {} --trees {}".format(
+               a.prompts, a.max_tokens, a.chains, " ".join(a.trees)),
+           "device": "cpu (fp32)", "prompts": len(prompts), "max_tokens": a.max_tokens, "seed": a.seed,
+           "results": rows, "total_s": round(time.perf_counter() - t0, 1)}
+    print(json.dumps(doc, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(doc, f, indent=1)
 
 
 if __name__ == "__main__":
