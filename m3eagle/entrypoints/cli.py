@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +171,9 @@ def _make_llm(a: argparse.Namespace, warmup: bool | None = None):
 def _model_of(a: argparse.Namespace) -> tuple[Any, Any, str | None]:
     """(model, draft, tokenizer) of --model / --draft / --tokenizer / --load-format: with --load-format dummy,
     --model may name a bench geometry (its config and random Eagle3 head; text through the embedded model's
-    tokenizer where the geometry's vocabulary covers it, else token ids only)."""
+    tokenizer where the geometry's vocabulary covers it, else token ids only). A geometry served with the
+    embedded tokenizer takes that tokenizer's vocabulary: random weights sample every id alike, and ids past
+    the tokenizer's would decode to no text (no stream events: TTFT would wait for an id it knows)."""
     from m3eagle.bench import geometries
     from m3eagle.loader.assets import ASSETS
     from m3eagle.loader.tokenizer import load_tokenizer
@@ -183,8 +186,11 @@ def _model_of(a: argparse.Namespace) -> tuple[Any, Any, str | None]:
     if a.tokenizer is not None:
         return geo.model, geo.draft, a.tokenizer
     embedded = load_tokenizer(ASSETS / "target")
-    fits = embedded is not None and embedded.tok.get_vocab_size() <= geo.model.vocab_size
-    return geo.model, geo.draft, str(ASSETS / "target") if fits else None
+    v = embedded.tok.get_vocab_size() if embedded is not None else None
+    if v is None or v > geo.model.vocab_size:
+        return geo.model, geo.draft, None
+    head = replace(geo.draft, vocab_size=v, draft_vocab_size=v) if geo.draft is not None else None
+    return replace(geo.model, vocab_size=v), head, str(ASSETS / "target")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,12 +27,16 @@ def _one_line_error(capsys, argv: list[str]) -> str:
 
 
 def test_a_named_geometry_gets_its_random_head_and_the_embedded_tokenizer():
-    # m3-mini's 32000-id vocabulary covers the embedded tokenizer's 8192: text goes in and comes out through it
+    # m3-mini's 32000-id vocabulary covers the embedded tokenizer's 8192: text goes in and comes out through it,
+    # and the geometry takes the tokenizer's vocabulary, so every sampled id decodes to text
     a = argparse.Namespace(load_format="dummy", model="m3-mini", draft=None, tokenizer=None)
     t, h = geometries.m3_mini()
-    assert _model_of(a) == (t, h, str(ASSETS / "target"))
+    model, head, tok = _model_of(a)
+    assert tok == str(ASSETS / "target")
+    assert model == replace(t, vocab_size=8192)
+    assert head == replace(h, vocab_size=8192, draft_vocab_size=8192)
     a.tokenizer = "/somewhere"
-    assert _model_of(a)[2] == "/somewhere"
+    assert _model_of(a) == (t, h, "/somewhere")  # another tokenizer: the geometry as it is
     # without --load-format dummy a name is a directory or a Hub id, as before
     a = argparse.Namespace(load_format="auto", model="m3-mini", draft=None, tokenizer=None)
     assert _model_of(a) == ("m3-mini", None, None)
