@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Offline benches of the three bench geometries on one GPU (`m3eagle bench`). Run from the repository root:
 #
-#   OUT=<dir> bash scripts/bench_gpu.sh [mini|8b|embedded|m3-fp8|8b-fp8|det|all]   (default: all)
+#   OUT=<dir> bash scripts/bench_gpu.sh [mini|8b|embedded|m3-fp8|8b-fp8|det|tree|all]   (default: all)
 #
 # Each run writes $OUT/bench_<name>.json (the JSON document) and $OUT/bench_<name>.log (progress + table);
 # $OUT defaults to out/bench. Expected wall time on one H200 (estimates; the JSON's wall_s is the truth):
 # mini ~2.5-3.5 min (incl. --compare-hf), 8b ~4-5 min, embedded ~1 min. To stay inside a 10-minute
 # command, run "mini embedded" in one call and "8b" in another. det: m3-mini at batch 1 and 32 with the
 # deterministic mode off, then on (K=3; tok/s and the replayed step of each, to read its cost), ~4-6 min.
+# tree: the embedded pair at batch 1 and 32, chain K=3 (overlap, graphs) against trees 3,4,16 and 6,4,32 (the
+# plain eager path trees run on), ~2-3 min.
 set -euo pipefail
 OUT=${OUT:-out/bench}
 mkdir -p "$OUT"
@@ -40,11 +42,15 @@ for t in "${targets[@]}"; do
     det)
       run m3-mini-det-off --geometry m3-mini --batch-sizes 1,32 --max-tokens 64 --repeats 3
       run m3-mini-det-on --geometry m3-mini --batch-sizes 1,32 --max-tokens 64 --repeats 3 --deterministic ;;
+    tree)
+      run embedded-chain --geometry embedded --batch-sizes 1,32 --max-tokens 128 --repeats 3
+      run embedded-tree3 --geometry embedded --batch-sizes 1,32 --max-tokens 128 --repeats 3 --draft-tree 3,4,16
+      run embedded-tree6 --geometry embedded --batch-sizes 1,32 --max-tokens 128 --repeats 3 --draft-tree 6,4,32 ;;
     all)
       run m3-mini --geometry m3-mini --batch-sizes 1,8,32 --compare-hf
       run m3-8b --geometry m3-8b --batch-sizes 1,8,32
       run embedded --geometry embedded --batch-sizes 1,32
       ;;
-    *) echo "usage: $0 [mini|8b|embedded|m3-fp8|8b-fp8|det|all]..." >&2; exit 2 ;;
+    *) echo "usage: $0 [mini|8b|embedded|m3-fp8|8b-fp8|det|tree|all]..." >&2; exit 2 ;;
   esac
 done

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from m3eagle.bench import geometries, roofline
+from m3eagle.engine.draft_tree import TreeSpec
 from m3eagle.engine.llm_engine import LLMEngine, max_scheduler_steps
 from m3eagle.engine.request import Request
 from m3eagle.loader.dummy import target_config
@@ -105,7 +106,12 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
     say = Progress()
     geo = geometries.resolve(a.geometry, a.draft, a.load_format, getattr(a, "num_layers", None))
     dev = _device(a.device)
-    k = a.num_draft_tokens if a.num_draft_tokens is not None else (3 if geo.draft is not None else 0)
+    tree = TreeSpec.parse(a.draft_tree) if getattr(a, "draft_tree", None) is not None else None
+    if tree is not None and a.num_draft_tokens is not None:
+        raise ValueError(f"--num-draft-tokens {a.num_draft_tokens} and --draft-tree {tree}: give one (a tree "
+                         "verifies its N nodes per step)")
+    k = tree.nodes if tree is not None else (
+        a.num_draft_tokens if a.num_draft_tokens is not None else (3 if geo.draft is not None else 0))
     if k and geo.draft is None:
         raise ValueError(f"--num-draft-tokens {k} needs an Eagle3 head: give --draft DIR, or --num-draft-tokens 0")
     tcfg = target_config(geo.model)
@@ -120,6 +126,12 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
                          f"{tcfg.max_position_embeddings}; lower --prompt-len or --max-tokens")
     pages_per_seq = -(-(mml + 2 * (k + 1)) // a.page_size) + 1
     overlap = None if a.overlap == "auto" else a.overlap == "on"
+    spec_kw: dict[str, Any] = {"num_draft_tokens": k}
+    if tree is not None:  # the tree's plain eager path: no overlap, no graphs (draft_tree.check_tree_engine)
+        if overlap:
+            raise ValueError("--draft-tree runs without overlap: drop --overlap on")
+        spec_kw = {"draft_tree": str(tree)}
+        overlap = False
     tp = getattr(a, "tensor_parallel_size", 1)
     if a.compare_hf and tp > 1:
         raise ValueError("--compare-hf runs transformers on rank 0's weights, which are a shard under "
@@ -127,11 +139,12 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
 
     say(f"building {geo.description}")
     t0 = time.perf_counter()
-    llm = Runtime(geo.model, geo.draft if k else None, num_draft_tokens=k, dtype=a.dtype, device=str(dev),
+    llm = Runtime(geo.model, geo.draft if k else None, **spec_kw, dtype=a.dtype, device=str(dev),
               page_size=a.page_size, max_num_tokens=a.max_num_tokens, max_model_len=mml, max_num_seqs=max_b,
               num_pages=1 + max_b * pages_per_seq, overlap=overlap, attention_backend=a.attention_backend,
-              moe_backend=a.moe_backend, enforce_eager=a.enforce_eager, load_format=geo.load_format,
-              tensor_parallel_size=tp, prefill_graphs=getattr(a, "prefill_graphs", None),
+              moe_backend=a.moe_backend, enforce_eager=a.enforce_eager or tree is not None,
+              load_format=geo.load_format, tensor_parallel_size=tp,
+              prefill_graphs=False if tree is not None else getattr(a, "prefill_graphs", None),
               max_prefill_graph_tokens=getattr(a, "max_prefill_graph_tokens", 512),
               num_scheduler_steps=getattr(a, "num_scheduler_steps", 1),
               quantization=getattr(a, "quantization", None),
@@ -211,6 +224,7 @@ def _measure(a: argparse.Namespace, llm, geo: geometries.Geometry, dev: torch.de
                      "prefill_graphs": llm.engine.cfg.prefill_graphs,
                      "max_prefill_graph_tokens": llm.engine.cfg.max_prefill_graph_tokens,
                      "num_scheduler_steps": llm.engine.cfg.num_scheduler_steps, "num_draft_tokens": k,
+                     "draft_tree": str(llm.engine.cfg.draft_tree) if llm.engine.cfg.draft_tree is not None else None,
                      "enable_prefix_caching": llm.engine.cfg.enable_prefix_caching,
                      "deterministic": llm.deterministic, "prompts": prompt_source, "seed": a.seed},
         "bandwidth": bw,

@@ -326,6 +326,9 @@ def _add_bench(sub) -> None:
                         "always random)")
     b.add_argument("--num-draft-tokens", type=int_in(0, 8), default=None,
                    help="K for the speculative runs (0: plain only); none: 3 when there is a head")
+    b.add_argument("--draft-tree", default=None, metavar="D,K,N",
+                   help="the speculative runs draft a dynamic tree (depth D, K children per expanded node, N nodes "
+                        "verified) instead of the chain; trees run the plain eager path (overlap off, no graphs)")
     _device_args(b)
     b.add_argument("--batch-sizes", type=batch_sizes, default="1,8,32", help="comma-separated batch sizes")
     b.add_argument("--prompt-len", type=int_in(1), default=128, help="prompt tokens per request")
