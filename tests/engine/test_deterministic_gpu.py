@@ -6,7 +6,8 @@ the table must read "all identical":
 - kernels in bf16 on the real MMAs: the GEMM's, attention's and the MoE's rows are the same bits alone and
   inside batches (the hardware check of "an MMA element depends only on its own row and column"), and a
   batch-dependent split makes them differ (the mutation check);
-- m3-mini random weights and the embedded pair: greedy K = 1, 3, 5 == K = 0 on every request;
+- m3-mini random weights and the embedded pair: greedy K = 1, 3, 5 == K = 0 on every request (m3-8b: the core
+  rows, K = 3, one batch size and chunk size);
 - a request alone == inside batches of 2..64 mixed with other requests (greedy K = 3);
 - prompt chunks of 256 / 2,048 / 8,192 tokens, overlap on / off, forced preemption: the same tokens;
 - two runs of the same workload: identical; seeded sampling (T = 0.8, top-p 0.95) alone == in a batch.
@@ -43,7 +44,7 @@ def model_of(name: str):
     """(target, draft, load_format) of a property-table model."""
     if name == "embedded":
         return ASSETS / "target", ASSETS / "draft", "auto"
-    t, h = (geometries.m3_mini if name == "m3-mini" else geometries.tiny)()
+    t, h = {"m3-mini": geometries.m3_mini, "m3-8b": geometries.m3_8b}.get(name, geometries.tiny)()
     return t, h, "dummy"
 
 
@@ -125,6 +126,16 @@ def test_property_table(name):
     eng = Engines(name, "cuda", dtype="bfloat16", max_model_len=4096, num_pages=1 + 64 * 160, max_num_seqs=64)
     ps = prompts(12, 40, 2000, vocab)
     properties(eng, ps, prompts(60, 40, 600, vocab, seed=1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_property_table_m3_8b():
+    """The table's core rows on m3-8b (~10B parameters, random weights; one engine at a time): greedy K=3 ==
+    K=0, a request alone == inside a batch of 16, chunks of 256 tokens, seeded K=3 == seeded K=0."""
+    eng = Engines("m3-8b", "cuda", dtype="bfloat16", max_model_len=2048, num_pages=1 + 16 * 100, max_num_seqs=16)
+    ps = prompts(8, 40, 1200, 32000)
+    properties(eng, ps, prompts(12, 40, 400, 32000, seed=1), ks=(3,), chunks=(256,), batches=(16,))
 
 
 def _kernels_case(device: str):
