@@ -48,11 +48,7 @@ run_mode() {
     >>"$TMP/server.log" 2>&1 &
   SERVER=$!
   local t0=$SECONDS
-  until healthy; do
-    if ! kill -0 "$SERVER" 2>/dev/null; then echo "the server died:" >&2; tail -30 "$TMP/server.log" >&2; exit 1; fi
-    if [ $((SECONDS - t0)) -gt 300 ]; then echo "the server was not ready after 300 s" >&2; exit 1; fi
-    sleep 1
-  done
+  wait_healthy "$TMP/server.log" 300
   echo "[$mode: ready after $((SECONDS - t0)) s]" | tee "$TMP/bench.log"
   for c in 1 8 32; do
     local n=$((c * PER_SLOT > MIN_PROMPTS ? c * PER_SLOT : MIN_PROMPTS))

@@ -75,11 +75,7 @@ run_mode() {
     --log-interval 5 $SERVE_ARGS >>"$OUT/serve_tail_${MODE}_server.log" 2>&1 &
   SERVER=$!
   local t0=$SECONDS
-  until healthy; do
-    if ! kill -0 "$SERVER" 2>/dev/null; then echo "the server died:" >&2; tail -30 "$OUT/serve_tail_${MODE}_server.log" >&2; exit 1; fi
-    if [ $((SECONDS - t0)) -gt "$READY_TIMEOUT" ]; then echo "not ready after $READY_TIMEOUT s" >&2; exit 1; fi
-    sleep 0.5
-  done
+  wait_healthy "$OUT/serve_tail_${MODE}_server.log" "$READY_TIMEOUT"
   local ready=$((SECONDS - t0))
   echo "[$MODE: ready after $ready s]" | tee "$OUT/serve_tail_${MODE}_bench.log"
   echo "$ready" >"$TMP/$MODE/ready_s"

@@ -17,6 +17,16 @@ healthy() {
     "http://127.0.0.1:$PORT/health" 2>/dev/null
 }
 
+# wait_healthy LOG TIMEOUT_S: until $SERVER answers /health; its death (LOG's tail shown) or the timeout exits 1.
+wait_healthy() {
+  local log=$1 limit=$2 t0=$SECONDS
+  until healthy; do
+    if ! kill -0 "$SERVER" 2>/dev/null; then echo "the server died:" >&2; tail -30 "$log" >&2; exit 1; fi
+    if [ $((SECONDS - t0)) -gt "$limit" ]; then echo "the server was not ready after $limit s" >&2; exit 1; fi
+    sleep 0.5
+  done
+}
+
 SERVER=""
 SERVER_RC=""
 stop_server() {

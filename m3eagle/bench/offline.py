@@ -126,12 +126,8 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
                          f"{tcfg.max_position_embeddings}; lower --prompt-len or --max-tokens")
     pages_per_seq = -(-(mml + 2 * (k + 1)) // a.page_size) + 1
     overlap = None if a.overlap == "auto" else a.overlap == "on"
-    spec_kw: dict[str, Any] = {"num_draft_tokens": k}
-    if tree is not None:  # the tree's plain eager path: no overlap, no graphs (draft_tree.check_tree_engine)
-        if overlap:
-            raise ValueError("--draft-tree runs without overlap: drop --overlap on")
-        spec_kw = {"draft_tree": str(tree)}
-        overlap = False
+    # a tree runs the plain eager path: Runtime turns overlap off unless asked, and refuses it when asked
+    spec_kw: dict[str, Any] = {"draft_tree": str(tree)} if tree is not None else {"num_draft_tokens": k}
     tp = getattr(a, "tensor_parallel_size", 1)
     if a.compare_hf and tp > 1:
         raise ValueError("--compare-hf runs transformers on rank 0's weights, which are a shard under "

@@ -268,24 +268,39 @@ SPEC_COUNTERS = {"spec_decode_num_drafts_total": "drafts", "spec_decode_num_draf
 PER_POS = "spec_decode_num_accepted_tokens_per_pos_total"
 
 
+def _samples(text: str) -> list[Any] | None:
+    """Every sample of a Prometheus text page; None when it is not Prometheus text (an HTML or JSON error page)."""
+    try:
+        return [s for family in text_string_to_metric_families(text) for s in family.samples]
+    except ValueError:
+        return None
+
+
+def _sums(samples: list[Any], counters: dict[str, str]) -> tuple[dict[str, float], bool]:
+    """Per key of `counters` (sample-name suffix -> key), the sum over all label sets; and whether any was seen."""
+    out = dict.fromkeys(counters.values(), 0.0)
+    seen = False
+    for s in samples:
+        key = next((k for suffix, k in counters.items() if s.name.endswith(suffix)), None)
+        if key is not None:
+            out[key] += s.value
+            seen = True
+    return out, seen
+
+
 def spec_counters(text: str) -> dict[str, Any] | None:
     """Sums of vLLM-style spec_decode counters (any prefix: m3eagle:, vllm:) in a Prometheus text page,
     over all label sets; None when the page holds none (or is not Prometheus text)."""
-    out: dict[str, Any] = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": {}}
-    seen = False
-    try:
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                key = next((k for suffix, k in SPEC_COUNTERS.items() if s.name.endswith(suffix)), None)
-                if key is not None:
-                    out[key] += s.value
-                    seen = True
-                elif s.name.endswith(PER_POS) and "position" in s.labels:
-                    pos = int(s.labels["position"])
-                    out["per_pos"][pos] = out["per_pos"].get(pos, 0.0) + s.value
-    except ValueError:  # not Prometheus text (an HTML or JSON error page, say)
+    samples = _samples(text)
+    if samples is None:
         return None
-    return out if seen else None
+    sums, seen = _sums(samples, SPEC_COUNTERS)
+    per_pos: dict[int, float] = {}
+    for s in samples:
+        if s.name.endswith(PER_POS) and "position" in s.labels:
+            pos = int(s.labels["position"])
+            per_pos[pos] = per_pos.get(pos, 0.0) + s.value
+    return {**sums, "per_pos": per_pos} if seen else None
 
 
 def acceptance(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -307,18 +322,11 @@ PREFIX_COUNTERS = {"prefix_cache_queries_total": "queries", "prefix_cache_hits_t
 def prefix_counters(text: str) -> dict[str, float] | None:
     """Sums of vLLM-style prefix_cache_queries / _hits counters (prompt tokens looked up / found; any prefix) in a
     Prometheus text page; None when the page holds neither (a server without the cache, or not Prometheus)."""
-    out = {"queries": 0.0, "hits": 0.0}
-    seen = False
-    try:
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                key = next((k for suffix, k in PREFIX_COUNTERS.items() if s.name.endswith(suffix)), None)
-                if key is not None:
-                    out[key] += s.value
-                    seen = True
-    except ValueError:
+    samples = _samples(text)
+    if samples is None:
         return None
-    return out if seen else None
+    sums, seen = _sums(samples, PREFIX_COUNTERS)
+    return sums if seen else None
 
 
 def prefix_cache(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:

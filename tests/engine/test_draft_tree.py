@@ -224,19 +224,24 @@ def test_greedy_tree_equals_plain_embedded(embedded):
     tree.engine.check_integrity()
 
 
+def tiny_tree_and_reference(spec: str, seed: int, lengths: tuple[int, ...], max_tokens: int):
+    """The tiny random geometry (MSA past 16 tokens) with a `spec` tree LLM, seeded prompts of `lengths` tokens,
+    greedy params and the plain engine's tokens for them -> (tree LLM, prompts, params, reference, vocab)."""
+    t, h = tiny()
+    kw = dict(device="cpu", load_format="dummy", max_model_len=160, page_size=8)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(2, t.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(t, num_draft_tokens=0, **kw).generate(prompts, sp)]
+    return LLM(t, draft=h, draft_tree=spec, **kw), prompts, sp, ref, t.vocab_size
+
+
 def test_greedy_tree_equals_plain_tiny_sparse():
     """The tiny random geometry (MSA block selection active past 16 tokens), prompts of 40-60 tokens, a random
     head plus scripted trees: token for token the plain greedy output, several requests in one batch."""
-    t, h = tiny()
-    kw = dict(device="cpu", load_format="dummy", max_model_len=160, page_size=8)
-    plain = LLM(t, num_draft_tokens=0, **kw)
-    tree = LLM(t, draft=h, draft_tree="4,3,12", **kw)
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(2, t.vocab_size, (n,), generator=g).tolist() for n in (40, 47, 60)]
-    sp = SamplingParams(temperature=0, max_tokens=36, ignore_eos=True)
-    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
+    tree, prompts, sp, ref, vocab = tiny_tree_and_reference("4,3,12", 3, (40, 47, 60), 36)
     assert [o.outputs[0].token_ids for o in tree.generate(prompts, sp)] == ref
-    used = scripted_trees(tree, {tuple(p): p + r for p, r in zip(prompts, ref)}, t.vocab_size)
+    used = scripted_trees(tree, {tuple(p): p + r for p, r in zip(prompts, ref)}, vocab)
     tree.reset_stats()
     assert [o.outputs[0].token_ids for o in tree.generate(prompts, sp)] == ref
     assert set(used) == {0, 1, 2} and tree.engine.counters.accept_hist[4] > 0
@@ -324,20 +329,13 @@ def test_forced_preemption_mid_tree_keeps_greedy_output_and_pages():
     and no page leaks."""
     from tests.helpers.engine_utils import Counters, assert_clean
 
-    t, h = tiny()
-    kw = dict(device="cpu", load_format="dummy", max_model_len=160, page_size=8)
-    plain = LLM(t, num_draft_tokens=0, **kw)
-    tree = LLM(t, draft=h, draft_tree="3,2,6", **kw)
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(2, t.vocab_size, (n,), generator=g).tolist() for n in (20, 33, 41)]
-    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
+    tree, prompts, sp, ref, vocab = tiny_tree_and_reference("3,2,6", 5, (20, 33, 41), 24)
     c = Counters(tree, force_every=3)
     assert [o.outputs[0].token_ids for o in tree.generate(prompts, sp)] == ref
     assert c.preempted > 0
     tree.engine.check_integrity()
     # scripted trees (full, partial and rejected paths) between the preemptions
-    used = scripted_trees(tree, {tuple(p): p + r for p, r in zip(prompts, ref)}, t.vocab_size)
+    used = scripted_trees(tree, {tuple(p): p + r for p, r in zip(prompts, ref)}, vocab)
     before = c.preempted
     assert [o.outputs[0].token_ids for o in tree.generate(prompts, sp)] == ref
     assert c.preempted > before and set(used) == {0, 1, 2}

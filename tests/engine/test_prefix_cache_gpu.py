@@ -76,7 +76,6 @@ def test_acceptance_after_a_hit_equals_the_cache_off_engine():
         llm = _make(3, True, caching)
         prompts = _prompts(llm)
         llm.generate([prompts[0]], sp, use_tqdm=False)
-        llm.reset_stats()
         outs = [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts[1:]]
         assert all(o.num_cached_tokens == (HIT if caching else 0) for o in outs)
         m = [(o.metrics.num_drafted, o.metrics.num_accepted, list(o.metrics.accepted_per_position)) for o in outs]
