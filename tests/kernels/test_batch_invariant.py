@@ -68,6 +68,10 @@ def test_make_ops_deterministic():
     assert (ops.attention.name, ops.moe.name, ops.fused.name) == ("batch_invariant",) * 3
     with pytest.raises(ValueError, match="attention_backend='triton'"):
         make_ops("triton", device="cpu", deterministic=True)
+    # on CUDA the PyTorch reference runs cuBLAS, whose tiles follow the row count: refused there (the check
+    # precedes building anything, so it runs without a GPU)
+    with pytest.raises(ValueError, match="moe_backend='reference'.*cuda"):
+        make_ops("auto", "reference", "cuda", deterministic=True)
 
 
 # ---- the GEMM ------------------------------------------------------------------------------------------
