@@ -4,8 +4,9 @@ One step, for rows verifying a tree of N nodes (q_len N + 1: the last emitted to
 in storage order) and for prompt rows alike:
 
     1. target forward through the extend path; a tree row is split into N + 1 one-token rows whose keys
-       are the committed context plus the node's ancestors at their depth positions (`key_slots`), so each
-       node sees exactly what plain decoding of its path would; RoPE positions are depth-based
+       are the committed context plus the node's ancestors at their depth positions (the metadata's tail
+       override, `tail_start` / `tail_slots`), so each node sees exactly what plain decoding of its path
+       would; RoPE positions are depth-based
     2. logits of every node; tree_verify walks the tree (greedy, or recursive rejection over siblings)
     3. the accepted path's K/V (target layers, index-K) is copied into consecutive slots p0 + 1.. p0 + m:
        rejected nodes' K/V stays past the row's new length, where nothing reads it
@@ -15,9 +16,10 @@ in storage order) and for prompt rows alike:
        slots past the pool, read by deeper levels under the tree mask and never by anything else
     5. the rerank to N nodes; tokens, parents and depths into the slot buffers the next step gathers from
 
-Plain path only: the step reads the rows' draft counts back to the host (one sync) to lay out the node rows,
-and nothing here is graph-shaped. Penalties, min_tokens and structured output are refused at admission
-(LLMEngine.add_request); the tree's attention runs on the reference backend.
+No host sync: the node rows are laid out by device arithmetic on shapes fixed by host ints alone (every step
+row becomes N + 1 sub-rows, `_node_rows`), and every constant index tensor is made once, so the step can be
+captured as a CUDA graph. Penalties, min_tokens and structured output are refused at admission
+(LLMEngine.add_request).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dataclasses import replace
 
 import torch
 
-from m3eagle.engine.draft_tree import TreeSpec, ancestors, best, expand, full_tree, node_key_positions, rerank
+from m3eagle.engine.draft_tree import TreeSpec, ancestors, best, expand, full_tree, rerank
 from m3eagle.engine.input_builder import StepInput
 from m3eagle.engine.model_runner import ModelRunner, StepOutput, _fused, token_logprobs
 from m3eagle.kernels.attention.backend import ReferenceBackend
@@ -48,8 +50,20 @@ class TreeModelRunner(ModelRunner):
         # Scratch slots of the head's frontier K/V, past the pool: (D - 1) * K per step row.
         self.pool_slots = self.caches[0].k.shape[0]
         self.scratch_per_row = (tree.depth - 1) * tree.topk
+        # Constant index tensors of the tree's shapes, made once (a captured step reads them; see ModelRunner's).
+        rows, kk, dev = self.row_ids.shape[0], tree.topk, self.device
+        wide = rows * max(kk, nodes + 1)  # sub-rows of a step: B * (N + 1) node rows, B * K frontier rows
+        self.node_cols = torch.arange(max(nodes + 1, tree.depth), device=dev)  # [max(N+1, D)]
+        self.wide_ids = torch.arange(wide, device=dev)  # [W]
+        self.wide_ones = torch.ones(wide, dtype=torch.int64, device=dev)  # [W]
+        self.wide_zeros = torch.zeros(wide, dtype=torch.int64, device=dev)  # [W]
+        self.wide_true = torch.ones(wide, 1, dtype=torch.bool, device=dev)  # [W, 1]
+        self.frontier_rows = self.row_ids.repeat_interleave(kk)  # [R*K] each frontier node's step row
+        self.frontier_cols = torch.arange(kk, device=dev)  # [K]
+        # depth of each candidate the expansion creates (K at depth 1, then K*K per level), creation order
+        self.cand_depth = torch.cat([torch.ones(kk, dtype=torch.int64)] + [
+            torch.full((kk * kk,), lv + 1, dtype=torch.int64) for lv in range(1, tree.depth)]).to(dev)  # [M]
         if self.draft is not None:
-            rows = self.row_ids.shape[0]
             self.draft_cache = self.draft.new_cache(self.pool_slots + rows * self.scratch_per_row, self.dtype,
                                                     self.device)
 
@@ -60,7 +74,7 @@ class TreeModelRunner(ModelRunner):
                                "(LLMEngine.add_request refuses such requests)")
         k, tree = self.k, self.tree
         ids, meta = self._apply_overlap_correction(inp)
-        # node rows' key lists (key_slots) are read by the reference attention alone
+        # node rows' tail override is read by the reference attention alone
         meta = replace(meta, ops=replace(meta.ops or REFERENCE, attention=ReferenceBackend()))
         fused, book = _fused(meta), self._step_ops(meta)
         b = inp.num_rows
@@ -116,46 +130,40 @@ class TreeModelRunner(ModelRunner):
     # ---- the target's node rows --------------------------------------------------------------------
     def _node_rows(self, inp: StepInput, meta: AttnMetadata, depths: torch.Tensor, anc: torch.Tensor,
                    p0: torch.Tensor) -> tuple[AttnMetadata, torch.Tensor]:
-        """The step's metadata with every tree row split into N + 1 one-token rows (node i: position
-        p0 + depth(i), keys = node_key_positions), other rows as they are. -> (metadata, positions [T])."""
-        nd = inp.row_num_drafts.tolist()  # host layout of the node rows (the one sync of a tree step)
-        ql = inp.row_qlen.tolist()
-        n1, dev = self.k + 1, meta.kv_lens.device
-        src, col, q_lens = [], [], []  # per new row: its step row, its node (0 for a whole row), its length
-        for r, (d, q) in enumerate(zip(nd, ql)):
-            if d:
-                src += [r] * n1
-                col += list(range(n1))
-                q_lens += [1] * n1
-            else:
-                src.append(r)
-                col.append(0)
-                q_lens.append(q)
-        src_t = torch.tensor(src, device=dev)
-        col_t = torch.tensor(col, device=dev)
-        is_node = torch.tensor([nd[r] > 0 for r in src], device=dev)
-        t = inp.num_tokens
-        tok_is_node = inp.row_num_drafts[meta.tok_row] > 0  # [T]
-        tok_depth = depths[meta.tok_row, meta.tok_col.clamp(max=n1 - 1)]
-        tpos = torch.where(tok_is_node, p0[meta.tok_row] + tok_depth, meta.positions)  # [T]
-        node_depth = depths[src_t, col_t]
-        kv = torch.where(is_node, p0[src_t] + node_depth + 1, meta.kv_lens[src_t])
-        length = meta.max_kv
-        keys = node_key_positions(p0, anc, length)[src_t, col_t]  # [B', L]
-        plain = torch.arange(length, device=dev).expand(len(src), length)
-        keys = torch.where(is_node[:, None], keys, plain)
-        table = meta.page_table[src_t]
-        rows = torch.arange(len(src), device=dev)
-        key_slots = slots_for_positions(table, rows[:, None], keys, self.page_size)
-        max_q = max(q_lens)
-        first = torch.tensor([0] + q_lens[:-1], device=dev).cumsum(0)
-        j = torch.arange(max_q, device=dev)
-        q_valid = j[None, :] < torch.tensor(q_lens, device=dev)[:, None]
-        q_index = torch.where(q_valid, first[:, None] + j, 0)
-        tok_row = torch.repeat_interleave(rows, torch.tensor(q_lens, device=dev), output_size=t)
-        tmeta = replace(meta, num_rows=len(src), max_q=max_q, q_lens=torch.tensor(q_lens, device=dev), kv_lens=kv,
-                        page_table=table, tok_row=tok_row, tok_col=torch.arange(t, device=dev) - first[tok_row],
-                        q_index=q_index, q_valid=q_valid, positions=tpos, key_slots=key_slots)
+        """The step's metadata with every step row b turned into N + 1 sub-rows (b, j), sub-row index
+        b * (N + 1) + j, by device arithmetic on fixed shapes (no host read of a device value): a tree row's
+        sub-row j is node j alone (position p0 + depth(j), keys: the committed context, then its ancestors
+        at their depth positions through the tail override); another row is sub-row (b, 0) whole, its other
+        sub-rows empty. When every row holds exactly N + 1 tokens (decode-only steps, a graph bucket's
+        padding rows included) every row is split, prompt-free rows into one-token causal rows, so the
+        widest sub-row is one token. -> (metadata, positions [T])."""
+        b, n1, t = inp.num_rows, self.k + 1, inp.num_tokens
+        uniform = t == b * n1 and meta.max_q == n1  # host ints only: every row is N + 1 tokens wide
+        is_tree = inp.row_num_drafts > 0  # [B]
+        split = self.row_true[:b, 0] if uniform else is_tree  # [B] rows cut into one-token sub-rows
+        j = self.node_cols[:n1]  # [N+1]
+        tr, tc = meta.tok_row, meta.tok_col  # [T]
+        t_split = split[tr]
+        tok_depth = depths[tr, tc.clamp(max=n1 - 1)]
+        tpos = torch.where(is_tree[tr], p0[tr] + tok_depth, meta.positions)  # [T]
+        # per sub-row [B, N+1]: tokens, first flat token, kv_len
+        q_sub = torch.where(split[:, None], 1, torch.where(j == 0, inp.row_qlen[:, None], 0))
+        first = inp.row_first[:, None] + torch.where(split[:, None], j, 0)
+        own_pos = tpos[first.clamp(max=t - 1)]  # a split sub-row's one token
+        kv = torch.where(split[:, None], own_pos + 1, meta.kv_lens[:, None])
+        max_q = 1 if uniform else meta.max_q
+        c = self.node_cols[:max_q] if max_q <= n1 else torch.arange(max_q, device=p0.device)
+        q_valid = c[None, :] < q_sub.reshape(-1, 1)  # [B(N+1), Qmax']
+        q_index = torch.where(q_valid, first.reshape(-1, 1) + c[None, :], 0)
+        # node j's virtual positions p0 + 1 .. p0 + depth(j) hold its ancestors at depths 1 .. depth(j)
+        rows = self.row_ids[:b]
+        tail = slots_for_positions(meta.page_table, rows[:, None, None], p0[:, None, None] + anc[:, :, 1:],
+                                   self.page_size)  # [B, N+1, D]
+        tail_start = torch.where(is_tree, p0 + 1, meta.max_kv)  # [B]: other rows keep their page table
+        tmeta = replace(meta, num_rows=b * n1, max_q=max_q, q_lens=q_sub.reshape(-1), kv_lens=kv.reshape(-1),
+                        page_table=meta.page_table.repeat_interleave(n1, 0), tok_row=tr * n1 + torch.where(t_split, tc, 0),
+                        tok_col=torch.where(t_split, 0, tc), q_index=q_index, q_valid=q_valid, positions=tpos,
+                        key_slots=None, tail_start=tail_start.repeat_interleave(n1), tail_slots=tail.reshape(b * n1, -1))
         return tmeta, tpos
 
     def _compact(self, meta: AttnMetadata, p0: torch.Tensor, path: torch.Tensor, num_new: torch.Tensor) -> None:
@@ -187,15 +195,15 @@ class TreeModelRunner(ModelRunner):
         tok, score = expand(logp.new_zeros(b, 1), logp[:, None], kk)  # [B, K] each
         cand_tok, cand_score = [tok], [score]
         cand_parent = [torch.full_like(tok, -1)]
-        f_tok, f_score, f_cand = tok, score, torch.arange(kk, device=tok.device).expand(b, kk)
+        f_tok, f_score, f_cand = tok, score, self.frontier_cols.expand(b, kk)
         f_h = h_next[:, None].expand(b, kk, h_next.shape[-1])  # [B, K, H] the parents' h_next
-        f_anc = torch.arange(kk, device=tok.device).expand(b, kk)[..., None]  # [B, K, l] frontier index per level
+        f_anc = self.frontier_cols.expand(b, kk)[..., None]  # [B, K, l] frontier index per level
         base = at[0]  # [B]
         length = inp.meta.max_kv + tree.depth
         scratch = self.pool_slots + row_ids * self.scratch_per_row  # [B]
         n_made = kk
         for level in range(1, tree.depth):
-            lvl_slots = scratch[:, None, None] + torch.arange(level, device=tok.device)[None, None, :] * kk + f_anc
+            lvl_slots = scratch[:, None, None] + self.node_cols[:level][None, None, :] * kk + f_anc
             fmeta = self._frontier_meta(meta, base, level, lvl_slots, length)
             pos = (base + level).repeat_interleave(kk)
             h_out, h_next = head(head.draft_to_target(f_tok).reshape(-1), pos, f_h.reshape(b * kk, -1), fmeta,
@@ -212,35 +220,26 @@ class TreeModelRunner(ModelRunner):
                 par = idx // kk  # its parent's frontier index
                 f_h = h_next.view(b, kk, -1).gather(1, par[..., None].expand(-1, -1, h_next.shape[-1]))
                 f_anc = torch.cat([f_anc.gather(1, par[..., None].expand(-1, -1, level)),
-                                   torch.arange(kk, device=tok.device).expand(b, kk)[..., None]], -1)
+                                   self.frontier_cols.expand(b, kk)[..., None]], -1)
             n_made += kk * kk
         scores = torch.cat(cand_score, 1)  # [B, M]
         sel, parents = rerank(scores, torch.cat(cand_parent, 1), tree.nodes)
         tokens = head.draft_to_target(torch.cat(cand_tok, 1).gather(1, sel))
-        depth_of = torch.cat([torch.ones(kk, dtype=torch.int64)] +
-                             [torch.full((kk * kk,), lv + 1, dtype=torch.int64) for lv in range(1, tree.depth)])
-        return tokens, parents, depth_of.to(sel.device)[sel]
+        return tokens, parents, self.cand_depth[sel]
 
     def _frontier_meta(self, meta: AttnMetadata, base: torch.Tensor, level: int, lvl_slots: torch.Tensor,
                        length: int) -> AttnMetadata:
         """Metadata of one head call over the K frontier nodes of depth `level` of each row, one row each: position
         base + level, K/V to its scratch slot, keys = the row's committed head K/V (positions 0..base) then its
-        ancestors' scratch slots. base [B]; lvl_slots [B, K, level] scratch slot of the node's ancestor at
-        depth 1..level (the node itself last)."""
+        ancestors' scratch slots (the tail override from base + 1). base [B]; lvl_slots [B, K, level] scratch
+        slot of the node's ancestor at depth 1..level (the node itself last)."""
         b, kk, _ = lvl_slots.shape
-        dev = base.device
-        rows = torch.arange(b, device=dev).repeat_interleave(kk)  # [B*K]
-        v = torch.arange(length, device=dev)
-        rel = (v[None, :] - base[rows][:, None]).clamp(1, level) - 1  # [B*K, L] ancestor depth - 1
-        scratch = lvl_slots.reshape(b * kk, level).gather(1, rel)
-        paged = slots_for_positions(meta.page_table, rows[:, None], v[None, :].expand(b * kk, length), self.page_size)
-        key_slots = torch.where(v[None, :] <= base[rows][:, None], paged, scratch)
+        rows = self.frontier_rows[: b * kk]  # [B*K] each frontier node's step row
         n = b * kk
-        ids = torch.arange(n, device=dev)
+        ids = self.wide_ids[:n]
         pos = base[rows] + level
         return AttnMetadata(num_rows=n, max_q=1, max_kv=length, page_size=self.page_size,
-                            q_lens=torch.ones(n, dtype=torch.int64, device=dev), kv_lens=pos + 1,
-                            page_table=meta.page_table[rows], tok_row=ids, tok_col=torch.zeros_like(ids),
-                            q_index=ids[:, None], q_valid=torch.ones(n, 1, dtype=torch.bool, device=dev),
+                            q_lens=self.wide_ones[:n], kv_lens=pos + 1, page_table=meta.page_table[rows], tok_row=ids,
+                            tok_col=self.wide_zeros[:n], q_index=ids[:, None], q_valid=self.wide_true[:n],
                             positions=pos, slot_mapping=lvl_slots[..., -1].reshape(-1), ops=meta.ops,
-                            key_slots=key_slots)
+                            tail_start=base[rows] + 1, tail_slots=lvl_slots.reshape(n, level))

@@ -46,9 +46,15 @@ class AttnMetadata:
     # the engine's fast paths (m3eagle.kernels.ops.Ops) that the models run this step with; None = reference
     ops: Any = None
     # [B, max_kv] int64 or None: the cache slot of each row's key position 0..max_kv-1, when it is not the
-    # page table's (a draft-tree node row reads its ancestors' slots at their depth positions); the
-    # reference backend only
+    # page table's; the reference backend only
     key_slots: torch.Tensor | None = None
+    # A short override of the page table, read by every backend: row b's key positions p >= tail_start[b]
+    # live at slot tail_slots[b, p - tail_start[b]] (a draft-tree node row's ancestors at their depth
+    # positions, a frontier node's scratch slots). tail_start [B] int64, tail_slots [B, W] int64; a row
+    # reads no position past tail_start + W - 1 (its kv_len stops there), and tail_start >= max_kv leaves
+    # the row on its page table.
+    tail_start: torch.Tensor | None = None
+    tail_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +92,20 @@ def gather_slots(meta: AttnMetadata, length: int) -> torch.Tensor:
     pos = torch.arange(length, device=meta.page_table.device)
     rows = torch.arange(meta.num_rows, device=pos.device)
     return slots_for_positions(meta.page_table, rows[:, None], pos[None, :], meta.page_size)
+
+
+def row_key_slots(meta: AttnMetadata, length: int) -> torch.Tensor:
+    """[B, L] cache slots of every row's key positions 0..L-1: `key_slots` when given, else the page table's
+    slots with the tail override (`tail_start` / `tail_slots`) applied."""
+    if meta.key_slots is not None:
+        return meta.key_slots
+    slots = gather_slots(meta, length)
+    if meta.tail_start is None:
+        return slots
+    pos = torch.arange(length, device=slots.device)
+    rel = pos[None, :] - meta.tail_start[:, None]  # [B, L]
+    tail = meta.tail_slots.gather(1, rel.clamp(0, meta.tail_slots.shape[1] - 1))
+    return torch.where(rel >= 0, tail, slots)
 
 
 def build_metadata(q_lens: list[int], kv_lens: torch.Tensor, page_table: torch.Tensor, page_size: int,
