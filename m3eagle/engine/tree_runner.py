@@ -31,9 +31,7 @@ import torch
 from m3eagle.engine.draft_tree import TreeSpec, ancestors, best, expand, full_tree, rerank
 from m3eagle.engine.input_builder import StepInput
 from m3eagle.engine.model_runner import ModelRunner, StepOutput, _fused, token_logprobs
-from m3eagle.kernels.attention.backend import ReferenceBackend
 from m3eagle.kernels.attention.metadata import AttnMetadata, slots_for_positions
-from m3eagle.kernels.ops import REFERENCE
 from m3eagle.sampling.tree_verify import greedy_walk, pad_columns, tree_verify
 
 
@@ -74,8 +72,6 @@ class TreeModelRunner(ModelRunner):
                                "(LLMEngine.add_request refuses such requests)")
         k, tree = self.k, self.tree
         ids, meta = self._apply_overlap_correction(inp)
-        # node rows' tail override is read by the reference attention alone
-        meta = replace(meta, ops=replace(meta.ops or REFERENCE, attention=ReferenceBackend()))
         fused, book = _fused(meta), self._step_ops(meta)
         b = inp.num_rows
         nodes_of = self.row_ids[:b]

@@ -29,7 +29,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from m3eagle.kernels.attention.metadata import AttnMetadata, row_key_slots
+from m3eagle.kernels.attention.metadata import (
+    AttnMetadata,
+    gather_slots,  # noqa: F401  (read from here by the kernel tests)
+    row_key_slots,
+)
 
 # Elements of one [B, H, queries, L] temporary that `paged_attention` allows itself per query chunk
 # (256 MB in fp32). Steps under the bound run in one chunk, exactly as an unchunked oracle would.

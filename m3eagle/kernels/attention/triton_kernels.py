@@ -6,7 +6,9 @@ All kernels read K/V straight from the paged pools: key position j of row b live
 
     page_table[b, min(j // page_size, P - 1)] * page_size + j % page_size
 
-(the clamp is `metadata.slots_for_positions`'s: columns past the table width read TRASH_PAGE). Every query
+(the clamp is `metadata.slots_for_positions`'s: columns past the table width read TRASH_PAGE), or, with the
+metadata's tail override, at tail_slots[b, j - tail_start[b]] for j >= tail_start[b] (a draft-tree node row
+reads its ancestors there: its keys are the committed context, then its path at its depth positions). Every query
 token t attends to keys 0..positions[t] of its row (token-causal), so prompt chunks, decode rows and
 spec-verify rows of 1+K tokens are one code path.
 
@@ -63,10 +65,12 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # compile a new variant (hundreds of ms) in the middle of serving. Strides of the pools, of q and of the
 # page table are fixed per engine and stay specialized.
 _PARTIALS = ["stride_pos", "stride_pot", "stride_pls", "stride_plt"]  # [splits, T, ...] scratch: T varies
-_DENSE_PER_STEP = _PARTIALS + ["stride_qi", "stride_keep_t", "stride_keep_h", "max_kv", "num_splits", "n_qtiles"]
-_SPARSE_PER_STEP = _PARTIALS + ["max_kv", "sel_per_split"]
+_TAIL = ["stride_tail", "tail_width"]  # a tree's tail override: its width is the node's depth (1 for some calls)
+_DENSE_PER_STEP = _PARTIALS + _TAIL + ["stride_qi", "stride_keep_t", "stride_keep_h", "max_kv", "num_splits",
+                                       "n_qtiles"]
+_SPARSE_PER_STEP = _PARTIALS + _TAIL + ["max_kv", "sel_per_split"]
 _COMBINE_PER_STEP = _PARTIALS + ["num_splits"]
-_INDEX_PER_STEP = ["stride_qi", "stride_pt", "stride_ph", "max_kv", "num_blocks", "n_qtiles", "num_splits"]
+_INDEX_PER_STEP = _TAIL + ["stride_qi", "stride_pt", "stride_ph", "max_kv", "num_blocks", "n_qtiles", "num_splits"]
 _MERGE_PER_STEP = ["stride_pt", "stride_ph", "num_blocks", "num_splits"]
 
 
@@ -76,6 +80,19 @@ def _page_slots(page_table_row, keys, page_size, num_page_cols, mask):
     col = tl.minimum(keys // page_size, num_page_cols - 1)
     page = tl.load(page_table_row + col, mask=mask, other=0)
     return page * page_size + keys % page_size
+
+
+@triton.jit
+def _key_slots(pt_row, keys, page_size, num_page_cols, mask, tail_row, tail_start, tail_width, TAIL: tl.constexpr):
+    """`_page_slots`, with the metadata's tail override when TAIL: keys >= tail_start (the row's) read their
+    slot from tail_row[keys - tail_start] (clamped to the tail's width; the row's kv_len stops inside it)."""
+    slots = _page_slots(pt_row, keys, page_size, num_page_cols, mask)
+    if TAIL:
+        rel = keys - tail_start
+        in_tail = mask & (rel >= 0)
+        t = tl.load(tail_row + tl.minimum(tl.maximum(rel, 0), tail_width - 1), mask=in_tail, other=0)
+        slots = tl.where(in_tail, t, slots)
+    return slots
 
 
 @triton.jit
@@ -98,10 +115,11 @@ def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PREC: tl.c
 @triton.jit
 def _attend_key_tile(q, K, V, pt_row, keys, k_ok, valid, kvh, offs_d, d_ok, m_i, l_i, acc,
                      stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, page_size, num_page_cols,
-                     DOT_PREC: tl.constexpr):
+                     tail_row, tail_start, tail_width, DOT_PREC: tl.constexpr, TAIL: tl.constexpr):
     """Gather the K/V of key positions `keys` [N] (loads masked by k_ok [N]) from the pools and run one
     online-softmax step with the mask `valid` ([M, N] or [1, N])."""
-    slots = _page_slots(pt_row, keys, page_size, num_page_cols, k_ok)  # [N] int64
+    slots = _key_slots(pt_row, keys, page_size, num_page_cols, k_ok, tail_row, tail_start, tail_width,
+                       TAIL)  # [N] int64
     kv_mask = k_ok[:, None] & d_ok[None, :]
     k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask,
                 other=0.0)  # [N, D]
@@ -138,14 +156,14 @@ def _write_result(acc, m_i, l_i, tok, head, row_ok, offs_d, d_ok, split,
 @triton.jit(do_not_specialize=_DENSE_PER_STEP)
 def _dense_attn_kernel(
     Q, K, V, Out, PartO, PartLse,
-    PageTable, QIndex, QLens, KvLens, Positions, Keep,
+    PageTable, QIndex, QLens, KvLens, Positions, Keep, TailStart, TailSlots,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
     stride_pb, stride_qi, stride_pos, stride_pot, stride_poh, stride_pls, stride_plt, stride_keep_t, stride_keep_h,
-    qk_scale, page_size, num_page_cols, max_kv, num_splits, keep_block, n_qtiles,
+    stride_tail, qk_scale, page_size, num_page_cols, max_kv, num_splits, keep_block, n_qtiles, tail_width,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_IDX: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_KEEP: tl.constexpr, KEEP_PER_TILE: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
-    PDL: tl.constexpr):
+    TAIL: tl.constexpr, PDL: tl.constexpr):
     """Grid (rows * n_qtiles, Hkv, splits). One program: BLOCK_Q query tokens of one row times the GROUP
     query heads of one KV head, flattened into M = BLOCK_Q * BLOCK_G rows, so every K/V tile it loads is
     shared by the whole GQA group and by all of the tile's tokens (a verify row reads its KV once).
@@ -158,7 +176,9 @@ def _dense_attn_kernel(
 
     Split s covers keys [s * kps, (s + 1) * kps) with kps = cdiv(kv_len, splits) rounded up to whole
     key tiles, from the row's device kv_len: a grid sized for max_kv spreads a short row over as many
-    programs as it can use, and the rest find an empty range and write an empty partial."""
+    programs as it can use, and the rest find an empty range and write an empty partial.
+
+    TAIL: key positions >= TailStart[row] of the row read their slots from TailSlots[row] (`_key_slots`)."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     pid = tl.program_id(0)
     row = pid // n_qtiles
@@ -194,6 +214,8 @@ def _dense_attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     pt_row = PageTable + row * stride_pb
+    tail_row = TailSlots + row * stride_tail
+    tail_start = tl.load(TailStart + row) if TAIL else 0
     keep_row = Keep + tok * stride_keep_t + ih * stride_keep_h  # [M] (HAS_KEEP only)
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
@@ -212,11 +234,13 @@ def _dense_attn_kernel(
             if tl.max(needed.to(tl.int32), 0) > 0:
                 m_i, l_i, acc = _attend_key_tile(q, K, V, pt_row, keys, needed, valid, kvh, offs_d, d_ok,
                                                  m_i, l_i, acc, stride_ks, stride_kh, stride_vs, stride_vh,
-                                                 qk_scale, page_size, num_page_cols, DOT_PREC)
+                                                 qk_scale, page_size, num_page_cols, tail_row, tail_start,
+                                                 tail_width, DOT_PREC, TAIL)
         else:
             m_i, l_i, acc = _attend_key_tile(q, K, V, pt_row, keys, k_ok, valid, kvh, offs_d, d_ok, m_i, l_i,
                                              acc, stride_ks, stride_kh, stride_vs, stride_vh, qk_scale,
-                                             page_size, num_page_cols, DOT_PREC)
+                                             page_size, num_page_cols, tail_row, tail_start, tail_width,
+                                             DOT_PREC, TAIL)
 
     _write_result(acc, m_i, l_i, tok, head, row_ok, offs_d, d_ok, split, Out, stride_ot, stride_oh,
                   PartO, PartLse, stride_pos, stride_pot, stride_poh, stride_pls, stride_plt, SPLIT)
@@ -225,13 +249,13 @@ def _dense_attn_kernel(
 @triton.jit(do_not_specialize=_SPARSE_PER_STEP)
 def _sparse_attn_kernel(
     Q, K, V, Out, PartO, PartLse,
-    PageTable, TokRow, Positions, Sel,
+    PageTable, TokRow, Positions, Sel, TailStart, TailSlots,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
-    stride_pb, stride_pos, stride_pot, stride_poh, stride_pls, stride_plt, stride_st, stride_sh,
-    qk_scale, page_size, num_page_cols, max_kv, block_size, num_sel, sel_per_split,
+    stride_pb, stride_pos, stride_pot, stride_poh, stride_pls, stride_plt, stride_st, stride_sh, stride_tail,
+    qk_scale, page_size, num_page_cols, max_kv, block_size, num_sel, sel_per_split, tail_width,
     HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, GROUP_KV: tl.constexpr, GROUP_IDX: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_BS: tl.constexpr, SEL_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, TAIL: tl.constexpr,
     PDL: tl.constexpr):
     """Grid (T, Hq // HEADS, splits). One program: one query token times HEADS query heads that share
     both a KV head and an index head, visiting only its selected key blocks (sel[t, ih, :], -1 = none).
@@ -263,6 +287,8 @@ def _sparse_attn_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     pt_row = PageTable + row * stride_pb
+    tail_row = TailSlots + row * stride_tail
+    tail_start = tl.load(TailStart + row) if TAIL else 0
     sel_row = Sel + tok * stride_st + ih * stride_sh
     offs_n = tl.arange(0, BLOCK_N)
     chunk = offs_n // BLOCK_BS  # [N] which selection entry of the iteration a key belongs to
@@ -277,7 +303,8 @@ def _sparse_attn_kernel(
         k_ok = (blk >= 0) & (within < block_size) & (keys <= pos) & (keys < max_kv)  # [N]
         m_i, l_i, acc = _attend_key_tile(q, K, V, pt_row, keys, k_ok, k_ok[None, :], kvh, offs_d, d_ok, m_i,
                                          l_i, acc, stride_ks, stride_kh, stride_vs, stride_vh, qk_scale,
-                                         page_size, num_page_cols, DOT_PREC)
+                                         page_size, num_page_cols, tail_row, tail_start, tail_width, DOT_PREC,
+                                         TAIL)
 
     _write_result(acc, m_i, l_i, tok_v, head, row_ok, offs_d, d_ok, split, Out, stride_ot, stride_oh,
                   PartO, PartLse, stride_pos, stride_pot, stride_poh, stride_pls, stride_plt, SPLIT)
@@ -401,14 +428,14 @@ def _index_split_range(kv_len, num_blocks, block_size, num_splits, min_blocks_pe
 
 @triton.jit(do_not_specialize=_INDEX_PER_STEP)
 def _indexer_kernel(
-    IQ, IK, PageTable, QIndex, QLens, KvLens, Positions, Sel, PartKey,
-    stride_qt, stride_qh, stride_ks, stride_pb, stride_qi, stride_st, stride_sh, stride_pt, stride_ph,
+    IQ, IK, PageTable, QIndex, QLens, KvLens, Positions, Sel, PartKey, TailStart, TailSlots,
+    stride_qt, stride_qh, stride_ks, stride_pb, stride_qi, stride_st, stride_sh, stride_pt, stride_ph, stride_tail,
     page_size, num_page_cols, max_kv, block_size, num_blocks, local_blocks, n_qtiles, num_splits,
-    min_blocks_per_split,
+    min_blocks_per_split, tail_width,
     INDEX_DIM: tl.constexpr, N_HEADS: tl.constexpr, TOPK: tl.constexpr, CAP: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_BS: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
-    DIRECT: tl.constexpr, MIXED: tl.constexpr, DOT_PREC: tl.constexpr,
+    DIRECT: tl.constexpr, MIXED: tl.constexpr, DOT_PREC: tl.constexpr, TAIL: tl.constexpr,
     PDL: tl.constexpr):
     """Grid (rows * n_qtiles, splits). One program: BLOCK_Q query tokens of one row times its N_HEADS index
     heads (M = BLOCK_Q * BLOCK_H query rows) against the row's index-K blocks of this split:
@@ -482,6 +509,8 @@ def _indexer_kernel(
         lst = tl.where(offs_k[None, :] < CAP, KEY_NONE, KEY_PAD) + tl.zeros([BLOCK_M, BLOCK_K], tl.int64)
 
     pt_row = PageTable + row * stride_pb
+    tail_row = TailSlots + row * stride_tail
+    tail_start = tl.load(TailStart + row) if TAIL else 0
     BLOCK_N: tl.constexpr = BLOCKS_PER_ITER * BLOCK_BS
     offs_n = tl.arange(0, BLOCK_N)
     within = offs_n % BLOCK_BS  # [N] key offset inside its block
@@ -490,7 +519,7 @@ def _indexer_kernel(
         blk = nb0 + offs_n // BLOCK_BS  # [N]
         keys = blk * block_size + within
         k_ok = (within < block_size) & (blk < nb_hi) & (keys <= max_pos) & (keys < max_kv)
-        slots = _page_slots(pt_row, keys, page_size, num_page_cols, k_ok)
+        slots = _key_slots(pt_row, keys, page_size, num_page_cols, k_ok, tail_row, tail_start, tail_width, TAIL)
         ik = tl.load(IK + slots[:, None] * stride_ks + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :],
                      other=0.0)  # [N, Di]
         if MIXED:
@@ -650,6 +679,18 @@ def _combine(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) ->
         HEAD_DIM=d, BLOCK_S=_pow2(s), BLOCK_D=block_d, **pdl.args(part_o))
 
 
+def _tail_args(meta: AttnMetadata, dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int, bool]:
+    """(TailStart, TailSlots, stride_tail, tail_width, TAIL) of the metadata's tail override (`dummy` pointers
+    when it has none). A full key list (`key_slots`) is the reference backend's alone."""
+    if meta.key_slots is not None:
+        raise ValueError("AttnMetadata.key_slots is read by the reference attention only; the Triton kernels take "
+                         "the tail override (tail_start / tail_slots)")
+    if meta.tail_start is None:
+        return dummy, dummy, 0, 1, False
+    slots = meta.tail_slots.contiguous()
+    return meta.tail_start, slots, slots.stride(0), slots.shape[1], True
+
+
 def _check_pools(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
     if q.shape[1] % k_pool.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_pool.shape[1]})")
@@ -692,16 +733,17 @@ def dense_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     # keep_block keeps each tile inside one keep block.
     per_tile = keep is not None and keep_block % block_n == 0
     stages = {"num_stages": tile.num_stages} if tile.num_stages is not None else {}
+    tail_start, tail_slots, stride_tail, tail_width, has_tail = _tail_args(meta, page_table)
     _dense_attn_kernel[(meta.num_rows * n_qtiles, hkv, splits)](
         q, k_pool, v_pool, out, part_o, part_lse, page_table, meta.q_index, meta.q_lens, meta.kv_lens,
-        meta.positions, keep_args[0],
+        meta.positions, keep_args[0], tail_start, tail_slots,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0), meta.q_index.stride(0), *pstr, keep_args[1],
-        keep_args[2], scale * LOG2E, meta.page_size, page_table.shape[1], meta.max_kv, splits, max(1, keep_block),
-        n_qtiles, HEAD_DIM=d, GROUP=hq // hkv,
+        keep_args[2], stride_tail, scale * LOG2E, meta.page_size, page_table.shape[1], meta.max_kv, splits,
+        max(1, keep_block), n_qtiles, tail_width, HEAD_DIM=d, GROUP=hq // hkv,
         GROUP_IDX=hq // keep.shape[1] if keep is not None else 1,
         BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=tile.block_d, HAS_KEEP=keep is not None,
-        KEEP_PER_TILE=per_tile, SPLIT=splits > 1, DOT_PREC=_dot_precision(k_pool.dtype),
+        KEEP_PER_TILE=per_tile, SPLIT=splits > 1, DOT_PREC=_dot_precision(k_pool.dtype), TAIL=has_tail,
         num_warps=num_warps or tile.num_warps, **stages, **pdl.args(q))
     if splits > 1:
         _combine(part_o, part_lse, out)
@@ -743,14 +785,15 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     if sel_chunk is None:  # else fixed by the caller (the batch-invariant mode: never from the step)
         sel_chunk = min(max(1, keys_per_iter // block_bs), _pow2(per_split))
         sel_chunk = max(sel_chunk, _pow2(-(-16 // block_bs)))
+    tail_start, tail_slots, stride_tail, tail_width, has_tail = _tail_args(meta, page_table)
     _sparse_attn_kernel[(t, hq // heads, splits)](
-        q, k_pool, v_pool, out, part_o, part_lse, page_table, meta.tok_row, meta.positions, sel,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        out.stride(0), out.stride(1), page_table.stride(0), *pstr, sel.stride(0), sel.stride(1),
-        scale * LOG2E, meta.page_size, page_table.shape[1], meta.max_kv, block_size, num_sel, per_split,
+        q, k_pool, v_pool, out, part_o, part_lse, page_table, meta.tok_row, meta.positions, sel, tail_start,
+        tail_slots, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        out.stride(0), out.stride(1), page_table.stride(0), *pstr, sel.stride(0), sel.stride(1), stride_tail,
+        scale * LOG2E, meta.page_size, page_table.shape[1], meta.max_kv, block_size, num_sel, per_split, tail_width,
         HEAD_DIM=d, HEADS=heads, GROUP_KV=group_kv, GROUP_IDX=group_idx, BLOCK_G=_pow2(heads, 16),
         BLOCK_BS=block_bs, SEL_CHUNK=sel_chunk, BLOCK_D=_pow2(d, 16), SPLIT=splits > 1,
-        DOT_PREC=_dot_precision(k_pool.dtype), num_warps=num_warps, **pdl.args(q))
+        DOT_PREC=_dot_precision(k_pool.dtype), TAIL=has_tail, num_warps=num_warps, **pdl.args(q))
     if splits > 1:
         _combine(part_o, part_lse, out)
     return out
@@ -838,15 +881,18 @@ def select_blocks(iq: torch.Tensor, ik_pool: torch.Tensor, meta: AttnMetadata, b
     page_table = meta.page_table.contiguous()
     # [T, Hi, splits * BLOCK_K] int64: each split's list of packed keys (`_pack_key`)
     part_key = torch.empty(t, hi, splits * block_k, dtype=torch.int64, device=iq.device) if splits > 1 else sel
+    tail_start, tail_slots, stride_tail, tail_width, has_tail = _tail_args(meta, page_table)
     _indexer_kernel[(meta.num_rows * n_qtiles, splits)](
         iq, ik_pool, page_table, meta.q_index, meta.q_lens, meta.kv_lens, meta.positions, sel, part_key,
-        iq.stride(0), iq.stride(1), ik_pool.stride(0), page_table.stride(0), meta.q_index.stride(0),
-        sel.stride(0), sel.stride(1), part_key.stride(0), part_key.stride(1),
+        tail_start, tail_slots, iq.stride(0), iq.stride(1), ik_pool.stride(0), page_table.stride(0),
+        meta.q_index.stride(0), sel.stride(0), sel.stride(1), part_key.stride(0), part_key.stride(1), stride_tail,
         meta.page_size, page_table.shape[1], meta.max_kv, block_size, nb, local_blocks, n_qtiles, splits, min_bps,
+        tail_width,
         INDEX_DIM=di, N_HEADS=hi, TOPK=k, CAP=plan.cap, BLOCK_K=block_k, BLOCK_O=_pow2(k), BLOCK_Q=block_q,
         BLOCK_H=block_h, BLOCK_BS=_pow2(block_size), BLOCKS_PER_ITER=plan.blocks_per_iter,
         BLOCK_D=_pow2(di, 16), SPLIT=splits > 1, DIRECT=direct_lists and plan.direct, MIXED=mixed,
-        DOT_PREC="ieee" if mixed else _dot_precision(ik_pool.dtype), num_warps=num_warps, **pdl.args(iq))
+        DOT_PREC="ieee" if mixed else _dot_precision(ik_pool.dtype), TAIL=has_tail, num_warps=num_warps,
+        **pdl.args(iq))
     if splits > 1:
         block_c = _pow2(splits) * block_k
         _index_merge_kernel[(t, hi)](
