@@ -126,7 +126,7 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
                          f"{tcfg.max_position_embeddings}; lower --prompt-len or --max-tokens")
     pages_per_seq = -(-(mml + 2 * (k + 1)) // a.page_size) + 1
     overlap = None if a.overlap == "auto" else a.overlap == "on"
-    # a tree runs the plain eager path: Runtime turns overlap off unless asked, and refuses it when asked
+    # a tree replays decode graphs without overlap: Runtime turns overlap off unless asked, and refuses it when asked
     spec_kw: dict[str, Any] = {"draft_tree": str(tree)} if tree is not None else {"num_draft_tokens": k}
     tp = getattr(a, "tensor_parallel_size", 1)
     if a.compare_hf and tp > 1:
@@ -138,7 +138,7 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
     llm = Runtime(geo.model, geo.draft if k else None, **spec_kw, dtype=a.dtype, device=str(dev),
               page_size=a.page_size, max_num_tokens=a.max_num_tokens, max_model_len=mml, max_num_seqs=max_b,
               num_pages=1 + max_b * pages_per_seq, overlap=overlap, attention_backend=a.attention_backend,
-              moe_backend=a.moe_backend, enforce_eager=a.enforce_eager or tree is not None,
+              moe_backend=a.moe_backend, enforce_eager=a.enforce_eager,
               load_format=geo.load_format, tensor_parallel_size=tp,
               prefill_graphs=False if tree is not None else getattr(a, "prefill_graphs", None),
               max_prefill_graph_tokens=getattr(a, "max_prefill_graph_tokens", 512),

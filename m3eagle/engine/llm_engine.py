@@ -105,7 +105,7 @@ class EngineConfig:
     # prefix is cached computes only the rest (scheduler.py, prefix_keys.py).
     enable_prefix_caching: bool = True
     # A draft tree (draft_tree.TreeSpec) instead of the chain: num_draft_tokens is then its node budget N
-    # (each verify row carries N nodes); the plain eager path only (draft_tree.check_tree_engine).
+    # (each verify row carries N nodes); decode graphs, no overlap or prefill graphs (draft_tree.check_tree_engine).
     draft_tree: Any = None
     # The deterministic mode (LLM(deterministic=True)): besides its batch-invariant kernels (the Ops), verification
     # is coupled to decoding without drafts (sampling/verify.py), so a seed gives the same tokens with any drafts.
@@ -202,8 +202,10 @@ class LLMEngine(OutputProcessor):
         if cfg.max_prefill_graph_tokens < 16:
             raise ValueError(f"max_prefill_graph_tokens={cfg.max_prefill_graph_tokens} must be >= 16 (the "
                              "smallest prefill-graph bucket); turn prefill graphs off with prefill_graphs=False")
+        # Prefill graphs: on by default on one CUDA device (with enforce_eager too: eager pads as a replay would);
+        # off for draft trees, whose prompt steps run eagerly.
         pg = cfg.prefill_graphs if cfg.prefill_graphs is not None else (
-            device.type == "cuda" and tp.size == 1)  # with enforce_eager too: eager pads as a replay would
+            device.type == "cuda" and tp.size == 1 and not (k and cfg.draft_tree is not None))
         num_pages = resolve_num_pages(replace(cfg, prefill_graphs=pg), target, draft if k else None, dtype,
                                       device, k, tp)
         replays = not cfg.enforce_eager and cfg.graph_shapes is not False  # graph-shaped steps replay graphs
@@ -232,8 +234,7 @@ class LLMEngine(OutputProcessor):
         max_rows = cfg.max_num_seqs + int(pg)
         tree = cfg.draft_tree if k else None
         if tree is not None:
-            check_tree_engine(tree, cfg.overlap, not cfg.enforce_eager and device.type == "cuda"
-                              or bool(cfg.graph_shapes), pg, steps, tp.size)
+            check_tree_engine(tree, cfg.overlap, pg, steps, tp.size)
         runner_cls, extra = (TreeModelRunner, {"tree": tree}) if tree is not None else (ModelRunner, {})
         self.runner = runner_cls(target, draft, k, num_pages, cfg.page_size, cfg.max_num_seqs, dtype, device,
                                  max_num_tokens=max_tokens, max_rows=max_rows,

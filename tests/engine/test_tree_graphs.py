@@ -12,7 +12,10 @@ os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton` (
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from m3eagle import LLM, SamplingParams  # noqa: E402
+from m3eagle.bench.geometries import tiny  # noqa: E402
 from tests.engine.test_draft_tree import scripted_trees, tiny_tree_and_reference  # noqa: E402
+from tests.helpers.engine_utils import assert_clean  # noqa: E402
 
 # What would make a device step wait for the device (or copy from pageable host memory) on CUDA.
 _SYNCS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "nonzero")
@@ -83,14 +86,26 @@ def _guard_execute(llm, counts: dict[str, int]) -> None:
     runner.execute = execute
 
 
-@pytest.mark.parametrize("graph_shapes", [False], ids=["eager"])
+@pytest.mark.parametrize("graph_shapes", [False, True], ids=["eager", "buckets"])
 def test_tree_step_is_sync_free_and_greedy_exact(graph_shapes):
     """Every tree step -- decode-only and mixed with prompt rows -- runs without a host read of a device value
     or a tensor built from host data, and the tokens are the plain greedy ones (the tiny geometry: MSA block
-    selection active past 16 tokens), also with scripted trees."""
+    selection active past 16 tokens), also with scripted trees. `buckets`: decode-only steps padded to graph
+    buckets with the fixed KV bound -- what a CUDA replay computes -- while prompt steps stay eager; requests
+    of different lengths finish at different steps, so the bucket changes."""
     tree, prompts, sp, ref, vocab = tiny_tree_and_reference("3,3,8", 7, (30, 41, 19), 20)
+    seen: list[tuple[int, object]] = []
     if graph_shapes:
         tree = _same_with(tree, graph_shapes=True)
+        build = tree.engine.graphs.build
+
+        def spy(batch, bucket):
+            seen.append((len(batch.rows), bucket))
+            return build(batch, bucket)
+
+        tree.engine.graphs.build = spy
+        sp = [SamplingParams(temperature=0, max_tokens=12 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
+        ref = [r[: p.max_tokens] for r, p in zip(ref, sp)]
     counts: dict[str, int] = {}
     _guard_execute(tree, counts)
     assert [o.outputs[0].token_ids for o in tree.generate(prompts, sp)] == ref
@@ -99,14 +114,69 @@ def test_tree_step_is_sync_free_and_greedy_exact(graph_shapes):
     assert [o.outputs[0].token_ids for o in tree.generate(prompts, sp)] == ref
     assert set(used) == {0, 1, 2} and tree.engine.counters.accept_hist[3] > 0
     assert counts.get("decode", 0) > 5 and counts.get("mixed", 0) > 0, counts
-    tree.engine.check_integrity()
+    if graph_shapes:
+        padded = [(n, b) for n, b in seen if b is not None]
+        assert any(b > n for n, b in padded) and len({b for _, b in padded}) >= 2, seen
+        assert any(b is None for _, b in seen)  # prompt steps ran eagerly
+    assert_clean(tree)
 
 
 def _same_with(llm, **kw):
     """An LLM on the same weights and tree as `llm`, with other engine options."""
-    from m3eagle import LLM
-    from m3eagle.bench.geometries import tiny
-
     t, h = tiny()
     return LLM(t, draft=h, draft_tree=str(llm.engine.runner.tree), device="cpu", load_format="dummy",
                max_model_len=160, page_size=8, **kw)
+
+
+def test_tree_on_triton_attention_equals_plain():
+    """The node rows and the head's frontier on the Triton attention kernels (interpreted; the tail override in
+    the dense, indexer and sparse kernels): the plain greedy tokens, past the MSA threshold, with scripted trees."""
+    tree, prompts, sp, ref, vocab = tiny_tree_and_reference("3,2,6", 11, (37,), 12)
+    tree = _same_with(tree, attention_backend="triton")
+    assert tree.engine.ops.names["attention"] == "triton"
+    tree.engine.ops.attention.waves = 0  # unsplit launches: the interpreter runs each program in turn
+    used = scripted_trees(tree, {tuple(p): p + r for p, r in zip(prompts, ref)}, vocab)
+    assert [o.outputs[0].token_ids for o in tree.generate(prompts, sp)] == ref
+    assert set(used) == {0, 1, 2} and tree.engine.counters.accept_hist[3] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_tree_graph_replay_equals_eager_cuda(sampled):
+    """On CUDA: tree steps replay captured graphs (decode-only steps; prompt steps eager) and give the eager
+    engine's tokens; greedy ones equal plain decoding; the steady state runs under sync debug "error"."""
+    texts = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):", "x = ["]
+    kw = dict(device="cuda", max_num_seqs=8, max_num_tokens=256, max_model_len=512, draft_tree="3,4,16")
+    sps = [SamplingParams(temperature=0.8 if sampled else 0.0, top_p=0.95, seed=5 + i, max_tokens=16 + 6 * i,
+                          ignore_eos=True) for i in range(len(texts))]
+    eager = LLM(enforce_eager=True, **kw)
+    graph = LLM(**kw)
+    assert graph.engine.graphs.use_graphs and graph.engine.cfg.prefill_graphs is False
+    graph.engine.sync_debug = True
+    want = [o.outputs[0].token_ids for o in eager.generate(texts, sps)]
+    assert [o.outputs[0].token_ids for o in graph.generate(texts, sps)] == want
+    assert graph.engine.graphs.num_replays > 0
+    if not sampled:
+        plain = LLM(device="cuda", num_draft_tokens=0, max_model_len=512, dtype="float32")
+        tree32 = LLM(dtype="float32", **kw)
+        ref = [o.outputs[0].token_ids for o in plain.generate(texts, sps)]
+        assert [o.outputs[0].token_ids for o in tree32.generate(texts, sps)] == ref
+    assert_clean(graph)
+
+
+def test_seeded_tree_buckets_equal_eager():
+    """Sampled rows (seeded, top_p, logprobs) through the tree's rejection sampling: padding decode steps to
+    graph buckets changes no token and no logprob."""
+    t, h = tiny()
+    kw = dict(device="cpu", load_format="dummy", max_model_len=96, page_size=8, draft_tree="2,3,5")
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, t.vocab_size, (n,), generator=g).tolist() for n in (21, 9, 14)]
+    sps = [SamplingParams(temperature=0.9, top_p=0.9, seed=30 + i, max_tokens=8 + 3 * i, ignore_eos=True, logprobs=2)
+           for i in range(len(prompts))]
+    outs = [LLM(t, draft=h, graph_shapes=shapes, **kw).generate(prompts, sps) for shapes in (False, True)]
+    toks = [[o.outputs[0].token_ids for o in out] for out in outs]
+    assert toks[0] == toks[1]
+    lps = [[[lp[tok].logprob for tok, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in out]
+           for out in outs]
+    assert all(a == pytest.approx(b, abs=1e-5) for a, b in zip(*lps))
