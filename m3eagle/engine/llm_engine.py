@@ -105,7 +105,7 @@ class EngineConfig:
     # prefix is cached computes only the rest (scheduler.py, prefix_keys.py).
     enable_prefix_caching: bool = True
     # A draft tree (draft_tree.TreeSpec) instead of the chain: num_draft_tokens is then its node budget N
-    # (each verify row carries N nodes); decode graphs, no overlap or prefill graphs (draft_tree.check_tree_engine).
+    # (each verify row carries N nodes); decode graphs and overlap, no prefill graphs (draft_tree.check_tree_engine).
     draft_tree: Any = None
     # The deterministic mode (LLM(deterministic=True)): besides its batch-invariant kernels (the Ops), verification
     # is coupled to decoding without drafts (sampling/verify.py), so a seed gives the same tokens with any drafts.
@@ -234,7 +234,7 @@ class LLMEngine(OutputProcessor):
         max_rows = cfg.max_num_seqs + int(pg)
         tree = cfg.draft_tree if k else None
         if tree is not None:
-            check_tree_engine(tree, cfg.overlap, pg, steps, tp.size)
+            check_tree_engine(tree, pg, steps, tp.size)
         runner_cls, extra = (TreeModelRunner, {"tree": tree}) if tree is not None else (ModelRunner, {})
         self.runner = runner_cls(target, draft, k, num_pages, cfg.page_size, cfg.max_num_seqs, dtype, device,
                                  max_num_tokens=max_tokens, max_rows=max_rows,

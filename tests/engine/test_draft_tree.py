@@ -310,8 +310,8 @@ def test_sampled_tree_runs_seeded_with_logprobs(embedded):
 def test_refusals_name_the_options():
     with pytest.raises(ValueError, match="pass one"):
         LLM(device="cpu", draft_tree="3,4,16", num_draft_tokens=3)
-    with pytest.raises(ValueError, match="overlap=True"):
-        LLM(device="cpu", draft_tree="3,4,16", overlap=True)
+    with pytest.raises(ValueError, match="prefill_graphs=True"):
+        LLM(device="cpu", draft_tree="3,4,16", prefill_graphs=True)
     with pytest.raises(ValueError, match="num_scheduler_steps=2"):
         LLM(device="cpu", draft_tree="3,4,16", num_scheduler_steps=2)
 
