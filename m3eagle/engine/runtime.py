@@ -63,7 +63,7 @@ class Runtime:
     ("MiniMaxAI/MiniMax-M3": its cached snapshot, downloaded when online; HF_HUB_OFFLINE=1 reads the cache
     only); None uses the embedded model and its Eagle3 head. draft: an Eagle3 head directory (or Hub id);
     num_draft_tokens: K (1..8; 0 = off). draft_tree: "D,K,N" drafts a dynamic tree instead of the chain (depth D,
-    the K best children per expanded node, N nodes verified; docs/design/speculative.md); plain eager path only.
+    the K best children per expanded node, N nodes verified; docs/design/speculative.md); overlap off unless asked.
     overlap: None = on for CUDA, off for CPU. attention_backend / moe_backend / fused_backend (norms, RoPE,
     activations, router): 'auto' (triton on CUDA, reference on CPU) | 'reference' | 'triton'.
     enforce_eager: never capture CUDA graphs (they are on by default on CUDA).
