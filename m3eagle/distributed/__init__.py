@@ -2,7 +2,8 @@
 
 - `parallel_state.py`: `TPGroup` (rank, size, the process groups) and how heads / experts / vocabulary split;
 - `layers.py`: sharded linear and embedding layers, and the `Shard` that says which slice a rank holds;
-- `launch.py`: starting the ranks (spawned workers, or torchrun), the per-step broadcast, faults and shutdown.
+- `m3eagle/engine/executor.py`: starting the ranks (spawned workers, or torchrun), the per-step broadcast, faults
+  and shutdown.
 
 See docs/design/parallel.md.
 """

@@ -90,8 +90,9 @@ def rank_device(device: torch.device, local_rank: int, size: int) -> torch.devic
     return torch.device("cuda", local_rank)
 
 
-def init_group(rank: int, size: int, init_method: str, device: torch.device) -> TPGroup:
-    """Join the process group: NCCL on GPUs, gloo on the CPU, plus a gloo control group for step headers."""
+def init_group(rank: int, size: int, init_method: str, device: torch.device, deterministic: bool = False) -> TPGroup:
+    """Join the process group: NCCL on GPUs, gloo on the CPU, plus a gloo control group for step headers.
+    `deterministic`: the group sums partials in rank order (TPGroup.all_reduce), the deterministic mode's TP part."""
     if dist.is_initialized():
         raise RuntimeError("a tensor-parallel LLM already lives in this process (torch.distributed holds one "
                            "default process group per process): call its shutdown() first")
@@ -100,7 +101,7 @@ def init_group(rank: int, size: int, init_method: str, device: torch.device) -> 
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s()), **extra)
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    return TPGroup(rank=rank, size=size, group=dist.group.WORLD, control=control)
+    return TPGroup(rank=rank, size=size, group=dist.group.WORLD, control=control, deterministic=deterministic)
 
 
 def free_tcp_address() -> str:

@@ -100,7 +100,8 @@ class Runtime:
     deterministic: every kernel computes each row in an order that does not depend on the batch, its chunking
     or its verify count ('auto' backends become 'batch_invariant' on CUDA; docs/design/deterministic.md), so
     greedy speculative output equals plain output and a request's output is the same alone or in any batch,
-    in bf16 on the GPU too. Not with MXFP8 weights."""
+    in bf16 on the GPU too; under tensor parallelism the ranks' partial sums are added in rank order. Not with
+    MXFP8 weights."""
 
     def __init__(self, model: str | Path | M3Config | dict | None = None,
                  draft: str | Path | Eagle3Config | dict | None = None,
@@ -236,7 +237,7 @@ class Runtime:
         dev = launch.rank_device(dev, local, size)
         workers = launch.Workers(size, init, type(self), spawn_kwargs) if worker is None and env is None else None
         try:
-            self.tp = launch.init_group(rank, size, init, dev)
+            self.tp = launch.init_group(rank, size, init, dev, self.deterministic)
         except BaseException:
             if workers is not None:
                 workers.stop(wait_s=1.0)

@@ -4,7 +4,8 @@ One rank-0 LLM lives in this process at a time (torch.distributed holds one defa
 the TP engines are built once per model (`tp_llm`) and each test reuses the live one; the single-process
 references are computed once. Covered: GQA with 2 KV heads (split) and MQA with 1 (replicated, and its
 indexer head too), MSA sparse layers active (contexts well past top-k x block), Eagle3 K=3, overlap off and
-on, forced preemption, seeded sampling, a worker killed mid-run, and a torchrun-style (env://) launch.
+on, forced preemption, seeded sampling, the deterministic mode (its rank-order sums), a worker killed mid-run,
+and a torchrun-style (env://) launch.
 """
 
 from __future__ import annotations
@@ -265,6 +266,51 @@ def test_torchrun_style_launch(tmp_path, model_dir, reference):
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
     assert json.loads(outs[0][0].strip().splitlines()[-1]) == reference["greedy"]
+
+
+# ---- the deterministic mode: cross-rank sums in rank order ------------------------------------------
+
+
+@pytest.mark.slow
+def test_deterministic_alone_equals_batch_equals_one_process(model_dir, head_dir, monkeypatch):
+    """deterministic=True with tensor_parallel_size=2, Eagle3 K=3: every floating cross-rank sum on rank 0 is the
+    fixed-order one (no float all-reduce reaches the backend), and a request's tokens, greedy and seeded, are the
+    same alone as inside the batch, and the same as one process's deterministic tokens.
+
+    What the tokens can and cannot show here: the bit-level property (a row's sum has the same bits whatever the
+    rows beside it, in rank order) is tests/distributed/test_deterministic_reduce.py's, over three ranks (with two,
+    a + b == b + a and any order gives the same bits). On the CPU the reference ops' matmuls are not
+    bit-invariant in the row count even in one process, and TP=2 splits o_proj / down_proj's K into two partial
+    sums that one process adds in one GEMM, so neither the alone == batch nor the TP == one-process comparison
+    can be bit-exact on CPU: they are token equalities, which fp32's margins give on these prompts."""
+    from m3eagle.distributed import parallel_state
+
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, seed=7, ignore_eos=True)
+    one = LLM(model_dir, head_dir, num_draft_tokens=3, deterministic=True, **KW)
+    want = {"greedy": tokens(one, greedy(8)), "sampled": tokens(one, sampled)}
+
+    calls = {"fixed": 0, "float_all_reduce": 0}
+    fixed, backend = parallel_state.fixed_order_all_reduce, parallel_state.dist.all_reduce
+
+    def count_fixed(*a, **k):
+        calls["fixed"] += 1
+        return fixed(*a, **k)
+
+    def count_backend(t, *a, **k):
+        calls["float_all_reduce"] += t.is_floating_point()
+        return backend(t, *a, **k)
+
+    monkeypatch.setattr(parallel_state, "fixed_order_all_reduce", count_fixed)
+    monkeypatch.setattr(parallel_state.dist, "all_reduce", count_backend)
+    llm = tp_llm("gqa-deterministic", model_dir, head_dir, num_draft_tokens=3, deterministic=True)
+    assert llm.tp.deterministic and llm.engine.cfg.deterministic
+    for name, params, lone in (("greedy", greedy(8), (1, 2)), ("sampled", sampled, (1,))):
+        batch = tokens(llm, params)
+        alone = [llm.generate([prompts()[i]], params, use_tqdm=False)[0].outputs[0].token_ids for i in lone]
+        assert batch == want[name] and alone == [batch[i] for i in lone], name
+    assert calls["fixed"] > 0 and calls["float_all_reduce"] == 0, calls
+    assert llm.stats()["num_drafted"] > 0
+    assert_clean(llm)
 
 
 # ---- MQA (1 KV head, replicated), then a worker killed mid-run --------------------------------------
