@@ -59,13 +59,13 @@ serve() {
   echo "[$name cache $cache: ready after $((SECONDS - t0)) s]"
 }
 
-# bench FILE DATASET INPUT_LEN PREFIX_LEN LABEL
+# bench FILE DATASET INPUT_LEN PREFIX_LEN LABEL [SEED]
 bench() {
-  local file=$1 dataset=$2 inp=$3 pre=$4 label=$5
+  local file=$1 dataset=$2 inp=$3 pre=$4 label=$5 seed=${6:-0}
   mkdir -p "$(dirname "$file")"
   python -m m3eagle bench-serve --base-url "http://127.0.0.1:$PORT" --max-concurrency "$C" --num-prompts "$N" \
     --dataset "$dataset" --input-len "$inp" --prefix-len "$pre" --output-len "$OUTPUT_LEN" --warmup 1 \
-    --label "$label" --json "$file" 2>&1 | tail -14
+    --seed "$seed" --label "$label" --json "$file" 2>&1 | tail -14
 }
 
 stop() {
@@ -83,8 +83,9 @@ if [ "$ONLY" != embedded ]; then
     bench "$d/prefix.json" prefix "$SUFFIX_LEN" "$PREFIX_LEN" "m3-mini K=3 cache $cache, shared prefix"
     # twice: the first pass meets shapes the shared-prefix workload never ran (whole long prompts); the second is
     # the measured one
-    bench "$d/unique_first.json" random $((PREFIX_LEN + SUFFIX_LEN)) 0 "m3-mini K=3 cache $cache, nothing shared (first)"
-    bench "$d/unique.json" random $((PREFIX_LEN + SUFFIX_LEN)) 0 "m3-mini K=3 cache $cache, nothing shared"
+    # the second pass draws other prompts (another seed): the first pass's are cached by now
+    bench "$d/unique_first.json" random $((PREFIX_LEN + SUFFIX_LEN)) 0 "m3-mini K=3 cache $cache, nothing shared (first)" 1
+    bench "$d/unique.json" random $((PREFIX_LEN + SUFFIX_LEN)) 0 "m3-mini K=3 cache $cache, nothing shared" 2
     stop "$d"
   done
 fi
