@@ -66,8 +66,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # page table are fixed per engine and stay specialized.
 _PARTIALS = ["stride_pos", "stride_pot", "stride_pls", "stride_plt"]  # [splits, T, ...] scratch: T varies
 _TAIL = ["stride_tail", "tail_width"]  # a tree's tail override: its width is the node's depth (1 for some calls)
-_DENSE_PER_STEP = _PARTIALS + _TAIL + ["stride_qi", "stride_keep_t", "stride_keep_h", "max_kv", "num_splits",
-                                       "n_qtiles"]
+_DENSE_PER_STEP = _PARTIALS + _TAIL + ["stride_qi", "stride_keep_t", "stride_keep_h", "max_kv", "num_splits", "n_qtiles"]
 _SPARSE_PER_STEP = _PARTIALS + _TAIL + ["max_kv", "sel_per_split"]
 _COMBINE_PER_STEP = _PARTIALS + ["num_splits"]
 _INDEX_PER_STEP = _TAIL + ["stride_qi", "stride_pt", "stride_ph", "max_kv", "num_blocks", "n_qtiles", "num_splits"]
@@ -118,8 +117,7 @@ def _attend_key_tile(q, K, V, pt_row, keys, k_ok, valid, kvh, offs_d, d_ok, m_i,
                      tail_row, tail_start, tail_width, DOT_PREC: tl.constexpr, TAIL: tl.constexpr):
     """Gather the K/V of key positions `keys` [N] (loads masked by k_ok [N]) from the pools and run one
     online-softmax step with the mask `valid` ([M, N] or [1, N])."""
-    slots = _key_slots(pt_row, keys, page_size, num_page_cols, k_ok, tail_row, tail_start, tail_width,
-                       TAIL)  # [N] int64
+    slots = _key_slots(pt_row, keys, page_size, num_page_cols, k_ok, tail_row, tail_start, tail_width, TAIL)
     kv_mask = k_ok[:, None] & d_ok[None, :]
     k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask,
                 other=0.0)  # [N, D]
@@ -176,9 +174,8 @@ def _dense_attn_kernel(
 
     Split s covers keys [s * kps, (s + 1) * kps) with kps = cdiv(kv_len, splits) rounded up to whole
     key tiles, from the row's device kv_len: a grid sized for max_kv spreads a short row over as many
-    programs as it can use, and the rest find an empty range and write an empty partial.
-
-    TAIL: key positions >= TailStart[row] of the row read their slots from TailSlots[row] (`_key_slots`)."""
+    programs as it can use, and the rest find an empty range and write an empty partial. TAIL: key positions
+    >= TailStart[row] of the row read their slots from TailSlots[row] (`_key_slots`)."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     pid = tl.program_id(0)
     row = pid // n_qtiles
@@ -255,8 +252,7 @@ def _sparse_attn_kernel(
     qk_scale, page_size, num_page_cols, max_kv, block_size, num_sel, sel_per_split, tail_width,
     HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, GROUP_KV: tl.constexpr, GROUP_IDX: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_BS: tl.constexpr, SEL_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, TAIL: tl.constexpr,
-    PDL: tl.constexpr):
+    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr):
     """Grid (T, Hq // HEADS, splits). One program: one query token times HEADS query heads that share
     both a KV head and an index head, visiting only its selected key blocks (sel[t, ih, :], -1 = none).
     Tokens are not tiled together because each token has its own block selection.
