@@ -17,9 +17,10 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 def row_invariant_interpreter_dot():
     """The Triton interpreter's tl.dot is np.matmul, whose BLAS kernel (OpenBLAS picks one per CPU) may give a
     row other bits at another position in the block. The kernels' row-invariance tests (deterministic mode)
-    then fail on some CPUs for the interpreter's sake, not the kernel's. Every float dot here sums its K
-    products in order per output element instead, a function of that element's row and column alone. Patched
-    after collection, once the test modules have set TRITON_INTERPRET and imported triton."""
+    then fail on some CPUs for the interpreter's sake, not the kernel's. Every float dot here runs numpy's own
+    einsum loop instead (no BLAS; optimize=False keeps it off tensordot), which sums each output element's K
+    products by one rule for every row, as fast as np.matmul at tile sizes. Patched after collection, once the
+    test modules have set TRITON_INTERPRET and imported triton."""
     if "triton" not in sys.modules:
         yield
         return
@@ -32,8 +33,8 @@ def row_invariant_interpreter_dot():
         if a.data.dtype not in native or b.data.dtype not in native:  # fp8 / bf16 raw bits: triton's own path
             return original(self, a, b, d, input_precision, max_num_imprecise_acc)
         acc = d.data.dtype
-        prod = a.data.astype(acc)[..., :, :, None] * b.data.astype(acc)[..., None, :, :]  # [.., M, K, N]
-        return TensorHandle(prod.sum(axis=-2, dtype=acc) + d.data, d.dtype.scalar)
+        out = np.einsum("...mk,...kn->...mn", a.data.astype(acc), b.data.astype(acc), optimize=False)
+        return TensorHandle(out + d.data, d.dtype.scalar)
 
     InterpreterBuilder.create_dot = create_dot
     yield
