@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Offline benches of the three bench geometries on one GPU (`m3eagle bench`). Run from the repository root:
 #
-#   OUT=<dir> bash scripts/bench_gpu.sh [mini|8b|embedded|m3-fp8|8b-fp8|det|tree|all]   (default: all)
+#   OUT=<dir> bash scripts/bench_gpu.sh [mini|8b|embedded|m3-fp8|8b-fp8|det|tree|bi-gemm|prefix-ttft|all]
+#   (default: all)
 #
 # Each run writes $OUT/bench_<name>.json (the JSON document) and $OUT/bench_<name>.log (progress + table);
 # $OUT defaults to out/bench. Expected wall time on one H200 (estimates; the JSON's wall_s is the truth):
@@ -9,7 +10,10 @@
 # command, run "mini embedded" in one call and "8b" in another. det: m3-mini at batch 1 and 32 with the
 # deterministic mode off, then on (K=3; tok/s and the replayed step of each, to read its cost), ~4-6 min.
 # tree: the embedded pair at batch 1 and 32, chain K=3 (overlap, graphs) against trees 3,4,16 and 6,4,32 (the
-# plain eager path trees run on), ~2-3 min.
+# plain eager path trees run on), ~2-3 min. bi-gemm: the deterministic GEMM's config sweep on m3-mini's shapes
+# (benchmarks/batch_invariant_gemm.py -> $OUT/bi_gemm.json). prefix-ttft: engine-side TTFT, prefix cache on / off,
+# m3-mini 4,096 shared + 128 own tokens, waves of 8, with prompt graphs up to 512 and up to 2,048 tokens
+# (benchmarks/prefix_ttft.py -> $OUT/prefix_ttft_{512,2048}.json).
 set -euo pipefail
 OUT=${OUT:-out/bench}
 mkdir -p "$OUT"
@@ -46,11 +50,18 @@ for t in "${targets[@]}"; do
       run embedded-chain --geometry embedded --batch-sizes 1,32 --max-tokens 128 --repeats 3
       run embedded-tree3 --geometry embedded --batch-sizes 1,32 --max-tokens 128 --repeats 3 --draft-tree 3,4,16
       run embedded-tree6 --geometry embedded --batch-sizes 1,32 --max-tokens 128 --repeats 3 --draft-tree 6,4,32 ;;
+    bi-gemm)
+      python benchmarks/batch_invariant_gemm.py --geometry m3-mini --json "$OUT/bi_gemm.json" 2>&1 | tee "$OUT/bi_gemm.log" ;;
+    prefix-ttft)
+      for cap in 512 2048; do
+        python benchmarks/prefix_ttft.py --geometry m3-mini --max-prefill-graph-tokens "$cap" \
+          --json "$OUT/prefix_ttft_$cap.json" 2>&1 | grep -v INFO | tee "$OUT/prefix_ttft_$cap.log"
+      done ;;
     all)
       run m3-mini --geometry m3-mini --batch-sizes 1,8,32 --compare-hf
       run m3-8b --geometry m3-8b --batch-sizes 1,8,32
       run embedded --geometry embedded --batch-sizes 1,32
       ;;
-    *) echo "usage: $0 [mini|8b|embedded|m3-fp8|8b-fp8|det|tree|all]..." >&2; exit 2 ;;
+    *) echo "usage: $0 [mini|8b|embedded|m3-fp8|8b-fp8|det|tree|bi-gemm|prefix-ttft|all]..." >&2; exit 2 ;;
   esac
 done
