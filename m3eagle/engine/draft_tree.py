@@ -15,8 +15,9 @@ ahead of its children: the N best are closed under ancestors, and creation order
 Storage: node i (1..N) of a row is verify token i after the root (token 0, the last emitted token) and its
 K/V lives at position p0 + i of the row (p0: the root's position); its RoPE / causal position is
 p0 + depth(i). A node's attention reads the committed context (positions 0..p0) and its ancestors; the
-row layout that expresses this (`node_key_positions`) lists, for virtual key position v of node i, the
-storage position of the key the node sees there: v itself up to p0, then its ancestor at depth v - p0.
+row layout that expresses this (the attention metadata's tail override, see tree_runner.py) gives, for
+virtual key position v of node i, the storage position of the key the node sees there: v itself up to p0,
+then its ancestor at depth v - p0.
 Seen that way each node is an ordinary causal sequence, so dense and MSA sparse layers (whose block
 selection max-pools index scores over key positions) treat it exactly as the reference treats that
 sequence.
@@ -147,13 +148,3 @@ def tree_mask(parents: torch.Tensor, depths: torch.Tensor, max_depth: int) -> to
     anc = ancestors(parents, depths, max_depth)  # past a node's depth: the node itself
     mask = torch.zeros(*parents.shape, parents.shape[1], dtype=torch.bool, device=parents.device)
     return mask.scatter_(2, anc, True)
-
-
-def node_key_positions(p0: torch.Tensor, anc: torch.Tensor, length: int) -> torch.Tensor:
-    """Storage positions of each node's virtual keys: p0 [B] (root position), anc [B, N+1, D+1] ->
-    [B, N+1, length]: v for v <= p0, else p0 + anc[i, v - p0] (its ancestor at that depth; past its own
-    depth the node's own slot, which causality masks)."""
-    v = torch.arange(length, device=anc.device)  # [L]
-    rel = (v[None, :] - p0[:, None]).clamp(0, anc.shape[2] - 1)  # [B, L]
-    far = anc.gather(2, rel[:, None, :].expand(-1, anc.shape[1], -1))  # [B, N+1, L]
-    return torch.where(v[None, None, :] <= p0[:, None, None], v[None, None, :], p0[:, None, None] + far)

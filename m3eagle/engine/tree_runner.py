@@ -159,7 +159,7 @@ class TreeModelRunner(ModelRunner):
         tmeta = replace(meta, num_rows=b * n1, max_q=max_q, q_lens=q_sub.reshape(-1), kv_lens=kv.reshape(-1),
                         page_table=meta.page_table.repeat_interleave(n1, 0), tok_row=tr * n1 + torch.where(t_split, tc, 0),
                         tok_col=torch.where(t_split, 0, tc), q_index=q_index, q_valid=q_valid, positions=tpos,
-                        key_slots=None, tail_start=tail_start.repeat_interleave(n1), tail_slots=tail.reshape(b * n1, -1))
+                        tail_start=tail_start.repeat_interleave(n1), tail_slots=tail.reshape(b * n1, -1))
         return tmeta, tpos
 
     def _compact(self, meta: AttnMetadata, p0: torch.Tensor, path: torch.Tensor, num_new: torch.Tensor) -> None:

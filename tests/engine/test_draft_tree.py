@@ -17,7 +17,6 @@ from m3eagle.engine.draft_tree import (
     best,
     expand,
     full_tree,
-    node_key_positions,
     rerank,
     tree_mask,
 )
@@ -67,15 +66,16 @@ def test_ancestors_and_mask_of_a_hand_built_tree():
     want = [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0], [1, 1, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0],
             [1, 1, 0, 1, 0, 1]]
     assert mask.tolist() == want
-    keys = node_key_positions(torch.tensor([10]), anc, 15)[0]  # root at position 10, nodes stored at 11..15
-    assert keys[5, 9:14].tolist() == [9, 10, 11, 13, 15]  # ..., root, node 1 (depth 1), node 3, itself
-    assert keys[2, 9:12].tolist() == [9, 10, 12]
+    # root at position 10, nodes stored at 11..15: the storage positions a node's tail override reads
+    assert (10 + anc[0, 5, 1:]).tolist() == [11, 13, 15]  # node 1 (depth 1), node 3, itself
+    assert (10 + anc[0, 2, 1:2]).tolist() == [12]
 
 
 @pytest.mark.parametrize("sparse", [False, True])
 def test_node_rows_equal_dense_tree_mask_attention(sparse):
-    """The node-row layout (each node a causal row over context + ancestors at depth positions, key_slots) gives
-    the attention of a dense reference that masks a flat [context, tree] key list with the ancestor mask --
+    """The node-row layout (each node a causal row over context + ancestors at depth positions, through the
+    metadata's tail override as tree_runner lays it out) gives the attention of a dense reference that masks
+    a flat [context, tree] key list with the ancestor mask --
     and on a sparse layer the block selection of the node's own path sequence."""
     g = torch.Generator().manual_seed(0)
     p0, ps, hq, hkv, d = 13, 4, 4, 2, 8
@@ -87,9 +87,11 @@ def test_node_rows_equal_dense_tree_mask_attention(sparse):
     ik_pool = torch.randn(slots, 8, generator=g)
     table = torch.arange(1, 1 + -(-length // ps))[None]  # [1, P] pages 1..
     anc = ancestors(parents, depths, 3)
-    keys = node_key_positions(torch.tensor([p0]), anc, length)[0]  # [N+1, L]
+    # storage position of node i's virtual key v: v up to p0, then its ancestor at depth v - p0
+    v = torch.arange(length)
+    keys = torch.where(v[None, :] <= p0, v[None, :], p0 + anc[0].gather(1, (v - p0).clamp(0, 3)[None].expand(n1, -1)))
     rows = torch.zeros(n1, dtype=torch.int64)
-    key_slots = table[0, keys // ps] * ps + keys % ps
+    tail = table[0, (p0 + anc[0, :, 1:]) // ps] * ps + (p0 + anc[0, :, 1:]) % ps  # [N+1, D] ancestors' slots
     pos = p0 + depths[0]
     q = torch.randn(n1, hq, d, generator=g)
     iq = torch.randn(n1, 2, 8, generator=g)
@@ -97,7 +99,7 @@ def test_node_rows_equal_dense_tree_mask_attention(sparse):
     meta = AttnMetadata(num_rows=n1, max_q=1, max_kv=length, page_size=ps, q_lens=torch.ones(n1, dtype=torch.int64),
                         kv_lens=pos + 1, page_table=table[rows], tok_row=ids, tok_col=torch.zeros_like(ids),
                         q_index=ids[:, None], q_valid=torch.ones(n1, 1, dtype=torch.bool), positions=pos,
-                        slot_mapping=None, key_slots=key_slots)
+                        slot_mapping=None, tail_start=torch.full((n1,), p0 + 1), tail_slots=tail)
     extra = (iq, ik_pool, 4, 1, 1) if sparse else ()
     got = reference.paged_attention(q, k_pool, v_pool, meta, 0.5, *extra)
     flat = table[0, torch.arange(length) // ps] * ps + torch.arange(length) % ps  # storage order: context, tree

@@ -29,7 +29,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from m3eagle.kernels.attention import backend, reference, triton_kernels  # noqa: E402
-from m3eagle.kernels.attention.metadata import TRASH_PAGE, AttnMetadata, build_metadata  # noqa: E402
+from m3eagle.kernels.attention.metadata import TRASH_PAGE, AttnMetadata, build_metadata, gather_slots  # noqa: E402
 from m3eagle.kernels.attention.triton_backend import TritonBackend  # noqa: E402
 from m3eagle.kernels.ops import REFERENCE  # noqa: E402
 
@@ -72,7 +72,7 @@ def make_step(seed: int, q_lens: list[int], kv_lens: list[int], page_size: int, 
 
     k, v, ik = rnd(slots, hkv, d), rnd(slots, hkv, d), rnd(slots, di)
     valid = torch.zeros(slots, dtype=torch.bool)
-    valid[reference.gather_slots(meta, max_kv)[torch.arange(max_kv)[None, :] < meta.kv_lens[:, None]]] = True
+    valid[gather_slots(meta, max_kv)[torch.arange(max_kv)[None, :] < meta.kv_lens[:, None]]] = True
     for pool in (k, v, ik):
         pool[~valid] = POISON  # trash page and the undefined tail of each row's last page
     return Step(meta, rnd(t, hq, d), k, v, rnd(t, hi, di), ik)
@@ -88,7 +88,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> Non
 def ref_selection(s: Step, block: int, topk: int, local: int) -> torch.Tensor:
     """reference.select_blocks on padded rows, as flat [T, Hi, k]."""
     meta = s.meta
-    ik_rows = s.ik[reference.gather_slots(meta, meta.max_kv)]  # [B, L, Di]
+    ik_rows = s.ik[gather_slots(meta, meta.max_kv)]  # [B, L, Di]
     sel = reference.select_blocks(reference.pad_queries(s.iq, meta), ik_rows, reference.padded_positions(meta),
                                   block, topk, local)  # [B, Hi, Qmax, k]
     return sel[meta.tok_row, :, meta.tok_col]
@@ -118,7 +118,7 @@ def test_dense_token_causal_inside_a_row():
     s = make_step(11, [6], [6], 4)
     out = TritonBackend().attention(s.q, s.k, s.v, s.meta, 0.5)
     assert_close(out, reference.paged_attention(s.q, s.k, s.v, s.meta, 0.5))
-    first = s.v[reference.gather_slots(s.meta, 1)[0, 0]]  # [Hkv, D]: token 0 sees key 0 alone
+    first = s.v[gather_slots(s.meta, 1)[0, 0]]  # [Hkv, D]: token 0 sees key 0 alone
     torch.testing.assert_close(out[0], first.repeat_interleave(2, 0), rtol=1e-5, atol=1e-6)
 
 
@@ -172,7 +172,7 @@ def integer_step(seed: int, q_lens: list[int], kv_lens: list[int], page_size: in
 def boundary_ties(s: Step, block: int, topk: int, local: int) -> int:
     """(token, head) rows whose k-th and (k+1)-th best block scores are equal, as the oracle scores them."""
     meta = s.meta
-    ik = s.ik[reference.gather_slots(meta, meta.max_kv)]  # [B, L, Di]
+    ik = s.ik[gather_slots(meta, meta.max_kv)]  # [B, L, Di]
     pos = reference.padded_positions(meta)
     scores = torch.einsum("bqhd,bkd->bhqk", reference.pad_queries(s.iq, meta), ik)
     scores = scores.masked_fill(torch.arange(ik.shape[1]) > pos[:, None, :, None], float("-inf"))
@@ -249,7 +249,7 @@ def adversarial_step(seed: int) -> Step:
     s = make_step(seed, [5, 1, 3, 2], [61, 37, 26, 22], 8, hq=4, hi=2, di=4)
     gen = torch.Generator().manual_seed(seed + 1)
     meta, block = s.meta, 4
-    slots = reference.gather_slots(meta, meta.max_kv)  # [B, L]
+    slots = gather_slots(meta, meta.max_kv)  # [B, L]
     nb = meta.max_kv // block + 1
     # [B, blocks]: one value per block, from five of the values per row (so that blocks tie)
     five = torch.stack([torch.randperm(len(ADVERSARIAL), generator=gen)[:5] for _ in range(meta.num_rows)])
@@ -404,7 +404,7 @@ def test_rows_whose_blocks_all_fit_select_them_without_reading_index_k(local):
     assert ref[tok[1]].tolist() == [[0, 1, 2]] * 2  # decode row at position 8: blocks 0..2
     first = [0, -1, -1] if local else [-1, -1, -1]  # position -1: only the forced local block 0
     assert ref[tok[3]].tolist() == [first] * 2 and ref[tok[3] + 1].tolist() == [[0, -1, -1]] * 2
-    slots = reference.gather_slots(meta, meta.max_kv)  # [B, L]
+    slots = gather_slots(meta, meta.max_kv)  # [B, L]
     in_row = torch.arange(meta.max_kv)[None, :] < meta.kv_lens[:, None]
 
     def poisoned(rows: list[int]) -> torch.Tensor:
@@ -513,7 +513,7 @@ def test_sparse_kernel_given_selection(block, hi):
     sel = torch.where(torch.rand(t, hi, 4, generator=gen) < 0.25, -1, sel)
     sel[:, :, 0] = torch.div(meta.positions, block, rounding_mode="floor")[:, None]  # every query sees a key
     sel = torch.stack([_distinct(r) for r in sel.view(-1, 4)]).view(t, hi, 4)
-    slots = reference.gather_slots(meta, meta.max_kv)
+    slots = gather_slots(meta, meta.max_kv)
     ref = reference.attend(reference.pad_queries(s.q, meta), s.k[slots], s.v[slots],
                            reference.padded_positions(meta), 0.3, padded_keep(sel, meta, block, 4))
     ref = ref[meta.tok_row, meta.tok_col]

@@ -116,13 +116,6 @@ def test_tree_sparse_selection_and_attention_match_reference(name):
     _close(triton_kernels.sparse_attention(q, k, v, meta, 0.4, want, block, num_splits=2), ref)
 
 
-def test_key_slots_are_refused_by_the_triton_kernels():
-    meta, q, k, v, _, _ = node_step(3, STEPS["mixed"])
-    meta.key_slots = row_key_slots(meta, meta.max_kv)
-    with pytest.raises(ValueError, match="tail override"):
-        triton_kernels.dense_attention(q, k, v, meta, 0.4)
-
-
 @pytest.mark.slow
 def test_tail_variants_compile_for_sm90(tmp_path):
     """The recorded dense, sparse and indexer launches (tests/data/kernel_launches.json, TAIL off) compiled for

@@ -45,9 +45,6 @@ class AttnMetadata:
     slot_mapping: torch.Tensor  # [T] int64 derived
     # the engine's fast paths (m3eagle.kernels.ops.Ops) that the models run this step with; None = reference
     ops: Any = None
-    # [B, max_kv] int64 or None: the cache slot of each row's key position 0..max_kv-1, when it is not the
-    # page table's; the reference backend only
-    key_slots: torch.Tensor | None = None
     # A short override of the page table, read by every backend: row b's key positions p >= tail_start[b]
     # live at slot tail_slots[b, p - tail_start[b]] (a draft-tree node row's ancestors at their depth
     # positions, a frontier node's scratch slots). tail_start [B] int64, tail_slots [B, W] int64; a row
@@ -95,10 +92,8 @@ def gather_slots(meta: AttnMetadata, length: int) -> torch.Tensor:
 
 
 def row_key_slots(meta: AttnMetadata, length: int) -> torch.Tensor:
-    """[B, L] cache slots of every row's key positions 0..L-1: `key_slots` when given, else the page table's
-    slots with the tail override (`tail_start` / `tail_slots`) applied."""
-    if meta.key_slots is not None:
-        return meta.key_slots
+    """[B, L] cache slots of every row's key positions 0..L-1: the page table's, with the tail override
+    (`tail_start` / `tail_slots`) applied."""
     slots = gather_slots(meta, length)
     if meta.tail_start is None:
         return slots

@@ -29,11 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from m3eagle.kernels.attention.metadata import (
-    AttnMetadata,
-    gather_slots,  # noqa: F401  (read from here by the kernel tests)
-    row_key_slots,
-)
+from m3eagle.kernels.attention.metadata import AttnMetadata, row_key_slots
 
 # Elements of one [B, H, queries, L] temporary that `paged_attention` allows itself per query chunk
 # (256 MB in fp32). Steps under the bound run in one chunk, exactly as an unchunked oracle would.
@@ -115,8 +111,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     block_size: int = 0, topk: int = 0, local_blocks: int = 0) -> torch.Tensor:
     """q [T, Hq, D] over paged K/V [S, Hkv, D] -> [T, Hq, D]. With iq [T, Hi, Di] and ik_pool [S, Di]
     the layer is sparse. The current step's K/V must already be written at meta.slot_mapping. Row b's key
-    position j is read from slot meta.key_slots[b, j] when given, else from the page table with the
-    metadata's tail override (`row_key_slots`)."""
+    position j is read from the page table, with the metadata's tail override (`row_key_slots`)."""
     slots = row_key_slots(meta, meta.max_kv)  # [B, L]
     k, v = k_pool[slots], v_pool[slots]  # [B, L, Hkv, D]
     ik = ik_pool[slots] if iq is not None else None  # [B, L, Di]

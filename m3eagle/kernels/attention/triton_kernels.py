@@ -677,10 +677,7 @@ def _combine(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) ->
 
 def _tail_args(meta: AttnMetadata, dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int, bool]:
     """(TailStart, TailSlots, stride_tail, tail_width, TAIL) of the metadata's tail override (`dummy` pointers
-    when it has none). A full key list (`key_slots`) is the reference backend's alone."""
-    if meta.key_slots is not None:
-        raise ValueError("AttnMetadata.key_slots is read by the reference attention only; the Triton kernels take "
-                         "the tail override (tail_start / tail_slots)")
+    when it has none)."""
     if meta.tail_start is None:
         return dummy, dummy, 0, 1, False
     slots = meta.tail_slots.contiguous()
