@@ -126,7 +126,7 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
                          f"{tcfg.max_position_embeddings}; lower --prompt-len or --max-tokens")
     pages_per_seq = -(-(mml + 2 * (k + 1)) // a.page_size) + 1
     overlap = None if a.overlap == "auto" else a.overlap == "on"
-    # a tree replays decode graphs without overlap: Runtime turns overlap off unless asked, and refuses it when asked
+    # a tree replays decode graphs; Runtime leaves overlap off for it unless asked (--overlap on)
     spec_kw: dict[str, Any] = {"draft_tree": str(tree)} if tree is not None else {"num_draft_tokens": k}
     tp = getattr(a, "tensor_parallel_size", 1)
     if a.compare_hf and tp > 1:

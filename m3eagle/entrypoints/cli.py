@@ -202,8 +202,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="K drafts per step (0 disables speculation); none: 3 with a draft head")
     p.add_argument("--draft-tree", default=None, metavar="D,K,N",
                    help="draft a dynamic tree instead of the chain: depth D, the K best children per expanded node, "
-                        "N nodes verified per step (e.g. 3,4,16; with --overlap off; decode steps replay CUDA graphs, "
-                        "prompt steps run eagerly)")
+                        "N nodes verified per step (e.g. 3,4,16; decode steps replay CUDA graphs, prompt steps run "
+                        "eagerly; overlap off unless --overlap on)")
     p.add_argument("--max-model-len", type=int_in(1), default=None,
                    help="longest prompt + output; none: min(model limit, 2048)")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
@@ -328,7 +328,8 @@ def _add_bench(sub) -> None:
                    help="K for the speculative runs (0: plain only); none: 3 when there is a head")
     b.add_argument("--draft-tree", default=None, metavar="D,K,N",
                    help="the speculative runs draft a dynamic tree (depth D, K children per expanded node, N nodes "
-                        "verified) instead of the chain; trees run without overlap or prefill graphs")
+                        "verified) instead of the chain; trees run without prefill graphs, and without overlap unless "
+                        "--overlap on")
     _device_args(b)
     b.add_argument("--batch-sizes", type=batch_sizes, default="1,8,32", help="comma-separated batch sizes")
     b.add_argument("--prompt-len", type=int_in(1), default=128, help="prompt tokens per request")
