@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from m3eagle.kernels.attention import reference  # noqa: E402
-from m3eagle.kernels.attention.metadata import build_metadata  # noqa: E402
+from m3eagle.kernels.attention.metadata import build_metadata, gather_slots  # noqa: E402
 from m3eagle.kernels.attention.triton_backend import TritonBackend  # noqa: E402
 
 HQ, HKV, D, HI, DI, PAGE = 8, 2, 64, 2, 64, 16
@@ -143,7 +143,7 @@ def check_fp32(dev: torch.device) -> tuple[float, int]:
                     tri.sparse_attention(q, k, v, meta, 0.1, iq, ik, bs, topk, local))
             for ref, out in zip(refs, outs):
                 worst = max(worst, ((out - ref).abs().max() / ref.abs().max()).item())
-        ik_rows = ik[reference.gather_slots(meta, max_kv)]  # [B, L, Di]
+        ik_rows = ik[gather_slots(meta, max_kv)]  # [B, L, Di]
         ref_sel = reference.select_blocks(reference.pad_queries(iq, meta), ik_rows,
                                           reference.padded_positions(meta), bs, topk, local)
         ref_sel = ref_sel[meta.tok_row, :, meta.tok_col].sort(-1).values

@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from m3eagle.bench import roofline  # noqa: E402
 from m3eagle.config import M3Config  # noqa: E402
 from m3eagle.kernels.attention import reference  # noqa: E402
-from m3eagle.kernels.attention.metadata import TRASH_PAGE, AttnMetadata, build_metadata  # noqa: E402
+from m3eagle.kernels.attention.metadata import TRASH_PAGE, AttnMetadata, build_metadata, gather_slots  # noqa: E402
 from m3eagle.kernels.attention.triton_backend import TritonBackend  # noqa: E402
 from m3eagle.kernels.fused.reference import rope_cos_sin  # noqa: E402
 from m3eagle.loader.dummy import dummy_target  # noqa: E402
@@ -400,7 +400,7 @@ def check(args, cfg: M3Config, msa: MiniMaxM3, pools: Pools, ctx: int, tri: Trit
         max_kv = args.fixed_max_kv if args.max_kv == "fixed" else ctx
         meta = step_metadata(pools, rows, q_len, ctx, max_kv, device)
         q, iq = layer_inputs(cfg, meta, cache.k.dtype, device, 5)
-        ik_rows = cache.idx_k[reference.gather_slots(meta, meta.max_kv)]  # [B, L, Di]
+        ik_rows = cache.idx_k[gather_slots(meta, meta.max_kv)]  # [B, L, Di]
         pos = reference.padded_positions(meta)
         ref = reference.select_blocks(reference.pad_queries(iq, meta), ik_rows, pos, bs, topk, local)
         ref = ref[meta.tok_row, :, meta.tok_col]  # [T, Hi, k]
