@@ -243,9 +243,8 @@ class GraphRunner:
         modes a prefill graph has (no penalties). The step whose graph `warm` captures is built of padding
         rows only, so what it compiles and captures is exactly what the first real step of that key would."""
         flags = (False, True)
-        pens = (False,) if getattr(self.runner, "tree", None) is not None else flags  # trees refuse penalties
         decode = [(b, (r, lp, pen)) for b in sorted(self.buckets, reverse=True)
-                  for r in flags for lp in flags for pen in pens]
+                  for r in flags for lp in flags for pen in flags]
         prefill = [((PREFILL, rows, t), (r, lp, False)) for t in sorted(self.prefill_buckets, reverse=True)
                    for rows in sorted(self.prefill_rows, reverse=True) if 2 <= rows <= t
                    for r in flags for lp in flags]

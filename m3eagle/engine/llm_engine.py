@@ -44,7 +44,7 @@ from m3eagle.engine.request import (
     StopConditions,
 )
 from m3eagle.engine.scheduler import NeedSync, ScheduledBatch, Scheduler
-from m3eagle.engine.structured_step import GrammarStep
+from m3eagle.engine.structured_step import GrammarStep, TreeGrammarStep
 from m3eagle.engine.tree_runner import TreeModelRunner
 from m3eagle.kernels.ops import Ops, make_ops
 from m3eagle.kvcache.page_pool import PagePool
@@ -410,11 +410,6 @@ class LLMEngine(OutputProcessor):
         if params.n > self.cfg.max_num_seqs:
             raise RequestError(f"n={params.n} samples cannot run together with max_num_seqs={self.cfg.max_num_seqs}; "
                                "lower n or raise max_num_seqs")
-        if self.cfg.draft_tree is not None and self.k and (params.has_penalties or params.structured_outputs
-                                                           is not None):
-            raise RequestError(f"draft_tree='{self.cfg.draft_tree}' does not support repetition / presence / "
-                               "frequency penalties, min_tokens or structured_outputs yet; drop them or use the "
-                               "chain (num_draft_tokens=K)")
         if params.structured_outputs is not None:
             self.compile_grammar(params)
 
@@ -607,7 +602,9 @@ class LLMEngine(OutputProcessor):
             self._steady = all(r.gather for r in batch.rows)  # every row continues from the slot buffers
         grammar = None
         if constrained and any(r.samples and r.req.grammar is not None for r in batch.rows):
-            grammar = GrammarStep(batch.rows, len(batch.rows), self.k, self.target_cfg.vocab_size, self.device)
+            grammar = (TreeGrammarStep(batch.rows, len(batch.rows), self.target_cfg.vocab_size, self.device)
+                       if self.k and self.cfg.draft_tree is not None
+                       else GrammarStep(batch.rows, len(batch.rows), self.k, self.target_cfg.vocab_size, self.device))
         bucket = self.graphs.bucket(batch) if self.graph_shapes and grammar is None else None
         self.graphs.ensure(batch, bucket)
         inp = self.graphs.build(batch, bucket)

@@ -176,9 +176,6 @@ class Runtime:
         if deterministic and quantization is not None:
             raise ValueError(f"deterministic=True with quantization={quantization!r}: the batch-invariant kernels "
                              "take bf16 / fp16 / fp32 weights, not MXFP8; drop one of the two")
-        if deterministic and draft_tree is not None:
-            raise ValueError(f"deterministic=True with draft_tree={draft_tree!r}: tree verification is not coupled "
-                             "to decoding without drafts yet; use the chain (num_draft_tokens) or drop one of the two")
         self.deterministic = deterministic
         # This LLM's own fast paths (no module global): built before the weights so a bad name fails fast.
         self.ops = make_ops(attention_backend, moe_backend, dev, fused_backend, deterministic)

@@ -18,8 +18,14 @@ in storage order) and for prompt rows alike:
 
 No host sync: the node rows are laid out by device arithmetic on shapes fixed by host ints alone (every step
 row becomes N + 1 sub-rows, `_node_rows`), and every constant index tensor is made once, so the step can be
-captured as a CUDA graph. Penalties, min_tokens and structured output are refused at admission
-(LLMEngine.add_request).
+captured as a CUDA graph.
+
+Sampling invariants are the chain's, node by node: penalties and min_tokens score node i with the history plain
+decoding of its path would have (the request's tokens, its ancestors and itself: tree_verify.tree_penalize),
+device-side like the chain's, so a penalised step stays sync-free and capturable. Structured output masks node
+i with the grammar's state after its path and the head's frontier with the state after each frontier node's
+path (structured_step.TreeGrammarStep): host work with a sync per level, as the chain's constrained steps are
+eager. Logprobs are those of the penalised, unmasked distribution, as the chain's.
 """
 
 from __future__ import annotations
@@ -31,8 +37,10 @@ import torch
 from m3eagle.engine.draft_tree import TreeSpec, ancestors, best, expand, full_tree, rerank
 from m3eagle.engine.input_builder import StepInput
 from m3eagle.engine.model_runner import ModelRunner, StepOutput, _fused, token_logprobs
+from m3eagle.engine.structured_step import TreeGrammarStep
 from m3eagle.kernels.attention.metadata import AttnMetadata, slots_for_positions
-from m3eagle.sampling.tree_verify import greedy_walk, pad_columns, tree_verify
+from m3eagle.sampling.structured import allowed_from_bitmask, apply_bitmask
+from m3eagle.sampling.tree_verify import greedy_walk, pad_columns, tree_penalize, tree_verify
 
 
 class TreeModelRunner(ModelRunner):
@@ -67,11 +75,13 @@ class TreeModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def execute(self, inp: StepInput) -> StepOutput:
-        if inp.penalties is not None or inp.grammar is not None:
-            raise RuntimeError("draft_tree steps do not apply penalties, min_tokens or structured output "
-                               "(LLMEngine.add_request refuses such requests)")
         k, tree = self.k, self.tree
+        pen, grammar = inp.penalties, inp.grammar
+        if grammar is not None and not isinstance(grammar, TreeGrammarStep):
+            raise TypeError("a draft-tree step's grammar is a TreeGrammarStep (its masks follow the tree)")
         ids, meta = self._apply_overlap_correction(inp)
+        if pen is not None:  # history first: a prompt chunk's tokens precede the position it samples
+            self.penalty.record_inputs(pen, inp.row_slot, inp.row_gather, ids, meta.tok_row, meta.positions)
         fused, book = _fused(meta), self._step_ops(meta)
         b = inp.num_rows
         nodes_of = self.row_ids[:b]
@@ -87,14 +97,22 @@ class TreeModelRunner(ModelRunner):
                              rows=None if every else sample_idx.reshape(-1))
         prompt_lps = self._prompt_logprobs(inp, ids, hidden) if every else None
         sampled = hidden[sample_idx.reshape(-1)] if every else hidden  # [B * (N+1), H]
-        if not (inp.any_random or inp.want_logprobs):  # all greedy: the argmax in lm_head's launch, as the chain's
+        if not (inp.any_random or inp.want_logprobs or pen is not None or grammar is not None):
+            # all greedy, nothing else reads the logits: the argmax in lm_head's launch, as the chain's
             greedy = self.target.greedy_ids(sampled, fused).view(b, k + 1)  # [B, N+1]
             path, num_new = greedy_walk(greedy, drafts_in, parents[:, 1:], inp.row_num_drafts, tree.depth)
             new_tokens = pad_columns(greedy.gather(1, path), k + 1)
         else:
             logits = self.target.compute_logits(sampled, fused).view(b, k + 1, -1)  # [B, N+1, V] fp32
-            new_tokens, num_new, path = tree_verify(logits, drafts_in, parents[:, 1:], inp.row_num_drafts,
-                                                    tree.depth, inp.sampling, node_pos, inp.any_random, fused.argmax)
+            if pen is not None:  # node i's target distribution given the history and its path
+                logits = tree_penalize(self.penalty, logits, pen, inp.row_slot, drafts_in, anc, depths,
+                                       inp.row_num_drafts, node_pos)
+            # each node masked by the grammar's state after its path; logprobs stay the unmasked distribution's
+            scored = (apply_bitmask(logits, grammar.tree_verify_mask(drafts_in, parents[:, 1:], inp.row_num_drafts))
+                      if grammar is not None else logits)
+            new_tokens, num_new, path = tree_verify(scored, drafts_in, parents[:, 1:], inp.row_num_drafts,
+                                                    tree.depth, inp.sampling, node_pos, inp.any_random, fused.argmax,
+                                                    self.coupled)
         logprobs = None
         if inp.want_logprobs:  # emitted token j was predicted by path node j
             lp_rows = torch.cat([path, path[:, -1:].expand(b, max(k + 1 - path.shape[1], 0))], 1)[:, : k + 1]
@@ -117,7 +135,13 @@ class TreeModelRunner(ModelRunner):
             inp.row_qlen, inp.row_next_token, ids_c, meta.positions, self.slot_tokens, self.slot_num_new,
             self.slot_dev, k, True, tok_row=meta.tok_row,
             chain=(inp.row_chained, meta.kv_lens, inp.meta.kv_lens, inp.row_chained), pages=None)
+        if pen is not None:
+            self.penalty.record_outputs(new_tokens, num_new, s)
+        if grammar is not None:  # what the head's masks start from: this step's emitted tokens
+            grammar.emitted = (new_tokens, num_new)
         tokens, t_parents, t_depths = self._grow_tree(inp, meta, aux[perm], last_idx, shifted, at, nodes_of)
+        if grammar is not None:
+            grammar.finish(None)
         self.slot_drafts.index_copy_(0, s, tokens)
         self.slot_parents.index_copy_(0, s, t_parents)
         self.slot_depths.index_copy_(0, s, t_depths)
@@ -184,16 +208,20 @@ class TreeModelRunner(ModelRunner):
         """The head's step 0 over the compacted rows (aux [T, 3H] permuted like them), then the tree grown level
         by level from each row's last accepted token (position at[0]). -> (tokens [B, N] target ids, parents
         [B, N] storage index, depths [B, N])."""
-        tree, head, fused = self.tree, self.draft, _fused(meta)
+        tree, head, fused, grammar = self.tree, self.draft, _fused(meta), inp.grammar
         kk, b = tree.topk, inp.num_rows
         h_out, h_next = head(shifted, meta.positions, aux, meta, self.draft_cache, True, rows=last_idx)  # [B, H]
-        logp = torch.log_softmax(head.compute_logits(h_out, fused), -1)  # [B, Vd]
+        logits = head.compute_logits(h_out, fused)  # [B, Vd]
+        if grammar is not None:  # the root's children stay inside the grammar (state after the emitted tokens)
+            logits = self._mask_draft(logits, grammar.draft_mask(0, None))
+        logp = torch.log_softmax(logits, -1)  # [B, Vd]
         tok, score = expand(logp.new_zeros(b, 1), logp[:, None], kk)  # [B, K] each
         cand_tok, cand_score = [tok], [score]
         cand_parent = [torch.full_like(tok, -1)]
         f_tok, f_score, f_cand = tok, score, self.frontier_cols.expand(b, kk)
         f_h = h_next[:, None].expand(b, kk, h_next.shape[-1])  # [B, K, H] the parents' h_next
         f_anc = self.frontier_cols.expand(b, kk)[..., None]  # [B, K, l] frontier index per level
+        f_path = tok[..., None]  # [B, K, l] draft ids of each frontier node's path (a constrained step's masks)
         base = at[0]  # [B]
         length = inp.meta.max_kv + tree.depth
         scratch = self.pool_slots + row_ids * self.scratch_per_row  # [B]
@@ -204,7 +232,10 @@ class TreeModelRunner(ModelRunner):
             pos = (base + level).repeat_interleave(kk)
             h_out, h_next = head(head.draft_to_target(f_tok).reshape(-1), pos, f_h.reshape(b * kk, -1), fmeta,
                                  self.draft_cache, False)  # [B*K, H]
-            logp = torch.log_softmax(head.compute_logits(h_out, fused), -1).view(b, kk, -1)  # [B, K, Vd]
+            logits = head.compute_logits(h_out, fused).view(b, kk, -1)  # [B, K, Vd]
+            if grammar is not None:  # each frontier node's children: the state after its own path
+                logits = self._mask_draft(logits, grammar.frontier_mask(head.draft_to_target(f_path)))
+            logp = torch.log_softmax(logits, -1)  # [B, K, Vd]
             c_tok, c_score = expand(f_score, logp, kk)  # [B, K*K]
             cand_tok.append(c_tok)
             cand_score.append(c_score)
@@ -217,11 +248,24 @@ class TreeModelRunner(ModelRunner):
                 f_h = h_next.view(b, kk, -1).gather(1, par[..., None].expand(-1, -1, h_next.shape[-1]))
                 f_anc = torch.cat([f_anc.gather(1, par[..., None].expand(-1, -1, level)),
                                    self.frontier_cols.expand(b, kk)[..., None]], -1)
+                if grammar is not None:
+                    f_path = torch.cat([f_path.gather(1, par[..., None].expand(-1, -1, level)),
+                                        c_tok.gather(1, idx)[..., None]], -1)
             n_made += kk * kk
         scores = torch.cat(cand_score, 1)  # [B, M]
         sel, parents = rerank(scores, torch.cat(cand_parent, 1), tree.nodes)
         tokens = head.draft_to_target(torch.cat(cand_tok, 1).gather(1, sel))
         return tokens, parents, self.cand_depth[sel]
+
+    def _mask_draft(self, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The head's logits [..., Vd] with every draft id whose target id the grammar mask (int32 [..., W]) refuses
+        at -inf; a node whose allowed tokens all lie outside the draft vocabulary drafts unmasked (its children
+        are then rejected by the masked target), as the chain's constrained drafts do."""
+        vd = logits.shape[-1]
+        target_ids = torch.arange(vd, device=logits.device) + self.draft.d2t  # [Vd]
+        allowed = allowed_from_bitmask(mask, self.target.cfg.vocab_size)[..., target_ids]  # [..., Vd]
+        allowed = allowed | ~allowed.any(-1, keepdim=True)
+        return logits.masked_fill(~allowed, float("-inf"))
 
     def _frontier_meta(self, meta: AttnMetadata, base: torch.Tensor, level: int, lvl_slots: torch.Tensor,
                        length: int) -> AttnMetadata:

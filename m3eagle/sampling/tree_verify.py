@@ -14,9 +14,19 @@ Sampled: the children are tried in storage order (the head's best first). The tr
          residual is exactly a sample of r, recursively, so every emitted token follows the target's
          (processed) distribution -- SpecInfer's multi-draft rule for one-hot draft distributions.
 
+Coupled (the deterministic mode): every node draws the target's own sample x(node) -- the draw decoding
+         without drafts makes at the node's position, keyed on (seed, position, SALT_SAMPLE) -- and the walk
+         accepts the child whose token equals x(node) (siblings are distinct: at most one), emitting x of
+         each node on the path. That is the greedy walk over the draws: the output is token for token what
+         decoding without speculation samples along the accepted path, whatever the tree.
+
 Random numbers are counter-based as in the chain: the accept test of child j at a node is keyed on (seed,
 the node's position, SALT_TREE + j) and the final sample on (seed, position, SALT_SAMPLE), so no two
 draws of a row share a number.
+
+History-dependent processing (penalties, min_tokens; `tree_penalize`) scores each node with the history plain
+decoding of its path would have: the request's tokens, then the node's ancestors and the node itself, never
+its siblings or their subtrees.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 
+from m3eagle.sampling.penalties import PenaltyState, PenaltyTensors, penalize
 from m3eagle.sampling.sampler import SALT_SAMPLE, SamplingTensors, probs_from_logits, sample_from_probs, uniform
 
 SALT_TREE = 16  # + the child's storage index (< 64): the tree's accept tests, apart from the chain's salts
@@ -57,11 +68,12 @@ def greedy_walk(greedy_tok: torch.Tensor, tokens: torch.Tensor, parents: torch.T
 
 def tree_verify(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
                 max_depth: int, st: SamplingTensors, node_pos: torch.Tensor, any_random: bool = True,
-                argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                argmax: Callable[[torch.Tensor], torch.Tensor] | None = None, coupled: bool = False,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [B, N+1, V] (fp32 where any_random), tokens / parents [B, N] (target ids; parent storage index,
     0 = root), num_nodes [B] (0..N: nodes past it are absent), node_pos [B, N+1] (each node's position: the
-    counter of its draws), any_random: some row has temperature > 0 (False: the greedy walk alone).
+    counter of its draws), any_random: some row has temperature > 0 (False: the greedy walk alone), coupled:
+    the coupled walk above (the deterministic mode).
     -> (new_tokens [B, N+1], the first num_new valid; num_new [B]; path [B, D+1] as greedy_walk's)."""
     b, n1, v = logits.shape
     n = n1 - 1
@@ -71,7 +83,13 @@ def tree_verify(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tenso
         path, num_new = greedy_walk(greedy_tok, tokens, parents, num_nodes, max_depth)
         return pad_columns(greedy_tok.gather(1, path), n1), num_new, path
 
-    p = probs_from_logits(logits.reshape(b * n1, v), st.repeat(n1)).view(b, n1, v)
+    rep = st.repeat(n1)
+    p = probs_from_logits(logits.reshape(b * n1, v), rep).view(b, n1, v)
+    if coupled:  # each node's own draw, keyed as decoding without drafts keys its position
+        x = sample_from_probs(p.view(b * n1, v), rep.seed, node_pos.reshape(-1), SALT_SAMPLE).view(b, n1)
+        x = torch.where(st.greedy[:, None], greedy_tok, x)  # [B, N+1]
+        path, num_new = greedy_walk(x, tokens, parents, num_nodes, max_depth)
+        return pad_columns(x.gather(1, path), n1), num_new, path
     valid = torch.arange(n, device=logits.device)[None, :] < num_nodes[:, None]
     cur = torch.zeros(b, dtype=torch.int64, device=logits.device)
     alive = torch.ones(b, dtype=torch.bool, device=logits.device)
@@ -106,6 +124,41 @@ def tree_verify(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tenso
     out = torch.cat([node_tok[:, 1:], node_tok[:, :1]], 1)  # emitted token j is path node j+1's
     out = out.scatter(1, (num_new - 1)[:, None], final[:, None])
     return pad_columns(out, n1), num_new, path
+
+
+def path_history(tokens: torch.Tensor, anc: torch.Tensor, depths: torch.Tensor, num_nodes: torch.Tensor,
+                 vocab: int) -> torch.Tensor:
+    """What each node adds to its row's output history: its path's tokens (ancestors at depths 1..depth(i), the
+    node itself last; the root is emitted output already). tokens [B, N] (target ids), anc [B, N+1, D+1]
+    (draft_tree.ancestors), depths [B, N+1] (root 0), num_nodes [B] (nodes past it are absent) -> counts
+    [B, N+1, V] int32."""
+    b, n1, d1 = anc.shape
+    node_tok = torch.cat([tokens.new_zeros(b, 1), tokens], 1)  # [B, N+1] storage index -> token
+    on_path = anc[:, :, 1:]  # [B, N+1, D]
+    d = torch.arange(1, d1, device=anc.device)
+    live = torch.arange(n1, device=anc.device)[None, :] <= num_nodes[:, None]  # [B, N+1]
+    keep = (d[None, None, :] <= depths[..., None]) & live[..., None]  # [B, N+1, D]
+    toks = node_tok.gather(1, on_path.reshape(b, -1)).view(b, n1, d1 - 1)
+    inc = torch.zeros(b, n1, vocab, dtype=torch.int32, device=anc.device)
+    return inc.scatter_add_(2, toks, keep.to(torch.int32))
+
+
+def tree_penalize(state: PenaltyState, logits: torch.Tensor, pt: PenaltyTensors, row_slot: torch.Tensor,
+                  tokens: torch.Tensor, anc: torch.Tensor, depths: torch.Tensor, num_nodes: torch.Tensor,
+                  node_pos: torch.Tensor) -> torch.Tensor:
+    """PenaltyState.apply on a tree: logits [B, N+1, V] of every node -> penalised [B, N+1, V]. Node i's output
+    history is the slot's plus its path (path_history); min_tokens counts the outputs before the token it
+    predicts from its position node_pos [B, N+1] (p0 + depth). Device arithmetic only (graph-capturable)."""
+    b, n1, v = logits.shape
+    counts = state.counts[row_slot][:, None] + path_history(tokens, anc, depths, num_nodes, v)  # [B, N+1, V]
+    stop = state.stop_mask[row_slot] | (state.eos_mask[None] & ~pt.ignore_eos[:, None])  # [B, V]
+    n_out = node_pos + 1 - pt.prompt_len[:, None]  # [B, N+1] output tokens before the one sampled here
+    hold = stop[:, None] & (n_out < pt.min_tokens[:, None])[..., None]  # [B, N+1, V]
+    logits = logits.masked_fill(hold, float("-inf"))
+    rep = lambda x: x.repeat_interleave(n1, 0)  # noqa: E731 -- per-row parameters to per-node rows
+    out = penalize(logits.reshape(b * n1, v), counts.reshape(b * n1, v), rep(state.in_prompt[row_slot]),
+                   rep(pt.presence), rep(pt.frequency), rep(pt.repetition))
+    return out.view(b, n1, v)
 
 
 def pad_columns(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -124,7 +124,8 @@ def test_without_the_mode_seeded_speculation_draws_other_tokens():
     assert spec != plain
 
 
-def test_deterministic_refuses_a_draft_tree():
+def test_deterministic_takes_a_draft_tree():
+    """The mode couples tree verification too (tests/engine/test_tree_sampling.py checks its tokens)."""
     t, h = geometries.tiny()
-    with pytest.raises(ValueError, match="draft_tree"):
-        LLM(model=t, draft=h, draft_tree="2,2,4", load_format="dummy", device="cpu", deterministic=True)
+    llm = LLM(model=t, draft=h, draft_tree="2,2,4", load_format="dummy", device="cpu", deterministic=True)
+    assert llm.engine.runner.coupled

@@ -318,13 +318,6 @@ def test_refusals_name_the_options():
         LLM(device="cpu", draft_tree="3,4,16", num_scheduler_steps=2)
 
 
-def test_penalties_refused_per_request(embedded):
-    _, tree = embedded
-    for sp in (SamplingParams(presence_penalty=0.5), SamplingParams(min_tokens=3, max_tokens=8)):
-        with pytest.raises(Exception, match="draft_tree"):
-            tree.generate([[5, 6, 7]], sp)
-
-
 def test_forced_preemption_mid_tree_keeps_greedy_output_and_pages():
     """A preemption forced every 3rd plan under tree drafting (requests recompute from their accepted tokens,
     their tree slots rebuilt from a prompt step): still the plain greedy tokens, preemptions really happened,
