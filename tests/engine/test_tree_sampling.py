@@ -212,9 +212,9 @@ def test_min_tokens_tree_equals_plain(pair):
     sps = [SamplingParams(temperature=0, max_tokens=16, min_tokens=6 + i, stop_token_ids=early) for i in range(2)]
     held = _tokens(plain.generate(prompts, sps))
     # each request's stops also take the token it emits at the boundary (not seen before it: the prefix stays)
-    for sp, r in zip(sps, held):
-        assert r[sp.min_tokens] not in r[: sp.min_tokens]
-        sp.stop_token_ids = early + [r[sp.min_tokens]]
+    assert all(r[sp.min_tokens] not in r[: sp.min_tokens] for sp, r in zip(sps, held))
+    sps = [SamplingParams(temperature=0, max_tokens=16, min_tokens=sp.min_tokens,
+                          stop_token_ids=early + [r[sp.min_tokens]]) for sp, r in zip(sps, held)]
     ref_outs = plain.generate(prompts, sps)
     ref = _tokens(ref_outs)
     assert [len(r) for r in ref] == [7, 8]  # stopped right at the boundary
