@@ -5,11 +5,15 @@ from __future__ import annotations
 import logging
 import sys
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
-torch.set_num_threads(2)
+# Under pytest-xdist (the README's `-n 2`) each worker takes one core: two workers of two threads each would
+# fight over the CI machine's two cores.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
