@@ -89,10 +89,25 @@ def check_tree_engine(spec: TreeSpec, prefill_graphs: bool, scheduler_steps: int
 
 
 def best(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest of scores [..., M] along the last dim, ties to the lower index (a stable sort: topk's tie
-    order is unspecified and differs between devices) -> (values [..., k], indices [..., k])."""
-    vals, idx = scores.sort(dim=-1, descending=True, stable=True)
-    return vals[..., :k], idx[..., :k]
+    """The k largest of scores [..., M] along the last dim, ties to the lower index -> (values [..., k],
+    indices [..., k]), in that order.
+
+    A stable descending sort gives this order, but a full sort of the draft vocabulary per frontier node costs
+    several radix-sort passes per level. topk alone leaves the order of equal values unspecified (it differs
+    between devices), so it runs on keys made unique: each fp32 score's bits mapped to an int32 that orders
+    like the float, shifted above (M - 1 - index), so a tie goes to the lower index. Scores are log-probs
+    (no NaN); -0.0 ranks just below 0.0, where the sort would call them equal."""
+    m = scores.shape[-1]
+    if scores.dtype == torch.float64 or m >= 2 ** 31:  # past the 32-bit key: the sort, same order
+        vals, idx = scores.sort(dim=-1, descending=True, stable=True)
+        return vals[..., :k], idx[..., :k]
+    bits = scores.float().view(torch.int32)
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)  # int order == float order
+    low = (m - 1) - torch.arange(m, device=scores.device)  # [M] larger for lower indices
+    keys = (ordered << 32) | low
+    top = keys.topk(k, dim=-1).values  # [..., k] descending, all distinct
+    idx = (m - 1) - (top & 0xFFFFFFFF)
+    return scores.gather(-1, idx), idx
 
 
 def expand(parent_scores: torch.Tensor, logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,9 +127,12 @@ def rerank(scores: torch.Tensor, parents: torch.Tensor, nodes: int,
     parent: 0 for the root, i + 1 for sel[:, i])."""
     b, m = scores.shape
     _, top = best(scores, nodes)
-    sel = top.sort(dim=-1).values  # [B, N]
-    store = torch.zeros(b, m, dtype=torch.int64, device=scores.device)
-    store.scatter_(1, sel, torch.arange(1, nodes + 1, device=scores.device).expand(b, nodes))
+    # Ascending candidate order without a sort: mark the chosen, number them by a running count.
+    chosen = torch.zeros(b, m, dtype=torch.int64, device=scores.device).scatter_(1, top, 1)  # [B, M]
+    store = chosen.cumsum(1) * chosen  # [B, M] storage index 1..N of each chosen candidate, 0 elsewhere
+    sel = torch.zeros(b, nodes + 1, dtype=torch.int64, device=scores.device)
+    sel.scatter_(1, store, torch.arange(m, device=scores.device).expand(b, m))  # column 0 takes the unchosen
+    sel = sel[:, 1:]  # [B, N]
     par = parents.gather(1, sel)  # [B, N] candidate index, -1 = root
     return sel, torch.where(par < 0, 0, store.gather(1, par.clamp(min=0)))
 

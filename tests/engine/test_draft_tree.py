@@ -45,6 +45,22 @@ def test_expand_keeps_each_parents_topk_and_adds_scores():
     assert best(torch.tensor([[1.0, 2.0, 2.0, 0.0]]), 2)[1].tolist() == [[1, 2]]
 
 
+def test_best_equals_a_stable_descending_sort_with_ties_and_infinities():
+    """best() is topk over unique keys; it must pick and order exactly as a stable descending sort would, with
+    many ties (bf16-rounded log-probs), -inf (masked tokens), negatives and positives, at several k."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 5, 300, generator=g).to(torch.bfloat16).float()  # coarse values: ties everywhere
+    x[0, 0, :40] = float("-inf")
+    x[1, 1, :] = -2.0  # one row all equal
+    x[2] = x[2].abs()
+    for k in (1, 3, 16, 300):
+        vals, idx = best(x, k)
+        ref_v, ref_i = x.sort(dim=-1, descending=True, stable=True)
+        assert torch.equal(idx, ref_i[..., :k]) and torch.equal(vals, ref_v[..., :k]), k
+    lp = torch.log_softmax(torch.randn(4, 1000, generator=g), -1).to(torch.bfloat16)  # the head's dtype
+    assert torch.equal(best(lp, 8)[1], lp.sort(dim=-1, descending=True, stable=True)[1][:, :8])
+
+
 def test_rerank_budget_closure_and_order():
     # candidates: 0,1 at depth 1 (root's), 2,3 under 0, 4,5 under 1, 6 under 3
     parents = torch.tensor([[-1, -1, 0, 0, 1, 1, 3]])
