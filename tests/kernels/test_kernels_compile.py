@@ -7,7 +7,9 @@ tests/data/kernel_launches.json holds each distinct launch of a bf16 engine run 
 each is compiled with Triton's own CUDA toolchain (ptxas ships with the triton wheel) in a subprocess
 without TRITON_INTERPRET, with programmatic dependent launch on (m3eagle/kernels/pdl.py): a kernel's PDL constexpr
 only adds its `griddepcontrol` instructions (`pdl_wait`), so the variant with them compiles everything the
-recorded one (PDL off) does, and the suite compiles each launch once.
+recorded one (PDL off) does, and the suite compiles each launch once. The recorded dense, sparse and indexer
+launches (TAIL off) are also compiled with TAIL on -- what a draft-tree step launches on the GPU
+(tests/kernels/test_triton_tree_attention.py) -- in the same pass.
 A record whose kernel's parameters changed fails with the command that re-records them. Skipped where
 triton has no CUDA backend.
 
@@ -46,10 +48,22 @@ try:  # the CUDA backend and its ptxas (get_ptxas takes the arch in newer triton
 except Exception as e:  # no CUDA backend or no ptxas: nothing to check here
     print(f"SKIP {type(e).__name__}: {e}")
     sys.exit(77)
+import os
 WEIGHT_PRELOAD = {"_linear_kernel", "_router_topk_kernel", "_route_shared_kernel"}
 failures, stale = [], []
-shard, shards = int(sys.argv[2]), int(sys.argv[3])  # this process compiles every shards-th record
-for mod, name, params, types, consts, opts in json.load(open(sys.argv[1]))[shard::shards]:
+records, claims = json.load(open(sys.argv[1])), sys.argv[2]
+
+
+def claimed():  # a work queue shared by the compiler processes: each record goes to the first one to claim it
+    for i, record in enumerate(records):
+        try:
+            os.close(os.open(os.path.join(claims, str(i)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue
+        yield record
+
+
+for mod, name, params, types, consts, opts in claimed():
     fn = getattr(importlib.import_module(mod), name)
     now = list(inspect.signature(fn.fn).parameters)
     if now != params:
@@ -74,19 +88,36 @@ print(json.dumps({"failures": failures, "stale": sorted(set(stale))}))
 
 
 SHARDS = 2  # compiler processes at once: the suite's runner has two cores, and this test is its longest
+# compiled first, so the shared queue ends on short compiles: these take most of the pass (up to ~25 s each)
+COSTLY = ("_router_tile_kernel",)
+
+
+def launches() -> list:
+    """The recorded launches, and the TAIL-on variant of each one that has a TAIL constexpr (off when recorded)."""
+    records = json.loads(RECORDS.read_text())
+    tails = [[mod, name, params, types, {**consts, "TAIL": True}, opts]
+             for mod, name, params, types, consts, opts in records if "TAIL" in consts]
+    assert {r[1] for r in tails} == {"_dense_attn_kernel", "_sparse_attn_kernel", "_indexer_kernel"}
+    return sorted(records + tails, key=lambda r: r[1] not in COSTLY)  # stable: otherwise the recorded order
 
 
 @pytest.mark.slow
 def test_every_recorded_launch_compiles_for_sm90(tmp_path):
+    """Every recorded launch (PDL on), and the TAIL-on variant of each dense, sparse and indexer launch,
+    compiles for sm_90 to a cubin, in SHARDS compiler processes that share one queue of launches."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile for real, not from a cache
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton >= 3.9 warns when unset; 1 is its default
-    procs = [subprocess.Popen([sys.executable, "-c", COMPILE, str(RECORDS), str(i), str(SHARDS)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(SHARDS)]
+    path, claims = tmp_path / "launches.json", tmp_path / "claims"
+    path.write_text(json.dumps(launches()))
+    claims.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", COMPILE, str(path), str(claims)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(SHARDS)]
     outs = [p.communicate(timeout=300) + (p.returncode,) for p in procs]
     if any(rc == 77 for _, _, rc in outs):
         pytest.skip(next(out for out, _, rc in outs if rc == 77).strip())
+    assert len(list(claims.iterdir())) == len(launches())  # every launch was taken by a compiler process
     stale, failures = [], []
     for out, err, rc in outs:
         assert rc == 0, err[-3000:]
