@@ -220,7 +220,8 @@ def test_down_preload_is_bit_equal_to_the_loop(t, k, i, cfg, monkeypatch):
     assert seen[-1] is False
 
 
-@pytest.mark.parametrize("t,k,i,h", [(1, 4, 40, 48), (4, 2, 40, 48)])  # one row, and the widest T the path takes
+# one row, and the widest T the path takes; H 28: not a multiple of any rows' span (8, 12, 20 with 4-wide tiles)
+@pytest.mark.parametrize("t,k,i,h", [(1, 4, 40, 28), (4, 2, 40, 28)])
 def test_down_rows_are_bit_equal_to_one_tile_per_program(t, k, i, h, monkeypatch):
     """Several column tiles per down program (`down_rows`: the next tile's weights loaded while this one's
     sums run; act and the routing read once) computes the same products and sums per tile: bit-equal to
@@ -231,7 +232,7 @@ def test_down_rows_are_bit_equal_to_one_tile_per_program(t, k, i, h, monkeypatch
     x, w, idx, w13, w2 = make(90 + t, t, k, h=h, i=i)
     _, _, _, s13, s2 = make(91 + t, 1, 1, e=1, h=h, i=i)
     _, _, _, n13, n2 = make(92 + t, 1, 1, e=1, h=h, i=24)
-    one = MoEConfig(16, 16, 16, direct=1, down_block_n=4, down_block_k=64)
+    one = MoEConfig(16, 64, 64, direct=1, down_block_n=4, down_block_k=64)  # gate_up (not the subject): one tile
     kws = ({}, {"shared": (s13[0], s2[0]), "routed_scale": 2.0}, {"shared": (n13[0], n2[0]), "routed_scale": 2.0})
     # one tile per program, computed once per (preload, shared expert): what every rows count must equal
     want = {(pre, j): triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=replace(one, down_preload=pre),
@@ -257,7 +258,9 @@ def test_down_rows_are_bit_equal_to_one_tile_per_program(t, k, i, h, monkeypatch
     assert len(launches) == 4 * len(runs)
 
 
-@pytest.mark.parametrize("t,k,h,i", [(1, 4, 48, 40), (4, 2, 64, 40)])  # one row, and the widest T the path takes
+# one row, and the widest T the path takes; the pair widths (I 40 / 20, the shared expert's 24) are not
+# multiples of the rows' spans (16, 24)
+@pytest.mark.parametrize("t,k,h,i", [(1, 4, 48, 40), (4, 2, 64, 20)])
 def test_gate_rows_are_bit_equal_to_one_tile_per_program(t, k, h, i, monkeypatch):
     """Several gate_up column tiles per program (`gate_rows`: one unrolled sequence of K steps with the next
     step's weights loaded first) runs the same FMAs per tile: bit-equal to one tile per program, over
@@ -266,7 +269,7 @@ def test_gate_rows_are_bit_equal_to_one_tile_per_program(t, k, h, i, monkeypatch
     launches = launch_flags(monkeypatch, "_direct_gate_up_rows_kernel", "ROWS")
     x, w, idx, w13, w2 = make(95 + t, t, k, h=h, i=i)
     _, _, _, n13, n2 = make(96 + t, 1, 1, e=1, h=h, i=24)
-    one = MoEConfig(16, 8, 32, direct=1, down_block_n=4, down_block_k=64)
+    one = MoEConfig(16, 8, 32, direct=1, down_block_n=16, down_block_k=64)  # down: several tiles, few programs
     kws = ({}, {"shared": (n13[0], n2[0]), "routed_scale": 2.0})
     want = [triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, config=one, **kw) for kw in kws]  # one tile
     want_sub = triton_moe.fused_experts(x, w, idx, w13, w2, ALPHA, LIMIT, (2, 6), config=one)
