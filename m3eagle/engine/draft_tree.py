@@ -6,11 +6,13 @@ A tree of depth D, top-k K and node budget N is grown by the Eagle3 head one dep
     level l+1   each of the K frontier nodes of level l proposes its K best children (one batched head call
                 over the frontier); score = parent score + log q(child), a cumulative log-probability;
                 the frontier of level l+1 is the K best of those K*K children
-    rerank      the N best of all K + (D-1)K^2 candidates by score, listed in creation order
+    rerank      the N best of all K + (D-1)K^2 candidates by score, stored best first (score order)
 
 A child's score never exceeds its parent's (log q <= 0, and fp32 addition is monotonic) and a parent is
 created before its children, so a stable sort by score (ties to the lower creation index) puts every parent
-ahead of its children: the N best are closed under ancestors, and creation order is a topological order.
+ahead of its children: the N best are closed under ancestors, and score order is a topological order. So is
+every prefix of it: the first M stored nodes are the tree EAGLE-2 builds with budget M, and a step may verify
+only them (`verify_width`: the full tree at small batch, M = D at large).
 
 Storage: node i (1..N) of a row is verify token i after the root (token 0, the last emitted token) and its
 K/V lives at position p0 + i of the row (p0: the root's position); its RoPE / causal position is
@@ -84,6 +86,62 @@ def check_tree_engine(spec: TreeSpec, prefill_graphs: bool, scheduler_steps: int
 
 
 # ------------------------------------------------------------------------------------------------
+# The automatic choice: the full tree or its first D nodes
+# ------------------------------------------------------------------------------------------------
+
+# The prior on what the full tree gains over its first D nodes: a fixed function of the tree's shape, never of
+# a request's acceptance. A depth level of the accepted path is reached with probability PRIOR_ALPHA from one
+# candidate per level, and 1 - (1 - PRIOR_ALPHA) ** (c ** PRIOR_EXPONENT) from c = M / D candidates per level
+# (siblings fail together more often than independent drafts: diminishing returns). The two constants put
+# 3,4,16 at MAL 3.85 and its first 3 nodes at 3.39 (the H100 embedded pair measures 3.82 and 3.39).
+PRIOR_ALPHA, PRIOR_EXPONENT = 0.89, 0.3
+# Without measured costs (CPU, graphs off) the full tree is kept while a step's verify tokens B * (N + 1) fit
+# this many: a small step is bound by launches and weights, not by its token count.
+SHAPE_RULE_TOKENS = 256
+
+
+def narrow_width(spec: TreeSpec) -> int:
+    """The nodes a step verifies when the full tree does not pay: the first D in score order (min(D, N))."""
+    return min(spec.depth, spec.nodes)
+
+
+def expected_mal(depth: int, width: int) -> float:
+    """The prior's mean accepted length (emitted tokens per step) of a best-first tree of `width` nodes, depth `depth`."""
+    a = 1.0 - (1.0 - PRIOR_ALPHA) ** ((width / depth) ** PRIOR_EXPONENT)
+    return sum(a ** d for d in range(depth + 1))
+
+
+def expected_gain(spec: TreeSpec) -> float:
+    """The prior's MAL ratio of the full tree over its first D nodes (>= 1)."""
+    return expected_mal(spec.depth, spec.nodes) / expected_mal(spec.depth, narrow_width(spec))
+
+
+def tree_max_batch_from_costs(costs: dict[int, tuple[float, float]], gain: float) -> int:
+    """The largest batch at which a step verifies the full tree, from measured step costs: costs maps a graph
+    bucket (rows) to (seconds of the full-tree step, seconds of the narrow step). Tokens per second are MAL / cost,
+    so the tree pays at a bucket when cost_full <= gain * cost_narrow; the threshold is the largest bucket up to
+    which every bucket pays (0: the narrow step at every batch). A pure function of its arguments."""
+    out = 0
+    for b in sorted(costs):
+        full, narrow = costs[b]
+        if full > gain * narrow:
+            break
+        out = b
+    return out
+
+
+def tree_max_batch_from_shape(spec: TreeSpec) -> int:
+    """The threshold without measured costs: the full tree while B * (N + 1) <= SHAPE_RULE_TOKENS."""
+    return SHAPE_RULE_TOKENS // (spec.nodes + 1)
+
+
+def verify_width(spec: TreeSpec, tree_max_batch: int, batch_size: int) -> int:
+    """The nodes every tree row of a step of `batch_size` rows verifies: N up to tree_max_batch, else the first D.
+    Host ints only: the choice is made per step from its shape, never from a device value or a request's timing."""
+    return spec.nodes if batch_size <= tree_max_batch else narrow_width(spec)
+
+
+# ------------------------------------------------------------------------------------------------
 # Construction
 # ------------------------------------------------------------------------------------------------
 
@@ -118,15 +176,22 @@ def expand(parent_scores: torch.Tensor, logp: torch.Tensor, k: int) -> tuple[tor
     return tok.flatten(1), (parent_scores[..., None] + lp).flatten(1)
 
 
-def rerank(scores: torch.Tensor, parents: torch.Tensor, nodes: int,
+def rerank(scores: torch.Tensor, parents: torch.Tensor, nodes: int, score_order: bool = False,
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `nodes` best candidates, closed under ancestors, in creation (topological) order.
+    """The `nodes` best candidates, closed under ancestors, in creation order, or with `score_order` best first
+    (ties to the lower creation index); both are topological orders, and every prefix of score order is the
+    best tree of that budget.
 
     scores [B, M] cumulative log-probs, parents [B, M] candidate index of each candidate's parent (-1: the
-    root) -> (sel [B, N] candidate indices ascending, parent [B, N] storage index of each selected node's
-    parent: 0 for the root, i + 1 for sel[:, i])."""
+    root) -> (sel [B, N] candidate indices, parent [B, N] storage index of each selected node's parent: 0 for
+    the root, i + 1 for sel[:, i])."""
     b, m = scores.shape
-    _, top = best(scores, nodes)
+    _, top = best(scores, nodes)  # [B, N] best first
+    if score_order:
+        rank = torch.zeros(b, m, dtype=torch.int64, device=scores.device)  # [B, M] storage index 1..N, 0 elsewhere
+        rank.scatter_(1, top, torch.arange(1, nodes + 1, device=scores.device).expand(b, nodes))
+        par = parents.gather(1, top)  # [B, N] candidate index, -1 = root (a chosen node's parent is chosen)
+        return top, torch.where(par < 0, 0, rank.gather(1, par.clamp(min=0)))
     # Ascending candidate order without a sort: mark the chosen, number them by a running count.
     chosen = torch.zeros(b, m, dtype=torch.int64, device=scores.device).scatter_(1, top, 1)  # [B, M]
     store = chosen.cumsum(1) * chosen  # [B, M] storage index 1..N of each chosen candidate, 0 elsewhere

@@ -14,7 +14,9 @@ the runner's alternating pinned buffers (a copy captured into the graph would al
 buffer, which the host may still be reading under overlap).
 
 Graphs are keyed by (bucket, mode), mode = (any row samples, any row wants logprobs, any row has
-penalties); K is fixed per engine. All share one memory pool; the greedy graphs are captured at startup,
+penalties); K is fixed per engine, except that a draft tree's narrow steps (each row verifying the
+first D nodes of its tree: draft_tree.verify_width) take buckets of their own, (NARROW, rows, D). All
+share one memory pool; the greedy graphs are captured at startup,
 largest bucket first, and the others on first use. Steps that are neither graph-shaped nor
 prefill-shaped run eagerly.
 
@@ -71,13 +73,18 @@ def bucket_for(n: int, buckets: list[int]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
-def is_graph_shaped(batch: ScheduledBatch, k: int) -> bool:
-    """Every row continues a running request with its last token + K drafts, all from the slot buffers."""
-    return bool(batch.rows) and all(r.samples and r.gather and r.num_drafts == k and r.num_tokens == k + 1
-                                    for r in batch.rows)
+def is_graph_shaped(batch: ScheduledBatch, k: int, narrow: int | None = None) -> bool:
+    """Every row continues a running request with its last token + K drafts, all from the slot buffers (or, with
+    `narrow`, every row with that many drafts: a draft-tree step verifying its trees' first nodes)."""
+    if not batch.rows:
+        return False
+    w = batch.rows[0].num_drafts
+    return (w == k or w == narrow) and all(r.samples and r.gather and r.num_drafts == w and r.num_tokens == w + 1
+                                           for r in batch.rows)
 
 
 PREFILL = "prefill"  # the first field of a prefill graph's bucket key: (PREFILL, rows, tokens)
+NARROW = "narrow"  # the first field of a narrow draft-tree step's bucket key: (NARROW, rows, drafts per row)
 
 
 def prefill_bucket_sizes(max_tokens: int, cap: int = 4096, slack: int = 0) -> list[int]:
@@ -113,7 +120,8 @@ def pdl_in_graph(bucket: Any) -> bool:
     from m3eagle.kernels import pdl  # here, not at the top: pdl.py defines a jit helper, and the engine must not import
     # triton before a CPU test sets TRITON_INTERPRET (kernels and helpers decorate for the GPU otherwise)
 
-    return isinstance(bucket, int) and bucket <= pdl.AUTO_MAX_BUCKET
+    rows = bucket[1] if isinstance(bucket, tuple) and bucket[0] == NARROW else bucket
+    return isinstance(rows, int) and rows <= pdl.AUTO_MAX_BUCKET
 
 
 class GraphRunner:
@@ -128,6 +136,8 @@ class GraphRunner:
         self.max_kv = table_width * page_size  # the fixed KV bound of every graph-shaped step
         # A bucket must fit the step buffers once padded: rows x (1 + K) tokens.
         self.buckets = [b for b in bucket_sizes(max_rows) if b * (k + 1) <= bufs.max_tokens]
+        # A draft tree's narrow verify width (draft_tree.verify_width): its decode steps get buckets of their own.
+        self.narrow: int | None = None
         # Prefill graphs need a padding row (so at least two rows); tensor parallel keeps them off (the
         # driver's broadcast protocol carries decode buckets only).
         # A step of up to prefill_cap real tokens replays: the last bucket has room for its padding rows.
@@ -148,8 +158,9 @@ class GraphRunner:
     def bucket(self, batch: ScheduledBatch) -> Any:
         """The step's graph bucket: rows (a decode / verify step), (PREFILL, rows, tokens) (a prefill
         graph's), or None (eager)."""
-        if is_graph_shaped(batch, self.k):
-            return bucket_for(len(batch.rows), self.buckets)
+        if is_graph_shaped(batch, self.k, self.narrow):
+            b, w = bucket_for(len(batch.rows), self.buckets), batch.rows[0].num_drafts
+            return b if w == self.k or b is None else (NARROW, b, w)
         if self.prefill_buckets and is_prefill_shaped(batch):
             n = len(batch.rows)
             rows = bucket_for(n + 1, self.prefill_rows)  # >= 1 padding row
@@ -179,6 +190,8 @@ class GraphRunner:
         of 1 + K tokens up to `bucket` rows. Prefill (PREFILL, rows, t): `rows` rows and t tokens in all,
         max_q t -- the real rows, then padding rows of one token each but the last, which takes the rest;
         padding rows verify nothing."""
+        if isinstance(bucket, tuple) and bucket[0] == NARROW:  # rows of 1 + w tokens
+            return dict(pad_rows_to=bucket[1], pad_q=bucket[2] + 1)
         if isinstance(bucket, tuple):
             _, rows, t = bucket
             pad = rows - len(batch.rows)
@@ -231,7 +244,7 @@ class GraphRunner:
         if not self.use_graphs:
             return
         free0 = torch.cuda.mem_get_info(self.runner.device)[0]
-        for b in sorted(self.buckets, reverse=True):
+        for b in self.decode_buckets():
             self.capture(b, (False, False, False))
         used = (free0 - torch.cuda.mem_get_info(self.runner.device)[0]) / 2**20
         log.info("captured %d CUDA graphs (buckets %s, K=%d) in %.1f s; graph memory %.0f MiB",
@@ -243,12 +256,49 @@ class GraphRunner:
         modes a prefill graph has (no penalties). The step whose graph `warm` captures is built of padding
         rows only, so what it compiles and captures is exactly what the first real step of that key would."""
         flags = (False, True)
-        decode = [(b, (r, lp, pen)) for b in sorted(self.buckets, reverse=True)
+        decode = [(b, (r, lp, pen)) for b in self.decode_buckets()
                   for r in flags for lp in flags for pen in flags]
         prefill = [((PREFILL, rows, t), (r, lp, False)) for t in sorted(self.prefill_buckets, reverse=True)
                    for rows in sorted(self.prefill_rows, reverse=True) if 2 <= rows <= t
                    for r in flags for lp in flags]
         return decode + prefill
+
+    def decode_buckets(self) -> list[Any]:
+        """Every decode / verify bucket, largest first; with a narrow draft-tree width, each row bucket twice
+        (the full tree's, then the narrow step's)."""
+        out: list[Any] = []
+        for b in sorted(self.buckets, reverse=True):
+            out += [b] + ([(NARROW, b, self.narrow)] if self.narrow is not None and self.narrow != self.k else [])
+        return out
+
+    def step_costs(self, reps: int = 5) -> dict[int, tuple[float, float]]:
+        """Per row bucket, the device seconds of one replay of its greedy full-tree graph and of its narrow graph
+        (captured by capture_startup; the median of `reps` replays after one untimed). The replays run padding
+        rows only: the trash page and the dump slot. {} when graphs are off or there is no narrow width."""
+        if not self.use_graphs or self.narrow is None or self.narrow == self.k:
+            return {}
+        dev = self.runner.device
+        mode = (False, False, False)
+
+        def cost(bucket: Any) -> float:
+            if (bucket, mode) not in self.graphs:
+                self.capture(bucket, mode)
+            graph = self.graphs[(bucket, mode)][0]
+            graph.replay()
+            times = []
+            for _ in range(reps):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            return sorted(times)[len(times) // 2]
+
+        with torch.cuda.device(dev):
+            costs = {b: (cost(b), cost((NARROW, b, self.narrow))) for b in sorted(self.buckets)}
+        torch.cuda.synchronize(dev)
+        return costs
 
     def warm(self, bucket: Any, mode: tuple[bool, bool, bool]) -> bool:
         """Make the first real step of (bucket, mode) cost what later ones do: capture its graph (its two eager

@@ -46,7 +46,7 @@ class StepInput:
     row_slot: torch.Tensor  # [B] device slot-buffer index of each row's request (the dump slot for padding)
     row_first: torch.Tensor  # [B] flat index of each row's first token
     row_qlen: torch.Tensor  # [B]
-    row_num_drafts: torch.Tensor  # [B] 0 or K
+    row_num_drafts: torch.Tensor  # [B] 0 or K (a draft tree's: 0, K or its narrow width)
     row_samples: torch.Tensor  # [B] bool
     row_gather: torch.Tensor  # [B] bool: first token + drafts from the slot buffers
     row_correct: torch.Tensor  # [B] bool: kv_len += the slot's deviation (steps in flight) on device
@@ -58,6 +58,7 @@ class StepInput:
     penalties: PenaltyTensors | None = None  # some row's distribution depends on its history (penalties.py)
     want_prompt_logprobs: bool = False  # some prompt chunk wants prompt_logprobs (never in graph-shaped steps)
     grammar: Any = None  # a GrammarStep (structured_step.py): the masks of constrained rows; eager steps only
+    draft_width: int = -1  # the most drafts any row carries (host int: a draft-tree step's verify width); -1: unknown
 
     @property
     def mode(self) -> tuple[bool, bool, bool]:
@@ -396,8 +397,10 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
     for name, v in extra.items():
         host[name][:] = v
     shape.d_span.copy_(shape.h_spans[par], non_blocking=shape.d_span.is_cuda)
-    return _assemble(shape.views, n_rows, t, max_q, max_kv or max(kv_lens, default=1), page_size, ops,
-                     (any_random, want_logprobs, any_penalty, want_prompt_lp))
+    inp = _assemble(shape.views, n_rows, t, max_q, max_kv or max(kv_lens, default=1), page_size, ops,
+                    (any_random, want_logprobs, any_penalty, want_prompt_lp))
+    inp.draft_width = max(max((r.num_drafts for r in rows), default=0), max(nd_pad, default=0))
+    return inp
 
 
 def _penalty_values(rows: list, pad: int, dump_slot: int, values: dict[str, Any]) -> int:

@@ -29,7 +29,14 @@ import torch
 
 from m3eagle.distributed.parallel_state import SINGLE, TPGroup
 from m3eagle.engine.detokenizer import FinalTextDetokenizer, IncrementalDetokenizer
-from m3eagle.engine.draft_tree import check_tree_engine
+from m3eagle.engine.draft_tree import (
+    TreeSpec,
+    check_tree_engine,
+    expected_gain,
+    narrow_width,
+    tree_max_batch_from_costs,
+    tree_max_batch_from_shape,
+)
 from m3eagle.engine.graph_runner import GraphRunner
 from m3eagle.engine.input_builder import StepBuffers
 from m3eagle.engine.kv_budget import pages_per_seq, resolve_num_pages
@@ -107,6 +114,10 @@ class EngineConfig:
     # A draft tree (draft_tree.TreeSpec) instead of the chain: num_draft_tokens is then its node budget N
     # (each verify row carries N nodes); decode graphs and overlap, no prefill graphs (draft_tree.check_tree_engine).
     draft_tree: Any = None
+    # Draft trees: a step of at most this many rows verifies the full tree, a larger one the first D nodes of
+    # each (draft_tree.verify_width). None: chosen at startup (`_choose_tree_max_batch`) from the step costs of
+    # the captured decode graphs, or from the tree's shape without graphs; the engine's config holds the choice.
+    tree_max_batch: int | None = None
     # The deterministic mode (LLM(deterministic=True)): besides its batch-invariant kernels (the Ops), verification
     # is coupled to decoding without drafts (sampling/verify.py), so a seed gives the same tokens with any drafts.
     deterministic: bool = False
@@ -246,8 +257,12 @@ class LLMEngine(OutputProcessor):
                                   prefill=pg, prefill_cap=cfg.max_prefill_graph_tokens)
         self.graph_shapes = graph_shapes
         self.tp = tp
+        if tree is not None:
+            self.graphs.narrow = narrow_width(tree)
         if tp.is_driver:  # a worker captures when rank 0 tells it to, in rank 0's order
             self.graphs.capture_startup()
+        if tree is not None:
+            self._choose_tree_max_batch(tree)
         self.eos_ids = set(target.cfg.eos_token_ids)
         self._max_model_len = cfg.max_model_len  # read into each request's StopConditions
         self._ids = itertools.count()
@@ -283,6 +298,30 @@ class LLMEngine(OutputProcessor):
         # Steady rows of a step without logprobs take `_process_plain`'s tight path; tests turn it off to hold
         # it equal to the per-row path (tests/engine/test_host_fast_paths.py).
         self.fast_paths = True
+
+    def _choose_tree_max_batch(self, tree: TreeSpec) -> None:
+        """The batch size up to which steps verify the full tree: the config's, else the largest graph bucket up to
+        which a replay of the full-tree step costs at most the shape's expected MAL gain times the narrow step's
+        (both timed once here, on the graphs capture_startup made), else the shape rule (CPU, graphs off). Timed
+        once at startup and then fixed, so a request's tokens never depend on a timing of its own steps."""
+        value, source = self.cfg.tree_max_batch, "set"
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"tree_max_batch={value!r} must be an int >= 0 (0: the first {narrow_width(tree)} "
+                             "nodes at every batch) or None (chosen at startup)")
+        if value is None:
+            costs = self.graphs.step_costs() if self.graph_shapes else {}
+            if costs:
+                value, source = tree_max_batch_from_costs(costs, expected_gain(tree)), "measured"
+                log.info("draft tree %s: step costs (full, narrow) ms per bucket %s; expected MAL gain %.3f", tree,
+                         {b: (round(f * 1e3, 3), round(n * 1e3, 3)) for b, (f, n) in costs.items()},
+                         expected_gain(tree))
+            else:
+                value, source = tree_max_batch_from_shape(tree), "shape rule"
+        self.cfg = replace(self.cfg, tree_max_batch=value)
+        self.scheduler.tree_max_batch = value
+        self.scheduler.narrow_drafts = narrow_width(tree)
+        log.info("draft tree %s: steps of up to %d rows verify the full tree, larger ones its first %d nodes (%s)",
+                 tree, value, narrow_width(tree), source)
 
     # ---- warm-up ------------------------------------------------------------------------------
     def warmup_shapes(self) -> list[tuple[int, int]]:

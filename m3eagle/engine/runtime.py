@@ -64,6 +64,8 @@ class Runtime:
     only); None uses the embedded model and its Eagle3 head. draft: an Eagle3 head directory (or Hub id);
     num_draft_tokens: K (1..8; 0 = off). draft_tree: "D,K,N" drafts a dynamic tree instead of the chain (depth D,
     the K best children per expanded node, N nodes verified; docs/design/speculative.md); overlap off unless asked.
+    tree_max_batch: steps of at most this many rows verify the full tree, larger ones its first D nodes (None: chosen
+    at startup from the captured graphs' step costs, or from the tree's shape without graphs).
     overlap: None = on for CUDA, off for CPU. attention_backend / moe_backend / fused_backend (norms, RoPE,
     activations, router): 'auto' (triton on CUDA, reference on CPU) | 'reference' | 'triton'.
     enforce_eager: never capture CUDA graphs (they are on by default on CUDA).
@@ -115,7 +117,8 @@ class Runtime:
                  max_prefill_graph_tokens: int = 512, num_scheduler_steps: int | str = 1,
                  quantization: str | None = None, enable_prefix_caching: bool = True,
                  tokenizer: str | Path | None = None, draft_tree: str | tuple | None = None,
-                 deterministic: bool = False, _worker: tuple[int, int, str] | None = None):
+                 deterministic: bool = False, tree_max_batch: int | None = None,
+                 _worker: tuple[int, int, str] | None = None):
         # What a spawned worker needs to build its rank of this same LLM (_worker: its rank, size, rendezvous).
         spawn_kwargs = {k: v for k, v in locals().items() if k not in ("self", "_worker")}
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -137,6 +140,11 @@ class Runtime:
                 raise ValueError(f"draft_tree='{tree}' needs a draft head: pass draft=DIR (an Eagle3 checkpoint)")
             if overlap is None:
                 overlap = False
+        if tree_max_batch is not None and (tree is None or not isinstance(tree_max_batch, int)
+                                           or isinstance(tree_max_batch, bool) or tree_max_batch < 0):
+            raise ValueError(f"tree_max_batch={tree_max_batch!r} needs draft_tree= and an int >= 0 (the largest batch "
+                             "that verifies the full tree; 0: never) or None (chosen at startup)")
+        self._tree_max_batch = tree_max_batch
         if num_draft_tokens is None:
             num_draft_tokens = tree.nodes if tree is not None else (3 if draft is not None else 0)
         elif not isinstance(num_draft_tokens, int) or not 0 <= num_draft_tokens <= 8:
@@ -285,7 +293,7 @@ class Runtime:
                                    max_prefill_graph_tokens=max_prefill_graph_tokens,
                                    num_scheduler_steps=num_scheduler_steps,
                                    enable_prefix_caching=self.enable_prefix_caching, draft_tree=draft_tree,
-                                   deterministic=self.deterministic)
+                                   deterministic=self.deterministic, tree_max_batch=self._tree_max_batch)
         self.engine = LLMEngine(self.target, self.draft, self.tokenizer, self.config, self.dtype, dev, self.ops,
                                 tp=tp, driver=self._driver)
 

@@ -46,7 +46,7 @@ class ScheduledRow:
     req: Request
     start: int  # first position (host-projected)
     tokens: list[int] | tuple[int, ...]  # host-known ids (placeholders where `gather` is set); read-only
-    num_drafts: int  # drafts appended to this row (0 or K)
+    num_drafts: int  # drafts appended to this row (0, K, or a draft tree's narrow width: Scheduler.tree_max_batch)
     samples: bool  # the row reaches the end of the known tokens -> sample / verify
     gather: bool  # first token + drafts come from the device slot buffers
     correct: bool  # the previous sampling step is still in flight -> correct kv_len on device
@@ -95,6 +95,11 @@ class Scheduler:
         # The steady state's plan skips the general loop (`_schedule_steady`); tests turn it off to hold the
         # two equal (tests/engine/test_host_fast_paths.py).
         self.fast_path = True
+        # Draft trees (draft_tree.verify_width): a step of more than tree_max_batch rows verifies only the first
+        # narrow_drafts nodes of each tree (stored best first, every prefix closed under ancestors). None: every
+        # verify row carries K drafts.
+        self.tree_max_batch: int | None = None
+        self.narrow_drafts = num_draft_tokens
 
     # ---- queue management --------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -241,13 +246,27 @@ class Scheduler:
         """The next step's rows: `_schedule_steady` when it applies, else the general plan (`_schedule`).
         steps > 1 asks for a multi-step iteration, which only the steady plan makes (with fewer sub-steps
         where a row would outgrow its page table); otherwise the plan is one step."""
+        batch = None
         if self.fast_path and not self.waiting:
             batch = self._schedule_steady(steps) if steps > 1 else None
             if batch is None:
                 batch = self._schedule_steady()
-            if batch is not None:
-                return batch
-        return self._schedule()
+        if batch is None:
+            batch = self._schedule()
+        if self.tree_max_batch is not None and len(batch.rows) > self.tree_max_batch:
+            self._narrow(batch.rows)
+        return batch
+
+    def _narrow(self, rows: list[ScheduledRow]) -> None:
+        """Each row carrying K drafts carries the first narrow_drafts instead (its token and page reservations stay
+        the larger ones: room to spare). Only gathered rows carry drafts, so their ids are placeholders."""
+        k, nd = self.k, self.narrow_drafts
+        if nd >= k:
+            return
+        ids = (0,) * (nd + 1)
+        for row in rows:
+            if row.num_drafts == k:
+                row.tokens, row.num_drafts, row.num_tokens, row.kv_len = ids, nd, nd + 1, row.start + nd + 1
 
     def _schedule_steady(self, steps: int = 1) -> ScheduledBatch | None:
         """The steady state's plan without the general loop, or None where it does not apply: nothing waits,

@@ -17,8 +17,9 @@ in storage order) and for prompt rows alike:
     5. the rerank to N nodes; tokens, parents and depths into the slot buffers the next step gathers from
 
 No host sync: the node rows are laid out by device arithmetic on shapes fixed by host ints alone (every step
-row becomes N + 1 sub-rows, `_node_rows`), and every constant index tensor is made once, so the step can be
-captured as a CUDA graph.
+row becomes w + 1 sub-rows, `_node_rows`; w is the step's verify width, N, or D on a narrow step that verifies the
+first D stored nodes of each tree: draft_tree.verify_width), and every constant index tensor is made once, so
+the step can be captured as a CUDA graph.
 
 Sampling invariants are the chain's, node by node: penalties and min_tokens score node i with the history plain
 decoding of its path would have (the request's tokens, its ancestors and itself: tree_verify.tree_penalize),
@@ -75,7 +76,10 @@ class TreeModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def execute(self, inp: StepInput) -> StepOutput:
-        k, tree = self.k, self.tree
+        # w: the step's verify width (host int), N or the narrow width; rows verify their first num_drafts <= w
+        # stored nodes (score order: every prefix is closed under ancestors). k1: the slot buffers' width N + 1.
+        tree, k1 = self.tree, self.k + 1
+        k = inp.draft_width if 0 < inp.draft_width <= self.k else self.k
         pen, grammar = inp.penalties, inp.grammar
         if grammar is not None and not isinstance(grammar, TreeGrammarStep):
             raise TypeError("a draft-tree step's grammar is a TreeGrammarStep (its masks follow the tree)")
@@ -85,25 +89,25 @@ class TreeModelRunner(ModelRunner):
         fused, book = _fused(meta), self._step_ops(meta)
         b = inp.num_rows
         nodes_of = self.row_ids[:b]
-        parents, depths = full_tree(self.slot_parents[inp.row_slot], self.slot_depths[inp.row_slot])  # [B, N+1]
-        anc = ancestors(parents, depths, tree.depth)  # [B, N+1, D+1]
+        parents, depths = full_tree(self.slot_parents[inp.row_slot, :k], self.slot_depths[inp.row_slot, :k])  # [B, w+1]
+        anc = ancestors(parents, depths, tree.depth)  # [B, w+1, D+1]
         p0 = meta.kv_lens - inp.row_qlen  # [B] position of each row's first token (a tree row's root)
-        tmeta, tpos = self._node_rows(inp, meta, depths, anc, p0)
+        tmeta, tpos = self._node_rows(inp, meta, depths, anc, p0, k)
         aux = self.aux_buf[: inp.num_tokens]  # [T, 3H]
         sample_idx, node_pos, drafts_in = book.sample_positions(
-            inp.row_first, inp.row_qlen, inp.row_num_drafts, tpos, ids, k)  # [B, N+1] x 2, [B, N]
+            inp.row_first, inp.row_qlen, inp.row_num_drafts, tpos, ids, k)  # [B, w+1] x 2, [B, w]
         every = inp.want_prompt_logprobs
         hidden = self.target(ids, tpos, tmeta, self.caches, self.aux_ids, aux,
                              rows=None if every else sample_idx.reshape(-1))
         prompt_lps = self._prompt_logprobs(inp, ids, hidden) if every else None
-        sampled = hidden[sample_idx.reshape(-1)] if every else hidden  # [B * (N+1), H]
+        sampled = hidden[sample_idx.reshape(-1)] if every else hidden  # [B * (w+1), H]
         if not (inp.any_random or inp.want_logprobs or pen is not None or grammar is not None):
             # all greedy, nothing else reads the logits: the argmax in lm_head's launch, as the chain's
-            greedy = self.target.greedy_ids(sampled, fused).view(b, k + 1)  # [B, N+1]
+            greedy = self.target.greedy_ids(sampled, fused).view(b, k + 1)  # [B, w+1]
             path, num_new = greedy_walk(greedy, drafts_in, parents[:, 1:], inp.row_num_drafts, tree.depth)
-            new_tokens = pad_columns(greedy.gather(1, path), k + 1)
+            new_tokens = pad_columns(greedy.gather(1, path), k1)  # [B, N+1]: the slot buffers' width
         else:
-            logits = self.target.compute_logits(sampled, fused).view(b, k + 1, -1)  # [B, N+1, V] fp32
+            logits = self.target.compute_logits(sampled, fused).view(b, k + 1, -1)  # [B, w+1, V] fp32
             if pen is not None:  # node i's target distribution given the history and its path
                 logits = tree_penalize(self.penalty, logits, pen, inp.row_slot, drafts_in, anc, depths,
                                        inp.row_num_drafts, node_pos)
@@ -113,9 +117,10 @@ class TreeModelRunner(ModelRunner):
             new_tokens, num_new, path = tree_verify(scored, drafts_in, parents[:, 1:], inp.row_num_drafts,
                                                     tree.depth, inp.sampling, node_pos, inp.any_random, fused.argmax,
                                                     self.coupled)
+            new_tokens = pad_columns(new_tokens, k1)  # [B, N+1]
         logprobs = None
         if inp.want_logprobs:  # emitted token j was predicted by path node j
-            lp_rows = torch.cat([path, path[:, -1:].expand(b, max(k + 1 - path.shape[1], 0))], 1)[:, : k + 1]
+            lp_rows = torch.cat([path, path[:, -1:].expand(b, max(k1 - path.shape[1], 0))], 1)[:, :k1]
             logprobs = token_logprobs(logits.gather(1, lp_rows[..., None].expand(-1, -1, logits.shape[-1])),
                                       new_tokens, self.n_top)
         num_new_s = torch.where(inp.row_samples, num_new, 0)
@@ -133,7 +138,7 @@ class TreeModelRunner(ModelRunner):
         num_new, s, last_idx, shifted, at, _ = book.commit_outputs(
             new_tokens, num_new, inp.row_samples, inp.row_slot, self.dump_slot, inp.row_num_drafts, inp.row_first,
             inp.row_qlen, inp.row_next_token, ids_c, meta.positions, self.slot_tokens, self.slot_num_new,
-            self.slot_dev, k, True, tok_row=meta.tok_row,
+            self.slot_dev, self.k, True, tok_row=meta.tok_row,
             chain=(inp.row_chained, meta.kv_lens, inp.meta.kv_lens, inp.row_chained), pages=None)
         if pen is not None:
             self.penalty.record_outputs(new_tokens, num_new, s)
@@ -149,36 +154,38 @@ class TreeModelRunner(ModelRunner):
 
     # ---- the target's node rows --------------------------------------------------------------------
     def _node_rows(self, inp: StepInput, meta: AttnMetadata, depths: torch.Tensor, anc: torch.Tensor,
-                   p0: torch.Tensor) -> tuple[AttnMetadata, torch.Tensor]:
-        """The step's metadata with every step row b turned into N + 1 sub-rows (b, j), sub-row index
-        b * (N + 1) + j, by device arithmetic on fixed shapes (no host read of a device value): a tree row's
-        sub-row j is node j alone (position p0 + depth(j), keys: the committed context, then its ancestors
-        at their depth positions through the tail override); another row is sub-row (b, 0) whole, its other
-        sub-rows empty. When every row holds exactly N + 1 tokens (decode-only steps, a graph bucket's
+                   p0: torch.Tensor, width: int) -> tuple[AttnMetadata, torch.Tensor]:
+        """The step's metadata with every step row b turned into w + 1 sub-rows (b, j) (w = `width`, the step's
+        verify width), sub-row index b * (w + 1) + j, by device arithmetic on fixed shapes (no host read of a
+        device value): a tree row's sub-row j is node j alone (position p0 + depth(j), keys: the committed
+        context, then its ancestors at their depth positions through the tail override), and empty past the
+        row's own tokens (a row verifying fewer nodes); another row is sub-row (b, 0) whole, its other
+        sub-rows empty. When every row holds exactly w + 1 tokens (decode-only steps, a graph bucket's
         padding rows included) every row is split, prompt-free rows into one-token causal rows, so the
-        widest sub-row is one token. -> (metadata, positions [T])."""
-        b, n1, t = inp.num_rows, self.k + 1, inp.num_tokens
-        uniform = t == b * n1 and meta.max_q == n1  # host ints only: every row is N + 1 tokens wide
+        widest sub-row is one token. depths [B, w+1], anc [B, w+1, D+1]. -> (metadata, positions [T])."""
+        b, n1, t = inp.num_rows, width + 1, inp.num_tokens
+        uniform = t == b * n1 and meta.max_q == n1  # host ints only: every row is w + 1 tokens wide
         is_tree = inp.row_num_drafts > 0  # [B]
         split = self.row_true[:b, 0] if uniform else is_tree  # [B] rows cut into one-token sub-rows
-        j = self.node_cols[:n1]  # [N+1]
+        j = self.node_cols[:n1]  # [w+1]
         tr, tc = meta.tok_row, meta.tok_col  # [T]
         t_split = split[tr]
         tok_depth = depths[tr, tc.clamp(max=n1 - 1)]
         tpos = torch.where(is_tree[tr], p0[tr] + tok_depth, meta.positions)  # [T]
-        # per sub-row [B, N+1]: tokens, first flat token, kv_len
-        q_sub = torch.where(split[:, None], 1, torch.where(j == 0, inp.row_qlen[:, None], 0))
+        # per sub-row [B, w+1]: tokens, first flat token, kv_len
+        q_sub = torch.where(split[:, None], (j < inp.row_qlen[:, None]).long(),
+                            torch.where(j == 0, inp.row_qlen[:, None], 0))
         first = inp.row_first[:, None] + torch.where(split[:, None], j, 0)
         own_pos = tpos[first.clamp(max=t - 1)]  # a split sub-row's one token
-        kv = torch.where(split[:, None], own_pos + 1, meta.kv_lens[:, None])
+        kv = torch.where(split[:, None] & (q_sub > 0), own_pos + 1, meta.kv_lens[:, None])  # empty: the row's
         max_q = 1 if uniform else meta.max_q
         c = self.node_cols[:max_q] if max_q <= n1 else torch.arange(max_q, device=p0.device)
-        q_valid = c[None, :] < q_sub.reshape(-1, 1)  # [B(N+1), Qmax']
+        q_valid = c[None, :] < q_sub.reshape(-1, 1)  # [B(w+1), Qmax']
         q_index = torch.where(q_valid, first.reshape(-1, 1) + c[None, :], 0)
         # node j's virtual positions p0 + 1 .. p0 + depth(j) hold its ancestors at depths 1 .. depth(j)
         rows = self.row_ids[:b]
         tail = slots_for_positions(meta.page_table, rows[:, None, None], p0[:, None, None] + anc[:, :, 1:],
-                                   self.page_size)  # [B, N+1, D]
+                                   self.page_size)  # [B, w+1, D]
         tail_start = torch.where(is_tree, p0 + 1, meta.max_kv)  # [B]: other rows keep their page table
         tmeta = replace(meta, num_rows=b * n1, max_q=max_q, q_lens=q_sub.reshape(-1), kv_lens=kv.reshape(-1),
                         page_table=meta.page_table.repeat_interleave(n1, 0), tok_row=tr * n1 + torch.where(t_split, tc, 0),
@@ -253,7 +260,7 @@ class TreeModelRunner(ModelRunner):
                                         c_tok.gather(1, idx)[..., None]], -1)
             n_made += kk * kk
         scores = torch.cat(cand_score, 1)  # [B, M]
-        sel, parents = rerank(scores, torch.cat(cand_parent, 1), tree.nodes)
+        sel, parents = rerank(scores, torch.cat(cand_parent, 1), tree.nodes, score_order=True)  # best first
         tokens = head.draft_to_target(torch.cat(cand_tok, 1).gather(1, sel))
         return tokens, parents, self.cand_depth[sel]
 

@@ -157,6 +157,8 @@ def _make_llm(a: argparse.Namespace, warmup: bool | None = None):
     model, draft, tokenizer = _model_of(a)
     if getattr(a, "draft_tree", None) is not None:
         extra["draft_tree"] = a.draft_tree
+    if getattr(a, "tree_max_batch", None) is not None:
+        extra["tree_max_batch"] = a.tree_max_batch
     return LLM(model=model, draft=draft, num_draft_tokens=a.num_draft_tokens, device=a.device,
                dtype=a.dtype, max_model_len=a.max_model_len, max_num_tokens=a.max_num_tokens,
                page_size=a.page_size, overlap=overlap, attention_backend=a.attention_backend,
@@ -204,6 +206,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="draft a dynamic tree instead of the chain: depth D, the K best children per expanded node, "
                         "N nodes verified per step (e.g. 3,4,16; decode steps replay CUDA graphs, prompt steps run "
                         "eagerly; overlap off unless --overlap on)")
+    p.add_argument("--tree-max-batch", type=int_in(0), default=None, metavar="B",
+                   help="with --draft-tree: steps of up to B rows verify the full tree, larger ones its first D "
+                        "nodes (0: always the first D); none: chosen at startup from measured step costs")
     p.add_argument("--max-model-len", type=int_in(1), default=None,
                    help="longest prompt + output; none: min(model limit, 2048)")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
