@@ -279,11 +279,15 @@ class GraphRunner:
             return {}
         dev = self.runner.device
         mode = (False, False, False)
+        empty = ScheduledBatch([], [])
 
         def cost(bucket: Any) -> float:
             if (bucket, mode) not in self.graphs:
                 self.capture(bucket, mode)
             graph = self.graphs[(bucket, mode)][0]
+            # the step buffers hold the last step's layout: lay out this bucket's padding rows before replaying
+            build_step_input(empty, self.page_size, self.table_width, dev, self.bufs, max_kv=self.max_kv,
+                             dump_slot=self.runner.dump_slot, ops=self.ops, mode=mode, **self._padding(bucket, empty))
             graph.replay()
             times = []
             for _ in range(reps):

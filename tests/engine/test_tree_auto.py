@@ -208,3 +208,30 @@ def test_option_validation_and_default_rule(geometry):
         LLM(t, draft=h, draft_tree=SPEC, tree_max_batch=-1, **KW)
     tree = LLM(t, draft=h, draft_tree=SPEC, **KW)  # CPU: the shape rule
     assert tree.engine.cfg.tree_max_batch == tree_max_batch_from_shape(TreeSpec.parse(SPEC))
+
+
+def test_engine_takes_the_threshold_from_measured_costs(geometry, monkeypatch):
+    """With step costs measured (injected here: CPU has no graphs to time), the engine's threshold is the rule's on
+    them and the shape's prior gain; the scheduler narrows the steps past it."""
+    from m3eagle.engine.graph_runner import GraphRunner
+
+    t, h = geometry
+    costs = {1: (1.0, 0.95), 2: (1.05, 1.0), 4: (2.0, 1.0), 8: (2.0, 1.0)}
+    monkeypatch.setattr(GraphRunner, "step_costs", lambda self: costs)
+    tree = LLM(t, draft=h, draft_tree=SPEC, graph_shapes=True, **KW)
+    want = tree_max_batch_from_costs(costs, expected_gain(TreeSpec.parse(SPEC)))
+    assert want == 2 and tree.engine.cfg.tree_max_batch == 2 and tree.engine.scheduler.tree_max_batch == 2
+
+
+def test_greedy_switching_under_overlap_equals_plain(geometry):
+    """Under overlap the host plans a narrow step while a full one runs (and back): the device's length correction
+    follows each row's own drafts, and the tokens stay plain greedy's."""
+    t, h = geometry
+    prompts = _prompts(6, (21, 13), t.vocab_size)
+    sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (22, 7)]
+    ref = [o.outputs[0].token_ids for o in LLM(t, num_draft_tokens=0, **KW).generate(prompts, sps)]
+    tree = LLM(t, draft=h, draft_tree=SPEC, tree_max_batch=1, overlap=True, **KW)
+    scripted_trees(tree, {tuple(p): p + r for p, r in zip(prompts, ref)}, t.vocab_size)
+    got, widths = _staggered(tree, prompts, sps)
+    assert got == ref and _switched(widths, 8, 3), widths
+    assert_clean(tree)
