@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import logging
-import sys
-
 import os
+import sys
 
 import numpy as np
 import pytest
