@@ -60,7 +60,7 @@ def node_step(seed: int, rows: list[tuple[str, int, int]], hq: int = 4, hkv: int
     runner = SimpleNamespace(k=n1 - 1, row_true=torch.ones(b, 1, dtype=torch.bool),
                              node_cols=torch.arange(max(n1, DEPTH)), row_ids=torch.arange(b), page_size=PAGE)
     p0 = meta.kv_lens - meta.q_lens
-    tmeta, tpos = TreeModelRunner._node_rows(runner, inp, meta, fd, anc, p0)
+    tmeta, tpos = TreeModelRunner._node_rows(runner, inp, meta, fd, anc, p0, n1 - 1)
     tmeta.positions = tpos
     slots = (sum(held) + 1) * PAGE
 
