@@ -46,7 +46,7 @@ class ScheduledRow:
     req: Request
     start: int  # first position (host-projected)
     tokens: list[int] | tuple[int, ...]  # host-known ids (placeholders where `gather` is set); read-only
-    num_drafts: int  # drafts appended to this row (0, K, or a draft tree's narrow width: Scheduler.tree_max_batch)
+    num_drafts: int  # drafts appended to this row (0, K, or a draft tree's narrow width: Scheduler.narrow_drafts)
     samples: bool  # the row reaches the end of the known tokens -> sample / verify
     gather: bool  # first token + drafts come from the device slot buffers
     correct: bool  # the previous sampling step is still in flight -> correct kv_len on device
