@@ -9,9 +9,9 @@
 # mini ~2.5-3.5 min (incl. --compare-hf), 8b ~4-5 min, embedded ~1 min. To stay inside a 10-minute
 # command, run "mini embedded" in one call and "8b" in another. det: m3-mini at batch 1 and 32 with the
 # deterministic mode off, then on (K=3; tok/s and the replayed step of each, to read its cost), ~4-6 min.
-# tree: the embedded pair at batch 1 and 32, chain K=3 (overlap, graphs) against trees 3,4,16 and 6,4,32 (the
-# plain eager path trees run on), ~2-3 min. bi-gemm: the deterministic GEMM's config sweep on m3-mini's shapes
-# (benchmarks/batch_invariant_gemm.py -> $OUT/bi_gemm.json). prefix-ttft: engine-side TTFT, prefix cache on / off,
+# tree: the embedded pair at batch 1 and 32, chain K=3 against trees 3,4,16 and 6,4,32, all with overlap and
+# decode graphs (trees choose their verify width per batch at startup), ~2-3 min. bi-gemm: the deterministic
+# GEMM's config sweep on m3-mini's shapes (benchmarks/batch_invariant_gemm.py -> $OUT/bi_gemm.json). prefix-ttft: engine-side TTFT, prefix cache on / off,
 # m3-mini 4,096 shared + 128 own tokens, waves of 8, with prompt graphs up to 512 and up to 2,048 tokens
 # (benchmarks/prefix_ttft.py -> $OUT/prefix_ttft_{512,2048}.json).
 set -euo pipefail
@@ -48,8 +48,10 @@ for t in "${targets[@]}"; do
       run m3-mini-det-on --geometry m3-mini --batch-sizes 1,32 --max-tokens 64 --repeats 3 --deterministic ;;
     tree)
       run embedded-chain --geometry embedded --batch-sizes 1,32 --max-tokens 128 --repeats 3
-      run embedded-tree3 --geometry embedded --batch-sizes 1,32 --max-tokens 128 --repeats 3 --draft-tree 3,4,16
-      run embedded-tree6 --geometry embedded --batch-sizes 1,32 --max-tokens 128 --repeats 3 --draft-tree 6,4,32 ;;
+      run embedded-tree3 --geometry embedded --batch-sizes 1,32 --max-tokens 128 --repeats 3 --draft-tree 3,4,16 \
+        --overlap on
+      run embedded-tree6 --geometry embedded --batch-sizes 1,32 --max-tokens 128 --repeats 3 --draft-tree 6,4,32 \
+        --overlap on ;;
     bi-gemm)
       python benchmarks/batch_invariant_gemm.py --geometry m3-mini --json "$OUT/bi_gemm.json" 2>&1 | tee "$OUT/bi_gemm.log" ;;
     prefix-ttft)

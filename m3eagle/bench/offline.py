@@ -128,6 +128,8 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
     overlap = None if a.overlap == "auto" else a.overlap == "on"
     # a tree replays decode graphs; Runtime leaves overlap off for it unless asked (--overlap on)
     spec_kw: dict[str, Any] = {"draft_tree": str(tree)} if tree is not None else {"num_draft_tokens": k}
+    if getattr(a, "tree_max_batch", None) is not None:  # without a tree the engine refuses it by name
+        spec_kw["tree_max_batch"] = a.tree_max_batch
     tp = getattr(a, "tensor_parallel_size", 1)
     if a.compare_hf and tp > 1:
         raise ValueError("--compare-hf runs transformers on rank 0's weights, which are a shard under "
@@ -221,6 +223,7 @@ def _measure(a: argparse.Namespace, llm, geo: geometries.Geometry, dev: torch.de
                      "max_prefill_graph_tokens": llm.engine.cfg.max_prefill_graph_tokens,
                      "num_scheduler_steps": llm.engine.cfg.num_scheduler_steps, "num_draft_tokens": k,
                      "draft_tree": str(llm.engine.cfg.draft_tree) if llm.engine.cfg.draft_tree is not None else None,
+                     "tree_max_batch": llm.engine.cfg.tree_max_batch,
                      "enable_prefix_caching": llm.engine.cfg.enable_prefix_caching,
                      "deterministic": llm.deterministic, "prompts": prompt_source, "seed": a.seed},
         "bandwidth": bw,

@@ -335,6 +335,9 @@ def _add_bench(sub) -> None:
                    help="the speculative runs draft a dynamic tree (depth D, K children per expanded node, N nodes "
                         "verified) instead of the chain; trees run without prefill graphs, and without overlap unless "
                         "--overlap on")
+    b.add_argument("--tree-max-batch", type=int_in(0), default=None, metavar="B",
+                   help="with --draft-tree: steps of up to B rows verify the full tree, larger ones its first D nodes "
+                        "(0: always the first D); none: chosen at startup from measured step costs")
     _device_args(b)
     b.add_argument("--batch-sizes", type=batch_sizes, default="1,8,32", help="comma-separated batch sizes")
     b.add_argument("--prompt-len", type=int_in(1), default=128, help="prompt tokens per request")

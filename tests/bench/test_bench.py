@@ -142,15 +142,20 @@ def test_json_file_and_plain_only(tmp_path, one_thread):
 
 def test_draft_tree_runs_on_the_plain_eager_path(one_thread):
     """--draft-tree: the speculative rows verify the tree's N nodes (num_draft_tokens N), the settings record the
-    tree, the engine ran without overlap or graphs; with --num-draft-tokens too it is refused naming both."""
+    tree and the verify width rule the engine chose (CPU: the shape rule, 256 // (N + 1) rows), the engine ran
+    without overlap or graphs; with --num-draft-tokens too it is refused naming both, and --tree-max-batch
+    without a tree names the option."""
     rc, out, err = _run(TINY + ["--batch-sizes", "1", "--draft-tree", "2,2,4"])
     assert rc == 0, err
     doc = json.loads(out)
     assert doc["settings"]["draft_tree"] == "2,2,4" and doc["settings"]["num_draft_tokens"] == 4
+    assert doc["settings"]["tree_max_batch"] == 256 // 5
     assert [r["mode"] for r in doc["results"]] == ["plain", "spec"]
     assert doc["results"][1]["num_draft_tokens"] == 4 and doc["env"]["engine_config"]["overlap"] is False
     rc, _, err = _run(TINY + ["--batch-sizes", "1", "--draft-tree", "2,2,4", "--num-draft-tokens", "3"])
     assert rc == 2 and "--draft-tree" in err and "--num-draft-tokens" in err
+    rc, _, err = _run(TINY + ["--batch-sizes", "1", "--num-draft-tokens", "0", "--tree-max-batch", "3"])
+    assert rc == 2 and "tree_max_batch=3" in err and "draft_tree" in err
 
 
 # ---- bytes per step, by hand ---------------------------------------------------------------------
