@@ -9,7 +9,9 @@ without TRITON_INTERPRET, with programmatic dependent launch on (m3eagle/kernels
 only adds its `griddepcontrol` instructions (`pdl_wait`), so the variant with them compiles everything the
 recorded one (PDL off) does, and the suite compiles each launch once. The recorded dense, sparse and indexer
 launches (TAIL off) are also compiled with TAIL on -- what a draft-tree step launches on the GPU
-(tests/kernels/test_triton_tree_attention.py) -- in the same pass.
+(tests/kernels/test_triton_tree_attention.py) -- in the same pass. A kernel with a PRECISE constexpr is
+compiled with it on, as a GPU launches it (`triton_utils.precise()`: libdevice math, bf16 dots), not with the
+interpreter's setting it was recorded under, which no GPU runs.
 A record whose kernel's parameters changed fails with the command that re-records them. Skipped where
 triton has no CUDA backend.
 
@@ -77,6 +79,8 @@ for mod, name, params, types, consts, opts in claimed():
             # as a GPU launches it under PDL (pdl.preload_weights): weights read before the wait
             pdl_consts.update(PRELOAD=True, **({"PREFETCH": True} if "PREFETCH" in consts else {}))
         variants = [(pdl_consts, {**opts, "launch_pdl": True})]
+    if "PRECISE" in consts:  # recorded under the interpreter (numpy math, fp32 dots): the GPU's libdevice variant
+        variants = [({**c, "PRECISE": True}, o) for c, o in variants]
     for c, o in variants:
         src = ASTSource(fn, sig, constexprs={(params.index(k),): v for k, v in c.items()})
         try:
