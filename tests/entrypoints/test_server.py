@@ -438,10 +438,10 @@ def test_metrics(served):
 
 @pytest.mark.slow
 def test_soak(served):
-    """500 streaming requests, 64 at a time, 10% dropped after a random number of events."""
+    """300 streaming requests, 64 at a time, 10% dropped after a random number of events."""
     st, ref = served
     rng = random.Random(0)
-    plan = [(rng.choice(PROMPTS), rng.randint(0, 3) if rng.random() < 0.1 else None) for _ in range(500)]
+    plan = [(rng.choice(PROMPTS), rng.randint(0, 3) if rng.random() < 0.1 else None) for _ in range(300)]
 
     async def main() -> list[tuple[int, str, bool]]:
         sem = asyncio.Semaphore(64)
@@ -457,11 +457,11 @@ def test_soak(served):
     results = asyncio.run(main())
     assert all(status == 200 for status, _, _ in results), [r for r in results if r[0] != 200][:3]
     kept = [(p, text, done) for (p, drop), (_, text, done) in zip(plan, results) if drop is None]
-    assert len(kept) >= 430 and all(done for _, _, done in kept)
+    assert len(kept) == sum(drop is None for _, drop in plan) >= 250 and all(done for _, _, done in kept)
     assert all(text == ref[p].outputs[0].text for p, text, _ in kept)
     wait_idle(st, timeout=30)
     assert http(st, "GET", "/health")[0] == 200 and st.server.engine.is_idle_and_clean()
-    print(f"soak: 500 requests in {time.monotonic() - t0:.1f}s")
+    print(f"soak: {len(plan)} requests in {time.monotonic() - t0:.1f}s")
 
 
 # ------------------------------------------------------------------------------------------------
