@@ -145,45 +145,37 @@ def test_node_rows_equal_dense_tree_mask_attention(sparse):
 # ---- the engine, with scripted trees ------------------------------------------------------------------------
 
 
-def scripted_trees(llm: LLM, seqs: dict[tuple[int, ...], list[int]], vocab: int):
-    """Replace the head's trees by scripted ones over the target's own greedy continuation `seqs`: the c-th tree
-    of a request gets pattern c % 3 -- 0: the right path down second-choice branches to full depth, 1: nothing right,
-    2: the first node right then only wrong children. The head still runs (its K/V as usual). Returns the
-    restore function and the patterns used."""
+class ScriptedTree:
+    """A scripted tree under construction, nodes in storage order (a parent before its children)."""
+
+    def __init__(self, vocab: int):
+        self.vocab, self.toks, self.pars, self.deps = vocab, [], [], []
+
+    def add(self, parent: int, tok: int, depth: int) -> int:
+        """Node `tok` (mod vocab) under storage index `parent` (0: the root) -> its own storage index."""
+        self.toks.append(tok % self.vocab)
+        self.pars.append(parent)
+        self.deps.append(depth)
+        return len(self.toks)
+
+    def filled(self, nodes: int, filler: int) -> tuple[list[int], list[int], list[int]]:
+        """(tokens, parents, depths) of exactly `nodes` nodes: filler leaves filler+1, filler+2, .. under the root."""
+        i = 0
+        while len(self.toks) < nodes:
+            i += 1
+            self.add(0, filler + i, 1)
+        return self.toks[:nodes], self.pars[:nodes], self.deps[:nodes]
+
+
+def install_tree_script(llm: LLM, seqs: dict[tuple[int, ...], list[int]], build, patterns: tuple[int, ...]) -> list[int]:
+    """Replace the head's trees by scripted ones (the head still runs, its K/V as usual): the c-th tree of a
+    request is build(right, patterns[c % len(patterns)]) -> (tokens, parents, depths), `right` the request's
+    reference continuation (seqs: prompt + output) for the D + 1 positions after its last accepted token.
+    Returns the patterns used, in order."""
     runner, eng = llm.engine.runner, llm.engine
-    spec = runner.tree
-    orig = runner._grow_tree
+    spec, orig = runner.tree, runner._grow_tree
     used: list[int] = []
     steps: dict[str, int] = {}  # trees grown per request: the pattern cycles whatever each step accepted
-
-    def tree_for(right: list[int], pattern: int) -> tuple[list[int], list[int], list[int]]:
-        toks, pars, deps = [], [], []
-
-        def add(parent: int, tok: int, depth: int) -> int:
-            toks.append(tok % vocab)
-            pars.append(parent)
-            deps.append(depth)
-            return len(toks)
-
-        parent = 0
-        for depth in range(1, spec.depth + 1):
-            r = right[depth - 1]
-            if pattern == 0:
-                add(parent, r + 1, depth)
-                parent = add(parent, r, depth)
-            elif pattern == 1:
-                add(parent, r + 1, depth)
-                parent = add(parent, r + 2, depth)
-            else:
-                parent = add(parent, r if depth == 1 else r + 1, depth)
-                add(parent - 1 if depth > 1 else 0, r + 3, depth) if depth > 1 else add(0, r + 2, 1)
-            if len(toks) >= spec.nodes - 1:
-                break
-        i = 0
-        while len(toks) < spec.nodes:  # filler leaves under the root, never the right token
-            i += 1
-            add(0, right[0] + 3 + i, 1)
-        return toks[: spec.nodes], pars[: spec.nodes], deps[: spec.nodes]
 
     def grow(inp, meta, aux, last_idx, shifted, at, row_ids):
         tokens, parents, depths = orig(inp, meta, aux, last_idx, shifted, at, row_ids)
@@ -193,16 +185,42 @@ def scripted_trees(llm: LLM, seqs: dict[tuple[int, ...], list[int]], vocab: int)
             if req is None:
                 continue
             seq = seqs[tuple(req.prompt_token_ids)]
-            right = [seq[p] if p < len(seq) else 0 for p in range(pos + 2, pos + 2 + spec.depth)]
-            pattern = steps.setdefault(req.request_id, 0) % 3
+            right = [seq[p] if p < len(seq) else 0 for p in range(pos + 2, pos + 3 + spec.depth)]
+            pattern = patterns[steps.setdefault(req.request_id, 0) % len(patterns)]
             steps[req.request_id] += 1
             used.append(pattern)
-            t, p, d = tree_for(right, pattern)
+            t, p, d = build(right, pattern)
             tokens[i], parents[i], depths[i] = torch.tensor(t), torch.tensor(p), torch.tensor(d)
         return tokens, parents, depths
 
     runner._grow_tree = grow
     return used
+
+
+def scripted_trees(llm: LLM, seqs: dict[tuple[int, ...], list[int]], vocab: int) -> list[int]:
+    """Scripted trees over the target's own greedy continuation `seqs` (install_tree_script): the c-th tree of a
+    request gets pattern c % 3 -- 0: the right path down second-choice branches to full depth, 1: nothing right,
+    2: the first node right then only wrong children. Returns the patterns used."""
+    spec = llm.engine.runner.tree
+
+    def tree_for(right: list[int], pattern: int) -> tuple[list[int], list[int], list[int]]:
+        tree, parent = ScriptedTree(vocab), 0
+        for depth in range(1, spec.depth + 1):
+            r = right[depth - 1]
+            if pattern == 0:
+                tree.add(parent, r + 1, depth)
+                parent = tree.add(parent, r, depth)
+            elif pattern == 1:
+                tree.add(parent, r + 1, depth)
+                parent = tree.add(parent, r + 2, depth)
+            else:
+                parent = tree.add(parent, r if depth == 1 else r + 1, depth)
+                tree.add(parent - 1 if depth > 1 else 0, r + 3, depth) if depth > 1 else tree.add(0, r + 2, 1)
+            if len(tree.toks) >= spec.nodes - 1:
+                break
+        return tree.filled(spec.nodes, right[0] + 3)  # filler leaves never hold the right token
+
+    return install_tree_script(llm, seqs, tree_for, (0, 1, 2))
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from m3eagle.engine.draft_tree import ancestors, full_tree
 from m3eagle.sampling import tree_verify as tv
 from m3eagle.sampling.penalties import PenaltyState, PenaltyTensors, penalize_reference
 from m3eagle.sampling.sampler import SALT_SAMPLE, SamplingTensors, probs_from_logits, sample_from_probs
+from tests.engine.test_draft_tree import ScriptedTree, install_tree_script
 from tests.helpers.engine_utils import assert_clean
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -106,55 +107,25 @@ def test_coupled_walk_emits_the_draws_for_any_tree():
 def forced_trees(llm: LLM, seqs: dict[tuple[int, ...], list[int]], vocab: int,
                  patterns: tuple[int, ...] = (0, 1, 2)) -> list[int]:
     """Replace the head's trees by scripted ones over each request's reference continuation `seqs` (prompt +
-    output). The c-th tree of a request takes pattern patterns[c % len(patterns)] -- 0: the right path to full
-    depth, each right node after a decoy sibling that holds the token the right node's child must predict (a
-    history that took siblings would penalise it); 1: decoys only; 2: the first node right, then decoys.
-    Returns the patterns used."""
-    runner, eng = llm.engine.runner, llm.engine
-    spec, orig, used, steps = runner.tree, runner._grow_tree, [], {}
+    output; install_tree_script). The c-th tree of a request takes pattern patterns[c % len(patterns)] -- 0: the
+    right path to full depth, each right node after a decoy sibling that holds the token the right node's child
+    must predict (a history that took siblings would penalise it); 1: decoys only; 2: the first node right, then
+    decoys. Returns the patterns used."""
+    spec = llm.engine.runner.tree
 
     def tree_for(right: list[int], pattern: int) -> tuple[list[int], list[int], list[int]]:
-        toks, pars, deps = [], [], []
-
-        def add(parent: int, tok: int, depth: int) -> int:
-            toks.append(tok % vocab)
-            pars.append(parent)
-            deps.append(depth)
-            return len(toks)
-
-        parent = 0
+        tree, parent = ScriptedTree(vocab), 0
         for depth in range(1, spec.depth + 1):
             r = right[depth - 1]
             decoy = right[depth] if depth < spec.depth and right[depth] != r else r + 1
-            add(parent, decoy, depth)
+            tree.add(parent, decoy, depth)
             if pattern == 0 or (pattern == 2 and depth == 1):
-                parent = add(parent, r, depth)
-            elif pattern == 1 or len(toks) >= spec.nodes:
+                parent = tree.add(parent, r, depth)
+            elif pattern == 1 or len(tree.toks) >= spec.nodes:
                 break
-        i = 0
-        while len(toks) < spec.nodes:  # filler leaves under the root, never the right token
-            i += 1
-            add(0, right[0] + 1 + i, 1)
-        return toks[: spec.nodes], pars[: spec.nodes], deps[: spec.nodes]
+        return tree.filled(spec.nodes, right[0] + 1)  # filler leaves never hold the right token
 
-    def grow(inp, meta, aux, last_idx, shifted, at, row_ids):
-        tokens, parents, depths = orig(inp, meta, aux, last_idx, shifted, at, row_ids)
-        by_slot = {r.slot: r for r in eng.scheduler.running}
-        for i, (slot, pos) in enumerate(zip(inp.row_slot.tolist(), at[0].tolist())):
-            req = by_slot.get(slot)
-            if req is None:
-                continue
-            seq = seqs[tuple(req.prompt_token_ids)]
-            right = [seq[p] if p < len(seq) else 0 for p in range(pos + 2, pos + 3 + spec.depth)]
-            pattern = patterns[steps.setdefault(req.request_id, 0) % len(patterns)]
-            steps[req.request_id] += 1
-            used.append(pattern)
-            t, p, d = tree_for(right, pattern)
-            tokens[i], parents[i], depths[i] = torch.tensor(t), torch.tensor(p), torch.tensor(d)
-        return tokens, parents, depths
-
-    runner._grow_tree = grow
-    return used
+    return install_tree_script(llm, seqs, tree_for, patterns)
 
 
 KW = dict(device="cpu", load_format="dummy", max_model_len=96, page_size=8)
