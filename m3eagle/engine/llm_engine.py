@@ -304,10 +304,7 @@ class LLMEngine(OutputProcessor):
         which a replay of the full-tree step costs at most the shape's expected MAL gain times the narrow step's
         (both timed once here, on the graphs capture_startup made), else the shape rule (CPU, graphs off). Timed
         once at startup and then fixed, so a request's tokens never depend on a timing of its own steps."""
-        value, source = self.cfg.tree_max_batch, "set"
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise ValueError(f"tree_max_batch={value!r} must be an int >= 0 (0: the first {narrow_width(tree)} "
-                             "nodes at every batch) or None (chosen at startup)")
+        value, source = self.cfg.tree_max_batch, "set"  # validated by Runtime
         if value is None:
             costs = self.graphs.step_costs() if self.graph_shapes else {}
             if costs:
