@@ -99,3 +99,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A CUDA test collected beside CPU test modules that set TRITON_INTERPRET would launch every Triton kernel
+    under the interpreter on device tensors and fail for that reason alone: say so instead."""
+    if (item.get_closest_marker("gpu") is not None and os.environ.get("TRITON_INTERPRET") == "1"
+            and torch.cuda.is_available()):
+        pytest.fail("TRITON_INTERPRET=1 was set by a CPU test module collected in this run; run the GPU test "
+                    "files (tests/engine/*_gpu.py, test_cuda_graphs.py, test_long_context.py) in a pytest "
+                    "process of their own", pytrace=False)
