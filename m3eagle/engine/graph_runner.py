@@ -150,6 +150,9 @@ class GraphRunner:
         self.pool = None
         self.capture_seconds = 0.0
         self.num_replays = 0
+        # Set once the engine's warm-up has run: a capture after it is first-use work in the middle of serving.
+        self.warmed = False
+        self.first_use_captures = 0
         self.launch_seconds = 0.0  # host time inside graph.replay() (cudaGraphLaunch), summed over replays
         if driver is not None:
             driver.attach(self)  # its shutdown releases these graphs before NCCL's teardown (release())
@@ -356,4 +359,9 @@ class GraphRunner:
             static = self.runner.execute(inp)
         self.graphs[(bucket, mode)] = (graph, static)
         self.capture_seconds += time.perf_counter() - t0
-        log.debug("captured graph bucket=%s mode=%s in %.2f s", bucket, mode, time.perf_counter() - t0)
+        if self.warmed:
+            self.first_use_captures += 1
+            log.warning("CUDA graph bucket=%s mode=%s captured on first use, after the warm-up (%.2f s in a "
+                        "serving step)", bucket, mode, time.perf_counter() - t0)
+        else:
+            log.debug("captured graph bucket=%s mode=%s in %.2f s", bucket, mode, time.perf_counter() - t0)

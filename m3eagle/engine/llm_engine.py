@@ -53,6 +53,7 @@ from m3eagle.engine.request import (
 from m3eagle.engine.scheduler import NeedSync, ScheduledBatch, Scheduler
 from m3eagle.engine.structured_step import GrammarStep, TreeGrammarStep
 from m3eagle.engine.tree_runner import TreeModelRunner
+from m3eagle.kernels.compile_watch import add_compile_listener
 from m3eagle.kernels.ops import Ops, make_ops
 from m3eagle.kvcache.page_pool import PagePool
 from m3eagle.models.layers import pack_projections
@@ -283,6 +284,9 @@ class LLMEngine(OutputProcessor):
         # Requests changed since the last step() returned (each gets one delta), in order of change.
         self._touched: dict[str, Request] = {}
         self.counters = SpecCounters(accept_hist=[0] * (k + 1))
+        # Triton compiles after the warm-up (CUDA; see _first_use_compile) and the hook's remover.
+        self.first_use_compiles = 0
+        self._unwatch_compiles = None
         # Structured output: the compiler (built on first use, from the tokenizer) and the ids of the live
         # constrained requests; while there are any, steps wait for the previous step's tokens (`_step`).
         self._compiler: GrammarCompiler | None = None
@@ -399,11 +403,20 @@ class LLMEngine(OutputProcessor):
         sched = self.scheduler
         sched.reset_prefix_cache()  # dummy prompts: nothing a user would hit, nothing counted
         sched.prefix_cache_queries, sched.prefix_cache_hits = cache_counts
+        self.graphs.warmed = True
+        if self.device.type == "cuda" and self._unwatch_compiles is None:
+            self._unwatch_compiles = add_compile_listener(self._first_use_compile)
         log.info("warm-up in %.1f s: %d graph buckets x modes %s in %.1f s (%d captured in all), %d prompt "
                  "batches (rows x tokens: %s), sampling variants %s", info["seconds"], warmed,
                  "captured" if self.graphs.use_graphs else "run eagerly", t_graphs, len(self.graphs.graphs),
                  len(shapes), ", ".join(f"{r}x{n}" for r, n in shapes), ", ".join(variants))
         return info
+
+    def _first_use_compile(self, variant: str) -> None:
+        """A Triton compile after the warm-up: first-use work the warm-up did not cover, paid by a serving step."""
+        self.first_use_compiles += 1
+        log.warning("Triton compiled %s on first use, after the warm-up (its compile delays a serving step)",
+                    variant)
 
     def _warm_batch(self, reqs: list[tuple[str, int, SamplingParams]]) -> None:
         """Run dummy prompts (id suffix, length, params) together until they finish. The prefix cache is

@@ -1,0 +1,79 @@
+"""The post-compile hook: listeners hear each compiled variant, an earlier hook still runs, removal and a
+collected listener's owner stop the calls. Triton calls the hook with these keyword arguments after a compile;
+the test calls it the same way (the CPU interpreter compiles nothing)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import triton
+
+from m3eagle.kernels import compile_watch
+
+
+def _fire(variant: str) -> None:
+    triton.knobs.runtime.jit_post_compile_hook(key=("k",), repr=variant, fn=None, compile={},
+                                               is_manual_warmup=False, already_compiled=False)
+
+
+class _Owner:
+    def __init__(self) -> None:
+        self.heard: list[str] = []
+
+    def on_compile(self, variant: str) -> None:
+        self.heard.append(variant)
+
+
+def test_listeners_hear_compiles_until_removed_or_collected():
+    owner, other = _Owner(), _Owner()
+    remove = compile_watch.add_compile_listener(owner.on_compile)
+    remove_other = compile_watch.add_compile_listener(other.on_compile)
+    _fire("_matmul_kernel[num_warps=4](X: *bf16)")
+    assert owner.heard == other.heard == ["_matmul_kernel[num_warps=4](X: *bf16)"]
+    remove()
+    _fire("_argmax_kernel")
+    assert owner.heard == ["_matmul_kernel[num_warps=4](X: *bf16)"] and other.heard[-1] == "_argmax_kernel"
+    del other
+    gc.collect()
+    _fire("_combine_kernel")  # the collected owner's entry is dropped, nothing raises
+    assert all(ref() is not None for ref in compile_watch._listeners)
+    remove_other()
+
+
+def test_an_earlier_hook_keeps_running(monkeypatch):
+    calls = []
+    monkeypatch.setattr(compile_watch, "_installed", False)
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", lambda **kw: calls.append(kw["repr"]))
+    owner = _Owner()
+    remove = compile_watch.add_compile_listener(owner.on_compile)
+    _fire("_dense_attn_kernel")
+    assert calls == ["_dense_attn_kernel"] and owner.heard == ["_dense_attn_kernel"]
+    remove()
+
+
+class _Records(logging.Handler):
+    """The m3eagle logger's records (it does not propagate to the root, so caplog sees nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_the_engine_logs_a_compile_after_its_warm_up(make_llm, model_dir):
+    llm = make_llm(model_dir, num_draft_tokens=0)
+    eng = llm.engine
+    remove = compile_watch.add_compile_listener(eng._first_use_compile)  # what warmup() installs on CUDA
+    handler, logger = _Records(), logging.getLogger("m3eagle")
+    logger.addHandler(handler)
+    try:
+        _fire("_linear_kernel[num_warps=8](X: *bf16, W: *bf16)")
+    finally:
+        logger.removeHandler(handler)
+        remove()
+    assert eng.first_use_compiles == 1
+    assert [r.levelno for r in handler.records if "_linear_kernel[num_warps=8]" in r.getMessage()
+            and "after the warm-up" in r.getMessage()] == [logging.WARNING]
