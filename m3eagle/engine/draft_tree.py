@@ -27,9 +27,12 @@ sequence.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from m3eagle.kernels.topk.reference import best
 
 MAX_DEPTH, MAX_TOPK, MAX_NODES = 8, 8, 64
 
@@ -146,37 +149,16 @@ def verify_width(spec: TreeSpec, tree_max_batch: int, batch_size: int) -> int:
 # ------------------------------------------------------------------------------------------------
 
 
-def best(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest of scores [..., M] along the last dim, ties to the lower index -> (values [..., k],
-    indices [..., k]), in that order.
-
-    A stable descending sort gives this order, but a full sort of the draft vocabulary per frontier node costs
-    several radix-sort passes per level. topk alone leaves the order of equal values unspecified (it differs
-    between devices), so it runs on keys made unique: each fp32 score's bits mapped to an int32 that orders
-    like the float, shifted above (M - 1 - index), so a tie goes to the lower index. Scores are log-probs
-    (no NaN); -0.0 ranks just below 0.0, where the sort would call them equal."""
-    m = scores.shape[-1]
-    if scores.dtype == torch.float64 or m >= 2 ** 31:  # past the 32-bit key: the sort, same order
-        vals, idx = scores.sort(dim=-1, descending=True, stable=True)
-        return vals[..., :k], idx[..., :k]
-    bits = scores.float().view(torch.int32)
-    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)  # int order == float order
-    low = (m - 1) - torch.arange(m, device=scores.device)  # [M] larger for lower indices
-    keys = (ordered << 32) | low
-    top = keys.topk(k, dim=-1).values  # [..., k] descending, all distinct
-    idx = (m - 1) - (top & 0xFFFFFFFF)
-    return scores.gather(-1, idx), idx
-
-
 def expand(parent_scores: torch.Tensor, logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each of F frontier nodes' k best children: parent_scores [B, F], logp [B, F, Vd] (the head's log-probs
     after each node) -> (child draft ids [B, F * k], cumulative scores [B, F * k]); child f * k + c is
-    parent f's c-th best."""
+    parent f's c-th best (best(): ties to the lower draft id)."""
     lp, tok = best(logp, k)  # [B, F, k]
     return tok.flatten(1), (parent_scores[..., None] + lp).flatten(1)
 
 
 def rerank(scores: torch.Tensor, parents: torch.Tensor, nodes: int, score_order: bool = False,
+           topk: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = best,
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """The `nodes` best candidates, closed under ancestors, in creation order, or with `score_order` best first
     (ties to the lower creation index); both are topological orders, and every prefix of score order is the
@@ -184,9 +166,9 @@ def rerank(scores: torch.Tensor, parents: torch.Tensor, nodes: int, score_order:
 
     scores [B, M] cumulative log-probs, parents [B, M] candidate index of each candidate's parent (-1: the
     root) -> (sel [B, N] candidate indices, parent [B, N] storage index of each selected node's parent: 0 for
-    the root, i + 1 for sel[:, i])."""
+    the root, i + 1 for sel[:, i]). topk: best() or a fast path equal to it."""
     b, m = scores.shape
-    _, top = best(scores, nodes)  # [B, N] best first
+    _, top = topk(scores, nodes)  # [B, N] best first
     if score_order:
         rank = torch.zeros(b, m, dtype=torch.int64, device=scores.device)  # [B, M] storage index 1..N, 0 elsewhere
         rank.scatter_(1, top, torch.arange(1, nodes + 1, device=scores.device).expand(b, nodes))
