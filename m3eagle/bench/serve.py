@@ -57,6 +57,8 @@ DEFINITIONS = {
     "acceptance": "from the server's /metrics counters over the measured window: rate = accepted / drafted "
                   "tokens, mean_acceptance_length = 1 + accepted / drafts (verify steps), per_position = accepted "
                   "at draft position i / drafts; null when the server exports no spec_decode counters",
+    "requests": "each measured request in the order sent: sent_ms after the measured run began, its TTFT and e2e, "
+                "prompt and output tokens (where a tail comes from: a burst of arrivals, the first requests)",
     "prefix_cache": "from the server's /metrics prefix_cache_queries / _hits counters over the measured window: "
                     "prompt tokens looked up in the prefix cache, those found, hit_rate = found / looked up; null "
                     "when the server exports neither counter",
@@ -188,6 +190,7 @@ class Result:
     output_tokens: int = 0
     itl: list[float] = field(default_factory=list)
     text: str = ""  # the streamed reply (a multi-turn conversation sends it back in its next turn)
+    sent: float = 0.0  # time.perf_counter() when the request was sent
 
 
 def payload(endpoint: str, model: str, ids: list[int], text: str, a: argparse.Namespace) -> dict[str, Any]:
@@ -212,7 +215,7 @@ async def run_one(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any]
     """One streamed request: every server-sent `data:` line is timed as it arrives; a line whose choices
     carry text is a token event (TTFT is the first, ITL the gaps between them)."""
     res = Result(prompt_len)
-    t0 = time.perf_counter()
+    t0 = res.sent = time.perf_counter()
     times: list[float] = []
     pieces: list[str] = []
     usage = None
@@ -444,6 +447,11 @@ async def _bench(a: argparse.Namespace) -> dict[str, Any]:
         "acceptance": acceptance(before[0], after[0]),
         "prefix_cache": prefix_cache(before[1], after[1]),
         "errors": sorted({r.error for r in results if r.error})[:10],
+        "requests": [{"sent_ms": round((r.sent - t0) * 1e3, 3),
+                      "ttft_ms": None if r.ttft is None else round(r.ttft * 1e3, 3),
+                      "e2e_ms": round(r.e2e * 1e3, 3), "prompt_tokens": r.prompt_len,
+                      "output_tokens": r.output_tokens, "ok": r.ok}
+                     for r in sorted(results, key=lambda r: r.sent)],
         "definitions": DEFINITIONS,
     }
 

@@ -485,6 +485,14 @@ def test_bench_serve_against_a_server(tmp_path):
     assert "TTFT ms" in err and "acceptance: mean length 2.500" in err and "failed 2" in err
     assert "warm-up 2/2" in err
     assert doc["prefix_cache"] is None  # the fake server exports no prefix_cache counters
+    # the timeline: every measured request in the order sent, the failed ones without a TTFT
+    reqs = doc["requests"]
+    assert len(reqs) == 12 and sum(q["ok"] for q in reqs) == 10
+    assert [q["sent_ms"] for q in reqs] == sorted(q["sent_ms"] for q in reqs) and reqs[0]["sent_ms"] >= 0
+    assert all((q["ttft_ms"] is None) == (not q["ok"]) for q in reqs)
+    assert all(q["ttft_ms"] >= gap * 1e3 * 0.9 and q["e2e_ms"] >= q["ttft_ms"] and q["output_tokens"] == 6
+               and q["prompt_tokens"] == 16 for q in reqs if q["ok"])
+    assert reqs[-1]["sent_ms"] >= 3 * gap * 1e3  # 3 at a time: the last ones wait for earlier streams
 
 
 def test_bench_serve_chat_and_poisson_arrivals(tmp_path):
