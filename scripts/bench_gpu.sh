@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Offline benches of the three bench geometries on one GPU (`m3eagle bench`). Run from the repository root:
 #
-#   OUT=<dir> bash scripts/bench_gpu.sh [mini|8b|embedded|m3-fp8|8b-fp8|det|tree|bi-gemm|prefix-ttft|all]
+#   OUT=<dir> bash scripts/bench_gpu.sh [mini|8b|embedded|m3-fp8|8b-fp8|det|tree|bi-gemm|prefix-ttft|prefix-cost|all]
 #   (default: all)
 #
 # Each run writes $OUT/bench_<name>.json (the JSON document) and $OUT/bench_<name>.log (progress + table);
@@ -13,7 +13,9 @@
 # decode graphs (trees choose their verify width per batch at startup), ~2-3 min. bi-gemm: the deterministic
 # GEMM's config sweep on m3-mini's shapes (benchmarks/batch_invariant_gemm.py -> $OUT/bi_gemm.json). prefix-ttft: engine-side TTFT, prefix cache on / off,
 # m3-mini 4,096 shared + 128 own tokens, waves of 8, with prompt graphs up to 512 and up to 2,048 tokens
-# (benchmarks/prefix_ttft.py -> $OUT/prefix_ttft_{512,2048}.json).
+# (benchmarks/prefix_ttft.py -> $OUT/prefix_ttft_{512,2048}.json). prefix-cost: m3-mini at batch 1 and 32 (K=3,
+# stdlib prompts that share nothing: the bench empties the cache before each repeat) with prefix caching on, then
+# off -- what hashing and page bookkeeping cost where nothing hits, ~3 min.
 set -euo pipefail
 OUT=${OUT:-out/bench}
 mkdir -p "$OUT"
@@ -52,6 +54,10 @@ for t in "${targets[@]}"; do
         --overlap on
       run embedded-tree6 --geometry embedded --batch-sizes 1,32 --max-tokens 128 --repeats 3 --draft-tree 6,4,32 \
         --overlap on ;;
+    prefix-cost)
+      run m3-mini-cache-on --geometry m3-mini --batch-sizes 1,32 --max-tokens 128 --repeats 5
+      run m3-mini-cache-off --geometry m3-mini --batch-sizes 1,32 --max-tokens 128 --repeats 5 \
+        --no-enable-prefix-caching ;;
     bi-gemm)
       python benchmarks/batch_invariant_gemm.py --geometry m3-mini --json "$OUT/bi_gemm.json" 2>&1 | tee "$OUT/bi_gemm.log" ;;
     prefix-ttft)
@@ -64,6 +70,6 @@ for t in "${targets[@]}"; do
       run m3-8b --geometry m3-8b --batch-sizes 1,8,32
       run embedded --geometry embedded --batch-sizes 1,32
       ;;
-    *) echo "usage: $0 [mini|8b|embedded|m3-fp8|8b-fp8|det|tree|bi-gemm|prefix-ttft|all]..." >&2; exit 2 ;;
+    *) echo "usage: $0 [mini|8b|embedded|m3-fp8|8b-fp8|det|tree|bi-gemm|prefix-ttft|prefix-cost|all]..." >&2; exit 2 ;;
   esac
 done
