@@ -19,7 +19,8 @@ in storage order) and for prompt rows alike:
 No host sync: the node rows are laid out by device arithmetic on shapes fixed by host ints alone (every step
 row becomes w + 1 sub-rows, `_node_rows`; w is the step's verify width, N, or D on a narrow step that verifies the
 first D stored nodes of each tree: draft_tree.verify_width), and every constant index tensor is made once, so
-the step can be captured as a CUDA graph.
+the step can be captured as a CUDA graph. The tree's own small ops (the growth's top-k, the rerank, the verification
+walk, the KV compaction) run through tree_ops.py: plain torch on the CPU, one Triton launch each on CUDA.
 
 Sampling invariants are the chain's, node by node: penalties and min_tokens score node i with the history plain
 decoding of its path would have (the request's tokens, its ancestors and itself: tree_verify.tree_penalize),
@@ -35,13 +36,15 @@ from dataclasses import replace
 
 import torch
 
-from m3eagle.engine.draft_tree import TreeSpec, ancestors, best, expand, full_tree, rerank
+from m3eagle.engine import tree_ops
+from m3eagle.engine.draft_tree import TreeSpec, ancestors, full_tree
 from m3eagle.engine.input_builder import StepInput
 from m3eagle.engine.model_runner import ModelRunner, StepOutput, _fused, token_logprobs
 from m3eagle.engine.structured_step import TreeGrammarStep
+from m3eagle.engine.tree_ops import PoolTable, TreeOps
 from m3eagle.kernels.attention.metadata import AttnMetadata, slots_for_positions
 from m3eagle.sampling.structured import allowed_from_bitmask, apply_bitmask
-from m3eagle.sampling.tree_verify import greedy_walk, pad_columns, tree_penalize, tree_verify
+from m3eagle.sampling.tree_verify import pad_columns, tree_penalize, tree_verify
 
 
 class TreeModelRunner(ModelRunner):
@@ -70,6 +73,8 @@ class TreeModelRunner(ModelRunner):
         # depth of each candidate the expansion creates (K at depth 1, then K*K per level), creation order
         self.cand_depth = torch.cat([torch.ones(kk, dtype=torch.int64)] + [
             torch.full((kk * kk,), lv + 1, dtype=torch.int64) for lv in range(1, tree.depth)]).to(dev)  # [M]
+        self._tree_book: dict[str, TreeOps] = {}  # the tree's ops by fused-backend name (_tree_ops)
+        self.kv_pools = PoolTable([p for c in self.caches for p in (c.k, c.v, c.idx_k) if p is not None])
         if self.draft is not None:
             self.draft_cache = self.draft.new_cache(self.pool_slots + rows * self.scratch_per_row, self.dtype,
                                                     self.device)
@@ -86,7 +91,7 @@ class TreeModelRunner(ModelRunner):
         ids, meta = self._apply_overlap_correction(inp)
         if pen is not None:  # history first: a prompt chunk's tokens precede the position it samples
             self.penalty.record_inputs(pen, inp.row_slot, inp.row_gather, ids, meta.tok_row, meta.positions)
-        fused, book = _fused(meta), self._step_ops(meta)
+        fused, book, tops = _fused(meta), self._step_ops(meta), self._tree_ops(meta)
         b = inp.num_rows
         nodes_of = self.row_ids[:b]
         parents, depths = full_tree(self.slot_parents[inp.row_slot, :k], self.slot_depths[inp.row_slot, :k])  # [B, w+1]
@@ -104,8 +109,8 @@ class TreeModelRunner(ModelRunner):
         if not (inp.any_random or inp.want_logprobs or pen is not None or grammar is not None):
             # all greedy, nothing else reads the logits: the argmax in lm_head's launch, as the chain's
             greedy = self.target.greedy_ids(sampled, fused).view(b, k + 1)  # [B, w+1]
-            path, num_new = greedy_walk(greedy, drafts_in, parents[:, 1:], inp.row_num_drafts, tree.depth)
-            new_tokens = pad_columns(greedy.gather(1, path), k1)  # [B, N+1]: the slot buffers' width
+            new_tokens, num_new, path = tops.walk(greedy, drafts_in, parents[:, 1:], inp.row_num_drafts,
+                                                  tree.depth, k1)  # [B, N+1]: the slot buffers' width
         else:
             logits = self.target.compute_logits(sampled, fused).view(b, k + 1, -1)  # [B, w+1, V] fp32
             if pen is not None:  # node i's target distribution given the history and its path
@@ -116,7 +121,7 @@ class TreeModelRunner(ModelRunner):
                       if grammar is not None else logits)
             new_tokens, num_new, path = tree_verify(scored, drafts_in, parents[:, 1:], inp.row_num_drafts,
                                                     tree.depth, inp.sampling, node_pos, inp.any_random, fused.argmax,
-                                                    self.coupled)
+                                                    self.coupled, walk=tops.walk)
             new_tokens = pad_columns(new_tokens, k1)  # [B, N+1]
         logprobs = None
         if inp.want_logprobs:  # emitted token j was predicted by path node j
@@ -124,7 +129,7 @@ class TreeModelRunner(ModelRunner):
             logprobs = token_logprobs(logits.gather(1, lp_rows[..., None].expand(-1, -1, logits.shape[-1])),
                                       new_tokens, self.n_top)
         num_new_s = torch.where(inp.row_samples, num_new, 0)
-        self._compact(meta, p0, path, num_new_s)
+        tops.compact(self.kv_pools, meta.page_table, self.page_size, p0, path, num_new_s)
         # The row as if the path had been the verify row: ids / aux of node path[j] at column j.
         perm = torch.arange(inp.num_tokens, device=ids.device)
         cols = torch.arange(1, path.shape[1], device=ids.device)  # [D]
@@ -151,6 +156,14 @@ class TreeModelRunner(ModelRunner):
         self.slot_parents.index_copy_(0, s, t_parents)
         self.slot_depths.index_copy_(0, s, t_depths)
         return StepOutput(new_tokens, num_new, tokens, logprobs, prompt_lps)
+
+    def _tree_ops(self, meta: AttnMetadata) -> TreeOps:
+        """The tree's ops (tree_ops.py): the implementation named like the step's fused backend, as _step_ops."""
+        name = _fused(meta).name
+        ops = self._tree_book.get(name)
+        if ops is None:
+            ops = self._tree_book[name] = tree_ops.create(name)
+        return ops
 
     # ---- the target's node rows --------------------------------------------------------------------
     def _node_rows(self, inp: StepInput, meta: AttnMetadata, depths: torch.Tensor, anc: torch.Tensor,
@@ -193,21 +206,6 @@ class TreeModelRunner(ModelRunner):
                         tail_start=tail_start.repeat_interleave(n1), tail_slots=tail.reshape(b * n1, -1))
         return tmeta, tpos
 
-    def _compact(self, meta: AttnMetadata, p0: torch.Tensor, path: torch.Tensor, num_new: torch.Tensor) -> None:
-        """Accepted node path[j] (storage position p0 + path[j]) -> position p0 + j, j = 1..accepted, in every
-        target pool (K, V, index-K). Sources are read before any write; other entries copy a slot onto itself."""
-        b, d1 = path.shape
-        j = torch.arange(1, d1, device=path.device)  # [D]
-        ok = (j[None, :] < num_new[:, None]) & (path[:, 1:] > 0)  # [B, D]
-        rows = torch.arange(b, device=path.device)[:, None].expand(b, d1 - 1)
-        dst = slots_for_positions(meta.page_table, rows, p0[:, None] + j, self.page_size)
-        src = slots_for_positions(meta.page_table, rows, p0[:, None] + path[:, 1:], self.page_size)
-        dst, src = dst.reshape(-1), torch.where(ok, src, dst).reshape(-1)
-        for cache in self.caches:
-            for pool in (cache.k, cache.v, cache.idx_k):
-                if pool is not None:
-                    pool.index_copy_(0, dst, pool[src])
-
     # ---- drafting ----------------------------------------------------------------------------------
     def _grow_tree(self, inp: StepInput, meta: AttnMetadata, aux: torch.Tensor, last_idx: torch.Tensor,
                    shifted: torch.Tensor, at: torch.Tensor, row_ids: torch.Tensor,
@@ -216,13 +214,14 @@ class TreeModelRunner(ModelRunner):
         by level from each row's last accepted token (position at[0]). -> (tokens [B, N] target ids, parents
         [B, N] storage index, depths [B, N])."""
         tree, head, fused, grammar = self.tree, self.draft, _fused(meta), inp.grammar
+        tops = self._tree_ops(meta)
         kk, b = tree.topk, inp.num_rows
         h_out, h_next = head(shifted, meta.positions, aux, meta, self.draft_cache, True, rows=last_idx)  # [B, H]
         logits = head.compute_logits(h_out, fused)  # [B, Vd]
         if grammar is not None:  # the root's children stay inside the grammar (state after the emitted tokens)
             logits = self._mask_draft(logits, grammar.draft_mask(0, None))
         logp = torch.log_softmax(logits, -1)  # [B, Vd]
-        tok, score = expand(logp.new_zeros(b, 1), logp[:, None], kk)  # [B, K] each
+        tok, score = tops.expand(logp.new_zeros(b, 1), logp[:, None], kk)  # [B, K] each
         cand_tok, cand_score = [tok], [score]
         cand_parent = [torch.full_like(tok, -1)]
         f_tok, f_score, f_cand = tok, score, self.frontier_cols.expand(b, kk)
@@ -243,12 +242,12 @@ class TreeModelRunner(ModelRunner):
             if grammar is not None:  # each frontier node's children: the state after its own path
                 logits = self._mask_draft(logits, grammar.frontier_mask(head.draft_to_target(f_path)))
             logp = torch.log_softmax(logits, -1)  # [B, K, Vd]
-            c_tok, c_score = expand(f_score, logp, kk)  # [B, K*K]
+            c_tok, c_score = tops.expand(f_score, logp, kk)  # [B, K*K]
             cand_tok.append(c_tok)
             cand_score.append(c_score)
             cand_parent.append(f_cand.repeat_interleave(kk, 1))
             if level + 1 < tree.depth:
-                f_score, idx = best(c_score, kk)  # [B, K] the next frontier
+                f_score, idx = tops.best(c_score, kk)  # [B, K] the next frontier
                 f_tok = c_tok.gather(1, idx)
                 f_cand = n_made + idx
                 par = idx // kk  # its parent's frontier index
@@ -259,10 +258,8 @@ class TreeModelRunner(ModelRunner):
                     f_path = torch.cat([f_path.gather(1, par[..., None].expand(-1, -1, level)),
                                         c_tok.gather(1, idx)[..., None]], -1)
             n_made += kk * kk
-        scores = torch.cat(cand_score, 1)  # [B, M]
-        sel, parents = rerank(scores, torch.cat(cand_parent, 1), tree.nodes, score_order=True)  # best first
-        tokens = head.draft_to_target(torch.cat(cand_tok, 1).gather(1, sel))
-        return tokens, parents, self.cand_depth[sel]
+        return tops.finish(torch.cat(cand_score, 1), torch.cat(cand_parent, 1), torch.cat(cand_tok, 1), head.d2t,
+                           self.cand_depth, tree.nodes)  # [B, N] x 3, best first
 
     def _mask_draft(self, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The head's logits [..., Vd] with every draft id whose target id the grammar mask (int32 [..., W]) refuses

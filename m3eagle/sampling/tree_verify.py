@@ -66,30 +66,40 @@ def greedy_walk(greedy_tok: torch.Tensor, tokens: torch.Tensor, parents: torch.T
     return path, (path[:, 1:] > 0).sum(-1) + 1
 
 
+def walk_and_emit(greedy_tok: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
+                  max_depth: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """greedy_walk and the tokens it emits: (greedy_tok of each path node, padded with zeros to [B, width],
+    num_new [B], path [B, D+1]); arguments as greedy_walk's."""
+    path, num_new = greedy_walk(greedy_tok, tokens, parents, num_nodes, max_depth)
+    return pad_columns(greedy_tok.gather(1, path), width), num_new, path
+
+
+Walk = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int],
+                tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
 def tree_verify(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
                 max_depth: int, st: SamplingTensors, node_pos: torch.Tensor, any_random: bool = True,
                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None, coupled: bool = False,
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                walk: Walk = walk_and_emit) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [B, N+1, V] (fp32 where any_random), tokens / parents [B, N] (target ids; parent storage index,
     0 = root), num_nodes [B] (0..N: nodes past it are absent), node_pos [B, N+1] (each node's position: the
     counter of its draws), any_random: some row has temperature > 0 (False: the greedy walk alone), coupled:
-    the coupled walk above (the deterministic mode).
+    the coupled walk above (the deterministic mode), walk: walk_and_emit or a fast path equal to it.
     -> (new_tokens [B, N+1], the first num_new valid; num_new [B]; path [B, D+1] as greedy_walk's)."""
     b, n1, v = logits.shape
     n = n1 - 1
     greedy_tok = (argmax(logits.reshape(b * n1, v)).view(b, n1) if argmax is not None
                   else logits.argmax(-1))  # [B, N+1]
     if not any_random:
-        path, num_new = greedy_walk(greedy_tok, tokens, parents, num_nodes, max_depth)
-        return pad_columns(greedy_tok.gather(1, path), n1), num_new, path
+        return walk(greedy_tok, tokens, parents, num_nodes, max_depth, n1)
 
     rep = st.repeat(n1)
     p = probs_from_logits(logits.reshape(b * n1, v), rep).view(b, n1, v)
     if coupled:  # each node's own draw, keyed as decoding without drafts keys its position
         x = sample_from_probs(p.view(b * n1, v), rep.seed, node_pos.reshape(-1), SALT_SAMPLE).view(b, n1)
         x = torch.where(st.greedy[:, None], greedy_tok, x)  # [B, N+1]
-        path, num_new = greedy_walk(x, tokens, parents, num_nodes, max_depth)
-        return pad_columns(x.gather(1, path), n1), num_new, path
+        return walk(x, tokens, parents, num_nodes, max_depth, n1)
     valid = torch.arange(n, device=logits.device)[None, :] < num_nodes[:, None]
     cur = torch.zeros(b, dtype=torch.int64, device=logits.device)
     alive = torch.ones(b, dtype=torch.bool, device=logits.device)

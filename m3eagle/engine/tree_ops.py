@@ -1,0 +1,168 @@
+"""The draft-tree step's small ops behind one interface: the top-k of the tree's growth (the head's children of
+each frontier node, the next frontier), the greedy / coupled verification walk, the final rerank
+and the accepted path's KV compaction. `reference` runs the plain torch of draft_tree.py, kernels/topk/reference.py,
+sampling/tree_verify.py and `compact_reference`; `triton` runs each as one launch (kernels/topk/triton_topk.py,
+tree_kernels.py), bit-equal. An engine takes the
+implementation named like its fused-ops backend, as the step's bookkeeping ops (step_ops.py): 'triton' on CUDA,
+'reference' on the CPU unless chosen otherwise.
+
+Every method syncs nothing with the host and keeps shapes fixed by its inputs: CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from m3eagle.engine import draft_tree
+from m3eagle.kernels.attention.metadata import slots_for_positions
+from m3eagle.sampling.tree_verify import walk_and_emit
+
+
+class PoolTable:
+    """The KV pools a compaction copies ([S, ...] each: K, V, index-K of every layer) and, when every pool's row
+    is contiguous, a device table of their base addresses, row lengths and row strides in WORD-byte words for
+    the fused copy (made once, with the runner: a captured step reads it)."""
+
+    def __init__(self, pools: list[torch.Tensor]) -> None:
+        self.pools = pools
+        self.ptrs = tuple(p.data_ptr() for p in pools)
+        self.words_ok = bool(pools) and all(p[0].is_contiguous() and p.device == pools[0].device for p in pools)
+        if not self.words_ok:
+            return
+        row = [p[0].numel() * p.element_size() for p in pools]  # bytes
+        step = [p.stride(0) * p.element_size() for p in pools]  # bytes
+        sizes = row + step + list(self.ptrs)
+        self.word = 4 if all(x % 4 == 0 for x in sizes) else 2 if all(x % 2 == 0 for x in sizes) else 1
+        dev = pools[0].device
+        self.addrs = torch.tensor(self.ptrs, dtype=torch.int64, device=dev)  # [P]
+        self.words = torch.tensor([x // self.word for x in row], dtype=torch.int64, device=dev)  # [P]
+        self.strides = torch.tensor([x // self.word for x in step], dtype=torch.int64, device=dev)  # [P]
+        self.max_words = max(row) // self.word
+
+    def current(self) -> bool:
+        """The device table describes the pools as they are now (host ints only)."""
+        return self.words_ok and tuple(p.data_ptr() for p in self.pools) == self.ptrs
+
+
+def compact_reference(pools: list[torch.Tensor], page_table: torch.Tensor, page_size: int, p0: torch.Tensor,
+                      path: torch.Tensor, num_new: torch.Tensor) -> None:
+    """Accepted node path[j] (storage position p0 + path[j]) -> position p0 + j, j = 1..num_new - 1, in every
+    pool [S, ...] (K, V, index-K). page_table [B, W], p0 [B], path [B, D+1], num_new [B]. Sources are read
+    before any write; other entries copy a slot onto itself."""
+    b, d1 = path.shape
+    j = torch.arange(1, d1, device=path.device)  # [D]
+    ok = (j[None, :] < num_new[:, None]) & (path[:, 1:] > 0)  # [B, D]
+    rows = torch.arange(b, device=path.device)[:, None].expand(b, d1 - 1)
+    dst = slots_for_positions(page_table, rows, p0[:, None] + j, page_size)
+    src = slots_for_positions(page_table, rows, p0[:, None] + path[:, 1:], page_size)
+    dst, src = dst.reshape(-1), torch.where(ok, src, dst).reshape(-1)
+    for pool in pools:
+        pool.index_copy_(0, dst, pool[src])
+
+
+def finish_reference(scores: torch.Tensor, cand_parent: torch.Tensor, cand_tok: torch.Tensor, d2t: torch.Tensor,
+                     cand_depth: torch.Tensor, nodes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The grown tree's last step: the `nodes` best of M candidates in score order (draft_tree.rerank), as
+    stored nodes. scores / cand_parent / cand_tok [B, M] (cumulative score, parent candidate (-1: the root),
+    draft id), d2t [Vd] (draft id -> target id offset), cand_depth [M] -> (tokens [B, N] target ids, parents
+    [B, N] storage index, depths [B, N])."""
+    sel, parents = draft_tree.rerank(scores, cand_parent, nodes, score_order=True)  # [B, N] each
+    tok = cand_tok.gather(1, sel)
+    return tok + d2t[tok], parents, cand_depth[sel]
+
+
+class TreeOps(Protocol):
+    name: str
+
+    def best(self, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """draft_tree.best: the k largest of scores [..., M], ties to the lower index -> (values, indices)."""
+        ...
+
+    def expand(self, parent_scores: torch.Tensor, logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """draft_tree.expand: each frontier node's k best children -> (draft ids [B, F*k], scores [B, F*k])."""
+        ...
+
+    def walk(self, greedy_tok: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
+             max_depth: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """tree_verify.walk_and_emit: the greedy walk -> (emitted [B, width], num_new [B], path [B, D+1])."""
+        ...
+
+    def finish(self, scores: torch.Tensor, cand_parent: torch.Tensor, cand_tok: torch.Tensor, d2t: torch.Tensor,
+               cand_depth: torch.Tensor, nodes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """finish_reference: the rerank -> (tokens [B, N] target ids, parents [B, N], depths [B, N])."""
+        ...
+
+    def compact(self, pools: PoolTable, page_table: torch.Tensor, page_size: int, p0: torch.Tensor,
+                path: torch.Tensor, num_new: torch.Tensor) -> None:
+        """compact_reference over the pools of `pools`."""
+        ...
+
+
+class ReferenceTreeOps:
+    """The plain torch ops: the CPU path and the oracle. Stateless."""
+
+    name = "reference"
+
+    def best(self, scores, k):
+        return draft_tree.best(scores, k)
+
+    def expand(self, parent_scores, logp, k):
+        return draft_tree.expand(parent_scores, logp, k)
+
+    def walk(self, greedy_tok, tokens, parents, num_nodes, max_depth, width):
+        return walk_and_emit(greedy_tok, tokens, parents, num_nodes, max_depth, width)
+
+    def finish(self, scores, cand_parent, cand_tok, d2t, cand_depth, nodes):
+        return finish_reference(scores, cand_parent, cand_tok, d2t, cand_depth, nodes)
+
+    def compact(self, pools, page_table, page_size, p0, path, num_new):
+        compact_reference(pools.pools, page_table, page_size, p0, path, num_new)
+
+
+class TritonTreeOps:
+    """Each op as one Triton launch. Stateless; triton is imported when this is built."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from m3eagle.engine import tree_kernels  # imports triton: only when an engine asks for this backend
+        from m3eagle.kernels.topk import triton_topk
+
+        self._topk, self._k = triton_topk, tree_kernels
+
+    def best(self, scores, k):
+        if scores.dtype == torch.float64 or (scores.shape[-1] > 1024 and k > self._topk.MAX_DEPTH):
+            return draft_tree.best(scores, k)  # outside the kernel's range: the reference, same order
+        return self._topk.best(scores, k)
+
+    def expand(self, parent_scores, logp, k):
+        if logp.dtype != torch.float32 or parent_scores.dtype != torch.float32 or k > self._topk.MAX_DEPTH:
+            return draft_tree.expand(parent_scores, logp, k)  # the reference's dtype rules: fp32 sums only here
+        score, tok = self._topk.best(logp, k, add=parent_scores)  # [B, F, k] each: parent + log q in one launch
+        return tok.flatten(1), score.flatten(1)
+
+    def walk(self, greedy_tok, tokens, parents, num_nodes, max_depth, width):
+        return self._k.walk_and_emit(greedy_tok, tokens, parents, num_nodes, max_depth, width)
+
+    def finish(self, scores, cand_parent, cand_tok, d2t, cand_depth, nodes):
+        if scores.dtype == torch.float64 or scores.shape[1] > 1024:  # past one block: the reference
+            return finish_reference(scores, cand_parent, cand_tok, d2t, cand_depth, nodes)
+        return self._k.finish(scores, cand_parent, cand_tok, d2t, cand_depth, nodes)
+
+    def compact(self, pools, page_table, page_size, p0, path, num_new):
+        if not pools.current():
+            compact_reference(pools.pools, page_table, page_size, p0, path, num_new)  # rows not word-copyable
+        else:
+            self._k.compact(pools, page_table, page_size, p0, path, num_new)
+
+
+def create(name: str) -> TreeOps:
+    """The tree ops named like an engine's fused-ops backend ('triton' or 'reference'; 'batch_invariant' takes
+    the triton kernels: each row's answer is computed by one program alone, the same bits for any batch)."""
+    if name in ("triton", "batch_invariant"):
+        return TritonTreeOps()
+    if name == "reference":
+        return ReferenceTreeOps()
+    raise ValueError(f"tree ops {name!r} are unknown; choose 'reference' or 'triton'")
