@@ -9,8 +9,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import triton
-
 Listener = Callable[[str], None]  # called with the variant's description: name[options](argument types)
 
 _listeners: list[weakref.ref] = []
@@ -31,6 +29,10 @@ def _install() -> bool:
     global _installed
     if _installed:
         return True
+    # imported here, not at the top: the engine imports this module, and the CPU tests set TRITON_INTERPRET
+    # before the first `import triton` of their process (a test module importing m3eagle first must not import it)
+    import triton
+
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
         return False
