@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 
-import triton
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first `import triton`, as every CPU kernel test
 
-from m3eagle.kernels import compile_watch
+import triton  # noqa: E402
+
+from m3eagle.kernels import compile_watch  # noqa: E402
 
 
 def _fire(variant: str) -> None:
