@@ -10,6 +10,7 @@ is tests/engine/test_deterministic_gpu.py.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -73,18 +74,32 @@ def test_seeded_sampling_alone_equals_batch():
     assert [run(llm, [p], params)[0] for p in ps] == batch
 
 
+def two_layers(k: int, **kw) -> LLM:
+    """`make` on the tiny geometry cut to its two kinds of layer: a dense MLP + full attention layer, then an
+    MoE + sparse (MSA) layer; the head taps the streams after layers 1, 1 and 2 (the tiny geometry's four
+    layers repeat these kinds and tap 2, 2, 1)."""
+    t, h = geometries.tiny()
+    t = replace(t, num_hidden_layers=2, layer_types=t.layer_types[:2], mlp_layer_types=t.mlp_layer_types[:2])
+    h = replace(h, aux_layer_ids=(1, 1, 2))
+    kw = {"deterministic": True, **kw}
+    return LLM(model=t, draft=h if k else None, num_draft_tokens=k, load_format="dummy", device="cpu", page_size=4,
+               max_model_len=128, **kw)
+
+
 @pytest.mark.slow
 def test_batch_invariant_kernels_engine_interpreted():
     """The batch-invariant Triton kernels forced under the interpreter: greedy K=1 with 8-token steps (the
-    23-token prompt in three chunks, beside the other row's verify rows) == K=0 with whole prompts (a minute on
-    2 cores: the interpreter runs every launch of every layer)."""
+    23-token prompt in three chunks, beside the other row's verify rows) == K=0 with whole prompts. On two
+    layers (`two_layers`: one dense / full-attention, one MoE / sparse-attention layer, block selection active
+    past 16 tokens), so every batch-invariant kernel kind runs; the interpreter runs every launch of every layer
+    (~30 s on 2 cores; 4 layers took a minute)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1 before triton is imported (run this module alone with it set)")
     ps = prompts(2, seed=2)  # 5 and 23 tokens
     assert sorted(len(p) for p in ps) == [5, 23]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    plain = run(make(0, **BI), ps, params)
-    assert run(make(1, max_num_tokens=8, **BI), ps, params) == plain
+    plain = run(two_layers(0, **BI), ps, params)
+    assert run(two_layers(1, max_num_tokens=8, **BI), ps, params) == plain
 
 
 def seeded(i: int) -> SamplingParams:
