@@ -17,10 +17,11 @@ in storage order) and for prompt rows alike:
     5. the rerank to N nodes; tokens, parents and depths into the slot buffers the next step gathers from
 
 No host sync: the node rows are laid out by device arithmetic on shapes fixed by host ints alone (every step
-row becomes w + 1 sub-rows, `_node_rows`; w is the step's verify width, N, or D on a narrow step that verifies the
+row becomes w + 1 sub-rows, tree_layout.py; w is the step's verify width, N, or D on a narrow step that verifies the
 first D stored nodes of each tree: draft_tree.verify_width), and every constant index tensor is made once, so
-the step can be captured as a CUDA graph. The tree's own small ops (the growth's top-k, the rerank, the verification
-walk, the KV compaction) run through tree_ops.py: plain torch on the CPU, one Triton launch each on CUDA.
+the step can be captured as a CUDA graph. The tree's own small ops (the node rows' layout, the growth's expansions and
+frontiers, the rerank, the verification walk, the accepted path's permutation and KV compaction, the trees' slot rows)
+run through tree_ops.py: plain torch on the CPU, one Triton launch each on CUDA.
 
 Sampling invariants are the chain's, node by node: penalties and min_tokens score node i with the history plain
 decoding of its path would have (the request's tokens, its ancestors and itself: tree_verify.tree_penalize),
@@ -37,12 +38,13 @@ from dataclasses import replace
 import torch
 
 from m3eagle.engine import tree_ops
-from m3eagle.engine.draft_tree import TreeSpec, ancestors, full_tree
+from m3eagle.engine.draft_tree import TreeSpec
 from m3eagle.engine.input_builder import StepInput
 from m3eagle.engine.model_runner import ModelRunner, StepOutput, _fused, token_logprobs
 from m3eagle.engine.structured_step import TreeGrammarStep
+from m3eagle.engine.tree_layout import Frontier, NodeRows, node_rows_from_trees
 from m3eagle.engine.tree_ops import PoolTable, TreeOps
-from m3eagle.kernels.attention.metadata import AttnMetadata, slots_for_positions
+from m3eagle.kernels.attention.metadata import AttnMetadata
 from m3eagle.sampling.structured import allowed_from_bitmask, apply_bitmask
 from m3eagle.sampling.tree_verify import pad_columns, tree_penalize, tree_verify
 
@@ -68,8 +70,8 @@ class TreeModelRunner(ModelRunner):
         self.wide_ones = torch.ones(wide, dtype=torch.int64, device=dev)  # [W]
         self.wide_zeros = torch.zeros(wide, dtype=torch.int64, device=dev)  # [W]
         self.wide_true = torch.ones(wide, 1, dtype=torch.bool, device=dev)  # [W, 1]
-        self.frontier_rows = self.row_ids.repeat_interleave(kk)  # [R*K] each frontier node's step row
         self.frontier_cols = torch.arange(kk, device=dev)  # [K]
+        self.zero_scores = torch.zeros(rows, 1, device=dev)  # [R, 1] the root's score: its children's parent
         # depth of each candidate the expansion creates (K at depth 1, then K*K per level), creation order
         self.cand_depth = torch.cat([torch.ones(kk, dtype=torch.int64)] + [
             torch.full((kk * kk,), lv + 1, dtype=torch.int64) for lv in range(1, tree.depth)]).to(dev)  # [M]
@@ -94,10 +96,11 @@ class TreeModelRunner(ModelRunner):
         fused, book, tops = _fused(meta), self._step_ops(meta), self._tree_ops(meta)
         b = inp.num_rows
         nodes_of = self.row_ids[:b]
-        parents, depths = full_tree(self.slot_parents[inp.row_slot, :k], self.slot_depths[inp.row_slot, :k])  # [B, w+1]
-        anc = ancestors(parents, depths, tree.depth)  # [B, w+1, D+1]
-        p0 = meta.kv_lens - inp.row_qlen  # [B] position of each row's first token (a tree row's root)
-        tmeta, tpos = self._node_rows(inp, meta, depths, anc, p0, k)
+        lay = tops.node_rows(meta, self.slot_parents, self.slot_depths, inp.row_slot, inp.row_first,
+                             inp.row_num_drafts, k, tree.depth, self._uniform(inp, meta, k), self.node_cols,
+                             self.row_ids[:b], self.row_true[:b, 0])
+        parents, depths, anc, p0, tpos = lay.parents, lay.depths, lay.anc, lay.p0, lay.positions  # [B, w+1] x 2, ..
+        tmeta = self._node_meta(meta, lay)
         aux = self.aux_buf[: inp.num_tokens]  # [T, 3H]
         sample_idx, node_pos, drafts_in = book.sample_positions(
             inp.row_first, inp.row_qlen, inp.row_num_drafts, tpos, ids, k)  # [B, w+1] x 2, [B, w]
@@ -128,18 +131,10 @@ class TreeModelRunner(ModelRunner):
             lp_rows = torch.cat([path, path[:, -1:].expand(b, max(k1 - path.shape[1], 0))], 1)[:, :k1]
             logprobs = token_logprobs(logits.gather(1, lp_rows[..., None].expand(-1, -1, logits.shape[-1])),
                                       new_tokens, self.n_top)
-        num_new_s = torch.where(inp.row_samples, num_new, 0)
+        # the rows as if the path had been the verify row: ids / aux of node path[j] at column j
+        num_new_s, perm, ids_c = tops.path_perm(ids, inp.row_first, num_new, inp.row_samples, inp.row_num_drafts,
+                                                path, meta.tok_row, meta.tok_col)  # [B], [T], [T]
         tops.compact(self.kv_pools, meta.page_table, self.page_size, p0, path, num_new_s)
-        # The row as if the path had been the verify row: ids / aux of node path[j] at column j.
-        perm = torch.arange(inp.num_tokens, device=ids.device)
-        cols = torch.arange(1, path.shape[1], device=ids.device)  # [D]
-        moved = (cols[None, :] < num_new_s[:, None]) & (inp.row_num_drafts[:, None] > 0)  # [B, D]
-        dump = torch.full_like(path[:, 1:], inp.num_tokens)
-        perm = torch.cat([perm, perm.new_zeros(1)])
-        perm.index_put_((torch.where(moved, inp.row_first[:, None] + cols, dump),),
-                        torch.where(moved, inp.row_first[:, None] + path[:, 1:], 0))
-        perm = perm[: inp.num_tokens]
-        ids_c = ids[perm]
         num_new, s, last_idx, shifted, at, _ = book.commit_outputs(
             new_tokens, num_new, inp.row_samples, inp.row_slot, self.dump_slot, inp.row_num_drafts, inp.row_first,
             inp.row_qlen, inp.row_next_token, ids_c, meta.positions, self.slot_tokens, self.slot_num_new,
@@ -152,9 +147,7 @@ class TreeModelRunner(ModelRunner):
         tokens, t_parents, t_depths = self._grow_tree(inp, meta, aux[perm], last_idx, shifted, at, nodes_of)
         if grammar is not None:
             grammar.finish(None)
-        self.slot_drafts.index_copy_(0, s, tokens)
-        self.slot_parents.index_copy_(0, s, t_parents)
-        self.slot_depths.index_copy_(0, s, t_depths)
+        tops.store(s, (tokens, t_parents, t_depths), (self.slot_drafts, self.slot_parents, self.slot_depths))
         return StepOutput(new_tokens, num_new, tokens, logprobs, prompt_lps)
 
     def _tree_ops(self, meta: AttnMetadata) -> TreeOps:
@@ -166,45 +159,32 @@ class TreeModelRunner(ModelRunner):
         return ops
 
     # ---- the target's node rows --------------------------------------------------------------------
+    @staticmethod
+    def _uniform(inp: StepInput, meta: AttnMetadata, width: int) -> bool:
+        """Every row holds exactly w + 1 tokens (host ints only: decode-only steps, a graph bucket's padding rows
+        included): every row is then split, prompt-free rows into one-token causal rows (tree_layout)."""
+        return inp.num_tokens == inp.num_rows * (width + 1) and meta.max_q == width + 1
+
     def _node_rows(self, inp: StepInput, meta: AttnMetadata, depths: torch.Tensor, anc: torch.Tensor,
                    p0: torch.Tensor, width: int) -> tuple[AttnMetadata, torch.Tensor]:
-        """The step's metadata with every step row b turned into w + 1 sub-rows (b, j) (w = `width`, the step's
-        verify width), sub-row index b * (w + 1) + j, by device arithmetic on fixed shapes (no host read of a
-        device value): a tree row's sub-row j is node j alone (position p0 + depth(j), keys: the committed
-        context, then its ancestors at their depth positions through the tail override), and empty past the
-        row's own tokens (a row verifying fewer nodes); another row is sub-row (b, 0) whole, its other
-        sub-rows empty. When every row holds exactly w + 1 tokens (decode-only steps, a graph bucket's
-        padding rows included) every row is split, prompt-free rows into one-token causal rows, so the
-        widest sub-row is one token. depths [B, w+1], anc [B, w+1, D+1]. -> (metadata, positions [T])."""
-        b, n1, t = inp.num_rows, width + 1, inp.num_tokens
-        uniform = t == b * n1 and meta.max_q == n1  # host ints only: every row is w + 1 tokens wide
-        is_tree = inp.row_num_drafts > 0  # [B]
-        split = self.row_true[:b, 0] if uniform else is_tree  # [B] rows cut into one-token sub-rows
-        j = self.node_cols[:n1]  # [w+1]
-        tr, tc = meta.tok_row, meta.tok_col  # [T]
-        t_split = split[tr]
-        tok_depth = depths[tr, tc.clamp(max=n1 - 1)]
-        tpos = torch.where(is_tree[tr], p0[tr] + tok_depth, meta.positions)  # [T]
-        # per sub-row [B, w+1]: tokens, first flat token, kv_len
-        q_sub = torch.where(split[:, None], (j < inp.row_qlen[:, None]).long(),
-                            torch.where(j == 0, inp.row_qlen[:, None], 0))
-        first = inp.row_first[:, None] + torch.where(split[:, None], j, 0)
-        own_pos = tpos[first.clamp(max=t - 1)]  # a split sub-row's one token
-        kv = torch.where(split[:, None] & (q_sub > 0), own_pos + 1, meta.kv_lens[:, None])  # empty: the row's
-        max_q = 1 if uniform else meta.max_q
-        c = self.node_cols[:max_q] if max_q <= n1 else torch.arange(max_q, device=p0.device)
-        q_valid = c[None, :] < q_sub.reshape(-1, 1)  # [B(w+1), Qmax']
-        q_index = torch.where(q_valid, first.reshape(-1, 1) + c[None, :], 0)
-        # node j's virtual positions p0 + 1 .. p0 + depth(j) hold its ancestors at depths 1 .. depth(j)
-        rows = self.row_ids[:b]
-        tail = slots_for_positions(meta.page_table, rows[:, None, None], p0[:, None, None] + anc[:, :, 1:],
-                                   self.page_size)  # [B, w+1, D]
-        tail_start = torch.where(is_tree, p0 + 1, meta.max_kv)  # [B]: other rows keep their page table
-        tmeta = replace(meta, num_rows=b * n1, max_q=max_q, q_lens=q_sub.reshape(-1), kv_lens=kv.reshape(-1),
-                        page_table=meta.page_table.repeat_interleave(n1, 0), tok_row=tr * n1 + torch.where(t_split, tc, 0),
-                        tok_col=torch.where(t_split, 0, tc), q_index=q_index, q_valid=q_valid, positions=tpos,
-                        tail_start=tail_start.repeat_interleave(n1), tail_slots=tail.reshape(b * n1, -1))
-        return tmeta, tpos
+        """The node rows of given trees in plain torch (tree_layout.node_rows_from_trees; a step lays out its
+        stored trees through tree_ops.node_rows): depths [B, w+1], anc [B, w+1, D+1], p0 [B] -> (metadata,
+        positions [T]). Reads the runner's page size and constant aranges only."""
+        b = inp.num_rows
+        parents = anc.gather(2, (depths - 1).clamp(min=0)[..., None])[..., 0]  # [B, w+1] the ancestor one up
+        lay = node_rows_from_trees(meta, parents, depths, anc, p0, inp.row_first, inp.row_num_drafts, width,
+                                   TreeModelRunner._uniform(inp, meta, width), self.node_cols, self.row_ids[:b],
+                                   self.row_true[:b, 0])
+        return TreeModelRunner._node_meta(meta, lay), lay.positions
+
+    @staticmethod
+    def _node_meta(meta: AttnMetadata, lay: NodeRows) -> AttnMetadata:
+        """The step's metadata with every step row b turned into w + 1 sub-rows (b, j) (w: the verify width), sub-row index
+        b * (w + 1) + j, from the node rows tree_ops laid out (tree_layout.node_rows_reference says how)."""
+        return replace(meta, num_rows=lay.q_lens.shape[0], max_q=lay.q_index.shape[1], q_lens=lay.q_lens,
+                       kv_lens=lay.kv_lens, page_table=lay.page_table, tok_row=lay.tok_row, tok_col=lay.tok_col,
+                       q_index=lay.q_index, q_valid=lay.q_valid, positions=lay.positions, tail_start=lay.tail_start,
+                       tail_slots=lay.tail_slots)
 
     # ---- drafting ----------------------------------------------------------------------------------
     def _grow_tree(self, inp: StepInput, meta: AttnMetadata, aux: torch.Tensor, last_idx: torch.Tensor,
@@ -221,45 +201,34 @@ class TreeModelRunner(ModelRunner):
         if grammar is not None:  # the root's children stay inside the grammar (state after the emitted tokens)
             logits = self._mask_draft(logits, grammar.draft_mask(0, None))
         logp = torch.log_softmax(logits, -1)  # [B, Vd]
-        tok, score = tops.expand(logp.new_zeros(b, 1), logp[:, None], kk)  # [B, K] each
-        cand_tok, cand_score = [tok], [score]
-        cand_parent = [torch.full_like(tok, -1)]
-        f_tok, f_score, f_cand = tok, score, self.frontier_cols.expand(b, kk)
-        f_h = h_next[:, None].expand(b, kk, h_next.shape[-1])  # [B, K, H] the parents' h_next
-        f_anc = self.frontier_cols.expand(b, kk)[..., None]  # [B, K, l] frontier index per level
-        f_path = tok[..., None]  # [B, K, l] draft ids of each frontier node's path (a constrained step's masks)
+        # every candidate's score, draft id and parent candidate (-1: the root), creation order: the root's K
+        # children, then K*K per level; the expansions and frontiers write their columns
+        m = tree.max_candidates
+        cand_score = torch.empty(b, m, dtype=logp.dtype, device=logp.device)  # [B, M]
+        cand_tok = torch.empty(b, m, dtype=torch.int64, device=logp.device)  # [B, M]
+        cand_parent = torch.empty(b, m, dtype=torch.int64, device=logp.device)  # [B, M]
+        zero = self.zero_scores[:b] if logp.dtype == self.zero_scores.dtype else logp.new_zeros(b, 1)  # [B, 1]
+        tops.expand_into(zero, logp[:, None], kk, cand_score[:, :kk], cand_tok[:, :kk])
+        if tree.depth == 1:
+            cand_parent.fill_(-1)
         base = at[0]  # [B]
         length = inp.meta.max_kv + tree.depth
-        scratch = self.pool_slots + row_ids * self.scratch_per_row  # [B]
-        n_made = kk
+        front, f_path, n_made = None, None, kk
         for level in range(1, tree.depth):
-            lvl_slots = scratch[:, None, None] + self.node_cols[:level][None, None, :] * kk + f_anc
-            fmeta = self._frontier_meta(meta, base, level, lvl_slots, length)
-            pos = (base + level).repeat_interleave(kk)
-            h_out, h_next = head(head.draft_to_target(f_tok).reshape(-1), pos, f_h.reshape(b * kk, -1), fmeta,
+            front = tops.frontier(front, cand_score, cand_tok, cand_parent, h_next, head.d2t, base, meta.page_table,
+                                  level, kk, (self.pool_slots, self.scratch_per_row), row_ids, self.frontier_cols)
+            h_out, h_next = head(front.ids, front.positions, front.hidden, self._frontier_meta(meta, front, length),
                                  self.draft_cache, False)  # [B*K, H]
             logits = head.compute_logits(h_out, fused).view(b, kk, -1)  # [B, K, Vd]
-            if grammar is not None:  # each frontier node's children: the state after its own path
+            if grammar is not None:  # each frontier node's children: the state after its own path (draft ids)
+                f_path = front.tok[..., None] if f_path is None else torch.cat(
+                    [f_path.gather(1, front.par[..., None].expand(-1, -1, level - 1)), front.tok[..., None]], -1)
                 logits = self._mask_draft(logits, grammar.frontier_mask(head.draft_to_target(f_path)))
             logp = torch.log_softmax(logits, -1)  # [B, K, Vd]
-            c_tok, c_score = tops.expand(f_score, logp, kk)  # [B, K*K]
-            cand_tok.append(c_tok)
-            cand_score.append(c_score)
-            cand_parent.append(f_cand.repeat_interleave(kk, 1))
-            if level + 1 < tree.depth:
-                f_score, idx = tops.best(c_score, kk)  # [B, K] the next frontier
-                f_tok = c_tok.gather(1, idx)
-                f_cand = n_made + idx
-                par = idx // kk  # its parent's frontier index
-                f_h = h_next.view(b, kk, -1).gather(1, par[..., None].expand(-1, -1, h_next.shape[-1]))
-                f_anc = torch.cat([f_anc.gather(1, par[..., None].expand(-1, -1, level)),
-                                   self.frontier_cols.expand(b, kk)[..., None]], -1)
-                if grammar is not None:
-                    f_path = torch.cat([f_path.gather(1, par[..., None].expand(-1, -1, level)),
-                                        c_tok.gather(1, idx)[..., None]], -1)
+            tops.expand_into(front.score, logp, kk, cand_score[:, n_made:n_made + kk * kk],
+                             cand_tok[:, n_made:n_made + kk * kk])
             n_made += kk * kk
-        return tops.finish(torch.cat(cand_score, 1), torch.cat(cand_parent, 1), torch.cat(cand_tok, 1), head.d2t,
-                           self.cand_depth, tree.nodes)  # [B, N] x 3, best first
+        return tops.finish(cand_score, cand_parent, cand_tok, head.d2t, self.cand_depth, tree.nodes)  # [B, N] x 3
 
     def _mask_draft(self, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The head's logits [..., Vd] with every draft id whose target id the grammar mask (int32 [..., W]) refuses
@@ -271,19 +240,14 @@ class TreeModelRunner(ModelRunner):
         allowed = allowed | ~allowed.any(-1, keepdim=True)
         return logits.masked_fill(~allowed, float("-inf"))
 
-    def _frontier_meta(self, meta: AttnMetadata, base: torch.Tensor, level: int, lvl_slots: torch.Tensor,
-                       length: int) -> AttnMetadata:
-        """Metadata of one head call over the K frontier nodes of depth `level` of each row, one row each: position
-        base + level, K/V to its scratch slot, keys = the row's committed head K/V (positions 0..base) then its
-        ancestors' scratch slots (the tail override from base + 1). base [B]; lvl_slots [B, K, level] scratch
-        slot of the node's ancestor at depth 1..level (the node itself last)."""
-        b, kk, _ = lvl_slots.shape
-        rows = self.frontier_rows[: b * kk]  # [B*K] each frontier node's step row
-        n = b * kk
+    def _frontier_meta(self, meta: AttnMetadata, front: Frontier, length: int) -> AttnMetadata:
+        """Metadata of one head call over the K frontier nodes of one depth level of each row, one row each
+        (tree_layout.Frontier): its position, K/V to its scratch slot, keys = the row's committed head K/V
+        (positions 0..base) then its ancestors' scratch slots (the tail override from base + 1)."""
+        n = front.positions.shape[0]  # B*K
         ids = self.wide_ids[:n]
-        pos = base[rows] + level
-        return AttnMetadata(num_rows=n, max_q=1, max_kv=length, page_size=self.page_size,
-                            q_lens=self.wide_ones[:n], kv_lens=pos + 1, page_table=meta.page_table[rows], tok_row=ids,
-                            tok_col=self.wide_zeros[:n], q_index=ids[:, None], q_valid=self.wide_true[:n],
-                            positions=pos, slot_mapping=lvl_slots[..., -1].reshape(-1), ops=meta.ops,
-                            tail_start=base[rows] + 1, tail_slots=lvl_slots.reshape(n, level))
+        return AttnMetadata(num_rows=n, max_q=1, max_kv=length, page_size=self.page_size, q_lens=self.wide_ones[:n],
+                            kv_lens=front.kv_lens, page_table=front.page_table, tok_row=ids, tok_col=self.wide_zeros[:n],
+                            q_index=ids[:, None], q_valid=self.wide_true[:n], positions=front.positions,
+                            slot_mapping=front.slots[:, -1], ops=meta.ops, tail_start=front.tail_start,
+                            tail_slots=front.slots)

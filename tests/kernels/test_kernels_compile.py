@@ -134,11 +134,15 @@ def test_every_recorded_launch_compiles_for_sm90(tmp_path):
 
 
 def test_the_records_cover_the_decode_path():
-    """The recording saw the kernels of a speculative decode step with every fast path on, and every kernel
-    takes the PDL constexpr (m3eagle/kernels/pdl.py: a kernel launched with PDL must wait before touching memory)."""
+    """The recording saw the kernels of a speculative decode step with every fast path on and those of a draft-tree
+    step, and every kernel takes the PDL constexpr (m3eagle/kernels/pdl.py: a kernel launched with PDL must wait
+    before touching memory)."""
     records = json.loads(RECORDS.read_text())
     names = {r[1] for r in records}
     assert all("PDL" in r[4] for r in records), sorted({r[1] for r in records if "PDL" not in r[4]})
     assert {"_linear_kernel", "_gate_up_kernel", "_down_kernel", "_place_kernel", "_router_topk_kernel",
             "_dense_attn_kernel", "_sparse_attn_kernel", "_indexer_kernel", "_add_norm_kernel",
             "_qkv_rope_kernel", "_step_inputs_kernel", "_commit_kernel", "_router_tile_kernel"} <= names
+    # a draft-tree step's own kernels (engine/tree_ops.py 'triton'), recorded from an engine tree step
+    assert {"_topk_kernel", "_walk_kernel", "_finish_kernel", "_compact_kernel", "_node_rows_kernel", "_frontier_kernel",
+            "_path_perm_kernel", "_store_kernel"} <= names

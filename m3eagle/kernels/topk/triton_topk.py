@@ -20,7 +20,9 @@ from m3eagle.kernels import pdl
 from m3eagle.kernels.pdl import pdl_wait
 
 MAX_DEPTH = 8  # lanes keep at most this many keys: k <= 8 for rows wider than one block
-_NONE = -9223372036854775807  # below every real key (a real key's high half is an ordered fp32, never -2^31)
+# below every real key (a real key's high half is an ordered fp32, never -2^31); a constexpr, as jitted code may
+# read no other global
+_NONE = tl.constexpr(-9223372036854775807)
 
 
 @triton.jit
