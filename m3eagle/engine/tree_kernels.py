@@ -76,13 +76,13 @@ def walk_and_emit(greedy_tok: torch.Tensor, tokens: torch.Tensor, parents: torch
     return out, num_new, path
 
 
-@triton.jit(do_not_specialize=["n_words"])
+@triton.jit
 def _compact_kernel(addr_ptr, words_ptr, stride_ptr, pt_ptr, stride_pt, table_w, page_size, p0_ptr, path_ptr,
-                    num_ptr, s_path, D: tl.constexpr, WORD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                    num_ptr, s_path, D: tl.constexpr, WORD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
     """Program (pool p, row b): for j = 1..D with j < num_new[b] and path[b, j] > 0, the pool's row at the
-    slot of position p0 + path[b, j] -> the slot of p0 + j. A row's reads (positions p0 + path[j] >= p0 + j:
-    storage order is topological) never meet its earlier writes (p0 + j' < p0 + j), so the pass reads every
-    source before it is overwritten, as the reference's gather-then-copy."""
+    slot of position p0 + path[b, j] -> the slot of p0 + j, all j of a BLOCK-word chunk at once (every read of
+    the chunk before any write, as the reference's gather-then-copy; the chunks are disjoint words)."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -97,16 +97,17 @@ def _compact_kernel(addr_ptr, words_ptr, stride_ptr, pt_ptr, stride_pt, table_w,
     p0 = tl.load(p0_ptr + b)
     num = tl.load(num_ptr + b)
     offs = tl.arange(0, BLOCK)
-    for j in tl.static_range(1, D + 1):
-        node = tl.load(path_ptr + b * s_path + j)
-        ok = (num > j) & (node > 0)
-        dst = _cache_slot(pt_ptr, b, p0 + j, stride_pt, table_w, page_size, ok)
-        src = _cache_slot(pt_ptr, b, p0 + node, stride_pt, table_w, page_size, ok)
-        lim = tl.where(ok, n_words, 0)  # an entry not copied masks every word
-        for c0 in range(0, n_words, BLOCK):
-            w = c0 + offs
-            m = w < lim
-            tl.store(base + dst * stride + w, tl.load(base + src * stride + w, mask=m), mask=m)
+    j = 1 + tl.arange(0, BLOCK_D).to(tl.int64)  # [BLOCK_D] path columns 1..D
+    node = tl.load(path_ptr + b * s_path + j, mask=j <= D, other=0)
+    ok = (j <= D) & (num > j) & (node > 0)
+    dst = _cache_slot(pt_ptr, b, p0 + j, stride_pt, table_w, page_size, ok)
+    src = _cache_slot(pt_ptr, b, p0 + node, stride_pt, table_w, page_size, ok)
+    lim = tl.where(ok, n_words, 0)  # an entry not copied masks every word
+    for c0 in range(0, n_words, BLOCK):
+        w = c0 + offs
+        m = w[None, :] < lim[:, None]  # [BLOCK_D, BLOCK]
+        x = tl.load(base + src[:, None] * stride + w[None, :], mask=m)
+        tl.store(base + dst[:, None] * stride + w[None, :], x, mask=m)
 
 
 def compact(table: PoolTable, page_table: torch.Tensor, page_size: int, p0: torch.Tensor, path: torch.Tensor,
@@ -117,11 +118,12 @@ def compact(table: PoolTable, page_table: torch.Tensor, page_size: int, p0: torc
     if b == 0:
         return
     pt = page_table if page_table.stride(-1) == 1 else page_table.contiguous()
-    block = min(1024, triton.next_power_of_2(max(table.max_words, 16)))
+    block_d = triton.next_power_of_2(max(d1 - 1, 1))
+    block = min(max(4096 // block_d, 16), triton.next_power_of_2(max(table.max_words, 16)))  # a tile of <= 4K words
     _compact_kernel[(table.addrs.shape[0], b)](
         table.addrs, table.words, table.strides, pt, pt.stride(0), pt.shape[1], page_size, p0.contiguous(),
-        path, num_new.contiguous(), path.stride(0), D=d1 - 1, WORD=table.word, BLOCK=block,
-        num_warps=4 if block >= 512 else 1, **pdl.args(path))
+        path, num_new.contiguous(), path.stride(0), D=d1 - 1, WORD=table.word, BLOCK_D=block_d, BLOCK=block,
+        num_warps=4 if block * block_d >= 512 else 1, **pdl.args(path))
 
 
 @triton.jit(do_not_specialize=["m"])

@@ -156,3 +156,24 @@ def test_path_perm_equals_the_reference(case):
     want, got = REF.path_perm(*args), TRI.path_perm(*args)
     assert all(w.dtype == x.dtype and torch.equal(w, x) for w, x in zip(want, got))
     assert not torch.equal(want[1], torch.arange(ids.shape[0]))  # something moved
+
+
+def test_every_tree_kernel_waits_first_when_pdl_is_on():
+    """As every engine kernel (tests/kernels/test_pdl.py): the tree's kernels take PDL and their first statement
+    after the docstring is `pdl_wait(PDL)`, so a kernel launched early touches no memory before its predecessor
+    ends."""
+    import ast
+    import inspect
+
+    from m3eagle.engine import tree_kernels, tree_layout_kernels
+    from m3eagle.kernels.topk import triton_topk
+
+    seen = []
+    for mod in (tree_kernels, tree_layout_kernels, triton_topk):
+        for name, fn in vars(mod).items():
+            if name.endswith("_kernel") and inspect.isfunction(getattr(fn, "fn", None)):
+                body = ast.parse(inspect.getsource(fn.fn).lstrip()).body[0].body
+                assert "PDL" in inspect.signature(fn.fn).parameters, name
+                assert ast.unparse(body[1]) == "pdl_wait(PDL)", name
+                seen.append(name)
+    assert len(seen) == 8, seen
