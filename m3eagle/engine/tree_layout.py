@@ -150,13 +150,14 @@ def frontier_reference(prev: Frontier | None, cand_score: torch.Tensor, cand_tok
                     slots.reshape(b * k, level), pt, tail_start)
 
 
-def path_perm_reference(ids: torch.Tensor, row_first: torch.Tensor, num_new: torch.Tensor, row_samples: torch.Tensor,
-                        num_drafts: torch.Tensor, path: torch.Tensor, tok_row: torch.Tensor, tok_col: torch.Tensor,
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def path_perm_reference(ids: torch.Tensor, aux: torch.Tensor, row_first: torch.Tensor, num_new: torch.Tensor,
+                        row_samples: torch.Tensor, num_drafts: torch.Tensor, path: torch.Tensor, tok_row: torch.Tensor,
+                        tok_col: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The verify rows as if the accepted path had been the row: flat token row_first + j takes node path[j]'s
-    place, j = 1..num_new - 1, in tree rows that sample. ids [T]; row_first / num_new / row_samples /
-    num_drafts [B]; path [B, D+1]; tok_row / tok_col [T] (a kernel's per-token view of the rows) -> (num_new of
-    the rows that sample, 0 elsewhere [B], perm [T] the flat token whose ids / aux move to each token, ids[perm])."""
+    place, j = 1..num_new - 1, in tree rows that sample. ids [T]; aux [T, A] (the target's tapped hidden states);
+    row_first / num_new / row_samples / num_drafts [B]; path [B, D+1]; tok_row / tok_col [T] (a kernel's per-token
+    view of the rows) -> (num_new of the rows that sample, 0 elsewhere [B], perm [T] the flat token whose ids / aux
+    move to each token, ids[perm] [T], aux[perm] [T, A])."""
     t = ids.shape[0]
     num_new_s = torch.where(row_samples, num_new, 0)  # [B]
     perm = torch.arange(t, device=ids.device)
@@ -167,4 +168,4 @@ def path_perm_reference(ids: torch.Tensor, row_first: torch.Tensor, num_new: tor
     perm.index_put_((torch.where(moved, row_first[:, None] + cols, dump),),
                     torch.where(moved, row_first[:, None] + path[:, 1:], 0))
     perm = perm[:t]
-    return num_new_s, perm, ids[perm]
+    return num_new_s, perm, ids[perm], aux[perm]

@@ -8,7 +8,7 @@ tree_layout.node_rows_reference, frontier_reference, path_perm_reference and tre
                        query index, page table, tail slots                               ~60 (D = 3) -> 1
     _frontier_kernel   a level's top-k frontier, its tokens / target ids / parents' hidden rows,
                        scratch slots, positions, page table, the next candidates' parents    ~20 -> 1
-    _path_perm_kernel  num_new of the sampling rows, the path's permutation, the permuted ids  ~16 -> 1
+    _path_perm_kernel  num_new of the sampling rows, the path's permutation, permuted ids / aux  ~17 -> 1
     _store_kernel      the grown trees into their slot rows (three index_copy_)               3 -> 1
 
 Every launcher reads shapes, strides and host ints only (no host sync): a step using them is CUDA-graph
@@ -305,14 +305,16 @@ def store(slot: torch.Tensor, trees: tuple[torch.Tensor, ...], bufs: tuple[torch
 
 
 @triton.jit(do_not_specialize=["n_tok", "n_rows"])
-def _path_perm_kernel(ids_ptr, first_ptr, nn_ptr, samples_ptr, nd_ptr, path_ptr, s_path, tok_row_ptr, tok_col_ptr,
-                      nns_out, perm_out, ids_out, n_tok, n_rows, D: tl.constexpr, BLOCK: tl.constexpr,
-                      PDL: tl.constexpr):
-    """Programs [0, cdiv(T, BLOCK)) take BLOCK tokens each: token t, column j of row b, takes node path[b, j]'s
-    place when 1 <= j <= D, j < num_new_s[b] and row b verifies a tree (its id from there); the programs after
-    them write num_new_s for BLOCK rows each (num_new where the row samples, else 0)."""
+def _path_perm_kernel(ids_ptr, aux_ptr, s_aux, first_ptr, nn_ptr, samples_ptr, nd_ptr, path_ptr, s_path, tok_row_ptr,
+                      tok_col_ptr, nns_out, perm_out, ids_out, aux_out, n_tok, n_rows, width, D: tl.constexpr,
+                      BLOCK: tl.constexpr, BLOCK_A: tl.constexpr, PDL: tl.constexpr):
+    """Programs (i, c), i < cdiv(T, BLOCK), take BLOCK tokens each: token t, column j of row b, takes node
+    path[b, j]'s place when 1 <= j <= D, j < num_new_s[b] and row b verifies a tree; program (i, c) copies
+    columns c * BLOCK_A.. of the aux rows from there, those with c = 0 also the perm and the ids. The programs
+    (i >= cdiv(T, BLOCK), 0) write num_new_s for BLOCK rows each (num_new where the row samples, else 0)."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     pid = tl.program_id(0)
+    chunk = tl.program_id(1)
     n_tok_blocks = tl.cdiv(n_tok, BLOCK)
     offs = tl.arange(0, BLOCK)
     if pid < n_tok_blocks:
@@ -324,30 +326,37 @@ def _path_perm_kernel(ids_ptr, first_ptr, nn_ptr, samples_ptr, nd_ptr, path_ptr,
         moved = m & (j >= 1) & (j <= D) & (j < nns) & (tl.load(nd_ptr + b, mask=m, other=0) > 0)
         node = tl.load(path_ptr + b * s_path + j, mask=moved, other=0)
         perm = tl.where(moved, tl.load(first_ptr + b, mask=moved, other=0) + node, t)
-        tl.store(perm_out + t, perm, mask=m)
-        tl.store(ids_out + t, tl.load(ids_ptr + perm, mask=m, other=0), mask=m)
-    else:
+        if chunk == 0:
+            tl.store(perm_out + t, perm, mask=m)
+            tl.store(ids_out + t, tl.load(ids_ptr + perm, mask=m, other=0), mask=m)
+        a = chunk.to(tl.int64) * BLOCK_A + tl.arange(0, BLOCK_A)
+        am = m[:, None] & (a[None, :] < width)
+        x = tl.load(aux_ptr + perm[:, None] * s_aux + a[None, :], mask=am)
+        tl.store(aux_out + t[:, None] * width + a[None, :], x, mask=am)
+    elif chunk == 0:
         r = (pid - n_tok_blocks).to(tl.int64) * BLOCK + offs
         m = r < n_rows
         nns = tl.where(tl.load(samples_ptr + r, mask=m, other=0) != 0, tl.load(nn_ptr + r, mask=m, other=0), 0)
         tl.store(nns_out + r, nns, mask=m)
 
 
-def path_perm(ids: torch.Tensor, row_first: torch.Tensor, num_new: torch.Tensor, row_samples: torch.Tensor,
-              num_drafts: torch.Tensor, path: torch.Tensor, tok_row: torch.Tensor, tok_col: torch.Tensor,
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """tree_layout.path_perm_reference in one launch (ids [T], row_first / num_new / row_samples / num_drafts [B],
-    path [B, D+1] (unit column stride), tok_row / tok_col [T])."""
-    t, b = ids.shape[0], row_first.shape[0]
+def path_perm(ids: torch.Tensor, aux: torch.Tensor, row_first: torch.Tensor, num_new: torch.Tensor,
+              row_samples: torch.Tensor, num_drafts: torch.Tensor, path: torch.Tensor, tok_row: torch.Tensor,
+              tok_col: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """tree_layout.path_perm_reference in one launch (ids [T], aux [T, A] (unit column stride), row_first / num_new
+    / row_samples / num_drafts [B], path [B, D+1] (unit column stride), tok_row / tok_col [T])."""
+    t, b, width = ids.shape[0], row_first.shape[0], aux.shape[1]
     nns = torch.empty(b, dtype=num_new.dtype, device=ids.device)
     perm = torch.empty(t, dtype=torch.int64, device=ids.device)
     ids_c = torch.empty_like(ids)
-    block = 128
-    grid = (triton.cdiv(t, block) + triton.cdiv(b, block),)
-    if grid[0]:
+    aux_c = torch.empty(t, width, dtype=aux.dtype, device=aux.device)
+    block, block_a = 32, min(triton.next_power_of_2(max(width, 16)), 128)  # tiles of <= 4K aux elements
+    grid = (triton.cdiv(t, block) + triton.cdiv(b, block), triton.cdiv(width, block_a))
+    if grid[0] and grid[1]:
         p = path if path.stride(-1) == 1 else path.contiguous()
-        _path_perm_kernel[grid](ids.contiguous(), row_first.contiguous(), num_new.contiguous(),
+        x = aux if aux.stride(-1) == 1 else aux.contiguous()
+        _path_perm_kernel[grid](ids.contiguous(), x, x.stride(0), row_first.contiguous(), num_new.contiguous(),
                                 row_samples.contiguous(), num_drafts.contiguous(), p, p.stride(0),
-                                tok_row.contiguous(), tok_col.contiguous(), nns, perm, ids_c, t, b, D=p.shape[1] - 1,
-                                BLOCK=block, num_warps=4, **pdl.args(ids))
-    return nns, perm, ids_c
+                                tok_row.contiguous(), tok_col.contiguous(), nns, perm, ids_c, aux_c, t, b, width,
+                                D=p.shape[1] - 1, BLOCK=block, BLOCK_A=block_a, num_warps=4, **pdl.args(ids))
+    return nns, perm, ids_c, aux_c

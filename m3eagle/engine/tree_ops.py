@@ -139,10 +139,10 @@ class TreeOps(Protocol):
         """tree_layout.node_rows_reference: every per-node-row metadata tensor of a verify step."""
         ...
 
-    def path_perm(self, ids: torch.Tensor, row_first: torch.Tensor, num_new: torch.Tensor, row_samples: torch.Tensor,
-                  num_drafts: torch.Tensor, path: torch.Tensor, tok_row: torch.Tensor, tok_col: torch.Tensor,
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """tree_layout.path_perm_reference -> (num_new of sampling rows [B], perm [T], ids[perm] [T])."""
+    def path_perm(self, ids: torch.Tensor, aux: torch.Tensor, row_first: torch.Tensor, num_new: torch.Tensor,
+                  row_samples: torch.Tensor, num_drafts: torch.Tensor, path: torch.Tensor, tok_row: torch.Tensor,
+                  tok_col: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """tree_layout.path_perm_reference -> (num_new of sampling rows [B], perm [T], ids[perm] [T], aux[perm])."""
         ...
 
 
@@ -182,8 +182,8 @@ class ReferenceTreeOps:
         return node_rows_reference(meta, slot_parents, slot_depths, row_slot, row_first, num_drafts, width,
                                    max_depth, uniform, cols, row_ids, row_true)
 
-    def path_perm(self, ids, row_first, num_new, row_samples, num_drafts, path, tok_row, tok_col):
-        return path_perm_reference(ids, row_first, num_new, row_samples, num_drafts, path, tok_row, tok_col)
+    def path_perm(self, ids, aux, row_first, num_new, row_samples, num_drafts, path, tok_row, tok_col):
+        return path_perm_reference(ids, aux, row_first, num_new, row_samples, num_drafts, path, tok_row, tok_col)
 
 
 class TritonTreeOps:
@@ -251,8 +251,8 @@ class TritonTreeOps:
         return self._lay.node_rows(meta, slot_parents, slot_depths, row_slot, row_first, num_drafts, width, max_depth,
                                    uniform)
 
-    def path_perm(self, ids, row_first, num_new, row_samples, num_drafts, path, tok_row, tok_col):
-        return self._lay.path_perm(ids, row_first, num_new, row_samples, num_drafts, path, tok_row, tok_col)
+    def path_perm(self, ids, aux, row_first, num_new, row_samples, num_drafts, path, tok_row, tok_col):
+        return self._lay.path_perm(ids, aux, row_first, num_new, row_samples, num_drafts, path, tok_row, tok_col)
 
 
 def create(name: str) -> TreeOps:

@@ -131,9 +131,9 @@ class TreeModelRunner(ModelRunner):
             lp_rows = torch.cat([path, path[:, -1:].expand(b, max(k1 - path.shape[1], 0))], 1)[:, :k1]
             logprobs = token_logprobs(logits.gather(1, lp_rows[..., None].expand(-1, -1, logits.shape[-1])),
                                       new_tokens, self.n_top)
-        # the rows as if the path had been the verify row: ids / aux of node path[j] at column j
-        num_new_s, perm, ids_c = tops.path_perm(ids, inp.row_first, num_new, inp.row_samples, inp.row_num_drafts,
-                                                path, meta.tok_row, meta.tok_col)  # [B], [T], [T]
+        # the rows as if the path had been the verify row: ids / aux of node path[j] at column j ([B], [T], [T, 3H])
+        num_new_s, _, ids_c, aux_c = tops.path_perm(ids, aux, inp.row_first, num_new, inp.row_samples,
+                                                    inp.row_num_drafts, path, meta.tok_row, meta.tok_col)
         tops.compact(self.kv_pools, meta.page_table, self.page_size, p0, path, num_new_s)
         num_new, s, last_idx, shifted, at, _ = book.commit_outputs(
             new_tokens, num_new, inp.row_samples, inp.row_slot, self.dump_slot, inp.row_num_drafts, inp.row_first,
@@ -144,7 +144,7 @@ class TreeModelRunner(ModelRunner):
             self.penalty.record_outputs(new_tokens, num_new, s)
         if grammar is not None:  # what the head's masks start from: this step's emitted tokens
             grammar.emitted = (new_tokens, num_new)
-        tokens, t_parents, t_depths = self._grow_tree(inp, meta, aux[perm], last_idx, shifted, at, nodes_of)
+        tokens, t_parents, t_depths = self._grow_tree(inp, meta, aux_c, last_idx, shifted, at, nodes_of)
         if grammar is not None:
             grammar.finish(None)
         tops.store(s, (tokens, t_parents, t_depths), (self.slot_drafts, self.slot_parents, self.slot_depths))

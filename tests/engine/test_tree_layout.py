@@ -134,7 +134,8 @@ def test_store_equals_the_reference():
 @pytest.mark.parametrize("case", [1, 2, 3])
 def test_path_perm_equals_the_reference(case):
     """Accepted paths of every length (none, partial, full depth) in tree rows that sample or not, beside prompt
-    rows and padded rows: the permutation, the permuted ids and the sampling rows' num_new."""
+    rows and padded rows: the permutation, the permuted ids and aux rows (wider than one block, strided) and the
+    sampling rows' num_new."""
     q_lens, drafts, n, d, _ = CASES[case]
     meta, *_ = step(q_lens, drafts, n, d, case)
     g = torch.Generator().manual_seed(case)
@@ -151,7 +152,8 @@ def test_path_perm_equals_the_reference(case):
     if len(moving) > 1:
         samples[moving[-1]] = False  # a tree row with a path that samples nothing moves nothing
     ids = torch.randint(0, 1000, (meta.tok_row.shape[0],), generator=g)
-    args = (ids, torch.cumsum(meta.q_lens, 0) - meta.q_lens, num_new, samples, torch.tensor(drafts), path,
+    aux = torch.randn(ids.shape[0] + 3, 200, generator=g).to(torch.bfloat16)[:-3, 10:170]  # [T, 160] strided rows
+    args = (ids, aux, torch.cumsum(meta.q_lens, 0) - meta.q_lens, num_new, samples, torch.tensor(drafts), path,
             meta.tok_row, meta.tok_col)
     want, got = REF.path_perm(*args), TRI.path_perm(*args)
     assert all(w.dtype == x.dtype and torch.equal(w, x) for w, x in zip(want, got))
