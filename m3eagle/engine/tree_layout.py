@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 
 from m3eagle.engine.draft_tree import ancestors, full_tree
+from m3eagle.engine.step_reference import sample_positions
 from m3eagle.kernels.attention.metadata import AttnMetadata, slots_for_positions
 
 
@@ -35,9 +36,13 @@ class NodeRows(NamedTuple):
     q_valid: torch.Tensor  # [B(w+1), Qmax'] bool
     tail_start: torch.Tensor  # [B(w+1)] first key position read through tail_slots (max_kv: none)
     tail_slots: torch.Tensor  # [B(w+1), D] cache slot of node j's ancestor at depth 1..D
+    # where the step samples (step_reference.sample_positions over `positions`; absent from node_rows_from_trees)
+    sample_idx: torch.Tensor | None = None  # [B, w+1] flat token of each node's logits
+    node_pos: torch.Tensor | None = None  # [B, w+1] its position
+    drafts_in: torch.Tensor | None = None  # [B, w] the row's drafts as input ids, 0 past num_drafts
 
 
-def node_rows_reference(meta: AttnMetadata, slot_parents: torch.Tensor, slot_depths: torch.Tensor,
+def node_rows_reference(meta: AttnMetadata, ids: torch.Tensor, slot_parents: torch.Tensor, slot_depths: torch.Tensor,
                         row_slot: torch.Tensor, row_first: torch.Tensor, num_drafts: torch.Tensor, width: int,
                         max_depth: int, uniform: bool, cols: torch.Tensor, row_ids: torch.Tensor,
                         row_true: torch.Tensor) -> NodeRows:
@@ -49,12 +54,14 @@ def node_rows_reference(meta: AttnMetadata, slot_parents: torch.Tensor, slot_dep
     one token.
 
     meta: the step's metadata (its q_lens, kv_lens, page_table, tok_row / tok_col / positions, max_q, max_kv);
-    slot_parents / slot_depths [S+1, N] the stored trees, row_slot / row_first / num_drafts [B]; cols
-    [>= max(w+1, D)] and row_ids [B] aranges, row_true [B] all true (constants made once)."""
+    ids [T] the step's input ids; slot_parents / slot_depths [S+1, N] the stored trees, row_slot / row_first /
+    num_drafts [B]; cols [>= max(w+1, D)] and row_ids [B] aranges, row_true [B] all true (constants made once)."""
     parents, depths = full_tree(slot_parents[row_slot, :width], slot_depths[row_slot, :width])  # [B, w+1]
     anc = ancestors(parents, depths, max_depth)  # [B, w+1, D+1]
-    return node_rows_from_trees(meta, parents, depths, anc, meta.kv_lens - meta.q_lens, row_first, num_drafts, width,
-                                uniform, cols, row_ids, row_true)
+    lay = node_rows_from_trees(meta, parents, depths, anc, meta.kv_lens - meta.q_lens, row_first, num_drafts, width,
+                               uniform, cols, row_ids, row_true)
+    sample_idx, node_pos, drafts_in = sample_positions(row_first, meta.q_lens, num_drafts, lay.positions, ids, width)
+    return lay._replace(sample_idx=sample_idx, node_pos=node_pos, drafts_in=drafts_in)
 
 
 def node_rows_from_trees(meta: AttnMetadata, parents: torch.Tensor, depths: torch.Tensor, anc: torch.Tensor,

@@ -5,7 +5,7 @@ tree_layout.node_rows_reference, frontier_reference, path_perm_reference and tre
 (tests/engine/test_tree_layout.py).
 
     _node_rows_kernel  the stored trees' gathers, full_tree, ancestors, the sub-rows' lengths,
-                       query index, page table, tail slots                               ~60 (D = 3) -> 1
+                       query index, page table, tail slots, the sample positions         ~61 (D = 3) -> 1
     _frontier_kernel   a level's top-k frontier, its tokens / target ids / parents' hidden rows,
                        scratch slots, positions, page table, the next candidates' parents    ~20 -> 1
     _path_perm_kernel  num_new of the sampling rows, the path's permutation, permuted ids / aux  ~17 -> 1
@@ -30,23 +30,53 @@ from m3eagle.kernels.topk.triton_topk import _NONE, score_keys
 
 
 @triton.jit
-def _node_tokens(blk, sd_ptr, s_slot, rslot_ptr, nd_ptr, q_ptr, kv_ptr, tok_row_ptr, tok_col_ptr, pos_ptr, pos_out,
-                 tr_out, tc_out, n_tok, n1, uniform, BLOCK: tl.constexpr):
-    """Tokens blk * BLOCK.. of a step: position (p0 + depth in a tree row), sub-row and column in it."""
-    t = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = t < n_tok
+def _token_pos(t, m, sd_ptr, s_slot, rslot_ptr, nd_ptr, q_ptr, kv_ptr, tok_row_ptr, tok_col_ptr, pos_ptr, n1):
+    """Flat tokens t (mask m): position (p0 + depth in a tree row, the step's elsewhere), row, column, tree row."""
     tr = tl.load(tok_row_ptr + t, mask=m, other=0)
     tc = tl.load(tok_col_ptr + t, mask=m, other=0)
     is_tree = tl.load(nd_ptr + tr, mask=m, other=0) > 0
-    split = tl.where(uniform != 0, True, is_tree)
     slot = tl.load(rslot_ptr + tr, mask=m, other=0)
     c = tl.minimum(tc, n1 - 1)  # a prompt row's later tokens read the last node's depth, unused
     dep = tl.load(sd_ptr + slot * s_slot + c - 1, mask=m & (c > 0), other=0)
     p0 = tl.load(kv_ptr + tr, mask=m, other=0) - tl.load(q_ptr + tr, mask=m, other=0)
     pos = tl.where(is_tree, p0 + dep, tl.load(pos_ptr + t, mask=m, other=0))
+    return pos, tr, tc, is_tree
+
+
+@triton.jit
+def _node_tokens(blk, sd_ptr, s_slot, rslot_ptr, nd_ptr, q_ptr, kv_ptr, tok_row_ptr, tok_col_ptr, pos_ptr, pos_out,
+                 tr_out, tc_out, n_tok, n1, uniform, BLOCK: tl.constexpr):
+    """Tokens blk * BLOCK.. of a step: position (p0 + depth in a tree row), sub-row and column in it."""
+    t = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = t < n_tok
+    pos, tr, tc, is_tree = _token_pos(t, m, sd_ptr, s_slot, rslot_ptr, nd_ptr, q_ptr, kv_ptr, tok_row_ptr,
+                                      tok_col_ptr, pos_ptr, n1)
+    split = tl.where(uniform != 0, True, is_tree)
     tl.store(pos_out + t, pos, mask=m)
     tl.store(tr_out + t, tr * n1 + tl.where(split, tc, 0), mask=m)
     tl.store(tc_out + t, tl.where(split, 0, tc), mask=m)
+
+
+@triton.jit
+def _sample_row(b, sd_ptr, s_slot, rslot_ptr, first_ptr, nd_ptr, q_ptr, kv_ptr, tok_row_ptr, tok_col_ptr, pos_ptr,
+                ids_ptr, si_out, np_out, di_out, n1, BLOCK_N: tl.constexpr):
+    """Step row b's sample positions (step_reference.sample_positions over the node positions): its last
+    num_drafts + 1 tokens padded to w + 1 = n1 by its last, their positions, its drafts as input ids."""
+    b = b.to(tl.int64)
+    j = tl.arange(0, BLOCK_N).to(tl.int64)
+    jm = j < n1
+    first = tl.load(first_ptr + b)
+    last = first + tl.load(q_ptr + b) - 1
+    nd = tl.load(nd_ptr + b)
+    idx = tl.minimum(last - nd + j, last)
+    pos, _, _, _ = _token_pos(idx, jm, sd_ptr, s_slot, rslot_ptr, nd_ptr, q_ptr, kv_ptr, tok_row_ptr, tok_col_ptr,
+                              pos_ptr, n1)
+    tl.store(si_out + b * n1 + j, idx, mask=jm)
+    tl.store(np_out + b * n1 + j, pos, mask=jm)
+    dm = j < n1 - 1
+    d_idx = tl.minimum(first + j + 1, last)
+    draft = tl.load(ids_ptr + d_idx, mask=dm & (j < nd), other=0)
+    tl.store(di_out + b * (n1 - 1) + j, draft, mask=dm)
 
 
 @triton.jit
@@ -113,12 +143,14 @@ def _node_row(b, sp_ptr, sd_ptr, s_slot, rslot_ptr, first_ptr, nd_ptr, q_ptr, kv
 @triton.jit(do_not_specialize=["n_tok", "max_kv", "max_q", "uniform"])
 def _node_rows_kernel(sp_ptr, sd_ptr, s_slot, rslot_ptr, first_ptr, nd_ptr, q_ptr, kv_ptr, pt_ptr, stride_pt, table_w,
                       page_size, tok_row_ptr, tok_col_ptr, pos_ptr, par_out, dep_out, anc_out, p0_out, pos_out,
-                      q_out, kv_out, pt_out, tr_out, tc_out, qi_out, qv_out, ts_out, tail_out, n_tok, n1, max_kv,
+                      q_out, kv_out, pt_out, tr_out, tc_out, qi_out, qv_out, ts_out, tail_out, ids_ptr, si_out,
+                      np_out, di_out, n_tok, n1, max_kv,
                       max_q, uniform, D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
     """Programs [0, cdiv(T, BLOCK)) take BLOCK tokens each (position, sub-row, column); program cdiv(T, BLOCK) + b
     takes step row b: its w + 1 = n1 nodes' parents, depths and ancestors (stored node i at column i - 1 of the
-    row's slot, the root 0 in column 0), p0, and its sub-rows' lengths, query index, page table and tail."""
+    row's slot, the root 0 in column 0), p0, its sub-rows' lengths, query index, page table and tail, and where it
+    samples (_sample_row)."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     pid = tl.program_id(0)
     n_tok_blocks = tl.cdiv(n_tok, BLOCK)
@@ -129,12 +161,15 @@ def _node_rows_kernel(sp_ptr, sd_ptr, s_slot, rslot_ptr, first_ptr, nd_ptr, q_pt
         _node_row(pid - n_tok_blocks, sp_ptr, sd_ptr, s_slot, rslot_ptr, first_ptr, nd_ptr, q_ptr, kv_ptr, pt_ptr,
                   stride_pt, table_w, page_size, pos_ptr, par_out, dep_out, anc_out, p0_out, q_out, kv_out, pt_out,
                   qi_out, qv_out, ts_out, tail_out, n1, max_kv, max_q, uniform, D, BLOCK_N, BLOCK_D, BLOCK_Q, BLOCK_P)
+        _sample_row(pid - n_tok_blocks, sd_ptr, s_slot, rslot_ptr, first_ptr, nd_ptr, q_ptr, kv_ptr, tok_row_ptr,
+                    tok_col_ptr, pos_ptr, ids_ptr, si_out, np_out, di_out, n1, BLOCK_N)
 
 
-def node_rows(meta: AttnMetadata, slot_parents: torch.Tensor, slot_depths: torch.Tensor, row_slot: torch.Tensor,
+def node_rows(meta: AttnMetadata, ids: torch.Tensor, slot_parents: torch.Tensor, slot_depths: torch.Tensor,
+              row_slot: torch.Tensor,
               row_first: torch.Tensor, num_drafts: torch.Tensor, width: int, max_depth: int,
               uniform: bool) -> NodeRows:
-    """tree_layout.node_rows_reference in one launch (its constant aranges are not needed): slot_parents /
+    """tree_layout.node_rows_reference in one launch (its constant aranges are not needed): ids [T], slot_parents /
     slot_depths [S+1, N] (unit column stride, equal strides), row_slot / row_first / num_drafts [B]."""
     b, n1, t, d = row_slot.shape[0], width + 1, meta.tok_row.shape[0], max_depth
     mq = 1 if uniform else meta.max_q
@@ -150,7 +185,9 @@ def node_rows(meta: AttnMetadata, slot_parents: torch.Tensor, slot_depths: torch
                    q_index=torch.empty(b * n1, mq, dtype=i64, device=dev),
                    q_valid=torch.empty(b * n1, mq, dtype=torch.bool, device=dev),
                    tail_start=torch.empty(b * n1, dtype=i64, device=dev),
-                   tail_slots=torch.empty(b * n1, d, dtype=i64, device=dev))
+                   tail_slots=torch.empty(b * n1, d, dtype=i64, device=dev),
+                   sample_idx=torch.empty(b, n1, dtype=i64, device=dev), node_pos=torch.empty(b, n1, dtype=i64, device=dev),
+                   drafts_in=torch.empty(b, width, dtype=ids.dtype, device=dev))
     if slot_parents.stride() != slot_depths.stride() or slot_parents.stride(-1) != 1:
         raise ValueError("node_rows: the slot buffers must share strides, with unit column stride")
     block = 128
@@ -161,7 +198,7 @@ def node_rows(meta: AttnMetadata, slot_parents: torch.Tensor, slot_depths: torch
             slot_parents, slot_depths, slot_parents.stride(0), row_slot.contiguous(), row_first.contiguous(),
             num_drafts.contiguous(), meta.q_lens.contiguous(), meta.kv_lens.contiguous(), pt, pt.stride(0), p_w,
             meta.page_size, meta.tok_row.contiguous(), meta.tok_col.contiguous(), meta.positions.contiguous(),
-            *out, t, n1, meta.max_kv, mq, int(uniform), D=d, BLOCK=block,
+            *out[:14], ids.contiguous(), *out[14:], t, n1, meta.max_kv, mq, int(uniform), D=d, BLOCK=block,
             BLOCK_N=triton.next_power_of_2(max(n1, 2)), BLOCK_D=triton.next_power_of_2(d + 1),
             BLOCK_Q=min(triton.next_power_of_2(max(mq, 2)), 64), BLOCK_P=block_p, num_warps=4,
             **pdl.args(row_slot))

@@ -132,7 +132,7 @@ class TreeOps(Protocol):
         """compact_reference over the pools of `pools`."""
         ...
 
-    def node_rows(self, meta: AttnMetadata, slot_parents: torch.Tensor, slot_depths: torch.Tensor,
+    def node_rows(self, meta: AttnMetadata, ids: torch.Tensor, slot_parents: torch.Tensor, slot_depths: torch.Tensor,
                   row_slot: torch.Tensor, row_first: torch.Tensor, num_drafts: torch.Tensor, width: int,
                   max_depth: int, uniform: bool, cols: torch.Tensor, row_ids: torch.Tensor,
                   row_true: torch.Tensor) -> NodeRows:
@@ -177,9 +177,9 @@ class ReferenceTreeOps:
     def compact(self, pools, page_table, page_size, p0, path, num_new):
         compact_reference(pools.pools, page_table, page_size, p0, path, num_new)
 
-    def node_rows(self, meta, slot_parents, slot_depths, row_slot, row_first, num_drafts, width, max_depth, uniform,
-                  cols, row_ids, row_true):
-        return node_rows_reference(meta, slot_parents, slot_depths, row_slot, row_first, num_drafts, width,
+    def node_rows(self, meta, ids, slot_parents, slot_depths, row_slot, row_first, num_drafts, width, max_depth,
+                  uniform, cols, row_ids, row_true):
+        return node_rows_reference(meta, ids, slot_parents, slot_depths, row_slot, row_first, num_drafts, width,
                                    max_depth, uniform, cols, row_ids, row_true)
 
     def path_perm(self, ids, aux, row_first, num_new, row_samples, num_drafts, path, tok_row, tok_col):
@@ -246,9 +246,9 @@ class TritonTreeOps:
         else:
             self._k.compact(pools, page_table, page_size, p0, path, num_new)
 
-    def node_rows(self, meta, slot_parents, slot_depths, row_slot, row_first, num_drafts, width, max_depth, uniform,
-                  cols, row_ids, row_true):
-        return self._lay.node_rows(meta, slot_parents, slot_depths, row_slot, row_first, num_drafts, width, max_depth,
+    def node_rows(self, meta, ids, slot_parents, slot_depths, row_slot, row_first, num_drafts, width, max_depth,
+                  uniform, cols, row_ids, row_true):
+        return self._lay.node_rows(meta, ids, slot_parents, slot_depths, row_slot, row_first, num_drafts, width, max_depth,
                                    uniform)
 
     def path_perm(self, ids, aux, row_first, num_new, row_samples, num_drafts, path, tok_row, tok_col):

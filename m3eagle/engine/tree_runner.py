@@ -96,14 +96,13 @@ class TreeModelRunner(ModelRunner):
         fused, book, tops = _fused(meta), self._step_ops(meta), self._tree_ops(meta)
         b = inp.num_rows
         nodes_of = self.row_ids[:b]
-        lay = tops.node_rows(meta, self.slot_parents, self.slot_depths, inp.row_slot, inp.row_first,
+        lay = tops.node_rows(meta, ids, self.slot_parents, self.slot_depths, inp.row_slot, inp.row_first,
                              inp.row_num_drafts, k, tree.depth, self._uniform(inp, meta, k), self.node_cols,
                              self.row_ids[:b], self.row_true[:b, 0])
         parents, depths, anc, p0, tpos = lay.parents, lay.depths, lay.anc, lay.p0, lay.positions  # [B, w+1] x 2, ..
+        sample_idx, node_pos, drafts_in = lay.sample_idx, lay.node_pos, lay.drafts_in  # [B, w+1] x 2, [B, w]
         tmeta = self._node_meta(meta, lay)
         aux = self.aux_buf[: inp.num_tokens]  # [T, 3H]
-        sample_idx, node_pos, drafts_in = book.sample_positions(
-            inp.row_first, inp.row_qlen, inp.row_num_drafts, tpos, ids, k)  # [B, w+1] x 2, [B, w]
         every = inp.want_prompt_logprobs
         hidden = self.target(ids, tpos, tmeta, self.caches, self.aux_ids, aux,
                              rows=None if every else sample_idx.reshape(-1))

@@ -76,8 +76,9 @@ def test_node_rows_equal_the_reference(case):
     uniform = sum(q_lens) == b * (w + 1) and meta.max_q == w + 1
     assert uniform == (case < 2 or case == 3)
     consts = (torch.arange(max(n + 1, d)), torch.arange(b), torch.ones(b, dtype=torch.bool))
-    want = REF.node_rows(meta, sp, sd, row_slot, first, nd, w, d, uniform, *consts)
-    got = TRI.node_rows(meta, sp, sd, row_slot, first, nd, w, d, uniform, *consts)
+    ids = torch.randint(0, 1000, meta.tok_row.shape, generator=torch.Generator().manual_seed(case))
+    want = REF.node_rows(meta, ids, sp, sd, row_slot, first, nd, w, d, uniform, *consts)
+    got = TRI.node_rows(meta, ids, sp, sd, row_slot, first, nd, w, d, uniform, *consts)
     for name, x, y in zip(want._fields, want, got):
         assert x.dtype == y.dtype and torch.equal(x, y), (case, name)
     assert (want.anc[..., 1:] > 0).any() and (want.tail_start < meta.max_kv).any()  # real trees were laid out
