@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from m3eagle.engine.pool_table import PoolTable
 from m3eagle.engine.step_kernels import _cache_slot
-from m3eagle.engine.tree_ops import PoolTable
 from m3eagle.kernels import pdl
 from m3eagle.kernels.pdl import pdl_wait
 from m3eagle.kernels.topk.triton_topk import _NONE, score_keys

@@ -17,35 +17,10 @@ from typing import Protocol
 import torch
 
 from m3eagle.engine import draft_tree
+from m3eagle.engine.pool_table import PoolTable
 from m3eagle.engine.tree_layout import Frontier, NodeRows, frontier_reference, node_rows_reference, path_perm_reference
 from m3eagle.kernels.attention.metadata import AttnMetadata, slots_for_positions
 from m3eagle.sampling.tree_verify import walk_and_emit
-
-
-class PoolTable:
-    """The KV pools a compaction copies ([S, ...] each: K, V, index-K of every layer) and, when every pool's row
-    is contiguous, a device table of their base addresses, row lengths and row strides in WORD-byte words for
-    the fused copy (made once, with the runner: a captured step reads it)."""
-
-    def __init__(self, pools: list[torch.Tensor]) -> None:
-        self.pools = pools
-        self.ptrs = tuple(p.data_ptr() for p in pools)
-        self.words_ok = bool(pools) and all(p[0].is_contiguous() and p.device == pools[0].device for p in pools)
-        if not self.words_ok:
-            return
-        row = [p[0].numel() * p.element_size() for p in pools]  # bytes
-        step = [p.stride(0) * p.element_size() for p in pools]  # bytes
-        sizes = row + step + list(self.ptrs)
-        self.word = 4 if all(x % 4 == 0 for x in sizes) else 2 if all(x % 2 == 0 for x in sizes) else 1
-        dev = pools[0].device
-        self.addrs = torch.tensor(self.ptrs, dtype=torch.int64, device=dev)  # [P]
-        self.words = torch.tensor([x // self.word for x in row], dtype=torch.int64, device=dev)  # [P]
-        self.strides = torch.tensor([x // self.word for x in step], dtype=torch.int64, device=dev)  # [P]
-        self.max_words = max(row) // self.word
-
-    def current(self) -> bool:
-        """The device table describes the pools as they are now (host ints only)."""
-        return self.words_ok and tuple(p.data_ptr() for p in self.pools) == self.ptrs
 
 
 def compact_reference(pools: list[torch.Tensor], page_table: torch.Tensor, page_size: int, p0: torch.Tensor,

@@ -41,9 +41,10 @@ from m3eagle.engine import tree_ops
 from m3eagle.engine.draft_tree import TreeSpec
 from m3eagle.engine.input_builder import StepInput
 from m3eagle.engine.model_runner import ModelRunner, StepOutput, _fused, token_logprobs
+from m3eagle.engine.pool_table import PoolTable
 from m3eagle.engine.structured_step import TreeGrammarStep
 from m3eagle.engine.tree_layout import Frontier, NodeRows, node_rows_from_trees
-from m3eagle.engine.tree_ops import PoolTable, TreeOps
+from m3eagle.engine.tree_ops import TreeOps
 from m3eagle.kernels.attention.metadata import AttnMetadata
 from m3eagle.sampling.structured import allowed_from_bitmask, apply_bitmask
 from m3eagle.sampling.tree_verify import pad_columns, tree_penalize, tree_verify

@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 from m3eagle import LLM, SamplingParams  # noqa: E402
 from m3eagle.bench.geometries import tiny  # noqa: E402
 from m3eagle.engine import draft_tree, step_ops, tree_ops  # noqa: E402
+from m3eagle.engine.pool_table import PoolTable  # noqa: E402
 from tests.engine.test_draft_tree import scripted_trees, tiny_tree_and_reference  # noqa: E402
 
 REF, TRI = tree_ops.create("reference"), tree_ops.create("triton")
@@ -170,7 +171,7 @@ def test_compact_equals_the_reference_on_walked_paths(byte_pool):
         if byte_pool:
             want.append(torch.randint(0, 100, (pages * page, 3), dtype=torch.uint8, generator=g))
         got = [p.clone() for p in want]
-        table = tree_ops.PoolTable(got)
+        table = PoolTable(got)
         assert table.current() and table.word == (1 if byte_pool else 4)
         tree_ops.compact_reference(want, page_table, page, p0, path, num_new)
         TRI.compact(table, page_table, page, p0, path, num_new)
