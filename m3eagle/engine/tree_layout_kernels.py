@@ -81,11 +81,11 @@ def _sample_row(b, sd_ptr, s_slot, rslot_ptr, first_ptr, nd_ptr, q_ptr, kv_ptr, 
 
 @triton.jit
 def _node_row(b, sp_ptr, sd_ptr, s_slot, rslot_ptr, first_ptr, nd_ptr, q_ptr, kv_ptr, pt_ptr, stride_pt, table_w,
-              page_size, pos_ptr, par_out, dep_out, anc_out, p0_out, q_out, kv_out, pt_out, qi_out, qv_out, ts_out,
-              tail_out, n1, max_kv, max_q, uniform, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-              BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Step row b: its n1 nodes' parents, depths, ancestors and p0, and its sub-rows' lengths, query index, page
-    table and tail slots."""
+              page_size, pos_ptr, par_out, dep_out, anc_out, p0_out, q_out, kv_out, qi_out, qv_out, ts_out, tail_out,
+              n1, max_kv, max_q, uniform, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_Q: tl.constexpr):
+    """Step row b: its n1 nodes' parents, depths, ancestors and p0, and its sub-rows' lengths, query index and tail
+    slots."""
     b = b.to(tl.int64)
     slot = tl.load(rslot_ptr + b)
     qlen = tl.load(q_ptr + b)
@@ -133,11 +133,18 @@ def _node_row(b, sp_ptr, sd_ptr, s_slot, rslot_ptr, first_ptr, nd_ptr, q_ptr, kv
         tl.store(qi_out + sub[:, None] * max_q + cq[None, :], tl.where(valid, first[:, None] + cq[None, :], 0),
                  mask=qm)
         tl.store(qv_out + sub[:, None] * max_q + cq[None, :], valid, mask=qm)
-    for c0 in range(0, table_w, BLOCK_P):
-        cp = c0 + tl.arange(0, BLOCK_P)
-        pages = tl.load(pt_ptr + b * stride_pt + cp, mask=cp < table_w, other=0)
-        tl.store(pt_out + sub[:, None] * table_w + cp[None, :], pages[None, :] + j[:, None] * 0,
-                 mask=jm[:, None] & (cp[None, :] < table_w))
+
+
+@triton.jit
+def _page_rows(b, chunk, pt_ptr, stride_pt, table_w, pt_out, n1, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Columns chunk * BLOCK_P.. of step row b's page table -> each of its n1 sub-rows' (a long table is copied by
+    as many programs as it has chunks, not by one)."""
+    b = b.to(tl.int64)
+    j = tl.arange(0, BLOCK_N).to(tl.int64)
+    cp = chunk.to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
+    pages = tl.load(pt_ptr + b * stride_pt + cp, mask=cp < table_w, other=0)
+    tl.store(pt_out + (b * n1 + j)[:, None] * table_w + cp[None, :], pages[None, :] + j[:, None] * 0,
+             mask=(j[:, None] < n1) & (cp[None, :] < table_w))
 
 
 @triton.jit(do_not_specialize=["n_tok", "max_kv", "max_q", "uniform"])
@@ -147,22 +154,26 @@ def _node_rows_kernel(sp_ptr, sd_ptr, s_slot, rslot_ptr, first_ptr, nd_ptr, q_pt
                       np_out, di_out, n_tok, n1, max_kv,
                       max_q, uniform, D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
-    """Programs [0, cdiv(T, BLOCK)) take BLOCK tokens each (position, sub-row, column); program cdiv(T, BLOCK) + b
-    takes step row b: its w + 1 = n1 nodes' parents, depths and ancestors (stored node i at column i - 1 of the
-    row's slot, the root 0 in column 0), p0, its sub-rows' lengths, query index, page table and tail, and where it
-    samples (_sample_row)."""
+    """Programs (i, 0), i < cdiv(T, BLOCK), take BLOCK tokens each (position, sub-row, column); program
+    (cdiv(T, BLOCK) + b, 0) takes step row b: its w + 1 = n1 nodes' parents, depths and ancestors (stored node i at
+    column i - 1 of the row's slot, the root 0 in column 0), p0, its sub-rows' lengths, query index and tail, and
+    where it samples (_sample_row); programs (cdiv(T, BLOCK) + b, c) copy chunk c of its page table."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     pid = tl.program_id(0)
+    chunk = tl.program_id(1)  # the page-table chunk a row program copies; the rest is chunk 0's
     n_tok_blocks = tl.cdiv(n_tok, BLOCK)
     if pid < n_tok_blocks:
-        _node_tokens(pid, sd_ptr, s_slot, rslot_ptr, nd_ptr, q_ptr, kv_ptr, tok_row_ptr, tok_col_ptr, pos_ptr, pos_out,
-                     tr_out, tc_out, n_tok, n1, uniform, BLOCK)
+        if chunk == 0:
+            _node_tokens(pid, sd_ptr, s_slot, rslot_ptr, nd_ptr, q_ptr, kv_ptr, tok_row_ptr, tok_col_ptr, pos_ptr,
+                         pos_out, tr_out, tc_out, n_tok, n1, uniform, BLOCK)
     else:
-        _node_row(pid - n_tok_blocks, sp_ptr, sd_ptr, s_slot, rslot_ptr, first_ptr, nd_ptr, q_ptr, kv_ptr, pt_ptr,
-                  stride_pt, table_w, page_size, pos_ptr, par_out, dep_out, anc_out, p0_out, q_out, kv_out, pt_out,
-                  qi_out, qv_out, ts_out, tail_out, n1, max_kv, max_q, uniform, D, BLOCK_N, BLOCK_D, BLOCK_Q, BLOCK_P)
-        _sample_row(pid - n_tok_blocks, sd_ptr, s_slot, rslot_ptr, first_ptr, nd_ptr, q_ptr, kv_ptr, tok_row_ptr,
-                    tok_col_ptr, pos_ptr, ids_ptr, si_out, np_out, di_out, n1, BLOCK_N)
+        if chunk == 0:
+            _node_row(pid - n_tok_blocks, sp_ptr, sd_ptr, s_slot, rslot_ptr, first_ptr, nd_ptr, q_ptr, kv_ptr, pt_ptr,
+                      stride_pt, table_w, page_size, pos_ptr, par_out, dep_out, anc_out, p0_out, q_out, kv_out, qi_out,
+                      qv_out, ts_out, tail_out, n1, max_kv, max_q, uniform, D, BLOCK_N, BLOCK_D, BLOCK_Q)
+            _sample_row(pid - n_tok_blocks, sd_ptr, s_slot, rslot_ptr, first_ptr, nd_ptr, q_ptr, kv_ptr, tok_row_ptr,
+                        tok_col_ptr, pos_ptr, ids_ptr, si_out, np_out, di_out, n1, BLOCK_N)
+        _page_rows(pid - n_tok_blocks, chunk, pt_ptr, stride_pt, table_w, pt_out, n1, BLOCK_N, BLOCK_P)
 
 
 def node_rows(meta: AttnMetadata, ids: torch.Tensor, slot_parents: torch.Tensor, slot_depths: torch.Tensor,
@@ -190,17 +201,17 @@ def node_rows(meta: AttnMetadata, ids: torch.Tensor, slot_parents: torch.Tensor,
                    drafts_in=torch.empty(b, width, dtype=ids.dtype, device=dev))
     if slot_parents.stride() != slot_depths.stride() or slot_parents.stride(-1) != 1:
         raise ValueError("node_rows: the slot buffers must share strides, with unit column stride")
-    block = 128
-    grid = (triton.cdiv(t, block) + b,)
-    if grid[0]:
-        block_p = min(triton.next_power_of_2(max(p_w, 2)), 128)
+    block, block_n = 128, triton.next_power_of_2(max(n1, 2))
+    block_p = min(triton.next_power_of_2(max(p_w, 2)), max(4096 // block_n, 16))  # [n1, BLOCK_P] tiles of <= 4K
+    grid = (triton.cdiv(t, block) + b, triton.cdiv(p_w, block_p))
+    if grid[0] and grid[1]:
         _node_rows_kernel[grid](
             slot_parents, slot_depths, slot_parents.stride(0), row_slot.contiguous(), row_first.contiguous(),
             num_drafts.contiguous(), meta.q_lens.contiguous(), meta.kv_lens.contiguous(), pt, pt.stride(0), p_w,
             meta.page_size, meta.tok_row.contiguous(), meta.tok_col.contiguous(), meta.positions.contiguous(),
             *out[:14], ids.contiguous(), *out[14:], t, n1, meta.max_kv, mq, int(uniform), D=d, BLOCK=block,
-            BLOCK_N=triton.next_power_of_2(max(n1, 2)), BLOCK_D=triton.next_power_of_2(d + 1),
-            BLOCK_Q=min(triton.next_power_of_2(max(mq, 2)), 64), BLOCK_P=block_p, num_warps=4,
+            BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d + 1),
+            BLOCK_Q=min(triton.next_power_of_2(max(mq, 2)), max(2048 // block_n, 2)), BLOCK_P=block_p, num_warps=4,
             **pdl.args(row_slot))
     return out
 
@@ -215,9 +226,11 @@ def _frontier_kernel(score_ptr, tok_ptr, parent_ptr, s_cand, h_ptr, s_h, d2t_ptr
     the K best of the previous expansion's K*K candidates (reference.best's keys); their scores, candidates,
     tokens, parents' frontier index, target ids, parents' hidden rows, positions, lengths and scratch slots; the
     next expansion's parents in the candidate buffer; at LEVEL 1 also the -1 parents of the root's children and
-    each frontier row's page table and tail start."""
+    each frontier row's page table and tail start. Programs (b, c) copy chunk c of the hidden rows and page table
+    (each picks the frontier itself: K rounds over K*K keys), (b, 0) writes the rest."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     b = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)  # the hidden (and page-table) chunk this program copies; the rest is chunk 0's
     f = tl.arange(0, BLOCK_K).to(tl.int64)
     fm = f < K
     row = b * s_cand
@@ -238,46 +251,45 @@ def _frontier_kernel(score_ptr, tok_ptr, parent_ptr, s_cand, h_ptr, s_h, d2t_ptr
     score = tl.load(score_ptr + row + cand, mask=fm, other=0.0)
     tok = tl.load(tok_ptr + row + cand, mask=fm, other=0)
     par = idx // K
-    if LEVEL == 1:
-        tl.store(parent_ptr + row + f, tl.full([BLOCK_K], -1, tl.int64), mask=fm)
-    nxt = K + (LEVEL - 1) * K * K  # the next expansion's K*K candidates: each frontier node's K children
-    ch = tl.arange(0, BLOCK_K)
-    tl.store(parent_ptr + row + nxt + f[:, None] * K + ch[None, :], cand[:, None] + ch[None, :] * 0,
-             mask=fm[:, None] & (ch[None, :] < K))
-    out = b * K + f  # [BLOCK_K] frontier row
-    tl.store(f_score + out, score, mask=fm)
-    tl.store(f_cand + out, cand, mask=fm)
-    tl.store(f_tok + out, tok, mask=fm)
-    tl.store(f_par + out, par, mask=fm)
-    tl.store(ids_out + out, tok + tl.load(d2t_ptr + tok, mask=fm, other=0), mask=fm)
-    base = tl.load(base_ptr + b)
-    tl.store(pos_out + out, base + LEVEL + f * 0, mask=fm)
-    tl.store(kv_out + out, base + LEVEL + 1 + f * 0, mask=fm)
-    # scratch slots: the parent's LEVEL - 1 (its own row of the previous frontier), then this node's
-    d = tl.arange(0, BLOCK_L)
-    up = (d[None, :] < LEVEL - 1) & fm[:, None]
-    prev = tl.load(prev_ptr + (b * K + par)[:, None] * (LEVEL - 1) + d[None, :], mask=up, other=0)
-    own = first0 + b * per_row + (LEVEL - 1) * K + f
-    slots = tl.where(d[None, :] == LEVEL - 1, own[:, None], prev)
-    tl.store(slots_out + out[:, None] * LEVEL + d[None, :], slots, mask=fm[:, None] & (d[None, :] < LEVEL))
-    # each frontier node's input hidden: its parent's h_next row (the root's at LEVEL 1)
+    if chunk == 0:
+        if LEVEL == 1:
+            tl.store(parent_ptr + row + f, tl.full([BLOCK_K], -1, tl.int64), mask=fm)
+        nxt = K + (LEVEL - 1) * K * K  # the next expansion's K*K candidates: each frontier node's K children
+        ch = tl.arange(0, BLOCK_K)
+        tl.store(parent_ptr + row + nxt + f[:, None] * K + ch[None, :], cand[:, None] + ch[None, :] * 0,
+                 mask=fm[:, None] & (ch[None, :] < K))
+        out = b * K + f  # [BLOCK_K] frontier row
+        tl.store(f_score + out, score, mask=fm)
+        tl.store(f_cand + out, cand, mask=fm)
+        tl.store(f_tok + out, tok, mask=fm)
+        tl.store(f_par + out, par, mask=fm)
+        tl.store(ids_out + out, tok + tl.load(d2t_ptr + tok, mask=fm, other=0), mask=fm)
+        base = tl.load(base_ptr + b)
+        tl.store(pos_out + out, base + LEVEL + f * 0, mask=fm)
+        tl.store(kv_out + out, base + LEVEL + 1 + f * 0, mask=fm)
+        # scratch slots: the parent's LEVEL - 1 (its own row of the previous frontier), then this node's
+        d = tl.arange(0, BLOCK_L)
+        up = (d[None, :] < LEVEL - 1) & fm[:, None]
+        prev = tl.load(prev_ptr + (b * K + par)[:, None] * (LEVEL - 1) + d[None, :], mask=up, other=0)
+        own = first0 + b * per_row + (LEVEL - 1) * K + f
+        slots = tl.where(d[None, :] == LEVEL - 1, own[:, None], prev)
+        tl.store(slots_out + out[:, None] * LEVEL + d[None, :], slots, mask=fm[:, None] & (d[None, :] < LEVEL))
+        if LEVEL == 1:
+            tl.store(ts_out + out, base + 1 + f * 0, mask=fm)
+    # chunk c of each frontier node's input hidden: its parent's h_next row (the root's at LEVEL 1)
     if LEVEL == 1:
         src = b + f * 0
     else:
         src = b * K + par
-    for h0 in range(0, hd, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        hm = fm[:, None] & (h[None, :] < hd)
-        x = tl.load(h_ptr + src[:, None] * s_h + h[None, :] + f[:, None] * 0, mask=hm)
-        tl.store(h_out + out[:, None] * hd + h[None, :], x, mask=hm)
-    if LEVEL == 1:
-        tl.store(ts_out + out, base + 1 + f * 0, mask=fm)
-        for c0 in range(0, table_w, BLOCK_P):
-            cp = c0 + tl.arange(0, BLOCK_P)
-            pages = tl.load(pt_ptr + b * stride_pt + cp, mask=cp < table_w, other=0)
-            tl.store(pt_out + out[:, None] * table_w + cp[None, :], pages[None, :] + f[:, None] * 0,
-                     mask=fm[:, None] & (cp[None, :] < table_w))
-
+    h = chunk.to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = fm[:, None] & (h[None, :] < hd)
+    x = tl.load(h_ptr + src[:, None] * s_h + h[None, :], mask=hm)
+    tl.store(h_out + (b * K + f)[:, None] * hd + h[None, :], x, mask=hm)
+    if LEVEL == 1:  # and chunk c of each frontier row's page table: its step row's
+        cp = chunk.to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
+        pages = tl.load(pt_ptr + b * stride_pt + cp, mask=cp < table_w, other=0)
+        tl.store(pt_out + (b * K + f)[:, None] * table_w + cp[None, :], pages[None, :] + f[:, None] * 0,
+                 mask=fm[:, None] & (cp[None, :] < table_w))
 
 def frontier(prev: Frontier | None, cand_score: torch.Tensor, cand_tok: torch.Tensor, cand_parent: torch.Tensor,
              h_next: torch.Tensor, d2t: torch.Tensor, base: torch.Tensor, page_table: torch.Tensor, level: int, k: int,
@@ -303,14 +315,16 @@ def frontier(prev: Frontier | None, cand_score: torch.Tensor, cand_tok: torch.Te
     out = Frontier(score=new(b, k, dtype=cand_score.dtype), cand=new(b, k), tok=new(b, k, dtype=cand_tok.dtype),
                    par=new(b, k), ids=new(n, dtype=cand_tok.dtype), hidden=new(n, hd, dtype=h.dtype),
                    positions=new(n), kv_lens=new(n), slots=new(n, level), page_table=pt_rows, tail_start=tail_start)
+    block_k = triton.next_power_of_2(max(k, 2))
+    block_h = min(triton.next_power_of_2(max(hd, 16)), max(2048 // block_k, 16))  # [K, BLOCK_H] tiles of <= 2K
+    block_p = min(triton.next_power_of_2(max(pt.shape[1], 2)), max(2048 // block_k, 16))
+    chunks = max(triton.cdiv(hd, block_h), triton.cdiv(pt.shape[1], block_p) if prev is None else 1)
     if b:
-        block_h = min(triton.next_power_of_2(max(hd, 16)), max(2048 // triton.next_power_of_2(k), 16))
-        _frontier_kernel[(b,)](
+        _frontier_kernel[(b, chunks)](
             cand_score, cand_tok, cand_parent, cand_score.stride(0), h, h.stride(0), d2t.contiguous(),
             base.contiguous(), pt, pt.stride(0), pt.shape[1], prev_slots, *out[:9], pt_rows, tail_start, hd,
-            scratch[0], scratch[1], K=k, LEVEL=level, BLOCK_K=triton.next_power_of_2(max(k, 2)),
-            BLOCK_C=triton.next_power_of_2(max(k * k, 16)), BLOCK_L=triton.next_power_of_2(max(level, 2)),
-            BLOCK_H=block_h, BLOCK_P=min(triton.next_power_of_2(max(pt.shape[1], 2)), 128), num_warps=4,
+            scratch[0], scratch[1], K=k, LEVEL=level, BLOCK_K=block_k, BLOCK_C=triton.next_power_of_2(max(k * k, 16)),
+            BLOCK_L=triton.next_power_of_2(max(level, 2)), BLOCK_H=block_h, BLOCK_P=block_p, num_warps=4,
             **pdl.args(cand_score))
     return out
 

@@ -48,7 +48,7 @@ def step(q_lens: list[int], drafts: list[int], n: int, depth: int, seed: int, pa
     tok_row = torch.repeat_interleave(torch.arange(b), q)
     tok_col = torch.arange(int(q.sum())) - first[tok_row]
     kv = q + torch.randint(0, 30, (b,), generator=g)
-    pages = 16
+    pages = 70  # the largest tree copies its [65, 70] page rows in three chunks
     table = torch.randint(1, 200, (b, pages), generator=g)  # [B, P]
     table[:, -2:] = 0  # trash past the held pages
     meta = AttnMetadata(num_rows=b, max_q=max(q_lens), max_kv=int(kv.max()) + 5, page_size=page, q_lens=q,
@@ -98,7 +98,7 @@ def grow(ops, b: int, k: int, depth: int, hd: int, seed: int) -> list[tuple[torc
     cand_parent = torch.full((b, m), 99)
     d2t = torch.randint(0, 9, (50,), generator=g)
     base = torch.randint(0, 40, (b,), generator=g)
-    page_table = torch.randint(0, 300, (b, 5), generator=g)
+    page_table = torch.randint(0, 300, (b, 300), generator=g)  # copied in two chunks at K = 8
     out, prev = [], None
     for level in range(1, depth):
         h_next = torch.randn(b * (k if level > 1 else 1), hd, generator=g).to(torch.bfloat16)
