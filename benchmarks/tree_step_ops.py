@@ -1,7 +1,7 @@
 """Kernel launches of one graph-shaped draft-tree decode step, counted on the CPU, split into the models' own
 launches and the tree's bookkeeping (construction, layout, verification walk, KV compaction, slot commits).
 
-    python benchmarks/tree_step_ops.py [--tree 3,4,16] [--batch 1] [--tree-ops reference|triton] [--names]
+    python benchmarks/tree_step_ops.py [--tree 3,4,16] [--batch 1] [--tree-ops reference|triton] [--narrow] [--names]
 
 A decode step of the embedded pair (graph-shaped: padded to its bucket as a CUDA replay would be) runs under a
 dispatch-mode counter: every aten op that computes (not a view, not a bare allocation) is one launch, and so
@@ -9,7 +9,10 @@ is every Triton kernel launch (run under the interpreter; its own host copies ar
 inside the target's and the head's forwards, their logits and the target's greedy argmax are the models';
 everything else in `TreeModelRunner.execute` is the tree's. The models run on the reference backends (the
 GPU's model launches are measured there, not here); the step's bookkeeping runs the implementation named by
---tree-ops (the fused Triton kernels a CUDA engine takes, or the plain torch reference). One JSON line.
+--tree-ops (the fused Triton kernels a CUDA engine takes, or the plain torch reference). `head_calls` counts the
+head's forwards and `head_rows` the rows they output (B at step 0, B * K per frontier level; B per level when
+the step grows a chain). --narrow forces every step narrow (tree_max_batch=0: verify the first D nodes, grow a
+D-node chain for the next step). One JSON line.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class LaunchCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.region = "tree"
-        self.counts: dict[str, int] = {"tree": 0, "model": 0}
+        self.counts: dict[str, int] = {"tree": 0, "model": 0, "head_calls": 0, "head_rows": 0}
         self.names: dict[str, int] = {}
         self.in_triton = False
 
@@ -56,14 +59,18 @@ class LaunchCounter(TorchDispatchMode):
             self.add(name)
         return func(*args, **(kwargs or {}))
 
-    def model_region(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """fn, its launches counted as the model's."""
+    def model_region(self, fn: Callable[..., Any], head: bool = False) -> Callable[..., Any]:
+        """fn, its launches counted as the model's; with `head`, its calls and output rows counted too."""
         def run(*a, **k):
             saved, self.region = self.region, "model"
             try:
-                return fn(*a, **k)
+                out = fn(*a, **k)
             finally:
                 self.region = saved
+            if head:
+                self.counts["head_calls"] += 1
+                self.counts["head_rows"] += out[0].shape[0]  # (h_out [rows, H], h_next)
+            return out
         return run
 
 
@@ -95,7 +102,7 @@ def count_tree_step(llm: LLM, prompts: list[list[int]], sp: SamplingParams, tree
             return orig_execute(inp)
         counter = LaunchCounter()
         for (owner, n), fn in saved.items():
-            setattr(owner, n, counter.model_region(fn))
+            setattr(owner, n, counter.model_region(fn, head=owner is runner.draft and n == "forward"))
         run = interp.InterpretedFunction.run
 
         def counted(self, *a, **k):
@@ -132,13 +139,16 @@ def main() -> None:
     ap.add_argument("--tree", default="3,4,16")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--tree-ops", default="triton", choices=["reference", "triton"])
+    ap.add_argument("--narrow", action="store_true", help="every step narrow (tree_max_batch=0)")
     ap.add_argument("--names", action="store_true", help="the tree region's launches by op name")
     args = ap.parse_args()
-    llm = LLM(device="cpu", draft_tree=args.tree, max_model_len=256, graph_shapes=True)
+    llm = LLM(device="cpu", draft_tree=args.tree, max_model_len=256, graph_shapes=True,
+              **({"tree_max_batch": 0} if args.narrow else {}))
     prompts = [list(llm.engine.tokenizer.encode(f"def f{i}(x):\n    return")) for i in range(args.batch)]
     counts, names = count_tree_step(llm, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                                     args.tree_ops)
-    out: dict[str, Any] = {"tree": args.tree, "batch": args.batch, "tree_ops": args.tree_ops, **counts}
+    out: dict[str, Any] = {"tree": args.tree, "batch": args.batch, "tree_ops": args.tree_ops, "narrow": args.narrow,
+                           **counts}
     if args.names:
         out["names"] = names
     print(json.dumps(out))

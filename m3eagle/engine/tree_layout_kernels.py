@@ -330,9 +330,10 @@ def frontier(prev: Frontier | None, cand_score: torch.Tensor, cand_tok: torch.Te
 
 
 @triton.jit
-def _store_kernel(slot_ptr, tok_ptr, par_ptr, dep_ptr, st_out, sp_out, sd_out, s_tree, s_slot, n,
+def _store_kernel(slot_ptr, tok_ptr, par_ptr, dep_ptr, st_out, sp_out, sd_out, held_out, s_tree, s_slot, n,
                   BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    """Row b's grown tree (tokens, parents, depths; n nodes) -> row slot[b] of the three slot buffers."""
+    """Row b's grown tree (tokens, parents, depths; n nodes) -> row slot[b] of the three slot buffers, n -> its
+    held count."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK_N)
@@ -342,16 +343,19 @@ def _store_kernel(slot_ptr, tok_ptr, par_ptr, dep_ptr, st_out, sp_out, sd_out, s
     tl.store(st_out + dst, tl.load(tok_ptr + src, mask=m), mask=m)
     tl.store(sp_out + dst, tl.load(par_ptr + src, mask=m), mask=m)
     tl.store(sd_out + dst, tl.load(dep_ptr + src, mask=m), mask=m)
+    tl.store(held_out + tl.load(slot_ptr + b), n.to(tl.int64))
 
 
-def store(slot: torch.Tensor, trees: tuple[torch.Tensor, ...], bufs: tuple[torch.Tensor, ...]) -> None:
-    """tree_ops.store_reference in one launch: trees (tokens, parents, depths [B, N], one layout with unit column
-    stride) -> rows slot [B] of bufs (slot_drafts, slot_parents, slot_depths [S+1, >= N], one layout)."""
+def store(slot: torch.Tensor, trees: tuple[torch.Tensor, ...], bufs: tuple[torch.Tensor, ...],
+          held: torch.Tensor) -> None:
+    """tree_ops.store_reference in one launch: trees (tokens, parents, depths [B, n], one layout with unit column
+    stride) -> the first n columns of rows slot [B] of bufs (slot_drafts, slot_parents, slot_depths [S+1, >= n],
+    one layout), n -> held[slot] (held [S+1] contiguous)."""
     b, n = trees[0].shape
-    if trees[0].stride(-1) != 1 or bufs[0].stride(-1) != 1:
-        raise ValueError("store: the trees and the slot buffers need unit column strides")
+    if trees[0].stride(-1) != 1 or bufs[0].stride(-1) != 1 or held.stride(-1) != 1:
+        raise ValueError("store: the trees, the slot buffers and held need unit column strides")
     if b:
-        _store_kernel[(b,)](slot.contiguous(), *trees, *bufs, trees[0].stride(0), bufs[0].stride(0), n,
+        _store_kernel[(b,)](slot.contiguous(), *trees, *bufs, held, trees[0].stride(0), bufs[0].stride(0), n,
                             BLOCK_N=triton.next_power_of_2(max(n, 2)), num_warps=1, **pdl.args(slot))
 
 

@@ -50,11 +50,16 @@ def finish_reference(scores: torch.Tensor, cand_parent: torch.Tensor, cand_tok: 
     return tok + d2t[tok], parents, cand_depth[sel]
 
 
-def store_reference(slot: torch.Tensor, trees: tuple[torch.Tensor, ...], bufs: tuple[torch.Tensor, ...]) -> None:
-    """The grown trees (tokens, parents, depths [B, N]) into rows slot [B] of the slot buffers (slot_drafts,
-    slot_parents, slot_depths [S+1, N]) the next step reads. Rows that sample nothing share the dump slot."""
+def store_reference(slot: torch.Tensor, trees: tuple[torch.Tensor, ...], bufs: tuple[torch.Tensor, ...],
+                    held: torch.Tensor) -> None:
+    """The grown trees (tokens, parents, depths [B, n], n <= N) into the first n columns of rows slot [B] of the
+    slot buffers (slot_drafts, slot_parents, slot_depths [S+1, N]) the next step reads, and n into held [S+1]
+    (the nodes each slot's tree holds: the columns past it are stale). Rows that sample nothing share the dump
+    slot."""
+    n = trees[0].shape[1]
     for buf, x in zip(bufs, trees):
-        buf.index_copy_(0, slot, x)
+        buf[:, :n].index_copy_(0, slot, x)
+    held.index_fill_(0, slot, n)
 
 
 def expand_reference(parent_scores: torch.Tensor, logp: torch.Tensor, k: int, score_out: torch.Tensor,
@@ -98,8 +103,9 @@ class TreeOps(Protocol):
         """finish_reference: the rerank -> (tokens [B, N] target ids, parents [B, N], depths [B, N])."""
         ...
 
-    def store(self, slot: torch.Tensor, trees: tuple[torch.Tensor, ...], bufs: tuple[torch.Tensor, ...]) -> None:
-        """store_reference: the grown trees into their slot rows."""
+    def store(self, slot: torch.Tensor, trees: tuple[torch.Tensor, ...], bufs: tuple[torch.Tensor, ...],
+              held: torch.Tensor) -> None:
+        """store_reference: the grown trees into their slot rows, their node count into held."""
         ...
 
     def compact(self, pools: PoolTable, page_table: torch.Tensor, page_size: int, p0: torch.Tensor,
@@ -146,8 +152,8 @@ class ReferenceTreeOps:
     def finish(self, scores, cand_parent, cand_tok, d2t, cand_depth, nodes):
         return finish_reference(scores, cand_parent, cand_tok, d2t, cand_depth, nodes)
 
-    def store(self, slot, trees, bufs):
-        store_reference(slot, trees, bufs)
+    def store(self, slot, trees, bufs, held):
+        store_reference(slot, trees, bufs, held)
 
     def compact(self, pools, page_table, page_size, p0, path, num_new):
         compact_reference(pools.pools, page_table, page_size, p0, path, num_new)
@@ -208,12 +214,12 @@ class TritonTreeOps:
             return finish_reference(scores, cand_parent, cand_tok, d2t, cand_depth, nodes)
         return self._k.finish(scores, cand_parent, cand_tok, d2t, cand_depth, nodes)
 
-    def store(self, slot, trees, bufs):
-        if len({x.dtype for x in trees + bufs}) != 1 or len({x.stride() for x in trees}) != 1 or \
+    def store(self, slot, trees, bufs, held):
+        if len({x.dtype for x in trees + bufs + (held,)}) != 1 or len({x.stride() for x in trees}) != 1 or \
                 len({x.stride() for x in bufs}) != 1:
-            store_reference(slot, trees, bufs)  # the kernel copies int rows of one layout
+            store_reference(slot, trees, bufs, held)  # the kernel copies int rows of one layout
         else:
-            self._lay.store(slot, trees, bufs)
+            self._lay.store(slot, trees, bufs, held)
 
     def compact(self, pools, page_table, page_size, p0, path, num_new):
         if not pools.current():

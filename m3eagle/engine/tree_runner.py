@@ -14,7 +14,12 @@ in storage order) and for prompt rows alike:
        last), which writes the head's K/V of the committed positions, then D - 1 batched head calls that grow
        the next tree (one per depth level, over the K frontier nodes); their K/V goes to per-row scratch
        slots past the pool, read by deeper levels under the tree mask and never by anything else
-    5. the rerank to N nodes; tokens, parents and depths into the slot buffers the next step gathers from
+    5. the rerank to N nodes; tokens, parents and depths into the slot buffers the next step gathers from, and
+       the node count into slot_held
+A narrow step (verify width D < N) grows a chain instead (top-1 at every level: D nodes, the head's greedy path,
+what the chain drafter proposes), so its head calls and bookkeeping are the chain's size; a later step verifies
+min(its drafts, held) nodes of each row, so a full step after a narrow one verifies the D-node chain, and the
+stale columns past it are never accepted.
 
 No host sync: the node rows are laid out by device arithmetic on shapes fixed by host ints alone (every step
 row becomes w + 1 sub-rows, tree_layout.py; w is the step's verify width, N, or D on a narrow step that verifies the
@@ -60,6 +65,9 @@ class TreeModelRunner(ModelRunner):
         self.slot_parents = torch.zeros(n, nodes, dtype=torch.int64, device=self.device)  # [S+1, N]
         self.slot_depths = torch.ones(n, nodes, dtype=torch.int64, device=self.device)  # [S+1, N]
         self.slot_draft_probs = None  # tree children are chosen, not drawn: verification needs no q
+        # Nodes each slot's stored tree holds: N after a full growth, D after a narrow step's chain; a step
+        # verifies min(its drafts, this) nodes, so the columns past a chain are never accepted.
+        self.slot_held = torch.zeros(n, dtype=torch.int64, device=self.device)  # [S+1]
         # Scratch slots of the head's frontier K/V, past the pool: (D - 1) * K per step row.
         self.pool_slots = self.caches[0].k.shape[0]
         self.scratch_per_row = (tree.depth - 1) * tree.topk
@@ -76,6 +84,7 @@ class TreeModelRunner(ModelRunner):
         # depth of each candidate the expansion creates (K at depth 1, then K*K per level), creation order
         self.cand_depth = torch.cat([torch.ones(kk, dtype=torch.int64)] + [
             torch.full((kk * kk,), lv + 1, dtype=torch.int64) for lv in range(1, tree.depth)]).to(dev)  # [M]
+        self.chain_depth = torch.arange(1, tree.depth + 1, device=dev)  # [D] a chain's candidates: one per level
         self._tree_book: dict[str, TreeOps] = {}  # the tree's ops by fused-backend name (_tree_ops)
         self.kv_pools = PoolTable([p for c in self.caches for p in (c.k, c.v, c.idx_k) if p is not None])
         if self.draft is not None:
@@ -89,6 +98,8 @@ class TreeModelRunner(ModelRunner):
         tree, k1 = self.tree, self.k + 1
         k = inp.draft_width if 0 < inp.draft_width <= self.k else self.k
         pen, grammar = inp.penalties, inp.grammar
+        # nodes each row verifies: its drafts, at most the nodes its stored tree holds (a narrow step grew a chain)
+        num_nodes = torch.minimum(inp.row_num_drafts, self.slot_held[inp.row_slot])  # [B]
         if grammar is not None and not isinstance(grammar, TreeGrammarStep):
             raise TypeError("a draft-tree step's grammar is a TreeGrammarStep (its masks follow the tree)")
         ids, meta = self._apply_overlap_correction(inp)
@@ -112,18 +123,18 @@ class TreeModelRunner(ModelRunner):
         if not (inp.any_random or inp.want_logprobs or pen is not None or grammar is not None):
             # all greedy, nothing else reads the logits: the argmax in lm_head's launch, as the chain's
             greedy = self.target.greedy_ids(sampled, fused).view(b, k + 1)  # [B, w+1]
-            new_tokens, num_new, path = tops.walk(greedy, drafts_in, parents[:, 1:], inp.row_num_drafts,
-                                                  tree.depth, k1)  # [B, N+1]: the slot buffers' width
+            new_tokens, num_new, path = tops.walk(greedy, drafts_in, parents[:, 1:], num_nodes, tree.depth,
+                                                  k1)  # [B, N+1]: the slot buffers' width
         else:
             logits = self.target.compute_logits(sampled, fused).view(b, k + 1, -1)  # [B, w+1, V] fp32
             if pen is not None:  # node i's target distribution given the history and its path
-                logits = tree_penalize(self.penalty, logits, pen, inp.row_slot, drafts_in, anc, depths,
-                                       inp.row_num_drafts, node_pos)
+                logits = tree_penalize(self.penalty, logits, pen, inp.row_slot, drafts_in, anc, depths, num_nodes,
+                                       node_pos)
             # each node masked by the grammar's state after its path; logprobs stay the unmasked distribution's
-            scored = (apply_bitmask(logits, grammar.tree_verify_mask(drafts_in, parents[:, 1:], inp.row_num_drafts))
+            scored = (apply_bitmask(logits, grammar.tree_verify_mask(drafts_in, parents[:, 1:], num_nodes))
                       if grammar is not None else logits)
-            new_tokens, num_new, path = tree_verify(scored, drafts_in, parents[:, 1:], inp.row_num_drafts,
-                                                    tree.depth, inp.sampling, node_pos, inp.any_random, fused.argmax,
+            new_tokens, num_new, path = tree_verify(scored, drafts_in, parents[:, 1:], num_nodes, tree.depth,
+                                                    inp.sampling, node_pos, inp.any_random, fused.argmax,
                                                     self.coupled, walk=tops.walk)
             new_tokens = pad_columns(new_tokens, k1)  # [B, N+1]
         logprobs = None
@@ -144,10 +155,14 @@ class TreeModelRunner(ModelRunner):
             self.penalty.record_outputs(new_tokens, num_new, s)
         if grammar is not None:  # what the head's masks start from: this step's emitted tokens
             grammar.emitted = (new_tokens, num_new)
-        tokens, t_parents, t_depths = self._grow_tree(inp, meta, aux_c, last_idx, shifted, at, nodes_of)
+        # a narrow step grows a chain for the next step (top-1 per level: D nodes, the chain drafter's proposal),
+        # so its head work and bookkeeping scale like the chain's; a full step grows the K-wide tree of N nodes
+        tokens, t_parents, t_depths = self._grow_tree(inp, meta, aux_c, last_idx, shifted, at, nodes_of,
+                                                      chain=k < self.k)  # [B, N] or [B, D] x 3
         if grammar is not None:
             grammar.finish(None)
-        tops.store(s, (tokens, t_parents, t_depths), (self.slot_drafts, self.slot_parents, self.slot_depths))
+        tops.store(s, (tokens, t_parents, t_depths), (self.slot_drafts, self.slot_parents, self.slot_depths),
+                   self.slot_held)
         return StepOutput(new_tokens, num_new, tokens, logprobs, prompt_lps)
 
     def _tree_ops(self, meta: AttnMetadata) -> TreeOps:
@@ -188,14 +203,17 @@ class TreeModelRunner(ModelRunner):
 
     # ---- drafting ----------------------------------------------------------------------------------
     def _grow_tree(self, inp: StepInput, meta: AttnMetadata, aux: torch.Tensor, last_idx: torch.Tensor,
-                   shifted: torch.Tensor, at: torch.Tensor, row_ids: torch.Tensor,
+                   shifted: torch.Tensor, at: torch.Tensor, row_ids: torch.Tensor, chain: bool = False,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The head's step 0 over the compacted rows (aux [T, 3H] permuted like them), then the tree grown level
-        by level from each row's last accepted token (position at[0]). -> (tokens [B, N] target ids, parents
-        [B, N] storage index, depths [B, N])."""
+        by level from each row's last accepted token (position at[0]). -> (tokens [B, n] target ids, parents
+        [B, n] storage index, depths [B, n]); n = N, or with `chain` n = D: top-1 at every level, node i's parent
+        node i - 1 (a child never outscores its parent, so score order is creation order)."""
         tree, head, fused, grammar = self.tree, self.draft, _fused(meta), inp.grammar
         tops = self._tree_ops(meta)
-        kk, b = tree.topk, inp.num_rows
+        kk, b = (1 if chain else tree.topk), inp.num_rows
+        m, nodes, cand_depth = ((tree.depth, tree.depth, self.chain_depth) if chain
+                                else (tree.max_candidates, tree.nodes, self.cand_depth))
         h_out, h_next = head(shifted, meta.positions, aux, meta, self.draft_cache, True, rows=last_idx)  # [B, H]
         logits = head.compute_logits(h_out, fused)  # [B, Vd]
         if grammar is not None:  # the root's children stay inside the grammar (state after the emitted tokens)
@@ -203,7 +221,6 @@ class TreeModelRunner(ModelRunner):
         logp = torch.log_softmax(logits, -1)  # [B, Vd]
         # every candidate's score, draft id and parent candidate (-1: the root), creation order: the root's K
         # children, then K*K per level; the expansions and frontiers write their columns
-        m = tree.max_candidates
         cand_score = torch.empty(b, m, dtype=logp.dtype, device=logp.device)  # [B, M]
         cand_tok = torch.empty(b, m, dtype=torch.int64, device=logp.device)  # [B, M]
         cand_parent = torch.empty(b, m, dtype=torch.int64, device=logp.device)  # [B, M]
@@ -216,7 +233,8 @@ class TreeModelRunner(ModelRunner):
         front, f_path, n_made = None, None, kk
         for level in range(1, tree.depth):
             front = tops.frontier(front, cand_score, cand_tok, cand_parent, h_next, head.d2t, base, meta.page_table,
-                                  level, kk, (self.pool_slots, self.scratch_per_row), row_ids, self.frontier_cols)
+                                  level, kk, (self.pool_slots, self.scratch_per_row), row_ids,
+                                  self.frontier_cols[:kk])
             h_out, h_next = head(front.ids, front.positions, front.hidden, self._frontier_meta(meta, front, length),
                                  self.draft_cache, False)  # [B*K, H]
             logits = head.compute_logits(h_out, fused).view(b, kk, -1)  # [B, K, Vd]
@@ -228,7 +246,7 @@ class TreeModelRunner(ModelRunner):
             tops.expand_into(front.score, logp, kk, cand_score[:, n_made:n_made + kk * kk],
                              cand_tok[:, n_made:n_made + kk * kk])
             n_made += kk * kk
-        return tops.finish(cand_score, cand_parent, cand_tok, head.d2t, self.cand_depth, tree.nodes)  # [B, N] x 3
+        return tops.finish(cand_score, cand_parent, cand_tok, head.d2t, cand_depth, nodes)  # [B, n] x 3
 
     def _mask_draft(self, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The head's logits [..., Vd] with every draft id whose target id the grammar mask (int32 [..., W]) refuses

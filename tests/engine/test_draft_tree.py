@@ -177,8 +177,9 @@ def install_tree_script(llm: LLM, seqs: dict[tuple[int, ...], list[int]], build,
     used: list[int] = []
     steps: dict[str, int] = {}  # trees grown per request: the pattern cycles whatever each step accepted
 
-    def grow(inp, meta, aux, last_idx, shifted, at, row_ids):
-        tokens, parents, depths = orig(inp, meta, aux, last_idx, shifted, at, row_ids)
+    def grow(inp, meta, aux, last_idx, shifted, at, row_ids, chain=False):
+        tokens, parents, depths = orig(inp, meta, aux, last_idx, shifted, at, row_ids, chain=chain)
+        n = tokens.shape[1]  # a narrow step's growth holds D nodes: the script's first D (closed under ancestors)
         by_slot = {r.slot: r for r in eng.scheduler.running}
         for i, (slot, pos) in enumerate(zip(inp.row_slot.tolist(), at[0].tolist())):
             req = by_slot.get(slot)
@@ -190,7 +191,7 @@ def install_tree_script(llm: LLM, seqs: dict[tuple[int, ...], list[int]], build,
             steps[req.request_id] += 1
             used.append(pattern)
             t, p, d = build(right, pattern)
-            tokens[i], parents[i], depths[i] = torch.tensor(t), torch.tensor(p), torch.tensor(d)
+            tokens[i], parents[i], depths[i] = torch.tensor(t[:n]), torch.tensor(p[:n]), torch.tensor(d[:n])
         return tokens, parents, depths
 
     runner._grow_tree = grow

@@ -2,7 +2,8 @@
 is a pure function of measured step costs (or of the shape), and a request whose steps switch between the two
 widths mid-request -- a second request joining and leaving with tree_max_batch=1 -- keeps every invariant:
 greedy == plain greedy (eager and padded to graph buckets, random and scripted trees), seeded sampling
-reproducible, the deterministic mode == plain, and the narrow step stays free of host reads."""
+reproducible, the deterministic mode == plain, and the narrow step stays free of host reads. A narrow step grows a
+chain (top-1 per level, D nodes) for the next step, and a full step after it verifies only those D nodes."""
 
 from __future__ import annotations
 
@@ -235,3 +236,70 @@ def test_greedy_switching_under_overlap_equals_plain(geometry):
     got, widths = _staggered(tree, prompts, sps)
     assert got == ref and _switched(widths, 8, 3), widths
     assert_clean(tree)
+
+
+class _Spy:
+    """Per executed step: (its verify width, the nodes each row's walk verified, the grown trees [B, n] x 3)."""
+
+    def __init__(self, llm: LLM) -> None:
+        runner, self.steps = llm.engine.runner, []
+        execute, grow, tree_ops = runner.execute, runner._grow_tree, runner._tree_ops
+        spy = self
+
+        class Ops:  # the step's tree ops, its walk recording num_nodes
+            def __init__(self, ops):
+                self.ops = ops
+
+            def __getattr__(self, name):
+                return getattr(self.ops, name)
+
+            def walk(self, greedy, tokens, parents, num_nodes, *a):
+                spy.steps[-1][1] = num_nodes.tolist()
+                return self.ops.walk(greedy, tokens, parents, num_nodes, *a)
+
+        def run(inp):
+            self.steps.append([inp.draft_width, None, None])
+            return execute(inp)
+
+        def record(*a, **k):
+            out = grow(*a, **k)
+            self.steps[-1][2] = tuple(x.clone() for x in out)
+            return out
+
+        runner.execute, runner._grow_tree, runner._tree_ops = run, record, lambda meta: Ops(tree_ops(meta))
+
+
+@pytest.mark.parametrize("ops", ["reference", "triton"])
+def test_narrow_steps_grow_chains_and_full_steps_verify_only_them(geometry, ops):
+    """tree_max_batch=1 with graph-shaped buckets: every narrow step (two rows, width D = 3) grows exactly D nodes per
+    row, node i under node i - 1 at depth i (the head's greedy path); every full step grows N; the first full step
+    after a narrow one verifies D nodes (the held count), not N; the tokens are plain greedy's, and the kernels'
+    growth equals the reference's bit for bit."""
+    t, h = geometry
+    prompts = _prompts(5, (23, 11), t.vocab_size)
+    sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (24, 6)]
+    ref = [o.outputs[0].token_ids for o in LLM(t, num_draft_tokens=0, **KW).generate(prompts, sps)]
+    llms = [LLM(t, draft=h, draft_tree=SPEC, tree_max_batch=1, graph_shapes=True, **KW) for _ in range(2)]
+    if ops == "triton":
+        from tests.engine.test_tree_kernels import use_tree_kernels
+
+        use_tree_kernels(llms[1])
+    spies = [_Spy(llm) for llm in llms]
+    for llm in llms:
+        got, widths = _staggered(llm, prompts, sps)
+        assert got == ref and _switched(widths, 8, 3), widths
+        assert_clean(llm)
+    steps = spies[1].steps
+    chain = torch.tensor([[0, 1, 2]]), torch.tensor([[1, 2, 3]])
+    narrow = [i for i, (w, _, trees) in enumerate(steps) if w == 3]
+    assert narrow and all(steps[i][2][0].shape == (2, 3) for i in narrow), [s[0] for s in steps]
+    for i in narrow:
+        _, parents, depths = steps[i][2]
+        assert torch.equal(parents, chain[0].expand(2, 3)) and torch.equal(depths, chain[1].expand(2, 3))
+    full = [i for i, (w, _, trees) in enumerate(steps) if w == 8]
+    assert all(steps[i][2][0].shape[1] == 8 for i in full)
+    after = [i for i in full if i - 1 in narrow]
+    assert after and all(steps[i][1] == [3] for i in after), [(s[0], s[1]) for s in steps]
+    assert all(steps[i][1] == [8] for i in full if i - 1 in full)
+    for (w, nn, want), (w2, nn2, got) in zip(spies[0].steps, steps, strict=True):
+        assert (w, nn) == (w2, nn2) and all(torch.equal(a, b) for a, b in zip(want, got))

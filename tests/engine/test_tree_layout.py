@@ -121,15 +121,19 @@ def test_frontier_equals_the_reference(b, k, depth, hd):
     assert (want[-1][-1] != 99).all() and (want[-1][3] > 0).any() == (k > 1)  # every parent written; real picks
 
 
-def test_store_equals_the_reference():
+@pytest.mark.parametrize("n", [6, 3], ids=["full", "chain"])
+def test_store_equals_the_reference(n):
+    """Full trees (n = N) and a narrow step's chains (n = D < N: the first n columns, the rest stale) with the
+    held counts."""
     g = torch.Generator().manual_seed(0)
-    trees = tuple(torch.randint(0, 100, (3, 6), generator=g) for _ in range(3))
-    want = tuple(torch.randint(0, 100, (5, 6), generator=g) for _ in range(3))
+    trees = tuple(torch.randint(0, 100, (3, n), generator=g) for _ in range(3))
+    want = tuple(torch.randint(0, 100, (5, 6), generator=g) for _ in range(3)) + (torch.full((5,), 9),)
     got = tuple(x.clone() for x in want)
     slot = torch.tensor([4, 0, 2])
-    REF.store(slot, trees, want)
-    TRI.store(slot, trees, got)
-    assert all(torch.equal(w, x) for w, x in zip(want, got)) and torch.equal(want[1][2], trees[1][2])
+    REF.store(slot, trees, want[:3], want[3])
+    TRI.store(slot, trees, got[:3], got[3])
+    assert all(torch.equal(w, x) for w, x in zip(want, got)) and torch.equal(want[1][2, :n], trees[1][2])
+    assert want[3].tolist() == [n, 9, n, 9, n]
 
 
 @pytest.mark.parametrize("case", [1, 2, 3])
