@@ -40,12 +40,13 @@ class NodeRows(NamedTuple):
     sample_idx: torch.Tensor | None = None  # [B, w+1] flat token of each node's logits
     node_pos: torch.Tensor | None = None  # [B, w+1] its position
     drafts_in: torch.Tensor | None = None  # [B, w] the row's drafts as input ids, 0 past num_drafts
+    num_nodes: torch.Tensor | None = None  # [B] nodes each row verifies: min(num_drafts, held[row_slot])
 
 
 def node_rows_reference(meta: AttnMetadata, ids: torch.Tensor, slot_parents: torch.Tensor, slot_depths: torch.Tensor,
                         row_slot: torch.Tensor, row_first: torch.Tensor, num_drafts: torch.Tensor, width: int,
                         max_depth: int, uniform: bool, cols: torch.Tensor, row_ids: torch.Tensor,
-                        row_true: torch.Tensor) -> NodeRows:
+                        row_true: torch.Tensor, held: torch.Tensor) -> NodeRows:
     """The node rows of a verify step of B rows and T tokens (w = `width`, the step's verify width; D = max_depth).
     A tree row's sub-row j is node j alone (position p0 + depth(j), keys: the committed context, then its ancestors
     at their depth positions through the tail override), and empty past the row's own tokens (a row verifying
@@ -55,13 +56,15 @@ def node_rows_reference(meta: AttnMetadata, ids: torch.Tensor, slot_parents: tor
 
     meta: the step's metadata (its q_lens, kv_lens, page_table, tok_row / tok_col / positions, max_q, max_kv);
     ids [T] the step's input ids; slot_parents / slot_depths [S+1, N] the stored trees, row_slot / row_first /
-    num_drafts [B]; cols [>= max(w+1, D)] and row_ids [B] aranges, row_true [B] all true (constants made once)."""
+    num_drafts [B]; cols [>= max(w+1, D)] and row_ids [B] aranges, row_true [B] all true (constants made once);
+    held [S+1] the nodes each slot's tree holds (a narrow step's chain: D < N; the columns past it are stale)."""
     parents, depths = full_tree(slot_parents[row_slot, :width], slot_depths[row_slot, :width])  # [B, w+1]
     anc = ancestors(parents, depths, max_depth)  # [B, w+1, D+1]
     lay = node_rows_from_trees(meta, parents, depths, anc, meta.kv_lens - meta.q_lens, row_first, num_drafts, width,
                                uniform, cols, row_ids, row_true)
     sample_idx, node_pos, drafts_in = sample_positions(row_first, meta.q_lens, num_drafts, lay.positions, ids, width)
-    return lay._replace(sample_idx=sample_idx, node_pos=node_pos, drafts_in=drafts_in)
+    return lay._replace(sample_idx=sample_idx, node_pos=node_pos, drafts_in=drafts_in,
+                        num_nodes=torch.minimum(num_drafts, held[row_slot]))
 
 
 def node_rows_from_trees(meta: AttnMetadata, parents: torch.Tensor, depths: torch.Tensor, anc: torch.Tensor,

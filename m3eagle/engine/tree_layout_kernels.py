@@ -151,13 +151,14 @@ def _page_rows(b, chunk, pt_ptr, stride_pt, table_w, pt_out, n1, BLOCK_N: tl.con
 def _node_rows_kernel(sp_ptr, sd_ptr, s_slot, rslot_ptr, first_ptr, nd_ptr, q_ptr, kv_ptr, pt_ptr, stride_pt, table_w,
                       page_size, tok_row_ptr, tok_col_ptr, pos_ptr, par_out, dep_out, anc_out, p0_out, pos_out,
                       q_out, kv_out, pt_out, tr_out, tc_out, qi_out, qv_out, ts_out, tail_out, ids_ptr, si_out,
-                      np_out, di_out, n_tok, n1, max_kv,
+                      np_out, di_out, held_ptr, nn_out, n_tok, n1, max_kv,
                       max_q, uniform, D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
     """Programs (i, 0), i < cdiv(T, BLOCK), take BLOCK tokens each (position, sub-row, column); program
     (cdiv(T, BLOCK) + b, 0) takes step row b: its w + 1 = n1 nodes' parents, depths and ancestors (stored node i at
     column i - 1 of the row's slot, the root 0 in column 0), p0, its sub-rows' lengths, query index and tail, and
-    where it samples (_sample_row); programs (cdiv(T, BLOCK) + b, c) copy chunk c of its page table."""
+    where it samples (_sample_row) and the nodes it verifies (min(num_drafts, held[slot]): a chain holds fewer
+    than a full step's drafts); programs (cdiv(T, BLOCK) + b, c) copy chunk c of its page table."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     pid = tl.program_id(0)
     chunk = tl.program_id(1)  # the page-table chunk a row program copies; the rest is chunk 0's
@@ -173,15 +174,17 @@ def _node_rows_kernel(sp_ptr, sd_ptr, s_slot, rslot_ptr, first_ptr, nd_ptr, q_pt
                       qv_out, ts_out, tail_out, n1, max_kv, max_q, uniform, D, BLOCK_N, BLOCK_D, BLOCK_Q)
             _sample_row(pid - n_tok_blocks, sd_ptr, s_slot, rslot_ptr, first_ptr, nd_ptr, q_ptr, kv_ptr, tok_row_ptr,
                         tok_col_ptr, pos_ptr, ids_ptr, si_out, np_out, di_out, n1, BLOCK_N)
+            r = (pid - n_tok_blocks).to(tl.int64)
+            tl.store(nn_out + r, tl.minimum(tl.load(nd_ptr + r), tl.load(held_ptr + tl.load(rslot_ptr + r))))
         _page_rows(pid - n_tok_blocks, chunk, pt_ptr, stride_pt, table_w, pt_out, n1, BLOCK_N, BLOCK_P)
 
 
 def node_rows(meta: AttnMetadata, ids: torch.Tensor, slot_parents: torch.Tensor, slot_depths: torch.Tensor,
               row_slot: torch.Tensor,
               row_first: torch.Tensor, num_drafts: torch.Tensor, width: int, max_depth: int,
-              uniform: bool) -> NodeRows:
+              uniform: bool, held: torch.Tensor) -> NodeRows:
     """tree_layout.node_rows_reference in one launch (its constant aranges are not needed): ids [T], slot_parents /
-    slot_depths [S+1, N] (unit column stride, equal strides), row_slot / row_first / num_drafts [B]."""
+    slot_depths [S+1, N] (unit column stride, equal strides), row_slot / row_first / num_drafts [B], held [S+1]."""
     b, n1, t, d = row_slot.shape[0], width + 1, meta.tok_row.shape[0], max_depth
     mq = 1 if uniform else meta.max_q
     dev, i64 = row_slot.device, torch.int64
@@ -198,7 +201,8 @@ def node_rows(meta: AttnMetadata, ids: torch.Tensor, slot_parents: torch.Tensor,
                    tail_start=torch.empty(b * n1, dtype=i64, device=dev),
                    tail_slots=torch.empty(b * n1, d, dtype=i64, device=dev),
                    sample_idx=torch.empty(b, n1, dtype=i64, device=dev), node_pos=torch.empty(b, n1, dtype=i64, device=dev),
-                   drafts_in=torch.empty(b, width, dtype=ids.dtype, device=dev))
+                   drafts_in=torch.empty(b, width, dtype=ids.dtype, device=dev),
+                   num_nodes=torch.empty(b, dtype=num_drafts.dtype, device=dev))
     if slot_parents.stride() != slot_depths.stride() or slot_parents.stride(-1) != 1:
         raise ValueError("node_rows: the slot buffers must share strides, with unit column stride")
     block, block_n = 128, triton.next_power_of_2(max(n1, 2))
@@ -209,7 +213,8 @@ def node_rows(meta: AttnMetadata, ids: torch.Tensor, slot_parents: torch.Tensor,
             slot_parents, slot_depths, slot_parents.stride(0), row_slot.contiguous(), row_first.contiguous(),
             num_drafts.contiguous(), meta.q_lens.contiguous(), meta.kv_lens.contiguous(), pt, pt.stride(0), p_w,
             meta.page_size, meta.tok_row.contiguous(), meta.tok_col.contiguous(), meta.positions.contiguous(),
-            *out[:14], ids.contiguous(), *out[14:], t, n1, meta.max_kv, mq, int(uniform), D=d, BLOCK=block,
+            *out[:14], ids.contiguous(), *out[14:17], held.contiguous(), out.num_nodes, t, n1, meta.max_kv, mq,
+            int(uniform), D=d, BLOCK=block,
             BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d + 1),
             BLOCK_Q=min(triton.next_power_of_2(max(mq, 2)), max(2048 // block_n, 2)), BLOCK_P=block_p, num_warps=4,
             **pdl.args(row_slot))

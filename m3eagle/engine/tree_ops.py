@@ -116,7 +116,7 @@ class TreeOps(Protocol):
     def node_rows(self, meta: AttnMetadata, ids: torch.Tensor, slot_parents: torch.Tensor, slot_depths: torch.Tensor,
                   row_slot: torch.Tensor, row_first: torch.Tensor, num_drafts: torch.Tensor, width: int,
                   max_depth: int, uniform: bool, cols: torch.Tensor, row_ids: torch.Tensor,
-                  row_true: torch.Tensor) -> NodeRows:
+                  row_true: torch.Tensor, held: torch.Tensor) -> NodeRows:
         """tree_layout.node_rows_reference: every per-node-row metadata tensor of a verify step."""
         ...
 
@@ -159,9 +159,9 @@ class ReferenceTreeOps:
         compact_reference(pools.pools, page_table, page_size, p0, path, num_new)
 
     def node_rows(self, meta, ids, slot_parents, slot_depths, row_slot, row_first, num_drafts, width, max_depth,
-                  uniform, cols, row_ids, row_true):
+                  uniform, cols, row_ids, row_true, held):
         return node_rows_reference(meta, ids, slot_parents, slot_depths, row_slot, row_first, num_drafts, width,
-                                   max_depth, uniform, cols, row_ids, row_true)
+                                   max_depth, uniform, cols, row_ids, row_true, held)
 
     def path_perm(self, ids, aux, row_first, num_new, row_samples, num_drafts, path, tok_row, tok_col):
         return path_perm_reference(ids, aux, row_first, num_new, row_samples, num_drafts, path, tok_row, tok_col)
@@ -228,9 +228,9 @@ class TritonTreeOps:
             self._k.compact(pools, page_table, page_size, p0, path, num_new)
 
     def node_rows(self, meta, ids, slot_parents, slot_depths, row_slot, row_first, num_drafts, width, max_depth,
-                  uniform, cols, row_ids, row_true):
+                  uniform, cols, row_ids, row_true, held):
         return self._lay.node_rows(meta, ids, slot_parents, slot_depths, row_slot, row_first, num_drafts, width, max_depth,
-                                   uniform)
+                                   uniform, held)
 
     def path_perm(self, ids, aux, row_first, num_new, row_samples, num_drafts, path, tok_row, tok_col):
         return self._lay.path_perm(ids, aux, row_first, num_new, row_samples, num_drafts, path, tok_row, tok_col)

@@ -98,8 +98,6 @@ class TreeModelRunner(ModelRunner):
         tree, k1 = self.tree, self.k + 1
         k = inp.draft_width if 0 < inp.draft_width <= self.k else self.k
         pen, grammar = inp.penalties, inp.grammar
-        # nodes each row verifies: its drafts, at most the nodes its stored tree holds (a narrow step grew a chain)
-        num_nodes = torch.minimum(inp.row_num_drafts, self.slot_held[inp.row_slot])  # [B]
         if grammar is not None and not isinstance(grammar, TreeGrammarStep):
             raise TypeError("a draft-tree step's grammar is a TreeGrammarStep (its masks follow the tree)")
         ids, meta = self._apply_overlap_correction(inp)
@@ -110,9 +108,11 @@ class TreeModelRunner(ModelRunner):
         nodes_of = self.row_ids[:b]
         lay = tops.node_rows(meta, ids, self.slot_parents, self.slot_depths, inp.row_slot, inp.row_first,
                              inp.row_num_drafts, k, tree.depth, self._uniform(inp, meta, k), self.node_cols,
-                             self.row_ids[:b], self.row_true[:b, 0])
+                             self.row_ids[:b], self.row_true[:b, 0], self.slot_held)
         parents, depths, anc, p0, tpos = lay.parents, lay.depths, lay.anc, lay.p0, lay.positions  # [B, w+1] x 2, ..
         sample_idx, node_pos, drafts_in = lay.sample_idx, lay.node_pos, lay.drafts_in  # [B, w+1] x 2, [B, w]
+        # nodes each row verifies: its drafts, at most the nodes its stored tree holds (a narrow step grew a chain)
+        num_nodes = lay.num_nodes  # [B]
         tmeta = self._node_meta(meta, lay)
         aux = self.aux_buf[: inp.num_tokens]  # [T, 3H]
         every = inp.want_prompt_logprobs

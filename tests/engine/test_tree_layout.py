@@ -77,10 +77,13 @@ def test_node_rows_equal_the_reference(case):
     assert uniform == (case < 2 or case == 3)
     consts = (torch.arange(max(n + 1, d)), torch.arange(b), torch.ones(b, dtype=torch.bool))
     ids = torch.randint(0, 1000, meta.tok_row.shape, generator=torch.Generator().manual_seed(case))
-    want = REF.node_rows(meta, ids, sp, sd, row_slot, first, nd, w, d, uniform, *consts)
-    got = TRI.node_rows(meta, ids, sp, sd, row_slot, first, nd, w, d, uniform, *consts)
+    held = torch.randint(1, n + 1, (b + 2,), generator=torch.Generator().manual_seed(case))  # chains and trees
+    want = REF.node_rows(meta, ids, sp, sd, row_slot, first, nd, w, d, uniform, *consts, held)
+    got = TRI.node_rows(meta, ids, sp, sd, row_slot, first, nd, w, d, uniform, *consts, held)
     for name, x, y in zip(want._fields, want, got):
         assert x.dtype == y.dtype and torch.equal(x, y), (case, name)
+    assert torch.equal(want.num_nodes, torch.minimum(nd, held[row_slot]))
+    assert (want.num_nodes < nd).any() or max(drafts) <= 3  # the wide cases clip some row to its held nodes
     assert (want.anc[..., 1:] > 0).any() and (want.tail_start < meta.max_kv).any()  # real trees were laid out
 
 
