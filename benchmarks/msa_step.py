@@ -162,12 +162,13 @@ def step_metadata(pools: Pools, rows: int, q_len: int, ctx: int, max_kv: int, de
 class Timer:
     """Median GPU milliseconds of one call, CUDA-graph captured by hand (eager wall time on the CPU)."""
 
-    def __init__(self, device: torch.device, reps: int) -> None:
-        self.device, self.reps = device, reps
+    def __init__(self, device: torch.device, reps: int, warmup: bool = True) -> None:
+        self.device, self.reps, self.warmup = device, reps, warmup
 
     def __call__(self, fn: Callable[[], object], calls: int = 1) -> float:
         if self.device.type != "cuda":
-            fn()  # warm-up
+            if self.warmup:  # (the --smoke run skips it: the interpreter has nothing to warm, only time to spend)
+                fn()
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
@@ -341,7 +342,7 @@ def time_layer(args, cfg: M3Config, msa: MiniMaxM3, pools: Pools, timer: Timer, 
     def without_index():  # ... and on a full-attention layer
         return ops.fused.qkv_rope_store(*qkv)
 
-    calls = 10  # back to back, as the layers of a step launch them
+    calls = args.layer_calls  # back to back, as the layers of a step launch them (10; 1 in the --smoke run)
     us = {
         "indexer": timer(lambda: tri.select_blocks(iq, cache.idx_k, meta, bs, topk, local), calls),
         "attend_selected": timer(lambda: tri.attend_selected(q, cache.k, cache.v, meta, scale, sel, bs), calls),
@@ -490,6 +491,9 @@ def main() -> None:
     else:
         args.contexts, args.shapes = [1024, 16384, 65536, 131072], [(1, 1), (8, 4)]
         args.sweep_contexts, layer_ctx = ([] if args.no_sweep else [16384, 65536, 131072]), 65536
+    # --smoke (the CI test, under the interpreter): every timed call runs once, without a warm-up: what it keeps
+    # running is the code, not the numbers (10 back-to-back calls of each layer op took most of its ~45 s)
+    args.layer_calls = 1 if args.smoke else 10
     max_ctx = max(args.contexts)
     # As the graph runner: max_kv = the page table's width in slots (max_model_len + reserve, +1 page).
     args.fixed_max_kv = (-(-(max_ctx + 2 * 4) // args.page_size) + 1) * args.page_size
@@ -512,7 +516,7 @@ def main() -> None:
     rows_max = max(r for r, _ in [(1, 1), *args.shapes])
     pools = make_pools(msa, rows_max, max_ctx, args.page_size, dev)
     bw = roofline.measure_copy_bandwidth(dev, (4 << 30) if dev.type == "cuda" else (64 << 20))["bytes_per_s"]
-    timer = Timer(dev, args.reps)
+    timer = Timer(dev, args.reps, warmup=not args.smoke)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)"
     log(f"{name}: copy bandwidth {bw / 1e9:.0f} GB/s; max_kv {args.max_kv}"
         f"{' = ' + str(args.fixed_max_kv) if args.max_kv == 'fixed' else ''}; page size {args.page_size}")
