@@ -79,7 +79,7 @@ def test_acceptance_after_a_hit_equals_the_cache_off_engine(deterministic):
         prompts = _prompts(llm)
         llm.generate([prompts[0]], sp, use_tqdm=False)
         outs = [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts[1:]]
-        assert all(o.num_cached_tokens == (HIT if caching else 0) for o in outs)
+        assert all(o.num_cached_tokens == (HIT if caching else None) for o in outs)  # None: no cache to look in
         m = [(o.metrics.num_drafted, o.metrics.num_accepted, list(o.metrics.accepted_per_position)) for o in outs]
         runs.append(([o.outputs[0].token_ids for o in outs], m))
     assert runs[0][0] == runs[1][0], "tokens differ after a hit"
