@@ -20,6 +20,7 @@ from m3eagle.entrypoints.chat import ChatTemplate
 from m3eagle.entrypoints.cli import build_parser, main
 from m3eagle.entrypoints.logging_setup import ENV_LEVEL, init_logging
 from m3eagle.loader.assets import default_model_paths
+from tests.helpers.engine_utils import m3eagle_records
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Foo:"]
 
@@ -34,24 +35,10 @@ def ref(llm):
     return llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
 
 
-class _Records(logging.Handler):
-    """Collects the m3eagle logger's records (it does not propagate to the root, so caplog sees nothing)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @pytest.fixture
 def records():
-    h = _Records()
-    logger = logging.getLogger("m3eagle")
-    logger.addHandler(h)
-    yield h.records
-    logger.removeHandler(h)
+    with m3eagle_records() as got:
+        yield got
 
 
 # ---- output structure ---------------------------------------------------------------------------------

@@ -1,7 +1,11 @@
 """Engine test helpers shared by several test modules: greedy sampling parameters, the page-leak check, a
-preemption counter and the chi-square survival function of the distribution tests."""
+preemption counter, the chi-square survival function of the distribution tests and the m3eagle logger's records."""
 
 from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
 
 import torch
 
@@ -66,3 +70,20 @@ def chi2_sf(x: float, df: int) -> float:
     regularized upper incomplete gamma, which torch has -- exact, and the tests need no scipy."""
     return torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
                                    torch.tensor(x / 2, dtype=torch.float64)).item()
+
+
+@contextlib.contextmanager
+def m3eagle_records() -> Iterator[list[logging.LogRecord]]:
+    """The m3eagle logger's records inside the block (it does not propagate to the root, so caplog sees nothing)."""
+    records: list[logging.LogRecord] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler, logger = Collect(logging.DEBUG), logging.getLogger("m3eagle")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)

@@ -13,6 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first `import trito
 import triton  # noqa: E402
 
 from m3eagle.kernels import compile_watch  # noqa: E402
+from tests.helpers.engine_utils import m3eagle_records  # noqa: E402
 
 
 def _fire(variant: str) -> None:
@@ -55,28 +56,15 @@ def test_an_earlier_hook_keeps_running(monkeypatch):
     remove()
 
 
-class _Records(logging.Handler):
-    """The m3eagle logger's records (it does not propagate to the root, so caplog sees nothing)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 def test_the_engine_logs_a_compile_after_its_warm_up(make_llm, model_dir):
     llm = make_llm(model_dir, num_draft_tokens=0)
     eng = llm.engine
     remove = compile_watch.add_compile_listener(eng._first_use_compile)  # what warmup() installs on CUDA
-    handler, logger = _Records(), logging.getLogger("m3eagle")
-    logger.addHandler(handler)
     try:
-        _fire("_linear_kernel[num_warps=8](X: *bf16, W: *bf16)")
+        with m3eagle_records() as records:
+            _fire("_linear_kernel[num_warps=8](X: *bf16, W: *bf16)")
     finally:
-        logger.removeHandler(handler)
         remove()
     assert eng.first_use_compiles == 1
-    assert [r.levelno for r in handler.records if "_linear_kernel[num_warps=8]" in r.getMessage()
+    assert [r.levelno for r in records if "_linear_kernel[num_warps=8]" in r.getMessage()
             and "after the warm-up" in r.getMessage()] == [logging.WARNING]
