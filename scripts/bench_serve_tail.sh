@@ -16,6 +16,8 @@
 #   serve_tail.json  {"spec": {"ready_s", "stdlib_c8", "stdlib_c32", "tools_c8", "json_c8", "server_exit"},
 #                     "plain": {"ready_s", "tools_c8", "json_c8", "server_exit"}, "settings": {...}}
 #                    each *_cN is bench-serve's JSON (TTFT / TPOT / ITL p50 / p90 / p99, throughput, acceptance)
+#                    and per mode "first_use": the Triton compiles and CUDA graph captures the server logged after
+#                    its warm-up (counts and the lines: what the warm-up missed)
 #   serve_tail_<mode>_server.log  the server's log (its warm-up line says what it covered and how long it took)
 #   serve_tail_<mode>_bench.log   bench-serve's progress and tables
 # Expected wall time on an H100: about 4 minutes (two startups with warm-up, ~1 min of load).
@@ -95,9 +97,9 @@ for m in $MODES; do
   case $m in spec|plain) run_mode "$m" ;; *) echo "MODES: spec and/or plain, not $m" >&2; exit 2 ;; esac
 done
 
-python - "$TMP" "$OUT/serve_tail.json" "$INPUT_LEN" "$OUTPUT_LEN" "$DEVICE" "$SERVE_ARGS" <<'EOF'
+python - "$TMP" "$OUT/serve_tail.json" "$INPUT_LEN" "$OUTPUT_LEN" "$DEVICE" "$SERVE_ARGS" "$OUT" <<'EOF'
 import json, pathlib, sys
-tmp, out, inp, outp, device, args = sys.argv[1:]
+tmp, out, inp, outp, device, args, logs = sys.argv[1:]
 doc = {"settings": {"input_len": int(inp), "output_len": int(outp), "device": device, "serve_args": args,
                     "triton_cache": "empty per server"}}
 for mode in ("spec", "plain"):
@@ -105,6 +107,12 @@ for mode in ("spec", "plain"):
     if not d.is_dir():
         continue
     m = {"ready_s": int((d / "ready_s").read_text()), "server_exit": int((d / "server_exit").read_text() or -1)}
+    # first-use work after the warm-up, as the server logged it (Triton compiles, CUDA graph captures)
+    log = pathlib.Path(logs) / f"serve_tail_{mode}_server.log"
+    late = [ln.split(" WARNING ", 1)[-1].strip() for ln in (log.read_text().splitlines() if log.exists() else [])
+            if "on first use, after the warm-up" in ln]
+    m["first_use"] = {"compiles": sum("Triton compiled" in x for x in late),
+                      "captures": sum("CUDA graph" in x for x in late), "lines": late[:50]}
     for f in sorted(d.glob("*.json")):
         m[f.stem] = json.loads(f.read_text())
     doc[mode] = m
