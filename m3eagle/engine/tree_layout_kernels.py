@@ -5,11 +5,11 @@ tree_layout.node_rows_reference, frontier_reference, path_perm_reference and tre
 (tests/engine/test_tree_layout.py).
 
     _node_rows_kernel  the stored trees' gathers, full_tree, ancestors, the sub-rows' lengths,
-                       query index, page table, tail slots, the sample positions         ~61 (D = 3) -> 1
+                       query index, page table, tail slots, the sample positions   (~61 torch launches at D = 3)
     _frontier_kernel   a level's top-k frontier, its tokens / target ids / parents' hidden rows,
-                       scratch slots, positions, page table, the next candidates' parents    ~20 -> 1
-    _path_perm_kernel  num_new of the sampling rows, the path's permutation, permuted ids / aux  ~17 -> 1
-    _store_kernel      the grown trees into their slot rows (three index_copy_)               3 -> 1
+                       scratch slots, positions, page table, the next candidates' parents       (~20)
+    _path_perm_kernel  num_new of the sampling rows, the path's permutation, permuted ids / aux     (~17)
+    _store_kernel      the grown trees into their slot rows                                        (3)
 
 Every launcher reads shapes, strides and host ints only (no host sync): a step using them is CUDA-graph
 capturable.
