@@ -48,7 +48,7 @@ from m3eagle.engine.input_builder import StepInput
 from m3eagle.engine.model_runner import ModelRunner, StepOutput, _fused, token_logprobs
 from m3eagle.engine.pool_table import PoolTable
 from m3eagle.engine.structured_step import TreeGrammarStep
-from m3eagle.engine.tree_layout import Frontier, NodeRows, node_rows_from_trees
+from m3eagle.engine.tree_layout import Frontier, NodeRows
 from m3eagle.engine.tree_ops import TreeOps
 from m3eagle.kernels.attention.metadata import AttnMetadata
 from m3eagle.sampling.structured import allowed_from_bitmask, apply_bitmask
@@ -179,18 +179,6 @@ class TreeModelRunner(ModelRunner):
         """Every row holds exactly w + 1 tokens (host ints only: decode-only steps, a graph bucket's padding rows
         included): every row is then split, prompt-free rows into one-token causal rows (tree_layout)."""
         return inp.num_tokens == inp.num_rows * (width + 1) and meta.max_q == width + 1
-
-    def _node_rows(self, inp: StepInput, meta: AttnMetadata, depths: torch.Tensor, anc: torch.Tensor,
-                   p0: torch.Tensor, width: int) -> tuple[AttnMetadata, torch.Tensor]:
-        """The node rows of given trees in plain torch (tree_layout.node_rows_from_trees; a step lays out its
-        stored trees through tree_ops.node_rows): depths [B, w+1], anc [B, w+1, D+1], p0 [B] -> (metadata,
-        positions [T]). Reads the runner's page size and constant aranges only."""
-        b = inp.num_rows
-        parents = anc.gather(2, (depths - 1).clamp(min=0)[..., None])[..., 0]  # [B, w+1] the ancestor one up
-        lay = node_rows_from_trees(meta, parents, depths, anc, p0, inp.row_first, inp.row_num_drafts, width,
-                                   TreeModelRunner._uniform(inp, meta, width), self.node_cols, self.row_ids[:b],
-                                   self.row_true[:b, 0])
-        return TreeModelRunner._node_meta(meta, lay), lay.positions
 
     @staticmethod
     def _node_meta(meta: AttnMetadata, lay: NodeRows) -> AttnMetadata:

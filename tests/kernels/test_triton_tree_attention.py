@@ -1,11 +1,11 @@
 """Draft-tree node rows on the Triton attention kernels, held equal to the reference backend under the interpreter.
 
-The node rows come from the tree runner's own layout (`TreeModelRunner._node_rows`): each tree row's nodes are
-one-token rows whose keys are the committed context, then their ancestors at their depth positions (the
-metadata's tail override). Dense attention, the lightning indexer (exactly the same blocks) and sparse
-attention, split and unsplit, on a mixed step (tree rows beside a prompt chunk: whole sub-rows and empty ones)
-and on a uniform one (every row N + 1 wide: one-token sub-rows, a prompt row's tokens causal). Slots no node
-may read -- siblings, other branches, the trash page -- hold a poison value."""
+The node rows come from the tree runner's own layout (`tree_layout.node_rows_from_trees`, the torch reference):
+each tree row's nodes are one-token rows whose keys are the committed context, then their ancestors at their depth
+positions (the metadata's tail override). Dense attention, the lightning indexer (exactly the same blocks) and
+sparse attention, split and unsplit, on a mixed step (tree rows beside a prompt chunk: whole sub-rows and empty
+ones) and on a uniform one (every row N + 1 wide: one-token sub-rows, a prompt row's tokens causal). Slots no
+node may read -- siblings, other branches, the trash page -- hold a poison value."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from m3eagle.engine.draft_tree import ancestors, full_tree  # noqa: E402
+from m3eagle.engine.tree_layout import node_rows_from_trees  # noqa: E402
 from m3eagle.engine.tree_runner import TreeModelRunner  # noqa: E402
 from m3eagle.kernels.attention import reference, triton_kernels  # noqa: E402
 from m3eagle.kernels.attention.backend import ReferenceBackend  # noqa: E402
@@ -56,12 +57,11 @@ def node_step(seed: int, rows: list[tuple[str, int, int]], hq: int = 4, hkv: int
     b, t = len(rows), sum(q_lens)
     nd = torch.tensor([n1 - 1 if kind == "tree" else 0 for kind, _, _ in rows])
     first = torch.tensor([0] + q_lens[:-1]).cumsum(0)
-    inp = SimpleNamespace(num_rows=b, num_tokens=t, row_num_drafts=nd, row_qlen=meta.q_lens, row_first=first)
-    runner = SimpleNamespace(k=n1 - 1, row_true=torch.ones(b, 1, dtype=torch.bool),
-                             node_cols=torch.arange(max(n1, DEPTH)), row_ids=torch.arange(b), page_size=PAGE)
+    inp = SimpleNamespace(num_rows=b, num_tokens=t)
     p0 = meta.kv_lens - meta.q_lens
-    tmeta, tpos = TreeModelRunner._node_rows(runner, inp, meta, fd, anc, p0, n1 - 1)
-    tmeta.positions = tpos
+    lay = node_rows_from_trees(meta, fp, fd, anc, p0, first, nd, n1 - 1, TreeModelRunner._uniform(inp, meta, n1 - 1),
+                               torch.arange(max(n1, DEPTH)), torch.arange(b), torch.ones(b, dtype=torch.bool))
+    tmeta = TreeModelRunner._node_meta(meta, lay)
     slots = (sum(held) + 1) * PAGE
 
     def rnd(*shape):
