@@ -3,11 +3,31 @@
 A row's bits depend on the order its K products are summed in and on the MMA instruction that sums them.
 cuBLAS and the decode GEMV pick both from the row count (tile shapes, split-K, GEMV vs `tl.dot`), so a row
 alone and the same row among 63 others round differently. Here `matmul_config(n, k, dtype)` -- a pure
-function of one row's work, never of M -- fixes BLOCK_M / BLOCK_N / BLOCK_K, the warps and the K split:
+function of one row's work, never of M -- fixes BLOCK_M / BLOCK_N / BLOCK_K, the warps and the K split, and
+`linear` runs one launch:
 
-    x [M, K] ──_matmul_kernel──► part [S, M, N] fp32   grid (cdiv(M, BM) * cdiv(N, BN), S): split s sums
-                                                        its K range in BLOCK_K steps, in order
-    part ──_split_sum_kernel──► y [M, N]                the S partials summed in split order (S > 1 only)
+    x [M, K] ──_matmul_kernel──► y [M, N]      grid (cdiv(M, BM) * cdiv(N, BN), S): program (tile, s) sums
+                                                K split s in BLOCK_K steps, in order. S = 1: it stores y.
+                                                S > 1: it stores its fp32 partial to part [S, M, N], counts
+                                                itself in the tile's counter, and the tile's last program
+                                                to arrive sums the S partials in split order 0..S-1 (fp32,
+                                                from part[0]), rounds once to y's dtype and stores y
+
+The split-K fixup (CUTLASS's serial split-K, as in stream-K) runs in the GEMM's own launch because a separate
+reduction launch per GEMM took more than half as long as the GEMMs themselves at decode (H100, m3-mini at batch
+1: 58 reduction launches, 455 us per profiled step, beside 59 GEMM launches, 780 us;
+docs/results/m3-mini-det-on.json). The sum's order is fixed -- split order whichever program arrives last, every
+partial, its own included, read back from memory -- so the bits do not depend on scheduling and equal those of
+the two-launch form (`linear_two_launch`: the partials, then `_split_sum_kernel`), the reference the tests hold
+it to. "Last" comes from a per-tile int32 counter (`tile_counters`): a program's partial stores are issued (CTA
+barrier) before its acq_rel atomic_add, and the program that sees S - 1 reads the partials from L2 (.cg: other
+SMs wrote them) and sets the counter back to 0. Each launch so leaves the counters zero for the next call or
+graph replay, with no memset launch and no host sync; the next launch's atomics come after this grid completes
+(stream order, and with programmatic dependent launch its `pdl_wait` before any memory access). The counters are
+one fixed buffer per device, made on the first eager call (the engine's graph warm-ups are eager) and shared by
+every call, which needs the calls stream-ordered: the engine runs its steps on one stream. A call that finds no
+counters -- a CUDA graph captured before any eager call, or more output tiles than MAX_TILES -- takes the two
+launches, with the same bits.
 
 Each output element is then the same chain of MMAs on the same operands at every M, its row's position in
 the M tile included (an MMA's element is a function of its own row and column). The split count is fixed per
@@ -74,12 +94,14 @@ def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
 # The row count is not a specialisation key: a new M must not compile a new variant (and it must not change
 # the code a row runs: the launch shape above never reads it).
 @triton.jit(do_not_specialize=["M", "stride_xm", "stride_ps"])
-def _matmul_kernel(X, W, Y, M, N, K, steps_per_split,
+def _matmul_kernel(X, W, Y, P, CNT, M, N, K, steps_per_split,
                    stride_xm, stride_wn, stride_ym, stride_ps, stride_pm,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                   DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
-    """Grid (cdiv(M, BM) * cdiv(N, BN), splits). x [M, K] and w [N, K] with unit K stride. Unsplit: y [M, N]
-    in Y's dtype; split: fp32 partials at Y + s * stride_ps."""
+                   REDUCE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
+    """Grid (cdiv(M, BM) * cdiv(N, BN), S). x [M, K] and w [N, K] with unit K stride; y [M, N] in Y's dtype.
+    Unsplit (SPLIT off): the program stores y. Split: it stores its fp32 partial at P + s * stride_ps (part
+    [S, M, N], row stride stride_pm); with REDUCE the tile's last program to arrive, counted in CNT[tile] (int32,
+    zero between launches), sums the S partials into y and zeroes CNT[tile]; without, `_split_sum_kernel` sums."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -105,17 +127,39 @@ def _matmul_kernel(X, W, Y, M, N, K, steps_per_split,
         else:
             acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
     mask = m_ok[:, None] & n_ok[None, :]
+    y_ptrs = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]  # [BM, BN]
     if SPLIT:
-        ptr = Y + split.to(tl.int64) * stride_ps + offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
-        tl.store(ptr, acc, mask=mask)
+        p_tile = P + offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]  # [BM, BN], in split 0
+        tl.store(p_tile + split.to(tl.int64) * stride_ps, acc, mask=mask)
+        if REDUCE:
+            # The split-K fixup: the tile's last program to arrive sums the partials. Release: every thread's
+            # partial store is issued (CTA barrier) before the acq_rel atomic publishes it; acquire: the last
+            # program's reads below see every other program's partial.
+            tl.debug_barrier()
+            n_split = tl.num_programs(1)
+            done = tl.atomic_add(CNT + pid, 1, sem="acq_rel", scope="gpu")
+            if done == n_split - 1:
+                # `_split_sum_kernel`'s sum, bit for bit: part[0], then += part[1] .. part[S-1] in fp32, rounded
+                # once. Every partial is read back from memory, this program's own included, so the order is
+                # split order whichever split arrived last; .cg reads L2, where other SMs' stores landed.
+                total = tl.load(p_tile, mask=mask, other=0.0, cache_modifier=".cg")  # [BM, BN] fp32
+                p_s = p_tile
+                for _ in range(1, n_split):
+                    p_s += stride_ps
+                    total += tl.load(p_s, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=mask)
+                # Zero for the next launch or graph replay, so no memset launch is needed. Every other program
+                # of the tile has counted itself already, so nothing in this launch reads it again; the next
+                # launch's atomics follow this grid's completion (stream order; with PDL its pdl_wait).
+                tl.store(CNT + pid, 0)
     else:
-        ptr = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-        tl.store(ptr, acc.to(Y.dtype.element_ty), mask=mask)
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["numel", "stride_ps"])
 def _split_sum_kernel(P, Y, numel, stride_ps, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """y[i] = sum_s part[s, i], s = 0, 1, ... in order (fp32), rounded once to Y's dtype. P / Y contiguous."""
+    """y[i] = sum_s part[s, i], s = 0, 1, ... in order (fp32), rounded once to Y's dtype. P / Y contiguous.
+    The second launch of `linear_two_launch`; `_matmul_kernel`'s REDUCE sums the same way in the GEMM's launch."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
@@ -123,6 +167,33 @@ def _split_sum_kernel(P, Y, numel, stride_ps, SPLITS: tl.constexpr, BLOCK: tl.co
     for s in tl.static_range(1, SPLITS):
         acc += tl.load(P + s * stride_ps + offs, mask=ok, other=0.0)
     tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=ok)
+
+
+# Output tiles one split launch can count: one int32 each, 256 KB per device. `matmul_config` splits only weights
+# of fewer than TARGET_PROGRAMS column tiles, so this covers M up to 64 * 65,536 / 255 = 16,448 rows in bf16 / fp16
+# (8,224 in fp32); a larger call takes the two launches, which give the same bits.
+MAX_TILES = 1 << 16
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def tile_counters(device: torch.device | str) -> torch.Tensor | None:
+    """The split-K tile counters of `device`: int32 [MAX_TILES], zero between launches (each launch leaves them
+    zero). Made on the first call outside a CUDA-graph capture and kept for the process, fixed in size, so every
+    graph captured later points at this one live buffer; None while a capture runs before they exist (a
+    zero-fill recorded into a graph would run only at replay). The engine's graph captures follow two eager
+    warm-up runs of the same step, so the counters exist by then.
+    One buffer per device, shared by every caller: launches that use it must not run concurrently. An engine
+    runs its steps' kernels on one stream, its graph warm-ups on a side stream fenced by wait_stream both ways,
+    and replays on the same stream (m3eagle/engine/graph_runner.py)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    c = _COUNTERS.get(device)
+    if c is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        c = _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return c
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -137,8 +208,19 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, config: MatmulConfig | None = None) -> torch.Tensor:
-    """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype, each row's bits independent of M and of the other rows.
-    `config` exists for tests (a mutated, M-dependent choice); the engine always takes `matmul_config`."""
+    """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype, each row's bits independent of M and of the other rows: one
+    launch, a split weight's partials summed by each tile's last program (`tile_counters`). `config` exists for
+    tests (a mutated, M-dependent choice); the engine always takes `matmul_config`."""
+    return _linear(x, w, config, one_launch=True)
+
+
+def linear_two_launch(x: torch.Tensor, w: torch.Tensor, config: MatmulConfig | None = None) -> torch.Tensor:
+    """`linear` with a split weight's partials summed by a second launch (`_split_sum_kernel`): the plain form of
+    the same arithmetic and its bits (the tests hold `linear` to it), and what `linear` runs without counters."""
+    return _linear(x, w, config, one_launch=False)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, config: MatmulConfig | None, one_launch: bool) -> torch.Tensor:
     if not supports(x, w):
         raise ValueError(f"batch-invariant linear needs 2-D x / w of one float dtype with equal K, got "
                          f"x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
@@ -147,22 +229,23 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: MatmulConfig | None = None)
     m, k = x.shape
     n = w.shape[0]
     cfg = config or matmul_config(n, k, w.dtype)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
     if m == 0 or n == 0:
         return y
     steps = -(-k // cfg.block_k)
     splits = max(1, min(cfg.splits, steps))
     per_split = -(-steps // splits)
     splits = -(-steps // per_split)  # no empty split
-    part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)
-    _matmul_kernel[grid](
-        x, w, part, m, n, k, per_split, x.stride(0), w.stride(0), y.stride(0),
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    cnt = tile_counters(x.device) if one_launch and splits > 1 and tiles <= MAX_TILES else None  # [MAX_TILES] i32
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y  # [S, M, N] fp32
+    _matmul_kernel[(tiles, splits)](
+        x, w, y, part, cnt if cnt is not None else y, m, n, k, per_split, x.stride(0), w.stride(0), y.stride(0),
         part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=splits > 1,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=splits > 1, REDUCE=cnt is not None,
         DOT_PREC=_dot_precision(x.dtype), UPCAST_DOT=interpreting() and x.dtype != torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(x))
-    if splits > 1:
+    if splits > 1 and cnt is None:
         block = 1024
         _split_sum_kernel[(triton.cdiv(m * n, block),)](part, y, m * n, part.stride(0), SPLITS=splits, BLOCK=block,
                                                        num_warps=4, **pdl.args(x))
