@@ -142,7 +142,8 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
               num_pages=1 + max_b * pages_per_seq, overlap=overlap, attention_backend=a.attention_backend,
               moe_backend=a.moe_backend, enforce_eager=a.enforce_eager,
               load_format=geo.load_format, tensor_parallel_size=tp,
-              prefill_graphs=False if tree is not None else getattr(a, "prefill_graphs", None),
+              # None: the engine's default (off for a tree's own prompt steps; on for the plain baseline's)
+              prefill_graphs=getattr(a, "prefill_graphs", None),
               max_prefill_graph_tokens=getattr(a, "max_prefill_graph_tokens", 512),
               num_scheduler_steps=getattr(a, "num_scheduler_steps", 1),
               quantization=getattr(a, "quantization", None),
@@ -220,6 +221,7 @@ def _measure(a: argparse.Namespace, llm, geo: geometries.Geometry, dev: torch.de
                      "repeats": a.repeats, "decode_steps": a.decode_steps, "profile_steps": a.profile_steps,
                      "kernel_table": getattr(a, "kernel_table", 0),
                      "prefill_graphs": llm.engine.cfg.prefill_graphs,
+                     "plain_prefill_graphs": engines["plain"].cfg.prefill_graphs,
                      "max_prefill_graph_tokens": llm.engine.cfg.max_prefill_graph_tokens,
                      "num_scheduler_steps": llm.engine.cfg.num_scheduler_steps, "num_draft_tokens": k,
                      "draft_tree": str(llm.engine.cfg.draft_tree) if llm.engine.cfg.draft_tree is not None else None,
