@@ -9,6 +9,8 @@ and its random Eagle3 head, K = --k): one request fills the cache, then waves of
 shared prefix + a unique random suffix each) are submitted at once and stepped to the end; the first wave
 warms shapes, the next --waves are measured. Then the same requests one at a time ("alone"). TTFT per request:
 submission -> the step() that returns its first token. Prints p50 / max per setting and writes --json.
+With --profile, one more wave per setting runs under torch.profiler: its GPU kernels by total time (where a
+hit's prefill spends its time) go to the JSON as "profile" and to stdout.
 """
 
 from __future__ import annotations
@@ -50,6 +52,27 @@ def wave(llm: LLM, prompts: list[list[int]], sp: SamplingParams) -> list[float]:
     return [first[r.request_id] for r in reqs]
 
 
+def profile_wave(llm: LLM, prompts: list[list[int]], sp: SamplingParams, top: int = 15) -> dict[str, Any]:
+    """One wave under torch.profiler (CUDA kernels only): wall ms, GPU kernel ms, and the top kernels by total
+    device time (name, calls, total us)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        wave(llm, prompts, sp)
+    wall = time.perf_counter() - t0
+    totals: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            entry = totals.setdefault(e.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])
+    return {"wall_ms": wall * 1e3, "kernel_ms": sum(v[1] for v in totals.values()) / 1e3,
+            "kernels": sum(int(v[0]) for v in totals.values()),
+            "top": [{"name": n[:120], "calls": int(c), "total_us": round(us, 1)} for n, (c, us) in ranked[:top]]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--geometry", default="m3-mini")
@@ -63,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-prefill-graph-tokens", type=int, default=512,
                    help="prompt / mixed steps up to this many tokens replay CUDA graphs (the engine's default: 512)")
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", action="store_true", help="profile one more wave per setting (CUDA kernels)")
     args = p.parse_args(argv)
     geo = geometries.resolve(args.geometry)
     rng = random.Random(0)
@@ -72,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     def prompts(n: int) -> list[list[int]]:
         return [prefix + [rng.randrange(vocab) for _ in range(args.suffix_len)] for _ in range(n)]
 
-    batches = [prompts(args.concurrency) for _ in range(args.waves + 1)]
+    batches = [prompts(args.concurrency) for _ in range(args.waves + 2)]  # warm-up, measured, profiled
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     doc: dict[str, Any] = {"command": " ".join(["python", "benchmarks/prefix_ttft.py", *(argv or sys.argv[1:])]),
                            "settings": vars(args), "results": {}}
@@ -83,12 +107,15 @@ def main(argv: list[str] | None = None) -> int:
                   max_prefill_graph_tokens=args.max_prefill_graph_tokens)
         llm.generate([batches[0][0]], sp, use_tqdm=False)  # the prefix is cached (with caching on)
         wave(llm, batches[0], sp)  # shapes warmed
-        waved = [t for b in batches[1:] for t in wave(llm, b, sp)]
+        waved = [t for b in batches[1:-1] for t in wave(llm, b, sp)]
         alone = [wave(llm, [q], sp)[0] for q in batches[1][:args.concurrency]]
         res = {"wave_ttft_ms": [t * 1e3 for t in waved], "alone_ttft_ms": [t * 1e3 for t in alone]}
         for key in ("wave_ttft_ms", "alone_ttft_ms"):
             res[key.replace("_ms", "_p50_ms")] = statistics.median(res[key])
             res[key.replace("_ms", "_max_ms")] = max(res[key])
+        if args.profile and args.device != "cpu":
+            res["profile"] = profile_wave(llm, batches[-1], sp)
+            print(json.dumps(res["profile"]))
         doc["results"]["on" if caching else "off"] = res
         print(f"cache {'on ' if caching else 'off'}: wave of {args.concurrency} TTFT p50 {res['wave_ttft_p50_ms']:.1f} "
               f"max {res['wave_ttft_max_ms']:.1f} ms; alone p50 {res['alone_ttft_p50_ms']:.1f} "

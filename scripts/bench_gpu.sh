@@ -62,7 +62,7 @@ for t in "${targets[@]}"; do
       python benchmarks/batch_invariant_gemm.py --geometry m3-mini --json "$OUT/bi_gemm.json" 2>&1 | tee "$OUT/bi_gemm.log" ;;
     prefix-ttft)
       for cap in 512 2048; do
-        python benchmarks/prefix_ttft.py --geometry m3-mini --max-prefill-graph-tokens "$cap" \
+        python benchmarks/prefix_ttft.py --geometry m3-mini --max-prefill-graph-tokens "$cap" --profile \
           --json "$OUT/prefix_ttft_$cap.json" 2>&1 | grep -v INFO | tee "$OUT/prefix_ttft_$cap.log"
       done ;;
     all)
