@@ -8,6 +8,15 @@ Triton backend runs it (`TritonMoE.experts`: `mx_moe_experts`' per-pair GEMVs at
     python benchmarks/w8a16.py --models m3 --t 1,2048 --no-moe
     python benchmarks/w8a16.py --tune --write          # sweep GEMV / tiled configs at T <= 8 (and the MoE's); write
                                                        # the winners to m3eagle/kernels/quant/w8a16_configs.json
+    python benchmarks/w8a16.py --tune --write --tune-only --no-tune-moe --models m3,m3-8b
+                                                       # the decode sweep of M3's and m3-8b's shapes only (13
+                                                       # shapes x T 1, 2, 4, 8: ~2,500 timings, 36 compiles on
+                                                       # --jobs processes first); the MoE's entry is kept
+    python benchmarks/w8a16.py --tune --dry-run --models m3,m3-8b   # that sweep's size, without a GPU
+
+The sweep (`tune_candidates`): per shape and T bucket, the table's / rule's config, the tiled kernel unsplit (BN 64
+/ 128, BK 128 / 256, 3 / 4 stages), the tiled kernel split along K into 2, 3, 4, 6 or 8 programs per output tile
+(one launch; each split >= 2 K steps), and at T <= 2 the lean GEMV (unsplit, split 2 / 4); the fastest wins.
 
 Shapes (one row per distinct N x K, the projections that have it listed): MiniMax-M3 (hidden 6144): packed q/k/v
 [64*128 + 2*4*128, 6144] = [9216, 6144], o_proj [6144, 8192], dense MLP gate_up [24576, 6144] / down [6144, 12288],
@@ -27,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -133,65 +143,167 @@ def bench_linear(shape: dict[str, Any], ts: list[int], args: argparse.Namespace,
 # ---- tuning -------------------------------------------------------------------------------------------
 
 
-def gemv_candidates(n: int, k: int) -> list[Any]:
-    """The GEMV configs the sweep times at T = 1: BLOCK_N 8 / 16, stages 1 / 3, and split-K by the rule
-    (pick_config's: enough programs for the SMs) and at twice the rule."""
-    import triton
+# (block_n, block_k, num_stages, num_warps) of the tiled kernel's split-K candidates, and the split counts. Shared
+# memory (num_stages - 1 buffers of the fp8 tile + the 16-row x tile) sets how many programs an SM holds (sm_90,
+# Triton 3.9): 64 x 256 at 4 / 3 / 2 stages 74 / 49 / 25 KB (3 / 4 / 5 programs, 5 by registers), 64 x 128 at
+# 4 / 3 stages 36 / 24 KB (6), 128 x 128 at 3 stages 41 KB (5), 128 x 256 at 3 stages and 8 warps 82 KB (2)
+DOT_SPLIT = ((64, 256, 4, 4), (64, 256, 3, 4), (64, 256, 2, 4), (64, 128, 4, 4), (64, 128, 3, 4), (128, 128, 3, 4),
+             (128, 256, 3, 8))
+SPLITS = (2, 3, 4, 6, 8)
+# (block_n, block_k, num_warps) of the lean GEMV's candidates at T = 1 (64 fp8 weights per thread and step, or
+# 32 with 8 warps), and the few also timed at T = 2 (each row adds ~1.5 instructions per weight: the tiled
+# kernel wins above)
+LEAN_T1 = ((16, 512, 4), (32, 256, 4), (8, 1024, 4), (32, 512, 8), (16, 1024, 8), (16, 512, 8))
+LEAN_T2 = ((16, 512, 4), (32, 256, 4), (16, 512, 8))
 
-    from m3eagle.kernels.quant.w8a16 import MAX_SPLIT, SMS, MxConfig
 
-    out = []
-    bk = min(512, triton.next_power_of_2(k))
-    for bn in (8, 16):
-        for stages in (1, 3):
-            tiles = triton.cdiv(n, bn)
-            rule = max(1, min(MAX_SPLIT, triton.cdiv(4 * SMS, tiles), k // (2 * bk))) if tiles < 2 * SMS else 1
-            for split in sorted({rule, min(MAX_SPLIT, 2 * rule, max(1, k // bk))}):
-                out.append(MxConfig(False, 1, bn, bk, num_warps=4, num_stages=stages, split_k=split))
+def tune_candidates(t: int, n: int, k: int) -> list[Any]:
+    """The configs the sweep times for T rows (a T bucket) on an [N, K] weight, beside pick_config's:
+    the tiled (tl.dot) kernel unsplit -- one 16-row block (rows past T padded), BN 64 / 128 x BK 128 / 256,
+    3 / 4 stages -- and split along K into S in SPLITS programs per output tile (one launch: the last program
+    sums the partials), where each split keeps >= 2 K steps; the lean GEMV (T <= 2) unsplit and split 2 / 4."""
+    from m3eagle.kernels.quant.w8a16 import MxConfig, t_bucket
+
+    out = [MxConfig(True, 16, bn, bk, num_warps=4, num_stages=st) for bn in (64, 128) for bk in (128, 256)
+           for st in (3, 4)]
+    out += [MxConfig(True, 16, bn, bk, num_warps=w, num_stages=st, split_k=s, one_launch=True)
+            for bn, bk, st, w in DOT_SPLIT for s in SPLITS if k >= 2 * s * bk]
+    lean = LEAN_T1 if t == 1 else LEAN_T2 if t == 2 else ()
+    out += [MxConfig(False, t_bucket(t), bn, bk, num_warps=w, split_k=s, lean=True, one_launch=s > 1)
+            for bn, bk, w in lean for s in (1, 2, 4) if s == 1 or k >= 2 * s * bk]
     return out
 
 
-def gemm_candidates() -> list[Any]:
-    """The tiled (tl.dot) configs the sweep times at T = 1..8 against the GEMV: one 16-row block (rows past T
-    padded), whole tiles of the weight read once for every row."""
-    from m3eagle.kernels.quant.w8a16 import MxConfig
+def compile_key(cfg: Any, t: int, n: int, k: int) -> tuple:
+    """What makes mx_linear compile anew for cfg at [t, k] x [n, k]^T (as mx_linear derives its constexprs)."""
+    import triton
 
-    return [MxConfig(True, 16, bn, bk, num_warps=4, num_stages=st) for bn in (64, 128) for bk in (128, 256)
-            for st in (3, 4)]
+    split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
+    split = triton.cdiv(k, triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k)
+    rows = cfg.block_m if cfg.use_dot else triton.next_power_of_2(t)
+    return (cfg.use_dot, cfg.lean, rows, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, split > 1,
+            split > 1 and cfg.one_launch, k % cfg.block_k == 0)
 
 
-def tune_gemv(shapes: list[dict[str, Any]], args: argparse.Namespace, copy_bw: float) -> dict[tuple[int, int, int], Any]:
+def _compile_worker(launches: list[tuple[int, int, int, dict[str, Any]]]) -> int:
+    """Compile (not time) the listed launches in a spawned process: they land in Triton's disk cache."""
+    from m3eagle.kernels.quant.w8a16 import MxConfig, mx_linear
+
+    for n, k, t, cfg in launches:
+        q = torch.zeros(n, k, dtype=torch.float8_e4m3fn, device="cuda")
+        s = torch.full((n, k // 32), 127, dtype=torch.uint8, device="cuda")
+        try:
+            mx_linear(torch.zeros(t, k, dtype=torch.bfloat16, device="cuda"), q, s, config=MxConfig(**cfg))
+        except Exception:  # the timing loop reports it (e.g. a config out of shared memory)
+            pass
+    torch.cuda.synchronize()
+    return len(launches)
+
+
+def precompile(todo: list[tuple[int, int, int, Any]], jobs: int) -> None:
+    """Compile every distinct launch of the sweep on `jobs` processes first (Triton compiles one kernel at a time
+    per process); the timing process then loads them from the disk cache."""
+    import multiprocessing as mp
+    import time
+    from dataclasses import asdict
+
+    first: dict[tuple, tuple[int, int, int, dict[str, Any]]] = {}
+    for n, k, t, cfg in todo:
+        first.setdefault(compile_key(cfg, t, n, k), (n, k, t, asdict(cfg)))
+    if jobs <= 1 or not first:
+        return
+    groups = [list(first.values())[i::jobs] for i in range(jobs)]
+    t0 = time.perf_counter()
+    with mp.get_context("spawn").Pool(jobs) as pool:
+        done = sum(pool.map(_compile_worker, [g for g in groups if g]))
+    print(f"precompiled {done} launches on {jobs} processes in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def eager_us(fn: Any, x: torch.Tensor, ws: list[Any], calls: int = 4) -> float:
+    """us per call of a few back-to-back eager calls (launch overhead included): only to skip a config that is
+    far slower than the best so far before it costs a graph capture of dozens of calls."""
+    fn(x, ws[0])
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for i in range(calls):
+        fn(x, ws[i % len(ws)])
+    e1.record()
+    e1.synchronize()
+    return e0.elapsed_time(e1) * 1e3 / calls
+
+
+def family(cfg: Any) -> str:
+    return ("lean" if cfg.lean else "gemv") if not cfg.use_dot else "split" if cfg.split_k > 1 else "dot"
+
+
+def tune_gemv(shapes: list[dict[str, Any]], args: argparse.Namespace, copy_bw: float,
+              rows: list[dict[str, Any]]) -> dict[tuple[int, int, int], Any]:
+    """Per shape and T bucket (--tune-t): pick_config's config (the table's entry) and `tune_candidates`, each
+    timed as bench_linear times mx_linear; the fastest wins (every timing is appended to rows). A config whose
+    eager probe is > 4x the best time so far (+ 200 us) is skipped untimed (a pathological compile must not eat
+    the sweep's minutes)."""
     from m3eagle.kernels.quant.mxfp8 import quantize_mx
     from m3eagle.kernels.quant.w8a16 import mx_linear, pick_config
 
     dev = torch.device("cuda")
+    precompile([(sh["n"], sh["k"], t, c) for sh in shapes for t in args.tune_t
+                for c in [pick_config(t, sh["n"], sh["k"])] + tune_candidates(t, sh["n"], sh["k"])], args.jobs)
     best: dict[tuple[int, int, int], Any] = {}
-    for shape, t in [(sh, t) for sh in shapes for t in (1, 2, 4, 8)]:
+    for shape in shapes:
         n, k = shape["n"], shape["k"]
         q0, s0 = quantize_mx(torch.randn(n, k, device=dev).mul_(k ** -0.5))
         fp8_bytes = n * k + n * k // 32
         mx = [(q0, s0)] + [(q0.clone(), s0.clone()) for _ in range(copies(fp8_bytes, args.rotate_mb) - 1)]
-        x = torch.randn(t, k, device=dev).to(torch.bfloat16)
-        out = torch.empty(t, n, dtype=torch.bfloat16, device=dev)
-        base = pick_config(t, n, k)
-        timed = []
-        for cfg in [base] + (gemv_candidates(n, k) if t == 1 else []) + gemm_candidates():
-            try:
-                us = graph_time(lambda x, a, cfg=cfg, out=out: mx_linear(x, a[0], a[1], out=out, config=cfg), x, mx,
-                                max(5, args.replays // 2), args.min_calls)
-            except Exception as e:  # a config the compiler rejects (registers, shared memory): skip it
-                print(f"  {cfg}: {type(e).__name__}")
-                continue
-            timed.append((us, cfg))
-        us0 = timed[0][0]
-        us, cfg = min(timed, key=lambda p: p[0])
-        best[(t, n, k)] = cfg
-        gbs = (fp8_bytes + 2 * t * k) / us / 1e3
-        print(f"tune {n:>6} x {k:<6} T={t}: rule {us0:7.1f} us -> best {us:7.1f} us ({100 * gbs / copy_bw:4.0f}% copy) "
-              f"{cfg}", flush=True)
+        for t in args.tune_t:
+            x = torch.randn(t, k, device=dev).to(torch.bfloat16)
+            out = torch.empty(t, n, dtype=torch.bfloat16, device=dev)
+            timed: list[tuple[float, Any]] = []
+            for cfg in [pick_config(t, n, k)] + tune_candidates(t, n, k):
+                def fn(x, a, cfg=cfg, out=out):
+                    return mx_linear(x, a[0], a[1], out=out, config=cfg)
+                try:
+                    fastest = min(us for us, _ in timed) if timed else math.inf
+                    if timed and eager_us(fn, x, mx) > max(4 * fastest, fastest + 200):
+                        print(f"  {cfg}: skipped (eager probe far above the best)")
+                        continue
+                    us = graph_time(fn, x, mx, max(5, args.replays // 2), args.min_calls)
+                except Exception as e:  # a config the compiler rejects (registers, shared memory): skip it
+                    print(f"  {cfg}: {type(e).__name__}")
+                    continue
+                timed.append((us, cfg))
+                rows.append({"t": t, "n": n, "k": k, "us": us, "family": family(cfg), "config": vars(cfg).copy(),
+                             "pct_copy": 100 * (fp8_bytes + 2 * t * k) / us / 1e3 / copy_bw})
+            us0 = timed[0][0]
+            us, cfg = min(timed, key=lambda p: p[0])
+            best[(t, n, k)] = cfg
+            gbs = (fp8_bytes + 2 * t * k) / us / 1e3
+            fams = {}
+            for u, c in timed[1:]:
+                fams[family(c)] = min(u, fams.get(family(c), math.inf))
+            print(f"tune {n:>6} x {k:<6} T={t}: table/rule {us0:7.1f} us -> best {us:7.1f} us "
+                  f"({100 * gbs / copy_bw:4.0f}% copy, {len(timed)} timed; best of "
+                  f"{', '.join(f'{f} {u:.1f}' for f, u in sorted(fams.items()))}) {cfg}", flush=True)
         del mx
         torch.cuda.empty_cache()
     return best
+
+
+def dry_run(shapes: list[dict[str, Any]], ts: list[int]) -> None:
+    """The sweep's size without a GPU: configs timed per shape and T, and the distinct kernels it compiles."""
+    from m3eagle.kernels.quant.w8a16 import pick_config
+
+    keys, timings = set(), 0
+    for sh in shapes:
+        n, k = sh["n"], sh["k"]
+        counts = []
+        for t in ts:
+            cfgs = [pick_config(t, n, k)] + tune_candidates(t, n, k)
+            keys |= {compile_key(c, t, n, k) for c in cfgs}
+            counts.append(len(cfgs))
+            timings += len(cfgs)
+        print(f"{n:>6} x {k:<6} configs per T {dict(zip(ts, counts))}")
+    print(f"{timings} timings, {len(keys)} distinct compiles")
 
 
 def tune_moe(args: argparse.Namespace, copy_bw: float) -> list[dict[str, Any]]:
@@ -312,9 +424,21 @@ def main() -> None:
     p.add_argument("--min-calls", type=int, default=32, help="calls per captured graph, at least")
     p.add_argument("--replays", type=int, default=20, help="timed graph replays (median)")
     p.add_argument("--json", type=Path, default=None, help="write every number to this file")
-    p.add_argument("--tune", action="store_true", help="first sweep the GEMV configs at T = 1 and the MoE's blocks")
-    p.add_argument("--write", action="store_true", help="with --tune: write the GEMV winners to the package's table")
+    p.add_argument("--tune", action="store_true",
+                   help="first sweep mx_linear's configs at T <= 8 (tune_candidates) and the MoE's blocks")
+    p.add_argument("--write", action="store_true", help="with --tune: write the winners to the package's table")
+    p.add_argument("--tune-t", default="1,2,4,8", help="with --tune: the T buckets to tune")
+    p.add_argument("--no-tune-moe", action="store_true", help="with --tune: keep the table's MoE blocks")
+    p.add_argument("--tune-only", action="store_true", help="with --tune: stop after the sweep (no benchmark pass)")
+    p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
+                   help="with --tune: processes that compile the sweep's kernels first (1: compile while timing)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="with --tune: list the sweep's size (timings, distinct compiles) and stop; needs no GPU")
     args = p.parse_args()
+    args.tune_t = [int(v) for v in args.tune_t.split(",")]
+    if args.tune and args.dry_run:
+        dry_run(all_shapes(args.models.split(",")), args.tune_t)
+        return
     if not torch.cuda.is_available():
         print("benchmarks/w8a16.py needs a CUDA GPU (the MXFP8 kernels' correctness runs on CPU in "
               "tests/kernels/test_w8a16.py)")
@@ -328,14 +452,19 @@ def main() -> None:
     if args.tune:
         from m3eagle.kernels.quant.w8a16 import write_tuned
 
-        best = tune_gemv(all_shapes(args.models.split(",")), args, copy_bw)
+        doc["tune_linear"] = []
+        best = tune_gemv(all_shapes(args.models.split(",")), args, copy_bw, doc["tune_linear"])
         doc["tuned_gemv"] = [{"t": t, "n": n, "k": k, "config": vars(c).copy()} for (t, n, k), c in best.items()]
-        doc["tune_moe"] = tune_moe(args, copy_bw)
+        doc["tune_moe"] = [] if args.no_tune_moe else tune_moe(args, copy_bw)
         if args.write:
             top = doc["tune_moe"][0] if doc["tune_moe"] else None
             moe = {k: top[k] for k in ("block_n", "block_k", "num_warps")} if top else None
             write_tuned(best, f"benchmarks/w8a16.py --tune --write on {name}", moe)
             print("wrote m3eagle/kernels/quant/w8a16_configs.json")
+        if args.tune_only:
+            if args.json:
+                args.json.write_text(json.dumps(doc, indent=1) + "\n")
+            return
     for shape in all_shapes(args.models.split(",")):
         doc["linear"] += bench_linear(shape, ts, args, copy_bw)
     if not args.no_moe:

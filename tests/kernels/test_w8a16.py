@@ -1,13 +1,19 @@
 """The W8A16 MXFP8 kernels (m3eagle/kernels/quant/w8a16.py) held to the plain PyTorch reference (mxfp8.py), on CPU
 under the Triton interpreter.
 
-`mx_linear`: both paths (decode GEMV, with and without split-K, and the tiled GEMM) equal x.float() @
-dequantize_mx(q, s).T within 1e-5 relative error in fp32 for K = 32..512, odd / even N, T in {1, 3, 8, 17, 64};
-bit-equal on data whose every product and partial sum is exact in fp32 (small integers times powers of two), so
-any summation order gives the same bits; bf16 / fp16 within their rounding. A mis-applied scale (shifted one
-block, transposed, 2 ** (127 - s)) must fail that check. `mx_moe_experts` equals `moe.reference.experts` on the
-dequantized weights (E = 4, k = 2, several T). Bad inputs raise errors that name the argument.
-Speed is measured on the GPU by benchmarks/w8a16.py.
+`mx_linear`: every path (the decode GEMV's plain and LEAN bodies and the tiled GEMM, each unsplit and split-K,
+the split summed by a second launch or by each tile's last program) equals x.float() @ dequantize_mx(q, s).T
+within 1e-5 relative error in fp32 for K = 32..512 (K = 96, 160: a partial last step), N not a multiple of the
+block, T in {1, 3, 8, 17, 64}; bit-equal on data whose every product and partial sum is exact in fp32 (small
+integers times powers of two), so any summation order gives the same bits; bf16 / fp16 within their rounding. A
+mis-applied scale (shifted one block, transposed, 2 ** (127 - s)) must fail that check. The one-launch split-K
+sum equals the two-launch one bit for bit for S = 2..8 (the split order), repeats bit for bit and leaves every
+counter zero. Kernel mutations these tests were seen to catch: the last program summing in reverse split order
+(test_split_one_launch), its counter reset removed (a second call then writes nothing: the reference checks),
+the lean body taking a chunk's scale from the next group, a split reading split 0's scales (bf16 and fp16
+paths), the lean rows all reading x row 0, the lean split start not advanced.
+`mx_moe_experts` equals `moe.reference.experts` on the dequantized weights (E = 4, k = 2, several T). Bad inputs
+raise errors that name the argument. Speed is measured on the GPU by benchmarks/w8a16.py.
 
 NOTE: TRITON_INTERPRET is set before anything imports triton, and it holds for the whole pytest process.
 """
@@ -34,11 +40,16 @@ CONFIGS = {
     "gemv_split": MxConfig(False, 1, 16, 32, split_k=3),  # partials + the ordered second-stage sum
     "gemm": MxConfig(True, 16, 32, 64, group_m=2),
     "gemm_bk128": MxConfig(True, 32, 16, 128),  # K % BLOCK_K != 0 for K = 96, 160
+    "lean": MxConfig(False, 1, 8, 64, lean=True),  # 8-wide chunks; K = 96, 160: a partial last step
+    "lean_split": MxConfig(False, 1, 16, 32, lean=True, split_k=3, one_launch=True),  # last program sums
+    "gemm_split": MxConfig(True, 16, 32, 64, split_k=3, one_launch=True),
+    "gemm_split_2l": MxConfig(True, 16, 16, 64, split_k=2),  # the partials' sum as a second launch
 }
+GEMV = ("gemv", "lean")  # config names of the GEMV (T <= 8 only)
 SHAPES = [(32, 33), (96, 40), (160, 17), (512, 24)]  # (K, N)
 # every config at every row count it takes, each shape at least once per path (the CPU interpreter is slow)
 CASES = [(t, k, n, c) for t in (1, 3, 8, 17, 64) for i, (k, n) in enumerate(SHAPES) for c in CONFIGS
-         if not (c.startswith("gemv") and t > 8) and not (t == 64 and k == 512) and (i + t) % 2 == 0]
+         if not (c.startswith(GEMV) and t > 8) and not (t == 64 and k == 512) and (i + t) % 2 == 0]
 
 
 def gen(seed: int) -> torch.Generator:
@@ -82,7 +93,7 @@ def test_linear_fp32_matches_reference(t, k, n, name):
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("t", [1, 8, 17])
 def test_linear_bit_exact_on_exact_data(t, name):
-    if name.startswith("gemv") and t > 8:
+    if name.startswith(GEMV) and t > 8:
         pytest.skip("the GEMV takes T <= 8")
     x, q, s = exact_data(t, t, 21, 160)
     ref = x @ dequantize_mx(q, s).T
@@ -94,11 +105,11 @@ def _mutations(s: torch.Tensor) -> dict[str, torch.Tensor]:
             "2**(127-s)": (254 - s.int()).to(torch.uint8)}
 
 
-@pytest.mark.parametrize("name", ["gemv", "gemv_split", "gemm"])
+@pytest.mark.parametrize("name", ["gemv", "gemv_split", "gemm", "lean", "lean_split", "gemm_split"])
 @pytest.mark.parametrize("t", [1, 17])
 def test_misapplied_scale_fails(t, name):
     """Each mis-application of the scale, run through the kernel, misses the reference by far."""
-    if name.startswith("gemv") and t > 8:
+    if name.startswith(GEMV) and t > 8:
         pytest.skip("the GEMV takes T <= 8")
     n, k = 4, 128  # scale [4, 4]: its transpose has the right shape
     x, q, s = exact_data(7, t, n, k)
@@ -110,7 +121,8 @@ def test_misapplied_scale_fails(t, name):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("t,name", [(1, "gemv"), (3, "gemv_split"), (8, "auto"), (17, "gemm"), (64, "auto")])
+@pytest.mark.parametrize("t,name", [(1, "gemv"), (3, "gemv_split"), (8, "auto"), (17, "gemm"), (64, "auto"),
+                                    (2, "lean"), (3, "lean_split"), (5, "gemm_split"), (17, "gemm_split_2l")])
 def test_linear_half_inputs(t, name, dtype):
     g = gen(t)
     x = torch.randn(t, 96, generator=g).to(dtype)
@@ -130,6 +142,55 @@ def test_split_deterministic_and_out():
     b = mx_linear(x, q, s, out=out, config=cfg)
     assert b is out and torch.equal(a, b)
     assert rel_err(a, x @ dequantize_mx(q, s).T) <= 1e-5
+
+
+SPLIT_PATHS = {"gemm": MxConfig(True, 16, 16, 32), "lean": MxConfig(False, 1, 16, 32, lean=True)}
+
+
+@pytest.mark.parametrize("t,path", [(1, "lean"), (3, "gemm"), (8, "lean"), (8, "gemm")])
+def test_split_one_launch(t, path, monkeypatch):
+    """Split-K summed by each tile's last program (one launch, counters): for S = 2..8 (K = 256 in 32-wide steps,
+    N = 24 not a multiple of the block) bit-equal to the same partials summed by `_split_sum_kernel` in split order
+    (a second launch), bit-equal from call to call, within fp32 rounding of the reference, and the counters are
+    zero again after every call (a graph replay needs no memset)."""
+    from dataclasses import replace
+
+    from tests.helpers.kernel_spy import spy_launches
+
+    kernel = "_mx_gemm_kernel" if path == "gemm" else "_mx_gemv_kernel"
+    launches = spy_launches(monkeypatch, w8a16, kernel)
+    sums = spy_launches(monkeypatch, w8a16, "_split_sum_kernel")
+    x = torch.randn(t, 256, generator=gen(t))
+    q, s = random_weight(t + 1, 24, 256)
+    ref = x @ dequantize_mx(q, s).T
+    for split in range(2, 9):
+        one = replace(SPLIT_PATHS[path], split_k=split, one_launch=True)
+        a = mx_linear(x, q, s, out=torch.full((t, 24), float("nan")), config=one)
+        assert launches[-1]["ONE_LAUNCH"] and launches[-1]["SPLIT"] and len(sums) == split - 2, split
+        assert not w8a16.split_counters(x.device).any(), f"S={split}: a counter left non-zero"
+        b = mx_linear(x, q, s, out=torch.full((t, 24), float("nan")), config=one)
+        two = mx_linear(x, q, s, config=replace(one, one_launch=False))
+        assert len(sums) == split - 1 and not launches[-1]["ONE_LAUNCH"]  # the second launch summed these
+        assert torch.equal(a, b) and torch.equal(a, two), f"S={split}: the sum is not the split-order sum"
+        assert rel_err(a, ref) <= 1e-5, split
+
+
+def test_split_counters_not_made_in_a_capture(monkeypatch):
+    """While a CUDA graph is being captured the counters are not allocated (a zero-fill captured in the graph would
+    run only at replay): that call sums its partials in a second launch; once made they are reused, never grown."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert w8a16.split_counters("cuda:7") is None and torch.device("cuda:7") not in w8a16._COUNTERS
+    c = w8a16.split_counters("cpu")
+    assert c is not None and c.dtype == torch.int32 and c.numel() == w8a16.MAX_TILES
+    assert w8a16.split_counters(torch.device("cpu")) is c
+    monkeypatch.setattr(w8a16, "split_counters", lambda device: None)
+    from tests.helpers.kernel_spy import spy_launches
+
+    sums = spy_launches(monkeypatch, w8a16, "_split_sum_kernel")
+    x = torch.randn(2, 256, generator=gen(3))
+    q, s = random_weight(4, 20, 256)
+    y = mx_linear(x, q, s, config=MxConfig(True, 16, 16, 32, split_k=4, one_launch=True))
+    assert len(sums) == 1 and rel_err(y, x @ dequantize_mx(q, s).T) <= 1e-5
 
 
 def test_pick_config_paths():

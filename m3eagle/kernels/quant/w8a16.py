@@ -1,7 +1,8 @@
 """W8A16 Triton kernels for MXFP8 weights: activations stay bf16 / fp16 / fp32, weights stay float8_e4m3fn in
 memory (one uint8 ue8m0 scale per 1 x 32 block along K, `mxfp8.py`) and are dequantized in registers.
 
-    mx_linear(x [T, K], q [N, K] fp8, scale [N, K/32] u8) -> y [T, N]        (T <= GEMV_MAX_T: decode GEMV;
+    mx_linear(x [T, K], q [N, K] fp8, scale [N, K/32] u8) -> y [T, N]        (T <= GEMV_MAX_T: the decode GEMV
+                                                                             or the tiled GEMM, by the table;
                                                                              else the tiled GEMM)
     mx_moe_experts(x [T, H], weights [T, k], ids [T, k], w13 [E, 2I, H] fp8 + [E, 2I, H/32],
                    w2 [E, H, I] fp8 + [E, H, I/32], alpha, limit) -> [T, H]   (per-pair GEMVs, two launches)
@@ -11,25 +12,54 @@ Dequantization. w = float(q) * 2 ** (s - 127) is exact in fp32: the scale is bui
 multiplies by exactly the reference's `dequantize_mx` weight.
 
 Decode GEMV (`_mx_gemv_kernel`, T <= 8). Grid (cdiv(N, BLOCK_N), S). Program (n, s) owns BLOCK_N output rows and
-the K range [s * k_split, +k_split) (a whole number of BLOCK_K steps). Each step loads the fp8 tile [BN, BK]
-(1 byte / weight) and its BK / 32 scale bytes per row, dequantizes as a [BN, BK/32, 32] broadcast, and adds
-sum_k w * x[t] (fp32 products and sums) for the T rows (padded to BLOCK_T, clamped to row T - 1 and dropped at
-the store). Split-K (S > 1, for N too small to fill the GPU): each program stores its fp32 partial to part
-[S, T, N], and a second launch (`_split_sum_kernel`) sums them in split order 0..S-1 -- deterministic, no
-float atomics, no counters; graph-capturable (the partials are a torch.empty of static shape).
+the K range [s * k_split, +k_split) (a whole number of BLOCK_K steps) for the T rows (padded to BLOCK_T, clamped
+to row T - 1 and dropped at the store). Two bodies, by the LEAN constexpr (`MxConfig.lean`):
+  * Plain (what `pick_config`'s rule and the table's small shapes run): each step loads the fp8 tile [BN, BK] and
+    its scales, dequantizes it as a [BN, BK/32, 32] broadcast and reduces sum_k w * x[t] across threads every
+    step. Compiled for sm_90 that is ~12 instructions per weight at T = 1 -- byte loads (the unspecialized
+    split start hides the alignment), shuffles, a shared-memory round trip and barriers each step -- more than
+    an SM issues while HBM delivers its bytes: 16-48% of copy bandwidth measured.
+  * LEAN: y[t, n] = sum_c scale[n, c // 4] * sum_{j < 8} q[n, 8c + j] * x[t, 8c + j] over 8-wide chunks c. The
+    tile is [BT, BN, BK/8, 8]: a chunk is one thread's 8-byte fp8 load and its 16-byte x load in the same layout
+    (x's pointer is broadcast over the rows, so a thread's rows share one x load and conversion; a [BK] x row
+    broadcast instead, or 16-byte fp8 loads -- vector width follows the element size -- give x another layout
+    and a shared-memory conversion with barriers every step). The chunk's 8 products are summed in the thread,
+    scaled once by its group's factor into a [BT, BN, BK/8] fp32 accumulator, and the one cross-thread reduction
+    runs after the loop; the split start s * (k_split // BK) * BK is a visible multiple of BK, so loads stay
+    vectors. ~4.7 instructions per weight at T = 1 (sm_90, Triton 3.9; each further row adds ~1.5, so the tiled
+    kernel takes over above T = 1-2), none of them a shuffle, barrier or shared-memory access. Launched with
+    FMA contraction on (the chunk sums become FMAs; the GEMV's rounding is its own either way). No register
+    prefetch: a fp8 tile carried across loop iterations is unpacked byte by byte by the compiler (+58%
+    instructions); several programs per SM (80 registers at 64 weights per thread) hide the latency instead.
 
-Tiled GEMM (`_mx_gemm_kernel`, T > 8). Grid cdiv(T, BM) * cdiv(N, BN), grouped (GROUP_M row blocks share a
-weight column block in L2). Per K step: x tile [BM, BK], fp8 tile [BN, BK] and scales [BN, BK/32]; the weight
-is dequantized in registers per 32-column group (the same broadcast) and rounded to x.dtype -- exact for bf16
-(e4m3 has 3 mantissa bits, bf16 7 and fp32's exponent range) -- then tl.dot(x, w^T) into fp32 (fp32 inputs:
-input_precision="ieee"). fp16 cannot hold every q * 2^e (5 exponent bits), so for fp16 x the scale is applied
-after the MMA instead (GROUP_SCALE): per 32-column group acc += tl.dot(x_g, q_g^T) * scale_g (q is exact in
-fp16, the power of two exact in fp32).
+Split-K (S > 1, for N too small to fill the GPU), both kernels: each program stores its fp32 partial to part
+[S, T, N]. The partials are summed in split order 0..S-1 -- deterministic, no float atomics -- either by a second
+launch (`_split_sum_kernel`), or, with ONE_LAUNCH (`MxConfig.one_launch`), by the output tile's last program to
+finish (`_store_out`): CTA barrier (all partial stores issued), atomic_add(acq_rel, gpu scope) on the tile's
+int32 counter; the program that reads S - 1 loads all S partials from L2 (.cg) in split order, so the bits do
+not depend on which program came last, stores y and zeroes the counter for the next call or graph replay (no
+memset node). The counters are `split_counters(device)`: one zeroed [MAX_TILES] buffer per device, made on the
+first eager call and never grown; a call captured before they exist takes the second launch. Calls that split
+share them, so they must be ordered (one stream at a time), as an engine step's are.
 
-Both kernels: `PDL` constexpr with `pdl_wait(PDL)` first (pdl.py), launched with `**pdl.args(x)` and
-`**launch_opts()`; no host sync, no .item(), no data-dependent shapes: capturable in a CUDA graph. The path and
-blocks are `pick_config(t, n, k)`, a pure function of the shape (blocks sized for a 132-SM Hopper). Under the
-CPU interpreter a bf16 / fp16 tl.dot multiplies raw bits, so operands are upcast to fp32 there (UPCAST_DOT).
+Tiled GEMM (`_mx_gemm_kernel`, T > 8, and T <= 8 where the table says). Grid (cdiv(T, BM) * cdiv(N, BN), S),
+grouped (GROUP_M row blocks share a weight column block in L2). Per K step: x tile [BM, BK], fp8 tile [BN, BK]
+and scales [BN, BK/32]; the weight is dequantized in registers per 32-column group (the same broadcast) and
+rounded to x.dtype -- exact for bf16 (e4m3 has 3 mantissa bits, bf16 7 and fp32's exponent range) -- then
+tl.dot(x, w^T) into fp32 (fp32 inputs: input_precision="ieee"); its loads are cp.async-pipelined (num_stages).
+fp16 cannot hold every q * 2^e (5 exponent bits), so for fp16 x the scale is applied after the MMA instead
+(GROUP_SCALE): per 32-column group acc += tl.dot(x_g, q_g^T) * scale_g (q is exact in fp16, the power of two
+exact in fp32). At decode one 16-row block covers every row, so a 9216 x 6144 weight is only 72-144 column tiles:
+fewer programs than 132 SMs hold, one wave and a tail (42-76% of copy bandwidth measured unsplit). SPLIT gives
+each tile S programs over K [s * k_steps * BK, +k_steps * BK) (the start a visible multiple of BK: vector and
+cp.async loads) with the split-K sums above; unsplit (SPLIT off) the kernel compiles as before the split existed.
+
+All kernels: `PDL` constexpr with `pdl_wait(PDL)` first (pdl.py), launched with `**pdl.args(x)` and
+`**launch_opts()` (LEAN: contraction on); no host sync, no .item(), no data-dependent shapes: capturable in a
+CUDA graph. The path and blocks are `pick_config(t, n, k)`, a pure function of the shape (the measured table
+`w8a16_configs.json` first, `benchmarks/w8a16.py --tune --write` fills it; blocks sized for a 132-SM Hopper).
+Under the CPU interpreter a bf16 / fp16 tl.dot multiplies raw bits, so operands are upcast to fp32 there
+(UPCAST_DOT).
 
 MoE (`mx_moe_experts`): correctness-first, two launches of per-pair GEMVs, like `moe/direct.py`'s structure
 (no sort, no combine launch) but for any T. `_mx_moe_gate_up_kernel` grid (T * k, cdiv(I, BN)): pair p reads
@@ -72,8 +102,10 @@ TUNED_PATH = Path(__file__).with_name("w8a16_configs.json")
 
 @dataclass(frozen=True)
 class MxConfig:
-    """Launch parameters of one `mx_linear` call. GEMV (use_dot False): block_m is BLOCK_T (next_pow2(T)),
-    split_k the programs per output tile along K. GEMM: block_m rows per program, group_m the grouped order."""
+    """Launch parameters of one `mx_linear` call. GEMV (use_dot False): block_m is BLOCK_T (next_pow2(T)); lean
+    picks the LEAN body. GEMM: block_m rows per program, group_m the grouped order. Both: split_k programs per
+    output tile along K, summed by the tile's last program (one_launch) or by a second launch. The fields added
+    later default to the earlier behaviour, so older table entries load and run unchanged."""
 
     use_dot: bool
     block_m: int
@@ -83,6 +115,8 @@ class MxConfig:
     num_stages: int = 1
     split_k: int = 1
     group_m: int = 8
+    lean: bool = False  # GEMV: `_mx_gemv_kernel`'s LEAN body
+    one_launch: bool = False  # split-K: the last program sums the partials (split_counters), not a second launch
 
 
 def _load_tuned() -> dict[tuple[int, int, int], MxConfig]:
@@ -123,7 +157,9 @@ def pick_config(t: int, n: int, k: int) -> MxConfig:
     GEMV (t <= GEMV_MAX_T): BLOCK_K = min(512, next_pow2(K)) (>= 32), BLOCK_N 16 for t <= 2 else 8 (fp32 products
     of BLOCK_T x BLOCK_N x BLOCK_K stay within a 4-warp program's registers), halved while there are < 4 programs
     per SM; split-K up to 8 when there are < 2 tiles per SM, each split >= 2 K steps.
-    GEMM: BM 128 (T >= 256) / 64 / 16-32, BN 128, BK 64, 8 warps (4 for BM <= 32), 3 cp.async stages."""
+    GEMM: BM 128 (T >= 256) / 64 / 16-32, BN 128, BK 64, 8 warps (4 for BM <= 32), 3 cp.async stages.
+    The rule keeps the plain GEMV body and the two-launch split: the LEAN body, the split tiled kernel and the
+    one-launch sum run where the table has measured them (a rule for them would be a guess until a sweep says)."""
     if t <= GEMV_MAX_T and (hit := TUNED.get((t_bucket(t), n, k))) is not None:
         return hit
     if t <= GEMV_MAX_T:
@@ -173,44 +209,97 @@ def _dequant_tile(q_ptrs, s_ptrs, k_ok, g_ok, BN: tl.constexpr, BK: tl.constexpr
 # ---- decode GEMV --------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _store_out(acc, offs_t, offs_n, T, N, y_ptr, stride_yt, part_ptr, cnt_ptr, tile, pid_s, SPLIT: tl.constexpr,
+               ONE_LAUNCH: tl.constexpr):
+    """acc [BT, BN] fp32 of rows offs_t, columns offs_n -> y (unsplit), or this split's partial part[pid_s] [T, N];
+    ONE_LAUNCH: then the tile's last program to finish (its counter cnt[tile]) sums the S partials in split order
+    into y and zeroes the counter again (for the next launch / graph replay)."""
+    mask = (offs_t < T)[:, None] & (offs_n < N)[None, :]
+    if SPLIT:
+        n_split = tl.num_programs(1)
+        plane = tl.cast(T, tl.int64) * N  # one split's [T, N]
+        p_ptrs = part_ptr + offs_t.to(tl.int64)[:, None] * N + offs_n[None, :]  # [BT, BN] in split 0
+        tl.store(p_ptrs + pid_s * plane, acc, mask=mask)
+        if ONE_LAUNCH:
+            tl.debug_barrier()  # every thread's partial store is issued before the release below
+            done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if done == n_split - 1:
+                total = tl.zeros_like(acc)
+                for s in range(n_split):  # split order, whichever program came last: the same bits every call
+                    total += tl.load(p_ptrs + s * plane, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(y_ptr + offs_t.to(tl.int64)[:, None] * stride_yt + offs_n[None, :],
+                         total.to(y_ptr.dtype.element_ty), mask=mask)
+                tl.store(cnt_ptr + tile, 0)
+    else:
+        tl.store(y_ptr + offs_t.to(tl.int64)[:, None] * stride_yt + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=mask)
+
+
 @triton.jit(do_not_specialize=["T", "k_split"])
-def _mx_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, part_ptr, T, N, K, stride_xt, stride_qn, stride_sn, stride_yt, k_split,
-                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                    EVEN_K: tl.constexpr, PDL: tl.constexpr):
+def _mx_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, stride_qn, stride_sn,
+                    stride_yt, k_split, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, LEAN: tl.constexpr, ONE_LAUNCH: tl.constexpr,
+                    PDL: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), S): y[:, n-tile] (SPLIT: its partial part[s] [T, N] fp32) over K [s*k_split, +k_split)."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
-    NB: tl.constexpr = BLOCK_K // 32
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: padding rows re-read row N - 1, the store drops them
     offs_t = tl.arange(0, BLOCK_T)
     trow = tl.minimum(offs_t, T - 1).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_g = tl.arange(0, NB)
-    k0 = pid_s * k_split
-    k_end = tl.minimum(k0 + k_split, K)
-    q_ptrs = q_ptr + rows[:, None] * stride_qn + (k0 + offs_k)[None, :]  # [BN, BK]
-    s_ptrs = s_ptr + rows[:, None] * stride_sn + (k0 // 32 + offs_g)[None, :]  # [BN, NB]
-    x_ptrs = x_ptr + trow[:, None] * stride_xt + (k0 + offs_k)[None, :]  # [BT, BK]
-    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-    for k in range(k0, k_end, BLOCK_K):
-        k_ok = (k + offs_k) < k_end  # K % 32 == 0: whole groups in or out
-        g_ok = (k + offs_g * 32) < k_end
-        w = _dequant_tile(q_ptrs, s_ptrs, k_ok[None, :], g_ok[None, :], BLOCK_N, BLOCK_K, EVEN_K)  # [BN, BK]
-        if EVEN_K:
-            x = tl.load(x_ptrs).to(tl.float32)
-        else:
-            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)  # [BT, BK]
-        acc += tl.sum(w[None, :, :] * x[:, None, :], axis=2)  # [BT, BN]
-        q_ptrs += BLOCK_K
-        s_ptrs += NB
-        x_ptrs += BLOCK_K
-    mask = (offs_t < T)[:, None] & (offs_n < N)[None, :]
-    if SPLIT:
-        tl.store(part_ptr + (pid_s * T + offs_t[:, None]) * N + offs_n[None, :], acc, mask=mask)
+    if LEAN:
+        # [BT, BN, NC, 8]: chunks of 8 along K, each one thread's 8-byte fp8 load and 16-byte x load, both in one
+        # layout (x broadcast over the rows by its pointer: the thread's rows share one load); the chunk's sum is
+        # in-thread FMAs, scaled once, so the loop has no shuffle, no barrier, no shared memory
+        NC: tl.constexpr = BLOCK_K // 8
+        offs_c = tl.arange(0, NC)
+        k0 = pid_s * (k_split // BLOCK_K) * BLOCK_K  # a multiple of BLOCK_K the compiler sees: vector loads
+        k_end = tl.minimum(k0 + k_split, K)
+        kk = (k0 + offs_c * 8)[None, :, None] + tl.arange(0, 8)[None, None, :]  # [1, NC, 8]
+        q_ptrs = q_ptr + rows[:, None, None] * stride_qn + kk  # [BN, NC, 8]
+        s_ptrs = s_ptr + rows[:, None] * stride_sn + (k0 // 32 + offs_c // 4)[None, :]  # [BN, NC]: chunk's group
+        x_ptrs = x_ptr + trow[:, None, None, None] * stride_xt + (kk + 0 * rows[:, None, None])[None, :, :, :]
+        lacc = tl.zeros([BLOCK_T, BLOCK_N, NC], dtype=tl.float32)
+        for k in range(k0, k_end, BLOCK_K):
+            c_ok = (k + offs_c * 8) < k_end  # whole chunks in or out (K % 32 == 0)
+            if EVEN_K:
+                q = tl.load(q_ptrs)
+                sc = _e8m0(tl.load(s_ptrs))
+                x = tl.load(x_ptrs).to(tl.float32)
+            else:
+                q = tl.load(q_ptrs, mask=c_ok[None, :, None], other=0.0)
+                sc = _e8m0(tl.load(s_ptrs, mask=c_ok[None, :], other=127))
+                x = tl.load(x_ptrs, mask=c_ok[None, None, :, None], other=0.0).to(tl.float32)
+            lacc += tl.sum(q.to(tl.float32)[None, :, :, :] * x, axis=3) * sc[None, :, :]
+            q_ptrs += BLOCK_K
+            s_ptrs += BLOCK_K // 32
+            x_ptrs += BLOCK_K
+        acc = tl.sum(lacc, axis=2)  # [BT, BN]: the one cross-thread reduction
     else:
-        tl.store(y_ptr + offs_t[:, None] * stride_yt + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+        NB: tl.constexpr = BLOCK_K // 32
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_g = tl.arange(0, NB)
+        k0 = pid_s * k_split
+        k_end = tl.minimum(k0 + k_split, K)
+        q_ptrs = q_ptr + rows[:, None] * stride_qn + (k0 + offs_k)[None, :]  # [BN, BK]
+        s_ptrs = s_ptr + rows[:, None] * stride_sn + (k0 // 32 + offs_g)[None, :]  # [BN, NB]
+        x_ptrs = x_ptr + trow[:, None] * stride_xt + (k0 + offs_k)[None, :]  # [BT, BK]
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        for k in range(k0, k_end, BLOCK_K):
+            k_ok = (k + offs_k) < k_end  # K % 32 == 0: whole groups in or out
+            g_ok = (k + offs_g * 32) < k_end
+            w = _dequant_tile(q_ptrs, s_ptrs, k_ok[None, :], g_ok[None, :], BLOCK_N, BLOCK_K, EVEN_K)  # [BN, BK]
+            if EVEN_K:
+                x = tl.load(x_ptrs).to(tl.float32)
+            else:
+                x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)  # [BT, BK]
+            acc += tl.sum(w[None, :, :] * x[:, None, :], axis=2)  # [BT, BN]
+            q_ptrs += BLOCK_K
+            s_ptrs += NB
+            x_ptrs += BLOCK_K
+    _store_out(acc, offs_t, offs_n, T, N, y_ptr, stride_yt, part_ptr, cnt_ptr, pid_n, pid_s, SPLIT, ONE_LAUNCH)
 
 
 @triton.jit(do_not_specialize=["T", "S"])
@@ -229,12 +318,13 @@ def _split_sum_kernel(part_ptr, y_ptr, T, N, S, stride_yt, BLOCK: tl.constexpr, 
 # ---- tiled GEMM ---------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["T"])
-def _mx_gemm_kernel(x_ptr, q_ptr, s_ptr, y_ptr, T, N, K, stride_xt, stride_qn, stride_sn, stride_yt,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                    EVEN_K: tl.constexpr, IEEE: tl.constexpr, GROUP_SCALE: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                    PDL: tl.constexpr):
-    """Grid cdiv(T, BM) * cdiv(N, BN), grouped: y tile [BM, BN] = x [BM, K] @ dequant(q, s)[BN, K]^T, fp32 acc."""
+@triton.jit(do_not_specialize=["T", "k_steps"])
+def _mx_gemm_kernel(x_ptr, q_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, stride_qn, stride_sn, stride_yt,
+                    k_steps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, GROUP_SCALE: tl.constexpr,
+                    UPCAST_DOT: tl.constexpr, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr, PDL: tl.constexpr):
+    """Grid (cdiv(T, BM) * cdiv(N, BN), S), grouped: y tile [BM, BN] = x [BM, K] @ dequant(q, s)[BN, K]^T, fp32 acc;
+    SPLIT: program (tile, s) covers K [s * k_steps * BK, +k_steps * BK) and stores its partial (`_store_out`)."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     NB: tl.constexpr = BLOCK_K // 32
     pid = tl.program_id(0)
@@ -249,14 +339,20 @@ def _mx_gemm_kernel(x_ptr, q_ptr, s_ptr, y_ptr, T, N, K, stride_xt, stride_qn, s
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_m = tl.minimum(offs_m, T - 1).to(tl.int64)  # clamped, dropped at the store
     rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    if SPLIT:  # a whole number of BK steps per split, the start a visible multiple of BK (vector / cp.async loads)
+        k0 = tl.program_id(1) * k_steps * BLOCK_K
+        k_end = tl.minimum(k0 + k_steps * BLOCK_K, K)
+    else:
+        k0 = 0
+        k_end = K
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     dt = x_ptr.dtype.element_ty
     if GROUP_SCALE:  # fp16: scale applied to each 32-column group's MMA result (q is exact in fp16)
         offs_c = tl.arange(0, 32)
-        x_ptrs = x_ptr + rows_m[:, None] * stride_xt + offs_c[None, :]  # [BM, 32]
-        q_ptrs = q_ptr + rows_n[:, None] * stride_qn + offs_c[None, :]  # [BN, 32]
-        s_ptrs = s_ptr + rows_n * stride_sn  # [BN]
-        for _g in range(0, K // 32):
+        x_ptrs = x_ptr + rows_m[:, None] * stride_xt + (k0 + offs_c)[None, :]  # [BM, 32]
+        q_ptrs = q_ptr + rows_n[:, None] * stride_qn + (k0 + offs_c)[None, :]  # [BN, 32]
+        s_ptrs = s_ptr + rows_n * stride_sn + k0 // 32  # [BN]
+        for _g in range(k0 // 32, k_end // 32):
             x = tl.load(x_ptrs)
             q = tl.load(q_ptrs).to(dt)
             if UPCAST_DOT:
@@ -270,12 +366,12 @@ def _mx_gemm_kernel(x_ptr, q_ptr, s_ptr, y_ptr, T, N, K, stride_xt, stride_qn, s
     else:
         offs_k = tl.arange(0, BLOCK_K)
         offs_g = tl.arange(0, NB)
-        x_ptrs = x_ptr + rows_m[:, None] * stride_xt + offs_k[None, :]  # [BM, BK]
-        q_ptrs = q_ptr + rows_n[:, None] * stride_qn + offs_k[None, :]  # [BN, BK]
-        s_ptrs = s_ptr + rows_n[:, None] * stride_sn + offs_g[None, :]  # [BN, NB]
-        for k in range(0, K, BLOCK_K):
-            k_ok = (k + offs_k) < K
-            g_ok = (k + offs_g * 32) < K
+        x_ptrs = x_ptr + rows_m[:, None] * stride_xt + (k0 + offs_k)[None, :]  # [BM, BK]
+        q_ptrs = q_ptr + rows_n[:, None] * stride_qn + (k0 + offs_k)[None, :]  # [BN, BK]
+        s_ptrs = s_ptr + rows_n[:, None] * stride_sn + (k0 // 32 + offs_g)[None, :]  # [BN, NB]
+        for k in range(k0, k_end, BLOCK_K):
+            k_ok = (k + offs_k) < k_end
+            g_ok = (k + offs_g * 32) < k_end
             w = _dequant_tile(q_ptrs, s_ptrs, k_ok[None, :], g_ok[None, :], BLOCK_N, BLOCK_K, EVEN_K)
             if EVEN_K:
                 x = tl.load(x_ptrs)
@@ -290,12 +386,34 @@ def _mx_gemm_kernel(x_ptr, q_ptr, s_ptr, y_ptr, T, N, K, stride_xt, stride_qn, s
             x_ptrs += BLOCK_K
             q_ptrs += BLOCK_K
             s_ptrs += NB
-    mask = (offs_m < T)[:, None] & (offs_n < N)[None, :]
-    tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=mask)
+    if SPLIT:
+        _store_out(acc, offs_m, offs_n, T, N, y_ptr, stride_yt, part_ptr, cnt_ptr, pid, tl.program_id(1), SPLIT,
+                   ONE_LAUNCH)
+    else:  # as before the split existed (the measured kernels compile unchanged)
+        mask = (offs_m < T)[:, None] & (offs_n < N)[None, :]
+        tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 # ---- host API -----------------------------------------------------------------------------------------
+
+
+MAX_TILES = 16384  # output tiles with a one-launch split-K counter (one int32 each: 64 KB per device)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device | str) -> torch.Tensor | None:
+    """The one-launch split-K tile counters of `device`: int32 [MAX_TILES], zero between launches (each launch
+    leaves its tiles' counters zero), allocated on the first eager call and never grown; None while a CUDA graph
+    is being captured before they exist (a zero-fill recorded in a graph would run only at replay): that call
+    takes the two-launch sum. Calls that split must be ordered (one stream at a time), as an engine step's are."""
+    device = torch.device(device)
+    c = _COUNTERS.get(device)
+    if c is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        c = _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return c
 
 
 def _check_weight(name: str, q: torch.Tensor, scale: torch.Tensor, sname: str, dims: int, fn: str) -> None:
@@ -338,8 +456,9 @@ def mx_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: torch.
     """y [T, N] = x [T, K] @ dequantize_mx(q, scale)^T in x.dtype, fp32 accumulation (F.linear, no bias).
 
     x bf16 / fp16 / fp32 [T, K] (unit column stride), q float8_e4m3fn [N, K], scale uint8 [N, K / 32] (both
-    contiguous), K % 32 == 0; out, if given, [T, N] in x.dtype with unit column stride. T <= GEMV_MAX_T runs the
-    decode GEMV, larger T the tiled GEMM (`pick_config`; `config` overrides it: tests, tuning)."""
+    contiguous), K % 32 == 0; out, if given, [T, N] in x.dtype with unit column stride. The path, blocks and
+    split are `pick_config`'s (T <= GEMV_MAX_T: the decode GEMV or, where the table says, the tiled GEMM; larger
+    T the tiled GEMM); `config` overrides it (tests, tuning)."""
     fn = "mx_linear"
     _check_weight("q", q, scale, "scale", 2, fn)
     n, k = q.shape
@@ -357,30 +476,33 @@ def mx_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: torch.
     if cfg.block_k % MX_BLOCK or cfg.block_k < MX_BLOCK:
         raise ValueError(f"{fn}: {cfg}: block_k must be a multiple of {MX_BLOCK}")
     launch = pdl.args(x)
+    bk = cfg.block_k
+    split = max(1, min(cfg.split_k, triton.cdiv(k, bk)))
+    k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk  # a whole number of BLOCK_K steps per split
+    split = triton.cdiv(k, k_split)  # e.g. K=320, BLOCK_K=64, 3 splits: 2 of 192 and 128 (no empty third)
+    tiles = triton.cdiv(n, cfg.block_n) * (1 if not cfg.use_dot else triton.cdiv(t, cfg.block_m))
+    cnt = split_counters(x.device) if split > 1 and cfg.one_launch and tiles <= MAX_TILES else None
+    part = torch.empty(split, t, n, dtype=torch.float32, device=x.device) if split > 1 else out  # [S, T, N]
+    common = dict(SPLIT=split > 1, EVEN_K=k % bk == 0, ONE_LAUNCH=cnt is not None, num_warps=cfg.num_warps, **launch)
+    cnt = cnt if cnt is not None else out
     if not cfg.use_dot:
-        bt = triton.next_power_of_2(t)
-        split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
-        k_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
-        split = triton.cdiv(k, k_split)
-        part = torch.empty(split, t, n, dtype=torch.float32, device=x.device) if split > 1 else out
-        grid = (triton.cdiv(n, cfg.block_n), split)
-        _mx_gemv_kernel[grid](x, q, scale, out, part, t, n, k, x.stride(0), q.stride(0), scale.stride(0),
-                              out.stride(0), k_split, BLOCK_T=bt, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                              SPLIT=split > 1, EVEN_K=k % cfg.block_k == 0,
-                              num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
-                              **launch_opts())
-        if split > 1:
-            block = min(1024, triton.next_power_of_2(n))
-            _split_sum_kernel[(t, triton.cdiv(n, block))](part, out, t, n, split, out.stride(0), BLOCK=block,
-                                                          num_warps=4, **pdl.args(x), **launch_opts())
-        return out
-    grid = (triton.cdiv(t, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    interp = interpreting()
-    _mx_gemm_kernel[grid](x, q, scale, out, t, n, k, x.stride(0), q.stride(0), scale.stride(0), out.stride(0),
-                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                          EVEN_K=k % cfg.block_k == 0, IEEE=x.dtype == torch.float32,
-                          GROUP_SCALE=x.dtype == torch.float16, UPCAST_DOT=interp and x.dtype != torch.float32,
-                          num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch, **launch_opts())
+        # LEAN sums its chunks with FMAs (contraction on: the products' roundings are the GEMV's own, any order)
+        opts = {**launch_opts(), "enable_fp_fusion": True} if cfg.lean else launch_opts()
+        _mx_gemv_kernel[(tiles, split)](
+            x, q, scale, out, part, cnt, t, n, k, x.stride(0), q.stride(0), scale.stride(0), out.stride(0), k_split,
+            BLOCK_T=triton.next_power_of_2(t), BLOCK_N=cfg.block_n, BLOCK_K=bk, LEAN=cfg.lean,
+            num_stages=cfg.num_stages, **common, **opts)
+    else:
+        interp = interpreting()
+        _mx_gemm_kernel[(tiles, split)](
+            x, q, scale, out, part, cnt, t, n, k, x.stride(0), q.stride(0), scale.stride(0), out.stride(0),
+            k_split // bk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
+            IEEE=x.dtype == torch.float32, GROUP_SCALE=x.dtype == torch.float16,
+            UPCAST_DOT=interp and x.dtype != torch.float32, num_stages=cfg.num_stages, **common, **launch_opts())
+    if split > 1 and not common["ONE_LAUNCH"]:  # the partials' ordered sum as a launch of its own
+        block = min(1024, triton.next_power_of_2(n))
+        _split_sum_kernel[(t, triton.cdiv(n, block))](part, out, t, n, split, out.stride(0), BLOCK=block,
+                                                      num_warps=4, **pdl.args(x), **launch_opts())
     return out
 
 
