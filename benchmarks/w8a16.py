@@ -242,9 +242,10 @@ def tune_gemv(shapes: list[dict[str, Any]], args: argparse.Namespace, copy_bw: f
     """Per shape and T bucket (--tune-t): pick_config's config (the table's entry) and `tune_candidates`, each
     timed as bench_linear times mx_linear; the fastest wins (every timing is appended to rows). A config whose
     eager probe is > 4x the best time so far (+ 200 us) is skipped untimed (a pathological compile must not eat
-    the sweep's minutes)."""
-    from m3eagle.kernels.quant.mxfp8 import quantize_mx
-    from m3eagle.kernels.quant.w8a16 import mx_linear, pick_config
+    the sweep's minutes); one whose graph-replayed output misses x.float() @ dequantize_mx(q, s).T by more than
+    bf16 rounding (err > 2e-2), or that leaves a split-K counter non-zero, is reported and never wins."""
+    from m3eagle.kernels.quant.mxfp8 import dequantize_mx, quantize_mx
+    from m3eagle.kernels.quant.w8a16 import mx_linear, pick_config, split_counters
 
     dev = torch.device("cuda")
     precompile([(sh["n"], sh["k"], t, c) for sh in shapes for t in args.tune_t
@@ -255,11 +256,14 @@ def tune_gemv(shapes: list[dict[str, Any]], args: argparse.Namespace, copy_bw: f
         q0, s0 = quantize_mx(torch.randn(n, k, device=dev).mul_(k ** -0.5))
         fp8_bytes = n * k + n * k // 32
         mx = [(q0, s0)] + [(q0.clone(), s0.clone()) for _ in range(copies(fp8_bytes, args.rotate_mb) - 1)]
+        wref = dequantize_mx(q0, s0)  # fp32 [N, K]
         for t in args.tune_t:
             x = torch.randn(t, k, device=dev).to(torch.bfloat16)
+            ref = x.float() @ wref.T
             out = torch.empty(t, n, dtype=torch.bfloat16, device=dev)
             timed: list[tuple[float, Any]] = []
-            for cfg in [pick_config(t, n, k)] + tune_candidates(t, n, k):
+            base = pick_config(t, n, k)
+            for cfg in [base] + tune_candidates(t, n, k):
                 def fn(x, a, cfg=cfg, out=out):
                     return mx_linear(x, a[0], a[1], out=out, config=cfg)
                 try:
@@ -267,24 +271,36 @@ def tune_gemv(shapes: list[dict[str, Any]], args: argparse.Namespace, copy_bw: f
                     if timed and eager_us(fn, x, mx) > max(4 * fastest, fastest + 200):
                         print(f"  {cfg}: skipped (eager probe far above the best)")
                         continue
+                    out.fill_(float("nan"))
                     us = graph_time(fn, x, mx, max(5, args.replays // 2), args.min_calls)
                 except Exception as e:  # a config the compiler rejects (registers, shared memory): skip it
                     print(f"  {cfg}: {type(e).__name__}")
                     continue
+                err = ((out.float() - ref).abs().max() / ref.abs().max()).item()  # the last replayed call's y
+                cnt = split_counters(x.device)
+                left = cnt is not None and bool(cnt.any())
+                if not err <= 2e-2 or left:
+                    print(f"  {cfg}: WRONG (err {err:.1e}, split-K counters left non-zero: {left})")
+                    if left:
+                        cnt.zero_()
+                    continue
                 timed.append((us, cfg))
                 rows.append({"t": t, "n": n, "k": k, "us": us, "family": family(cfg), "config": vars(cfg).copy(),
                              "pct_copy": 100 * (fp8_bytes + 2 * t * k) / us / 1e3 / copy_bw})
-            us0 = timed[0][0]
+            if not timed:
+                print(f"tune {n:>6} x {k:<6} T={t}: no config ran correctly; the table keeps its entry", flush=True)
+                continue
+            us0 = next((u for u, c in timed if c is base), math.nan)
             us, cfg = min(timed, key=lambda p: p[0])
             best[(t, n, k)] = cfg
             gbs = (fp8_bytes + 2 * t * k) / us / 1e3
-            fams = {}
-            for u, c in timed[1:]:
+            fams: dict[str, float] = {}
+            for u, c in timed:
                 fams[family(c)] = min(u, fams.get(family(c), math.inf))
             print(f"tune {n:>6} x {k:<6} T={t}: table/rule {us0:7.1f} us -> best {us:7.1f} us "
                   f"({100 * gbs / copy_bw:4.0f}% copy, {len(timed)} timed; best of "
                   f"{', '.join(f'{f} {u:.1f}' for f, u in sorted(fams.items()))}) {cfg}", flush=True)
-        del mx
+        del mx, wref
         torch.cuda.empty_cache()
     return best
 
