@@ -238,8 +238,12 @@ class Driver:
                    -1 if bucket is None else bucket)
         _broadcast_buffers(bufs, inp.num_rows, inp.num_tokens, inp.meta.max_q, self.tp, mode[2], n_stop)
 
-    def capture(self, bucket: int, mode: tuple[bool, bool, bool]) -> None:
-        self._send(CAPTURE, 0, 0, 0, 0, _mode_bits((*mode, False)), 0, bucket)
+    def capture(self, bucket: int, mode: tuple[bool, ...]) -> None:
+        """mode: the graph key's (any_random, want_logprobs, penalties, masked); never masked here (structured
+        output is refused under tensor parallelism: the masks are not broadcast)."""
+        if len(mode) > 3 and mode[3]:
+            raise ValueError("a constrained (masked) graph under tensor parallelism: its masks are not broadcast")
+        self._send(CAPTURE, 0, 0, 0, 0, _mode_bits((*mode[:3], False)), 0, bucket)
 
     def new_engine(self) -> Driver:
         """Tell the workers to build a spec-off engine over the same weights; its steps go through the
@@ -385,7 +389,7 @@ def serve(engine: Any, plain_engine: Callable[[], Any]) -> None:
             continue
         eng = engines[eid]
         if cmd == CAPTURE:
-            eng.graphs.capture(bucket, mode[:3])
+            eng.graphs.capture(bucket, (*mode[:3], False))
             continue
         _broadcast_buffers(eng.buffers, rows, tokens, max_q, tp, mode[2], n_stop)
         inp = carve(eng.buffers, rows, tokens, max_q, max_kv, eng.cfg.page_size, eng.ops, mode, n_stop)

@@ -14,11 +14,19 @@ the runner's alternating pinned buffers (a copy captured into the graph would al
 buffer, which the host may still be reading under overlap).
 
 Graphs are keyed by (bucket, mode), mode = (any row samples, any row wants logprobs, any row has
-penalties); K is fixed per engine, except that a draft tree's narrow steps (each row verifying the
-first D nodes of its tree: draft_tree.verify_width) take buckets of their own, (NARROW, rows, D). All
-share one memory pool; the greedy graphs are captured at startup,
-largest bucket first, and the others on first use. Steps that are neither graph-shaped nor
-prefill-shaped run eagerly.
+penalties, any sampling row is constrained by a grammar); K is fixed per engine, except that a draft tree's
+narrow steps (each row verifying the first D nodes of its tree: draft_tree.verify_width) take buckets of
+their own, (NARROW, rows, D). All share one memory pool; the greedy graphs are captured at startup,
+largest bucket first, and the others on first use (or by the warm-up: `warm_keys`). Steps that are neither
+graph-shaped nor prefill-shaped run eagerly.
+
+A constrained ("masked") graph reads the grammar masks of its verify positions from a static device buffer
+(input_builder.VerifyMasks) that the host fills before each replay, and masks the target's logits inside the
+graph (docs/design/structured-output.md). Only decode / verify buckets take masked graphs (`masked_modes`,
+set by an engine that runs constrained chain steps; all of them are warmed): a prompt or mixed step that
+carries a constrained sampling row -- once per constrained request, its last prompt chunk -- runs eagerly, since
+warming masked prefill graphs would double the prefill keys and capturing them on first use costs a serving
+step more than the eager step does.
 
 Prefill graphs (`prefill=True`, the default on one CUDA device): every other step -- prompt chunks, and
 mixed steps of prompt chunks and decode / verify rows -- without penalties or prompt logprobs, of R rows
@@ -44,6 +52,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -146,7 +155,10 @@ class GraphRunner:
                                 if prefill and bufs.max_rows >= 2 and driver is None else [])
         self.prefill_rows = bucket_sizes(bufs.max_rows)
         self.use_graphs = graphs and runner.device.type == "cuda"
-        self.graphs: dict[tuple[Any, tuple[bool, bool, bool]], tuple[torch.cuda.CUDAGraph, StepOutput]] = {}
+        # Decode / verify buckets take masked (constrained) graphs too; the engine sets it when it runs
+        # constrained chain steps replayable (a tokenizer, one rank, no draft tree, no structured_draft_masks).
+        self.masked_modes = False
+        self.graphs: dict[tuple[Any, tuple[bool, ...]], tuple[torch.cuda.CUDAGraph, StepOutput]] = {}
         self.pool = None
         self.capture_seconds = 0.0
         self.num_replays = 0
@@ -158,13 +170,13 @@ class GraphRunner:
             driver.attach(self)  # its shutdown releases these graphs before NCCL's teardown (release())
 
     # ---- planning -------------------------------------------------------------------------------
-    def bucket(self, batch: ScheduledBatch) -> Any:
+    def bucket(self, batch: ScheduledBatch, masked: bool = False) -> Any:
         """The step's graph bucket: rows (a decode / verify step), (PREFILL, rows, tokens) (a prefill
-        graph's), or None (eager)."""
+        graph's), or None (eager). `masked`: a sampling row is constrained (prefill-shaped: eager)."""
         if is_graph_shaped(batch, self.k, self.narrow):
             b, w = bucket_for(len(batch.rows), self.buckets), batch.rows[0].num_drafts
             return b if w == self.k or b is None else (NARROW, b, w)
-        if self.prefill_buckets and is_prefill_shaped(batch):
+        if self.prefill_buckets and not masked and is_prefill_shaped(batch):
             n = len(batch.rows)
             rows = bucket_for(n + 1, self.prefill_rows)  # >= 1 padding row
             if rows is None:
@@ -176,17 +188,20 @@ class GraphRunner:
             return (PREFILL, rows, t) if t is not None else None
         return None
 
-    def build(self, batch: ScheduledBatch, bucket: Any) -> StepInput:
+    def build(self, batch: ScheduledBatch, bucket: Any, masked: bool = False,
+              fill_masks: Callable[[torch.Tensor], None] | None = None) -> StepInput:
         """The step's inputs: padded to its bucket with the fixed KV bound, or as they are (a multi-step
-        iteration's KV bound then covers its last sub-step, whose rows end (steps - 1) x (1 + K) further)."""
+        iteration's KV bound then covers its last sub-step, whose rows end (steps - 1) x (1 + K) further).
+        `masked`: the verify masks are uploaded too, what `fill_masks` writes (build_step_input)."""
         if bucket is None:
             max_kv = 0 if batch.steps == 1 else (max(r.kv_len for r in batch.rows)
                                                   + (batch.steps - 1) * (self.k + 1))
             return build_step_input(batch, self.page_size, self.table_width, self.runner.device, self.bufs,
-                                    dump_slot=self.runner.dump_slot, ops=self.ops, max_kv=max_kv)
+                                    dump_slot=self.runner.dump_slot, ops=self.ops, max_kv=max_kv, masked=masked,
+                                    fill_masks=fill_masks)
         return build_step_input(batch, self.page_size, self.table_width, self.runner.device, self.bufs,
-                                max_kv=self.max_kv, dump_slot=self.runner.dump_slot, ops=self.ops,
-                                **self._padding(bucket, batch))
+                                max_kv=self.max_kv, dump_slot=self.runner.dump_slot, ops=self.ops, masked=masked,
+                                fill_masks=fill_masks, **self._padding(bucket, batch))
 
     def _padding(self, bucket: Any, batch: ScheduledBatch) -> dict[str, Any]:
         """build_step_input's padding arguments of a bucket for `batch` (empty when capturing). Decode: rows
@@ -203,11 +218,11 @@ class GraphRunner:
         return dict(pad_rows_to=bucket, pad_q=self.k + 1)
 
     # ---- running --------------------------------------------------------------------------------
-    def ensure(self, batch: ScheduledBatch, bucket: Any) -> None:
+    def ensure(self, batch: ScheduledBatch, bucket: Any, masked: bool = False) -> None:
         """Capture the step's graph if it is missing -- before its inputs are built, since capturing fills
         the same buffers with padding rows."""
         if bucket is not None and self.use_graphs:
-            mode = self.bufs.step_mode(batch.rows)
+            mode = (*self.bufs.step_mode(batch.rows), masked)
             if (bucket, mode) not in self.graphs:
                 self.capture(bucket, mode)
 
@@ -248,20 +263,22 @@ class GraphRunner:
             return
         free0 = torch.cuda.mem_get_info(self.runner.device)[0]
         for b in self.decode_buckets():
-            self.capture(b, (False, False, False))
+            self.capture(b, (False, False, False, False))
         used = (free0 - torch.cuda.mem_get_info(self.runner.device)[0]) / 2**20
         log.info("captured %d CUDA graphs (buckets %s, K=%d) in %.1f s; graph memory %.0f MiB",
                  len(self.graphs), self.buckets, self.k, self.capture_seconds, used)
 
-    def warm_keys(self) -> list[tuple[Any, tuple[bool, bool, bool]]]:
+    def warm_keys(self) -> list[tuple[Any, tuple[bool, ...]]]:
         """Every (bucket, mode) a serving step can take, largest first: each decode / verify bucket in each of
-        the 8 modes, and each prefill bucket (R' >= 2 rows, T >= R' tokens: every row holds a token) in the 4
-        modes a prefill graph has (no penalties). The step whose graph `warm` captures is built of padding
-        rows only, so what it compiles and captures is exactly what the first real step of that key would."""
+        the 8 modes (16 with `masked_modes`: each also constrained), and each prefill bucket (R' >= 2 rows,
+        T >= R' tokens: every row holds a token) in the 4 modes a prefill graph has (no penalties, never
+        masked). The step whose graph `warm` captures is built of padding rows only, so what it compiles and
+        captures is exactly what the first real step of that key would."""
         flags = (False, True)
-        decode = [(b, (r, lp, pen)) for b in self.decode_buckets()
-                  for r in flags for lp in flags for pen in flags]
-        prefill = [((PREFILL, rows, t), (r, lp, False)) for t in sorted(self.prefill_buckets, reverse=True)
+        masks = flags if self.masked_modes else (False,)
+        decode = [(b, (r, lp, pen, m)) for b in self.decode_buckets()
+                  for m in masks for r in flags for lp in flags for pen in flags]
+        prefill = [((PREFILL, rows, t), (r, lp, False, False)) for t in sorted(self.prefill_buckets, reverse=True)
                    for rows in sorted(self.prefill_rows, reverse=True) if 2 <= rows <= t
                    for r in flags for lp in flags]
         return decode + prefill
@@ -281,7 +298,7 @@ class GraphRunner:
         if not self.use_graphs or self.narrow is None or self.narrow == self.k:
             return {}
         dev = self.runner.device
-        mode = (False, False, False)
+        mode = (False, False, False, False)
         empty = ScheduledBatch([], [])
 
         def cost(bucket: Any) -> float:
@@ -307,7 +324,7 @@ class GraphRunner:
         torch.cuda.synchronize(dev)
         return costs
 
-    def warm(self, bucket: Any, mode: tuple[bool, bool, bool]) -> bool:
+    def warm(self, bucket: Any, mode: tuple[bool, ...]) -> bool:
         """Make the first real step of (bucket, mode) cost what later ones do: capture its graph (its two eager
         warm-up runs compile the Triton variants), or, where graphs are off (enforce_eager, CPU), run the
         padding-only step once eagerly. Returns whether it did anything (False: already captured)."""
@@ -324,7 +341,7 @@ class GraphRunner:
         self.runner.execute(inp)
         return True
 
-    def capture(self, bucket: Any, mode: tuple[bool, bool, bool]) -> None:
+    def capture(self, bucket: Any, mode: tuple[bool, ...]) -> None:
         """Capture `execute` on padding rows only (they touch nothing but the trash page and the dump
         slot), so capturing in the middle of serving changes no request's state."""
         if self.driver is not None:
@@ -333,7 +350,7 @@ class GraphRunner:
                 return self._capture(bucket, mode)
         self._capture(bucket, mode)
 
-    def _capture(self, bucket: Any, mode: tuple[bool, bool, bool]) -> None:
+    def _capture(self, bucket: Any, mode: tuple[bool, ...]) -> None:
         t0 = time.perf_counter()
         inp = build_step_input(ScheduledBatch([], []), self.page_size, self.table_width, self.runner.device,
                                self.bufs, max_kv=self.max_kv, dump_slot=self.runner.dump_slot, ops=self.ops,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import reduce
 from itertools import chain
@@ -35,6 +36,7 @@ from m3eagle.kernels.attention.metadata import TRASH_PAGE, AttnMetadata
 from m3eagle.sampling.params import MAX_MIN_TOKENS_STOP_IDS
 from m3eagle.sampling.penalties import PenaltyTensors
 from m3eagle.sampling.sampler import SamplingTensors
+from m3eagle.sampling.structured import bitmask_width
 
 
 @dataclass
@@ -57,13 +59,21 @@ class StepInput:
     want_logprobs: bool  # some row wants logprobs: the sampled tokens' and the top MAX_LOGPROBS candidates
     penalties: PenaltyTensors | None = None  # some row's distribution depends on its history (penalties.py)
     want_prompt_logprobs: bool = False  # some prompt chunk wants prompt_logprobs (never in graph-shaped steps)
-    grammar: Any = None  # a GrammarStep (structured_step.py): the masks of constrained rows; eager steps only
+    # The host half of a step that reads device values back as it runs (structured_step.py): a draft tree's
+    # TreeGrammarStep, or the chain's GrammarStep under structured_draft_masks. Such steps run eagerly.
+    grammar: Any = None
     draft_width: int = -1  # the most drafts any row carries (host int: a draft-tree step's verify width); -1: unknown
+    # Some sampling row is constrained: the target's logits at every verify position are masked by
+    # verify_mask (int32 [B, K+1, W], a view of StepBuffers.masks' static device buffer, all-allowed on
+    # unconstrained and padding rows), which a graph reads like any other input.
+    masked: bool = False
+    verify_mask: torch.Tensor | None = None
 
     @property
-    def mode(self) -> tuple[bool, bool, bool]:
-        """The host choices that change what a step computes (part of a CUDA-graph key)."""
-        return self.any_random, self.want_logprobs, self.penalties is not None
+    def mode(self) -> tuple[bool, bool, bool, bool]:
+        """The host choices that change what a step computes (part of a CUDA-graph key): any row samples at
+        random, wants logprobs, has penalties, is constrained by a grammar."""
+        return self.any_random, self.want_logprobs, self.penalties is not None, self.masked
 
 
 # Per kind: torch dtype, numpy dtype, struct code, bytes per element.
@@ -173,16 +183,47 @@ class _Shape:
         return out
 
 
+class VerifyMasks:
+    """The grammar masks of a constrained step's verify positions: one static device buffer, int32
+    [max_rows * (K+1), W] (W = ceil(V / 32)), allocated once, and two pinned host stagings used in turn. A step
+    of B rows takes the first B * (K+1) rows, so every step of one graph bucket reads the same address and a
+    replay sees freshly uploaded masks. Rows nobody fills (unconstrained rows, padding) allow everything."""
+
+    def __init__(self, max_rows: int, k1: int, vocab_size: int, device: torch.device):
+        self.k1, self.width = k1, bitmask_width(vocab_size)
+        n, pin = max_rows * k1, device.type == "cuda"
+        self.dev = torch.full((n, self.width), -1, dtype=torch.int32, device=device)  # [R * (K+1), W]
+        self.host = [torch.full((n, self.width), -1, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._parity = 0
+
+    def upload(self, n_rows: int, fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Fill the next host staging's first n_rows * (K+1) rows -- all-allowed, then `fill(host)` writes the
+        constrained rows' masks -- and start their non-blocking copy to the device. -> the device view
+        [n_rows, K+1, W]. The staging alternates: a copy still queued from the previous step reads the other."""
+        n = n_rows * self.k1
+        host = self.host[self._parity][:n]  # [B * (K+1), W]
+        self._parity ^= 1
+        host.fill_(-1)
+        if fill is not None:
+            fill(host)
+        dev = self.dev[:n]
+        dev.copy_(host, non_blocking=dev.is_cuda)
+        return dev.view(n_rows, self.k1, self.width)
+
+
 class StepBuffers:
     """The device byte buffer every step input is carved from, sized for the engine's maxima and allocated
-    once, and its host staging.
+    once, and its host staging. `verify_masks` (K+1, V): also the static grammar masks (`VerifyMasks`) of an
+    engine that runs constrained chain steps.
 
     Host staging is pinned on CUDA and double-buffered: under overlap the host packs step N+1 while the
     copy of step N may still be queued behind step N-1 on the device; with two stagings, the one being
     overwritten (step N-1's) was consumed before step N-1 finished, which the host has waited for."""
 
-    def __init__(self, max_tokens: int, max_rows: int, table_width: int, device: torch.device):
+    def __init__(self, max_tokens: int, max_rows: int, table_width: int, device: torch.device,
+                 verify_masks: tuple[int, int] | None = None):
         self.max_tokens, self.max_rows, self.table_width, self.device = max_tokens, max_rows, table_width, device
+        self.masks = VerifyMasks(max_rows, *verify_masks, device) if verify_masks is not None else None
         # ints: ids, tok_row, tok_col (T each); 12 per-row ints; min_tokens stop ids and their rows; the page
         # table; q_index (B x Qmax <= T + B*... ); floats: 6 per row; bools: 7 per row and q_valid; and each
         # of the (at most 40) values' alignment.
@@ -339,14 +380,17 @@ def _assemble(v: dict[str, torch.Tensor], n_rows: int, t: int, max_q: int, max_k
 def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, device: torch.device,
                      bufs: StepBuffers | None = None, pad_rows_to: int = 0, max_kv: int = 0,
                      dump_slot: int = 0, pad_q: int | list[int] = 0, ops: Any = None,
-                     mode: tuple[bool, bool, bool] | None = None, max_q: int = 0,
-                     pad_drafts: int | None = None) -> StepInput:
+                     mode: tuple[bool, ...] | None = None, max_q: int = 0,
+                     pad_drafts: int | None = None, masked: bool = False,
+                     fill_masks: Callable[[torch.Tensor], None] | None = None) -> StepInput:
     """Pack one step. `pad_rows_to` appends padding rows (trash page, dump slot, greedy, no sampling) up to
     that many rows, each `pad_q` tokens wide (0: as wide as the first real row; a list: one width per
     padding row) and "verifying" `pad_drafts` drafts (None: pad_q - 1, a decode row's); `max_kv` (0: the
     step's own bound) and `max_q` (0: the widest row) fix the metadata's bounds, so that steps of one graph
     bucket get one launch shape.
-    `mode` overrides (any_random, want_logprobs, penalties) -- a graph captured on padding rows alone needs it.
+    `mode` overrides (any_random, want_logprobs, penalties[, masked]) -- a graph captured on padding rows alone
+    needs it. `masked`: some sampling row is constrained; the step's verify masks are uploaded into
+    `bufs.masks`, all-allowed except what `fill_masks(host [B * (K+1), W])` writes (GrammarStep.fill_verify).
     `ops` are the engine's fast paths, handed to the models with the metadata. `bufs` None allocates
     buffers for exactly this step (tests)."""
     rows = batch.rows
@@ -370,8 +414,9 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
     params = bufs.row_params(rows)  # the entries step_mode looked up for these rows, if it did
     bufs._memo_rows = None  # the next step looks its rows up again
     bits = _mode_bits(params)
-    any_random, want_logprobs, any_penalty = mode or (bool(bits & _RANDOM), bool(bits & _LOGPROBS),
-                                                      bool(bits & _PENALTIES))
+    any_random, want_logprobs, any_penalty = mode[:3] if mode else (bool(bits & _RANDOM), bool(bits & _LOGPROBS),
+                                                                     bool(bits & _PENALTIES))
+    masked = bool(mode[3]) if mode is not None and len(mode) > 3 else masked
     want_prompt_lp = bool(bits & _PROMPT_LOGPROBS) and any(
         not r.gather and r.req.params.prompt_logprobs is not None and r.start + 1 < len(r.req.prompt_token_ids)
         for r in rows)
@@ -400,6 +445,10 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
     inp = _assemble(shape.views, n_rows, t, max_q, max_kv or max(kv_lens, default=1), page_size, ops,
                     (any_random, want_logprobs, any_penalty, want_prompt_lp))
     inp.draft_width = max(max((r.num_drafts for r in rows), default=0), max(nd_pad, default=0))
+    if masked:
+        if bufs.masks is None:
+            raise ValueError("a constrained step needs StepBuffers(verify_masks=(K+1, V)): these buffers hold no masks")
+        inp.masked, inp.verify_mask = True, bufs.masks.upload(n_rows, fill_masks)  # [B, K+1, W]
     return inp
 
 

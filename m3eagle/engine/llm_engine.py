@@ -122,6 +122,12 @@ class EngineConfig:
     # The deterministic mode (LLM(deterministic=True)): besides its batch-invariant kernels (the Ops), verification
     # is coupled to decoding without drafts (sampling/verify.py), so a seed gives the same tokens with any drafts.
     deterministic: bool = False
+    # Structured output: mask the draft head with the grammar too (LLM(structured_draft_masks=True)). Drafts then
+    # stay inside the grammar, which raises acceptance for a weak head, but each constrained step reads device
+    # values back K+1 times as it drafts and runs eagerly. Off: drafts are proposed unmasked, the masked target
+    # rejects what leaves the grammar, and constrained steps replay CUDA graphs without a read inside the step
+    # (docs/design/structured-output.md).
+    structured_draft_masks: bool = False
 
 
 # num_scheduler_steps="auto" (opt-in). A replayed decode step of a model whose weights are a few hundred MB
@@ -251,12 +257,18 @@ class LLMEngine(OutputProcessor):
         self.runner = runner_cls(target, draft, k, num_pages, cfg.page_size, cfg.max_num_seqs, dtype, device,
                                  max_num_tokens=max_tokens, max_rows=max_rows,
                                  host_sets=2 * cfg.num_scheduler_steps, coupled=cfg.deterministic, **extra)
-        self.buffers = StepBuffers(max_tokens, max_rows, self.table_width, device)
+        # Constrained chain steps take their verify masks from a static buffer (a tokenizer to compile grammars
+        # with, one rank: structured output is refused otherwise; a draft tree builds its masks inside the step).
+        chain_masks = tokenizer is not None and tp.size == 1 and tree is None
+        self.buffers = StepBuffers(max_tokens, max_rows, self.table_width, device,
+                                   verify_masks=(k + 1, target.cfg.vocab_size) if chain_masks else None)
         graph_shapes = cfg.graph_shapes if cfg.graph_shapes is not None else device.type == "cuda"
         self.graphs = GraphRunner(self.runner, self.buffers, k, cfg.max_num_seqs, cfg.page_size, self.table_width,
                                   graphs=not cfg.enforce_eager, ops=self.ops, driver=driver,
                                   prefill=pg, prefill_cap=cfg.max_prefill_graph_tokens)
         self.graph_shapes = graph_shapes
+        # replayed, so warmed (with structured_draft_masks only without drafts: the head's masks read back)
+        self.graphs.masked_modes = chain_masks and not (cfg.structured_draft_masks and k)
         self.tp = tp
         if tree is not None:
             self.graphs.narrow = narrow_width(tree)
@@ -627,8 +639,9 @@ class LLMEngine(OutputProcessor):
         # one step per plan, 1.8-1.9 without this, 0.8-0.9 with it). The plan still depends on the schedule
         # alone.
         # A constrained request's masks need its accepted tokens and the drafts its next row verifies, so while
-        # one is live every step waits for the previous one (one step per plan, eager); the others keep the
-        # overlap's sync-free steady state (docs/design/structured-output.md).
+        # one is live every step first processes the previous one (one step per plan): a wait on the event of its
+        # outputs' asynchronous copy, as overlap's processing is, never a read inside a step. Without a live
+        # constrained request the overlap runs ahead as before (docs/design/structured-output.md).
         constrained = bool(self._constrained)
         if constrained and self._pending is not None:
             self._drain()
@@ -649,22 +662,31 @@ class LLMEngine(OutputProcessor):
             return
         if self.cfg.num_scheduler_steps > 1:  # (one step per plan never reads it: no loop over rows then)
             self._steady = all(r.gather for r in batch.rows)  # every row continues from the slot buffers
-        grammar = None
+        # A constrained sampling row: the host builds its verify masks from the drafts it verifies (kept from the
+        # previous step's output) into the step's static mask buffer; the step then reads nothing back and
+        # replays a masked graph. A draft tree, or the structured_draft_masks option, masks the head too: that
+        # step reads back as it drafts (its GrammarStep rides in inp.grammar) and runs eagerly.
+        grammar, masked, host_half = None, False, False
         if constrained and any(r.samples and r.req.grammar is not None for r in batch.rows):
-            grammar = (TreeGrammarStep(batch.rows, len(batch.rows), self.target_cfg.vocab_size, self.device)
-                       if self.k and self.cfg.draft_tree is not None
-                       else GrammarStep(batch.rows, len(batch.rows), self.k, self.target_cfg.vocab_size, self.device))
-        bucket = self.graphs.bucket(batch) if self.graph_shapes and grammar is None else None
-        self.graphs.ensure(batch, bucket)
-        inp = self.graphs.build(batch, bucket)
-        inp.grammar = grammar
+            if self.k and self.cfg.draft_tree is not None:
+                grammar = TreeGrammarStep(batch.rows, len(batch.rows), self.target_cfg.vocab_size, self.device)
+                host_half = True
+            else:
+                grammar = GrammarStep(batch.rows, len(batch.rows), self.k, self.target_cfg.vocab_size, self.device)
+                masked, host_half = True, self.cfg.structured_draft_masks and self.k > 0  # K=0: nothing to draft
+        bucket = self.graphs.bucket(batch, masked) if self.graph_shapes and not host_half else None
+        self.graphs.ensure(batch, bucket, masked)
+        inp = self.graphs.build(batch, bucket, masked, grammar.fill_verify if masked else None)
+        inp.grammar = grammar if host_half else None
+        # The next step's verify masks walk this step's drafts: copied back with its tokens (no read in the step).
+        keep = masked and not host_half and self.k > 0
         # A multi-step iteration runs the same inputs batch.steps times: each sub-step's commit advances the
         # rows' lengths in the input buffer on the device (ModelRunner.execute), and each is folded into the
         # host's projection like a step of its own (all drafts accepted).
         outs = []
         self.scheduler.commit(batch, batch.steps)
         for _ in range(batch.steps):
-            outs.append(self.runner.to_host(self._execute(inp, bucket)))
+            outs.append(self.runner.to_host(self._execute(inp, bucket), keep))
         self.num_steps += batch.steps
         self.num_iterations += 1
         if self.cfg.overlap:
@@ -675,7 +697,9 @@ class LLMEngine(OutputProcessor):
             self._process_iteration(batch, outs)
 
     def _execute(self, inp, bucket: int | None) -> StepOutput:
-        if self.sync_debug and self.device.type == "cuda" and inp.grammar is None:  # constrained steps sync by design
+        # A step with a host half (a draft tree's grammar, structured_draft_masks) reads back by design; every
+        # other step -- constrained chain steps included -- must not.
+        if self.sync_debug and self.device.type == "cuda" and inp.grammar is None:
             torch.cuda.set_sync_debug_mode("error")
             try:
                 return self.graphs.run(inp, bucket)

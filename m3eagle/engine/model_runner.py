@@ -6,7 +6,10 @@ from those buffers, so the host never needs them -- which is what lets the overl
 step N+1 before it has seen step N's tokens.
 
 NOTE: no blocking CPU operation in `execute` (no .item(), .tolist(), .cpu(), nonzero or boolean-mask
-indexing). The only device->host traffic is StepOutput.copy_to_host(), non-blocking, with an event.
+indexing). The only device->host traffic is StepOutput.copy_to_host(), non-blocking, with an event. A
+constrained step's grammar masks are one more static input (StepInput.verify_mask); only the opt-in
+structured_draft_masks option (and a draft tree's grammar) reads device values back inside the step, through
+the GrammarStep in StepInput.grammar, and runs eagerly for that reason.
 """
 
 from __future__ import annotations
@@ -63,13 +66,15 @@ class StepOutput:
         """The same device tensors without host state (a replayed graph's static outputs, per step)."""
         return StepOutput(self.new_tokens, self.num_new, self.draft_tokens, self.logprobs, self.prompt_logprobs)
 
-    def copy_to_host(self, bufs: dict[str, torch.Tensor]) -> None:
+    def copy_to_host(self, bufs: dict[str, torch.Tensor], drafts: bool = False) -> None:
         """Start the non-blocking device->host copy into preallocated (pinned on CUDA) buffers;
         `wait()` before use. Only the first B rows of each buffer are written. Prompt logprobs (prompt
-        steps only, any number of tokens) go to pinned buffers allocated here."""
+        steps only, any number of tokens) go to pinned buffers allocated here. `drafts`: also draft_tokens."""
         pin = self.new_tokens.is_cuda
         self.host = {}
         named = {"new_tokens": self.new_tokens, "num_new": self.num_new}
+        if drafts:
+            named["draft_tokens"] = self.draft_tokens
         if self.logprobs is not None:
             named.update({f"lp_{f.name}": getattr(self.logprobs, f.name) for f in fields(TokenLogprobs)})
         for name, t in named.items():
@@ -141,6 +146,7 @@ class ModelRunner:
         nt = self.n_top
         self.host_bufs = [{"new_tokens": torch.zeros(rows, k1, dtype=torch.int64, pin_memory=pin),
                            "num_new": torch.zeros(rows, dtype=torch.int64, pin_memory=pin),
+                           "draft_tokens": torch.zeros(rows, self.k, dtype=torch.int64, pin_memory=pin),
                            "lp_logprob": torch.zeros(rows, k1, dtype=torch.float32, pin_memory=pin),
                            "lp_rank": torch.zeros(rows, k1, dtype=torch.int64, pin_memory=pin),
                            "lp_top_logprobs": torch.zeros(rows, k1, nt, dtype=torch.float32, pin_memory=pin),
@@ -163,9 +169,10 @@ class ModelRunner:
             ops = self._book[name] = step_ops.create(name)
         return ops
 
-    def to_host(self, out: StepOutput) -> StepOutput:
-        """Launch the step's device->host copy (after execute, or after a graph replay)."""
-        out.copy_to_host(self.host_bufs[self._host_parity])
+    def to_host(self, out: StepOutput, drafts: bool = False) -> StepOutput:
+        """Launch the step's device->host copy (after execute, or after a graph replay); `drafts`: the drafts too
+        (a constrained step's: the next step's verify masks walk them)."""
+        out.copy_to_host(self.host_bufs[self._host_parity], drafts)
         self._host_parity = (self._host_parity + 1) % len(self.host_bufs)
         return out
 
@@ -185,7 +192,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inp: StepInput) -> StepOutput:
         k = self.k
-        grammar = inp.grammar  # a GrammarStep (structured_step.py) when some row is constrained: eager only
+        # Constrained rows: inp.verify_mask masks the target (a static input, like the step's other tensors). A
+        # GrammarStep here (structured_step.py) is the structured_draft_masks option's: it masks the draft head
+        # too, reading device values back as it drafts, so such a step runs eagerly.
+        grammar = inp.grammar
         ids, meta = self._apply_overlap_correction(inp)
         pen = inp.penalties
         if pen is not None:  # history first: a prompt chunk's tokens precede the position it samples
@@ -203,7 +213,7 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(inp, ids, hidden) if every else None
         # fp32 logits only where something reads more than their argmax (an fp32 copy of bf16 logits changes
         # no argmax); these flags are part of a graph's key.
-        fp32 = inp.any_random or pen is not None or inp.want_logprobs or grammar is not None
+        fp32 = inp.any_random or pen is not None or inp.want_logprobs or inp.masked
         sampled = hidden[sample_idx.reshape(-1)] if every else hidden  # [B * (K+1), H]
         # Without drafts every greedy row emits exactly its argmax: no acceptance launch to count that.
         accept = book.greedy_accept if k else (lambda tok, _d, _n: self.row_ones[: tok.shape[0]])
@@ -219,8 +229,9 @@ class ModelRunner:
             q_probs = (self.slot_draft_probs[inp.row_slot] if inp.any_random and self.slot_draft_probs is not None
                        else None)
             # The grammar's mask of each verify position (the state after the drafts before it); logprobs stay
-            # those of the unmasked distribution, as vLLM's do.
-            scored = apply_bitmask(logits, grammar.verify_mask) if grammar is not None else logits
+            # those of the unmasked distribution, as vLLM's do. A draft the grammar refuses has p = 0 there, so it
+            # is rejected whatever proposed it.
+            scored = apply_bitmask(logits, inp.verify_mask) if inp.masked else logits
             new_tokens, num_new = verify(scored, drafts_in, inp.row_num_drafts, inp.sampling, positions, q_probs,
                                          inp.any_random, accept, fused.argmax, self.coupled)
         # Logprobs of the (penalised) target distribution, before temperature / top-k / top-p / min-p.
@@ -261,8 +272,9 @@ class ModelRunner:
                shifted: torch.Tensor, at: torch.Tensor, at_slots: torch.Tensor) -> torch.Tensor:
         """Draft step 0 over every target token (inputs shifted by one, the bonus token after each row's last
         accepted one), then K-1 one-token steps. last_idx [B], shifted [T], at [K+1, B] (position of the
-        last accepted token + j) and at_slots [K+1, B] (their cache slots): commit_outputs'. A constrained step
-        masks each draft depth with its GrammarStep's draft_mask."""
+        last accepted token + j) and at_slots [K+1, B] (their cache slots): commit_outputs'. Constrained rows draft
+        like the others; under structured_draft_masks (a GrammarStep in inp.grammar) each depth is masked with its
+        draft_mask."""
         k, b = self.k, inp.num_rows
         st: SamplingTensors = inp.sampling
         h_out, h_next = self.draft(shifted, meta.positions, aux, meta, self.draft_cache, True, rows=last_idx)  # [B, H]

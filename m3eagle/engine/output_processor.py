@@ -33,6 +33,7 @@ from m3eagle.engine.request import (
     per_position_counts,
 )
 from m3eagle.engine.scheduler import ScheduledBatch, Scheduler
+from m3eagle.engine.structured_step import keep_drafts
 
 log = logging.getLogger("m3eagle")
 
@@ -136,6 +137,8 @@ class OutputProcessor:
     # ---- one step's rows ------------------------------------------------------------------------
     def _process(self, batch: ScheduledBatch, out: StepOutput) -> None:
         host = out.wait()
+        if "draft_tokens" in host:  # a constrained step's drafts: what its rows' next verify masks walk
+            keep_drafts(batch.rows, host["draft_tokens"].tolist())
         new_tokens, num_new = host["new_tokens"].tolist(), host["num_new"].tolist()
         lp = {name: host[name].tolist() for name in host if name.startswith("lp_")} or None
         plp = {name: host[name].tolist() for name in host if name.startswith("plp_")} or None

@@ -103,7 +103,12 @@ class Runtime:
     or its verify count ('auto' backends become 'batch_invariant' on CUDA; docs/design/deterministic.md), so
     greedy speculative output equals plain output and a request's output is the same alone or in any batch,
     in bf16 on the GPU too; under tensor parallelism the ranks' partial sums are added in rank order. Not with
-    MXFP8 weights."""
+    MXFP8 weights.
+    structured_draft_masks: constrained requests (structured output) mask the draft head with their grammar too,
+    so drafts stay inside it: higher acceptance for a weak draft head, but each constrained step reads device
+    values back K+1 times as it drafts and runs eagerly. Off (the default): drafts are proposed unmasked, the
+    grammar-masked target rejects the ones it refuses (the output is the same either way), and constrained
+    steps replay CUDA graphs with no host read inside the step (docs/design/structured-output.md)."""
 
     def __init__(self, model: str | Path | M3Config | dict | None = None,
                  draft: str | Path | Eagle3Config | dict | None = None,
@@ -118,6 +123,7 @@ class Runtime:
                  quantization: str | None = None, enable_prefix_caching: bool = True,
                  tokenizer: str | Path | None = None, draft_tree: str | tuple | None = None,
                  deterministic: bool = False, tree_max_batch: int | None = None,
+                 structured_draft_masks: bool = False,
                  _worker: tuple[int, int, str] | None = None):
         # What a spawned worker needs to build its rank of this same LLM (_worker: its rank, size, rendezvous).
         spawn_kwargs = {k: v for k, v in locals().items() if k not in ("self", "_worker")}
@@ -185,6 +191,9 @@ class Runtime:
             raise ValueError(f"deterministic=True with quantization={quantization!r}: the batch-invariant kernels "
                              "take bf16 / fp16 / fp32 weights, not MXFP8; drop one of the two")
         self.deterministic = deterministic
+        if not isinstance(structured_draft_masks, bool):
+            raise ValueError(f"structured_draft_masks={structured_draft_masks!r} must be True or False")
+        self.structured_draft_masks = structured_draft_masks
         # This LLM's own fast paths (no module global): built before the weights so a bad name fails fast.
         self.ops = make_ops(attention_backend, moe_backend, dev, fused_backend, deterministic)
         self._driver: launch.Driver | None = None
@@ -293,7 +302,8 @@ class Runtime:
                                    max_prefill_graph_tokens=max_prefill_graph_tokens,
                                    num_scheduler_steps=num_scheduler_steps,
                                    enable_prefix_caching=self.enable_prefix_caching, draft_tree=draft_tree,
-                                   deterministic=self.deterministic, tree_max_batch=self._tree_max_batch)
+                                   deterministic=self.deterministic, tree_max_batch=self._tree_max_batch,
+                                   structured_draft_masks=self.structured_draft_masks)
         self.engine = LLMEngine(self.target, self.draft, self.tokenizer, self.config, self.dtype, dev, self.ops,
                                 tp=tp, driver=self._driver)
 

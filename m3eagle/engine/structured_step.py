@@ -1,17 +1,21 @@
 """GrammarStep: the token masks of one step that holds constrained rows (structured output).
 
 Verification scores K+1 positions per row; position j predicts the token after drafts d_1..d_j, so its mask
-is the grammar's state after them. The host builds all K+1 masks before the step: it advances the row's
-matcher through the drafts it read back from the previous step, fills a mask after each, and rolls back. A
-draft the grammar refuses ends the walk: the target's masked distribution gives it probability 0, so it is
-rejected and the positions after it are never read (they repeat the last mask).
+is the grammar's state after them. The host builds all K+1 masks before the step (`fill_verify`): it advances
+the row's matcher through the drafts the row verifies (kept from the previous step's output by
+`keep_drafts`), fills a mask after each, and rolls back. A draft the grammar refuses ends the walk: the
+target's masked distribution gives it probability 0, so it is rejected and the positions after it are never
+read (they repeat the last mask). The engine uploads the masks into the step's static mask buffer
+(input_builder.VerifyMasks), so the step reads no host object and a CUDA graph replays it.
 
-The draft head is masked too, so that drafts stay in the grammar (acceptance): draft depth j's mask is the
-state after the step's emitted tokens and d_1..d_j, all device values of this very step. So a constrained
-step reads them back as it drafts: `draft_mask(j)` waits for the emitted tokens (j = 0) or for d_j, advances
-the matchers, fills the masks; `finish` reads the last drafts, keeps them for the next step's verify masks
-and rolls every matcher back to the accepted output. Those are the step's host syncs (K + 1 with K drafts,
-none without drafts), and why a constrained step runs eagerly (docs/design/structured-output.md).
+By default the draft head proposes unmasked, as for unconstrained rows, and the masked target rejects what
+leaves the grammar; nothing is read back inside the step. With `structured_draft_masks` the head is masked
+too (acceptance): draft depth j's mask is the state after the step's emitted tokens and d_1..d_j, all device
+values of this very step, so such a step reads them back as it drafts: `draft_mask(j)` waits for the emitted
+tokens (j = 0) or for d_j, advances the matchers, fills the masks; `finish` reads the last drafts, keeps them
+for the next step's verify masks and rolls every matcher back to the accepted output. Those are the step's
+host syncs (K + 1 with K drafts, none without drafts), and why that option runs eagerly
+(docs/design/structured-output.md).
 
 A draft tree (`TreeGrammarStep`) reads its tree inside the step instead: node i's verify mask is the state after
 the node's path (its ancestors, then itself), built by advancing the matcher along the path, filling and rolling
@@ -28,11 +32,11 @@ from m3eagle.sampling.structured import RequestGrammar, full_bitmask
 
 class GrammarStep:
     """Masks of one step's rows. rows: the step's ScheduledRows (padding rows after them get all-ones
-    masks); k: the engine's K; vocab_size: V."""
+    masks); k: the engine's K; vocab_size: V. Brings every constrained row's matcher to its output."""
 
-    def __init__(self, rows: list, num_rows: int, k: int, vocab_size: int, device: torch.device,
-                 chain: bool = True):
+    def __init__(self, rows: list, num_rows: int, k: int, vocab_size: int, device: torch.device):
         self.k, self.vocab_size, self.device = k, vocab_size, device
+        self.rows = rows
         # Per real row: its grammar when it samples and is constrained, else None.
         self.grammars: list[RequestGrammar | None] = [
             r.req.grammar if r.samples and r.req.grammar is not None else None for r in rows]
@@ -40,17 +44,19 @@ class GrammarStep:
         self._mark: list[int] = []  # per row: the matcher's accepted count before the draft walk
         self._alive: list[bool] = []  # per row: the walk is still inside the grammar
         self.emitted: tuple[torch.Tensor, torch.Tensor] | None = None  # (new_tokens [B, K+1], num_new [B])
-        self.verify_mask: torch.Tensor | None = None
-        if not chain:  # a tree's masks come from the tree the step reads (TreeGrammarStep)
-            for row, g in zip(rows, self.grammars):
-                if g is not None:
-                    g.sync(row.req.output_token_ids)
-            return
-        host = full_bitmask(num_rows * (k + 1), vocab_size)  # [B * (K+1), W]
-        for i, (row, g) in enumerate(zip(rows, self.grammars)):
+        self._verify: torch.Tensor | None = None
+        for row, g in zip(rows, self.grammars):
+            if g is not None:
+                g.sync(row.req.output_token_ids)
+
+    def fill_verify(self, host: torch.Tensor) -> None:
+        """Write each constrained row's K+1 verify masks into `host`, an all-allowed int32 bitmask
+        [B' * (K+1), W] (B' >= the real rows: padding rows stay all-allowed): row j of row i is the grammar's
+        state after the first j of the drafts the row verifies (g.drafts). Every matcher ends where it began."""
+        k = self.k
+        for i, (row, g) in enumerate(zip(self.rows, self.grammars)):
             if g is None:
                 continue
-            g.sync(row.req.output_token_ids)
             base, nd, last, accepted = i * (k + 1), row.num_drafts, 0, 0
             for j in range(nd + 1):
                 g.fill(host, base + j)
@@ -61,8 +67,16 @@ class GrammarStep:
             for j in range(last + 1, k + 1):  # unreachable positions: the last mask again
                 host[base + j] = host[base + last]
             g.rollback(accepted)
-        # [B, K+1, W] int32 on the step's device
-        self.verify_mask = host.view(num_rows, k + 1, -1).to(device, non_blocking=device.type == "cuda")
+
+    @property
+    def verify_mask(self) -> torch.Tensor:
+        """The verify masks on the step's device, int32 [B, K+1, W] (built on first use; the engine uploads
+        them through its static buffer instead, `fill_verify`)."""
+        if self._verify is None:
+            host = full_bitmask(self.num_rows * (self.k + 1), self.vocab_size)  # [B * (K+1), W]
+            self.fill_verify(host)
+            self._verify = host.view(self.num_rows, self.k + 1, -1).to(self.device)
+        return self._verify
 
     @property
     def rows_constrained(self) -> bool:
@@ -112,7 +126,7 @@ class TreeGrammarStep(GrammarStep):
     """Masks of one draft-tree step's rows (rows, num_rows, vocab_size, device as GrammarStep's)."""
 
     def __init__(self, rows: list, num_rows: int, vocab_size: int, device: torch.device):
-        super().__init__(rows, num_rows, 0, vocab_size, device, chain=False)
+        super().__init__(rows, num_rows, 0, vocab_size, device)
 
     def tree_verify_mask(self, tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
         """The verify masks of every node: int32 [B, N+1, W] on the device; node i's is the grammar's state after
@@ -157,3 +171,13 @@ class TreeGrammarStep(GrammarStep):
         if n == len(path):
             g.fill(host, row)
         g.rollback(n)
+
+
+def keep_drafts(rows: list, drafts: list[list[int]]) -> None:
+    """After a constrained step whose drafts were proposed unmasked: keep each constrained sampling row's
+    drafts (read from the step's host copy, drafts [B][K]) for the next step's verify masks -- the drafts its
+    slot buffer now holds."""
+    for row, d in zip(rows, drafts):
+        g = row.req.grammar
+        if g is not None and row.samples:
+            g.drafts = d

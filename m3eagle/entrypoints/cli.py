@@ -123,6 +123,10 @@ def _device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: a request's output is the same alone or in any batch, chunking "
                         "or speculation, in bf16 on the GPU too (slower steps; not with MXFP8 weights)")
+    p.add_argument("--structured-draft-masks", action="store_true",
+                   help="structured output: mask the draft head with the grammar too (higher acceptance for a weak "
+                        "head; each constrained step then reads back K+1 times and runs eagerly); default: drafts "
+                        "unmasked, rejected by the masked target, constrained steps on CUDA graphs")
     p.add_argument("--quantization", "-q", choices=["fp8"], default=None,
                    help="fp8: quantize a bf16 target to MXFP8 at load (W8A16 kernels); none: the checkpoint's own "
                         "weights (the MXFP8 release stays MXFP8)")
@@ -167,7 +171,8 @@ def _make_llm(a: argparse.Namespace, warmup: bool | None = None):
                prefill_graphs=a.prefill_graphs, max_prefill_graph_tokens=a.max_prefill_graph_tokens,
                num_scheduler_steps=a.num_scheduler_steps, tensor_parallel_size=a.tensor_parallel_size,
                quantization=a.quantization, enable_prefix_caching=a.enable_prefix_caching,
-               load_format=a.load_format, tokenizer=tokenizer, deterministic=a.deterministic, **extra)
+               load_format=a.load_format, tokenizer=tokenizer, deterministic=a.deterministic,
+               structured_draft_masks=a.structured_draft_masks, **extra)
 
 
 def _model_of(a: argparse.Namespace) -> tuple[Any, Any, str | None]:

@@ -45,10 +45,13 @@ def full_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 
 
 def allowed_from_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bitmask int32 [..., W] -> bool [..., V]: which token ids are allowed."""
-    ids = torch.arange(vocab_size, device=bitmask.device)
-    words = bitmask[..., ids // _BITS]  # [..., V] int32
-    return ((words >> (ids % _BITS).to(torch.int32)) & 1).bool()
+    """bitmask int32 [..., W] -> bool [..., V]: which token ids are allowed. The words are read as their bytes
+    (little-endian, as on every device here: byte b of word w holds ids 32w + 8b ..), so the one intermediate
+    is a byte per token, not a word (a masked CUDA graph keeps it in its pool)."""
+    byts = bitmask.contiguous().view(torch.uint8)  # [..., 4W]
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    bits = (byts[..., None] >> shifts) & 1  # [..., 4W, 8] uint8
+    return bits.flatten(-2)[..., :vocab_size].bool()
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ bound, so both launch identical kernels on identical shapes; any difference woul
 (a stale input view, a host value baked into the graph, a padding row that writes a live slot).
 Covered: greedy and seeded sampling, K = 0, 1, 3, 5, overlap on and off, requests joining and leaving
 between replays, and forced preemption churn; the steady state runs under
-torch.cuda.set_sync_debug_mode("error").
+torch.cuda.set_sync_debug_mode("error"), grammar-constrained (masked) steps included.
 """
 
 from __future__ import annotations
@@ -172,6 +172,57 @@ def assert_steady_state_sync_free(llm: LLM, steps: int = 1) -> None:
 @pytest.mark.parametrize("steps", [1, 4])
 def test_steady_state_makes_no_host_sync(steps):
     assert_steady_state_sync_free(make(3, True, False, num_scheduler_steps=steps), steps)
+
+
+def run_constrained(llm: LLM, sync_debug: bool) -> tuple[list[list[int]], int]:
+    """Structured-output requests (test_structured_engine's schemas, choices and regexes; greedy, two seeded and a
+    greedy n=2) beside two unconstrained ones, all added at once. After four steps (every prompt done) the next
+    ten run under sync_debug when asked: a host sync inside a step raises. -> (the tokens of every sample, the
+    replays of those ten steps)."""
+    from tests.engine.test_structured_engine import _so_cases
+
+    eng = llm.engine
+    cases = _so_cases()[::2]
+    sps = [SamplingParams(temperature=0.8 if i % 5 == 1 else 0.0, seed=3 + i, max_tokens=40, n=2 if i == 2 else 1,
+                          structured_outputs=so) for i, (_, so) in enumerate(cases)]
+    reqs = [eng.add_request(llm.encode(p), sp) for (p, _), sp in zip(cases, sps)]
+    reqs += [eng.add_request(llm.encode(t), SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+             for t in TEXTS[:2]]
+    for _ in range(4):
+        eng.step()
+    replays = eng.graphs.num_replays
+    eng.sync_debug = sync_debug
+    try:
+        for _ in range(10):
+            eng.step()
+    finally:
+        eng.sync_debug = False
+    replays = eng.graphs.num_replays - replays
+    eng.run()
+    groups = [r.group.members if r.group is not None else [r] for r in reqs]
+    return [m.output_token_ids for g in groups for m in g], replays
+
+
+@pytest.mark.parametrize("k", [0, 3])
+@pytest.mark.parametrize("draft_masks", [False, True], ids=["unmasked", "draft_masks"])
+def test_constrained_graph_replay_equals_eager_without_host_sync(k, draft_masks):
+    """Grammar-constrained requests with graphs on (overlap, the default buckets): the steady constrained steps
+    replay masked graphs -- the verify masks a static input uploaded before each replay, drafts proposed
+    unmasked -- under torch.cuda.set_sync_debug_mode("error"), and every token equals the eager engine's
+    (enforce_eager: the same padded shapes). With structured_draft_masks the constrained steps run eagerly and
+    read back by design (exempt from sync_debug); their tokens equal the eager engine's too."""
+    graph = make(k, True, False, structured_draft_masks=draft_masks)
+    eager = make(k, True, True, structured_draft_masks=draft_masks)
+    got, replays = run_constrained(graph, sync_debug=True)
+    want, _ = run_constrained(eager, sync_debug=False)
+    assert got == want
+    masked = [key for key in graph.engine.graphs.graphs if key[1][3]]
+    if draft_masks and k:
+        assert not masked  # constrained steps ran eagerly
+    else:
+        assert masked and replays >= 5, (masked, replays)
+    for llm in (graph, eager):
+        assert_clean(llm)
 
 
 def _compiled_variants() -> dict[str, int]:

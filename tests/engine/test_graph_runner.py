@@ -151,9 +151,9 @@ def test_graph_shaped_steps_give_the_same_tokens(model_dir, head_dir, k, overlap
     seen = []
     build = padded.engine.graphs.build
 
-    def spy(batch, bucket):
+    def spy(batch, bucket, *args):
         seen.append((len(batch.rows), bucket))
-        return build(batch, bucket)
+        return build(batch, bucket, *args)
 
     padded.engine.graphs.build = spy
     assert [o.outputs[0].token_ids for o in padded.generate(PROMPTS, params)] == want
@@ -309,9 +309,9 @@ def test_prefill_graph_shaped_steps_give_the_same_tokens(model_dir, head_dir, k,
     seen = []
     build = padded.engine.graphs.build
 
-    def spy(batch, bucket):
+    def spy(batch, bucket, *args):
         seen.append(bucket)
-        return build(batch, bucket)
+        return build(batch, bucket, *args)
 
     padded.engine.graphs.build = spy
     for p, sp in zip(prompts, params):

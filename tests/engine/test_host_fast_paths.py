@@ -352,7 +352,7 @@ class _HostOutput:
     def __init__(self, host: dict[str, torch.Tensor]):
         self.host = host
 
-    def copy_to_host(self, bufs) -> None:
+    def copy_to_host(self, bufs, drafts: bool = False) -> None:
         pass
 
     def wait(self) -> dict[str, torch.Tensor]:

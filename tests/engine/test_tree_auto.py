@@ -141,7 +141,7 @@ def test_greedy_switching_width_equals_plain(geometry, graph_shapes):
     assert tree.engine.scheduler.tree_max_batch == 1 and tree.engine.cfg.tree_max_batch == 1
     seen: list[object] = []
     build = tree.engine.graphs.build
-    tree.engine.graphs.build = lambda batch, bucket: (seen.append(bucket), build(batch, bucket))[1]
+    tree.engine.graphs.build = lambda batch, bucket, *args: (seen.append(bucket), build(batch, bucket, *args))[1]
     got, widths = _staggered(tree, prompts, sps)
     assert got == ref and _switched(widths, 8, 3), widths
     used = scripted_trees(tree, {tuple(p): p + r for p, r in zip(prompts, ref)}, t.vocab_size)

@@ -99,9 +99,9 @@ def test_tree_step_is_sync_free_and_greedy_exact(graph_shapes):
         tree = _same_with(tree, graph_shapes=True)
         build = tree.engine.graphs.build
 
-        def spy(batch, bucket):
+        def spy(batch, bucket, *args):
             seen.append((len(batch.rows), bucket))
-            return build(batch, bucket)
+            return build(batch, bucket, *args)
 
         tree.engine.graphs.build = spy
         sp = [SamplingParams(temperature=0, max_tokens=12 + 4 * i, ignore_eos=True) for i in range(len(prompts))]

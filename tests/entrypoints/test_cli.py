@@ -184,3 +184,23 @@ def test_num_scheduler_steps_flag_reaches_the_llm(monkeypatch):
                  ["generate", "x", "--num-scheduler-steps", "auto"]):
         assert cli.main(argv) == 2
     assert seen == [1, 4, "auto"]
+
+
+def test_structured_draft_masks_flag_reaches_the_llm(monkeypatch):
+    """--structured-draft-masks on generate / serve builds the LLM with structured_draft_masks=True (False without
+    it: drafts unmasked, constrained steps on CUDA graphs); bench accepts it too."""
+    from m3eagle.entrypoints import cli
+
+    seen = []
+
+    class FakeLLM:
+        def __init__(self, **kw):
+            seen.append(kw["structured_draft_masks"])
+            raise RuntimeError("stop here")
+
+    monkeypatch.setattr("m3eagle.entrypoints.llm.LLM", FakeLLM)
+    for argv in (["generate", "x"], ["generate", "x", "--structured-draft-masks"],
+                 ["serve", "--port", "0", "--structured-draft-masks"]):
+        assert cli.main(argv) == 2
+    assert seen == [False, True, True]
+    assert cli.build_parser().parse_args(["bench", "--structured-draft-masks"]).structured_draft_masks

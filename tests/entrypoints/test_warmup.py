@@ -1,10 +1,10 @@
 """Warm-up before ready: what `LLMEngine.warmup` covers and how the server waits for it.
 
-- every (graph bucket, mode) a serving step takes -- decode / verify buckets in the 8 modes, prefill buckets
-  in the 4 -- is warmed at startup: graph_shapes=True and prefill_graphs=True force the CUDA bucketing on
-  CPU, where `GraphRunner.warm` runs each one eagerly instead of capturing it; a mixed workload afterwards
-  (greedy, sampled, logprobs, penalties, n = 2, prompt logprobs, staggered arrivals) steps only through keys
-  the warm-up warmed;
+- every (graph bucket, mode) a serving step takes -- decode / verify buckets in the 8 modes and each of them
+  constrained (masked), prefill buckets in the 4 -- is warmed at startup: graph_shapes=True and
+  prefill_graphs=True force the CUDA bucketing on CPU, where `GraphRunner.warm` runs each one eagerly instead of
+  capturing it; a mixed workload afterwards (greedy, sampled, logprobs, penalties, n = 2, prompt logprobs,
+  grammar-constrained greedy and sampled, staggered arrivals) steps only through keys the warm-up warmed;
 - `OpenAIServer(warmup=True)` listens at once but answers /health and every request 503 ("warming up")
   until the engine thread's warm-up has finished, then 200; a failed warm-up stops the server with an error;
 - `m3eagle serve` warms up by default on CUDA only; --warmup / --no-warmup decide.
@@ -24,6 +24,7 @@ import pytest  # noqa: E402
 from m3eagle import LLM, SamplingParams  # noqa: E402
 from m3eagle.engine.graph_runner import PREFILL, GraphRunner  # noqa: E402
 from m3eagle.entrypoints.server import OpenAIServer, ServerThread  # noqa: E402
+from m3eagle.sampling.params import StructuredOutputsParams  # noqa: E402
 from tests.entrypoints.test_server import http  # noqa: E402
 from tests.helpers.engine_utils import assert_clean  # noqa: E402
 
@@ -39,16 +40,17 @@ def test_warmup_covers_every_bucket_serving_steps_take(one_thread, monkeypatch):
         warmed.append((bucket, mode))
         return real_warm(self, bucket, mode)
 
-    def ensure(self, batch, bucket):
+    def ensure(self, batch, bucket, masked=False):
         if bucket is not None:
-            stepped.add((bucket, self.bufs.step_mode(batch.rows)))
-        return real_ensure(self, batch, bucket)
+            stepped.add((bucket, (*self.bufs.step_mode(batch.rows), masked)))
+        return real_ensure(self, batch, bucket, masked)
 
     monkeypatch.setattr(GraphRunner, "warm", warm)
     monkeypatch.setattr(GraphRunner, "ensure", ensure)
     info = eng.warmup()
     n_prefill = sum(1 for t in gr.prefill_buckets for r in gr.prefill_rows if 2 <= r <= t)
-    assert len(warmed) == len(set(warmed)) == info["graphs"] == 8 * len(gr.buckets) + 4 * n_prefill
+    assert gr.masked_modes  # a tokenizer, one rank, the chain: constrained decode steps replay masked graphs
+    assert len(warmed) == len(set(warmed)) == info["graphs"] == 16 * len(gr.buckets) + 4 * n_prefill
     assert {b for b, _ in warmed} >= set(gr.buckets) | {(PREFILL, r, t) for t in gr.prefill_buckets
                                                          for r in gr.prefill_rows if 2 <= r <= t}
     assert set(info["variants"]) >= {"sampled", "logprobs", "penalties", "prompt_logprobs", "n=2"}
@@ -61,7 +63,10 @@ def test_warmup_covers_every_bucket_serving_steps_take(one_thread, monkeypatch):
               SamplingParams(temperature=0, logprobs=2, max_tokens=6, ignore_eos=True),
               SamplingParams(temperature=0.7, top_k=5, seed=1, logprobs=1, max_tokens=5, ignore_eos=True),
               SamplingParams(temperature=0, presence_penalty=0.4, max_tokens=6, ignore_eos=True),
-              SamplingParams(temperature=0.8, seed=2, n=2, max_tokens=5, ignore_eos=True)]
+              SamplingParams(temperature=0.8, seed=2, n=2, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[0-9]{6}")),
+              SamplingParams(temperature=0.9, seed=4, logprobs=1, max_tokens=8,
+                             structured_outputs=StructuredOutputsParams(json_object=True))]
     for i in range(12):
         eng.add_request([3 + (i * 13 + j) % 90 for j in range(5 + 9 * i % 50)], params[i % len(params)])
         for _ in range(i % 3):
@@ -69,6 +74,7 @@ def test_warmup_covers_every_bucket_serving_steps_take(one_thread, monkeypatch):
     eng.run()
     assert stepped and stepped <= set(warmed), sorted(map(str, stepped - set(warmed)))
     assert any(isinstance(b, tuple) for b, _ in stepped) and any(isinstance(b, int) for b, _ in stepped)
+    assert any(m[3] for _, m in stepped)  # constrained steps replayed masked decode keys
     assert_clean(llm)
 
 
