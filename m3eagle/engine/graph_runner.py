@@ -20,9 +20,10 @@ their own, (NARROW, rows, D). All share one memory pool; the greedy graphs are c
 largest bucket first, and the others on first use (or by the warm-up: `warm_keys`). Steps that are neither
 graph-shaped nor prefill-shaped run eagerly.
 
-A constrained ("masked") graph reads the grammar masks of its verify positions from a static device buffer
-(input_builder.VerifyMasks) that the host fills before each replay, and masks the target's logits inside the
-graph (docs/design/structured-output.md). Only decode / verify buckets take masked graphs (`masked_modes`,
+A constrained ("masked") step is captured as two graphs (`SplitGraph`): the target forward, which reads no
+mask, and the finish, which reads the grammar masks of its verify positions from a static device buffer
+(input_builder.VerifyMasks) and masks the target's logits; the host builds and uploads the masks while the
+forward runs (docs/design/structured-output.md). Only decode / verify buckets take masked graphs (`masked_modes`,
 set by an engine that runs constrained chain steps; all of them are warmed): a prompt or mixed step that
 carries a constrained sampling row -- once per constrained request, its last prompt chunk -- runs eagerly, since
 warming masked prefill graphs would double the prefill keys and capturing them on first use costs a serving
@@ -52,13 +53,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from m3eagle.engine.input_builder import StepBuffers, StepInput, build_step_input
-from m3eagle.engine.model_runner import ModelRunner, StepOutput
+from m3eagle.engine.model_runner import Forward, ModelRunner, StepOutput
 from m3eagle.engine.scheduler import ScheduledBatch
 
 log = logging.getLogger("m3eagle")
@@ -133,6 +133,24 @@ def pdl_in_graph(bucket: Any) -> bool:
     return isinstance(rows, int) and rows <= pdl.AUTO_MAX_BUCKET
 
 
+class SplitGraph:
+    """A masked step captured as two graphs in one pool: the target forward and the finish, with the forward's
+    outputs (`hand`, a ModelRunner.Forward of static tensors) read by the finish. The engine replays the forward,
+    builds and uploads the step's masks meanwhile, then replays the finish; `replay` / `reset` treat the pair as
+    one graph."""
+
+    def __init__(self, forward: torch.cuda.CUDAGraph, hand: Forward, finish: torch.cuda.CUDAGraph):
+        self.forward, self.hand, self.finish = forward, hand, finish
+
+    def replay(self) -> None:
+        self.forward.replay()
+        self.finish.replay()
+
+    def reset(self) -> None:
+        self.forward.reset()
+        self.finish.reset()
+
+
 class GraphRunner:
     """Captures and replays `runner.execute` for graph-shaped steps. `graphs=False` keeps the bucketing
     and padding (so enforce_eager computes exactly what a replay computes) but never captures."""
@@ -158,7 +176,8 @@ class GraphRunner:
         # Decode / verify buckets take masked (constrained) graphs too; the engine sets it when it runs
         # constrained chain steps replayable (a tokenizer, one rank, no draft tree, no structured_draft_masks).
         self.masked_modes = False
-        self.graphs: dict[tuple[Any, tuple[bool, ...]], tuple[torch.cuda.CUDAGraph, StepOutput]] = {}
+        # (bucket, mode) -> (its graph -- a SplitGraph for a masked mode --, its static outputs)
+        self.graphs: dict[tuple[Any, tuple[bool, ...]], tuple[Any, StepOutput]] = {}
         self.pool = None
         self.capture_seconds = 0.0
         self.num_replays = 0
@@ -188,20 +207,18 @@ class GraphRunner:
             return (PREFILL, rows, t) if t is not None else None
         return None
 
-    def build(self, batch: ScheduledBatch, bucket: Any, masked: bool = False,
-              fill_masks: Callable[[torch.Tensor], None] | None = None) -> StepInput:
+    def build(self, batch: ScheduledBatch, bucket: Any, masked: bool = False) -> StepInput:
         """The step's inputs: padded to its bucket with the fixed KV bound, or as they are (a multi-step
         iteration's KV bound then covers its last sub-step, whose rows end (steps - 1) x (1 + K) further).
-        `masked`: the verify masks are uploaded too, what `fill_masks` writes (build_step_input)."""
+        `masked`: the step reads the static verify masks (the caller uploads them: VerifyMasks.upload)."""
         if bucket is None:
             max_kv = 0 if batch.steps == 1 else (max(r.kv_len for r in batch.rows)
                                                   + (batch.steps - 1) * (self.k + 1))
             return build_step_input(batch, self.page_size, self.table_width, self.runner.device, self.bufs,
-                                    dump_slot=self.runner.dump_slot, ops=self.ops, max_kv=max_kv, masked=masked,
-                                    fill_masks=fill_masks)
+                                    dump_slot=self.runner.dump_slot, ops=self.ops, max_kv=max_kv, masked=masked)
         return build_step_input(batch, self.page_size, self.table_width, self.runner.device, self.bufs,
                                 max_kv=self.max_kv, dump_slot=self.runner.dump_slot, ops=self.ops, masked=masked,
-                                fill_masks=fill_masks, **self._padding(bucket, batch))
+                                **self._padding(bucket, batch))
 
     def _padding(self, bucket: Any, batch: ScheduledBatch) -> dict[str, Any]:
         """build_step_input's padding arguments of a bucket for `batch` (empty when capturing). Decode: rows
@@ -240,6 +257,32 @@ class GraphRunner:
         graph, static = self.graphs[(bucket, inp.mode)]
         t0 = time.perf_counter()
         graph.replay()
+        self.launch_seconds += time.perf_counter() - t0
+        self.num_replays += 1
+        return static.fresh()
+
+    def forward(self, inp: StepInput, bucket: Any) -> Forward:
+        """Launch a masked step's first half (ModelRunner.forward: the target forward, which reads no mask):
+        replay its SplitGraph's forward graph, or run it eagerly. -> what `finish` takes. One rank only (masked
+        steps never run under tensor parallelism)."""
+        if self.driver is not None:
+            raise ValueError("a constrained (masked) step under tensor parallelism: its masks are not broadcast")
+        if bucket is None or not self.use_graphs:
+            return self.runner.forward(inp)
+        split = self.graphs[(bucket, inp.mode)][0]
+        t0 = time.perf_counter()
+        split.forward.replay()
+        self.launch_seconds += time.perf_counter() - t0
+        return split.hand
+
+    def finish(self, inp: StepInput, bucket: Any, hand: Forward) -> StepOutput:
+        """Launch a masked step's second half (ModelRunner.finish: logits, masks, verification, commit, drafts),
+        once its masks are uploaded. The outputs are not yet copied to the host."""
+        if bucket is None or not self.use_graphs:
+            return self.runner.finish(inp, hand)
+        split, static = self.graphs[(bucket, inp.mode)]
+        t0 = time.perf_counter()
+        split.finish.replay()
         self.launch_seconds += time.perf_counter() - t0
         self.num_replays += 1
         return static.fresh()
@@ -367,13 +410,21 @@ class GraphRunner:
             for _ in range(2):
                 self.runner.execute(inp)
         torch.cuda.current_stream(self.runner.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
         # Tensor parallel: NCCL's watchdog thread queries events while we capture; "thread_local" keeps its
         # calls from invalidating the capture (only this thread's unsafe calls are errors).
         tp = getattr(self.runner.target, "tp", None)
         errors = "thread_local" if tp is not None and tp.size > 1 else "global"
-        with pdl.scope(small), torch.cuda.graph(graph, pool=self.pool, capture_error_mode=errors):
-            static = self.runner.execute(inp)
+        if len(mode) > 3 and mode[3]:  # masked: the forward and the finish, so the masks may come in between
+            fwd, fin = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with pdl.scope(small), torch.cuda.graph(fwd, pool=self.pool, capture_error_mode=errors):
+                hand = self.runner.forward(inp)
+            with pdl.scope(small), torch.cuda.graph(fin, pool=self.pool, capture_error_mode=errors):
+                static = self.runner.finish(inp, hand)
+            graph: Any = SplitGraph(fwd, hand, fin)
+        else:
+            graph = torch.cuda.CUDAGraph()
+            with pdl.scope(small), torch.cuda.graph(graph, pool=self.pool, capture_error_mode=errors):
+                static = self.runner.execute(inp)
         self.graphs[(bucket, mode)] = (graph, static)
         self.capture_seconds += time.perf_counter() - t0
         if self.warmed:

@@ -196,10 +196,14 @@ class VerifyMasks:
         self.host = [torch.full((n, self.width), -1, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._parity = 0
 
-    def upload(self, n_rows: int, fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    def view(self, n_rows: int) -> torch.Tensor:
+        """The device masks of a step of n_rows rows: [n_rows, K+1, W], the buffer's first rows."""
+        return self.dev[: n_rows * self.k1].view(n_rows, self.k1, self.width)
+
+    def upload(self, n_rows: int, fill: Callable[[torch.Tensor], None] | None = None) -> None:
         """Fill the next host staging's first n_rows * (K+1) rows -- all-allowed, then `fill(host)` writes the
-        constrained rows' masks -- and start their non-blocking copy to the device. -> the device view
-        [n_rows, K+1, W]. The staging alternates: a copy still queued from the previous step reads the other."""
+        constrained rows' masks -- and start their non-blocking copy into `view(n_rows)`. The staging
+        alternates: a copy still queued from the previous step reads the other."""
         n = n_rows * self.k1
         host = self.host[self._parity][:n]  # [B * (K+1), W]
         self._parity ^= 1
@@ -208,7 +212,6 @@ class VerifyMasks:
             fill(host)
         dev = self.dev[:n]
         dev.copy_(host, non_blocking=dev.is_cuda)
-        return dev.view(n_rows, self.k1, self.width)
 
 
 class StepBuffers:
@@ -381,16 +384,16 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
                      bufs: StepBuffers | None = None, pad_rows_to: int = 0, max_kv: int = 0,
                      dump_slot: int = 0, pad_q: int | list[int] = 0, ops: Any = None,
                      mode: tuple[bool, ...] | None = None, max_q: int = 0,
-                     pad_drafts: int | None = None, masked: bool = False,
-                     fill_masks: Callable[[torch.Tensor], None] | None = None) -> StepInput:
+                     pad_drafts: int | None = None, masked: bool = False) -> StepInput:
     """Pack one step. `pad_rows_to` appends padding rows (trash page, dump slot, greedy, no sampling) up to
     that many rows, each `pad_q` tokens wide (0: as wide as the first real row; a list: one width per
     padding row) and "verifying" `pad_drafts` drafts (None: pad_q - 1, a decode row's); `max_kv` (0: the
     step's own bound) and `max_q` (0: the widest row) fix the metadata's bounds, so that steps of one graph
     bucket get one launch shape.
     `mode` overrides (any_random, want_logprobs, penalties[, masked]) -- a graph captured on padding rows alone
-    needs it. `masked`: some sampling row is constrained; the step's verify masks are uploaded into
-    `bufs.masks`, all-allowed except what `fill_masks(host [B * (K+1), W])` writes (GrammarStep.fill_verify).
+    needs it. `masked`: some sampling row is constrained; the step reads its verify masks from `bufs.masks`,
+    which the caller uploads before the part of the step that reads them (`VerifyMasks.upload`: the engine
+    builds them once the previous step is processed; a capture's padding rows read whatever is there).
     `ops` are the engine's fast paths, handed to the models with the metadata. `bufs` None allocates
     buffers for exactly this step (tests)."""
     rows = batch.rows
@@ -448,7 +451,7 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
     if masked:
         if bufs.masks is None:
             raise ValueError("a constrained step needs StepBuffers(verify_masks=(K+1, V)): these buffers hold no masks")
-        inp.masked, inp.verify_mask = True, bufs.masks.upload(n_rows, fill_masks)  # [B, K+1, W]
+        inp.masked, inp.verify_mask = True, bufs.masks.view(n_rows)  # [B, K+1, W]
     return inp
 
 

@@ -16,12 +16,14 @@ changed (new tokens, new text, finished or not); streaming and `LLM.generate()` 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import random
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -267,8 +269,11 @@ class LLMEngine(OutputProcessor):
                                   graphs=not cfg.enforce_eager, ops=self.ops, driver=driver,
                                   prefill=pg, prefill_cap=cfg.max_prefill_graph_tokens)
         self.graph_shapes = graph_shapes
-        # replayed, so warmed (with structured_draft_masks only without drafts: the head's masks read back)
-        self.graphs.masked_modes = chain_masks and not (cfg.structured_draft_masks and k)
+        # Constrained steps that mask the draft head too (a draft tree's, structured_draft_masks') build those
+        # masks inside the step, reading back: eager, and the previous step is processed before they are planned.
+        self._masks_in_step = bool(k) and (tree is not None or cfg.structured_draft_masks)
+        # the others replay masked graphs, so they are warmed
+        self.graphs.masked_modes = chain_masks and not self._masks_in_step
         self.tp = tp
         if tree is not None:
             self.graphs.narrow = narrow_width(tree)
@@ -638,12 +643,15 @@ class LLMEngine(OutputProcessor):
         # first holds them back by N launches (H200, embedded pair, batch 1 with 8: first token 0.7 ms with
         # one step per plan, 1.8-1.9 without this, 0.8-0.9 with it). The plan still depends on the schedule
         # alone.
-        # A constrained request's masks need its accepted tokens and the drafts its next row verifies, so while
-        # one is live every step first processes the previous one (one step per plan): a wait on the event of its
-        # outputs' asynchronous copy, as overlap's processing is, never a read inside a step. Without a live
-        # constrained request the overlap runs ahead as before (docs/design/structured-output.md).
+        # A constrained request's masks need its accepted tokens and the drafts its next row verifies, so while one
+        # is live the previous step is processed before the masks are built (one step per plan): a wait on the
+        # event of its outputs' asynchronous copy, as overlap's processing is, never a read inside a step. A chain
+        # step plans and launches its target forward first and processes the previous step while that runs
+        # (`_launch_masked`); a draft tree's or structured_draft_masks' step builds masks inside the step from
+        # what the previous one left, so it processes that one before planning. Without a live constrained request
+        # the overlap runs ahead as before (docs/design/structured-output.md).
         constrained = bool(self._constrained)
-        if constrained and self._pending is not None:
+        if constrained and self._pending is not None and self._masks_in_step:
             self._drain()
         steps = self.cfg.num_scheduler_steps if self._steady and not constrained else 1
         try:
@@ -666,27 +674,25 @@ class LLMEngine(OutputProcessor):
         # previous step's output) into the step's static mask buffer; the step then reads nothing back and
         # replays a masked graph. A draft tree, or the structured_draft_masks option, masks the head too: that
         # step reads back as it drafts (its GrammarStep rides in inp.grammar) and runs eagerly.
-        grammar, masked, host_half = None, False, False
+        masked = host_half = False
         if constrained and any(r.samples and r.req.grammar is not None for r in batch.rows):
-            if self.k and self.cfg.draft_tree is not None:
-                grammar = TreeGrammarStep(batch.rows, len(batch.rows), self.target_cfg.vocab_size, self.device)
-                host_half = True
-            else:
-                grammar = GrammarStep(batch.rows, len(batch.rows), self.k, self.target_cfg.vocab_size, self.device)
-                masked, host_half = True, self.cfg.structured_draft_masks and self.k > 0  # K=0: nothing to draft
+            masked = not (self.k and self.cfg.draft_tree is not None)
+            host_half = self._masks_in_step
         bucket = self.graphs.bucket(batch, masked) if self.graph_shapes and not host_half else None
         self.graphs.ensure(batch, bucket, masked)
-        inp = self.graphs.build(batch, bucket, masked, grammar.fill_verify if masked else None)
-        inp.grammar = grammar if host_half else None
-        # The next step's verify masks walk this step's drafts: copied back with its tokens (no read in the step).
-        keep = masked and not host_half and self.k > 0
+        inp = self.graphs.build(batch, bucket, masked)
         # A multi-step iteration runs the same inputs batch.steps times: each sub-step's commit advances the
         # rows' lengths in the input buffer on the device (ModelRunner.execute), and each is folded into the
         # host's projection like a step of its own (all drafts accepted).
-        outs = []
         self.scheduler.commit(batch, batch.steps)
-        for _ in range(batch.steps):
-            outs.append(self.runner.to_host(self._execute(inp, bucket), keep))
+        if masked and not host_half:
+            outs = [self._launch_masked(batch, inp, bucket)]
+        else:
+            if host_half:
+                inp.grammar = self._grammar_step(batch)
+                if masked:
+                    self.buffers.masks.upload(inp.num_rows, inp.grammar.fill_verify)
+            outs = [self.runner.to_host(self._execute(inp, bucket)) for _ in range(batch.steps)]
         self.num_steps += batch.steps
         self.num_iterations += 1
         if self.cfg.overlap:
@@ -696,16 +702,43 @@ class LLMEngine(OutputProcessor):
         else:
             self._process_iteration(batch, outs)
 
-    def _execute(self, inp, bucket: int | None) -> StepOutput:
-        # A step with a host half (a draft tree's grammar, structured_draft_masks) reads back by design; every
-        # other step -- constrained chain steps included -- must not.
-        if self.sync_debug and self.device.type == "cuda" and inp.grammar is None:
+    def _launch_masked(self, batch: ScheduledBatch, inp, bucket: Any) -> StepOutput:
+        """A constrained chain step in two launches: the target forward (it reads no mask), then -- while it runs
+        -- the previous step's outputs processed (matchers and drafts up to date) and this step's masks built and
+        uploaded, then the finish (logits, masks, verification, commit, drafts). The step's drafts come back
+        with its tokens: the next step's masks walk them."""
+        with self._sync_checked(inp):
+            hand = self.graphs.forward(inp, bucket)
+        self._drain()
+        grammar = self._grammar_step(batch)
+        self.buffers.masks.upload(inp.num_rows, grammar.fill_verify)  # [B * (K+1), W], non-blocking
+        with self._sync_checked(inp):
+            out = self.graphs.finish(inp, bucket, hand)
+        return self.runner.to_host(out, self.k > 0)
+
+    def _grammar_step(self, batch: ScheduledBatch) -> GrammarStep:
+        """The host half of a constrained step's masks, its matchers brought to the outputs processed so far."""
+        if self.k and self.cfg.draft_tree is not None:
+            return TreeGrammarStep(batch.rows, len(batch.rows), self.target_cfg.vocab_size, self.device)
+        return GrammarStep(batch.rows, len(batch.rows), self.k, self.target_cfg.vocab_size, self.device)
+
+    @contextlib.contextmanager
+    def _sync_checked(self, inp) -> Iterator[None]:
+        """Under sync_debug on CUDA, a host sync inside the block raises. A step with a host half (a draft tree's
+        grammar, structured_draft_masks) reads back by design; every other step -- constrained chain steps
+        included -- must not."""
+        on = self.sync_debug and self.device.type == "cuda" and inp.grammar is None
+        if on:
             torch.cuda.set_sync_debug_mode("error")
-            try:
-                return self.graphs.run(inp, bucket)
-            finally:
+        try:
+            yield
+        finally:
+            if on:
                 torch.cuda.set_sync_debug_mode(0)
-        return self.graphs.run(inp, bucket)
+
+    def _execute(self, inp, bucket: int | None) -> StepOutput:
+        with self._sync_checked(inp):
+            return self.graphs.run(inp, bucket)
 
     def _drain(self) -> None:
         if self._pending is not None:

@@ -96,6 +96,20 @@ class StepOutput:
         return self.host
 
 
+@dataclass
+class Forward:
+    """What a step's target forward hands its finish (ModelRunner.forward -> finish): device tensors, which a
+    replayed forward graph leaves at fixed addresses for the finish graph to read."""
+
+    ids: torch.Tensor  # [T] input ids, gathered from the slot buffers where rows continue
+    meta: AttnMetadata  # the corrected lengths, positions and cache slots
+    aux: torch.Tensor | None  # [T, 3H] the draft head's aux hidden states (None without a head)
+    positions: torch.Tensor  # [B, K+1] position of each sampled row
+    drafts_in: torch.Tensor  # [B, K] the drafts each row verifies
+    sampled: torch.Tensor  # [B * (K+1), H] hidden states of the sampled rows
+    prompt_logprobs: TokenLogprobs | None  # prompt steps that want them: [T] (+ [T, MAX_LOGPROBS])
+
+
 def _fused(meta: AttnMetadata):
     """The step's fused ops (kernels/fused/backend.py): the engine's, or the plain torch reference without any."""
     return meta.ops.fused if meta.ops is not None else REFERENCE.fused
@@ -191,19 +205,21 @@ class ModelRunner:
     # ---- the step -------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, inp: StepInput) -> StepOutput:
+        return self.finish(inp, self.forward(inp))
+
+    @torch.inference_mode()
+    def forward(self, inp: StepInput) -> Forward:
+        """The step's first half: the overlap correction and the target forward up to the sampled rows' hidden
+        states. It reads no mask, so a constrained step launches it before the host has built its masks
+        (LLMEngine._step); `finish` does the rest."""
         k = self.k
-        # Constrained rows: inp.verify_mask masks the target (a static input, like the step's other tensors). A
-        # GrammarStep here (structured_step.py) is the structured_draft_masks option's: it masks the draft head
-        # too, reading device values back as it drafts, so such a step runs eagerly.
-        grammar = inp.grammar
         ids, meta = self._apply_overlap_correction(inp)
         pen = inp.penalties
         if pen is not None:  # history first: a prompt chunk's tokens precede the position it samples
             self.penalty.record_inputs(pen, inp.row_slot, inp.row_gather, ids, meta.tok_row, meta.positions)
         aux = self.aux_buf[: inp.num_tokens] if self.aux_buf is not None else None  # [T, 3H]
         # Sampled positions: the last (num_drafts + 1) tokens of each row; the drafts they verify.
-        fused, book = _fused(meta), self._step_ops(meta)
-        sample_idx, positions, drafts_in = book.sample_positions(
+        sample_idx, positions, drafts_in = self._step_ops(meta).sample_positions(
             inp.row_first, inp.row_qlen, inp.row_num_drafts, meta.positions, ids, k)  # [B, K+1] x 2, [B, K]
         # The final norm computes only the sampled rows (the gather rides in its launch), unless prompt
         # logprobs read every token's hidden state.
@@ -211,10 +227,24 @@ class ModelRunner:
         hidden = self.target(ids, meta.positions, meta, self.caches, self.aux_ids, aux,
                              rows=None if every else sample_idx.reshape(-1))  # [T, H] or [B * (K+1), H]
         prompt_lps = self._prompt_logprobs(inp, ids, hidden) if every else None
+        sampled = hidden[sample_idx.reshape(-1)] if every else hidden  # [B * (K+1), H]
+        return Forward(ids, meta, aux, positions, drafts_in, sampled, prompt_lps)
+
+    @torch.inference_mode()
+    def finish(self, inp: StepInput, fw: Forward) -> StepOutput:
+        """The step's second half: logits of the sampled rows, penalties, the grammar's masks (inp.verify_mask,
+        uploaded by now), verification, the commit of each row's outputs and the K draft steps."""
+        k = self.k
+        # Constrained rows: inp.verify_mask masks the target (a static input, like the step's other tensors). A
+        # GrammarStep here (structured_step.py) is the structured_draft_masks option's: it masks the draft head
+        # too, reading device values back as it drafts, so such a step runs eagerly.
+        grammar = inp.grammar
+        ids, meta, aux, positions, drafts_in, sampled = fw.ids, fw.meta, fw.aux, fw.positions, fw.drafts_in, fw.sampled
+        pen = inp.penalties
+        fused, book = _fused(meta), self._step_ops(meta)
         # fp32 logits only where something reads more than their argmax (an fp32 copy of bf16 logits changes
         # no argmax); these flags are part of a graph's key.
         fp32 = inp.any_random or pen is not None or inp.want_logprobs or inp.masked
-        sampled = hidden[sample_idx.reshape(-1)] if every else hidden  # [B * (K+1), H]
         # Without drafts every greedy row emits exactly its argmax: no acceptance launch to count that.
         accept = book.greedy_accept if k else (lambda tok, _d, _n: self.row_ones[: tok.shape[0]])
         if not fp32:  # all greedy, nothing else reads the logits: verify's greedy path, the argmax in lm_head's launch
@@ -257,7 +287,7 @@ class ModelRunner:
                   else ids.new_zeros(inp.num_rows, k))
         if grammar is not None:
             grammar.finish(drafts if drafting else None)
-        return StepOutput(new_tokens, num_new, drafts, logprobs, prompt_lps)
+        return StepOutput(new_tokens, num_new, drafts, logprobs, fw.prompt_logprobs)
 
     def _prompt_logprobs(self, inp: StepInput, ids: torch.Tensor, hidden: torch.Tensor) -> TokenLogprobs:
         """Logprobs of every input token's successor under the raw target logits ([T] and [T, n_top]): within

@@ -207,8 +207,9 @@ def run_constrained(llm: LLM, sync_debug: bool) -> tuple[list[list[int]], int]:
 @pytest.mark.parametrize("draft_masks", [False, True], ids=["unmasked", "draft_masks"])
 def test_constrained_graph_replay_equals_eager_without_host_sync(k, draft_masks):
     """Grammar-constrained requests with graphs on (overlap, the default buckets): the steady constrained steps
-    replay masked graphs -- the verify masks a static input uploaded before each replay, drafts proposed
-    unmasked -- under torch.cuda.set_sync_debug_mode("error"), and every token equals the eager engine's
+    replay masked graph pairs -- the target forward, then (the previous step processed and this step's verify
+    masks uploaded into their static buffer meanwhile) the finish; drafts proposed unmasked -- under
+    torch.cuda.set_sync_debug_mode("error"), and every token equals the eager engine's
     (enforce_eager: the same padded shapes). With structured_draft_masks the constrained steps run eagerly and
     read back by design (exempt from sync_debug); their tokens equal the eager engine's too."""
     graph = make(k, True, False, structured_draft_masks=draft_masks)
@@ -216,11 +217,13 @@ def test_constrained_graph_replay_equals_eager_without_host_sync(k, draft_masks)
     got, replays = run_constrained(graph, sync_debug=True)
     want, _ = run_constrained(eager, sync_debug=False)
     assert got == want
-    masked = [key for key in graph.engine.graphs.graphs if key[1][3]]
+    from m3eagle.engine.graph_runner import SplitGraph
+
+    masked = {key: g for key, (g, _) in graph.engine.graphs.graphs.items() if key[1][3]}
     if draft_masks and k:
         assert not masked  # constrained steps ran eagerly
-    else:
-        assert masked and replays >= 5, (masked, replays)
+    else:  # each masked key: the forward and the finish, the masks uploaded in between
+        assert masked and all(isinstance(g, SplitGraph) for g in masked.values()) and replays >= 5, (masked, replays)
     for llm in (graph, eager):
         assert_clean(llm)
 

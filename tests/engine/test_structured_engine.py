@@ -8,8 +8,9 @@ structured_draft_masks (the head masked too, K+1 reads per step, eager):
 - drafts that break the grammar are rejected without changing the output;
 - sampled: with coupled verification (deterministic=True) a seed gives plain decoding's tokens; otherwise the
   output's distribution is plain decoding's (two-sample chi-square), also with every draft forced out of the grammar;
-- a default-mode constrained step reads nothing back inside `ModelRunner.execute` and, with graph shapes forced on
-  CPU (what CUDA does), takes a masked decode bucket -- the graph's path -- with the same tokens;
+- a default-mode constrained step launches its target forward, then processes the previous step and builds its
+  masks, then launches the finish; it reads nothing back inside either half and, with graph shapes forced on CPU
+  (what CUDA does), takes a masked decode bucket -- the graph's path -- with the same tokens;
 - n=2 samples each follow their own matcher; a terminated grammar stops the request; an uncompilable grammar is
   refused before anything is admitted."""
 
@@ -312,6 +313,31 @@ def test_constrained_request_joining_a_running_batch(llms, plain, key):
     assert_clean(llm)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_masks_are_built_while_the_target_forward_runs(llms, plain, monkeypatch, overlap):
+    """A default-mode constrained step launches in two halves: its target forward (f), then -- under overlap --
+    the previous step's outputs are processed (p) and the masks built from them, then the finish (F): the
+    steady state runs f p F, the host's mask work beside the device's forward. Without overlap each step is
+    processed after its finish (f F p). Same tokens either way."""
+    llm = llms[(3, overlap, False)]
+    eng = llm.engine
+    events = []
+    forward, finish, process = eng.graphs.forward, eng.graphs.finish, eng._process_iteration
+    monkeypatch.setattr(eng.graphs, "forward", lambda *a: (events.append("f"), forward(*a))[1])
+    monkeypatch.setattr(eng.graphs, "finish", lambda *a: (events.append("F"), finish(*a))[1])
+    monkeypatch.setattr(eng, "_process_iteration", lambda *a: (events.append("p"), process(*a))[1])
+    outs = _run(llm)
+    monkeypatch.undo()
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    order = "".join(events)
+    steps = order.count("f")
+    assert steps >= 10 and order.count("F") == steps
+    if overlap:
+        assert order.count("fpF") >= steps - 2, order
+    else:
+        assert order.count("fFp") == steps, order
+
+
 # ---- the graph path: no read inside the step ---------------------------------------------------------------
 
 _READS = ("tolist", "item", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__")
@@ -323,8 +349,9 @@ def test_constrained_steps_read_nothing_back_and_take_masked_graph_buckets(one_t
     """graph_shapes=True and prefill_graphs=True force on CPU what CUDA does: every steady constrained step is padded
     to a decode bucket under the masked mode (the key of the graph CUDA would replay: the masks a static input,
     uploaded into the same buffer each step) and gives the unpadded engine's tokens; a prompt step with a
-    constrained sampling row runs eagerly. No device value is read back inside `ModelRunner.execute` (a read there
-    would be a host sync on CUDA, and impossible inside a graph), in any step."""
+    constrained sampling row runs eagerly. No device value is read back (and no tensor is made from host data)
+    inside either half of a step (`ModelRunner.forward` / `finish`: a read there would be a host sync on CUDA,
+    and impossible inside a graph), in any step."""
     llm = LLM(num_draft_tokens=3, overlap=True, graph_shapes=True, prefill_graphs=True, **KW)
     eng = llm.engine
     assert eng.graphs.masked_modes
@@ -337,10 +364,10 @@ def test_constrained_steps_read_nothing_back_and_take_masked_graph_buckets(one_t
         want = [o.outputs[0].token_ids for o in ref.generate([p for p, _ in cases], sps, use_tqdm=False)]
         assert_clean(ref)
     seen, mask_ptrs = [], set()
-    build, execute = eng.graphs.build, ModelRunner.execute
+    build, forward, finish = eng.graphs.build, ModelRunner.forward, ModelRunner.finish
 
-    def spy_build(batch, bucket, masked=False, fill_masks=None):
-        inp = build(batch, bucket, masked, fill_masks)
+    def spy_build(batch, bucket, masked=False):
+        inp = build(batch, bucket, masked)
         seen.append((bucket, inp.mode))
         if inp.masked:
             mask_ptrs.add(inp.verify_mask.data_ptr())
@@ -351,15 +378,20 @@ def test_constrained_steps_read_nothing_back_and_take_masked_graph_buckets(one_t
             raise AssertionError(f"Tensor.{name}() inside ModelRunner.execute: a device read in the step")
         return read
 
-    def guarded(self, inp):
-        assert inp.grammar is None  # no host half rides in a default-mode step
-        with pytest.MonkeyPatch.context() as m:
-            for name in _READS:
-                m.setattr(torch.Tensor, name, refuse(name))
-            return execute(self, inp)
+    def guarded(half):
+        def run(self, inp, *args):
+            assert inp.grammar is None  # no host half rides in a default-mode step
+            with pytest.MonkeyPatch.context() as m:
+                for name in _READS:
+                    m.setattr(torch.Tensor, name, refuse(name))
+                for name in ("tensor", "as_tensor"):  # a tensor from host data: a pageable copy on CUDA
+                    m.setattr(torch, name, refuse(name))
+                return half(self, inp, *args)
+        return run
 
     monkeypatch.setattr(eng.graphs, "build", spy_build)
-    monkeypatch.setattr(ModelRunner, "execute", guarded)
+    monkeypatch.setattr(ModelRunner, "forward", guarded(forward))  # execute() is forward + finish
+    monkeypatch.setattr(ModelRunner, "finish", guarded(finish))
     outs = llm.generate([p for p, _ in cases], sps, use_tqdm=False)
     monkeypatch.undo()
     assert [o.outputs[0].token_ids for o in outs] == want
