@@ -9,6 +9,7 @@ One sparse layer on this backend, per step:
 
     indexer   _indexer_kernel (+ _index_merge_kernel when split)   iq, index-K  -> sel [T, Hi, k]
     attention _sparse_attn_kernel (+ _combine_kernel when split)   q, K/V, sel  -> out [T, Hq, D]
+              or, for prompt steps, sparse_prefill._sparse_prefill_kernel (+ _combine_kernel)
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import functools
 
 import torch
 
-from m3eagle.kernels.attention import triton_kernels
+from m3eagle.kernels.attention import sparse_prefill, triton_kernels
 from m3eagle.kernels.attention.metadata import AttnMetadata
 
 
@@ -42,17 +43,22 @@ class TritonBackend:
     block whatever the scores, which is dense attention exactly: they run the dense kernel and skip the
     indexer. A graph captured with max_kv = max_model_len never takes that shortcut.
 
-    Sparse attention runs per query token: each token gathers its own selected blocks. With
-    `sparse_tile_min_q` set, steps whose widest row has at least that many tokens (prompt chunks) run the
-    dense kernel over query tiles with the selection as a block mask instead, reading the union of a
-    tile's selections once rather than each token's selection separately. That wins only when nearby
-    tokens select overlapping blocks; on random data (benchmarks/attention_kernels.py) it loses ~1.4x, so
-    it is off until measured on real activations."""
+    Sparse attention of decode and verify steps runs per query token: each token gathers its own selected
+    blocks. Steps whose widest row has at least `sparse_prefill_min_q` query tokens (prompt chunks; None:
+    never) run `sparse_prefill`'s tiled kernel instead: BLOCK_T consecutive tokens of a row per program
+    walk the union of their selections, loading each selected block once for the tile and filling the MMA
+    with BLOCK_T times more rows. The choice is `sparse_prefill.use_prefill_kernel`, a function of host
+    metadata only (draft-tree steps, which carry a tail override, stay per token).
+
+    With `sparse_tile_min_q` set (it takes precedence), such steps run the dense kernel over query tiles with
+    the selection as a per-key-tile block mask instead, visiting every key tile of the context. On random data
+    (benchmarks/attention_kernels.py) it lost ~1.4x to the per-token kernel, so it is off."""
 
     name = "triton"
 
     def __init__(self, waves: int = 2, min_keys_per_split: int | None = None, max_splits: int = 64,
                  block_n: int | None = None, sparse_tile_min_q: int | None = None,
+                 sparse_prefill_min_q: int | None = sparse_prefill.PREFILL_MIN_Q,
                  min_index_keys_per_split: int | None = None, max_index_splits: int = 512,
                  index_num_warps: int | None = None, index_keys_per_iter: int = 256,
                  index_merge_warps: int | None = None) -> None:
@@ -67,6 +73,7 @@ class TritonBackend:
         self.max_splits = max_splits
         self.block_n = block_n  # keys per tile of the dense kernel; None = by step shape
         self.sparse_tile_min_q = sparse_tile_min_q
+        self.sparse_prefill_min_q = sparse_prefill_min_q
         self.min_index_keys_per_split = min_index_keys_per_split
         self.max_index_splits = max_index_splits
         self.index_num_warps = index_num_warps
@@ -140,8 +147,16 @@ class TritonBackend:
             splits = self._splits(programs, meta.max_kv, q.device, self._min_keys(meta), self.max_splits)
             return triton_kernels.dense_attention(q, k_pool, v_pool, meta, scale, num_splits=splits,
                                                   block_n=self._block_n(meta), keep=keep, keep_block=block_size)
-        programs = triton_kernels.sparse_programs(meta, q.shape[1], k_pool.shape[1], sel.shape[1])
         num_sel = sel.shape[-1]
+        if sparse_prefill.use_prefill_kernel(meta, self.sparse_prefill_min_q):
+            # Splits cut each tile's visible blocks: as many as keep ~min_keys of its selection per split.
+            programs = sparse_prefill.prefill_programs(meta, q.shape[1], k_pool.shape[1], sel.shape[1], q.shape[2],
+                                                       block_size)
+            splits = self._splits(programs, num_sel * block_size, q.device, self.min_keys_per_split or 128,
+                                  self.max_splits)
+            return sparse_prefill.sparse_prefill_attention(q, k_pool, v_pool, meta, scale, sel, block_size,
+                                                           num_splits=splits)
+        programs = triton_kernels.sparse_programs(meta, q.shape[1], k_pool.shape[1], sel.shape[1])
         splits = self._splits(programs, num_sel * block_size, q.device, self.min_keys_per_split or 128,
                               self.max_splits)
         return triton_kernels.sparse_attention(q, k_pool, v_pool, meta, scale, sel, block_size,

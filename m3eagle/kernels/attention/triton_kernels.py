@@ -255,7 +255,9 @@ def _sparse_attn_kernel(
     SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr):
     """Grid (T, Hq // HEADS, splits). One program: one query token times HEADS query heads that share
     both a KV head and an index head, visiting only its selected key blocks (sel[t, ih, :], -1 = none).
-    Tokens are not tiled together because each token has its own block selection.
+    Tokens are not tiled together because each token has its own block selection; prompt steps (a row of
+    >= 16 tokens) run `sparse_prefill._sparse_prefill_kernel` instead, which tiles a row's tokens over the
+    union of their selections.
 
     Each iteration gathers SEL_CHUNK selected blocks at once (key tile of SEL_CHUNK * BLOCK_BS), so a
     decode token's short list of blocks costs few dependent load chains (sel -> page table -> K/V)."""
