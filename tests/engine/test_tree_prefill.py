@@ -110,8 +110,8 @@ def test_tree_prompt_and_mixed_steps_take_prefill_buckets_and_equal_unpadded(geo
     eager = _tree(geometry, tree_max_batch=tree_max_batch)
     padded = _tree(geometry, tree_max_batch=tree_max_batch, graph_shapes=True, prefill_graphs=True)
     assert eager.engine.cfg.prefill_graphs is False and padded.engine.cfg.prefill_graphs is True
-    ref = _plain(geometry)
-    if not sampled:
+    ref = _plain(geometry) if not sampled else None
+    if ref is not None:
         for llm in (eager, padded):
             _script(llm, vocab, ref)
     seen = _spy(padded)
@@ -157,6 +157,18 @@ def test_tree_prefill_replays_equal_eager_buckets(geometry, sampled, tree_max_ba
     if tree_max_batch == 1:
         assert any(len(b) == 4 for b in prefill) and any(isinstance(b, tuple) and b[0] == NARROW for b in replays)
     assert_clean(replayed)
+
+
+def test_chain_prefill_replays_equal_eager_buckets(geometry):
+    """The stand-in holds for the chain's prefill graphs too (K = 3, seeded, overlap): replays of padding-only
+    captures give the bucketed eager engine's tokens, accepted drafts and logprobs."""
+    t, h = geometry
+    kw = dict(device="cpu", load_format="dummy", max_model_len=160, page_size=8, max_num_tokens=24,
+              num_draft_tokens=3, graph_shapes=True, prefill_graphs=True, overlap=True)
+    eager, replayed = LLM(t, draft=h, **kw), LLM(t, draft=h, **kw)
+    replays = cpu_replays(replayed)
+    assert _workload(replayed, True, t.vocab_size) == _workload(eager, True, t.vocab_size)
+    assert any(isinstance(b, tuple) and b[1] > 2 for b in replays) and any(isinstance(b, int) for b in replays)
 
 
 def test_a_capture_without_the_verify_width_is_caught(geometry, monkeypatch):
