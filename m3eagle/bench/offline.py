@@ -142,7 +142,7 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
               num_pages=1 + max_b * pages_per_seq, overlap=overlap, attention_backend=a.attention_backend,
               moe_backend=a.moe_backend, enforce_eager=a.enforce_eager,
               load_format=geo.load_format, tensor_parallel_size=tp,
-              # None: the engine's default (off for a tree's own prompt steps; on for the plain baseline's)
+              # None: the engine's default (on for one CUDA device, trees included)
               prefill_graphs=getattr(a, "prefill_graphs", None),
               max_prefill_graph_tokens=getattr(a, "max_prefill_graph_tokens", 512),
               num_scheduler_steps=getattr(a, "num_scheduler_steps", 1),

@@ -77,14 +77,13 @@ class TreeSpec:
         return spec
 
 
-def check_tree_engine(spec: TreeSpec, prefill_graphs: bool, scheduler_steps: int, tp_size: int) -> None:
-    """Tree drafting runs eagerly or replays decode graphs (steps whose every row verifies a tree), with or without
-    overlap; prompt steps run eagerly. Not yet: prefill graphs, several steps per plan, several ranks."""
-    bad = [name for name, on in (("prefill_graphs=True", prefill_graphs),
-                                 (f"num_scheduler_steps={scheduler_steps}", scheduler_steps != 1),
+def check_tree_engine(spec: TreeSpec, scheduler_steps: int, tp_size: int) -> None:
+    """Tree drafting runs eagerly or replays CUDA graphs (decode steps, and prompt / mixed steps with prefill
+    graphs), with or without overlap. Not yet: several steps per plan, several ranks."""
+    bad = [name for name, on in ((f"num_scheduler_steps={scheduler_steps}", scheduler_steps != 1),
                                  (f"tensor_parallel_size={tp_size}", tp_size != 1)) if on]
     if bad:
-        raise ValueError(f"draft_tree='{spec}' cannot be combined with {', '.join(bad)}: pass prefill_graphs=False, "
+        raise ValueError(f"draft_tree='{spec}' cannot be combined with {', '.join(bad)}: pass "
                          "num_scheduler_steps=1, tensor_parallel_size=1 (or use the chain, num_draft_tokens=K)")
 
 

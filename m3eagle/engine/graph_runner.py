@@ -16,9 +16,11 @@ buffer, which the host may still be reading under overlap).
 Graphs are keyed by (bucket, mode), mode = (any row samples, any row wants logprobs, any row has
 penalties, any sampling row is constrained by a grammar); K is fixed per engine, except that a draft tree's
 narrow steps (each row verifying the first D nodes of its tree: draft_tree.verify_width) take buckets of
-their own, (NARROW, rows, D). All share one memory pool; the greedy graphs are captured at startup,
-largest bucket first, and the others on first use (or by the warm-up: `warm_keys`). Steps that are neither
-graph-shaped nor prefill-shaped run eagerly.
+their own, (NARROW, rows, D), and so do its narrow prefill-shaped steps, (PREFILL, rows, tokens, D): the
+verify width is a host int the tree step computes with (StepInput.draft_width), and a graph captured on
+padding rows alone would otherwise compute at the full width N. All share one memory pool; the greedy graphs
+are captured at startup, largest bucket first, and the others on first use (or by the warm-up: `warm_keys`).
+Steps that are neither graph-shaped nor prefill-shaped run eagerly.
 
 A constrained ("masked") step is captured as two graphs (`SplitGraph`): the target forward, which reads no
 mask, and the finish, which reads the grammar masks of its verify positions from a static device buffer
@@ -36,10 +38,11 @@ and L tokens, is padded to the next row bucket R' > R and the next token bucket 
 room for their padding rows; larger steps run eagerly) with
 R' - R padding rows on the trash page (one token each, the last one takes the rest), and max_q fixed at
 T, so its launch shape is (R' rows, T tokens); it is captured on first use under the key
-(("prefill", R', T), mode). Prompt steps then replay instead of launching eagerly (on the H200 an eager
-prompt step of the embedded model costs milliseconds of host time; the one-row case took batch-1 plain
-from 2,949 to 3,837 tok/s). The real rows compute what they compute
-unpadded (tokens of another row never reach them); padding rows sample and verify nothing. Like
+(("prefill", R', T), mode) (a draft tree's step of narrow verify rows: ("prefill", R', T, D)). Prompt
+steps then replay instead of launching eagerly (on the H200 an eager prompt step of the embedded model
+costs milliseconds of host time; the one-row case took batch-1 plain from 2,949 to 3,837 tok/s). The real
+rows compute what they compute unpadded (tokens of another row never reach them); padding rows sample and
+verify nothing. Like
 decode buckets, a padded step may round differently from the unpadded one in bf16 (GEMMs of another
 width), so greedy tokens can differ from an engine without prefill graphs, never between replay and eager.
 Graph-shaped steps get the same padding and KV bound when they run eagerly (enforce_eager), so eager and
@@ -163,8 +166,11 @@ class GraphRunner:
         self.max_kv = table_width * page_size  # the fixed KV bound of every graph-shaped step
         # A bucket must fit the step buffers once padded: rows x (1 + K) tokens.
         self.buckets = [b for b in bucket_sizes(max_rows) if b * (k + 1) <= bufs.max_tokens]
-        # A draft tree's narrow verify width (draft_tree.verify_width): its decode steps get buckets of their own.
+        # A draft tree's narrow verify width (draft_tree.verify_width): its decode steps get buckets of their own,
+        # and so do its prefill-shaped steps of narrow rows, which only steps of more than tree_max_batch rows
+        # are (the engine sets both; warm_keys reads the second).
         self.narrow: int | None = None
+        self.tree_max_batch = 0
         # Prefill graphs need a padding row (so at least two rows); tensor parallel keeps them off (the
         # driver's broadcast protocol carries decode buckets only).
         # A step of up to prefill_cap real tokens replays: the last bucket has room for its padding rows.
@@ -190,8 +196,9 @@ class GraphRunner:
 
     # ---- planning -------------------------------------------------------------------------------
     def bucket(self, batch: ScheduledBatch, masked: bool = False) -> Any:
-        """The step's graph bucket: rows (a decode / verify step), (PREFILL, rows, tokens) (a prefill
-        graph's), or None (eager). `masked`: a sampling row is constrained (prefill-shaped: eager)."""
+        """The step's graph bucket: rows (a decode / verify step), (NARROW, rows, D) (a draft tree's narrow
+        one), (PREFILL, rows, tokens) (a prefill graph's; (PREFILL, rows, tokens, D) when its tree rows verify
+        the narrow width D), or None (eager). `masked`: a sampling row is constrained (prefill-shaped: eager)."""
         if is_graph_shaped(batch, self.k, self.narrow):
             b, w = bucket_for(len(batch.rows), self.buckets), batch.rows[0].num_drafts
             return b if w == self.k or b is None else (NARROW, b, w)
@@ -204,7 +211,10 @@ class GraphRunner:
             if real > self.prefill_cap:
                 return None
             t = bucket_for(real + rows - n, self.prefill_buckets)  # >= 1 token each
-            return (PREFILL, rows, t) if t is not None else None
+            if t is None:
+                return None
+            w = max(r.num_drafts for r in batch.rows)
+            return (PREFILL, rows, t, w) if self.narrow is not None and 0 < w < self.k else (PREFILL, rows, t)
         return None
 
     def build(self, batch: ScheduledBatch, bucket: Any, masked: bool = False) -> StepInput:
@@ -222,16 +232,17 @@ class GraphRunner:
 
     def _padding(self, bucket: Any, batch: ScheduledBatch) -> dict[str, Any]:
         """build_step_input's padding arguments of a bucket for `batch` (empty when capturing). Decode: rows
-        of 1 + K tokens up to `bucket` rows. Prefill (PREFILL, rows, t): `rows` rows and t tokens in all,
+        of 1 + K tokens up to `bucket` rows. Prefill (PREFILL, rows, t[, w]): `rows` rows and t tokens in all,
         max_q t -- the real rows, then padding rows of one token each but the last, which takes the rest;
-        padding rows verify nothing."""
+        padding rows verify nothing, and the step's verify width is w (a capture has no row that says it)."""
         if isinstance(bucket, tuple) and bucket[0] == NARROW:  # rows of 1 + w tokens
             return dict(pad_rows_to=bucket[1], pad_q=bucket[2] + 1)
         if isinstance(bucket, tuple):
-            _, rows, t = bucket
+            _, rows, t, *width = bucket
             pad = rows - len(batch.rows)
             rest = t - sum(r.num_tokens for r in batch.rows) - (pad - 1)
-            return dict(pad_rows_to=rows, pad_q=[1] * (pad - 1) + [rest], pad_drafts=0, max_q=t)
+            return dict(pad_rows_to=rows, pad_q=[1] * (pad - 1) + [rest], pad_drafts=0, max_q=t,
+                        draft_width=width[0] if width else 0)
         return dict(pad_rows_to=bucket, pad_q=self.k + 1)
 
     # ---- running --------------------------------------------------------------------------------
@@ -315,14 +326,18 @@ class GraphRunner:
         """Every (bucket, mode) a serving step can take, largest first: each decode / verify bucket in each of
         the 8 modes (16 with `masked_modes`: each also constrained), and each prefill bucket (R' >= 2 rows,
         T >= R' tokens: every row holds a token) in the 4 modes a prefill graph has (no penalties, never
-        masked). The step whose graph `warm` captures is built of padding rows only, so what it compiles and
-        captures is exactly what the first real step of that key would."""
+        masked); a draft tree's also at its narrow width where R' - 1 real rows exceed tree_max_batch. The step
+        whose graph `warm` captures is built of padding rows only, so what it compiles and captures is exactly
+        what the first real step of that key would."""
         flags = (False, True)
         masks = flags if self.masked_modes else (False,)
         decode = [(b, (r, lp, pen, m)) for b in self.decode_buckets()
                   for m in masks for r in flags for lp in flags for pen in flags]
-        prefill = [((PREFILL, rows, t), (r, lp, False, False)) for t in sorted(self.prefill_buckets, reverse=True)
+        narrow = self.narrow is not None and self.narrow != self.k
+        prefill = [(key, (r, lp, False, False)) for t in sorted(self.prefill_buckets, reverse=True)
                    for rows in sorted(self.prefill_rows, reverse=True) if 2 <= rows <= t
+                   for key in [(PREFILL, rows, t)] + ([(PREFILL, rows, t, self.narrow)]
+                                                      if narrow and rows - 1 > self.tree_max_batch else [])
                    for r in flags for lp in flags]
         return decode + prefill
 
@@ -342,15 +357,13 @@ class GraphRunner:
             return {}
         dev = self.runner.device
         mode = (False, False, False, False)
-        empty = ScheduledBatch([], [])
 
         def cost(bucket: Any) -> float:
             if (bucket, mode) not in self.graphs:
                 self.capture(bucket, mode)
             graph = self.graphs[(bucket, mode)][0]
             # the step buffers hold the last step's layout: lay out this bucket's padding rows before replaying
-            build_step_input(empty, self.page_size, self.table_width, dev, self.bufs, max_kv=self.max_kv,
-                             dump_slot=self.runner.dump_slot, ops=self.ops, mode=mode, **self._padding(bucket, empty))
+            self.padding_input(bucket, mode)
             graph.replay()
             times = []
             for _ in range(reps):
@@ -378,11 +391,17 @@ class GraphRunner:
             return True
         if self.driver is not None:  # tensor parallel: an eager step here must run on every rank; skip it
             return False
-        inp = build_step_input(ScheduledBatch([], []), self.page_size, self.table_width, self.runner.device,
-                               self.bufs, max_kv=self.max_kv, dump_slot=self.runner.dump_slot, ops=self.ops,
-                               mode=mode, **self._padding(bucket, ScheduledBatch([], [])))
-        self.runner.execute(inp)
+        self.runner.execute(self.padding_input(bucket, mode))
         return True
+
+    def padding_input(self, bucket: Any, mode: tuple[bool, ...]) -> StepInput:
+        """The step of `bucket` built of padding rows only, in `mode`: what a capture records. Its host ints
+        (rows, tokens, bounds, mode, verify width) are baked into the graph; every real step the graph replays
+        must have the same ones (a CPU test replays these inputs over real steps' buffers)."""
+        empty = ScheduledBatch([], [])
+        return build_step_input(empty, self.page_size, self.table_width, self.runner.device, self.bufs,
+                                max_kv=self.max_kv, dump_slot=self.runner.dump_slot, ops=self.ops, mode=mode,
+                                **self._padding(bucket, empty))
 
     def capture(self, bucket: Any, mode: tuple[bool, ...]) -> None:
         """Capture `execute` on padding rows only (they touch nothing but the trash page and the dump
@@ -395,9 +414,7 @@ class GraphRunner:
 
     def _capture(self, bucket: Any, mode: tuple[bool, ...]) -> None:
         t0 = time.perf_counter()
-        inp = build_step_input(ScheduledBatch([], []), self.page_size, self.table_width, self.runner.device,
-                               self.bufs, max_kv=self.max_kv, dump_slot=self.runner.dump_slot, ops=self.ops,
-                               mode=mode, **self._padding(bucket, ScheduledBatch([], [])))
+        inp = self.padding_input(bucket, mode)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.runner.device)

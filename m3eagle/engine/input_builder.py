@@ -384,12 +384,14 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
                      bufs: StepBuffers | None = None, pad_rows_to: int = 0, max_kv: int = 0,
                      dump_slot: int = 0, pad_q: int | list[int] = 0, ops: Any = None,
                      mode: tuple[bool, ...] | None = None, max_q: int = 0,
-                     pad_drafts: int | None = None, masked: bool = False) -> StepInput:
+                     pad_drafts: int | None = None, masked: bool = False, draft_width: int = 0) -> StepInput:
     """Pack one step. `pad_rows_to` appends padding rows (trash page, dump slot, greedy, no sampling) up to
     that many rows, each `pad_q` tokens wide (0: as wide as the first real row; a list: one width per
     padding row) and "verifying" `pad_drafts` drafts (None: pad_q - 1, a decode row's); `max_kv` (0: the
     step's own bound) and `max_q` (0: the widest row) fix the metadata's bounds, so that steps of one graph
-    bucket get one launch shape.
+    bucket get one launch shape. `draft_width` is the step's least StepInput.draft_width (a draft tree's
+    verify width): a graph captured on padding rows that verify nothing must still compute at the width of
+    the real steps it replays.
     `mode` overrides (any_random, want_logprobs, penalties[, masked]) -- a graph captured on padding rows alone
     needs it. `masked`: some sampling row is constrained; the step reads its verify masks from `bufs.masks`,
     which the caller uploads before the part of the step that reads them (`VerifyMasks.upload`: the engine
@@ -447,7 +449,7 @@ def build_step_input(batch: ScheduledBatch, page_size: int, table_width: int, de
     shape.d_span.copy_(shape.h_spans[par], non_blocking=shape.d_span.is_cuda)
     inp = _assemble(shape.views, n_rows, t, max_q, max_kv or max(kv_lens, default=1), page_size, ops,
                     (any_random, want_logprobs, any_penalty, want_prompt_lp))
-    inp.draft_width = max(max((r.num_drafts for r in rows), default=0), max(nd_pad, default=0))
+    inp.draft_width = max(max((r.num_drafts for r in rows), default=0), max(nd_pad, default=0), draft_width)
     if masked:
         if bufs.masks is None:
             raise ValueError("a constrained step needs StepBuffers(verify_masks=(K+1, V)): these buffers hold no masks")

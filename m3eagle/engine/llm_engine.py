@@ -115,7 +115,7 @@ class EngineConfig:
     # prefix is cached computes only the rest (scheduler.py, prefix_keys.py).
     enable_prefix_caching: bool = True
     # A draft tree (draft_tree.TreeSpec) instead of the chain: num_draft_tokens is then its node budget N
-    # (each verify row carries N nodes); decode graphs and overlap, no prefill graphs (draft_tree.check_tree_engine).
+    # (each verify row carries N nodes); decode and prefill graphs, overlap (draft_tree.check_tree_engine).
     draft_tree: Any = None
     # Draft trees: a step of at most this many rows verifies the full tree, a larger one the first D nodes of
     # each (draft_tree.verify_width). None: chosen at startup (`_choose_tree_max_batch`) from the step costs of
@@ -222,10 +222,9 @@ class LLMEngine(OutputProcessor):
         if cfg.max_prefill_graph_tokens < 16:
             raise ValueError(f"max_prefill_graph_tokens={cfg.max_prefill_graph_tokens} must be >= 16 (the "
                              "smallest prefill-graph bucket); turn prefill graphs off with prefill_graphs=False")
-        # Prefill graphs: on by default on one CUDA device (with enforce_eager too: eager pads as a replay would);
-        # off for draft trees, whose prompt steps run eagerly.
-        pg = cfg.prefill_graphs if cfg.prefill_graphs is not None else (
-            device.type == "cuda" and tp.size == 1 and not (k and cfg.draft_tree is not None))
+        # Prefill graphs: on by default on one CUDA device (with enforce_eager too: eager pads as a replay would),
+        # draft trees included (their narrow prompt / mixed steps take buckets of their own: GraphRunner.bucket).
+        pg = cfg.prefill_graphs if cfg.prefill_graphs is not None else device.type == "cuda" and tp.size == 1
         num_pages = resolve_num_pages(replace(cfg, prefill_graphs=pg), target, draft if k else None, dtype,
                                       device, k, tp)
         replays = not cfg.enforce_eager and cfg.graph_shapes is not False  # graph-shaped steps replay graphs
@@ -254,7 +253,7 @@ class LLMEngine(OutputProcessor):
         max_rows = cfg.max_num_seqs + int(pg)
         tree = cfg.draft_tree if k else None
         if tree is not None:
-            check_tree_engine(tree, pg, steps, tp.size)
+            check_tree_engine(tree, steps, tp.size)
         runner_cls, extra = (TreeModelRunner, {"tree": tree}) if tree is not None else (ModelRunner, {})
         self.runner = runner_cls(target, draft, k, num_pages, cfg.page_size, cfg.max_num_seqs, dtype, device,
                                  max_num_tokens=max_tokens, max_rows=max_rows,
@@ -336,7 +335,7 @@ class LLMEngine(OutputProcessor):
             else:
                 value, source = tree_max_batch_from_shape(tree), "shape rule"
         self.cfg = replace(self.cfg, tree_max_batch=value)
-        self.scheduler.tree_max_batch = value
+        self.scheduler.tree_max_batch = self.graphs.tree_max_batch = value
         self.scheduler.narrow_drafts = narrow_width(tree)
         log.info("draft tree %s: steps of up to %d rows verify the full tree, larger ones its first %d nodes (%s)",
                  tree, value, narrow_width(tree), source)
@@ -387,8 +386,8 @@ class LLMEngine(OutputProcessor):
         counters and step counts restored, every page free again):
 
         1. `graphs`: every (bucket, mode) of `GraphRunner.warm_keys` -- each decode / verify bucket in all 8
-           modes, each prefill (rows, tokens) bucket in its 4 -- is captured (with graphs off: run once
-           eagerly), which compiles their Triton variants too;
+           modes, each prefill (rows, tokens) bucket in its 4 (a draft tree's narrow ones too) -- is captured
+           (with graphs off: run once eagerly), which compiles their Triton variants too;
         2. dummy greedy prompts of every shape of `warmup_shapes` (the eager chunk classes above the prefill
            graphs' cap included), K + 2 new tokens each, so verify and draft steps run too;
         3. one short request per `warmup_variants` entry, at a short and at the longest chunk length.

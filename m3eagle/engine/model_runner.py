@@ -183,6 +183,11 @@ class ModelRunner:
             ops = self._book[name] = step_ops.create(name)
         return ops
 
+    def step_width(self, inp: StepInput) -> int:
+        """The drafts per row the step computes with (host int): K, fixed per engine (a draft tree's runner
+        reads the step's verify width). A graph bakes it in, so its capture and its replays must agree."""
+        return self.k
+
     def to_host(self, out: StepOutput, drafts: bool = False) -> StepOutput:
         """Launch the step's device->host copy (after execute, or after a graph replay); `drafts`: the drafts too
         (a constrained step's: the next step's verify masks walk them)."""

@@ -96,7 +96,7 @@ class TreeModelRunner(ModelRunner):
         # w: the step's verify width (host int), N or the narrow width; rows verify their first num_drafts <= w
         # stored nodes (score order: every prefix is closed under ancestors). k1: the slot buffers' width N + 1.
         tree, k1 = self.tree, self.k + 1
-        k = inp.draft_width if 0 < inp.draft_width <= self.k else self.k
+        k = self.step_width(inp)
         pen, grammar = inp.penalties, inp.grammar
         if grammar is not None and not isinstance(grammar, TreeGrammarStep):
             raise TypeError("a draft-tree step's grammar is a TreeGrammarStep (its masks follow the tree)")
@@ -164,6 +164,11 @@ class TreeModelRunner(ModelRunner):
         tops.store(s, (tokens, t_parents, t_depths), (self.slot_drafts, self.slot_parents, self.slot_depths),
                    self.slot_held)
         return StepOutput(new_tokens, num_new, tokens, logprobs, prompt_lps)
+
+    def step_width(self, inp: StepInput) -> int:
+        """The step's verify width w (host int): its rows' most drafts, N or the narrow D; N for a step whose rows
+        verify nothing (prompt chunks alone: their first trees grow full)."""
+        return inp.draft_width if 0 < inp.draft_width <= self.k else self.k
 
     def _tree_ops(self, meta: AttnMetadata) -> TreeOps:
         """The tree's ops (tree_ops.py): the implementation named like the step's fused backend, as _step_ops."""

@@ -209,8 +209,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="K drafts per step (0 disables speculation); none: 3 with a draft head")
     p.add_argument("--draft-tree", default=None, metavar="D,K,N",
                    help="draft a dynamic tree instead of the chain: depth D, the K best children per expanded node, "
-                        "N nodes verified per step (e.g. 3,4,16; decode steps replay CUDA graphs, prompt steps run "
-                        "eagerly; overlap off unless --overlap on)")
+                        "N nodes verified per step (e.g. 3,4,16; decode and prompt steps replay CUDA graphs; overlap "
+                        "off unless --overlap on)")
     p.add_argument("--tree-max-batch", type=int_in(0), default=None, metavar="B",
                    help="with --draft-tree: steps of up to B rows verify the full tree, larger ones its first D "
                         "nodes (0: always the first D); none: chosen at startup from measured step costs")
@@ -338,8 +338,7 @@ def _add_bench(sub) -> None:
                    help="K for the speculative runs (0: plain only); none: 3 when there is a head")
     b.add_argument("--draft-tree", default=None, metavar="D,K,N",
                    help="the speculative runs draft a dynamic tree (depth D, K children per expanded node, N nodes "
-                        "verified) instead of the chain; trees run without prefill graphs, and without overlap unless "
-                        "--overlap on")
+                        "verified) instead of the chain; trees run without overlap unless --overlap on")
     b.add_argument("--tree-max-batch", type=int_in(0), default=None, metavar="B",
                    help="with --draft-tree: steps of up to B rows verify the full tree, larger ones its first D nodes "
                         "(0: always the first D); none: chosen at startup from measured step costs")

@@ -347,8 +347,8 @@ def test_sampled_tree_runs_seeded_with_logprobs(embedded):
 def test_refusals_name_the_options():
     with pytest.raises(ValueError, match="pass one"):
         LLM(device="cpu", draft_tree="3,4,16", num_draft_tokens=3)
-    with pytest.raises(ValueError, match="prefill_graphs=True"):
-        LLM(device="cpu", draft_tree="3,4,16", prefill_graphs=True)
+    # prefill graphs are no refusal: a tree's prompt and mixed steps pad to prefill buckets (test_tree_prefill.py)
+    assert LLM(device="cpu", draft_tree="3,4,16", prefill_graphs=True).engine.cfg.prefill_graphs is True
     with pytest.raises(ValueError, match="num_scheduler_steps=2"):
         LLM(device="cpu", draft_tree="3,4,16", num_scheduler_steps=2)
 

@@ -1,7 +1,8 @@
 """Draft trees on the graph path: the tree step reads nothing back to the host (fixed shapes, device-side node
 layout), so it can be captured; padded to graph buckets with the fixed KV bound (what a CUDA replay computes,
-`graph_shapes=True` on CPU) it gives the plain greedy tokens, on the tiny sparse geometry and with scripted
-trees that force full, partial and rejected paths."""
+`graph_shapes=True` on CPU) -- decode steps, and with `prefill_graphs=True` prompt and mixed steps too -- it
+gives the plain greedy tokens, on the tiny sparse geometry and with scripted trees that force full, partial and
+rejected paths. Prefill-graph tree steps in depth: test_tree_prefill.py."""
 
 from __future__ import annotations
 
@@ -86,17 +87,18 @@ def _guard_execute(llm, counts: dict[str, int]) -> None:
     runner.execute = execute
 
 
-@pytest.mark.parametrize("graph_shapes", [False, True], ids=["eager", "buckets"])
+@pytest.mark.parametrize("graph_shapes", [False, True, "prefill"], ids=["eager", "buckets", "prefill"])
 def test_tree_step_is_sync_free_and_greedy_exact(graph_shapes):
     """Every tree step -- decode-only and mixed with prompt rows -- runs without a host read of a device value
     or a tensor built from host data, and the tokens are the plain greedy ones (the tiny geometry: MSA block
     selection active past 16 tokens), also with scripted trees. `buckets`: decode-only steps padded to graph
     buckets with the fixed KV bound -- what a CUDA replay computes -- while prompt steps stay eager; requests
-    of different lengths finish at different steps, so the bucket changes."""
+    of different lengths finish at different steps, so the bucket changes. `prefill`: prompt and mixed steps
+    padded to prefill buckets too, so no step runs unpadded."""
     tree, prompts, sp, ref, vocab = tiny_tree_and_reference("3,3,8", 7, (30, 41, 19), 20)
     seen: list[tuple[int, object]] = []
     if graph_shapes:
-        tree = _same_with(tree, graph_shapes=True)
+        tree = _same_with(tree, graph_shapes=True, prefill_graphs=graph_shapes == "prefill")
         build = tree.engine.graphs.build
 
         def spy(batch, bucket, *args):
@@ -115,9 +117,12 @@ def test_tree_step_is_sync_free_and_greedy_exact(graph_shapes):
     assert set(used) == {0, 1, 2} and tree.engine.counters.accept_hist[3] > 0
     assert counts.get("decode", 0) > 5 and counts.get("mixed", 0) > 0, counts
     if graph_shapes:
-        padded = [(n, b) for n, b in seen if b is not None]
+        padded = [(n, b) for n, b in seen if isinstance(b, int)]
         assert any(b > n for n, b in padded) and len({b for _, b in padded}) >= 2, seen
-        assert any(b is None for _, b in seen)  # prompt steps ran eagerly
+        if graph_shapes == "prefill":  # prompt and mixed steps took prefill buckets
+            assert all(b is not None for _, b in seen) and any(isinstance(b, tuple) for _, b in seen), seen
+        else:
+            assert any(b is None for _, b in seen)  # prompt steps ran eagerly
     assert_clean(tree)
 
 

@@ -1,6 +1,7 @@
 """The draft-tree step's layout kernels (engine/tree_layout_kernels.py) held bit-equal to the plain torch layout
 (engine/tree_layout.py) on CPU under the Triton interpreter: the node rows of uniform (graph-shaped) and mixed
-steps -- tree rows of every verify count, prompt rows, padded rows, deep and wide random trees.
+steps -- tree rows of every verify count, prompt rows, padded rows, deep and wide random trees, and mixed steps
+padded to a prefill graph's bucket (max_q the bucket's tokens, wider than every row).
 
 NOTE: TRITON_INTERPRET is set before anything imports triton, and it holds for the whole pytest process.
 """
@@ -37,10 +38,11 @@ def stored_trees(slots: int, n: int, depth: int, g: torch.Generator) -> tuple[to
     return parents, depths
 
 
-def step(q_lens: list[int], drafts: list[int], n: int, depth: int, seed: int, page: int = 4,
+def step(q_lens: list[int], drafts: list[int], n: int, depth: int, seed: int, page: int = 4, max_q: int = 0,
          ) -> tuple[AttnMetadata, torch.Tensor, ...]:
-    """A verify step of rows with q_lens tokens (num_drafts `drafts`) over random stored trees of n nodes ->
-    (metadata, slot_parents, slot_depths, row_slot, row_first, num_drafts)."""
+    """A verify step of rows with q_lens tokens (num_drafts `drafts`) over random stored trees of n nodes, max_q
+    at least `max_q` (a prefill bucket's tokens) -> (metadata, slot_parents, slot_depths, row_slot, row_first,
+    num_drafts)."""
     g = torch.Generator().manual_seed(seed)
     b = len(q_lens)
     q = torch.tensor(q_lens)
@@ -51,7 +53,7 @@ def step(q_lens: list[int], drafts: list[int], n: int, depth: int, seed: int, pa
     pages = 70  # the largest tree copies its [65, 70] page rows in three chunks
     table = torch.randint(1, 200, (b, pages), generator=g)  # [B, P]
     table[:, -2:] = 0  # trash past the held pages
-    meta = AttnMetadata(num_rows=b, max_q=max(q_lens), max_kv=int(kv.max()) + 5, page_size=page, q_lens=q,
+    meta = AttnMetadata(num_rows=b, max_q=max(*q_lens, max_q), max_kv=int(kv.max()) + 5, page_size=page, q_lens=q,
                         kv_lens=kv, page_table=table, tok_row=tok_row, tok_col=tok_col, q_index=None, q_valid=None,
                         positions=(kv - q)[tok_row] + tok_col, slot_mapping=None)
     sp, sd = stored_trees(b + 2, n, depth, g)
@@ -59,19 +61,22 @@ def step(q_lens: list[int], drafts: list[int], n: int, depth: int, seed: int, pa
     return meta, sp, sd, row_slot, first, torch.tensor(drafts)
 
 
-CASES = [  # (q_lens, num_drafts, N, D, width)
+CASES = [  # (q_lens, num_drafts, N, D, width[, max_q])
     ([17] * 3, [16, 16, 0], 16, 3, 16),  # graph-shaped 3,4,16: two tree rows, a padding row
     ([4] * 5, [3, 2, 0, 3, 1], 16, 3, 3),  # the narrow width: the first 3 nodes
     ([9, 1, 30, 5, 9], [8, 0, 0, 4, 8], 8, 5, 8),  # mixed: prompt rows, a short tree row
     ([65, 65], [64, 40], 64, 8, 64),  # the largest tree
     ([3, 2, 1], [2, 1, 0], 6, 1, 2),  # depth 1
+    # prefill buckets: a prompt chunk, narrow tree rows, padding rows of one token and the last of the rest
+    ([20, 4, 4, 1, 3], [0, 3, 3, 0, 0], 16, 3, 3, 32),
+    ([11, 17, 17, 1, 50], [0, 16, 16, 0, 0], 16, 3, 16, 96),  # full-width tree rows; max_q takes two BLOCK_Q
 ]
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_node_rows_equal_the_reference(case):
-    q_lens, drafts, n, d, w = CASES[case]
-    meta, sp, sd, row_slot, first, nd = step(q_lens, drafts, n, d, case)
+    q_lens, drafts, n, d, w, *max_q = CASES[case]
+    meta, sp, sd, row_slot, first, nd = step(q_lens, drafts, n, d, case, max_q=max_q[0] if max_q else 0)
     b = len(q_lens)
     uniform = sum(q_lens) == b * (w + 1) and meta.max_q == w + 1
     assert uniform == (case < 2 or case == 3)
