@@ -12,7 +12,8 @@ ceiling). Every candidate is checked to be row-invariant (a row alone == the sam
 for bit) before it is timed; one that is not is reported and dropped.
 
 Timing as benchmarks/gemv.py: calls captured back to back in one CUDA graph over weight copies that span
---rotate-mb, median of --replays replays, per call; a split candidate's time includes its split-sum launch.
+--rotate-mb, median of --replays replays, per call; a split candidate's time includes its split sum (done in
+the same launch, by each tile's last program).
 """
 
 from __future__ import annotations
