@@ -143,19 +143,22 @@ def test_backend_routes_prompt_steps_to_the_tiled_kernel(monkeypatch):
     block, topk, local = 4, 3, 1
     s = widen(make_step(41, [16, 1, 4], [50, 30, 44], 8, hq=4, hkv=2, hi=2), 96)
     args = (s.q, s.k, s.v, s.meta, 0.3, s.iq, s.ik, block, topk, local)
-    assert_close(TritonBackend().sparse_attention(*args), reference.paged_attention(*args))
+    on = TritonBackend(sparse_prefill_min_q=sparse_prefill.PREFILL_MIN_Q)
+    assert_close(on.sparse_attention(*args), reference.paged_attention(*args))
     assert calls == ["tiled"]
 
 
 def test_only_prompt_steps_of_the_triton_backend_take_it(monkeypatch):
     """Decode / verify-sized steps (widest row < 16) and the batch-invariant backend (determinism mode: its
-    own fixed per-token launch) keep `_sparse_attn_kernel`; sparse_prefill_min_q=None turns the tiled one off."""
+    own fixed per-token launch) keep `_sparse_attn_kernel`; sparse_prefill_min_q=None (the default, until the
+    kernel is timed on a GPU) turns the tiled one off."""
     calls: list[str] = []
     for mod, fn, tag in ((sparse_prefill, "sparse_prefill_attention", "tiled"),
                          (triton_kernels, "sparse_attention", "per_token")):
         monkeypatch.setattr(mod, fn, lambda q, *a, _tag=tag, **k: calls.append(_tag) or torch.zeros_like(q))
-    for q_lens, backend, want in (([16, 1], TritonBackend(), "tiled"), ([15, 1], TritonBackend(), "per_token"),
-                                  ([16, 1], TritonBackend(sparse_prefill_min_q=None), "per_token"),
+    on = TritonBackend(sparse_prefill_min_q=sparse_prefill.PREFILL_MIN_Q)
+    for q_lens, backend, want in (([16, 1], on, "tiled"), ([15, 1], on, "per_token"),
+                                  ([16, 1], TritonBackend(), "per_token"),
                                   ([16, 1], BatchInvariantBackend(), "per_token")):
         s = make_step(42, q_lens, [50, 30], 8, hq=4, hkv=2, hi=2)
         backend.attend_selected(s.q, s.k, s.v, s.meta, 0.3, ref_selection(s, 4, 3, 1), 4)
@@ -249,7 +252,10 @@ def test_model_prompt_steps_match_the_reference_backend(monkeypatch):
             c.k.fill_(POISON), c.v.fill_(POISON)
             if c.idx_k is not None:
                 c.idx_k.fill_(POISON)
-        ops = replace(REFERENCE, attention=backend.create(name))
+        att = backend.create(name)
+        if name == "triton":  # the tiled kernel on (the backend's default keeps it off until timed on a GPU)
+            att.sparse_prefill_min_q = sparse_prefill.PREFILL_MIN_Q
+        ops = replace(REFERENCE, attention=att)
         gen = torch.Generator().manual_seed(5)
         logits[name] = []
         with torch.no_grad():

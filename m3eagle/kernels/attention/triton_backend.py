@@ -44,8 +44,10 @@ class TritonBackend:
     indexer. A graph captured with max_kv = max_model_len never takes that shortcut.
 
     Sparse attention of decode and verify steps runs per query token: each token gathers its own selected
-    blocks. Steps whose widest row has at least `sparse_prefill_min_q` query tokens (prompt chunks; None:
-    never) run `sparse_prefill`'s tiled kernel instead: BLOCK_T consecutive tokens of a row per program
+    blocks. Steps whose widest row has at least `sparse_prefill_min_q` query tokens (prompt chunks;
+    `sparse_prefill.PREFILL_MIN_Q` = 16 is the intended threshold; None, the default: never, until
+    `benchmarks/attention_kernels.py --prefill-only` has timed it against the per-token kernel on a GPU) run
+    `sparse_prefill`'s tiled kernel instead: BLOCK_T consecutive tokens of a row per program
     walk the union of their selections, loading each selected block once for the tile and filling the MMA
     with BLOCK_T times more rows. The choice is `sparse_prefill.use_prefill_kernel`, a function of host
     metadata only (draft-tree steps, which carry a tail override, stay per token).
@@ -58,7 +60,7 @@ class TritonBackend:
 
     def __init__(self, waves: int = 2, min_keys_per_split: int | None = None, max_splits: int = 64,
                  block_n: int | None = None, sparse_tile_min_q: int | None = None,
-                 sparse_prefill_min_q: int | None = sparse_prefill.PREFILL_MIN_Q,
+                 sparse_prefill_min_q: int | None = None,
                  min_index_keys_per_split: int | None = None, max_index_splits: int = 512,
                  index_num_warps: int | None = None, index_keys_per_iter: int = 256,
                  index_merge_warps: int | None = None) -> None:
