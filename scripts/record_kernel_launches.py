@@ -1,16 +1,36 @@
-"""Record every Triton kernel launch of a bf16 engine run, for tests/kernels/test_kernels_compile.py.
+"""Record every Triton kernel launch of interpreted engine runs, for tests/kernels/test_kernels_compile.py.
 
-    python scripts/record_kernel_launches.py [--out tests/data/kernel_launches.json]   (CPU, ~5 min)
+    python scripts/record_kernel_launches.py [--out tests/data/kernel_launches.json] [--passes bf16,fp8,...]
+    (CPU only, ~10 min on 2 cores)
 
 Why: the CPU suite runs the kernels under the Triton interpreter, which accepts code that the GPU compiler
-rejects (tl.dot tiles under 16, layouts and types only the compiler checks).
-This script runs the embedded pair with every fast path on (triton attention, MoE and fused ops; bf16, as
-on the GPU; K=3 speculation; a prompt past the indexer's top-k blocks so the sparse kernels run; a few
-direct calls for paths the run does not take: split-K GEMV, an expert subset, the MoE's split-tail tiles, the
-tiled router's other block shapes) under the interpreter and
-writes each distinct launch -- kernel, argument types, constexpr values, launch options -- as JSON. The
-test compiles every recorded launch for sm_90 without a GPU. Re-run it after changing a kernel's
-parameters (the test says so when a record no longer matches its kernel).
+rejects (tl.dot tiles under 16, layouts and types only the compiler checks). The test compiles every launch
+recorded here for sm_90 without a GPU, so a kernel is compiled off the GPU only if some launch of it is recorded;
+tests/kernels/test_kernel_launch_coverage.py fails when a kernel of the package has none. Hence one run of this
+script launches every kernel of the package, in four passes (each an engine run on the embedded pair under the
+interpreter, plus direct calls for the launch shapes no engine run takes):
+
+  bf16           every fast path on (triton attention, MoE and fused ops; bf16, as on the GPU; K=3 speculation;
+                 a prompt past the indexer's top-k blocks so the sparse kernels run), then a prompt with the tiled
+                 sparse prefill kernel on (`sparse_prefill_min_q`, off by default), each of its launches also run
+                 split; direct calls: split-K and tl.dot GEMV, an expert subset, the MoE's split-tail tiles, the
+                 decode MoE's route + shared launches, the tiled router's other block shapes, the separate router
+                 GEMV + route launches.
+  deterministic  LLM(deterministic=True) with the batch-invariant backends forced (CPU would pick the reference):
+                 batch_invariant/matmul.py's GEMM for every projection, the batch-invariant attention shapes, the
+                 route launch; direct GEMMs: split with the in-launch sum, the two-launch fallback
+                 (`linear_two_launch`, `_split_sum_kernel`), unsplit, bf16 and fp32.
+  fp8            quantization="fp8" (MXFP8 weights, quant/w8a16.py): mx_linear's GEMV / tiled GEMM, the per-pair
+                 MoE GEMVs at decode, the sorted MXFP8 MoE for prompts; direct mx_linear calls with each distinct
+                 config of the tuned table (w8a16_configs.json) and the variants it holds none of (fp16 / fp32
+                 activations, ragged K, LEAN split with either sum).
+  tree           a 3,4,16 draft tree with the triton tree ops: the tree layout, walk, compaction, rerank and
+                 top-k kernels.
+
+Each distinct launch -- module, kernel, argument types, constexpr values, launch options -- is written once as
+JSON (launches differing only in sizes or pointers compile alike and are one record). Re-run it after changing a
+kernel's parameters (the compile test says so when a record no longer matches its kernel) and after adding a
+kernel (add a pass or a direct call that launches it).
 """
 
 from __future__ import annotations
@@ -20,6 +40,7 @@ import inspect
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +54,8 @@ sys.path.insert(0, str(ROOT))
 
 LAUNCH_OPTIONS = {"num_warps", "num_stages", "enable_fp_fusion", "num_ctas", "maxnreg"}
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
-          torch.int64: "i64", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+          torch.int64: "i64", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
+          torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 
 
 def arg_type(v: Any) -> str:
@@ -72,8 +94,13 @@ def install_recorder(records: dict[str, list]) -> None:
     interp.InterpretedFunction.run = run
 
 
-def workload() -> None:
+def bf16_pass() -> None:
+    """The embedded pair in bf16 with every fast path on, K=3 chains, plus direct calls for the paths it does
+    not take; then a long prompt with the tiled sparse prefill kernel on (TritonBackend.sparse_prefill_min_q,
+    off by default), each of its launches repeated split in two (the engine's split policy keeps CPU steps
+    unsplit)."""
     from m3eagle import LLM, SamplingParams
+    from m3eagle.kernels.attention import sparse_prefill
     from m3eagle.kernels.fused import gemv
     from m3eagle.kernels.moe import triton_moe
 
@@ -83,6 +110,20 @@ def workload() -> None:
     long_prompt = [(7 * i + 3) % 500 + 5 for i in range(80)]  # > 4 blocks of 16: the sparse path
     llm.generate([long_prompt, [12, 13, 14]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0.8, seed=1, max_tokens=3, ignore_eos=True))
+    # the tiled sparse prefill kernel (prompt chunks of >= 16 tokens once turned on), unsplit and split
+    tiled = sparse_prefill.sparse_prefill_attention
+
+    def both(*a, num_splits=1, **kw):
+        tiled(*a, num_splits=2, **kw)
+        return tiled(*a, num_splits=num_splits, **kw)
+
+    sparse_prefill.sparse_prefill_attention = both
+    try:
+        llm.ops.attention.sparse_prefill_min_q = sparse_prefill.PREFILL_MIN_Q
+        prompt = [(11 * i + 5) % 500 + 5 for i in range(40)]  # >= 16 tokens of one row, past the top-k blocks
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    finally:
+        sparse_prefill.sparse_prefill_attention = tiled
     # paths the run does not take: split-K and tl.dot GEMV, an expert subset of the MoE
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(8, 256, generator=g).bfloat16(), torch.randn(96, 256, generator=g).bfloat16()
@@ -126,16 +167,115 @@ def workload() -> None:
     for n_exp, bm, bh in ((128, None, None), (32, 64, 128), (128, 64, 64)):
         wr = torch.randn(n_exp, 256, generator=g) / 16
         router.route_tiles(xr, router.router_split(wr), torch.zeros(n_exp), 8, bm, bh)
+    # the router's separate GEMV + route launches (TritonFused.router_logits / route: what route_tokens falls
+    # back to without its counters, and the batch-invariant route)
+    wr = torch.randn(32, 256, generator=g) / 16
+    router.route(router.router_logits(xr[:4], wr), torch.zeros(32), 4)
+
+
+def deterministic_pass() -> None:
+    """LLM(deterministic=True) with the batch-invariant kernels forced on CPU (the GPU's choice; CPU picks the
+    reference): batch_invariant/matmul.py's GEMM for every projection, the batch-invariant attention launch
+    shapes, the route launch after the GEMM router; then direct GEMMs for the shapes the pair does not take
+    (split with the in-launch sum, the two-launch fallback with `_split_sum_kernel`, unsplit, fp32)."""
+    from m3eagle import LLM, SamplingParams
+    from m3eagle.kernels.batch_invariant import matmul
+
+    bi = "batch_invariant"
+    llm = LLM(None, device="cpu", dtype="bfloat16", attention_backend=bi, moe_backend=bi, fused_backend=bi,
+              deterministic=True, num_draft_tokens=3, page_size=16, max_model_len=256)
+    long_prompt = [(5 * i + 1) % 500 + 5 for i in range(72)]
+    llm.generate([long_prompt, [12, 13, 14]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(3, 2048, generator=g).to(dtype)
+        w = torch.randn(64, 2048, generator=g).to(dtype)  # one tile: 4 (bf16) / 8 (fp32) splits
+        matmul.linear(x, w)  # split: the in-launch reduction
+        matmul.linear_two_launch(x, w)  # split: the second launch
+        wide = torch.randn(64 * matmul.TARGET_PROGRAMS, 64, generator=g).to(dtype)
+        matmul.linear(x[:, :64], wide)  # unsplit (a weight wide enough to fill the programs: 64-deep K tiles)
+
+
+def fp8_pass() -> None:
+    """The embedded pair with quantization="fp8" (MXFP8 weights, w8a16.py): the decode GEMV / tiled GEMM of
+    mx_linear, the per-pair MoE GEMVs at decode and the sorted MXFP8 MoE for prompts; then mx_linear with each
+    distinct config of the tuned table (w8a16_configs.json) and the variants the table does not hold yet
+    (fp16 / fp32 activations, ragged K, LEAN split with both sums)."""
+    import json as _json
+
+    from m3eagle import LLM, SamplingParams
+    from m3eagle.kernels.fused import gemv
+    from m3eagle.kernels.quant import w8a16
+    from m3eagle.kernels.quant.mxfp8 import quantize_mx
+
+    llm = LLM(None, device="cpu", dtype="bfloat16", attention_backend="triton", moe_backend="triton",
+              fused_backend="triton", quantization="fp8", num_draft_tokens=3, page_size=16, max_model_len=256)
+    llm.ops.fused.gemv_max_t = gemv.MAX_T
+    prompt = [(3 * i + 7) % 500 + 5 for i in range(12)]  # > GEMV_MAX_T rows: the tiled GEMM, the sorted MoE
+    llm.generate([prompt, [12, 13, 14]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    g = torch.Generator().manual_seed(2)
+    doc = _json.loads(w8a16.TUNED_PATH.read_text())
+    configs = {(e["t"], w8a16.MxConfig(**e["config"])) for e in doc["gemv"]}
+    C = w8a16.MxConfig
+    configs |= {(2, C(False, 2, 32, 256, num_warps=8, split_k=2, lean=True, one_launch=True)),
+                (8, C(False, 8, 8, 256, split_k=2, lean=True, one_launch=True)),
+                (1, C(False, 1, 8, 1024, split_k=2, lean=True)),
+                (1, C(False, 1, 8, 512, split_k=2)),
+                (1, C(False, 1, 16, 512, lean=True)),
+                (1, C(True, 16, 64, 256, split_k=2, one_launch=True, num_stages=4)),
+                (1, C(True, 16, 128, 256, num_warps=8, split_k=2, one_launch=True, num_stages=3)),
+                (300, w8a16.pick_config(300, 256, 256))}
+    for t, cfg in sorted(configs, key=repr):
+        n = 2 * cfg.block_n
+        k = cfg.block_k * max(1, cfg.split_k)
+        q, s = quantize_mx(torch.randn(n, k, generator=g))
+        w8a16.mx_linear(torch.randn(t, k, generator=g).bfloat16(), q, s, config=cfg)
+    # fp16 (GROUP_SCALE) and fp32 (IEEE) activations, K not a multiple of BLOCK_K (EVEN_K off)
+    q, s = quantize_mx(torch.randn(128, 256, generator=g))
+    w8a16.mx_linear(torch.randn(1, 256, generator=g).half(), q, s, config=C(True, 16, 64, 128, split_k=2,
+                                                                             one_launch=True, num_stages=4))
+    q, s = quantize_mx(torch.randn(128, 320, generator=g))
+    w8a16.mx_linear(torch.randn(1, 320, generator=g), q, s, config=C(True, 16, 64, 128, split_k=2, num_stages=3))
+    w8a16.mx_linear(torch.randn(5, 320, generator=g).bfloat16(), q, s,
+                    config=C(False, 8, 8, 256, split_k=2, lean=True, one_launch=True))
+    # the two-launch sum's 1024-wide blocks (N >= 1024)
+    q, s = quantize_mx(torch.randn(1024, 1024, generator=g))
+    w8a16.mx_linear(torch.randn(1, 1024, generator=g).bfloat16(), q, s, config=C(False, 1, 8, 512, split_k=2))
+
+
+def tree_pass() -> None:
+    """The embedded pair drafting a 3,4,16 tree with the triton tree ops (the fused backend's name picks them):
+    the tree layout kernels, the walk / compaction / rerank kernels and the top-k."""
+    from m3eagle import LLM, SamplingParams
+
+    llm = LLM(None, device="cpu", dtype="bfloat16", attention_backend="triton", moe_backend="triton",
+              fused_backend="triton", draft_tree="3,4,16", page_size=16, max_model_len=256)
+    llm.generate([[5, 6, 7, 8], [12, 13, 14]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    llm.generate([[9, 10, 11]], SamplingParams(temperature=0.8, seed=1, max_tokens=3, ignore_eos=True))
+    # the top-k's other lane shapes: a short row without `add`, a vocabulary past 8K columns at depth 8
+    from m3eagle.kernels.topk import triton_topk
+
+    g = torch.Generator().manual_seed(3)
+    triton_topk.best(torch.randn(2, 16, generator=g), 4)
+    triton_topk.best(torch.randn(1, 16400, generator=g), 8, add=torch.zeros(1))
+
+
+PASSES = {"bf16": bf16_pass, "deterministic": deterministic_pass, "fp8": fp8_pass, "tree": tree_pass}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "data" / "kernel_launches.json")
+    ap.add_argument("--passes", default=",".join(PASSES),
+                    help="comma-separated subset of %(default)s (the file written holds only their launches)")
     args = ap.parse_args()
     records: dict[str, list] = {}
     install_recorder(records)
-    with torch.no_grad():
-        workload()
+    for name in args.passes.split(","):
+        t0 = time.time()
+        with torch.no_grad():
+            PASSES[name]()
+        print(f"{name}: {time.time() - t0:.0f} s, {len(records)} launches so far", flush=True)
     rows = sorted(records.values(), key=lambda r: (r[0], r[1], json.dumps(r[3:], sort_keys=True)))
     args.out.write_text(json.dumps(rows, indent=None, separators=(",", ":")).replace("],[", "],\n[") + "\n")
     print(f"{len(rows)} launches of {len({(r[0], r[1]) for r in rows})} kernels -> {args.out}")
