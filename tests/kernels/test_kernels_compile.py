@@ -2,8 +2,10 @@
 
 The rest of the CPU suite runs the kernels under the Triton interpreter, which accepts code the GPU
 compiler rejects (tl.dot tiles under 16, layouts and types only the compiler checks).
-tests/data/kernel_launches.json holds each distinct launch of a bf16 engine run with every fast path on
-(kernel, argument types, constexprs, launch options; `scripts/record_kernel_launches.py` writes it); here
+tests/data/kernel_launches.json holds each distinct launch of interpreted engine runs -- bf16 with every fast
+path on, the deterministic mode, MXFP8 weights, a draft tree -- and direct calls for the shapes they do not take
+(kernel, argument types, constexprs, launch options; `scripts/record_kernel_launches.py` writes it, and
+tests/kernels/test_kernel_launch_coverage.py requires a record of every kernel of the package); here
 each is compiled with Triton's own CUDA toolchain (ptxas ships with the triton wheel) in a subprocess
 without TRITON_INTERPRET, with programmatic dependent launch on (m3eagle/kernels/pdl.py): a kernel's PDL constexpr
 only adds its `griddepcontrol` instructions (`pdl_wait`), so the variant with them compiles everything the
@@ -11,7 +13,8 @@ recorded one (PDL off) does, and the suite compiles each launch once. The record
 launches (TAIL off) are also compiled with TAIL on -- what a draft-tree step launches on the GPU
 (tests/kernels/test_triton_tree_attention.py) -- in the same pass. A kernel with a PRECISE constexpr is
 compiled with it on, as a GPU launches it (`triton_utils.precise()`: libdevice math, bf16 dots), not with the
-interpreter's setting it was recorded under, which no GPU runs.
+interpreter's setting it was recorded under, which no GPU runs; likewise UPCAST_DOT (the interpreter's fp32 dots
+for bf16 / fp16) is compiled off.
 A record whose kernel's parameters changed fails with the command that re-records them. Skipped where
 triton has no CUDA backend.
 
@@ -97,12 +100,16 @@ COSTLY = ("_router_tile_kernel",)
 
 
 def launches() -> list:
-    """The recorded launches, and the TAIL-on variant of each one that has a TAIL constexpr (off when recorded)."""
-    records = json.loads(RECORDS.read_text())
+    """The recorded launches, and the TAIL-on variant of each one that has a TAIL constexpr (off when recorded).
+    UPCAST_DOT (the interpreter's fp32 dots: on in bf16 / fp16 records) is compiled off, as every GPU launches it;
+    launches that are then equal are compiled once."""
+    records = [[mod, name, params, types, {**consts, "UPCAST_DOT": False} if "UPCAST_DOT" in consts else consts, opts]
+               for mod, name, params, types, consts, opts in json.loads(RECORDS.read_text())]
     tails = [[mod, name, params, types, {**consts, "TAIL": True}, opts]
              for mod, name, params, types, consts, opts in records if "TAIL" in consts]
     assert {r[1] for r in tails} == {"_dense_attn_kernel", "_sparse_attn_kernel", "_indexer_kernel"}
-    return sorted(records + tails, key=lambda r: r[1] not in COSTLY)  # stable: otherwise the recorded order
+    distinct = list({json.dumps(r, sort_keys=True): r for r in records + tails}.values())
+    return sorted(distinct, key=lambda r: r[1] not in COSTLY)  # stable: otherwise the recorded order
 
 
 @pytest.mark.slow
