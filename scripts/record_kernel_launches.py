@@ -11,9 +11,11 @@ script launches every kernel of the package, in four passes (each an engine run 
 interpreter, plus direct calls for the launch shapes no engine run takes):
 
   bf16           every fast path on (triton attention, MoE and fused ops; bf16, as on the GPU; K=3 speculation;
-                 a prompt past the indexer's top-k blocks so the sparse kernels run), then a prompt with the tiled
-                 sparse prefill kernel on (`sparse_prefill_min_q`, off by default), each of its launches also run
-                 split; direct calls: split-K and tl.dot GEMV, an expert subset, the MoE's split-tail tiles, the
+                 a prompt past the indexer's top-k blocks so the sparse kernels run), then a 24-token prompt with
+                 the tiled sparse prefill kernel on (`sparse_prefill_min_q`, off by default) -- which fits the
+                 top-k, takes the dense shortcut and so launches no tiled kernel: `_sparse_prefill_kernel`'s and the
+                 split attention `_combine_kernel`'s records are kept by hand in the file; direct calls: split-K
+                 and tl.dot GEMV, an expert subset, the MoE's split-tail tiles, the
                  decode MoE's route + shared launches, the tiled router's other block shapes, the separate router
                  GEMV + route launches.
   deterministic  LLM(deterministic=True) with the batch-invariant backends forced (CPU would pick the reference):
