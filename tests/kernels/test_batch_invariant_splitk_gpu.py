@@ -52,12 +52,13 @@ def test_graph_replay_equals_two_launches(fresh_counters: bool, monkeypatch) -> 
     and leave the counters zero. fresh_counters: no eager call made the counters before the capture, so the
     captured GEMM takes the two launches (no allocation inside the capture), with the same bits."""
     from m3eagle.kernels.batch_invariant import matmul
+    from m3eagle.kernels.split_counters import SplitCounters
 
     monkeypatch.setenv("M3EAGLE_PDL", "1")
     x, w = _operands(2560, 2048, 4, seed=1)
     ref = matmul.linear_two_launch(x, w)
     if fresh_counters:
-        monkeypatch.setattr(matmul, "_COUNTERS", {})
+        monkeypatch.setattr(matmul, "_COUNTERS", SplitCounters(matmul.MAX_TILES))
     else:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -68,7 +69,7 @@ def test_graph_replay_equals_two_launches(fresh_counters: bool, monkeypatch) -> 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = matmul.linear(x, w)
-    assert (matmul._COUNTERS == {}) == fresh_counters  # captured without counters: none were made in the capture
+    assert (len(matmul._COUNTERS) == 0) == fresh_counters  # captured without counters: none were made in the capture
     for _ in range(10):
         graph.replay()
         assert torch.equal(y.view(torch.int16), ref.view(torch.int16))

@@ -45,6 +45,7 @@ import triton.language as tl
 
 from m3eagle.kernels import pdl
 from m3eagle.kernels.pdl import pdl_wait
+from m3eagle.kernels.split_counters import SplitCounters
 from m3eagle.kernels.triton_utils import interpreting
 
 # Programs one row block should occupy to stream a weight near copy bandwidth (about two waves of an H100's
@@ -173,27 +174,17 @@ def _split_sum_kernel(P, Y, numel, stride_ps, SPLITS: tl.constexpr, BLOCK: tl.co
 # of fewer than TARGET_PROGRAMS column tiles, so this covers M up to 64 * 65,536 / 255 = 16,448 rows in bf16 / fp16
 # (8,224 in fp32); a larger call takes the two launches, which give the same bits.
 MAX_TILES = 1 << 16
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS = SplitCounters(MAX_TILES)
 
 
 def tile_counters(device: torch.device | str) -> torch.Tensor | None:
-    """The split-K tile counters of `device`: int32 [MAX_TILES], zero between launches (each launch leaves them
-    zero). Made on the first call outside a CUDA-graph capture and kept for the process, fixed in size, so every
-    graph captured later points at this one live buffer; None while a capture runs before they exist (a
-    zero-fill recorded into a graph would run only at replay). The engine's graph captures follow two eager
-    warm-up runs of the same step, so the counters exist by then.
-    One buffer per device, shared by every caller: launches that use it must not run concurrently. An engine
-    runs its steps' kernels on one stream, its graph warm-ups on a side stream fenced by wait_stream both ways,
-    and replays on the same stream (m3eagle/engine/graph_runner.py)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    c = _COUNTERS.get(device)
-    if c is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        c = _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return c
+    """The split-K tile counters of `device` (split_counters.SplitCounters: int32 [MAX_TILES], zero between
+    launches, made on the first call outside a CUDA-graph capture; None while a capture runs before they exist).
+    The engine's graph captures follow two eager warm-up runs of the same step, so the counters exist by then.
+    One buffer per device, shared by every caller: an engine runs its steps' kernels on one stream, its graph
+    warm-ups on a side stream fenced by wait_stream both ways, and replays on the same stream
+    (m3eagle/engine/graph_runner.py)."""
+    return _COUNTERS.get(device)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

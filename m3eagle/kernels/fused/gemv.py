@@ -71,10 +71,11 @@ from m3eagle.kernels.fused.activation import silu_mul_f32, swiglu_oai_f32
 from m3eagle.kernels.fused.argmax import argmax_outputs
 from m3eagle.kernels.fused.norm import rms_rstd, rms_scale
 from m3eagle.kernels.pdl import pdl_wait
+from m3eagle.kernels.split_counters import DEFAULT_TILES, SplitCounters  # noqa: F401  (re-exported: gemv.SplitCounters)
 
 MAX_T = 32  # rows; past this a GEMM with weight-tile reuse (cuBLAS) is the right tool
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_TILES = 16384  # output tiles with a split-K counter (one int32 each, 64 KB per device)
+MAX_TILES = DEFAULT_TILES  # output tiles with a split-K counter (split_counters.SplitCounters' default size)
 
 
 @dataclass(frozen=True)
@@ -416,26 +417,6 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, s
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-class SplitCounters:
-    """The split-K tile counters that one owner (an engine's fused ops, a benchmark) hands to `linear`:
-    [MAX_TILES] int32 per device, zero between launches (each launch leaves them zero). Calls sharing one
-    object must be ordered (one stream at a time), as an engine step's are; two engines own two."""
-
-    def __init__(self) -> None:
-        self._bufs: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device | str) -> torch.Tensor | None:
-        """The counters of `device`, allocated on first use; None while a CUDA graph is being captured and
-        they do not exist yet (a zero-fill recorded in a graph would run only at replay)."""
-        device = torch.device(device)
-        c = self._bufs.get(device)
-        if c is None:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return None
-            c = self._bufs[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-        return c
 
 
 def supports(x: torch.Tensor, w: torch.Tensor) -> bool:

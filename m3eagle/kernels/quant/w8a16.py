@@ -88,6 +88,7 @@ from m3eagle.kernels import pdl
 from m3eagle.kernels.fused.activation import swiglu_oai_f32
 from m3eagle.kernels.pdl import pdl_wait
 from m3eagle.kernels.quant.mxfp8 import MX_BLOCK
+from m3eagle.kernels.split_counters import SplitCounters
 from m3eagle.kernels.triton_utils import interpreting, launch_opts
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -399,21 +400,14 @@ def _mx_gemm_kernel(x_ptr, q_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stri
 
 
 MAX_TILES = 16384  # output tiles with a one-launch split-K counter (one int32 each: 64 KB per device)
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS = SplitCounters(MAX_TILES)
 
 
 def split_counters(device: torch.device | str) -> torch.Tensor | None:
-    """The one-launch split-K tile counters of `device`: int32 [MAX_TILES], zero between launches (each launch
-    leaves its tiles' counters zero), allocated on the first eager call and never grown; None while a CUDA graph
-    is being captured before they exist (a zero-fill recorded in a graph would run only at replay): that call
-    takes the two-launch sum. Calls that split must be ordered (one stream at a time), as an engine step's are."""
-    device = torch.device(device)
-    c = _COUNTERS.get(device)
-    if c is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        c = _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return c
+    """The one-launch split-K tile counters of `device` (split_counters.SplitCounters): None while a CUDA graph is
+    being captured before they exist, and that call takes the two-launch sum. Calls that split must be ordered
+    (one stream at a time), as an engine step's are."""
+    return _COUNTERS.get(device)
 
 
 def _check_weight(name: str, q: torch.Tensor, scale: torch.Tensor, sname: str, dims: int, fn: str) -> None:
