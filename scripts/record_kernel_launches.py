@@ -11,10 +11,12 @@ script launches every kernel of the package, in four passes (each an engine run 
 interpreter, plus direct calls for the launch shapes no engine run takes):
 
   bf16           every fast path on (triton attention, MoE and fused ops; bf16, as on the GPU; K=3 speculation;
-                 a prompt past the indexer's top-k blocks so the sparse kernels run), then a 24-token prompt with
-                 the tiled sparse prefill kernel on (`sparse_prefill_min_q`, off by default) -- which fits the
-                 top-k, takes the dense shortcut and so launches no tiled kernel: `_sparse_prefill_kernel`'s and the
-                 split attention `_combine_kernel`'s records are kept by hand in the file; direct calls: split-K
+                 a prompt past the indexer's top-k blocks so the sparse kernels run; the same again with splits of
+                 16 keys asked for, so the split-KV dense, sparse and indexer launches and their combines run as on a
+                 GPU), then a 24-token prompt with the tiled sparse prefill kernel on (`sparse_prefill_min_q`, off
+                 by default) -- which fits the top-k, takes the dense shortcut and so launches no tiled kernel:
+                 `_sparse_prefill_kernel`'s records and a head_dim-512 split `_combine_kernel` are kept by hand in
+                 the file; direct calls: split-K
                  and tl.dot GEMV, an expert subset, the MoE's split-tail tiles, the
                  decode MoE's route + shared launches, the tiled router's other block shapes, the separate router
                  GEMV + route launches.
@@ -114,6 +116,14 @@ def bf16_pass() -> None:
     long_prompt = [(7 * i + 3) % 500 + 5 for i in range(80)]  # > 4 blocks of 16: the sparse path
     llm.generate([long_prompt, [12, 13, 14]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0.8, seed=1, max_tokens=3, ignore_eos=True))
+    # split-KV attention as a GPU runs it (dense, sparse, indexer and the combines): the split policy keeps these
+    # short CPU contexts on few programs unsplit, so splits of 16 keys over many waves are asked for here
+    attn = llm.ops.attention
+    attn.min_keys_per_split, attn.waves = 16, 64
+    try:
+        llm.generate([long_prompt[3:75], [21, 22, 23, 24]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    finally:
+        attn.min_keys_per_split, attn.waves = None, 2
     # the tiled sparse prefill kernel (prompt chunks of >= 16 tokens once turned on), unsplit and split
     tiled = sparse_prefill.sparse_prefill_attention
 
