@@ -40,7 +40,8 @@ def _install() -> bool:
 
     def hook(**kwargs: Any) -> Any:
         out = previous(**kwargs) if previous is not None else None
-        _notify(str(kwargs.get("repr", kwargs.get("key", "?"))))
+        # triton's repr spans lines (one per argument): one line, so that a log line names the whole variant
+        _notify(" ".join(str(kwargs.get("repr", kwargs.get("key", "?"))).split()))
         return out
 
     runtime.jit_post_compile_hook = hook

@@ -68,3 +68,15 @@ def test_the_engine_logs_a_compile_after_its_warm_up(make_llm, model_dir):
     assert eng.first_use_compiles == 1
     assert [r.levelno for r in records if "_linear_kernel[num_warps=8]" in r.getMessage()
             and "after the warm-up" in r.getMessage()] == [logging.WARNING]
+
+
+def test_a_multi_line_variant_is_heard_on_one_line():
+    """Triton's repr puts an argument per line; a log line of the first alone would not say which constexpr
+    values compiled (BLOCK_C of the index merge, say), so the listener hears the whole variant on one line."""
+    owner = _Owner()
+    remove = compile_watch.add_compile_listener(owner.on_compile)
+    try:
+        _fire("_index_merge_kernel[num_warps=4](PartKey: (\n  '*i64',\n)\n  BLOCK_C: 512,\n)")
+    finally:
+        remove()
+    assert owner.heard == ["_index_merge_kernel[num_warps=4](PartKey: ( '*i64', ) BLOCK_C: 512, )"]
