@@ -10,8 +10,8 @@
 # command, run "mini embedded" in one call and "8b" in another. det: m3-mini at batch 1 and 32 with the
 # deterministic mode off, then on (K=3; tok/s and the replayed step of each, to read its cost), ~4-6 min.
 # tree: the embedded pair at batch 1 and 32, chain K=3 against trees 3,4,16 and 6,4,32, all with overlap and
-# decode graphs (trees choose their verify width per batch at startup), and the chain at K = 1, 2, 4, 5, 6, 8 at
-# batch 1 (the best chain is the tree's baseline), ~4-5 min. bi-gemm: the deterministic
+# decode graphs (trees choose their verify width per batch at startup; 3,4,16 also with the full tree forced at
+# batch 1), and the chain at K = 1, 2, 4, 5, 6, 8 at batch 1 (the best chain is the tree's baseline), ~4-5 min. bi-gemm: the deterministic
 # GEMM's config sweep on m3-mini's shapes (benchmarks/batch_invariant_gemm.py -> $OUT/bi_gemm.json). prefix-ttft: engine-side TTFT, prefix cache on / off,
 # m3-mini 4,096 shared + 128 own tokens, waves of 8, with prompt graphs up to 512 and up to 2,048 tokens
 # (benchmarks/prefix_ttft.py -> $OUT/prefix_ttft_{512,2048}.json). prefix-cost: m3-mini at batch 1 and 32 (K=3,
@@ -55,6 +55,9 @@ for t in "${targets[@]}"; do
         --overlap on
       run embedded-tree6 --geometry embedded --batch-sizes 1,32 --max-tokens 128 --repeats 3 --draft-tree 6,4,32 \
         --overlap on
+      # the full 3,4,16 tree at batch 1 whatever the startup rule picks (it may take the narrow step everywhere)
+      run embedded-tree3-full --geometry embedded --batch-sizes 1 --max-tokens 128 --repeats 3 --draft-tree 3,4,16 \
+        --overlap on --tree-max-batch 1
       for k in 1 2 4 5 6 8; do  # the chain sweep at batch 1: the best chain is what a tree must beat
         run embedded-chain-k$k --geometry embedded --batch-sizes 1 --max-tokens 128 --repeats 3 --num-draft-tokens $k
       done ;;
