@@ -215,6 +215,9 @@ class LLMEngine(OutputProcessor):
                              f"num_draft_tokens={k} tokens; raise max_num_tokens")
         self.cfg, self.k, self.tokenizer = cfg, k, tokenizer
         self.target_cfg = target.cfg
+        # this rank's lightning-indexer heads (0: no sparse layer), for the warm-up's indexer merge variants
+        self.index_heads = next((m.indexer.n_heads for m in target.modules() if getattr(m, "indexer", None) is not None),
+                                0)
         self.device = device
         if not 0.0 < cfg.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={cfg.gpu_memory_utilization} must be in (0, 1]")
@@ -405,6 +408,7 @@ class LLMEngine(OutputProcessor):
         greedy = SamplingParams(temperature=0.0, max_tokens=self.k + 2, ignore_eos=True)
         for rows, length in shapes:
             self._warm_batch([(f"{rows}x{length}-{r}", length, greedy) for r in range(rows)])
+        merges = self._warm_index_merges()
         lengths = sorted({16, max((n for r, n in shapes if r == 1), default=16)})
         variants = []
         for name, sp in self.warmup_variants():
@@ -414,7 +418,7 @@ class LLMEngine(OutputProcessor):
             except (RequestError, ImportError) as e:  # a variant this engine cannot run (no grammar backend)
                 log.info("warm-up: skipped %s (%s)", name, e)
         info = {"shapes": shapes, "variants": variants, "graphs": warmed, "steps": self.num_steps - steps,
-                "seconds": time.perf_counter() - t0}
+                "index_merges": merges, "seconds": time.perf_counter() - t0}
         self.counters, self.num_steps, self.num_iterations = counters, steps, iters
         sched = self.scheduler
         sched.reset_prefix_cache()  # dummy prompts: nothing a user would hit, nothing counted
@@ -427,6 +431,17 @@ class LLMEngine(OutputProcessor):
                  "captured" if self.graphs.use_graphs else "run eagerly", t_graphs, len(self.graphs.graphs),
                  len(shapes), ", ".join(f"{r}x{n}" for r, n in shapes), ", ".join(variants))
         return info
+
+    def _warm_index_merges(self) -> int:
+        """Compile the indexer's split-merge variants (one per split-count class, `index_plan.merge_classes`) up to
+        max_model_len: an eager prompt step's row count and contexts pick its split count, so the warm-up's prompt
+        shapes do not reach every class. CUDA with Triton attention only (nothing compiles elsewhere)."""
+        warm = getattr(self.ops.attention, "warm_index_merges", None)
+        if warm is None or not self.index_heads or self.device.type != "cuda":
+            return 0
+        c = self.target_cfg
+        return warm(self.index_heads, c.index_block_size, c.index_topk_blocks, c.index_local_blocks,
+                    self.cfg.max_model_len, self.device)
 
     def _first_use_compile(self, variant: str) -> None:
         """A Triton compile after the warm-up: first-use work the warm-up did not cover, paid by a serving step."""

@@ -18,6 +18,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before any `import triton` (gr
 
 import threading  # noqa: E402
 import time  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -146,3 +147,20 @@ def test_serve_warms_up_by_default_on_cuda_only(monkeypatch):
         device[0] = dev
         assert cli.main(["serve", "--port", "0", *flags]) == 0
     assert seen == [True, False, False, True]
+
+
+def test_warmup_compiles_the_index_merge_variants_on_cuda(monkeypatch):
+    """On CUDA the warm-up asks the attention backend for every indexer merge variant up to max_model_len, with
+    this rank's index heads and the model's block shape (`TritonBackend.warm_index_merges`, held equal to what
+    eager steps launch in tests/kernels/test_index_merge_warm.py); off CUDA, or with a backend that has no such
+    variants, it asks for nothing."""
+    llm = LLM(device="cpu", max_model_len=128, attention_backend="triton")
+    eng, c = llm.engine, llm.engine.target_cfg
+    calls = []
+    monkeypatch.setattr(eng.ops.attention, "warm_index_merges", lambda *a: calls.append(a) or 11, raising=False)
+    assert eng._warm_index_merges() == 0 and calls == []  # CPU: nothing compiles
+    monkeypatch.setattr(eng, "device", SimpleNamespace(type="cuda"))
+    assert eng._warm_index_merges() == 11
+    assert calls == [(c.index_n_heads, c.index_block_size, c.index_topk_blocks, c.index_local_blocks, 128, eng.device)]
+    monkeypatch.setattr(eng, "ops", SimpleNamespace(attention=SimpleNamespace()))  # a backend without merge variants
+    assert eng._warm_index_merges() == 0

@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from m3eagle.kernels.attention import sparse_prefill, triton_kernels
+from m3eagle.kernels.attention import index_plan, sparse_prefill, triton_kernels
 from m3eagle.kernels.attention.metadata import AttnMetadata
 
 
@@ -117,8 +117,7 @@ class TritonBackend:
                       topk: int, local_blocks: int) -> torch.Tensor:
         """The lightning indexer alone: iq [T, Hi, Di], ik_pool [S, Di] -> sel [T, Hi, min(topk, NB)] int64,
         equal to `reference.select_blocks` (the same blocks, listed in ascending id)."""
-        keys = self.min_index_keys_per_split
-        min_blocks = max(1, keys // block_size) if keys is not None else 2
+        min_blocks = self._min_index_blocks(block_size)
         warps = self.index_num_warps or (4 if block_size * iq.shape[-1] >= 8192 else 2)
         programs = triton_kernels.index_programs(meta, iq.shape[1])
         splits = self._splits(programs, -(-meta.max_kv // block_size), iq.device, min_blocks,
@@ -126,6 +125,21 @@ class TritonBackend:
         return triton_kernels.select_blocks(iq, ik_pool, meta, block_size, topk, local_blocks, num_splits=splits,
                                             min_blocks_per_split=min_blocks, keys_per_iter=self.index_keys_per_iter,
                                             num_warps=warps, merge_num_warps=self.index_merge_warps)
+
+    def _min_index_blocks(self, block_size: int) -> int:
+        keys = self.min_index_keys_per_split
+        return max(1, keys // block_size) if keys is not None else 2
+
+    def warm_index_merges(self, num_index_heads: int, block_size: int, topk: int, local_blocks: int, max_kv: int,
+                          device: torch.device) -> int:
+        """Compile every split-merge variant `select_blocks` can launch for contexts up to max_kv keys (before
+        serving: a merge variant otherwise compiles in the first step that needs it); returns how many."""
+        min_blocks = self._min_index_blocks(block_size)
+        classes = index_plan.merge_classes(-(-max_kv // block_size), topk, block_size, min_blocks,
+                                           self.max_index_splits, self.index_keys_per_iter)
+        triton_kernels.warm_index_merge(num_index_heads, topk, block_size, min_blocks, local_blocks, classes, device,
+                                        merge_num_warps=self.index_merge_warps)
+        return len(classes)
 
     def sparse_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                          meta: AttnMetadata, scale: float, iq: torch.Tensor, ik_pool: torch.Tensor,

@@ -40,14 +40,12 @@ import triton
 import triton.language as tl
 
 from m3eagle.kernels import pdl
+from m3eagle.kernels.attention.index_plan import MAX_MERGE_CANDIDATES, IndexPlan, index_plan  # noqa: F401 (re-exported)
+from m3eagle.kernels.attention.index_plan import pow2 as _pow2
 from m3eagle.kernels.attention.metadata import AttnMetadata
 from m3eagle.kernels.pdl import pdl_wait
 
 LOG2E = 1.4426950408889634
-
-
-def _pow2(n: int, floor: int = 1) -> int:
-    return max(floor, triton.next_power_of_2(max(1, n)))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -800,47 +798,6 @@ def index_programs(meta: AttnMetadata, num_index_heads: int) -> int:
     return meta.num_rows * -(-meta.max_q // block_q)
 
 
-# The merge holds every split's list of one (token, index head) in one program's registers.
-MAX_MERGE_CANDIDATES = 4096
-
-
-@dataclass(frozen=True)
-class IndexPlan:
-    """Launch shape of one indexer call, from host ints only (graph-safe)."""
-
-    splits: int  # programs per (row, query tile); > 1: lists + merge
-    cap: int  # entries a program's list keeps (k when unsplit)
-    block_k: int  # the list's width: cap rounded up to a power of two
-    span: int  # most blocks one program of any row scans: max(min_bps, cdiv(NB, splits)) (NB when unsplit)
-    blocks_per_iter: int  # index-K blocks scored per loop iteration
-
-    @property
-    def direct(self) -> bool:
-        """Every program's blocks fit its list, so each takes its own slot (no insertion). A row's split
-        holds max(cdiv(row_blocks, splits), min_bps) <= span blocks (row_blocks <= NB)."""
-        return self.span <= self.cap
-
-
-def index_plan(num_blocks: int, k: int, block_size: int, num_splits: int = 1, min_blocks_per_split: int = 1,
-               keys_per_iter: int = 128, span_bound: bool = True) -> IndexPlan:
-    """Splits, list capacity and blocks per iteration of `select_blocks` for NB = num_blocks, top-k."""
-    min_bps = max(1, min_blocks_per_split)
-    splits = max(1, min(num_splits, -(-num_blocks // min_bps)))
-    cap = k
-    if splits > 1:
-        # a split holds at most cdiv(NB, splits) blocks, so its list needs no more room than that
-        cap = min(k, max(min_bps, -(-num_blocks // splits)))
-        splits = max(1, min(splits, MAX_MERGE_CANDIDATES // _pow2(cap)))
-        cap = min(k, max(min_bps, -(-num_blocks // splits)))
-    span = max(min_bps, -(-num_blocks // splits))
-    # Score ~keys_per_iter keys per iteration (several small blocks at once, max-pooled by a reshape), at
-    # least 16 (the smallest tl.dot), at most 8 blocks (each is offered to the list on its own) and no
-    # more than a program scans (the rest would be masked work).
-    block_bs = _pow2(block_size)
-    # span_bound False (the batch-invariant mode): the score tile never follows the step's KV bound.
-    per_iter = max(_pow2(-(-16 // block_bs)), min(8, max(1, keys_per_iter // block_bs),
-                                                  _pow2(span) if span_bound else 8))
-    return IndexPlan(splits, cap, _pow2(cap), span, per_iter)
 
 
 def select_blocks(iq: torch.Tensor, ik_pool: torch.Tensor, meta: AttnMetadata, block_size: int, topk: int,
@@ -889,11 +846,34 @@ def select_blocks(iq: torch.Tensor, ik_pool: torch.Tensor, meta: AttnMetadata, b
         DOT_PREC="ieee" if mixed else _dot_precision(ik_pool.dtype), TAIL=has_tail, num_warps=num_warps,
         **pdl.args(iq))
     if splits > 1:
-        block_c = _pow2(splits) * block_k
-        _index_merge_kernel[(t, hi)](
-            part_key, sel, meta.tok_row, meta.kv_lens, meta.positions,
-            part_key.stride(0), part_key.stride(1), sel.stride(0), sel.stride(1), block_size, nb, splits, min_bps,
-            local_blocks, TOPK=k, BLOCK_K=block_k, BLOCK_C=block_c,
-            SMALL_C=min(block_c, _pow2(max(1, merge_small_candidates))), BLOCK_O=_pow2(k),
-            num_warps=merge_num_warps or (4 if block_c <= 1024 else 8), **pdl.args(sel))
+        _merge(part_key, sel, meta.tok_row, meta.kv_lens, meta.positions, block_size, nb, splits, min_bps,
+               local_blocks, k, block_k, merge_small_candidates, merge_num_warps)
     return sel
+
+
+def _merge(part_key: torch.Tensor, sel: torch.Tensor, tok_row: torch.Tensor, kv_lens: torch.Tensor,
+           positions: torch.Tensor, block_size: int, nb: int, splits: int, min_bps: int, local_blocks: int, k: int,
+           block_k: int, merge_small_candidates: int, merge_num_warps: int | None) -> None:
+    """The split lists part_key [T, Hi, splits * block_k] -> sel [T, Hi, k] in one `_index_merge_kernel`
+    launch, whose variant follows (pow2(splits), block_k) and the engine's fixed shapes."""
+    block_c = _pow2(splits) * block_k
+    _index_merge_kernel[(sel.shape[0], sel.shape[1])](
+        part_key, sel, tok_row, kv_lens, positions,
+        part_key.stride(0), part_key.stride(1), sel.stride(0), sel.stride(1), block_size, nb, splits, min_bps,
+        local_blocks, TOPK=k, BLOCK_K=block_k, BLOCK_C=block_c,
+        SMALL_C=min(block_c, _pow2(max(1, merge_small_candidates))), BLOCK_O=_pow2(k),
+        num_warps=merge_num_warps or (4 if block_c <= 1024 else 8), **pdl.args(sel))
+
+
+def warm_index_merge(num_index_heads: int, k: int, block_size: int, min_bps: int, local_blocks: int,
+                     classes: list[tuple[int, int]], device: torch.device, merge_small_candidates: int = 256,
+                     merge_num_warps: int | None = None) -> None:
+    """Compile the merge variant of each (pow2 splits, block_k) class as an eager step launches it: one token
+    at position -1 (it takes the early exit), the real sel shape [1, Hi, k] and scalars, so the launch
+    specializes as a serving step's does."""
+    sel = torch.empty(1, num_index_heads, k, dtype=torch.int64, device=device)
+    ints = torch.zeros(1, dtype=torch.int64, device=device)
+    for splits, block_k in classes:
+        part_key = torch.empty(1, num_index_heads, splits * block_k, dtype=torch.int64, device=device)
+        _merge(part_key, sel, ints, ints, ints - 1, block_size, splits * min_bps, splits, min_bps, local_blocks, k,
+               block_k, merge_small_candidates, merge_num_warps)
