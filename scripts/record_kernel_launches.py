@@ -119,11 +119,12 @@ def bf16_pass() -> None:
     # split-KV attention as a GPU runs it (dense, sparse, indexer and the combines): the split policy keeps these
     # short CPU contexts on few programs unsplit, so splits of 16 keys over many waves are asked for here
     attn = llm.ops.attention
+    policy = attn.min_keys_per_split, attn.waves
     attn.min_keys_per_split, attn.waves = 16, 64
     try:
         llm.generate([long_prompt[3:75], [21, 22, 23, 24]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     finally:
-        attn.min_keys_per_split, attn.waves = None, 2
+        attn.min_keys_per_split, attn.waves = policy
     # the tiled sparse prefill kernel (prompt chunks of >= 16 tokens once turned on), unsplit and split
     tiled = sparse_prefill.sparse_prefill_attention
 

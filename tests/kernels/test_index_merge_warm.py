@@ -62,6 +62,13 @@ class _Recorder:
         return launch
 
 
+class _Skip:
+    """Stands in for a kernel whose launches are not needed: launching it does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: None
+
+
 def _select(be: TritonBackend, q_lens: list[int], kv_lens: list[int], hi: int, block: int, topk: int, local: int,
             seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
@@ -87,7 +94,7 @@ def test_warm_launches_every_merge_variant_eager_steps_launch(monkeypatch):
     # (the selection itself is tests/kernels/test_triton_attention.py's)
     steps = _Recorder(warm.kernel, run=False)
     monkeypatch.setattr(triton_kernels, "_index_merge_kernel", steps)
-    monkeypatch.setattr(triton_kernels, "_indexer_kernel", _Recorder(triton_kernels._indexer_kernel, run=False))
+    monkeypatch.setattr(triton_kernels, "_indexer_kernel", _Skip())
     gen = torch.Generator().manual_seed(0)
     for i in range(24):
         rows = int(torch.randint(1, 7, (), generator=gen))
@@ -98,10 +105,9 @@ def test_warm_launches_every_merge_variant_eager_steps_launch(monkeypatch):
     assert steps.keys <= warm.keys, steps.keys - warm.keys
 
 
-def test_warm_covers_the_bound_not_less(monkeypatch):
+def test_warm_covers_the_bound_not_less():
     """A context past the warmed bound can need a class the warm-up did not compile: the bound is what is
     covered (the engine passes max_model_len)."""
-    monkeypatch.setattr(triton_backend, "_num_sms", lambda device: 132)
     short = index_plan.merge_classes(-(-64 // 8), 3, 8, 2, 512)
     full = index_plan.merge_classes(-(-400 // 8), 3, 8, 2, 512)
     assert set(short) < set(full)

@@ -798,11 +798,13 @@ def index_programs(meta: AttnMetadata, num_index_heads: int) -> int:
     return meta.num_rows * -(-meta.max_q // block_q)
 
 
+# Merges scan only the live lists' width while it is at most this many candidates (`_index_merge_kernel`).
+MERGE_SMALL_CANDIDATES = 256
 
 
 def select_blocks(iq: torch.Tensor, ik_pool: torch.Tensor, meta: AttnMetadata, block_size: int, topk: int,
                   local_blocks: int, num_splits: int = 1, min_blocks_per_split: int = 1, keys_per_iter: int = 128,
-                  num_warps: int = 4, merge_small_candidates: int = 256, direct_lists: bool = True,
+                  num_warps: int = 4, merge_small_candidates: int = MERGE_SMALL_CANDIDATES, direct_lists: bool = True,
                   merge_num_warps: int | None = None, tile_max_q: int | None = None) -> torch.Tensor:
     """Lightning-indexer selection on flat tokens: iq [T, Hi, Di], ik_pool [S, Di] -> sel [T, Hi, k] int64,
     k = min(topk, NB), NB = ceil(max_kv / block_size): exactly `reference.select_blocks` -- the same blocks
@@ -866,7 +868,8 @@ def _merge(part_key: torch.Tensor, sel: torch.Tensor, tok_row: torch.Tensor, kv_
 
 
 def warm_index_merge(num_index_heads: int, k: int, block_size: int, min_bps: int, local_blocks: int,
-                     classes: list[tuple[int, int]], device: torch.device, merge_small_candidates: int = 256,
+                     classes: list[tuple[int, int]], device: torch.device,
+                     merge_small_candidates: int = MERGE_SMALL_CANDIDATES,
                      merge_num_warps: int | None = None) -> None:
     """Compile the merge variant of each (pow2 splits, block_k) class as an eager step launches it: one token
     at position -1 (it takes the early exit), the real sel shape [1, Hi, k] and scalars, so the launch
