@@ -122,6 +122,9 @@ for mode in ("spec", "plain"):
     for name, r in doc.get(mode, {}).items():
         if isinstance(r, dict) and "results" in r:
             res, t = r["results"], r["results"]["ttft_ms"]
+            st, cl = r.get("server_ttft") or {}, r.get("client") or {}
             print(f"{mode:5s} {name:12s} TTFT p50 {t['p50']:8.1f} p99 {t['p99']:8.1f} ms  p99/p50 "
-                  f"{t['p99'] / max(t['p50'], 1e-9):5.1f}  {res['output_throughput']:8.0f} tok/s  failed {res['failed']}")
+                  f"{t['p99'] / max(t['p50'], 1e-9):5.1f}  {res['output_throughput']:8.0f} tok/s  failed {res['failed']}"
+                  f"  server TTFT p50 {st.get('p50') or 0:6.1f} p99 {st.get('p99') or 0:6.1f}"
+                  f"  client CPU {cl.get('utilization') or 0:4.0%}")
 EOF

@@ -11,8 +11,10 @@ A run, in order:
   3. `--num-prompts` streaming requests: arrivals Poisson at `--request-rate` (inf: all at once), at most
      `--max-concurrency` in flight. Every request asks for `--output-len` tokens with EOS ignored
      (`ignore_eos`, an extra field vLLM and SGLang accept too), so output lengths are set.
-  4. A second /metrics scrape: the speculative acceptance and the prefix-cache hit rate of the measured
-     window, when the server exports vLLM-style `*spec_decode_*` / `*prefix_cache_*` counters.
+  4. A second /metrics scrape: the speculative acceptance, the prefix-cache hit rate and the server's own TTFT
+     histogram of the measured window, when the server exports vLLM-style `*spec_decode_*` / `*prefix_cache_*`
+     counters and `*time_to_first_token_seconds` (the gap to the client's TTFT is HTTP, the event loop and
+     the client itself).
   5. A table (stderr) and a JSON document (stdout or --json FILE); `DEFINITIONS` travels inside it.
 
 The client is one `httpx.AsyncClient` (a connection pool sized to the most requests in flight, per-operation
@@ -62,6 +64,13 @@ DEFINITIONS = {
     "prefix_cache": "from the server's /metrics prefix_cache_queries / _hits counters over the measured window: "
                     "prompt tokens looked up in the prefix cache, those found, hit_rate = found / looked up; null "
                     "when the server exports neither counter",
+    "server_ttft": "the server's time_to_first_token_seconds histogram over the measured window (its own clock: "
+                   "request queued after tokenizing -> the step that made the first token): count, counts per "
+                   "bucket upper bound in ms, and p50 / p90 / p99 interpolated within buckets as Prometheus' "
+                   "histogram_quantile does; null when the server exports no such histogram",
+    "client": "the load generator's own CPU: cpu_s (user + system seconds of this process over the measured run) and "
+              "utilization = cpu_s / duration; near 1.0 the client saturates one core and its latencies include its "
+              "own queueing",
 }
 
 
@@ -340,10 +349,70 @@ def prefix_cache(before: dict[str, float] | None, after: dict[str, float] | None
     return {"queried_tokens": int(q), "hit_tokens": int(h), "hit_rate": h / q if q > 0 else None}
 
 
-async def scrape(client: httpx.AsyncClient) -> tuple[dict[str, Any] | None, dict[str, float] | None]:
-    """(spec_decode counters, prefix-cache counters) of the server's /metrics page, each None when absent."""
+TTFT_HISTOGRAM = "time_to_first_token_seconds_bucket"
+
+
+def ttft_buckets(text: str) -> dict[float, float] | None:
+    """The server's TTFT histogram (any prefix): cumulative count per bucket upper bound in seconds (+inf
+    included), summed over label sets; None when the page holds none (or is not Prometheus text)."""
+    samples = _samples(text)
+    if samples is None:
+        return None
+    out: dict[float, float] = {}
+    for s in samples:
+        if s.name.endswith(TTFT_HISTOGRAM) and "le" in s.labels:
+            le = float(s.labels["le"])
+            out[le] = out.get(le, 0.0) + s.value
+    return out or None
+
+
+def histogram_quantile(q: float, cumulative: list[tuple[float, float]]) -> float | None:
+    """Prometheus' histogram_quantile: the q-quantile of a histogram given as sorted (upper bound, cumulative
+    count) pairs, +inf last, interpolated linearly inside its bucket (the first bucket from 0); a quantile in
+    the +inf bucket is the largest finite bound. None for an empty histogram."""
+    total = cumulative[-1][1] if cumulative else 0.0
+    if total <= 0:
+        return None
+    rank = q * total
+    lo_bound, lo_count = 0.0, 0.0
+    for bound, count in cumulative:
+        if count >= rank:
+            if math.isinf(bound):
+                return lo_bound
+            if count == lo_count:
+                return bound
+            return lo_bound + (bound - lo_bound) * (rank - lo_count) / (count - lo_count)
+        lo_bound, lo_count = bound, count
+    return lo_bound
+
+
+def server_ttft(before: dict[float, float] | None, after: dict[float, float] | None) -> dict[str, Any] | None:
+    """The measured window's server-side TTFT histogram (after - before): count, per-bucket counts (ms bound ->
+    requests whose TTFT fell in it) and interpolated p50 / p90 / p99 in ms; None without a histogram."""
+    if after is None:
+        return None
+    before = before or {}
+    cum = sorted((le, after[le] - before.get(le, 0.0)) for le in after)
+    if not cum or cum[-1][1] <= 0:
+        return None
+    buckets, prev = {}, 0.0
+    for le, c in cum:
+        if c - prev > 0:
+            buckets["inf" if math.isinf(le) else f"{le * 1e3:g}"] = int(round(c - prev))
+        prev = c
+    out: dict[str, Any] = {"count": int(round(cum[-1][1])), "buckets_ms": buckets}
+    for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
+        v = histogram_quantile(q, cum)
+        out[name] = None if v is None else v * 1e3
+    return out
+
+
+async def scrape(client: httpx.AsyncClient) -> tuple[dict[str, Any] | None, dict[str, float] | None,
+                                                     dict[float, float] | None]:
+    """(spec_decode counters, prefix-cache counters, TTFT histogram) of the server's /metrics page, each None when
+    absent."""
     status, text = await get_text(client, "/metrics")
-    return (spec_counters(text), prefix_counters(text)) if status == 200 else (None, None)
+    return (spec_counters(text), prefix_counters(text), ttft_buckets(text)) if status == 200 else (None, None, None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -412,7 +481,7 @@ async def _bench(a: argparse.Namespace) -> dict[str, Any]:
                 out.append(r)
             return out
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         tasks = []
         for i in range(a.warmup, a.warmup + a.num_prompts, turns):
             tasks.append(asyncio.create_task(conversation(i)))
@@ -420,6 +489,7 @@ async def _bench(a: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.sleep(rng.expovariate(a.request_rate))  # Poisson arrivals (of conversations)
         results: list[Result] = [r for conv in await asyncio.gather(*tasks) for r in conv]
         duration = time.perf_counter() - t0
+        cpu = time.process_time() - cpu0
         after = await scrape(client)
 
     ok = [r for r in results if r.ok]
@@ -446,6 +516,8 @@ async def _bench(a: argparse.Namespace) -> dict[str, Any]:
         },
         "acceptance": acceptance(before[0], after[0]),
         "prefix_cache": prefix_cache(before[1], after[1]),
+        "server_ttft": server_ttft(before[2], after[2]),
+        "client": {"cpu_s": cpu, "utilization": cpu / duration if duration > 0 else None},
         "errors": sorted({r.error for r in results if r.error})[:10],
         "requests": [{"sent_ms": round((r.sent - t0) * 1e3, 3),
                       "ttft_ms": None if r.ttft is None else round(r.ttft * 1e3, 3),
@@ -481,6 +553,14 @@ def format_table(doc: dict[str, Any]) -> str:
                      f"per position {per}")
     else:
         lines.append("acceptance: - (the server's /metrics reports no speculative drafts in this window)")
+    st = doc.get("server_ttft")
+    if st:
+        lines.append(f"server TTFT ms (its histogram, {st['count']} requests): p50 {st['p50']:.2f}, p90 "
+                     f"{st['p90']:.2f}, p99 {st['p99']:.2f}")
+    cl = doc.get("client")
+    if cl and cl["utilization"] is not None:
+        busy = " -- the client is saturated: its latencies include its own queueing" if cl["utilization"] > 0.9 else ""
+        lines.append(f"client CPU: {cl['cpu_s']:.2f} s, {cl['utilization']:.0%} of one core{busy}")
     pc = doc.get("prefix_cache")
     if pc and pc["hit_rate"] is not None:
         lines.append(f"prefix cache: {pc['hit_tokens']} of {pc['queried_tokens']} prompt tokens found "

@@ -485,6 +485,8 @@ def test_bench_serve_against_a_server(tmp_path):
     assert "TTFT ms" in err and "acceptance: mean length 2.500" in err and "failed 2" in err
     assert "warm-up 2/2" in err
     assert doc["prefix_cache"] is None  # the fake server exports no prefix_cache counters
+    assert doc["server_ttft"] is None  # nor a TTFT histogram
+    assert doc["client"]["cpu_s"] > 0 and 0 < doc["client"]["utilization"] < 1.5 and "client CPU:" in err
     # the timeline: every measured request in the order sent, the failed ones without a TTFT
     reqs = doc["requests"]
     assert len(reqs) == 12 and sum(q["ok"] for q in reqs) == 10
@@ -652,3 +654,29 @@ m3eagle:spec_decode_num_drafts_total{model_name="a"} 3.0
     assert got == {"queried_tokens": 800, "hit_tokens": 600, "hit_rate": 0.75}
     assert prefix_cache(after, after)["hit_rate"] is None  # nothing looked up in the window
     assert prefix_cache(None, after) is None
+
+
+def test_serve_server_ttft_from_the_histogram_delta():
+    """The server's TTFT histogram over the measured window: the delta of two scrapes, its buckets, and quantiles
+    interpolated as Prometheus' histogram_quantile does (checked against hand-computed values)."""
+    from m3eagle.bench.serve import histogram_quantile, server_ttft, ttft_buckets
+
+    def page(counts: list[int]) -> str:
+        bounds = ["0.005", "0.01", "0.04", "+Inf"]
+        lines = ["# TYPE m3eagle:time_to_first_token_seconds histogram"]
+        lines += [f'm3eagle:time_to_first_token_seconds_bucket{{le="{b}",model_name="a"}} {c}.0'
+                  for b, c in zip(bounds, counts)]
+        lines += [f"m3eagle:time_to_first_token_seconds_count{{model_name=\"a\"}} {counts[-1]}.0",
+                  "m3eagle:time_to_first_token_seconds_sum{model_name=\"a\"} 1.0"]
+        return "\n".join(lines) + "\n"
+
+    before, after = ttft_buckets(page([2, 2, 2, 2])), ttft_buckets(page([2, 12, 100, 102]))
+    assert after == {0.005: 2.0, 0.01: 12.0, 0.04: 100.0, float("inf"): 102.0}
+    got = server_ttft(before, after)  # the window: 10 in (5, 10] ms, 88 in (10, 40] ms, 2 beyond 40 ms
+    assert got["count"] == 100 and got["buckets_ms"] == {"10": 10, "40": 88, "inf": 2}
+    assert got["p50"] == pytest.approx(10 + 30 * (50 - 10) / 88)  # inside the (10, 40] bucket
+    assert got["p90"] == pytest.approx(10 + 30 * (90 - 10) / 88)
+    assert got["p99"] == pytest.approx(40.0)  # in the +inf bucket: the largest finite bound
+    assert histogram_quantile(0.5, [(1.0, 4.0), (float("inf"), 4.0)]) == pytest.approx(0.5)  # first bucket from 0
+    assert server_ttft(after, after) is None  # nothing in the window
+    assert ttft_buckets("# TYPE x counter\nx_total 3\n") is None and ttft_buckets('{"detail": 1}') is None
