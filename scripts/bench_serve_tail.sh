@@ -16,6 +16,7 @@
 #   serve_tail.json  {"spec": {"ready_s", "stdlib_c8", "stdlib_c32", "tools_c8", "json_c8", "server_exit"},
 #                     "plain": {"ready_s", "tools_c8", "json_c8", "server_exit"}, "settings": {...}}
 #                    each *_cN is bench-serve's JSON (TTFT / TPOT / ITL p50 / p90 / p99, throughput, acceptance)
+#                    with "server_threads" (each server thread's CPU use over the run, 1.0 = a core),
 #                    and per mode "first_use": the Triton compiles and CUDA graph captures the server logged after
 #                    its warm-up (counts and the lines: what the warm-up missed)
 #   serve_tail_<mode>_server.log  the server's log (its warm-up line says what it covered and how long it took)
@@ -52,10 +53,12 @@ need_packages "fastapi uvicorn prometheus_client httpx xgrammar jinja2" fastapi 
 bench() {
   local name=$1 c=$2 n=$3 dataset=$4 k=$5
   echo "+ bench-serve --dataset $dataset --max-concurrency $c --num-prompts $n" | tee -a "$OUT/serve_tail_${MODE}_bench.log"
+  thread_cpu "$SERVER" "$TMP/$MODE/$name.cpu0"
   python -m m3eagle bench-serve --base-url "http://127.0.0.1:$PORT" --max-concurrency "$c" --num-prompts "$n" \
     --dataset "$dataset" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --warmup 0 \
     --label "embedded K=$k $DEVICE fresh server, $dataset" --json "$TMP/$MODE/$name.json" 2>&1 \
     | tee -a "$OUT/serve_tail_${MODE}_bench.log"
+  thread_cpu "$SERVER" "$TMP/$MODE/$name.cpu1"
 }
 
 run_mode() {
@@ -115,6 +118,14 @@ for mode in ("spec", "plain"):
                       "captures": sum("CUDA graph" in x for x in late), "lines": late[:50]}
     for f in sorted(d.glob("*.json")):
         m[f.stem] = json.loads(f.read_text())
+        # the server's threads over the run: CPU seconds / wall seconds (1.0 = a whole core)
+        c0, c1 = d / f"{f.stem}.cpu0", d / f"{f.stem}.cpu1"
+        if c0.is_file() and c1.is_file():
+            a, b = json.loads(c0.read_text()), json.loads(c1.read_text())
+            wall = b["wall"] - a["wall"]
+            m[f.stem]["server_threads"] = {n: round((v - a["threads"].get(n, 0.0)) / wall, 3)
+                                           for n, v in sorted(b["threads"].items()) if wall > 0
+                                           and v - a["threads"].get(n, 0.0) > 0.01 * wall}
     doc[mode] = m
 json.dump(doc, open(out, "w"), indent=1)
 print(f"wrote {out}")
@@ -126,5 +137,5 @@ for mode in ("spec", "plain"):
             print(f"{mode:5s} {name:12s} TTFT p50 {t['p50']:8.1f} p99 {t['p99']:8.1f} ms  p99/p50 "
                   f"{t['p99'] / max(t['p50'], 1e-9):5.1f}  {res['output_throughput']:8.0f} tok/s  failed {res['failed']}"
                   f"  server TTFT p50 {st.get('p50') or 0:6.1f} p99 {st.get('p99') or 0:6.1f}"
-                  f"  client CPU {cl.get('utilization') or 0:4.0%}")
+                  f"  client CPU {cl.get('utilization') or 0:4.0%}  server threads {r.get('server_threads')}")
 EOF

@@ -39,3 +39,27 @@ stop_server() {
   SERVER=""
 }
 trap 'stop_server; rm -rf "$TMP"' EXIT
+
+# thread_cpu PID FILE: the process's CPU seconds per thread name (user + system, from /proc; threads of one name
+# summed) and the wall clock, as JSON in FILE: {"wall": s, "threads": {name: s}}. Two snapshots around a run give
+# each thread's utilization (the engine thread vs the event loop vs the tokenizer pool): where a served tail
+# comes from when the process, not the GPU, is the bottleneck. Linux only; {} elsewhere.
+thread_cpu() {
+  python - "$1" "$2" <<'PYEOF'
+import json, os, sys, time
+pid, out = sys.argv[1], sys.argv[2]
+tick, threads = os.sysconf("SC_CLK_TCK"), {}
+try:
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            stat = open(f"/proc/{pid}/task/{tid}/stat").read()
+        except OSError:
+            continue  # the thread ended
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        threads[name] = threads.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+except OSError:
+    pass
+json.dump({"wall": time.monotonic(), "threads": threads}, open(out, "w"))
+PYEOF
+}
