@@ -603,3 +603,22 @@ def test_serve_errors_are_one_line(capsys):
     assert len(err) == 1 and f"127.0.0.1:{port}" in err[0] and "--port" in err[0]
     assert main(["bench-serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1"]) == 2
     assert "is the server running" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="names OS threads through prctl on Linux only")
+def test_the_engine_thread_is_named_in_the_os():
+    """The OS sees the engine thread's name (top -H, py-spy, /proc): a CPU-bound server shows which thread burns the
+    core. Named from inside the thread; the rest of the process keeps its names."""
+    from m3eagle.entrypoints.server.async_engine import name_os_thread
+
+    got: dict[str, object] = {}
+
+    def body():
+        got["ok"] = name_os_thread("m3eagle-engine-and-more")  # cut to the OS's 15 bytes
+        got["comm"] = open(f"/proc/self/task/{threading.get_native_id()}/comm").read().strip()
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert got == {"ok": True, "comm": "m3eagle-engine-"}
+    assert open(f"/proc/self/task/{threading.get_native_id()}/comm").read().strip() != "m3eagle-engine-"
