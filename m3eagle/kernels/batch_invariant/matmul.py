@@ -32,7 +32,9 @@ launches, with the same bits.
 Each output element is then the same chain of MMAs on the same operands at every M, its row's position in
 the M tile included (an MMA's element is a function of its own row and column). The split count is fixed per
 (N, K) so decode-sized steps still spread a weight over enough programs to stream it; it never changes
-with the batch. `reference_linear` (F.linear) is the oracle; tests hold the kernel to it and to itself.
+with the batch. `reference_linear` (F.linear) is the oracle; tests hold the kernel to it and to itself. The main
+loop (`tile_acc`), the arrival count (`last_to_arrive`) and the split sum (`sum_partials`) are shared with the
+folded GEMMs (folds.py), whose columns so sum as this kernel's.
 """
 
 from __future__ import annotations
@@ -92,6 +94,50 @@ def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     return MatmulConfig(block_m, block_n, block_k, splits, num_warps=4, num_stages=3)
 
 
+@triton.jit
+def tile_acc(X, W, rows_w, w_ok, offs_m, m_ok, k0, k1, stride_xm, stride_wn, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """The fp32 [BM, BN] product x[offs_m, k0:k1] @ w[rows_w, k0:k1]^T in BLOCK_K steps, in order: one output
+    element's chain of MMAs, which reads only its own row of x and row of w (w_ok: which rows_w are real).
+    `_matmul_kernel` and the folded GEMMs (folds.py) share it, so a folded column sums as the plain GEMM's."""
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]  # [BM, BK]
+    w_ptrs = W + rows_w[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BN, BK]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kk in range(k0, k1, BLOCK_K):
+        k_ok = (kk + offs_k) < k1
+        a = tl.load(x_ptrs + kk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+        b = tl.load(w_ptrs + kk, mask=w_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
+        if UPCAST_DOT:  # the interpreter's bf16 dot multiplies raw bits: give it the same values in fp32
+            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
+def last_to_arrive(cnt_ptr, n):
+    """Count this program in the int32 counter at cnt_ptr; True for the n-th (last) to arrive. Release: every
+    thread's earlier stores are issued (CTA barrier) before the acq_rel atomic publishes them; acquire: the last
+    program's later .cg loads see every other program's stores. The caller zeroes the counter when it is done."""
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    return done == n - 1
+
+
+@triton.jit
+def sum_partials(p_tile, stride_ps, mask, n_split):
+    """`_split_sum_kernel`'s sum, bit for bit: part[0], then += part[1] .. part[S-1] in fp32. Every partial is
+    read back from memory, the caller's own included, so the order is split order whichever split arrived last;
+    .cg reads L2, where other SMs' stores landed."""
+    total = tl.load(p_tile, mask=mask, other=0.0, cache_modifier=".cg")  # [BM, BN] fp32
+    p_s = p_tile
+    for _ in range(1, n_split):
+        p_s += stride_ps
+        total += tl.load(p_s, mask=mask, other=0.0, cache_modifier=".cg")
+    return total
+
+
 # The row count is not a specialisation key: a new M must not compile a new variant (and it must not change
 # the code a row runs: the launch shape above never reads it).
 @triton.jit(do_not_specialize=["M", "stride_xm", "stride_ps"])
@@ -113,41 +159,20 @@ def _matmul_kernel(X, W, Y, P, CNT, M, N, K, steps_per_split,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
     k0 = split * steps_per_split * BLOCK_K
     k1 = tl.minimum(k0 + steps_per_split * BLOCK_K, K)
-    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kk in range(k0, k1, BLOCK_K):
-        k_ok = (kk + offs_k) < k1
-        a = tl.load(x_ptrs + kk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
-        b = tl.load(w_ptrs + kk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
-        if UPCAST_DOT:  # the interpreter's bf16 dot multiplies raw bits: give it the same values in fp32
-            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+    acc = tile_acc(X, W, offs_n, n_ok, offs_m, m_ok, k0, k1, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K,
+                   DOT_PREC, UPCAST_DOT)  # [BM, BN] fp32
     mask = m_ok[:, None] & n_ok[None, :]
     y_ptrs = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]  # [BM, BN]
     if SPLIT:
         p_tile = P + offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]  # [BM, BN], in split 0
         tl.store(p_tile + split.to(tl.int64) * stride_ps, acc, mask=mask)
         if REDUCE:
-            # The split-K fixup: the tile's last program to arrive sums the partials. Release: every thread's
-            # partial store is issued (CTA barrier) before the acq_rel atomic publishes it; acquire: the last
-            # program's reads below see every other program's partial.
-            tl.debug_barrier()
+            # The split-K fixup: the tile's last program to arrive sums the partials, rounds once and stores y.
             n_split = tl.num_programs(1)
-            done = tl.atomic_add(CNT + pid, 1, sem="acq_rel", scope="gpu")
-            if done == n_split - 1:
-                # `_split_sum_kernel`'s sum, bit for bit: part[0], then += part[1] .. part[S-1] in fp32, rounded
-                # once. Every partial is read back from memory, this program's own included, so the order is
-                # split order whichever split arrived last; .cg reads L2, where other SMs' stores landed.
-                total = tl.load(p_tile, mask=mask, other=0.0, cache_modifier=".cg")  # [BM, BN] fp32
-                p_s = p_tile
-                for _ in range(1, n_split):
-                    p_s += stride_ps
-                    total += tl.load(p_s, mask=mask, other=0.0, cache_modifier=".cg")
+            if last_to_arrive(CNT + pid, n_split):
+                total = sum_partials(p_tile, stride_ps, mask, n_split)  # [BM, BN] fp32
                 tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=mask)
                 # Zero for the next launch or graph replay, so no memset launch is needed. Every other program
                 # of the tile has counted itself already, so nothing in this launch reads it again; the next
@@ -211,6 +236,20 @@ def linear_two_launch(x: torch.Tensor, w: torch.Tensor, config: MatmulConfig | N
     return _linear(x, w, config, one_launch=False)
 
 
+def split_plan(k: int, cfg: MatmulConfig) -> tuple[int, int]:
+    """(S, K steps per split) for K under `cfg`: cfg.splits runs of whole BLOCK_K steps, none empty. The folded
+    GEMMs (folds.py) take the same plan, so their columns sum as `linear`'s."""
+    steps = -(-k // cfg.block_k)
+    splits = max(1, min(cfg.splits, steps))
+    per_split = -(-steps // splits)
+    return -(-steps // per_split), per_split
+
+
+def dot_args(dtype: torch.dtype) -> dict[str, object]:
+    """`tile_acc`'s DOT_PREC / UPCAST_DOT for operands of `dtype`."""
+    return {"DOT_PREC": _dot_precision(dtype), "UPCAST_DOT": interpreting() and dtype != torch.float32}
+
+
 def _linear(x: torch.Tensor, w: torch.Tensor, config: MatmulConfig | None, one_launch: bool) -> torch.Tensor:
     if not supports(x, w):
         raise ValueError(f"batch-invariant linear needs 2-D x / w of one float dtype with equal K, got "
@@ -223,10 +262,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor, config: MatmulConfig | None, one_l
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
     if m == 0 or n == 0:
         return y
-    steps = -(-k // cfg.block_k)
-    splits = max(1, min(cfg.splits, steps))
-    per_split = -(-steps // splits)
-    splits = -(-steps // per_split)  # no empty split
+    splits, per_split = split_plan(k, cfg)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     cnt = tile_counters(x.device) if one_launch and splits > 1 and tiles <= MAX_TILES else None  # [MAX_TILES] i32
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y  # [S, M, N] fp32
@@ -234,8 +270,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor, config: MatmulConfig | None, one_l
         x, w, y, part, cnt if cnt is not None else y, m, n, k, per_split, x.stride(0), w.stride(0), y.stride(0),
         part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=splits > 1, REDUCE=cnt is not None,
-        DOT_PREC=_dot_precision(x.dtype), UPCAST_DOT=interpreting() and x.dtype != torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(x))
+        **dot_args(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(x))
     if splits > 1 and cnt is None:
         block = 1024
         _split_sum_kernel[(triton.cdiv(m * n, block),)](part, y, m * n, part.stride(0), SPLITS=splits, BLOCK=block,
