@@ -10,8 +10,8 @@ layer's shape (E, H, I, top-k), never of T:
     -> combine: each token's k contributions summed in fp32 in its top-k order (no atomics)
 
 A pair's row is the same chain of MMAs wherever the sort puts it in its expert's row block. The shared
-expert runs apart on the batch-invariant GEMM (`fuses_shared` False), and routing is the fused ops' (fp32
-GEMM + the row-local route kernel). `reference.experts` stays the oracle.
+expert runs apart on the batch-invariant GEMM (`fuses_shared` False), and routing is the fused ops' (router.py:
+the router GEMV and the route in one row-local launch). `reference.experts` stays the oracle.
 """
 
 from __future__ import annotations

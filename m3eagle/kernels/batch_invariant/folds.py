@@ -1,0 +1,294 @@
+"""The batch-invariant GEMM with its neighbour folded into the store: an MLP's SwiGLU / SiLU-and-multiply
+(`linear_act`) and the greedy pick (`linear_argmax`), each one launch instead of two.
+
+At batch 1 a launch costs about as much as the bytes it moves, so the activation's own launch after every
+gate_up GEMM (the dense MLPs, the shared experts, the draft head's MLP) and the argmax launch after the LM head
+are worth folding -- if the fold keeps every bit. Both folds run `matmul.tile_acc`, the plain GEMM's main loop,
+under the plain GEMM's `matmul_config` and `split_plan` for the same weight, so each output column is the same
+chain of MMAs on the same operands as `matmul.linear` computes it (an MMA's element depends on its own row and
+column only), and the split partials are summed in split order by the tile's last program (`sum_partials`):
+
+    linear_act     x [M, K] @ gate_up [2I, K]^T ──_matmul_act_kernel──► act [M, I]
+                   A program's BLOCK_N weight rows are BLOCK_N / 2 gate rows and the up rows of the same columns
+                   (the weight is gate rows, then up rows), interleaved, so one MMA tile of the plain GEMM's
+                   shape holds both inputs of each activation. Where the plain GEMM stores y (S = 1, or the
+                   split fixup's last program) the gate and up sums are rounded to x's dtype -- y's bits -- and the
+                   activation launch's own code (`activation.silu_mul_f32` / `swiglu_oai_f32`, no FMA
+                   contraction) runs on them: bit-equal to `linear_act_two_launch` (linear, then the activation).
+    linear_argmax  x [M, K] @ w [V, K]^T ──_matmul_argmax_kernel──► ids [M]
+                   Each tile stores its rows' best (value, column) key (the decode GEMV's order: torch.argmax's
+                   on the rounded logits, lowest column among equals, NaN first); the last of a row block's tiles
+                   to arrive reduces the block's keys. A max of exact keys is the same in any order, so the ids
+                   equal `argmax.argmax(linear(x, w))` whichever tile arrives last. The logits are not stored.
+
+Every launch-shape choice is the plain GEMM's (from the weight's shape), never the row count. A call without
+counters (a CUDA graph captured before any eager call, more tiles than `matmul.MAX_TILES`) takes the two
+launches, with the same bits; so does an fp32 activation fold on a GPU, where the fold's launch (compiled
+without FMA contraction, for the activation's sake) would turn the fp32 dot's fused multiply-adds into separate
+roundings.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from m3eagle.kernels import pdl
+from m3eagle.kernels.batch_invariant import matmul
+from m3eagle.kernels.batch_invariant.matmul import last_to_arrive, sum_partials, tile_acc
+from m3eagle.kernels.fused import activation
+from m3eagle.kernels.fused.activation import silu_mul_f32, swiglu_oai_f32
+from m3eagle.kernels.fused.argmax import argmax, argmax_outputs
+from m3eagle.kernels.pdl import pdl_wait
+from m3eagle.kernels.triton_utils import interpreting, launch_opts, precise
+
+ACTS = {"silu": 1, "swiglu_oai": 2}  # ACT of `_matmul_act_kernel`
+
+
+@triton.jit
+def _act_store(Y, vals, offs_m, m_ok, pid_n, n_act, stride_ym, alpha, limit, ACT: tl.constexpr,
+               BLOCK_M: tl.constexpr, HALF: tl.constexpr, PRECISE: tl.constexpr):
+    """vals [BM, 2 * HALF] fp32: interleaved (gate, up) sums of activation columns pid_n * HALF + i. Each is
+    rounded to Y's dtype as the plain GEMM stores it, then the activation is computed and stored as its own
+    launch computes it."""
+    dt = Y.dtype.element_ty
+    g, u = tl.split(tl.reshape(vals, [BLOCK_M, HALF, 2]))  # [BM, HALF] each
+    g = g.to(dt).to(tl.float32)
+    u = u.to(dt).to(tl.float32)
+    if ACT == 1:
+        out = silu_mul_f32(g, u, dt, PRECISE)
+    else:
+        out = swiglu_oai_f32(g, u, alpha, limit, dt, PRECISE)
+    cols = pid_n * HALF + tl.arange(0, HALF)
+    ptrs = Y + offs_m[:, None].to(tl.int64) * stride_ym + cols[None, :]  # [BM, HALF]
+    tl.store(ptrs, out.to(dt), mask=m_ok[:, None] & (cols < n_act)[None, :])
+
+
+@triton.jit(do_not_specialize=["M", "stride_xm", "stride_ps"])
+def _matmul_act_kernel(X, W, Y, P, CNT, M, n_act, K, steps_per_split, stride_xm, stride_wn, stride_ym, stride_ps,
+                       stride_pm, alpha, limit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT: tl.constexpr, ACT: tl.constexpr, PRECISE: tl.constexpr, DOT_PREC: tl.constexpr,
+                       UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
+    """Grid (cdiv(M, BM) * cdiv(I, BN / 2), S). x [M, K], the packed gate / up weight w [2I, K] (unit K stride),
+    y [M, I] = act(x @ gate^T, x @ up^T) (ACT 1: silu(gate) * up; 2: swiglu-oai with alpha / limit). Split: each
+    program stores its fp32 partial in its own lane order at P + s * stride_ps (part [S, M, BN * tiles], row
+    stride stride_pm) and the tile's last program to arrive (CNT[tile], int32, zero between launches) sums them
+    in split order, applies the activation and zeroes CNT[tile]."""
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
+    HALF: tl.constexpr = BLOCK_N // 2
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(n_act, HALF)
+    pid_m = pid // n_tiles
+    pid_n = pid % n_tiles
+    split = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    lane = tl.arange(0, BLOCK_N)
+    cols = pid_n * HALF + lane // 2  # [BN] each lane's activation column
+    col_ok = cols < n_act
+    rows_w = cols + (lane % 2) * n_act  # even lanes: the gate row; odd lanes: the up row of the same column
+    k0 = split * steps_per_split * BLOCK_K
+    k1 = tl.minimum(k0 + steps_per_split * BLOCK_K, K)
+    acc = tile_acc(X, W, rows_w, col_ok, offs_m, m_ok, k0, k1, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K,
+                   DOT_PREC, UPCAST_DOT)  # [BM, BN] fp32
+    if SPLIT:
+        mask = m_ok[:, None] & col_ok[None, :]
+        p_tile = P + offs_m[:, None].to(tl.int64) * stride_pm + (pid_n * BLOCK_N + lane)[None, :]  # in split 0
+        tl.store(p_tile + split.to(tl.int64) * stride_ps, acc, mask=mask)
+        n_split = tl.num_programs(1)
+        if last_to_arrive(CNT + pid, n_split):
+            total = sum_partials(p_tile, stride_ps, mask, n_split)  # [BM, BN] fp32
+            _act_store(Y, total, offs_m, m_ok, pid_n, n_act, stride_ym, alpha, limit, ACT, BLOCK_M, HALF, PRECISE)
+            tl.store(CNT + pid, 0)  # zero for the next launch (matmul._matmul_kernel's reset)
+    else:
+        _act_store(Y, acc, offs_m, m_ok, pid_n, n_act, stride_ym, alpha, limit, ACT, BLOCK_M, HALF, PRECISE)
+
+
+INT64_MIN = tl.constexpr(-(2**63))  # a constexpr: jit code reads no plain globals
+
+
+@triton.jit
+def _row_keys(vals, offs_n, N, dt: tl.constexpr):
+    """The best of each row of a [BM, BN] tile as an int64 key whose signed order is torch.argmax's (the decode
+    GEMV's `_argmax_key`, per row): the value as stored (rounded to dt) in the high 32 bits, its bits made
+    monotone (negatives' magnitude bits flipped, -0 taken as +0, every NaN above +inf), 2^31 - 1 - column in
+    the low 32 bits (a tie goes to the lower column). Columns past N: INT64_MIN."""
+    v = vals.to(dt).to(tl.float32)
+    v = tl.where(v == 0.0, 0.0, v)
+    bits = v.to(tl.int32, bitcast=True)
+    hi = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    hi = tl.where(v != v, 0x7FFFFFFF, hi)
+    key = (hi.to(tl.int64) << 32) | (2147483647 - offs_n).to(tl.int64)[None, :]
+    key = tl.where((offs_n < N)[None, :], key, INT64_MIN)
+    return tl.max(key, axis=1)  # [BM]
+
+
+@triton.jit
+def _argmax_tile(keys_ptr, CNT, cnt_row, vals, row0, offs_m, m_ok, offs_n, M, N, pid_n, n_tiles, off_ptr, am_ptr,
+                 sc_ptr, sc_rows_ptr, stride_am, stride_sc, col, dt: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_P: tl.constexpr, ROWS: tl.constexpr, HAS_OFF: tl.constexpr, SCATTER: tl.constexpr):
+    """A tile's values are final: store its rows' keys at keys[pid_n, row] ([n_tiles, M] int64); the row
+    block (rows row0..row0 + BM) last tile to arrive (CNT[cnt_row]) reduces every tile's keys of its rows, ROWS
+    rows by BLOCK_P tiles at a time, and stores each row's column (+ off[column]) as `argmax.argmax` does."""
+    tl.store(keys_ptr + pid_n.to(tl.int64) * M + offs_m, _row_keys(vals, offs_n, N, dt), mask=m_ok)
+    if last_to_arrive(CNT + cnt_row, n_tiles):
+        offs_r = tl.arange(0, ROWS)
+        offs_p = tl.arange(0, BLOCK_P)
+        row_end = tl.minimum(row0 + BLOCK_M, M)
+        for r0 in range(row0, row_end, ROWS):
+            rows = r0 + offs_r  # [ROWS]
+            r_ok = rows < row_end
+            best = tl.full([ROWS], INT64_MIN, tl.int64)
+            for p0 in range(0, n_tiles, BLOCK_P):
+                tiles = p0 + offs_p
+                ptrs = keys_ptr + tiles[None, :].to(tl.int64) * M + rows[:, None]  # [ROWS, BLOCK_P]
+                keys = tl.load(ptrs, mask=r_ok[:, None] & (tiles < n_tiles)[None, :], other=INT64_MIN,
+                               cache_modifier=".cg")
+                best = tl.maximum(best, tl.max(keys, axis=1))
+            ids = (2147483647 - (best & 0xFFFFFFFF)).to(tl.int64)  # [ROWS]
+            if HAS_OFF:
+                ids += tl.load(off_ptr + ids, mask=r_ok, other=0)
+            tl.store(am_ptr + rows.to(tl.int64) * stride_am, ids, mask=r_ok)
+            if SCATTER:
+                dst = tl.load(sc_rows_ptr + rows, mask=r_ok, other=0)
+                tl.store(sc_ptr + dst * stride_sc + col, ids, mask=r_ok)
+        tl.store(CNT + cnt_row, 0)  # zero for the next launch
+
+
+@triton.jit(do_not_specialize=["M", "stride_xm", "stride_ps", "stride_am", "stride_sc", "col"])
+def _matmul_argmax_kernel(X, W, KEYS, P, CNT, M, N, K, steps_per_split, stride_xm, stride_wn, stride_ps, stride_pm,
+                          off_ptr, am_ptr, sc_ptr, sc_rows_ptr, stride_am, stride_sc, col, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr,
+                          ROWS: tl.constexpr, HAS_OFF: tl.constexpr, SCATTER: tl.constexpr, DOT_PREC: tl.constexpr,
+                          UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
+    """Grid (cdiv(M, BM) * cdiv(N, BN), S): `_matmul_kernel`'s tiles of logits = x @ w^T (rounded to x's dtype,
+    as `linear` stores them), then argmax per row instead of the store (`_argmax_tile`). CNT [>= tiles + row blocks] int32,
+    zero between launches: CNT[tile] counts a tile's splits, CNT[tiles + row block] the row block's tiles.
+    KEYS [cdiv(N, BN), M] int64; P the split partials [S, M, N] fp32."""
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // n_tiles
+    pid_n = pid % n_tiles
+    split = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    k0 = split * steps_per_split * BLOCK_K
+    k1 = tl.minimum(k0 + steps_per_split * BLOCK_K, K)
+    acc = tile_acc(X, W, offs_n, n_ok, offs_m, m_ok, k0, k1, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K,
+                   DOT_PREC, UPCAST_DOT)  # [BM, BN] fp32
+    cnt_row = tl.cdiv(M, BLOCK_M) * n_tiles + pid_m
+    if SPLIT:
+        mask = m_ok[:, None] & n_ok[None, :]
+        p_tile = P + offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]  # [BM, BN], in split 0
+        tl.store(p_tile + split.to(tl.int64) * stride_ps, acc, mask=mask)
+        n_split = tl.num_programs(1)
+        if last_to_arrive(CNT + pid, n_split):
+            tl.store(CNT + pid, 0)  # this tile's splits are all in: zero for the next launch
+            total = sum_partials(p_tile, stride_ps, mask, n_split)  # [BM, BN] fp32
+            _argmax_tile(KEYS, CNT, cnt_row, total, pid_m * BLOCK_M, offs_m, m_ok, offs_n, M, N, pid_n, n_tiles,
+                         off_ptr, am_ptr, sc_ptr, sc_rows_ptr, stride_am, stride_sc, col, X.dtype.element_ty,
+                         BLOCK_M, BLOCK_P, ROWS, HAS_OFF, SCATTER)
+    else:
+        _argmax_tile(KEYS, CNT, cnt_row, acc, pid_m * BLOCK_M, offs_m, m_ok, offs_n, M, N, pid_n, n_tiles, off_ptr,
+                     am_ptr, sc_ptr, sc_rows_ptr, stride_am, stride_sc, col, X.dtype.element_ty, BLOCK_M, BLOCK_P,
+                     ROWS, HAS_OFF, SCATTER)
+
+
+def _operands(x: torch.Tensor, w: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if not matmul.supports(x, w):
+        raise ValueError(f"{what} needs 2-D x / w of one float dtype with equal K, got x {tuple(x.shape)} "
+                         f"{x.dtype}, w {tuple(w.shape)} {w.dtype}")
+    return (x if x.stride(-1) == 1 else x.contiguous()), (w if w.stride(-1) == 1 else w.contiguous())
+
+
+def act_folds(x: torch.Tensor) -> bool:
+    """Whether `linear_act` folds for x's dtype and device: not fp32 on a GPU (the module docstring says why)."""
+    return x.dtype != torch.float32 or interpreting() or x.device.type != "cuda"
+
+
+def linear_act(x: torch.Tensor, w: torch.Tensor, act: str, alpha: float = 0.0, limit: float = 0.0,
+               config: matmul.MatmulConfig | None = None) -> torch.Tensor:
+    """act(x @ w[:I]^T, x @ w[I:]^T) -> [M, I] in x's dtype for a packed gate / up weight w [2I, K], one launch:
+    "silu" silu(gate) * up (the Llama MLP), "swiglu_oai" M3's clamped (up + 1) * gate * sigmoid(alpha * gate).
+    Bit-equal to `linear_act_two_launch` under the same config (`matmul_config` of w's shape unless given)."""
+    x, w = _operands(x, w, "linear_act")
+    if act not in ACTS:
+        raise ValueError(f"linear_act: act={act!r}; choose one of {sorted(ACTS)}")
+    if w.shape[0] % 2:
+        raise ValueError(f"linear_act: w [{w.shape[0]}, {w.shape[1]}] must be a packed [2I, K] gate / up weight")
+    m, k = x.shape
+    inter = w.shape[0] // 2
+    cfg = config or matmul.matmul_config(w.shape[0], k, w.dtype)  # the plain GEMM's, for the packed weight
+    y = torch.empty(m, inter, dtype=x.dtype, device=x.device)  # [M, I]
+    if m == 0 or inter == 0:
+        return y
+    splits, per_split = matmul.split_plan(k, cfg)
+    half = cfg.block_n // 2
+    n_tiles = triton.cdiv(inter, half)
+    tiles = triton.cdiv(m, cfg.block_m) * n_tiles
+    cnt = matmul.tile_counters(x.device) if splits > 1 and tiles <= matmul.MAX_TILES else None  # [MAX_TILES] i32
+    if not act_folds(x) or (splits > 1 and cnt is None):
+        return linear_act_two_launch(x, w, act, alpha, limit, cfg)
+    part = (torch.empty(splits, m, n_tiles * cfg.block_n, dtype=torch.float32, device=x.device) if splits > 1
+            else y)  # [S, M, tiles * BN] fp32, in the programs' lane order
+    _matmul_act_kernel[(tiles, splits)](
+        x, w, y, part, cnt if cnt is not None else y, m, inter, k, per_split, x.stride(0), w.stride(0), y.stride(0),
+        part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0, float(alpha), float(limit),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=splits > 1, ACT=ACTS[act],
+        PRECISE=precise(), **matmul.dot_args(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **launch_opts(), **pdl.args(x))
+    return y
+
+
+def linear_act_two_launch(x: torch.Tensor, w: torch.Tensor, act: str, alpha: float = 0.0, limit: float = 0.0,
+                          config: matmul.MatmulConfig | None = None) -> torch.Tensor:
+    """The unfolded form, and the reference `linear_act` is held to: `matmul.linear`, then the activation's own
+    launch (`activation.silu_mul` on the gate / up halves, or `activation.swiglu_oai`)."""
+    y = matmul.linear(x, w, config)  # [M, 2I]
+    if act == "silu":
+        return activation.silu_mul(*y.chunk(2, -1))
+    return activation.swiglu_oai(y, alpha, limit)
+
+
+ARGMAX_KEYS = 2048  # keys one reduction step of `_argmax_tile` holds (ROWS x BLOCK_P): 16 int64 per thread
+
+
+def linear_argmax(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None, scatter: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                  config: matmul.MatmulConfig | None = None) -> torch.Tensor:
+    """argmax.argmax(linear(x, w), offsets, out, scatter) -> ids [M] int64 in one launch (the logits are not
+    kept): x [M, K], w [V, K]. Equal to `linear_argmax_two_launch` under the same config."""
+    x, w = _operands(x, w, "linear_argmax")
+    m, k = x.shape
+    n = w.shape[0]
+    cfg = config or matmul.matmul_config(n, k, w.dtype)
+    splits, per_split = matmul.split_plan(k, cfg)
+    n_tiles = triton.cdiv(n, cfg.block_n)
+    m_blocks = triton.cdiv(m, cfg.block_m)
+    cnt = matmul.tile_counters(x.device) if m_blocks * (n_tiles + 1) <= matmul.MAX_TILES else None
+    if cnt is None or m == 0 or n == 0:
+        return linear_argmax_two_launch(x, w, offsets, out, scatter, cfg)
+    out, buf, rows, col = argmax_outputs(m, x.device, out, scatter)
+    keys = torch.empty(n_tiles, m, dtype=torch.int64, device=x.device)  # [tiles, M]: each tile's best per row
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else keys  # [S, M, N]
+    block_p = min(triton.next_power_of_2(n_tiles), ARGMAX_KEYS)
+    _matmul_argmax_kernel[(m_blocks * n_tiles, splits)](
+        x, w, keys, part, cnt, m, n, k, per_split, x.stride(0), w.stride(0), part.stride(0) if splits > 1 else 0,
+        part.stride(1) if splits > 1 else 0, offsets if offsets is not None else out, out, buf, rows,
+        out.stride(0), buf.stride(0), col, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT=splits > 1, BLOCK_P=block_p, ROWS=max(1, min(cfg.block_m, ARGMAX_KEYS // block_p)),
+        HAS_OFF=offsets is not None, SCATTER=scatter is not None, **matmul.dot_args(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(x))
+    return out
+
+
+def linear_argmax_two_launch(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None = None,
+                             out: torch.Tensor | None = None,
+                             scatter: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                             config: matmul.MatmulConfig | None = None) -> torch.Tensor:
+    """The unfolded form and `linear_argmax`'s reference: `matmul.linear`, then `argmax.argmax`'s launch."""
+    return argmax(matmul.linear(x, w, config), offsets, out, scatter)
