@@ -41,7 +41,7 @@ mkdir -p "$OUT"
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$TMP/triton-cache}
 
 source "$(dirname "$0")/serve_lib.sh"
-need_packages "fastapi uvicorn prometheus_client httpx xgrammar jinja2" fastapi uvicorn prometheus-client httpx xgrammar jinja2
+need_packages "fastapi uvicorn prometheus_client httpx xgrammar jinja2 uvloop httptools" fastapi uvicorn prometheus-client httpx xgrammar jinja2 uvloop httptools
 
 # serve NAME CACHE MAX_MODEL_LEN SERVE_FLAGS...: start a server and wait until /health answers 200
 serve() {

@@ -33,7 +33,7 @@ TMP=$(mktemp -d)
 mkdir -p "$OUT"
 
 source "$(dirname "$0")/serve_lib.sh"
-need_packages "fastapi uvicorn prometheus_client" fastapi uvicorn prometheus-client
+need_packages "fastapi uvicorn prometheus_client uvloop httptools" fastapi uvicorn prometheus-client uvloop httptools
 
 run_mode() {
   local mode=$1 k

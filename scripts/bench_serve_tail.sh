@@ -47,7 +47,7 @@ TMP=$(mktemp -d)
 mkdir -p "$OUT"
 
 source "$(dirname "$0")/serve_lib.sh"
-need_packages "fastapi uvicorn prometheus_client httpx xgrammar jinja2" fastapi uvicorn prometheus-client httpx xgrammar jinja2
+need_packages "fastapi uvicorn prometheus_client httpx xgrammar jinja2 uvloop httptools" fastapi uvicorn prometheus-client httpx xgrammar jinja2 uvloop httptools
 
 # bench NAME CONCURRENCY PROMPTS DATASET K: one bench-serve run into $TMP/<mode>/NAME.json
 bench() {

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -727,6 +728,15 @@ def _uvicorn(server: OpenAIServer, shutdown_timeout: float, log_level: str, acce
     return _Uvicorn(config, server, shutdown_timeout)
 
 
+def loop_and_parser() -> str:
+    """What uvicorn's "auto" picks: uvloop and httptools where installed (the package's dependencies), else
+    asyncio's loop and h11. Every SSE event and request goes through them on the thread the engine's host work
+    shares the GIL with, so the slower pair shows up as serving latency under load."""
+    loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    http = "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
+    return f"event loop {loop}, HTTP parser {http}"
+
+
 def run_server(server: OpenAIServer, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0,
                log_level: str = "info", access_log: bool = False, switch_interval: float = 0.001) -> None:
     """Serve until SIGTERM / Ctrl-C (blocking; call from the main thread, which owns the signals).
@@ -738,7 +748,7 @@ def run_server(server: OpenAIServer, host: str = "127.0.0.1", port: int = 8000, 
     if switch_interval > 0:
         sys.setswitchinterval(switch_interval)
     sock = bind_socket(host, port)
-    log.info("m3eagle listening on http://%s:%d", host, sock.getsockname()[1])
+    log.info("m3eagle listening on http://%s:%d (%s)", host, sock.getsockname()[1], loop_and_parser())
     _uvicorn(server, shutdown_timeout, log_level, access_log).run(sockets=[sock])
     if server.failed:
         raise RuntimeError(server.failed)
