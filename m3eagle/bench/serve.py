@@ -47,7 +47,8 @@ SCHEMA = "m3eagle.bench_serve/1"
 EMBEDDED_TOKENIZER = Path(__file__).resolve().parent.parent / "assets" / "default" / "target"
 
 DEFINITIONS = {
-    "ttft_ms": "time to first token: request sent -> first streamed event carrying text",
+    "ttft_ms": "time to first token: request sent -> first streamed event carrying output (text; in chat also "
+               "reasoning_content or tool_calls)",
     "tpot_ms": "time per output token after the first, per request: (e2e - ttft) / (output tokens - 1)",
     "itl_ms": "inter-token latency: gaps between consecutive text-carrying events of a request (one event may "
               "carry several tokens under speculation), pooled over requests",
@@ -222,7 +223,7 @@ def payload(endpoint: str, model: str, ids: list[int], text: str, a: argparse.Na
 async def run_one(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any], prompt_len: int,
                   timeout: float) -> Result:
     """One streamed request: every server-sent `data:` line is timed as it arrives; a line whose choices
-    carry text is a token event (TTFT is the first, ITL the gaps between them)."""
+    carry output (text, reasoning, a tool call) is a token event (TTFT is the first, ITL the gaps between them)."""
     res = Result(prompt_len)
     t0 = res.sent = time.perf_counter()
     times: list[float] = []
@@ -246,9 +247,16 @@ async def run_one(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any]
                 if obj.get("usage"):
                     usage = obj["usage"]
                 for ch in obj.get("choices") or []:
-                    piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
-                    if piece:
+                    if "text" in ch:
+                        piece = ch["text"]
+                        produced = bool(piece)
+                    else:  # chat: reasoning and tool calls are output too, though only content is the reply's text
+                        delta = ch.get("delta") or {}
+                        piece = delta.get("content")
+                        produced = bool(piece or delta.get("reasoning_content") or delta.get("tool_calls"))
+                    if produced:
                         times.append(time.perf_counter())
+                    if piece:
                         pieces.append(piece)
     except TimeoutError:
         res.error = f"timed out after {timeout:g} s"

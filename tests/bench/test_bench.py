@@ -346,10 +346,11 @@ class FakeServer:
     """A small OpenAI-compatible streaming server (Starlette on uvicorn, in a thread, on a real socket). Each
     streamed completion sends `events` text events `gap` seconds apart, each carrying `per_event` tokens
     (as one speculative step may), then a usage event and [DONE]. Arrival numbers in `http_500` get an
-    HTTP 500, those in `error_event` an error event mid-stream. Every stream that finishes adds 4 drafts
+    HTTP 500, those in `error_event` an error event mid-stream; `first_delta` replaces a chat stream's first
+    delta (reasoning or a tool call, no content). Every stream that finishes adds 4 drafts
     (12 draft tokens, 6 accepted: 3 / 2 / 1 at positions 0 / 1 / 2) to the /metrics counters."""
 
-    def __init__(self, gap=0.02, events=3, per_event=2, http_500=(), error_event=()):
+    def __init__(self, gap=0.02, events=3, per_event=2, http_500=(), error_event=(), first_delta=None):
         from starlette.applications import Starlette
         from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
         from starlette.routing import Route
@@ -403,6 +404,8 @@ class FakeServer:
                             return
                         piece = "ab"[:self.per_event]
                         choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
+                        if chat and i == 0 and first_delta is not None:  # output that is not content comes first
+                            choice = {"index": 0, "delta": first_delta}
                         yield f"data: {json.dumps({'choices': [choice]})}\n\n"
                     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": self.events * self.per_event}
                     yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
@@ -680,3 +683,18 @@ def test_serve_server_ttft_from_the_histogram_delta():
     assert histogram_quantile(0.5, [(1.0, 4.0), (float("inf"), 4.0)]) == pytest.approx(0.5)  # first bucket from 0
     assert server_ttft(after, after) is None  # nothing in the window
     assert ttft_buckets("# TYPE x counter\nx_total 3\n") is None and ttft_buckets('{"detail": 1}') is None
+
+
+@pytest.mark.parametrize("first", [{"reasoning_content": "let me see"},
+                                   {"tool_calls": [{"index": 0, "id": "c0", "type": "function",
+                                                    "function": {"name": "f", "arguments": ""}}]}])
+def test_bench_serve_ttft_counts_reasoning_and_tool_calls(tmp_path, first):
+    """A chat reply that starts with reasoning or a tool call has produced its first token when that delta
+    arrives, not when content first does (vLLM's benchmark counts reasoning the same way): the first of 3 events,
+    0.4 s apart, sets TTFT, and only content is kept as the reply's text."""
+    with FakeServer(gap=0.4, events=3, per_event=1, first_delta=first) as srv:
+        doc, _ = _bench_serve(srv.url, tmp_path, "--num-prompts", "2", "--warmup", "0",
+                              "--endpoint", "/v1/chat/completions")
+    r = doc["results"]
+    assert r["completed"] == 2 and r["failed"] == 0
+    assert 0.4 * 0.9 * 1e3 <= r["ttft_ms"]["p99"] < 0.75 * 1e3  # the first event (0.4 s), not the second (0.8 s)
