@@ -144,7 +144,7 @@ def run_bench(a: argparse.Namespace) -> dict[str, Any]:
               load_format=geo.load_format, tensor_parallel_size=tp,
               # None: the engine's default (on for one CUDA device, trees included)
               prefill_graphs=getattr(a, "prefill_graphs", None),
-              max_prefill_graph_tokens=getattr(a, "max_prefill_graph_tokens", 512),
+              max_prefill_graph_tokens=getattr(a, "max_prefill_graph_tokens", 2048),
               num_scheduler_steps=getattr(a, "num_scheduler_steps", 1),
               quantization=getattr(a, "quantization", None),
               enable_prefix_caching=getattr(a, "enable_prefix_caching", True),

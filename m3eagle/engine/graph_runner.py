@@ -34,7 +34,7 @@ step more than the eager step does.
 Prefill graphs (`prefill=True`, the default on one CUDA device): every other step -- prompt chunks, and
 mixed steps of prompt chunks and decode / verify rows -- without penalties or prompt logprobs, of R rows
 and L tokens, is padded to the next row bucket R' > R and the next token bucket T >= L + (R' - R)
-(`prefill_bucket_sizes`: steps of up to `prefill_cap` real tokens, 512 by default, the last bucket with
+(`prefill_bucket_sizes`: steps of up to `prefill_cap` real tokens, 2,048 by default, the last bucket with
 room for their padding rows; larger steps run eagerly) with
 R' - R padding rows on the trash page (one token each, the last one takes the rest), and max_q fixed at
 T, so its launch shape is (R' rows, T tokens); it is captured on first use under the key
@@ -178,6 +178,10 @@ class GraphRunner:
         self.prefill_buckets = (prefill_bucket_sizes(bufs.max_tokens, prefill_cap, bufs.max_rows)
                                 if prefill and bufs.max_rows >= 2 and driver is None else [])
         self.prefill_rows = bucket_sizes(bufs.max_rows)
+        # The engine's warm-up sets it while it runs its prompt shapes: prefill-shaped steps then run eagerly at
+        # their unpadded shapes -- the Triton variants of the steps no prefill graph takes (a constrained row's
+        # prompt step, penalties, prompt logprobs), which the captures, at padded shapes, do not compile.
+        self.eager_prefill = False
         self.use_graphs = graphs and runner.device.type == "cuda"
         # Decode / verify buckets take masked (constrained) graphs too; the engine sets it when it runs
         # constrained chain steps replayable (a tokenizer, one rank, no draft tree, no structured_draft_masks).
@@ -202,7 +206,7 @@ class GraphRunner:
         if is_graph_shaped(batch, self.k, self.narrow):
             b, w = bucket_for(len(batch.rows), self.buckets), batch.rows[0].num_drafts
             return b if w == self.k or b is None else (NARROW, b, w)
-        if self.prefill_buckets and not masked and is_prefill_shaped(batch):
+        if self.prefill_buckets and not masked and not self.eager_prefill and is_prefill_shaped(batch):
             n = len(batch.rows)
             rows = bucket_for(n + 1, self.prefill_rows)  # >= 1 padding row
             if rows is None:

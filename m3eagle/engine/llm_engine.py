@@ -98,7 +98,9 @@ class EngineConfig:
     # for one CUDA device, as graph_shapes (enforce_eager then pads them alike but never captures); tensor
     # parallel keeps them off (its broadcast carries decode buckets only).
     prefill_graphs: bool | None = None
-    max_prefill_graph_tokens: int = 512  # larger prompt / mixed steps run eagerly (vLLM's max capture size)
+    # Larger prompt / mixed steps run eagerly. The default step budget: every step of a default engine replays
+    # (an eager full-budget step of the embedded pair cost 22-34 ms of host launches, its graph 5-7 ms).
+    max_prefill_graph_tokens: int = 2048
     # The share of the device's memory this process may use; the KV pool gets what weights and the
     # activation reserve leave of it (kv_budget.py). CUDA only, and only when num_pages is 0.
     gpu_memory_utilization: float = 0.9
@@ -391,8 +393,8 @@ class LLMEngine(OutputProcessor):
         1. `graphs`: every (bucket, mode) of `GraphRunner.warm_keys` -- each decode / verify bucket in all 8
            modes, each prefill (rows, tokens) bucket in its 4 (a draft tree's narrow ones too) -- is captured
            (with graphs off: run once eagerly), which compiles their Triton variants too;
-        2. dummy greedy prompts of every shape of `warmup_shapes` (the eager chunk classes above the prefill
-           graphs' cap included), K + 2 new tokens each, so verify and draft steps run too;
+        2. dummy greedy prompts of every shape of `warmup_shapes`, their prompt steps eager (unpadded: the
+           variants of steps no prefill graph takes), K + 2 new tokens each, so verify and draft steps run too;
         3. one short request per `warmup_variants` entry, at a short and at the longest chunk length.
 
         Returns what it ran: shapes, variants, graphs (keys warmed), steps, seconds."""
@@ -406,8 +408,14 @@ class LLMEngine(OutputProcessor):
         t_graphs = time.perf_counter() - t0
         shapes = self.warmup_shapes()
         greedy = SamplingParams(temperature=0.0, max_tokens=self.k + 2, ignore_eos=True)
-        for rows, length in shapes:
-            self._warm_batch([(f"{rows}x{length}-{r}", length, greedy) for r in range(rows)])
+        # The prompt shapes run eagerly even where a prefill graph would take them: the captures above compiled
+        # the padded shapes, and a step no graph takes (a constrained row's prompt, penalties) runs unpadded.
+        self.graphs.eager_prefill = True
+        try:
+            for rows, length in shapes:
+                self._warm_batch([(f"{rows}x{length}-{r}", length, greedy) for r in range(rows)])
+        finally:
+            self.graphs.eager_prefill = False
         merges = self._warm_index_merges()
         lengths = sorted({16, max((n for r, n in shapes if r == 1), default=16)})
         variants = []

@@ -73,7 +73,7 @@ class Runtime:
     and sampling path through the engine (LLMEngine.warmup), so first-use compiles and captures happen at
     startup, not in the middle of serving.
     graph_shapes: pad steady decode steps to graph buckets (None: on for CUDA; True on CPU for tests).
-    prefill_graphs: prompt and mixed steps of up to max_prefill_graph_tokens tokens (512) replay CUDA graphs
+    prefill_graphs: prompt and mixed steps of up to max_prefill_graph_tokens tokens (2048) replay CUDA graphs
     too, padded to row and token buckets, each captured on first use (None: on for one CUDA device; False:
     they run eagerly). Padded steps round like their bucket in bf16, as decode buckets do.
     num_scheduler_steps: N > 1 runs steady decode / verify steps N at a time per host iteration (vLLM's
@@ -119,7 +119,7 @@ class Runtime:
                  moe_backend: str = "auto", enforce_eager: bool = False, graph_shapes: bool | None = None,
                  fused_backend: str = "auto", tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.9, warmup: bool = False, prefill_graphs: bool | None = None,
-                 max_prefill_graph_tokens: int = 512, num_scheduler_steps: int | str = 1,
+                 max_prefill_graph_tokens: int = 2048, num_scheduler_steps: int | str = 1,
                  quantization: str | None = None, enable_prefix_caching: bool = True,
                  tokenizer: str | Path | None = None, draft_tree: str | tuple | None = None,
                  deterministic: bool = False, tree_max_batch: int | None = None,
@@ -268,7 +268,7 @@ class Runtime:
                page_size: int, max_num_tokens: int, max_model_len: int | None, max_num_seqs: int, num_pages: int,
                overlap: bool | None, enforce_eager: bool, graph_shapes: bool | None,
                gpu_memory_utilization: float, prefill_graphs: bool | None = None,
-               max_prefill_graph_tokens: int = 512, num_scheduler_steps: int | str = 1,
+               max_prefill_graph_tokens: int = 2048, num_scheduler_steps: int | str = 1,
                draft_tree: TreeSpec | None = None) -> None:
         """Weights (this rank's shard), tokenizer and engine."""
         tp = self.tp

@@ -138,8 +138,9 @@ def _device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="prompt and mixed steps of up to --max-prefill-graph-tokens replay CUDA graphs too "
                         "(row and token buckets, each captured on first use); default: on for one CUDA device")
-    p.add_argument("--max-prefill-graph-tokens", type=int_in(16), default=512,
-                   help="the largest prompt / mixed step replayed as a CUDA graph; larger ones run eagerly")
+    p.add_argument("--max-prefill-graph-tokens", type=int_in(16), default=2048,
+                   help="the largest prompt / mixed step replayed as a CUDA graph (default: the default step "
+                        "budget); larger ones run eagerly")
     p.add_argument("--num-scheduler-steps", type=steps_arg, default=1,
                    help="steady decode / verify steps run N at a time per host iteration (one plan, N graph "
                         "replays): for host-bound batches; same tokens, streamed N steps at a time. auto: 8 "

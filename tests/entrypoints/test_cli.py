@@ -163,7 +163,7 @@ def test_warmup_and_prefill_graph_flags_reach_the_llm(monkeypatch):
     for argv in (["generate", "x", "--warmup"], ["generate", "x", "--prefill-graphs"],
                  ["generate", "x", "--no-prefill-graphs", "--max-prefill-graph-tokens", "256"], ["generate", "x"]):
         assert cli.main(argv) == 2  # the fake's error, reported as one line
-    assert seen == [(True, None, 512), (False, True, 512), (False, False, 256), (False, None, 512)]
+    assert seen == [(True, None, 2048), (False, True, 2048), (False, False, 256), (False, None, 2048)]
     with pytest.raises(SystemExit):
         cli.main(["generate", "x", "--max-prefill-graph-tokens", "8"])
 

@@ -34,8 +34,8 @@ def test_warmup_covers_every_bucket_serving_steps_take(one_thread, monkeypatch):
     llm = LLM(device="cpu", max_num_tokens=64, max_model_len=128, max_num_seqs=4, graph_shapes=True,
               prefill_graphs=True, max_prefill_graph_tokens=32)
     eng, gr = llm.engine, llm.engine.graphs
-    warmed, stepped = [], set()
-    real_warm, real_ensure = GraphRunner.warm, GraphRunner.ensure
+    warmed, stepped, planned = [], set(), []
+    real_warm, real_ensure, real_bucket = GraphRunner.warm, GraphRunner.ensure, GraphRunner.bucket
 
     def warm(self, bucket, mode):
         warmed.append((bucket, mode))
@@ -46,9 +46,21 @@ def test_warmup_covers_every_bucket_serving_steps_take(one_thread, monkeypatch):
             stepped.add((bucket, (*self.bufs.step_mode(batch.rows), masked)))
         return real_ensure(self, batch, bucket, masked)
 
+    def bucket(self, batch, masked=False):
+        out = real_bucket(self, batch, masked)
+        planned.append((self.eager_prefill, any(r.num_tokens > 1 + r.num_drafts for r in batch.rows), out))
+        return out
+
     monkeypatch.setattr(GraphRunner, "warm", warm)
     monkeypatch.setattr(GraphRunner, "ensure", ensure)
+    monkeypatch.setattr(GraphRunner, "bucket", bucket)
     info = eng.warmup()
+    # The prompt shapes ran eagerly, unpadded (the variants of steps no prefill graph takes), though prefill
+    # graphs would have taken some of them; afterwards prompt steps take prefill graphs again.
+    prompt_steps = [out for eager, prompt, out in planned if eager and prompt]
+    assert len(prompt_steps) >= len(info["shapes"]) and all(out is None for out in prompt_steps)
+    assert not gr.eager_prefill and any(isinstance(out, tuple) and out[0] == PREFILL
+                                        for eager, prompt, out in planned if not eager and prompt)
     n_prefill = sum(1 for t in gr.prefill_buckets for r in gr.prefill_rows if 2 <= r <= t)
     assert gr.masked_modes  # a tokenizer, one rank, the chain: constrained decode steps replay masked graphs
     assert len(warmed) == len(set(warmed)) == info["graphs"] == 16 * len(gr.buckets) + 4 * n_prefill
