@@ -44,6 +44,51 @@ def row_invariant_interpreter_dot():
     InterpreterBuilder.create_dot = original
 
 
+@pytest.fixture(scope="session", autouse=True)
+def interpreter_patches_language_once_per_launch():
+    """The Triton interpreter patches triton.language (every builtin of tl, tl.core, tl.math and the tensor
+    class, found by inspect.getmembers) at each launch, and again at each call of a @triton.jit helper inside
+    the launch, which the launch's patch already covers: a quarter of an interpreted engine test's time went to
+    those repeats. Here a helper's call skips the patch where the launch in progress already patched every
+    language module the helper's globals see (tl.sum & co. see tl.core, which the launch's own patch may not
+    cover: their first call patches it, as before); the launch's own patch and its restore run unchanged."""
+    if "triton" not in sys.modules:
+        yield
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    scope_type = getattr(interpreter, "_LangPatchScope", None)
+    if scope_type is None or not hasattr(interpreter, "_patch_lang"):  # another interpreter design: leave it
+        yield
+        return
+    original_patch, original_call = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    launches: list[set[int]] = []  # per launch in progress: the modules patched since it began
+
+    def langs(fn) -> set[int]:
+        return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+
+    def patch_lang(fn):
+        seen = langs(fn)
+        if launches and launches[-1] and seen <= launches[-1]:
+            return scope_type()  # nothing patched, nothing to restore
+        scope = original_patch(fn)
+        if launches:
+            launches[-1] |= seen
+        return scope
+
+    def call(self, *args, **kwargs):
+        launches.append(set())
+        try:
+            return original_call(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    interpreter._patch_lang, interpreter.GridExecutor.__call__ = patch_lang, call
+    yield
+    interpreter._patch_lang, interpreter.GridExecutor.__call__ = original_patch, original_call
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """(directory, hf_model): 4 layers mixing dense/MoE and full/sparse, block 8, top-2 blocks."""
