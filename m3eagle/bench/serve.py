@@ -17,11 +17,13 @@ A run, in order:
      the client itself).
   5. A table (stderr) and a JSON document (stdout or --json FILE); `DEFINITIONS` travels inside it.
 
-The client is one `httpx.AsyncClient` (a connection pool sized to the most requests in flight, per-operation
-timeouts and a per-request deadline, TLS for https); server-sent events are read line by line as they arrive
-and timed on arrival. /metrics is parsed with prometheus_client's text parser, percentiles with numpy.
-The command's options are defined by the CLI (`m3eagle.entrypoints.cli`); this module reads them from the
-argparse namespace it is given.
+Each client process runs one `httpx.AsyncClient` (a connection pool sized to its most requests in flight, per-
+operation timeouts and a per-request deadline, TLS for https); server-sent events are read line by line as they
+arrive and timed on arrival. `--client-processes` spreads the measured requests over spawned processes (by default
+one per REQUESTS_PER_PROCESS requests in flight, up to half the cores), since one Python process parsing events
+saturates its core before a fast server does. /metrics is parsed with prometheus_client's text parser, percentiles
+with numpy. The command's options are defined by the CLI (`m3eagle.entrypoints.cli`); this module reads them from
+the argparse namespace it is given.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
+import os
 import random
 import ssl
 import sys
@@ -69,9 +73,9 @@ DEFINITIONS = {
                    "request queued after tokenizing -> the step that made the first token): count, counts per "
                    "bucket upper bound in ms, and p50 / p90 / p99 interpolated within buckets as Prometheus' "
                    "histogram_quantile does; null when the server exports no such histogram",
-    "client": "the load generator's own CPU: cpu_s (user + system seconds of this process over the measured run) and "
-              "utilization = cpu_s / duration; near 1.0 the client saturates one core and its latencies include its "
-              "own queueing",
+    "client": "the load generator: processes (client processes that sent the measured requests), cpu_s (their user + "
+              "system seconds over the measured run) and utilization = the busiest process's cpu_s / duration; near "
+              "1.0 a client process saturates its core and its latencies include its own queueing",
 }
 
 
@@ -458,46 +462,20 @@ async def _bench(a: argparse.Namespace) -> dict[str, Any]:
             print(f"warm-up {i + 1}/{a.warmup}: {r.e2e * 1e3:.0f} ms", file=sys.stderr)
         before = await scrape(client)
 
-        rng = random.Random(a.seed + 1)
-        sem = asyncio.Semaphore(a.max_concurrency) if a.max_concurrency else None
-        done = [0]
-
-        async def limited(i: int) -> Result:
-            if sem is None:
-                r = await run_one(client, endpoint, bodies[i], len(prompts[i]), a.timeout)
-            else:
-                async with sem:
-                    r = await run_one(client, endpoint, bodies[i], len(prompts[i]), a.timeout)
-            done[0] += 1
-            if done[0] % max(1, a.num_prompts // 10) == 0:
-                print(f"  {done[0]}/{a.num_prompts} done", file=sys.stderr)
-            return r
-
         turns = getattr(a, "turns", 1) if a.dataset == "multiturn" else 1
-
-        async def conversation(first: int) -> list[Result]:
-            """Requests first.. of one conversation, one turn at a time: each turn sends the whole conversation
-            so far (earlier user windows and the server's replies) and then its own user window."""
-            history: list[dict[str, str]] = []
-            out = []
-            for i in range(first, min(first + turns, a.warmup + a.num_prompts)):
-                if turns > 1:
-                    history.append(bodies[i]["messages"][-1])
-                    bodies[i]["messages"] = list(history)
-                r = await limited(i)
-                history.append({"role": "assistant", "content": r.text})
-                out.append(r)
-            return out
-
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        tasks = []
-        for i in range(a.warmup, a.warmup + a.num_prompts, turns):
-            tasks.append(asyncio.create_task(conversation(i)))
-            if math.isfinite(a.request_rate):
-                await asyncio.sleep(rng.expovariate(a.request_rate))  # Poisson arrivals (of conversations)
-        results: list[Result] = [r for conv in await asyncio.gather(*tasks) for r in conv]
-        duration = time.perf_counter() - t0
-        cpu = time.process_time() - cpu0
+        firsts = list(range(a.warmup, a.warmup + a.num_prompts, turns))  # each conversation's first request
+        procs = client_processes(a, len(firsts))
+        job = {"url": url, "endpoint": endpoint, "timeout": a.timeout, "turns": turns,
+               "n_total": a.warmup + a.num_prompts, "num_prompts": a.num_prompts}
+        if procs == 1:
+            results, t0, duration, cpu = await run_requests(
+                client, {**job, "bodies": dict(enumerate(bodies)), "lens": [len(p) for p in prompts],
+                         "firsts": firsts, "concurrency": a.max_concurrency, "rate": a.request_rate,
+                         "seed": a.seed + 1})
+            cpus = [cpu]
+        else:
+            results, t0, duration, cpus = run_in_processes(job, bodies, [len(p) for p in prompts], firsts, procs,
+                                                           a.max_concurrency, a.request_rate, a.seed)
         after = await scrape(client)
 
     ok = [r for r in results if r.ok]
@@ -525,7 +503,8 @@ async def _bench(a: argparse.Namespace) -> dict[str, Any]:
         "acceptance": acceptance(before[0], after[0]),
         "prefix_cache": prefix_cache(before[1], after[1]),
         "server_ttft": server_ttft(before[2], after[2]),
-        "client": {"cpu_s": cpu, "utilization": cpu / duration if duration > 0 else None},
+        "client": {"processes": len(cpus), "cpu_s": sum(cpus),
+                   "utilization": max(cpus) / duration if duration > 0 else None},
         "errors": sorted({r.error for r in results if r.error})[:10],
         "requests": [{"sent_ms": round((r.sent - t0) * 1e3, 3),
                       "ttft_ms": None if r.ttft is None else round(r.ttft * 1e3, 3),
@@ -534,6 +513,133 @@ async def _bench(a: argparse.Namespace) -> dict[str, Any]:
                      for r in sorted(results, key=lambda r: r.sent)],
         "definitions": DEFINITIONS,
     }
+
+
+# ------------------------------------------------------------------------------------------------
+# The measured requests: in this process, or spread over client processes
+# ------------------------------------------------------------------------------------------------
+
+# Requests in flight one client process streams before a second one pays: one Python process parsing
+# server-sent events saturates a core at a few thousand events a second (an H100 serving the embedded pair at
+# concurrency 8 sends about that many), and a saturated client times its own queueing as the server's latency.
+REQUESTS_PER_PROCESS = 4
+
+
+def client_processes(a: argparse.Namespace, conversations: int) -> int:
+    """--client-processes, or (0) one process per REQUESTS_PER_PROCESS requests in flight, at most half the cores
+    (the server may share the machine) and at most one per conversation."""
+    n = getattr(a, "client_processes", 1)
+    if n == 0:
+        in_flight = a.max_concurrency or a.num_prompts
+        n = min(math.ceil(in_flight / REQUESTS_PER_PROCESS), max(1, (os.cpu_count() or 2) // 2))
+    return max(1, min(n, conversations, a.max_concurrency or conversations))
+
+
+async def run_requests(client: httpx.AsyncClient, job: dict[str, Any],
+                       go: float | None = None) -> tuple[list[Result], float, float, float]:
+    """The measured requests of `job` on one client: conversations starting at job["firsts"] (turns each),
+    at most job["concurrency"] in flight, Poisson arrivals at job["rate"] (seeded by job["seed"]).
+    -> (results, t0, duration, this process's CPU seconds). `go`: a time.perf_counter() value to start at
+    (every client process of a run starts together; the clock is the system's monotonic one, shared by them)."""
+    bodies, lens, turns = job["bodies"], job["lens"], job["turns"]
+    rng = random.Random(job["seed"])
+    sem = asyncio.Semaphore(job["concurrency"]) if job["concurrency"] else None
+    done, every = [0], max(1, job["num_prompts"] // 10)
+
+    async def limited(i: int) -> Result:
+        if sem is None:
+            r = await run_one(client, job["endpoint"], bodies[i], lens[i], job["timeout"])
+        else:
+            async with sem:
+                r = await run_one(client, job["endpoint"], bodies[i], lens[i], job["timeout"])
+        done[0] += 1
+        if go is None and done[0] % every == 0:
+            print(f"  {done[0]}/{job['num_prompts']} done", file=sys.stderr)
+        return r
+
+    async def conversation(first: int) -> list[Result]:
+        """Requests first.. of one conversation, one turn at a time: each turn sends the whole conversation
+        so far (earlier user windows and the server's replies) and then its own user window."""
+        history: list[dict[str, str]] = []
+        out = []
+        for i in range(first, min(first + turns, job["n_total"])):
+            if turns > 1:
+                history.append(bodies[i]["messages"][-1])
+                bodies[i]["messages"] = list(history)
+            r = await limited(i)
+            history.append({"role": "assistant", "content": r.text})
+            out.append(r)
+        return out
+
+    if go is not None:
+        await asyncio.sleep(max(0.0, go - time.perf_counter()))
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    tasks = []
+    for first in job["firsts"]:
+        tasks.append(asyncio.create_task(conversation(first)))
+        if math.isfinite(job["rate"]):
+            await asyncio.sleep(rng.expovariate(job["rate"]))  # Poisson arrivals (of conversations)
+    results = [r for conv in await asyncio.gather(*tasks) for r in conv]
+    return results, t0, time.perf_counter() - t0, time.process_time() - cpu0
+
+
+def _client_process(job: dict[str, Any], out: Any, go_event: Any, go_at: Any) -> None:
+    """One client process (spawned): its share of the run on its own event loop and connection pool. It says
+    "ready" once imported and connected, then starts at the instant the parent sets (go_at, after go_event)."""
+    async def main() -> tuple[list[Result], float, float, float]:
+        async with make_client(job["url"], job["timeout"], job["concurrency"] or len(job["bodies"])) as client:
+            out.put(("ready", None))
+            await asyncio.get_running_loop().run_in_executor(None, go_event.wait)
+            return await run_requests(client, job, go_at.value)
+
+    try:
+        out.put(("ok", asyncio.run(main())))
+    except BaseException as e:  # the parent reports it; a child's traceback alone would be lost
+        out.put(("error", f"{type(e).__name__}: {e}"))
+
+
+def run_in_processes(job: dict[str, Any], bodies: list[dict[str, Any]], lens: list[int], firsts: list[int],
+                     procs: int, concurrency: int | None, rate: float, seed: int
+                     ) -> tuple[list[Result], float, float, list[float]]:
+    """The measured requests over `procs` spawned client processes: conversation j goes to process j % procs, the
+    concurrency is split as evenly as it goes (so the total in flight is the same), and each process draws Poisson
+    arrivals at rate / procs (together a Poisson stream at `rate`). Once every process has started (interpreter,
+    imports), they begin at one agreed instant. -> (results by send time, t0, duration, CPU seconds per process)."""
+    ctx = multiprocessing.get_context("spawn")
+    out, go_event, go_at = ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
+    children = []
+    for i in range(procs):
+        mine = firsts[i::procs]
+        need = {j for f in mine for j in range(f, min(f + job["turns"], job["n_total"]))}
+        share = None if not concurrency else concurrency // procs + (1 if i < concurrency % procs else 0)
+        child = {**job, "bodies": {j: bodies[j] for j in need}, "lens": {j: lens[j] for j in need}, "firsts": mine,
+                 "concurrency": share, "rate": rate / procs, "seed": seed + 1 + 1000 * i}
+        p = ctx.Process(target=_client_process, args=(child, out, go_event, go_at), daemon=True,
+                        name=f"bench-serve-client-{i}")
+        p.start()
+        children.append(p)
+    got, ready = [], 0
+    while ready + len(got) < procs:  # a child that fails before "ready" reports its error instead
+        kind, payload = out.get()
+        if kind == "ready":
+            ready += 1
+        else:
+            got.append((kind, payload))
+    go_at.value = time.perf_counter() + 0.05  # the system's monotonic clock: the same in every process
+    go_event.set()
+    while len(got) < procs:
+        got.append(out.get())
+    for p in children:
+        p.join()
+    errors = [msg for kind, msg in got if kind == "error"]
+    if errors:
+        raise OSError(f"a bench-serve client process failed: {errors[0]}")
+    parts = [payload for _, payload in got]
+    results = sorted((r for rs, *_ in parts for r in rs), key=lambda r: r.sent)
+    t0 = min(t for _, t, _, _ in parts)
+    end = max(t + d for _, t, d, _ in parts)
+    print(f"  {len(results)}/{job['num_prompts']} done over {procs} client processes", file=sys.stderr)
+    return results, t0, end - t0, [c for *_, c in parts]
 
 
 def run_bench_serve(a: argparse.Namespace) -> dict[str, Any]:
@@ -567,8 +673,10 @@ def format_table(doc: dict[str, Any]) -> str:
                      f"{st['p90']:.2f}, p99 {st['p99']:.2f}")
     cl = doc.get("client")
     if cl and cl["utilization"] is not None:
-        busy = " -- the client is saturated: its latencies include its own queueing" if cl["utilization"] > 0.9 else ""
-        lines.append(f"client CPU: {cl['cpu_s']:.2f} s, {cl['utilization']:.0%} of one core{busy}")
+        busy = (" -- the client is saturated: its latencies include its own queueing (more --client-processes)"
+                if cl["utilization"] > 0.9 else "")
+        lines.append(f"client CPU: {cl['cpu_s']:.2f} s over {cl.get('processes', 1)} process(es), the busiest at "
+                     f"{cl['utilization']:.0%} of a core{busy}")
     pc = doc.get("prefix_cache")
     if pc and pc["hit_rate"] is not None:
         lines.append(f"prefix cache: {pc['hit_tokens']} of {pc['queried_tokens']} prompt tokens found "

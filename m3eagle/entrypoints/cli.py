@@ -480,6 +480,9 @@ def _add_bench_serve(sub) -> None:
     b.add_argument("--request-rate", type=float_in(0.0, lo_open=True), default=math.inf,
                    help="Poisson arrival rate (requests/s); inf: send all at once")
     b.add_argument("--max-concurrency", type=int_in(1), default=None, help="most requests in flight; none: no limit")
+    b.add_argument("--client-processes", type=int_in(0), default=0,
+                   help="client processes sending the measured requests (each its own event loop and connections); "
+                        "0: one per 4 requests in flight, up to half the cores")
     b.add_argument("--temperature", type=float_in(0.0), default=0.0, help="sampling temperature (0: greedy)")
     b.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let requests stop at EOS (output lengths then vary)")

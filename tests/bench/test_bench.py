@@ -698,3 +698,41 @@ def test_bench_serve_ttft_counts_reasoning_and_tool_calls(tmp_path, first):
     r = doc["results"]
     assert r["completed"] == 2 and r["failed"] == 0
     assert 0.4 * 0.9 * 1e3 <= r["ttft_ms"]["p99"] < 0.75 * 1e3  # the first event (0.4 s), not the second (0.8 s)
+
+
+def test_bench_serve_over_client_processes(tmp_path):
+    """--client-processes 2: the measured requests go out from two spawned processes that start together, the
+    concurrency is split between them (2 + 2 in flight, never more than 4), and their results come back merged in
+    send order with both processes' CPU accounted for."""
+    with FakeServer(gap=0.05, events=2, per_event=1) as srv:
+        doc, err = _bench_serve(srv.url, tmp_path, "--num-prompts", "8", "--max-concurrency", "4", "--warmup", "1",
+                                "--client-processes", "2")
+    r, cl, reqs = doc["results"], doc["client"], doc["requests"]
+    assert r["completed"] == 8 and r["failed"] == 0 and r["output_tokens"] == 8 * 2
+    assert len(srv.bodies) == 1 + 8 and 2 < srv.max_in_flight <= 4  # both processes' 2 streams overlapped
+    assert cl["processes"] == 2 and cl["cpu_s"] > 0 and "over 2 process(es)" in err
+    assert [q["sent_ms"] for q in reqs] == sorted(q["sent_ms"] for q in reqs) and min(q["sent_ms"] for q in reqs) >= 0
+    assert all(q["ok"] and q["ttft_ms"] >= 0.05 * 1e3 * 0.9 for q in reqs)
+    # the first requests of both processes went out together (one agreed start), within the first streams' 0.1 s
+    assert sorted(q["sent_ms"] for q in reqs)[3] < 2 * 0.05 * 1e3
+    assert r["duration_s"] >= 2 * 2 * 0.05 * 0.9  # 8 requests, 4 at a time, each 2 events 0.05 s apart
+
+
+def test_bench_serve_client_process_failure_is_reported(tmp_path, monkeypatch):
+    """A client process that fails (here: one of its request bodies cannot be sent as JSON) ends the run with one
+    error naming the failure, not a hang: the other process still starts and finishes, the parent reports it."""
+    from m3eagle.bench import serve
+
+    real = serve.run_in_processes
+
+    def broken(job, bodies, lens, firsts, procs, *rest):
+        bodies = list(bodies)
+        bodies[firsts[1]] = {"model": "m", "prompt": {1, 2}}  # the second process's first request: a set
+        return real(job, bodies, lens, firsts, procs, *rest)
+
+    monkeypatch.setattr(serve, "run_in_processes", broken)
+    with FakeServer(gap=0.01, events=1, per_event=1) as srv:
+        rc, _, err = _run(["bench-serve", "--base-url", srv.url, "--dataset", "random", "--input-len", "16",
+                           "--output-len", "2", "--num-prompts", "4", "--max-concurrency", "4", "--warmup", "0",
+                           "--client-processes", "2"])
+    assert rc != 0 and "a bench-serve client process failed: TypeError" in err
