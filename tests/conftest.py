@@ -51,13 +51,16 @@ def interpreter_patches_language_once_per_launch():
     the launch, which the launch's patch already covers: a quarter of an interpreted engine test's time went to
     those repeats. Here a helper's call skips the patch where the launch in progress already patched every
     language module the helper's globals see (tl.sum & co. see tl.core, which the launch's own patch may not
-    cover: their first call patches it, as before); the launch's own patch and its restore run unchanged."""
-    if "triton" not in sys.modules:
-        yield
-        return
-    import triton.language as tl
-    from triton.runtime import interpreter
-
+    cover: their first call patches it, as before); the launch's own patch and its restore run unchanged.
+    Patched after collection, where a test module imported triton or set TRITON_INTERPRET (a module that
+    launches kernels only through the package imports triton later)."""
+    try:
+        if "triton" not in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ImportError
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        interpreter = None
     scope_type = getattr(interpreter, "_LangPatchScope", None)
     if scope_type is None or not hasattr(interpreter, "_patch_lang"):  # another interpreter design: leave it
         yield
