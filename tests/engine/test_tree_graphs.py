@@ -136,7 +136,7 @@ def _same_with(llm, **kw):
 def test_tree_on_triton_attention_equals_plain():
     """The node rows and the head's frontier on the Triton attention kernels (interpreted; the tail override in
     the dense, indexer and sparse kernels): the plain greedy tokens, past the MSA threshold, with scripted trees."""
-    tree, prompts, sp, ref, vocab = tiny_tree_and_reference("3,2,6", 11, (37,), 12)
+    tree, prompts, sp, ref, vocab = tiny_tree_and_reference("3,2,6", 11, (37,), 8)
     tree = _same_with(tree, attention_backend="triton")
     assert tree.engine.ops.names["attention"] == "triton"
     tree.engine.ops.attention.waves = 0  # unsplit launches: the interpreter runs each program in turn

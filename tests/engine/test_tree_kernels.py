@@ -183,16 +183,23 @@ def test_compact_equals_the_reference_on_walked_paths(byte_pool):
 # ---- the engine --------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def plain_reference():
+    """(prompts, params, plain greedy tokens, vocab) of the engine test's parametrizations, decoded once: 10
+    tokens a request give each row over 5 trees and the scripted trees every pattern (4 + 1 + 2 tokens)."""
+    _, prompts, sp, plain, vocab = tiny_tree_and_reference("3,3,8", 7, (30, 41, 19), 10)
+    return prompts, sp, plain, vocab
+
+
 @pytest.mark.parametrize("graph_shapes", [False, True, "prefill"], ids=["eager", "buckets", "prefill"])
-def test_engine_on_tree_kernels_grows_the_reference_trees(graph_shapes):
+def test_engine_on_tree_kernels_grows_the_reference_trees(graph_shapes, plain_reference):
     """The head's own trees on the tiny geometry: the kernels' engine grows exactly the reference engine's trees
     step by step and emits the plain greedy tokens; then scripted trees (full paths down second branches,
     nothing accepted, partial paths) through the kernels' walk and compaction, still the plain tokens.
     `prefill`: prompt and mixed steps padded to prefill buckets too (the node rows' query width the bucket's)."""
-    ref_llm, prompts, sp, plain, vocab = tiny_tree_and_reference("3,3,8", 7, (30, 41, 19), 14)
+    prompts, sp, plain, vocab = plain_reference
     kw = dict(graph_shapes=True, prefill_graphs=graph_shapes == "prefill") if graph_shapes else {}
-    if graph_shapes:
-        ref_llm = _tiny_tree("3,3,8", **kw)
+    ref_llm = _tiny_tree("3,3,8", **kw)
     t_llm = _tiny_tree("3,3,8", **kw)
     use_tree_kernels(t_llm)
     want_trees, got_trees = record_trees(ref_llm), record_trees(t_llm)
