@@ -31,6 +31,9 @@ from m3eagle.engine.executor import WorkerError
 from tests.helpers.engine_utils import Counters, assert_clean, greedy
 
 REPO = Path(__file__).resolve().parents[2]
+# One xdist worker runs the module (the README's `--dist loadgroup`), in file order: the tests of one model sit
+# together, so each live LLM (a spawned rank and its model, seconds) is built once and the references once.
+pytestmark = pytest.mark.xdist_group("tensor_parallel")
 KW = dict(device="cpu", page_size=4, max_model_len=128, max_num_tokens=48, graph_shapes=True)
 NEW = 12
 
@@ -143,37 +146,6 @@ def test_greedy_equals_one_process(model_dir, head_dir, reference):
     assert_clean(llm)
 
 
-def _mx_model(path: Path, shared_inter: int) -> Path:
-    """A tiny target whose projections all have input dims that are multiples of 32 (MXFP8 blocks)."""
-    from tests.helpers.hf_utils import random_hf_model, tiny_hf_config
-
-    cfg = tiny_hf_config(seed=3, hidden=64, head_dim=16, inter=32, dense_inter=64, shared_inter=shared_inter,
-                         index_head_dim=32)
-    random_hf_model(cfg, seed=3).save_pretrained(path)
-    return path
-
-
-def test_fp8_online_quantization_equals_one_process(tmp_path):
-    """Each rank quantizes its own slices, block for block as one process quantizes the whole weights: the
-    same tokens (column-parallel rows, row-parallel columns in whole 32-blocks, whole experts)."""
-    d = _mx_model(tmp_path, shared_inter=64)  # 32 columns per rank of the shared expert's down_proj
-    want = tokens(LLM(d, num_draft_tokens=0, quantization="fp8", **KW), greedy(NEW))
-    llm = tp_llm("fp8", d, num_draft_tokens=0, quantization="fp8")
-    assert llm.target.layers[0].self_attn.o_proj.weight.dtype == torch.float8_e4m3fn
-    assert tokens(llm, greedy(NEW)) == want
-    assert_clean(llm)
-
-
-def test_fp8_split_cutting_a_block_is_refused(tmp_path):
-    d = _mx_model(tmp_path, shared_inter=32)  # 16 columns per rank: half a block
-    _release()  # one tensor-parallel LLM per process
-    with pytest.raises(ValueError, match=r"quantization='fp8': the tensor-parallel split of "
-                                         r"layers\.\d+\.mlp\.shared_experts\.down_proj\.weight .*tensor_parallel_size"):
-        LLM(d, tensor_parallel_size=2, num_draft_tokens=0, quantization="fp8", **KW)
-    llm = tp_llm("after", d, num_draft_tokens=0)  # the refused LLM left no group behind
-    assert len(tokens(llm, greedy(2))) == 3
-
-
 @pytest.mark.slow
 def test_overlap_and_preemption(model_dir, head_dir, reference):
     """Overlap on (rank 0's scheduling alone: the workers just run what they are sent) with a preemption
@@ -189,20 +161,6 @@ def test_overlap_and_preemption(model_dir, head_dir, reference):
         eng.cfg = replace(eng.cfg, overlap=False)
         eng.scheduler.schedule, eng.scheduler._preempt = plan, preempt  # undo Counters' patch
     assert c.preempted > 0
-    assert_clean(llm)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_multi_step_iterations_equal_one_process(model_dir, head_dir, reference, sampled):
-    """num_scheduler_steps=4 with overlap: rank 0 broadcasts each sub-step (its device buffer, which its own
-    commit advanced; the workers' commits advance theirs alike) and the workers replay it; the tokens of one
-    process, one step at a time. Iterations of several sub-steps ran (asserted)."""
-    llm = tp_llm("gqa-multistep", model_dir, head_dir, num_draft_tokens=3, overlap=True, num_scheduler_steps=4)
-    params = reference["sampled_params"] if sampled else greedy(NEW)
-    assert tokens(llm, params) == reference["sampled" if sampled else "greedy"]
-    eng = llm.engine
-    assert eng.num_iterations < eng.num_steps
     assert_clean(llm)
 
 
@@ -239,6 +197,51 @@ def test_fault_on_rank0_stops_the_group(model_dir, head_dir):
     with pytest.raises(WorkerError, match="no longer in step"):
         llm.generate(prompts(), greedy(NEW), use_tqdm=False)
     assert all(p.exitcode is not None for p in llm._driver.workers.procs)
+
+
+def _mx_model(path: Path, shared_inter: int) -> Path:
+    """A tiny target whose projections all have input dims that are multiples of 32 (MXFP8 blocks)."""
+    from tests.helpers.hf_utils import random_hf_model, tiny_hf_config
+
+    cfg = tiny_hf_config(seed=3, hidden=64, head_dim=16, inter=32, dense_inter=64, shared_inter=shared_inter,
+                         index_head_dim=32)
+    random_hf_model(cfg, seed=3).save_pretrained(path)
+    return path
+
+
+def test_fp8_online_quantization_equals_one_process(tmp_path):
+    """Each rank quantizes its own slices, block for block as one process quantizes the whole weights: the
+    same tokens (column-parallel rows, row-parallel columns in whole 32-blocks, whole experts)."""
+    d = _mx_model(tmp_path, shared_inter=64)  # 32 columns per rank of the shared expert's down_proj
+    want = tokens(LLM(d, num_draft_tokens=0, quantization="fp8", **KW), greedy(NEW))
+    llm = tp_llm("fp8", d, num_draft_tokens=0, quantization="fp8")
+    assert llm.target.layers[0].self_attn.o_proj.weight.dtype == torch.float8_e4m3fn
+    assert tokens(llm, greedy(NEW)) == want
+    assert_clean(llm)
+
+
+def test_fp8_split_cutting_a_block_is_refused(tmp_path):
+    d = _mx_model(tmp_path, shared_inter=32)  # 16 columns per rank: half a block
+    _release()  # one tensor-parallel LLM per process
+    with pytest.raises(ValueError, match=r"quantization='fp8': the tensor-parallel split of "
+                                         r"layers\.\d+\.mlp\.shared_experts\.down_proj\.weight .*tensor_parallel_size"):
+        LLM(d, tensor_parallel_size=2, num_draft_tokens=0, quantization="fp8", **KW)
+    llm = tp_llm("after", d, num_draft_tokens=0)  # the refused LLM left no group behind
+    assert len(tokens(llm, greedy(2))) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_multi_step_iterations_equal_one_process(model_dir, head_dir, reference, sampled):
+    """num_scheduler_steps=4 with overlap: rank 0 broadcasts each sub-step (its device buffer, which its own
+    commit advanced; the workers' commits advance theirs alike) and the workers replay it; the tokens of one
+    process, one step at a time. Iterations of several sub-steps ran (asserted)."""
+    llm = tp_llm("gqa-multistep", model_dir, head_dir, num_draft_tokens=3, overlap=True, num_scheduler_steps=4)
+    params = reference["sampled_params"] if sampled else greedy(NEW)
+    assert tokens(llm, params) == reference["sampled" if sampled else "greedy"]
+    eng = llm.engine
+    assert eng.num_iterations < eng.num_steps
+    assert_clean(llm)
 
 
 @pytest.mark.slow
