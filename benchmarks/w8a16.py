@@ -475,8 +475,8 @@ def main() -> None:
         if args.write:
             top = doc["tune_moe"][0] if doc["tune_moe"] else None
             moe = {k: top[k] for k in ("block_n", "block_k", "num_warps")} if top else None
-            write_tuned(best, f"benchmarks/w8a16.py --tune --write on {name}", moe)
-            print("wrote m3eagle/kernels/quant/w8a16_configs.json")
+            write_tuned(best, f"benchmarks/w8a16.py --tune --write on {name}", moe, name)
+            print(f"wrote {name}'s section of m3eagle/kernels/quant/w8a16_configs.json")
         if args.tune_only:
             if args.json:
                 args.json.write_text(json.dumps(doc, indent=1) + "\n")

@@ -20,6 +20,7 @@ NOTE: TRITON_INTERPRET is set before anything imports triton, and it holds for t
 
 from __future__ import annotations
 
+import json
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton` (kernels decorate at import)
@@ -207,6 +208,48 @@ def test_pick_config_paths():
         assert cfg.use_dot and cfg.block_k % 32 == 0
     assert pick_config(1, 9216, 6144) == pick_config(1, 9216, 6144)  # a pure function of the shape
     assert pick_config(1, 256, 6144).split_k > 1  # few output tiles: split-K
+
+
+def test_tuned_table_has_a_section_per_gpu_model(tmp_path, monkeypatch):
+    """Each GPU model's winners stay its own: a process uses its device's section and the other sections' entries
+    where its own has none; writing one device's winners leaves the other's untouched; without CUDA the sections
+    apply in file order. pick_config then follows the chosen view."""
+    from m3eagle.kernels.quant import w8a16
+
+    a = MxConfig(False, 1, 4, 256)
+    b = MxConfig(False, 1, 8, 512, split_k=2)
+    c = MxConfig(False, 1, 2, 128)
+    table = tmp_path / "w8a16_configs.json"
+    monkeypatch.setattr(w8a16, "TUNED_PATH", table)
+    monkeypatch.setattr(w8a16, "TUNED", dict(w8a16.TUNED))  # the module's dicts come back after the test
+    monkeypatch.setattr(w8a16, "MOE_TUNED", dict(w8a16.MOE_TUNED))
+    monkeypatch.setattr(w8a16, "_VIEW", [None])
+    w8a16.write_tuned({(1, 640, 512): a, (2, 640, 512): c}, "first", {"block_n": 8, "block_k": 256, "num_warps": 4},
+                      "GPU A")
+    w8a16.write_tuned({(1, 640, 512): b}, "second", None, "GPU B")
+    assert w8a16._VIEW == ["GPU B"]
+    assert pick_config(1, 640, 512) == b and pick_config(2, 640, 512) == c  # B's own, then A's where B has none
+    assert w8a16.MOE_TUNED == {"block_n": 8, "block_k": 256, "num_warps": 4}  # B has no MoE blocks: A's
+    w8a16.use_device("GPU A")
+    assert pick_config(1, 640, 512) == a
+    assert w8a16.tuned_view(None)[0][(1, 640, 512)] == a  # no device: file order, A first
+    assert w8a16.tuned_view("GPU C")[0][(1, 640, 512)] == a  # an unknown model: the same
+    w8a16.write_tuned({(4, 640, 512): c}, "third", None, "GPU B")  # a merge: B's earlier entry stays
+    assert w8a16.tuned_view("GPU B")[0][(1, 640, 512)] == b and w8a16.tuned_view("GPU B")[0][(4, 640, 512)] == c
+    assert list(json.loads(table.read_text())["devices"]) == ["GPU A", "GPU B"]
+
+
+def test_the_shipped_table_keeps_each_gpus_winners():
+    """The package's table: the H200's T = 1 winners at the M3 / m3-8b shapes and the H100's other entries sit in
+    their own sections, and an H100 process still finds a config for every shape either measured."""
+    from m3eagle.kernels.quant import w8a16
+
+    sections = w8a16._load_sections()
+    assert {"NVIDIA H100 80GB HBM3", "NVIDIA H200"} <= set(sections)
+    h100, h200 = sections["NVIDIA H100 80GB HBM3"][0], sections["NVIDIA H200"][0]
+    assert h100 and h200 and all(t == 1 for t, _, _ in h200)
+    view = w8a16.tuned_view("NVIDIA H100 80GB HBM3")[0]
+    assert set(view) == set(h100) | set(h200) and all(view[key] == cfg for key, cfg in h100.items())
 
 
 # ---- MoE ------------------------------------------------------------------------------------------------

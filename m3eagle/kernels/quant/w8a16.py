@@ -57,7 +57,8 @@ cp.async loads) with the split-K sums above; unsplit (SPLIT off) the kernel comp
 All kernels: `PDL` constexpr with `pdl_wait(PDL)` first (pdl.py), launched with `**pdl.args(x)` and
 `**launch_opts()` (LEAN: contraction on); no host sync, no .item(), no data-dependent shapes: capturable in a
 CUDA graph. The path and blocks are `pick_config(t, n, k)`, a pure function of the shape (the measured table
-`w8a16_configs.json` first, `benchmarks/w8a16.py --tune --write` fills it; blocks sized for a 132-SM Hopper).
+`w8a16_configs.json` first -- the section of this process's GPU model, `benchmarks/w8a16.py --tune --write` fills
+it --, else the rule; blocks sized for a 132-SM Hopper).
 Under the CPU interpreter a bf16 / fp16 tl.dot multiplies raw bits, so operands are upcast to fp32 there
 (UPCAST_DOT).
 
@@ -120,31 +121,64 @@ class MxConfig:
     one_launch: bool = False  # split-K: the last program sums the partials (split_counters), not a second launch
 
 
-def _load_tuned() -> dict[tuple[int, int, int], MxConfig]:
-    """The GEMV configs `benchmarks/w8a16.py --tune --write` measured best, by (T bucket, N, K)."""
+# The tuned table holds one section per GPU model (`torch.cuda.get_device_name`): an H100's and an H200's
+# winners differ at the same shape (their memory systems do). A process uses its device's section, and the other
+# sections' entries where its own has none (another Hopper's measured winner beats the rule); without CUDA, the
+# sections in file order.
+TunedGemv = dict[tuple[int, int, int], MxConfig]
+
+
+def _load_sections() -> dict[str, tuple[TunedGemv, dict[str, Any]]]:
+    """Per device name: (GEMV configs by (T bucket, N, K), the MoE's decode blocks), in file order."""
     if not TUNED_PATH.is_file():
         return {}
     doc = json.loads(TUNED_PATH.read_text())
-    return {(e["t"], e["n"], e["k"]): MxConfig(**e["config"]) for e in doc.get("gemv", [])}
+    return {name: ({(e["t"], e["n"], e["k"]): MxConfig(**e["config"]) for e in sec.get("gemv", [])},
+                   sec.get("moe", {}))
+            for name, sec in doc.get("devices", {}).items()}
 
 
-def _load_moe_tuned() -> dict[str, Any]:
-    """mx_moe_experts' measured-best launch parameters at decode sizes (block_n, block_k, num_warps), or {} (the
-    built-in defaults)."""
-    return json.loads(TUNED_PATH.read_text()).get("moe", {}) if TUNED_PATH.is_file() else {}
+def tuned_view(device_name: str | None) -> tuple[TunedGemv, dict[str, Any]]:
+    """The configs a process on `device_name` uses: its section first, then the others' entries for shapes its own
+    lacks (file order); the MoE blocks of its section, else the first section's that has any."""
+    sections = _load_sections()
+    order = ([device_name] if device_name in sections else []) + [n for n in sections if n != device_name]
+    gemv: TunedGemv = {}
+    for name in reversed(order):  # the first in order wins
+        gemv.update(sections[name][0])
+    moe = next((sections[n][1] for n in order if sections[n][1]), {})
+    return gemv, moe
 
 
-def write_tuned(entries: dict[tuple[int, int, int], MxConfig], note: str, moe: dict[str, Any] | None = None) -> None:
-    """Merge measured winners into the table (the one writer beside the loader) and reload it."""
-    merged = {**_load_tuned(), **entries}
-    doc = {"note": note, "gemv": [{"t": t, "n": n, "k": k, "config": asdict(c)}
-                                  for (t, n, k), c in sorted(merged.items())],
-           "moe": moe if moe is not None else _load_moe_tuned()}
-    TUNED_PATH.write_text(json.dumps(doc, indent=1) + "\n")
+def write_tuned(entries: TunedGemv, note: str, moe: dict[str, Any] | None, device_name: str) -> None:
+    """Merge measured winners into `device_name`'s section of the table (the one writer beside the loader) and
+    reload the process's view."""
+    doc = json.loads(TUNED_PATH.read_text()) if TUNED_PATH.is_file() else {}
+    devices = doc.get("devices", {})
+    old = _load_sections().get(device_name, ({}, {}))
+    merged = {**old[0], **entries}
+    devices[device_name] = {"note": note, "gemv": [{"t": t, "n": n, "k": k, "config": asdict(c)}
+                                                   for (t, n, k), c in sorted(merged.items())],
+                            "moe": moe if moe is not None else old[1]}
+    TUNED_PATH.write_text(json.dumps({"devices": devices}, indent=1) + "\n")
+    use_device(device_name)
+
+
+def use_device(device_name: str | None) -> None:
+    """Fill TUNED / MOE_TUNED with `device_name`'s view (tuned_view), in place: the kernels read those dicts."""
+    gemv, moe = tuned_view(device_name)
     TUNED.clear()
-    TUNED.update(_load_tuned())
+    TUNED.update(gemv)
     MOE_TUNED.clear()
-    MOE_TUNED.update(_load_moe_tuned())
+    MOE_TUNED.update(moe)
+    _VIEW[0] = device_name
+
+
+def _current_view() -> None:
+    """Once CUDA is up in this process, switch to its device's view (once: the configs stay a pure function of the
+    shape for the rest of the process). Cheap when already chosen: pick_config calls it on every launch."""
+    if _VIEW[0] is None and torch.cuda.is_initialized():
+        use_device(torch.cuda.get_device_name())
 
 
 def t_bucket(t: int) -> int:
@@ -161,6 +195,7 @@ def pick_config(t: int, n: int, k: int) -> MxConfig:
     GEMM: BM 128 (T >= 256) / 64 / 16-32, BN 128, BK 64, 8 warps (4 for BM <= 32), 3 cp.async stages.
     The rule keeps the plain GEMV body and the two-launch split: the LEAN body, the split tiled kernel and the
     one-launch sum run where the table has measured them (a rule for them would be a guess until a sweep says)."""
+    _current_view()
     if t <= GEMV_MAX_T and (hit := TUNED.get((t_bucket(t), n, k))) is not None:
         return hit
     if t <= GEMV_MAX_T:
@@ -180,8 +215,9 @@ def pick_config(t: int, n: int, k: int) -> MxConfig:
     return MxConfig(True, bm, 128 if bm >= 64 else 64, 64, num_warps=8 if bm >= 64 else 4, num_stages=3)
 
 
-TUNED: dict[tuple[int, int, int], MxConfig] = _load_tuned()
-MOE_TUNED: dict[str, Any] = _load_moe_tuned()
+TUNED: TunedGemv = tuned_view(None)[0]
+MOE_TUNED: dict[str, Any] = tuned_view(None)[1]
+_VIEW: list[str | None] = [None]  # the device whose view TUNED holds (None: not chosen yet)
 
 
 # ---- shared jit helpers -------------------------------------------------------------------------------
@@ -622,6 +658,7 @@ def mx_moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     ids = topk_ids.contiguous()
     wts = topk_weights.float().contiguous()
     act = torch.empty(t * top_k, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
+    _current_view()
     tuned = MOE_TUNED if t <= GEMV_MAX_T else {}  # the table's decode-size winner, else the defaults below
     block_k = block_k or tuned.get("block_k")
     block_n = block_n or tuned.get("block_n")
