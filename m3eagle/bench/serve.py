@@ -34,6 +34,7 @@ import json
 import math
 import multiprocessing
 import os
+import queue
 import random
 import ssl
 import sys
@@ -598,6 +599,19 @@ def _client_process(job: dict[str, Any], out: Any, go_event: Any, go_at: Any) ->
         out.put(("error", f"{type(e).__name__}: {e}"))
 
 
+def _next_report(out: Any, children: list[Any]) -> tuple[str, Any]:
+    """The next message of any client process; a process that died without one (it could not start: an import
+    error, a signal) fails the run by name instead of leaving the parent waiting for ever."""
+    while True:
+        try:
+            return out.get(timeout=0.5)
+        except queue.Empty:
+            dead = [p for p in children if p.exitcode not in (None, 0)]
+            if dead:
+                raise OSError(f"bench-serve client process {dead[0].name} exited with code {dead[0].exitcode} "
+                              "before reporting (its error is on stderr above)") from None
+
+
 def run_in_processes(job: dict[str, Any], bodies: list[dict[str, Any]], lens: list[int], firsts: list[int],
                      procs: int, concurrency: int | None, rate: float, seed: int
                      ) -> tuple[list[Result], float, float, list[float]]:
@@ -619,18 +633,23 @@ def run_in_processes(job: dict[str, Any], bodies: list[dict[str, Any]], lens: li
         p.start()
         children.append(p)
     got, ready = [], 0
-    while ready + len(got) < procs:  # a child that fails before "ready" reports its error instead
-        kind, payload = out.get()
-        if kind == "ready":
-            ready += 1
-        else:
-            got.append((kind, payload))
-    go_at.value = time.perf_counter() + 0.05  # the system's monotonic clock: the same in every process
-    go_event.set()
-    while len(got) < procs:
-        got.append(out.get())
-    for p in children:
-        p.join()
+    try:
+        while ready + len(got) < procs:  # a child that fails before "ready" reports its error instead
+            kind, payload = _next_report(out, children)
+            if kind == "ready":
+                ready += 1
+            else:
+                got.append((kind, payload))
+        go_at.value = time.perf_counter() + 0.05  # the system's monotonic clock: the same in every process
+        go_event.set()
+        while len(got) < procs:
+            got.append(_next_report(out, children))
+    finally:
+        go_event.set()  # a child still waiting to start returns at once (its run is then abandoned)
+        for p in children:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
     errors = [msg for kind, msg in got if kind == "error"]
     if errors:
         raise OSError(f"a bench-serve client process failed: {errors[0]}")

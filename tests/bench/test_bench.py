@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -736,3 +737,21 @@ def test_bench_serve_client_process_failure_is_reported(tmp_path, monkeypatch):
                            "--output-len", "2", "--num-prompts", "4", "--max-concurrency", "4", "--warmup", "0",
                            "--client-processes", "2"])
     assert rc != 0 and "a bench-serve client process failed: TypeError" in err
+
+
+def _exit_at_once(*args) -> None:
+    """A client process that dies before reporting anything (module level: the spawned child imports it)."""
+    os._exit(3)
+
+
+def test_bench_serve_client_process_death_is_reported(monkeypatch):
+    """A client process that dies without a word (a failed start, a signal) fails the run by name and exit code;
+    the parent does not wait for it for ever."""
+    from m3eagle.bench import serve
+
+    monkeypatch.setattr(serve, "_client_process", _exit_at_once)
+    with FakeServer(gap=0.01, events=1, per_event=1) as srv:
+        rc, _, err = _run(["bench-serve", "--base-url", srv.url, "--dataset", "random", "--input-len", "16",
+                           "--output-len", "2", "--num-prompts", "4", "--max-concurrency", "4", "--warmup", "0",
+                           "--client-processes", "2"])
+    assert rc != 0 and "exited with code 3 before reporting" in err
