@@ -31,9 +31,6 @@ from m3eagle.engine.executor import WorkerError
 from tests.helpers.engine_utils import Counters, assert_clean, greedy
 
 REPO = Path(__file__).resolve().parents[2]
-# One xdist worker runs the module (the README's `--dist loadgroup`), in file order: the tests of one model sit
-# together, so each live LLM (a spawned rank and its model, seconds) is built once and the references once.
-pytestmark = pytest.mark.xdist_group("tensor_parallel")
 KW = dict(device="cpu", page_size=4, max_model_len=128, max_num_tokens=48, graph_shapes=True)
 NEW = 12
 
@@ -47,6 +44,8 @@ def tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
 
 
+# The tests of one model sit together in the file (the fault test, which breaks its LLM, last): a worker
+# running them in order builds each live LLM (a spawned rank and its model, seconds) once.
 _live: dict[str, LLM] = {}
 
 
