@@ -162,25 +162,32 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 # The slowest tests of the CPU suite (seconds in the README's `-n 2` run, 2 cores), slowest first. Collected
 # in file order they came late (tests/kernels/ sorts after tests/engine/), and a worker still running one of
 # them while the other had nothing left set the suite's wall time. Run first, they overlap with everything
-# else: xdist's load scheduling hands out the rest from one shared queue as workers free up. Only tests
-# without module-scoped fixtures: moving one away from its module's other tests would build those twice.
+# else: xdist's load scheduling hands out the rest from one shared queue as workers free up. Only tests whose
+# module-scoped fixtures no test left behind uses: moving one away from such a test would build them twice.
 SLOW_FIRST = (
-    "tests/kernels/test_kernels_compile.py::test_every_recorded_launch_compiles_for_sm90",  # ~60-100 s
-    "tests/engine/test_deterministic.py::test_batch_invariant_kernels_engine_interpreted",  # ~50 s
-    "tests/engine/test_tree_kernels.py::test_engine_on_tree_kernels_grows_the_reference_trees",  # 2 x ~25 s
-    "tests/engine/test_tree_graphs.py::test_tree_on_triton_attention_equals_plain",  # ~34 s
-    "tests/kernels/test_batch_invariant.py::test_attention_token_invariant",  # ~20 s
-    "tests/engine/test_deterministic_gpu.py::test_properties_logic_on_cpu",  # ~14 s
-    "tests/distributed/test_deterministic_reduce.py::test_fixed_order_all_reduce_over_three_gloo_ranks",  # ~13 s
-    "tests/kernels/test_batch_invariant.py::test_prompt_kv_bytes_chunk_invariant",  # ~12 s
+    "tests/kernels/test_kernels_compile.py::test_every_recorded_launch_compiles_for_sm90",  # ~80 s
+    "tests/engine/test_deterministic.py::test_batch_invariant_kernels_engine_interpreted",  # ~23 s
+    "tests/engine/test_tree_graphs.py::test_tree_on_triton_attention_equals_plain",  # ~9 s
+    "tests/engine/test_tree_kernels.py::test_engine_on_tree_kernels_grows_the_reference_trees",  # 3 x ~6 s
+    "tests/distributed/test_deterministic_reduce.py::test_fixed_order_all_reduce_over_three_gloo_ranks",  # ~6 s
+    "tests/engine/test_deterministic_gpu.py::test_properties_logic_on_cpu",  # ~4 s
+    "tests/kernels/test_batch_invariant.py::test_attention_token_invariant",  # ~4 s
+    "tests/kernels/test_batch_invariant.py::test_prompt_kv_bytes_chunk_invariant",  # ~3 s
 )
+# Modules whose tests share an expensive module-scoped fixture, moved whole behind SLOW_FIRST: xdist's load
+# scheduling first hands each worker a block of consecutive tests (a quarter of its share, ~240 tests), so one
+# worker runs the module and builds the fixture once. At the end of the order its tests went out a few at a
+# time to both workers, and each built it (the training pipeline, ~9 s).
+WHOLE_MODULES_FIRST = ("tests/training/test_training.py",)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Moves the SLOW_FIRST tests (every parametrization) to the front, in that order; the rest keep theirs."""
+    """Moves the SLOW_FIRST tests (every parametrization) to the front, in that order, then the tests of the
+    WHOLE_MODULES_FIRST modules; the rest keep theirs."""
+    first = SLOW_FIRST + WHOLE_MODULES_FIRST
 
     def rank(item: pytest.Item) -> int:
         name = item.nodeid.split("[", 1)[0]
-        return next((i for i, slow in enumerate(SLOW_FIRST) if name == slow), len(SLOW_FIRST))
+        return next((i for i, key in enumerate(first) if name == key or name.startswith(key + "::")), len(first))
 
     items.sort(key=rank)  # stable
