@@ -44,6 +44,49 @@ def row_invariant_interpreter_dot():
     InterpreterBuilder.create_dot = original
 
 
+def _interpreter():
+    """(triton.language, triton.runtime.interpreter) where this run may interpret kernels (a test module
+    imported triton or set TRITON_INTERPRET), else (None, None)."""
+    if "triton" not in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        return None, None
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return None, None
+    return tl, interpreter
+
+
+@pytest.fixture(scope="session", autouse=True)
+def interpreter_np_dtypes_looked_up_once():
+    """The interpreter maps a Triton type to its numpy dtype at every op by building a dict of every type
+    (_get_np_dtype): ~7% of an interpreted kernel test's time. The mapping of each scalar type (a block's
+    element type: what the original returns for the block too) is kept after its first lookup; pointers
+    (unhashable) go to the original each time."""
+    tl, interpreter = _interpreter()
+    original = getattr(interpreter, "_get_np_dtype", None)
+    if original is None:
+        yield
+        return
+    np_dtypes = {}
+
+    def get_np_dtype(tt_dtype):
+        key = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        try:
+            return np_dtypes[key]
+        except (KeyError, TypeError):
+            got = original(tt_dtype)
+            try:
+                np_dtypes[key] = got
+            except TypeError:
+                pass
+            return got
+
+    interpreter._get_np_dtype = get_np_dtype
+    yield
+    interpreter._get_np_dtype = original
+
+
 @pytest.fixture(scope="session", autouse=True)
 def interpreter_patches_language_once_per_launch():
     """The Triton interpreter patches triton.language (every builtin of tl, tl.core, tl.math and the tensor
@@ -54,13 +97,7 @@ def interpreter_patches_language_once_per_launch():
     cover: their first call patches it, as before); the launch's own patch and its restore run unchanged.
     Patched after collection, where a test module imported triton or set TRITON_INTERPRET (a module that
     launches kernels only through the package imports triton later)."""
-    try:
-        if "triton" not in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ImportError
-        import triton.language as tl
-        from triton.runtime import interpreter
-    except ImportError:
-        interpreter = None
+    tl, interpreter = _interpreter()
     scope_type = getattr(interpreter, "_LangPatchScope", None)
     if scope_type is None or not hasattr(interpreter, "_patch_lang"):  # another interpreter design: leave it
         yield
