@@ -89,15 +89,15 @@ def two_layers(k: int, **kw) -> LLM:
 @pytest.mark.slow
 def test_batch_invariant_kernels_engine_interpreted():
     """The batch-invariant Triton kernels forced under the interpreter: greedy K=1 with 8-token steps (the
-    23-token prompt in three chunks, beside the other row's verify rows) == K=0 with whole prompts. On two
-    layers (`two_layers`: one dense / full-attention, one MoE / sparse-attention layer, block selection active
-    past 16 tokens), so every batch-invariant kernel kind runs; the interpreter runs every launch of every layer
-    (~30 s on 2 cores; 4 layers took a minute)."""
+    23-token prompt in four chunks, two of them beside the other row's verify rows; 3 tokens a request: 6 steps)
+    == K=0 with whole prompts. On two layers (`two_layers`: one dense / full-attention, one MoE / sparse-attention
+    layer, block selection active past 16 tokens), so every batch-invariant kernel kind runs; the interpreter
+    runs every launch of every layer (~20 s on 2 cores; 4 layers took a minute)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1 before triton is imported (run this module alone with it set)")
     ps = prompts(2, seed=2)  # 5 and 23 tokens
     assert sorted(len(p) for p in ps) == [5, 23]
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     plain = run(two_layers(0, **BI), ps, params)
     assert run(two_layers(1, max_num_tokens=8, **BI), ps, params) == plain
 
