@@ -88,6 +88,30 @@ def interpreter_np_dtypes_looked_up_once():
 
 
 @pytest.fixture(scope="session", autouse=True)
+def interpreter_skips_the_unasserted_overflow_check():
+    """The interpreter's semantic recomputes every int32 add / sub / mul in int64 and compares it with the
+    type's range (sanitize_overflow, on by default), to feed a device_assert that does nothing unless the
+    builder's debug option is on, which the interpreter's never is: a quarter of an interpreted kernel test's
+    time (tests/kernels/test_moe_direct.py). The check is skipped while debug is off, as its assert is; with
+    debug on it runs as before."""
+    _, interpreter = _interpreter()
+    semantic = getattr(interpreter, "interpreter_semantic", None)
+    original = getattr(semantic, "binary_op_sanitize_overflow_impl", None)
+    if original is None or not hasattr(semantic.builder, "options"):
+        yield
+        return
+
+    def sanitize(lhs, rhs, binary_op):
+        if getattr(semantic.builder.options, "debug", True):
+            return original(lhs, rhs, binary_op)
+        return None
+
+    semantic.binary_op_sanitize_overflow_impl = sanitize
+    yield
+    del semantic.binary_op_sanitize_overflow_impl
+
+
+@pytest.fixture(scope="session", autouse=True)
 def interpreter_patches_language_once_per_launch():
     """The Triton interpreter patches triton.language (every builtin of tl, tl.core, tl.math and the tensor
     class, found by inspect.getmembers) at each launch, and again at each call of a @triton.jit helper inside
