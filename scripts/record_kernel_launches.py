@@ -197,7 +197,7 @@ def deterministic_pass() -> None:
     shapes, the route launch after the GEMM router; then direct GEMMs for the shapes the pair does not take
     (split with the in-launch sum, the two-launch fallback with `_split_sum_kernel`, unsplit, fp32)."""
     from m3eagle import LLM, SamplingParams
-    from m3eagle.kernels.batch_invariant import matmul
+    from m3eagle.kernels.batch_invariant import folds, matmul
 
     bi = "batch_invariant"
     llm = LLM(None, device="cpu", dtype="bfloat16", attention_backend=bi, moe_backend=bi, fused_backend=bi,
@@ -212,6 +212,12 @@ def deterministic_pass() -> None:
         matmul.linear_two_launch(x, w)  # split: the second launch
         wide = torch.randn(64 * matmul.TARGET_PROGRAMS, 64, generator=g).to(dtype)
         matmul.linear(x[:, :64], wide)  # unsplit (a weight wide enough to fill the programs: 64-deep K tiles)
+        inner, matmul.INNER_SPLIT_TILES = matmul.INNER_SPLIT_TILES, 1
+        try:  # the splits summed inside each program, as a step with enough output tiles runs them
+            matmul.linear(x, w)
+            folds.linear_act(x, w, "swiglu_oai", 1.702, 7.0)
+        finally:
+            matmul.INNER_SPLIT_TILES = inner
 
 
 def fp8_pass() -> None:

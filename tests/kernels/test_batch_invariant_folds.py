@@ -107,6 +107,30 @@ def test_linear_act_split_fixup_any_arrival(reversed_grid):
     assert not matmul.tile_counters(CPU).any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_act_inner_splits_same_bits(dtype, monkeypatch):
+    """With enough output tiles the fold sums its splits inside each program (grid S = 1): the same bits as the
+    split launch and the two launches, at 1, 3 and 64 rows."""
+    x, w, cfg = _gemm_case(80, 160, dtype, 4, seed=9)
+    split = [folds.linear_act(x[:m], w, "swiglu_oai", 1.702, 7.0, cfg) for m in (1, 3, 64)]
+    grids = []
+    real = folds._matmul_act_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(matmul, "INNER_SPLIT_TILES", 1)
+    monkeypatch.setattr(folds, "_matmul_act_kernel", Recording())
+    for m, ref in zip((1, 3, 64), split):
+        inner = folds.linear_act(x[:m], w, "swiglu_oai", 1.702, 7.0, cfg)
+        assert grids[-1][1] == 1
+        assert _bits_equal(inner, ref)
+        assert _bits_equal(inner, folds.linear_act_two_launch(x[:m], w, "swiglu_oai", 1.702, 7.0, cfg))
+    assert not matmul.tile_counters(CPU).any()
+
+
 def test_linear_act_mutation_fails():
     """The equality check can fail: the fold at another K split than the plain GEMM's differs from it."""
     x, w, cfg = _gemm_case(64, 160, torch.float32, 1, seed=4)

@@ -36,7 +36,8 @@ import triton.language as tl
 
 from m3eagle.kernels import pdl
 from m3eagle.kernels.batch_invariant import matmul
-from m3eagle.kernels.batch_invariant.matmul import last_to_arrive, sum_partials, tile_acc
+from m3eagle.kernels.batch_invariant.matmul import (last_to_arrive, split_ordered_acc, sum_partials, tile_acc,
+                                                    tile_ids)
 from m3eagle.kernels.fused import activation
 from m3eagle.kernels.fused.activation import silu_mul_f32, swiglu_oai_f32
 from m3eagle.kernels.fused.argmax import argmax, argmax_outputs
@@ -65,22 +66,21 @@ def _act_store(Y, vals, offs_m, m_ok, pid_n, n_act, stride_ym, alpha, limit, ACT
     tl.store(ptrs, out.to(dt), mask=m_ok[:, None] & (cols < n_act)[None, :])
 
 
-@triton.jit(do_not_specialize=["M", "stride_xm", "stride_ps"])
-def _matmul_act_kernel(X, W, Y, P, CNT, M, n_act, K, steps_per_split, stride_xm, stride_wn, stride_ym, stride_ps,
-                       stride_pm, alpha, limit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT: tl.constexpr, ACT: tl.constexpr, PRECISE: tl.constexpr, DOT_PREC: tl.constexpr,
-                       UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "stride_xm", "stride_ps", "n_inner"])
+def _matmul_act_kernel(X, W, Y, P, CNT, M, n_act, K, steps_per_split, n_inner, stride_xm, stride_wn, stride_ym,
+                       stride_ps, stride_pm, alpha, limit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, INNER: tl.constexpr, ACT: tl.constexpr,
+                       PRECISE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
     """Grid (cdiv(M, BM) * cdiv(I, BN / 2), S). x [M, K], the packed gate / up weight w [2I, K] (unit K stride),
     y [M, I] = act(x @ gate^T, x @ up^T) (ACT 1: silu(gate) * up; 2: swiglu-oai with alpha / limit). Split: each
     program stores its fp32 partial in its own lane order at P + s * stride_ps (part [S, M, BN * tiles], row
     stride stride_pm) and the tile's last program to arrive (CNT[tile], int32, zero between launches) sums them
-    in split order, applies the activation and zeroes CNT[tile]."""
+    in split order, applies the activation and zeroes CNT[tile]. INNER (grid S = 1): the program sums the n_inner
+    splits itself in the same order (`matmul.split_ordered_acc`)."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     HALF: tl.constexpr = BLOCK_N // 2
     pid = tl.program_id(0)
-    n_tiles = tl.cdiv(n_act, HALF)
-    pid_m = pid // n_tiles
-    pid_n = pid % n_tiles
+    pid_m, pid_n = tile_ids(pid, M, tl.cdiv(n_act, HALF), BLOCK_M)
     split = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
@@ -90,8 +90,12 @@ def _matmul_act_kernel(X, W, Y, P, CNT, M, n_act, K, steps_per_split, stride_xm,
     rows_w = cols + (lane % 2) * n_act  # even lanes: the gate row; odd lanes: the up row of the same column
     k0 = split * steps_per_split * BLOCK_K
     k1 = tl.minimum(k0 + steps_per_split * BLOCK_K, K)
-    acc = tile_acc(X, W, rows_w, col_ok, offs_m, m_ok, k0, k1, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K,
-                   DOT_PREC, UPCAST_DOT)  # [BM, BN] fp32
+    if INNER:
+        acc = split_ordered_acc(X, W, rows_w, col_ok, offs_m, m_ok, K, steps_per_split, n_inner, stride_xm,
+                                stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, UPCAST_DOT)  # [BM, BN] fp32
+    else:
+        acc = tile_acc(X, W, rows_w, col_ok, offs_m, m_ok, k0, k1, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K,
+                       DOT_PREC, UPCAST_DOT)  # [BM, BN] fp32
     if SPLIT:
         mask = m_ok[:, None] & col_ok[None, :]
         p_tile = P + offs_m[:, None].to(tl.int64) * stride_pm + (pid_n * BLOCK_N + lane)[None, :]  # in split 0
@@ -169,8 +173,7 @@ def _matmul_argmax_kernel(X, W, KEYS, P, CNT, M, N, K, steps_per_split, stride_x
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // n_tiles
-    pid_n = pid % n_tiles
+    pid_m, pid_n = tile_ids(pid, M, n_tiles, BLOCK_M)
     split = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -230,15 +233,19 @@ def linear_act(x: torch.Tensor, w: torch.Tensor, act: str, alpha: float = 0.0, l
     half = cfg.block_n // 2
     n_tiles = triton.cdiv(inter, half)
     tiles = triton.cdiv(m, cfg.block_m) * n_tiles
-    cnt = matmul.tile_counters(x.device) if splits > 1 and tiles <= matmul.MAX_TILES else None  # [MAX_TILES] i32
-    if not act_folds(x) or (splits > 1 and cnt is None):
+    inner = splits > 1 and matmul.inner_splits(tiles)
+    cnt = (matmul.tile_counters(x.device) if splits > 1 and not inner and tiles <= matmul.MAX_TILES
+           else None)  # [MAX_TILES] i32
+    if not act_folds(x) or (splits > 1 and not inner and cnt is None):
         return linear_act_two_launch(x, w, act, alpha, limit, cfg)
-    part = (torch.empty(splits, m, n_tiles * cfg.block_n, dtype=torch.float32, device=x.device) if splits > 1
+    split = splits > 1 and not inner
+    part = (torch.empty(splits, m, n_tiles * cfg.block_n, dtype=torch.float32, device=x.device) if split
             else y)  # [S, M, tiles * BN] fp32, in the programs' lane order
-    _matmul_act_kernel[(tiles, splits)](
-        x, w, y, part, cnt if cnt is not None else y, m, inter, k, per_split, x.stride(0), w.stride(0), y.stride(0),
-        part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0, float(alpha), float(limit),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=splits > 1, ACT=ACTS[act],
+    _matmul_act_kernel[(tiles, splits if split else 1)](
+        x, w, y, part, cnt if cnt is not None else y, m, inter, k, per_split, splits if inner else 1, x.stride(0),
+        w.stride(0), y.stride(0), part.stride(0) if split else 0, part.stride(1) if split else 0, float(alpha),
+        float(limit), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split, INNER=inner,
+        ACT=ACTS[act],
         PRECISE=precise(), **matmul.dot_args(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_opts(), **pdl.args(x))
     return y

@@ -32,7 +32,9 @@ launches, with the same bits.
 Each output element is then the same chain of MMAs on the same operands at every M, its row's position in
 the M tile included (an MMA's element is a function of its own row and column). The split count is fixed per
 (N, K) so decode-sized steps still spread a weight over enough programs to stream it; it never changes
-with the batch. `reference_linear` (F.linear) is the oracle; tests hold the kernel to it and to itself. The main
+with the batch. Only the schedule follows M: tiles run row blocks fastest (`tile_ids`, so the row blocks of one
+weight tile share it through L2), and a step with INNER_SPLIT_TILES output tiles or more sums each tile's splits
+inside its program (`split_ordered_acc`, the fixup's order, no partials). `reference_linear` (F.linear) is the oracle; tests hold the kernel to it and to itself. The main
 loop (`tile_acc`), the arrival count (`last_to_arrive`) and the split sum (`sum_partials`) are shared with the
 folded GEMMs (folds.py), whose columns so sum as this kernel's.
 """
@@ -116,6 +118,15 @@ def tile_acc(X, W, rows_w, w_ok, offs_m, m_ok, k0, k1, stride_xm, stride_wn, BLO
 
 
 @triton.jit
+def tile_ids(pid, M, n_tiles, BLOCK_M: tl.constexpr):
+    """(row block, column tile) of output tile `pid`, row blocks fastest: the row blocks that read one weight tile
+    run side by side and share it through L2, so a step of more than BLOCK_M rows streams the weight from HBM
+    once, not once per row block. Only the schedule follows M; every tile's arithmetic is the same."""
+    m_blocks = tl.cdiv(M, BLOCK_M)
+    return pid % m_blocks, pid // m_blocks
+
+
+@triton.jit
 def last_to_arrive(cnt_ptr, n):
     """Count this program in the int32 counter at cnt_ptr; True for the n-th (last) to arrive. Release: every
     thread's earlier stores are issued (CTA barrier) before the acq_rel atomic publishes them; acquire: the last
@@ -138,22 +149,40 @@ def sum_partials(p_tile, stride_ps, mask, n_split):
     return total
 
 
+@triton.jit
+def split_ordered_acc(X, W, rows_w, w_ok, offs_m, m_ok, K, steps_per_split, n_split, stride_xm, stride_wn,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+                      UPCAST_DOT: tl.constexpr):
+    """The S split partials of one tile computed by one program and summed as `sum_partials` sums them: split 0,
+    then += split 1 .. S-1 in fp32. Each split's chain of MMAs is the split program's own (`tile_acc` over the same
+    K run from a zero accumulator), so the bits equal the split-K launch's, with no partial round trip through
+    memory. A step with enough output tiles to fill the GPU unsplit takes it."""
+    span = steps_per_split * BLOCK_K
+    total = tile_acc(X, W, rows_w, w_ok, offs_m, m_ok, 0, tl.minimum(span, K), stride_xm, stride_wn,
+                     BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, UPCAST_DOT)  # [BM, BN] fp32
+    for s in range(1, n_split):
+        k0 = s * span
+        total += tile_acc(X, W, rows_w, w_ok, offs_m, m_ok, k0, tl.minimum(k0 + span, K), stride_xm, stride_wn,
+                          BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, UPCAST_DOT)
+    return total
+
+
 # The row count is not a specialisation key: a new M must not compile a new variant (and it must not change
 # the code a row runs: the launch shape above never reads it).
-@triton.jit(do_not_specialize=["M", "stride_xm", "stride_ps"])
-def _matmul_kernel(X, W, Y, P, CNT, M, N, K, steps_per_split,
+@triton.jit(do_not_specialize=["M", "stride_xm", "stride_ps", "n_inner"])
+def _matmul_kernel(X, W, Y, P, CNT, M, N, K, steps_per_split, n_inner,
                    stride_xm, stride_wn, stride_ym, stride_ps, stride_pm,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                   REDUCE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
+                   REDUCE: tl.constexpr, INNER: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                   PDL: tl.constexpr):
     """Grid (cdiv(M, BM) * cdiv(N, BN), S). x [M, K] and w [N, K] with unit K stride; y [M, N] in Y's dtype.
     Unsplit (SPLIT off): the program stores y. Split: it stores its fp32 partial at P + s * stride_ps (part
     [S, M, N], row stride stride_pm); with REDUCE the tile's last program to arrive, counted in CNT[tile] (int32,
-    zero between launches), sums the S partials into y and zeroes CNT[tile]; without, `_split_sum_kernel` sums."""
+    zero between launches), sums the S partials into y and zeroes CNT[tile]; without, `_split_sum_kernel` sums.
+    INNER (grid S = 1): the program computes and sums the weight's n_inner splits itself (`split_ordered_acc`)."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // n_tiles
-    pid_n = pid % n_tiles
+    pid_m, pid_n = tile_ids(pid, M, tl.cdiv(N, BLOCK_N), BLOCK_M)
     split = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -161,8 +190,12 @@ def _matmul_kernel(X, W, Y, P, CNT, M, N, K, steps_per_split,
     n_ok = offs_n < N
     k0 = split * steps_per_split * BLOCK_K
     k1 = tl.minimum(k0 + steps_per_split * BLOCK_K, K)
-    acc = tile_acc(X, W, offs_n, n_ok, offs_m, m_ok, k0, k1, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K,
-                   DOT_PREC, UPCAST_DOT)  # [BM, BN] fp32
+    if INNER:
+        acc = split_ordered_acc(X, W, offs_n, n_ok, offs_m, m_ok, K, steps_per_split, n_inner, stride_xm, stride_wn,
+                                BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, UPCAST_DOT)  # [BM, BN] fp32
+    else:
+        acc = tile_acc(X, W, offs_n, n_ok, offs_m, m_ok, k0, k1, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K,
+                       DOT_PREC, UPCAST_DOT)  # [BM, BN] fp32
     mask = m_ok[:, None] & n_ok[None, :]
     y_ptrs = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]  # [BM, BN]
     if SPLIT:
@@ -210,6 +243,18 @@ def tile_counters(device: torch.device | str) -> torch.Tensor | None:
     warm-ups on a side stream fenced by wait_stream both ways, and replays on the same stream
     (m3eagle/engine/graph_runner.py)."""
     return _COUNTERS.get(device)
+
+
+# Output tiles from which a split weight's step runs its splits inside each tile's program instead of across
+# programs: that many programs fill an H100 twice over unsplit, and the fp32 partials' round trip through memory
+# (2 S M N x 4 bytes, more than the weight itself past S x M = 512 rows at K = 2,048) is gone. The bits are
+# the same either way (`split_ordered_acc`), so only speed follows this threshold.
+INNER_SPLIT_TILES = 2 * TARGET_PROGRAMS
+
+
+def inner_splits(tiles: int) -> bool:
+    """Whether a split weight's call with `tiles` output tiles sums its splits inside each tile's program."""
+    return tiles >= INNER_SPLIT_TILES
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -264,13 +309,19 @@ def _linear(x: torch.Tensor, w: torch.Tensor, config: MatmulConfig | None, one_l
         return y
     splits, per_split = split_plan(k, cfg)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    if one_launch and splits > 1 and inner_splits(tiles):
+        _matmul_kernel[(tiles, 1)](
+            x, w, y, y, y, m, n, k, per_split, splits, x.stride(0), w.stride(0), y.stride(0), 0, 0,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=False, REDUCE=False, INNER=True,
+            **dot_args(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(x))
+        return y
     cnt = tile_counters(x.device) if one_launch and splits > 1 and tiles <= MAX_TILES else None  # [MAX_TILES] i32
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y  # [S, M, N] fp32
     _matmul_kernel[(tiles, splits)](
-        x, w, y, part, cnt if cnt is not None else y, m, n, k, per_split, x.stride(0), w.stride(0), y.stride(0),
+        x, w, y, part, cnt if cnt is not None else y, m, n, k, per_split, 1, x.stride(0), w.stride(0), y.stride(0),
         part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=splits > 1, REDUCE=cnt is not None,
-        **dot_args(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(x))
+        INNER=False, **dot_args(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(x))
     if splits > 1 and cnt is None:
         block = 1024
         _split_sum_kernel[(triton.cdiv(m * n, block),)](part, y, m * n, part.stride(0), SPLITS=splits, BLOCK=block,
