@@ -36,8 +36,7 @@ import triton.language as tl
 
 from m3eagle.kernels import pdl
 from m3eagle.kernels.batch_invariant import matmul
-from m3eagle.kernels.batch_invariant.matmul import (last_to_arrive, split_ordered_acc, sum_partials, tile_acc,
-                                                    tile_ids)
+from m3eagle.kernels.batch_invariant.matmul import last_to_arrive, split_ordered_acc, sum_partials, tile_acc, tile_ids
 from m3eagle.kernels.fused import activation
 from m3eagle.kernels.fused.activation import silu_mul_f32, swiglu_oai_f32
 from m3eagle.kernels.fused.argmax import argmax, argmax_outputs

@@ -29,14 +29,14 @@ every call, which needs the calls stream-ordered: the engine runs its steps on o
 counters -- a CUDA graph captured before any eager call, or more output tiles than MAX_TILES -- takes the two
 launches, with the same bits.
 
-Each output element is then the same chain of MMAs on the same operands at every M, its row's position in
-the M tile included (an MMA's element is a function of its own row and column). The split count is fixed per
-(N, K) so decode-sized steps still spread a weight over enough programs to stream it; it never changes
-with the batch. Only the schedule follows M: tiles run row blocks fastest (`tile_ids`, so the row blocks of one
-weight tile share it through L2), and a step with INNER_SPLIT_TILES output tiles or more sums each tile's splits
-inside its program (`split_ordered_acc`, the fixup's order, no partials). `reference_linear` (F.linear) is the oracle; tests hold the kernel to it and to itself. The main
-loop (`tile_acc`), the arrival count (`last_to_arrive`) and the split sum (`sum_partials`) are shared with the
-folded GEMMs (folds.py), whose columns so sum as this kernel's.
+Each output element is then the same chain of MMAs on the same operands at every M, its row's position in the M tile
+included (an MMA's element is a function of its own row and column). The split count is fixed per (N, K) so decode-
+sized steps still spread a weight over enough programs to stream it; it never changes with the batch. Only the
+schedule follows M: tiles run row blocks fastest (`tile_ids`, so the row blocks of one weight tile share it through
+L2), and a step with INNER_SPLIT_TILES output tiles or more sums each tile's splits inside its program
+(`split_ordered_acc`, the fixup's order, no partials). `reference_linear` (F.linear) is the oracle; tests hold the
+kernel to it and to itself. The main loop (`tile_acc`), the arrival count (`last_to_arrive`) and the split sum
+(`sum_partials`) are shared with the folded GEMMs (folds.py), whose columns so sum as this kernel's.
 """
 
 from __future__ import annotations
