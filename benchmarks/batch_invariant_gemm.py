@@ -1,6 +1,7 @@
 """The deterministic mode's GEMM (m3eagle/kernels/batch_invariant/matmul.py) against the configuration space it
-may choose from, on a CUDA GPU: which (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, K splits) streams each weight
-shape fastest at decode, and what that choice costs at T = 32 and at prompt size.
+may choose from, on a CUDA GPU: which (BLOCK_N, BLOCK_K, stages, warps, K splits) at 64-row tiles streams each
+weight shape fastest at decode, and what that choice costs at T = 32, 128 (a batch-32 K = 3 verify) and at
+prompt size.
 
     python benchmarks/batch_invariant_gemm.py --geometry m3-mini --json bi_gemm.json
     python benchmarks/batch_invariant_gemm.py --device cpu --geometry embedded --t 1 --quick   # smoke test
@@ -46,11 +47,11 @@ def candidates(quick: bool) -> list[matmul.MatmulConfig]:
     if quick:
         return [matmul.MatmulConfig(16, 32, 64, 1, 4, 2)]
     out = []
-    for bm, (bn, bk), stages in itertools.product((16, 64), ((32, 128), (64, 128), (32, 256), (64, 64), (128, 64)),
-                                                  (3, 4)):
-        if bm == 64 and bk == 256 and stages == 4:  # 64 x 256 x 2 B x 4 stages of x alone: past shared memory
+    for (bn, bk), stages, warps in itertools.product(((32, 128), (64, 128), (32, 256), (64, 64), (128, 64),
+                                                      (128, 128)), (3, 4, 5), (4, 8)):
+        if (bk == 256 or bn * bk >= 128 * 128) and stages >= 4:  # operand stages past shared memory
             continue
-        out.append(matmul.MatmulConfig(bm, bn, bk, 1, 4, stages))
+        out.append(matmul.MatmulConfig(64, bn, bk, 1, warps, stages))  # 64 rows: matmul_config's MMA for every M
     return out
 
 
@@ -95,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = n * k * 2
         rule = matmul.matmul_config(n, k, dtype)
         rows: list[dict[str, Any]] = []
-        tried = [rule] + [replace(c, splits=s) for c in candidates(args.quick) for s in (1, 2, 4, 8)
-                          if s <= max(1, -(-k // c.block_k) // 4)]
+        tried = [rule] + [replace(c, splits=s) for c in candidates(args.quick) for s in (1, 2, 4, 8, 16)
+                          if s <= max(1, -(-k // c.block_k) // 2)]
         for cfg in dict.fromkeys(tried):  # the rule first; duplicates once
             try:
                 ok = row_invariant(cfg, ws[0])
@@ -116,12 +117,12 @@ def main(argv: list[str] | None = None) -> int:
         leaders = timed[:args.top] + [r for r in timed if r["rule"] and r not in timed[:args.top]]
         for r in leaders:  # the leaders and the rule at 32 rows and at prompt size
             cfg = matmul.MatmulConfig(**r["config"])
-            for t in (32, args.prompt_t):
+            for t in (32, 128, args.prompt_t):
                 x = torch.randn(t, k, device=dev).to(dtype)
                 r[f"us_t{t}"] = graph_time(lambda a, b, c=cfg: matmul.linear(a, b, config=c), x,
                                            ws, args.replays, max(4, args.min_calls // (8 if t > 64 else 1)))
         cublas = {}
-        for t in sorted({*ts, 32, args.prompt_t}):
+        for t in sorted({*ts, 32, 128, args.prompt_t}):
             x = torch.randn(t, k, device=dev).to(dtype)
             cublas[f"us_t{t}"] = graph_time(lambda a, b: F.linear(a, b), x, ws, args.replays,
                                             max(4, args.min_calls // (8 if t > 64 else 1)))
@@ -135,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                 return "-"
             c = r["config"]
             return (f"M{c['block_m']} N{c['block_n']} K{c['block_k']} s{c['splits']} st{c['num_stages']}: "
-                    + " ".join(f"t{t} {r[f'us_t{t}']:.1f}" for t in (ts[0], 32, args.prompt_t) if f"us_t{t}" in r))
+                    + f" w{c['num_warps']} "
+                    + " ".join(f"t{t} {r[f'us_t{t}']:.1f}" for t in (ts[0], 32, 128, args.prompt_t) if f"us_t{t}" in r))
         print(f"{n}x{k} ({', '.join(shape['uses'])}) cuBLAS "
               + " ".join(f"t{t} {v:.1f}" for t, v in ((kk[4:], vv) for kk, vv in cublas.items())) + " us")
         print(f"   rule {fmt(rule_row)}")
