@@ -285,6 +285,30 @@ def test_moe_rows_invariant():
     assert ((full - ref).abs().max() / ref.abs().max()) <= 1e-5
 
 
+def test_moe_small_steps_fuse_the_combine(monkeypatch):
+    """Steps of up to COMBINE_FUSE_MAX_T tokens sum in the down launch (no combine launch), wider ones launch the
+    combine; the counters are zero after either (test_moe_rows_invariant holds the two sides' bits equal)."""
+    from m3eagle.kernels.moe import triton_moe
+
+    impl = bi_moe.BatchInvariantMoE()
+    x, wts, idx, w13, w2 = _moe_case(9)
+    launched: list[tuple] = []
+    real = triton_moe._combine_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(triton_moe, "_combine_kernel", Recording())
+    small = triton_moe.COMBINE_FUSE_MAX_T
+    impl.experts(x[:small], wts[:small], idx[:small], w13, w2, 1.702, 7.0)
+    assert launched == []
+    impl.experts(x[:small + 1], wts[:small + 1], idx[:small + 1], w13, w2, 1.702, 7.0)
+    assert len(launched) == 1
+    assert not impl._counters.get(x.device).any()
+
+
 def test_moe_mutation_fails(monkeypatch):
     """A K step chosen from the token count (as the tuning table's buckets do) breaks that invariance."""
     real = bi_moe.moe_config

@@ -9,6 +9,11 @@ layer's shape (E, H, I, top-k), never of T:
     align (by expert, padded to block_m) -> gate_up GEMM + SwiGLU-OAI -> down GEMM x routing weight
     -> combine: each token's k contributions summed in fp32 in its top-k order (no atomics)
 
+Steps of up to `triton_moe.COMBINE_FUSE_MAX_T` tokens sum in the down launch's last program per column tile
+(the fused combine): that sum is `_combine_tile`, the combine launch's own code, so a token's bits are the same
+on either side of the threshold and the choice may follow the step's size. Decode steps so save one launch per
+layer.
+
 A pair's row is the same chain of MMAs wherever the sort puts it in its expert's row block. The shared
 expert runs apart on the batch-invariant GEMM (`fuses_shared` False), and routing is the fused ops' (router.py:
 the router GEMV and the route in one row-local launch). `reference.experts` stays the oracle.
@@ -20,6 +25,7 @@ import torch
 
 from m3eagle.kernels.moe.tuning import MoEConfig
 from m3eagle.kernels.quant.mxfp8 import MxWeight
+from m3eagle.kernels.split_counters import SplitCounters
 
 
 def moe_config(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype) -> MoEConfig:
@@ -36,6 +42,7 @@ class BatchInvariantMoE:
         from m3eagle.kernels.moe import triton_moe  # imports triton; only when this backend is built
 
         self._mod = triton_moe
+        self._counters = SplitCounters()  # the fused combine's per-column-tile counters, per device
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
                 down_proj: torch.Tensor, alpha: float, limit: float,
@@ -46,4 +53,4 @@ class BatchInvariantMoE:
                              "bf16 / fp16 / fp32 weights; load the checkpoint dequantized or turn deterministic off")
         cfg = moe_config(gate_up_proj.shape[0], x.shape[1], down_proj.shape[2], idx.shape[1], x.dtype)
         return self._mod.fused_experts(x, weights, idx, gate_up_proj, down_proj, alpha, limit, expert_range,
-                                       config=cfg, combine_counters=None)
+                                       config=cfg, combine_counters=self._counters.get(x.device))
