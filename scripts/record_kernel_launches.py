@@ -197,6 +197,8 @@ def deterministic_pass() -> None:
     shapes, the route launch after the GEMM router; then direct GEMMs for the shapes the pair does not take
     (split with the in-launch sum, the two-launch fallback with `_split_sum_kernel`, unsplit, fp32)."""
     from m3eagle import LLM, SamplingParams
+    from m3eagle.kernels.attention import triton_kernels
+    from m3eagle.kernels.attention.metadata import build_metadata
     from m3eagle.kernels.batch_invariant import folds, matmul
 
     bi = "batch_invariant"
@@ -212,6 +214,11 @@ def deterministic_pass() -> None:
         matmul.linear_two_launch(x, w)  # split: the second launch
         wide = torch.randn(64 * matmul.TARGET_PROGRAMS, 64, generator=g).to(dtype)
         matmul.linear(x[:, :64], wide)  # unsplit (a weight wide enough to fill the programs: 64-deep K tiles)
+        # a sparse layer whose context fits the top-k: every block walked without the indexer (ALL)
+        k_pool, v_pool = (torch.randn(64, 2, 16, generator=g).to(dtype) for _ in range(2))
+        meta = build_metadata([2], torch.tensor([7]), torch.tensor([[1, 2]]), 4, torch.device("cpu"), max_kv=7)
+        triton_kernels.sparse_attention(torch.randn(2, 4, 16, generator=g).to(dtype), k_pool, v_pool, meta, 0.25,
+                                        (2, 2), 4, sel_chunk=32)
         inner, matmul.INNER_SPLIT_TILES = matmul.INNER_SPLIT_TILES, 1
         try:  # the splits summed inside each program, as a step with enough output tiles runs them
             matmul.linear(x, w)

@@ -217,6 +217,26 @@ def test_attention_token_invariant(sparse):
         _assert_same(_token_outputs(backend, seq, p, sparse))
 
 
+def test_sparse_short_context_skips_the_indexer_same_bits(monkeypatch):
+    """A step whose KV bound fits the top-k walks every visible block without the indexer: a token there has the
+    bits it has in steps whose bound (another row's context, the host's overshoot) runs the indexer."""
+    backend = bi_attention.BatchInvariantBackend()
+    calls: list[int] = []
+    real = backend.select_blocks
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "select_blocks", counted)
+    seq = Seq(6)
+    for p in (5, 10):  # 2 and 3 blocks of 4 keys: within TOPK = 3 alone, past it beside longer rows
+        outs = _token_outputs(backend, seq, p, sparse=True)
+        _assert_same(outs)
+        assert 0 < len(calls) < len(outs), (p, len(calls))  # both paths ran
+        calls.clear()
+
+
 def test_attention_mutation_fails(monkeypatch):
     """Split-KV chosen from the batch (the triton backend's policy) breaks the invariance test above."""
     real = triton_kernels.dense_attention

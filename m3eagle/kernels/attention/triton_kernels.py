@@ -250,9 +250,10 @@ def _sparse_attn_kernel(
     qk_scale, page_size, num_page_cols, max_kv, block_size, num_sel, sel_per_split, tail_width,
     HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, GROUP_KV: tl.constexpr, GROUP_IDX: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_BS: tl.constexpr, SEL_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr):
+    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, TAIL: tl.constexpr, ALL: tl.constexpr, PDL: tl.constexpr):
     """Grid (T, Hq // HEADS, splits). One program: one query token times HEADS query heads that share
     both a KV head and an index head, visiting only its selected key blocks (sel[t, ih, :], -1 = none).
+    ALL: every block is selected (a context that fits the top-k): entry j is block j, Sel is not read.
     Tokens are not tiled together because each token has its own block selection; prompt steps (a row of
     >= 16 tokens) run `sparse_prefill._sparse_prefill_kernel` instead, which tiles a row's tokens over the
     union of their selections.
@@ -293,7 +294,10 @@ def _sparse_attn_kernel(
     hi = tl.minimum(lo + sel_per_split, num_sel)
     for i0 in range(lo, hi, SEL_CHUNK):
         entry = i0 + chunk
-        blk = tl.load(sel_row + entry, mask=entry < hi, other=-1).to(tl.int32)  # [N]
+        if ALL:  # the indexer's list for a context of <= top-k blocks: 0, 1, .., then -1 past the token
+            blk = tl.where(entry < hi, entry, -1).to(tl.int32)  # [N] (a block past pos is masked below either way)
+        else:
+            blk = tl.load(sel_row + entry, mask=entry < hi, other=-1).to(tl.int32)  # [N]
         keys = blk * block_size + within
         # Selected blocks are distinct, so no key is counted twice; a -1 entry masks its whole block.
         k_ok = (blk >= 0) & (within < block_size) & (keys <= pos) & (keys < max_kv)  # [N]
@@ -752,14 +756,18 @@ def selection_mask(sel: torch.Tensor, num_blocks: int) -> torch.Tensor:
 
 
 def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttnMetadata,
-                     scale: float, sel: torch.Tensor, block_size: int, num_splits: int = 1,
+                     scale: float, sel: torch.Tensor | tuple[int, int], block_size: int, num_splits: int = 1,
                      keys_per_iter: int = 128, out: torch.Tensor | None = None, num_warps: int = 4,
                      sel_chunk: int | None = None) -> torch.Tensor:
     """q [T, Hq, D], sel [T, Hi, k] (block ids, -1 = none) -> out [T, Hq, D]: each token sees only the keys
-    of its selected blocks, token-causal. Attention head h reads index head h // (Hq // Hi)."""
+    of its selected blocks, token-causal. Attention head h reads index head h // (Hq // Hi). sel = (Hi, k)
+    selects every block of a context of k <= top-k blocks without a selection tensor: the same visits, and
+    bits, as the indexer's list for it (blocks 0, 1, .. up to the token's own, then -1)."""
     _check_pools(q, k_pool, v_pool)
     t, hq, d = q.shape
-    hkv, hi, num_sel = k_pool.shape[1], sel.shape[1], sel.shape[2]
+    every = not isinstance(sel, torch.Tensor)
+    hkv = k_pool.shape[1]
+    hi, num_sel = sel if every else (sel.shape[1], sel.shape[2])
     if hq % hi:
         raise ValueError(f"query heads ({hq}) must be a multiple of index heads ({hi})")
     out = torch.empty_like(q) if out is None else out
@@ -780,13 +788,14 @@ def sparse_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         sel_chunk = max(sel_chunk, _pow2(-(-16 // block_bs)))
     tail_start, tail_slots, stride_tail, tail_width, has_tail = _tail_args(meta, page_table)
     _sparse_attn_kernel[(t, hq // heads, splits)](
-        q, k_pool, v_pool, out, part_o, part_lse, page_table, meta.tok_row, meta.positions, sel, tail_start,
-        tail_slots, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        out.stride(0), out.stride(1), page_table.stride(0), *pstr, sel.stride(0), sel.stride(1), stride_tail,
+        q, k_pool, v_pool, out, part_o, part_lse, page_table, meta.tok_row, meta.positions,
+        meta.positions if every else sel, tail_start, tail_slots, q.stride(0), q.stride(1), k_pool.stride(0),
+        k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), out.stride(0), out.stride(1), page_table.stride(0),
+        *pstr, 0 if every else sel.stride(0), 0 if every else sel.stride(1), stride_tail,
         scale * LOG2E, meta.page_size, page_table.shape[1], meta.max_kv, block_size, num_sel, per_split, tail_width,
         HEAD_DIM=d, HEADS=heads, GROUP_KV=group_kv, GROUP_IDX=group_idx, BLOCK_G=_pow2(heads, 16),
         BLOCK_BS=block_bs, SEL_CHUNK=sel_chunk, BLOCK_D=_pow2(d, 16), SPLIT=splits > 1,
-        DOT_PREC=_dot_precision(k_pool.dtype), TAIL=has_tail, num_warps=num_warps, **pdl.args(q))
+        DOT_PREC=_dot_precision(k_pool.dtype), TAIL=has_tail, ALL=every, num_warps=num_warps, **pdl.args(q))
     if splits > 1:
         _combine(part_o, part_lse, out)
     return out

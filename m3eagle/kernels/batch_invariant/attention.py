@@ -100,8 +100,16 @@ class BatchInvariantBackend(TritonBackend):
     def sparse_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                          meta: AttnMetadata, scale: float, iq: torch.Tensor, ik_pool: torch.Tensor,
                          block_size: int, topk: int, local_blocks: int) -> torch.Tensor:
-        """Always indexer + per-token sparse attention: the dense shortcut's key tiles would sum a short
-        context in another order than the same token's sparse walk once the context has grown."""
+        """Always the per-token sparse walk: the dense shortcut's key tiles would sum a short context in another
+        order than the same token's sparse walk once the context has grown. A step whose every row fits the
+        top-k (ceil(max_kv / block) <= topk) selects every visible block whatever the scores, so it skips the
+        indexer and walks blocks 0, 1, .. directly: the indexer's own list, the same visits and bits, one
+        launch fewer per sparse layer."""
+        num_blocks = -(-meta.max_kv // block_size)
+        if num_blocks <= topk:
+            return triton_kernels.sparse_attention(q, k_pool, v_pool, meta, scale, (iq.shape[1], num_blocks),
+                                                   block_size, num_splits=1,
+                                                   sel_chunk=sparse_config(block_size).sel_chunk)
         sel = self.select_blocks(iq, ik_pool, meta, block_size, topk, local_blocks)  # [T, Hi, k]
         return self.attend_selected(q, k_pool, v_pool, meta, scale, sel, block_size)
 
