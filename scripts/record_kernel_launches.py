@@ -200,6 +200,7 @@ def deterministic_pass() -> None:
     from m3eagle.kernels.attention import triton_kernels
     from m3eagle.kernels.attention.metadata import build_metadata
     from m3eagle.kernels.batch_invariant import folds, matmul
+    from m3eagle.kernels.batch_invariant.moe import BatchInvariantMoE
 
     bi = "batch_invariant"
     llm = LLM(None, device="cpu", dtype="bfloat16", attention_backend=bi, moe_backend=bi, fused_backend=bi,
@@ -219,6 +220,16 @@ def deterministic_pass() -> None:
         meta = build_metadata([2], torch.tensor([7]), torch.tensor([[1, 2]]), 4, torch.device("cpu"), max_kv=7)
         triton_kernels.sparse_attention(torch.randn(2, 4, 16, generator=g).to(dtype), k_pool, v_pool, meta, 0.25,
                                         (2, 2), 4, sel_chunk=32)
+        # the shared expert in the routed launches at the routed width (the pair's is another), fused and
+        # separate combine
+        e, h, i = 4, 64, 32
+        w13, w2 = torch.randn(e, 2 * i, h, generator=g).to(dtype), torch.randn(e, h, i, generator=g).to(dtype)
+        s13, s2 = w13[0].clone(), w2[0].clone()
+        for t in (3, 20):
+            xm = torch.randn(t, h, generator=g).to(dtype)
+            idx = torch.randint(0, e, (t, 2), generator=g)
+            BatchInvariantMoE().experts_and_shared(xm, torch.rand(t, 2, generator=g), idx, w13, w2, s13, s2, 1.702,
+                                                   7.0, 2.0)
         inner, matmul.INNER_SPLIT_TILES = matmul.INNER_SPLIT_TILES, 1
         try:  # the splits summed inside each program, as a step with enough output tiles runs them
             matmul.linear(x, w)

@@ -305,6 +305,38 @@ def test_moe_rows_invariant():
     assert ((full - ref).abs().max() / ref.abs().max()) <= 1e-5
 
 
+@pytest.mark.parametrize("shared_inter", [32, 48])
+def test_moe_shared_expert_rides_in_the_routed_launches_rows_invariant(shared_inter):
+    """The shared expert as one more expert of the sorted launches (its own width too): a token's whole MoE output
+    (routed_scale * routed + shared) is the same bits alone and in batches on both sides of the fused-combine
+    threshold, and matches the reference within rounding."""
+    impl = bi_moe.BatchInvariantMoE()
+    x, wts, idx, w13, w2 = _moe_case(10)
+    g = gen(11)
+    s13 = torch.randn(2 * shared_inter, x.shape[1], generator=g) * 0.1
+    s2 = torch.randn(x.shape[1], shared_inter, generator=g) * 0.1
+    f = lambda sl: impl.experts_and_shared(x[sl], wts[sl], idx[sl], w13, w2, s13, s2, 1.702, 7.0, 2.0)  # noqa: E731
+    full = f(slice(None))
+    assert full is not None
+    for a, m in ((0, 1), (39, 1), (3, 2), (10, 17), (1, 33)):
+        assert torch.equal(f(slice(a, a + m)), full[a:a + m]), (a, m)
+    t = x.shape[0]
+    shared = moe_reference.experts(x, torch.ones(t, 1), torch.zeros(t, 1, dtype=torch.long), s13[None], s2[None],
+                                   1.702, 7.0)
+    ref = moe_reference.experts(x, wts, idx, w13, w2, 1.702, 7.0) * 2.0 + shared
+    assert ((full - ref).abs().max() / ref.abs().max()) <= 1e-5
+
+
+def test_moe_shared_expert_it_cannot_index_runs_apart():
+    """A shared expert the sorted GEMMs cannot index (another dtype) is refused for every step alike: None, so the
+    model runs it apart."""
+    impl = bi_moe.BatchInvariantMoE()
+    x, wts, idx, w13, w2 = _moe_case(12)
+    s13, s2 = torch.zeros(64, x.shape[1], dtype=torch.float64), torch.zeros(x.shape[1], 32, dtype=torch.float64)
+    for m in (1, 40):
+        assert impl.experts_and_shared(x[:m], wts[:m], idx[:m], w13, w2, s13, s2, 1.702, 7.0, 2.0) is None
+
+
 def test_moe_small_steps_fuse_the_combine(monkeypatch):
     """Steps of up to COMBINE_FUSE_MAX_T tokens sum in the down launch (no combine launch), wider ones launch the
     combine; the counters are zero after either (test_moe_rows_invariant holds the two sides' bits equal)."""

@@ -4,7 +4,8 @@ composition for every row count.
 `TritonFused` runs a projection on the decode GEMV or cuBLAS by row count, and folds norms, residuals,
 activations and the greedy pick into the GEMV only for some row counts: each choice moves a row's bf16
 rounding points. Here every `linear` (q/k/v, o_proj, MLPs, the shared expert, lm_head, the draft head's
-layers and its fc) runs `matmul.linear`, and a fold is taken at every row count or at none:
+layers and its fc, a shared expert the MoE launches cannot take) runs `matmul.linear`, and a fold is taken
+at every row count or at none:
 
 - folded always (folds.py, router.py): the gate_up GEMM + SwiGLU / SiLU-and-multiply (`linear_act`), the LM
   head + argmax (`linear_argmax`) and the router (its fp32 GEMM + the route, `router.route_tokens`), each one

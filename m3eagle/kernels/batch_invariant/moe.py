@@ -14,9 +14,13 @@ Steps of up to `triton_moe.COMBINE_FUSE_MAX_T` tokens sum in the down launch's l
 on either side of the threshold and the choice may follow the step's size. Decode steps so save one launch per
 layer.
 
-A pair's row is the same chain of MMAs wherever the sort puts it in its expert's row block. The shared
-expert runs apart on the batch-invariant GEMM (`fuses_shared` False), and routing is the fused ops' (router.py:
-the router GEMV and the route in one row-local launch). `reference.experts` stays the oracle.
+A pair's row is the same chain of MMAs wherever the sort puts it in its expert's row block. The shared expert
+rides in the same launches as one more expert every token uses (`experts_and_shared`: its segment of T rows
+after the routed ones, each row the same chain of MMAs at every T, summed after the routed rows in the
+combine), wherever the sorted GEMMs can index its weights -- a property of the weights, never of the step, so
+a layer takes it at every T or at none (the model then runs it apart on the batch-invariant GEMM). Routing is
+the fused ops' (router.py: the router GEMV and the route in one row-local launch). `reference.experts` stays
+the oracle.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ def moe_config(num_experts: int, hidden: int, inter: int, top_k: int, dtype: tor
 
 class BatchInvariantMoE:
     name = "batch_invariant"
-    fuses_shared = False  # the model runs the shared expert apart, on the batch-invariant GEMM
+    fuses_shared = True  # the shared expert rides in the routed launches where its weights allow (`experts_and_shared`)
 
     def __init__(self) -> None:
         from m3eagle.kernels.moe import triton_moe  # imports triton; only when this backend is built
@@ -54,3 +58,20 @@ class BatchInvariantMoE:
         cfg = moe_config(gate_up_proj.shape[0], x.shape[1], down_proj.shape[2], idx.shape[1], x.dtype)
         return self._mod.fused_experts(x, weights, idx, gate_up_proj, down_proj, alpha, limit, expert_range,
                                        config=cfg, combine_counters=self._counters.get(x.device))
+
+    def experts_and_shared(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                           gate_up_proj: torch.Tensor, down_proj: torch.Tensor, shared_gate_up: torch.Tensor,
+                           shared_down: torch.Tensor, alpha: float, limit: float,
+                           routed_scale: float) -> torch.Tensor | None:
+        """routed_scale * experts(...) + the shared expert (shared_gate_up [2I_s, H], shared_down [H, I_s]) on x
+        [T, H], from the routed launches under `moe_config`; None where the sorted GEMMs cannot index the shared
+        weights (decided from the weights alone, so the same for every step: the caller runs it apart)."""
+        if isinstance(gate_up_proj, MxWeight) or isinstance(down_proj, MxWeight):
+            return None  # `experts` refuses MXFP8 by name
+        shared = (shared_gate_up, shared_down)
+        if not self._mod.sorted_takes_shared(gate_up_proj, down_proj, shared):
+            return None
+        cfg = moe_config(gate_up_proj.shape[0], x.shape[1], down_proj.shape[2], idx.shape[1], x.dtype)
+        return self._mod.fused_experts(x, weights, idx, gate_up_proj, down_proj, alpha, limit, None, config=cfg,
+                                       shared=shared, routed_scale=routed_scale,
+                                       combine_counters=self._counters.get(x.device))

@@ -417,12 +417,18 @@ def _shared_weights(shared: Shared | None, w13: torch.Tensor, w2: torch.Tensor,
     return shared
 
 
+def sorted_takes_shared(w13: torch.Tensor, w2: torch.Tensor, shared: Shared) -> bool:
+    """Whether the sorted grouped GEMMs can index this shared expert (shapes, dtype and inner strides only: the
+    answer is the same for every step)."""
+    return _shared_problem(shared, w13, w2) is None
+
+
 def shared_fusable(t: int, k: int, w13: torch.Tensor, w2: torch.Tensor, shared: Shared,
                    config: MoEConfig | None = None) -> bool:
     """Whether `fused_experts(shared=...)` takes this shared expert for a step of t tokens (any width): the
     sorted GEMMs' conditions (then every path can), else the direct path's where the step's config is
     direct (its kernels index the shared expert with its own strides)."""
-    if _shared_problem(shared, w13, w2) is None:
+    if sorted_takes_shared(w13, w2, shared):
         return True
     cfg = config or tuning.get_config(t, w13.shape[0], w13.shape[2], w2.shape[2], k, w13.dtype, w13.device)
     return bool(cfg.direct) and direct.usable(w13, w2, shared)
