@@ -76,3 +76,22 @@ def test_graph_replay_equals_two_launches(fresh_counters: bool, monkeypatch) -> 
     torch.cuda.synchronize()
     if not fresh_counters:
         assert not matmul.tile_counters("cuda").any()
+
+
+def test_inner_splits_equal_two_launches_on_the_gpu() -> None:
+    """Prompt-sized steps (>= INNER_SPLIT_TILES output tiles) sum each tile's splits inside its program: the
+    compiled loop (split 0, then += split 1 .. S-1) keeps the two-launch path's bits, at prompt size and with the
+    threshold lowered so that 1 and 33 rows take it too; the fold's activation likewise."""
+    from m3eagle.kernels.batch_invariant import folds, matmul
+
+    x, w = _operands(2560, 2048, 2048, seed=7)
+    assert matmul.inner_splits(-(-2048 // 64) * -(-2560 // 64))  # the prompt-sized call takes the inner path
+    for m in (2048, 33, 1):
+        ref = matmul.linear_two_launch(x[:m], w)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(matmul, "INNER_SPLIT_TILES", 1)
+            y = matmul.linear(x[:m], w)
+            act = folds.linear_act(x[:m], w, "swiglu_oai", 1.702, 7.0)
+        assert torch.equal(y.view(torch.int16), ref.view(torch.int16)), m
+        ref_act = folds.linear_act_two_launch(x[:m], w, "swiglu_oai", 1.702, 7.0)
+        assert torch.equal(act.view(torch.int16), ref_act.view(torch.int16)), m
