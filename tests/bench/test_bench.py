@@ -719,6 +719,15 @@ def test_bench_serve_over_client_processes(tmp_path):
     assert r["duration_s"] >= 2 * 2 * 0.05 * 0.9  # 8 requests, 4 at a time, each 2 events 0.05 s apart
 
 
+def _bench_two_client_processes() -> tuple[int, str]:
+    """bench-serve with two client processes against a fake server: (exit code, stderr)."""
+    with FakeServer(gap=0.01, events=1, per_event=1) as srv:
+        rc, _, err = _run(["bench-serve", "--base-url", srv.url, "--dataset", "random", "--input-len", "16",
+                           "--output-len", "2", "--num-prompts", "4", "--max-concurrency", "4", "--warmup", "0",
+                           "--client-processes", "2"])
+    return rc, err
+
+
 def test_bench_serve_client_process_failure_is_reported(tmp_path, monkeypatch):
     """A client process that fails (here: one of its request bodies cannot be sent as JSON) ends the run with one
     error naming the failure, not a hang: the other process still starts and finishes, the parent reports it."""
@@ -732,10 +741,7 @@ def test_bench_serve_client_process_failure_is_reported(tmp_path, monkeypatch):
         return real(job, bodies, lens, firsts, procs, *rest)
 
     monkeypatch.setattr(serve, "run_in_processes", broken)
-    with FakeServer(gap=0.01, events=1, per_event=1) as srv:
-        rc, _, err = _run(["bench-serve", "--base-url", srv.url, "--dataset", "random", "--input-len", "16",
-                           "--output-len", "2", "--num-prompts", "4", "--max-concurrency", "4", "--warmup", "0",
-                           "--client-processes", "2"])
+    rc, err = _bench_two_client_processes()
     assert rc != 0 and "a bench-serve client process failed: TypeError" in err
 
 
@@ -750,8 +756,5 @@ def test_bench_serve_client_process_death_is_reported(monkeypatch):
     from m3eagle.bench import serve
 
     monkeypatch.setattr(serve, "_client_process", _exit_at_once)
-    with FakeServer(gap=0.01, events=1, per_event=1) as srv:
-        rc, _, err = _run(["bench-serve", "--base-url", srv.url, "--dataset", "random", "--input-len", "16",
-                           "--output-len", "2", "--num-prompts", "4", "--max-concurrency", "4", "--warmup", "0",
-                           "--client-processes", "2"])
+    rc, err = _bench_two_client_processes()
     assert rc != 0 and "exited with code 3 before reporting" in err

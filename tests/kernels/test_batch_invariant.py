@@ -34,6 +34,7 @@ from m3eagle.kernels.batch_invariant.fused import BatchInvariantFused  # noqa: E
 from m3eagle.kernels.fused.reference import rope_cos_sin  # noqa: E402
 from m3eagle.kernels.moe import reference as moe_reference  # noqa: E402
 from m3eagle.kernels.ops import make_ops  # noqa: E402
+from tests.helpers.kernel_spy import count_calls, spy_launches  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -221,14 +222,7 @@ def test_sparse_short_context_skips_the_indexer_same_bits(monkeypatch):
     """A step whose KV bound fits the top-k walks every visible block without the indexer: a token there has the
     bits it has in steps whose bound (another row's context, the host's overshoot) runs the indexer."""
     backend = bi_attention.BatchInvariantBackend()
-    calls: list[int] = []
-    real = backend.select_blocks
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(backend, "select_blocks", counted)
+    calls = count_calls(monkeypatch, backend, "select_blocks")
     seq = Seq(6)
     for p in (5, 10):  # 2 and 3 blocks of 4 keys: within TOPK = 3 alone, past it beside longer rows
         outs = _token_outputs(backend, seq, p, sparse=True)
@@ -344,15 +338,7 @@ def test_moe_small_steps_fuse_the_combine(monkeypatch):
 
     impl = bi_moe.BatchInvariantMoE()
     x, wts, idx, w13, w2 = _moe_case(9)
-    launched: list[tuple] = []
-    real = triton_moe._combine_kernel
-
-    class Recording:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(triton_moe, "_combine_kernel", Recording())
+    launched = spy_launches(monkeypatch, triton_moe, "_combine_kernel")
     small = triton_moe.COMBINE_FUSE_MAX_T
     impl.experts(x[:small], wts[:small], idx[:small], w13, w2, 1.702, 7.0)
     assert launched == []

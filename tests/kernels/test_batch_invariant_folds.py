@@ -32,6 +32,7 @@ import triton.runtime.interpreter as interp  # noqa: E402
 from m3eagle.kernels.batch_invariant import folds, matmul, router  # noqa: E402
 from m3eagle.kernels.batch_invariant.fused import BatchInvariantFused  # noqa: E402
 from m3eagle.kernels.fused import reference  # noqa: E402
+from tests.helpers.kernel_spy import spy_launches  # noqa: E402
 
 CPU = torch.device("cpu")
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.int64: torch.int64}
@@ -113,16 +114,8 @@ def test_linear_act_inner_splits_same_bits(dtype, monkeypatch):
     split launch and the two launches, at 1, 3 and 64 rows."""
     x, w, cfg = _gemm_case(80, 160, dtype, 4, seed=9)
     split = [folds.linear_act(x[:m], w, "swiglu_oai", 1.702, 7.0, cfg) for m in (1, 3, 64)]
-    grids = []
-    real = folds._matmul_act_kernel
-
-    class Recording:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return real[grid]
-
     monkeypatch.setattr(matmul, "INNER_SPLIT_TILES", 1)
-    monkeypatch.setattr(folds, "_matmul_act_kernel", Recording())
+    grids = spy_launches(monkeypatch, folds, "_matmul_act_kernel", record=lambda grid, kw: grid)
     for m, ref in zip((1, 3, 64), split):
         inner = folds.linear_act(x[:m], w, "swiglu_oai", 1.702, 7.0, cfg)
         assert grids[-1][1] == 1

@@ -31,6 +31,7 @@ pytest.importorskip("triton")
 import triton.runtime.interpreter as interp  # noqa: E402
 
 from m3eagle.kernels.batch_invariant import matmul  # noqa: E402
+from tests.helpers.kernel_spy import spy_launches  # noqa: E402
 
 CPU = torch.device("cpu")
 SPLITS = (1, 2, 4, 8)
@@ -178,17 +179,6 @@ def test_tile_counters_are_one_zeroed_buffer_per_device() -> None:
     assert not c.any()
 
 
-class _NoSplitGrid:
-    """Wraps `_matmul_kernel` and records each launch's grid: the inner-split path must launch S = 1."""
-
-    def __init__(self, real) -> None:
-        self.real, self.grids = real, []
-
-    def __getitem__(self, grid: tuple) -> Callable:
-        self.grids.append(grid)
-        return self.real[grid]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [2, 8])
 def test_inner_splits_equal_split_launch(dtype: torch.dtype, splits: int, monkeypatch) -> None:
@@ -197,20 +187,14 @@ def test_inner_splits_equal_split_launch(dtype: torch.dtype, splits: int, monkey
     switching schedule with the row count moves no row."""
     x, w, cfg = _operands(dtype, splits, seed=20 + splits)
     counters = matmul.tile_counters(CPU)
-    rec = _NoSplitGrid(matmul._matmul_kernel)
     for m in ROWS:
         a = x[:m]
         ref = matmul.linear_two_launch(a, w, config=cfg)  # [m, N]
         with monkeypatch.context() as mp:
             mp.setattr(matmul, "INNER_SPLIT_TILES", 1)  # every call takes the inner splits
-            mp.setattr(matmul, "_matmul_kernel", rec)
+            grids = spy_launches(mp, matmul, "_matmul_kernel", record=lambda grid, kw: grid)
             y = _one_launch(a, w, cfg, monkeypatch)
-        assert rec.grids[-1][1] == 1, f"S={splits} M={m}: the inner path launched {rec.grids[-1]}"
+        assert grids == [(grids[0][0], 1)], f"S={splits} M={m}: the inner path launched {grids}"
         assert _bits_equal(y, ref), f"S={splits} M={m}: inner splits differ from the split launch"
         assert not counters.any()
 
-
-def test_inner_split_threshold_follows_tiles_only() -> None:
-    """The schedule switches on the output tile count (rows x columns), never on anything a row computes."""
-    assert not matmul.inner_splits(matmul.INNER_SPLIT_TILES - 1)
-    assert matmul.inner_splits(matmul.INNER_SPLIT_TILES)

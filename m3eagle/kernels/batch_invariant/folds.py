@@ -232,12 +232,11 @@ def linear_act(x: torch.Tensor, w: torch.Tensor, act: str, alpha: float = 0.0, l
     half = cfg.block_n // 2
     n_tiles = triton.cdiv(inter, half)
     tiles = triton.cdiv(m, cfg.block_m) * n_tiles
-    inner = splits > 1 and matmul.inner_splits(tiles)
-    cnt = (matmul.tile_counters(x.device) if splits > 1 and not inner and tiles <= matmul.MAX_TILES
-           else None)  # [MAX_TILES] i32
-    if not act_folds(x) or (splits > 1 and not inner and cnt is None):
+    inner = splits > 1 and matmul.inner_splits(tiles)  # each program sums its tile's splits: no partials
+    split = splits > 1 and not inner  # the splits run across programs, summed by each tile's last one
+    cnt = matmul.tile_counters(x.device) if split and tiles <= matmul.MAX_TILES else None  # [MAX_TILES] i32
+    if not act_folds(x) or (split and cnt is None):
         return linear_act_two_launch(x, w, act, alpha, limit, cfg)
-    split = splits > 1 and not inner
     part = (torch.empty(splits, m, n_tiles * cfg.block_n, dtype=torch.float32, device=x.device) if split
             else y)  # [S, M, tiles * BN] fp32, in the programs' lane order
     _matmul_act_kernel[(tiles, splits if split else 1)](
