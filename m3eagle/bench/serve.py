@@ -18,7 +18,8 @@ A run, in order:
   5. A table (stderr) and a JSON document (stdout or --json FILE); `DEFINITIONS` travels inside it.
 
 Each client process runs one `httpx.AsyncClient` (a connection pool sized to its most requests in flight, per-
-operation timeouts and a per-request deadline, TLS for https); server-sent events are read line by line as they
+operation timeouts and a per-request deadline, TLS for https), its connections opened before the measured window
+(`open_connections`); server-sent events are read line by line as they
 arrive and timed on arrival. `--client-processes` spreads the measured requests over spawned processes (by default
 one per REQUESTS_PER_PROCESS requests in flight, up to half the cores), since one Python process parsing events
 saturates its core before a fast server does. /metrics is parsed with prometheus_client's text parser, percentiles
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import multiprocessing
@@ -188,6 +190,23 @@ async def get_text(client: httpx.AsyncClient, path: str) -> tuple[int, str]:
     except httpx.TransportError as e:
         raise OSError(f"cannot reach {client.base_url} ({type(e).__name__}: {e}); is the server running?") from None
     return r.status_code, r.text
+
+
+# Connections opened ahead of the measured window: past this many in flight, the rest open as they go.
+MAX_PREOPENED = 256
+
+
+async def open_connections(client: httpx.AsyncClient, n: int) -> None:
+    """Leave `n` keep-alive connections in the client's pool before the measured window, each opened by a
+    `GET /v1/models` (a route no engine step serves) whose body is read only once all of them have connected (a
+    connection goes back to the pool when its body is read). Otherwise each client's first request pays its TCP
+    connect and httpx's first-use imports (anyio's backend: tens of ms with the event loop blocked), and the
+    requests queued behind it wait too: a TTFT tail the server never made."""
+    async with contextlib.AsyncExitStack() as held:
+        responses = [await held.enter_async_context(client.stream("GET", "/v1/models"))
+                     for _ in range(min(n, MAX_PREOPENED))]
+        for r in responses:
+            await r.aread()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -469,6 +488,7 @@ async def _bench(a: argparse.Namespace) -> dict[str, Any]:
         job = {"url": url, "endpoint": endpoint, "timeout": a.timeout, "turns": turns,
                "n_total": a.warmup + a.num_prompts, "num_prompts": a.num_prompts}
         if procs == 1:
+            await open_connections(client, a.max_concurrency or len(firsts))
             results, t0, duration, cpu = await run_requests(
                 client, {**job, "bodies": dict(enumerate(bodies)), "lens": [len(p) for p in prompts],
                          "firsts": firsts, "concurrency": a.max_concurrency, "rate": a.request_rate,
@@ -588,7 +608,9 @@ def _client_process(job: dict[str, Any], out: Any, go_event: Any, go_at: Any) ->
     """One client process (spawned): its share of the run on its own event loop and connection pool. It says
     "ready" once imported and connected, then starts at the instant the parent sets (go_at, after go_event)."""
     async def main() -> tuple[list[Result], float, float, float]:
-        async with make_client(job["url"], job["timeout"], job["concurrency"] or len(job["bodies"])) as client:
+        connections = job["concurrency"] or len(job["firsts"])
+        async with make_client(job["url"], job["timeout"], connections) as client:
+            await open_connections(client, connections)
             out.put(("ready", None))
             await asyncio.get_running_loop().run_in_executor(None, go_event.wait)
             return await run_requests(client, job, go_at.value)

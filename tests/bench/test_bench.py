@@ -362,9 +362,11 @@ class FakeServer:
         self.bodies: list[dict] = []
         self.in_flight = self.max_in_flight = 0
         self.drafts = 0
+        self.peers: dict[str, set] = {"models": set(), "completions": set()}  # the client's (host, port) per route
         import time as _time
 
         async def models(request):
+            self.peers["models"].add(tuple(request.client))
             return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
         async def metrics(request):
@@ -385,6 +387,7 @@ class FakeServer:
             import asyncio as _asyncio
 
             body = await request.json()
+            self.peers["completions"].add(tuple(request.client))
             n = len(self.arrivals)
             self.arrivals.append(_time.perf_counter())
             self.bodies.append(body)
@@ -499,6 +502,18 @@ def test_bench_serve_against_a_server(tmp_path):
     assert all(q["ttft_ms"] >= gap * 1e3 * 0.9 and q["e2e_ms"] >= q["ttft_ms"] and q["output_tokens"] == 6
                and q["prompt_tokens"] == 16 for q in reqs if q["ok"])
     assert reqs[-1]["sent_ms"] >= 3 * gap * 1e3  # 3 at a time: the last ones wait for earlier streams
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_bench_serve_opens_its_connections_before_the_measured_window(tmp_path, processes):
+    """Every measured request goes over a connection that a GET /v1/models opened ahead of the window (a
+    client's first connect and httpx's first-use imports are not the server's TTFT), one per request in
+    flight, in one client process or spread over two."""
+    with FakeServer(gap=0.005) as srv:
+        _bench_serve(srv.url, tmp_path, "--num-prompts", "12", "--max-concurrency", "4", "--warmup", "0",
+                     "--client-processes", processes)
+    assert len(srv.peers["completions"]) == 4  # one connection per request in flight
+    assert srv.peers["completions"] <= srv.peers["models"]
 
 
 def test_bench_serve_chat_and_poisson_arrivals(tmp_path):

@@ -180,3 +180,45 @@ def test_warmup_compiles_the_index_merge_variants_on_cuda(monkeypatch):
     assert calls == [(c.index_n_heads, c.index_block_size, c.index_topk_blocks, c.index_local_blocks, 128, eng.device)]
     monkeypatch.setattr(eng, "ops", SimpleNamespace(attention=SimpleNamespace()))  # a backend without merge variants
     assert eng._warm_index_merges() == 0
+
+
+FIRST_STREAM_SCRIPT = r"""
+import http.client, json, sys, time
+from m3eagle import LLM
+from m3eagle.entrypoints.server import OpenAIServer, ServerThread
+
+def post(port, path, body):
+    c = http.client.HTTPConnection("127.0.0.1", port)
+    c.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    r.read()
+    c.close()
+    return r.status
+
+llm = LLM(device="cpu", max_num_tokens=64, max_model_len=128, max_num_seqs=2)
+with ServerThread(OpenAIServer(llm)) as s:
+    while post(s.port, "/v1/completions", {"prompt": [5], "max_tokens": -1}) != 400:  # the server answers
+        time.sleep(0.05)
+    before = set(sys.modules)
+    status = [post(s.port, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2, "stream": True}),
+              post(s.port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                    "max_tokens": 2, "stream": True})]
+    print(json.dumps({"status": status, "imported": sorted(set(sys.modules) - before)}))
+"""
+
+
+@pytest.mark.slow
+def test_the_first_streamed_request_imports_nothing():
+    """A fresh server's first streamed answers import no module on the event loop: Starlette streams through an
+    anyio task group, whose asyncio backend anyio imports on first use (tens of ms, the first requests' TTFT)
+    unless the server's startup has. A subprocess: the test process may have imported it already."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FIRST_STREAM_SCRIPT], capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    assert doc["status"] == [200, 200]
+    assert doc["imported"] == [], f"the first streamed requests imported {doc['imported']}"

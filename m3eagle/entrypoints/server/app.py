@@ -46,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import anyio
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -213,6 +214,10 @@ class OpenAIServer(ChatServing):
     # ---- lifecycle ----------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        # Starlette streams through an anyio task group, and anyio imports its asyncio backend on the first one:
+        # tens of ms on the event loop, paid by the first streamed request of a fresh server. Pay it here.
+        async with anyio.create_task_group():
+            pass
         self.engine_loop.start()
         logger = asyncio.create_task(self._log_stats())
         watcher = asyncio.create_task(self._await_warmup())
