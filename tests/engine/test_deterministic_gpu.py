@@ -75,36 +75,54 @@ def diff(a: list[list[int]], b: list[list[int]]) -> list[int]:
     return [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
 
 
+def first_diffs(a: list[list[int]], b: list[list[int]]) -> dict[int, int]:
+    """Request index -> the first token index where a and b differ (their lengths, where one is a prefix)."""
+    out = {}
+    for i in diff(a, b):
+        x, y = a[i], b[i]
+        out[i] = next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+    return out
+
+
 def properties(eng: Engines, ps: list[list[int]], extra: list[list[int]], ks=(1, 3, 5), chunks=(256, 2048, 8192),
                batches=(2, 8, 24, 64), params: SamplingParams = GREEDY) -> None:
-    """Every row of the table on one model. `ps`: the workload; `extra`: other requests to batch with."""
+    """Every row of the table on one model. `ps`: the workload; `extra`: other requests to batch with. Every row
+    runs; the assertion at the end names each row that failed, with its requests' first differing tokens."""
+    failed: dict[str, dict[int, int]] = {}
+
+    def check(row: str, got: list[list[int]], want: list[list[int]]) -> None:
+        if d := first_diffs(got, want):
+            failed[row] = d
+
     base = tokens(eng(0), ps, params)
-    assert not diff(tokens(eng.llm, ps, params), base), "two runs differ"
+    check("two runs differ", tokens(eng.llm, ps, params), base)
     for k in ks:
-        assert not diff(tokens(eng(k), ps, params), base), f"greedy K={k} != K=0"
+        check(f"greedy K={k} != K=0", tokens(eng(k), ps, params), base)
     spec = eng.llm  # the widest K: alone / in batches
     probe = ps[: min(4, len(ps))]
     alone = [tokens(spec, [p], params)[0] for p in probe]
-    assert alone == base[: len(probe)], "alone != in the workload's batch"
+    check("alone != in the workload's batch", alone, base[: len(probe)])
     for b in batches:
         mix = (probe + extra)[:b]
         got = tokens(spec, mix[::-1], params)[::-1][: len(probe)]  # the probes at other batch positions
-        assert got == alone[: len(got)], f"alone != inside a batch of {b}"
+        check(f"alone != inside a batch of {b}", got, alone[: len(got)])
     for c in chunks:
-        assert not diff(tokens(eng(3, max_num_tokens=c), ps, params), base), f"max_num_tokens={c}"
-    assert not diff(tokens(eng(3, overlap=False), ps, params), base), "overlap off"
+        check(f"max_num_tokens={c}", tokens(eng(3, max_num_tokens=c), ps, params), base)
+    check("overlap off", tokens(eng(3, overlap=False), ps, params), base)
     llm = eng(3, overlap=True)
     Counters(llm, force_every=3)
-    assert not diff(tokens(llm, ps, params), base), "forced preemption"
+    check("forced preemption", tokens(llm, ps, params), base)
     seeded_plain = None
     for k in (0, 3):  # seeded sampling: alone == in the batch == without drafts (coupled verification)
         llm = eng(k)
         batch = tokens(llm, ps, SEEDED)
         seeded_plain = batch if seeded_plain is None else seeded_plain
-        assert not diff(batch, seeded_plain), f"seeded K={k} != seeded K=0"
-        assert [tokens(llm, [p], SEEDED)[0] for p in probe] == batch[: len(probe)], f"seeded K={k}"
+        check(f"seeded K={k} != seeded K=0", batch, seeded_plain)
+        check(f"seeded K={k}: alone != in the batch", [tokens(llm, [p], SEEDED)[0] for p in probe],
+              batch[: len(probe)])
     Counters(llm, force_every=3)
-    assert not diff(tokens(llm, ps, SEEDED), seeded_plain), "seeded K=3, forced preemption"
+    check("seeded K=3, forced preemption", tokens(llm, ps, SEEDED), seeded_plain)
+    assert not failed, f"{eng.name}: rows that differ (request: first differing token): {failed}"
 
 
 def test_properties_logic_on_cpu():
