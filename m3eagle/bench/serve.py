@@ -19,10 +19,10 @@ A run, in order:
 
 Each client process runs one `httpx.AsyncClient` (a connection pool sized to its most requests in flight, per-
 operation timeouts and a per-request deadline, TLS for https), its connections opened before the measured window
-(`open_connections`); server-sent events are read line by line as they
-arrive and timed on arrival. `--client-processes` spreads the measured requests over spawned processes (by default
-one per REQUESTS_PER_PROCESS requests in flight, up to half the cores), since one Python process parsing events
-saturates its core before a fast server does. /metrics is parsed with prometheus_client's text parser, percentiles
+(`open_connections`); server-sent events are read line by line as they arrive and timed on arrival.
+`--client-processes` spreads the measured requests over spawned processes (by default one per REQUESTS_PER_PROCESS
+requests in flight, up to half the cores), since one Python process parsing events saturates its core before a fast
+server does. /metrics is parsed with prometheus_client's text parser, percentiles
 with numpy. The command's options are defined by the CLI (`m3eagle.entrypoints.cli`); this module reads them from
 the argparse namespace it is given.
 """
