@@ -24,6 +24,9 @@ shared expert gate_up [6144, 6144] / down [6144, 3072] (lm_head stays bf16: not 
 m3eagle/bench/geometries.py (q/k/v of full and sparse layers -- the latter with the indexer's rows -- o_proj,
 dense MLP, shared expert). MoE: M3's experts, E = 128, k = 4, H = 6144, I = 3072, at T = 1 and 2048.
 
+Prompt sizes (T >= 64): mx_linear's own path (from DEQUANT_MIN_T rows the one-launch dequantization into a bf16
+scratch + cuBLAS, below it the tiled kernel) and the other one (`alt_path` / `alt_us`), each row timing both.
+
 Timing: each implementation is captured in a CUDA graph of back-to-back calls cycling through weight copies that
 span --rotate-mb (so each call reads its weight from HBM, as decode does); median over --replays replays, per
 call. GB/s counts the bytes read: weights (fp8 + ue8m0 scales, or bf16) and activations; "%copy" is that over a
@@ -90,7 +93,7 @@ def copies(nbytes: int, rotate_mb: float, limit: int = 64) -> int:
 def bench_linear(shape: dict[str, Any], ts: list[int], args: argparse.Namespace, copy_bw: float) -> list[dict]:
     from m3eagle.kernels.fused import gemv
     from m3eagle.kernels.quant.mxfp8 import dequantize_mx, quantize_mx
-    from m3eagle.kernels.quant.w8a16 import mx_linear, pick_config
+    from m3eagle.kernels.quant.w8a16 import DEQUANT_MIN_T, mx_dequantize, mx_linear, pick_config
 
     dev = torch.device("cuda")
     n, k = shape["n"], shape["k"]
@@ -122,16 +125,23 @@ def bench_linear(shape: dict[str, Any], ts: list[int], args: argparse.Namespace,
         if t <= gemv.MAX_T:
             row["bf16_gemv_us"] = graph_time(lambda x, b: gemv.linear(x, b, counters=counters), x, bf, args.replays,
                                              args.min_calls)
-        if t >= 64:  # the alternative at prompt sizes: dequantize into a bf16 scratch weight, then cuBLAS
-            row["dequant_cublas_us"] = graph_time(
-                lambda x, a: F.linear(x, dequantize_mx(a[0], a[1], torch.bfloat16)), x, mx, args.replays, 2)
+        if t >= 64:  # the other prompt-size path: from DEQUANT_MIN_T rows mx_us is the dequantizing launch + cuBLAS,
+            # below it the tiled kernel; each row times the one mx_linear does not take
+            alt = None if t >= DEQUANT_MIN_T else "dequant"
+            row["mx_path"] = "dequant+cublas" if alt is None else "tiled"
+            row["alt_path"] = "tiled" if alt is None else "dequant+cublas"
+            tiled_cfg = pick_config(t, n, k)
+            row["alt_us"] = graph_time(
+                (lambda x, a, out=out, c=tiled_cfg: mx_linear(x, a[0], a[1], out=out, config=c)) if alt is None else
+                (lambda x, a, out=out: torch.mm(x, mx_dequantize(a[0], a[1]).t(), out=out)), x, mx, args.replays,
+                args.min_calls)
             row["mx_tflops"] = 2 * t * n * k / us / 1e6
             row["bf16_cublas_tflops"] = 2 * t * n * k / row["bf16_cublas_us"] / 1e6
         rows.append(row)
         g = row.get("bf16_gemv_us")
         gemv_s = f"{g:8.1f} us" if g is not None else "      -    "
-        flops = (f" (mx {row['mx_tflops']:.0f} / bf16 {row['bf16_cublas_tflops']:.0f} TFLOP/s; dequant+cuBLAS "
-                 f"{row['dequant_cublas_us']:.0f} us)" if t >= 64 else "")
+        flops = (f" (mx {row['mx_path']} {row['mx_tflops']:.0f} / bf16 {row['bf16_cublas_tflops']:.0f} TFLOP/s; "
+                 f"{row['alt_path']} {row['alt_us']:.0f} us)" if t >= 64 else "")
         print(f"{n:>6} x {k:<6} T={t:<5} mx {us:8.1f} us {row['mx_gbs']:7.0f} GB/s ({row['mx_pct_copy']:4.0f}% copy)"
               f" | cuBLAS bf16 {row['bf16_cublas_us']:8.1f} us | gemv bf16 {gemv_s}"
               f" | x{row['bf16_cublas_us'] / us:4.2f} vs cuBLAS{flops} | err {err:.1e}", flush=True)

@@ -242,7 +242,7 @@ def fp8_pass() -> None:
     """The embedded pair with quantization="fp8" (MXFP8 weights, w8a16.py): the decode GEMV / tiled GEMM of
     mx_linear, the per-pair MoE GEMVs at decode and the sorted MXFP8 MoE for prompts; then mx_linear with each
     distinct config of the tuned table (w8a16_configs.json) and the variants the table does not hold yet
-    (fp16 / fp32 activations, ragged K, LEAN split with both sums)."""
+    (fp16 / fp32 activations, ragged K, LEAN split with both sums), and the prompt-size dequantizing launch."""
     import json as _json
 
     from m3eagle import LLM, SamplingParams
@@ -257,7 +257,7 @@ def fp8_pass() -> None:
     llm.generate([prompt, [12, 13, 14]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     g = torch.Generator().manual_seed(2)
     doc = _json.loads(w8a16.TUNED_PATH.read_text())
-    configs = {(e["t"], w8a16.MxConfig(**e["config"])) for e in doc["gemv"]}
+    configs = {(e["t"], w8a16.MxConfig(**e["config"])) for sec in doc["devices"].values() for e in sec.get("gemv", [])}
     C = w8a16.MxConfig
     configs |= {(2, C(False, 2, 32, 256, num_warps=8, split_k=2, lean=True, one_launch=True)),
                 (8, C(False, 8, 8, 256, split_k=2, lean=True, one_launch=True)),
@@ -280,6 +280,12 @@ def fp8_pass() -> None:
     w8a16.mx_linear(torch.randn(1, 320, generator=g), q, s, config=C(True, 16, 64, 128, split_k=2, num_stages=3))
     w8a16.mx_linear(torch.randn(5, 320, generator=g).bfloat16(), q, s,
                     config=C(False, 8, 8, 256, split_k=2, lean=True, one_launch=True))
+    # the dequantizing launch of prompt-sized steps (DEQUANT_MIN_T rows and more): bf16 / fp32 scratch, K past one
+    # 512-wide block and a K of one 256-wide block
+    for n, k in ((64, 1056), (32, 256)):
+        q, s = quantize_mx(torch.randn(n, k, generator=g))
+        for dt in (torch.bfloat16, torch.float32):
+            w8a16.mx_dequantize(q, s, dt)
     # the two-launch sum's 1024-wide blocks (N >= 1024)
     q, s = quantize_mx(torch.randn(1024, 1024, generator=g))
     w8a16.mx_linear(torch.randn(1, 1024, generator=g).bfloat16(), q, s, config=C(False, 1, 8, 512, split_k=2))

@@ -34,6 +34,7 @@ from m3eagle.kernels.moe import reference as moe_ref  # noqa: E402
 from m3eagle.kernels.quant import w8a16  # noqa: E402
 from m3eagle.kernels.quant.mxfp8 import dequantize_mx, quantize_mx  # noqa: E402
 from m3eagle.kernels.quant.w8a16 import MxConfig, mx_linear, mx_moe_experts, pick_config  # noqa: E402
+from tests.helpers.kernel_spy import spy_launches  # noqa: E402
 
 CONFIGS = {
     "auto": None,
@@ -99,6 +100,60 @@ def test_linear_bit_exact_on_exact_data(t, name):
     x, q, s = exact_data(t, t, 21, 160)
     ref = x @ dequantize_mx(q, s).T
     assert torch.equal(mx_linear(x, q, s, config=CONFIGS[name]), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(33, 96), (5, 1056)])  # K < BLOCK_K; K past one BLOCK_K of 512, ragged
+def test_dequantize_equals_the_reference(n, k, dtype):
+    """`mx_dequantize` gives `dequantize_mx`'s bits: the fp32 product is exact and rounds once (in bf16 nothing
+    rounds at these scales: e4m3's 3 mantissa bits fit bf16's 7)."""
+    q, s = random_weight(n * k, n, k)
+    assert torch.equal(w8a16.mx_dequantize(q, s, dtype), dequantize_mx(q, s, dtype))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's q * inf
+def test_dequantize_scale_bytes_at_the_ends():
+    """Scale bytes 0 (the subnormal 2 ** -127), 1, 254 and 255 (inf, as decode_e8m0: q * inf, 0 * inf = nan) in
+    fp32, as the reference computes them."""
+    g = gen(3)
+    q = (torch.randn(4, 128, generator=g) * 8).to(torch.float8_e4m3fn)
+    q[:, :3] = 0.0
+    s = torch.tensor([[0, 1, 254, 255]] * 4, dtype=torch.uint8)
+    torch.testing.assert_close(w8a16.mx_dequantize(q, s, torch.float32), dequantize_mx(q, s), rtol=0, atol=0,
+                               equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_past_the_threshold_dequantizes_then_multiplies(dtype, monkeypatch):
+    """From DEQUANT_MIN_T rows (lowered here: the interpreter is slow) bf16 / fp32 x take one dequantizing launch
+    and torch.mm on the scratch: the bits of torch.mm on the reference's weight, into `out` too; below it, and
+    with an explicit config, the tiled kernel runs. A mis-applied scale fails through this path as well."""
+    monkeypatch.setattr(w8a16, "DEQUANT_MIN_T", 10)
+    deq = spy_launches(monkeypatch, w8a16, "_mx_dequant_kernel")
+    tiled = spy_launches(monkeypatch, w8a16, "_mx_gemm_kernel")
+    q, s = random_weight(11, 40, 96)
+    x = torch.randn(10, 96, generator=gen(4)).to(dtype)
+    ref = torch.mm(x, dequantize_mx(q, s, dtype).t())
+    assert torch.equal(mx_linear(x, q, s), ref)
+    out = torch.full((10, 48), float("nan"), dtype=dtype)[:, 4:44]  # a view: row stride 48
+    assert mx_linear(x, q, s, out=out) is out and torch.equal(out, ref)
+    assert len(deq) == 2 and not tiled
+    for what, bad in _mutations(s).items():
+        if bad.shape == s.shape:
+            assert rel_err(mx_linear(x, q, bad), ref) > 1e-2, what
+    n_deq = len(deq)
+    mx_linear(x[:9], q, s)  # below the threshold (past the GEMV's rows): the tiled kernel
+    mx_linear(x, q, s, config=pick_config(10, 40, 96))  # a config: always the kernels
+    assert len(deq) == n_deq and len(tiled) == 2
+
+
+def test_linear_fp16_never_dequantizes(monkeypatch):
+    """fp16 cannot hold every q * 2 ** e: its rows keep the tiled kernel (scales applied after the MMA)."""
+    monkeypatch.setattr(w8a16, "DEQUANT_MIN_T", 10)
+    deq = spy_launches(monkeypatch, w8a16, "_mx_dequant_kernel")
+    q, s = random_weight(12, 24, 64)
+    x = torch.randn(10, 64, generator=gen(5)).half()
+    assert rel_err(mx_linear(x, q, s), x.float() @ dequantize_mx(q, s).T) <= 1e-3 and not deq
 
 
 def _mutations(s: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -3,7 +3,9 @@ memory (one uint8 ue8m0 scale per 1 x 32 block along K, `mxfp8.py`) and are dequ
 
     mx_linear(x [T, K], q [N, K] fp8, scale [N, K/32] u8) -> y [T, N]        (T <= GEMV_MAX_T: the decode GEMV
                                                                              or the tiled GEMM, by the table;
-                                                                             else the tiled GEMM)
+                                                                             else the tiled GEMM; from
+                                                                             DEQUANT_MIN_T rows: mx_dequantize
+                                                                             into a scratch, then cuBLAS)
     mx_moe_experts(x [T, H], weights [T, k], ids [T, k], w13 [E, 2I, H] fp8 + [E, 2I, H/32],
                    w2 [E, H, I] fp8 + [E, H, I/32], alpha, limit) -> [T, H]   (per-pair GEMVs, two launches)
 
@@ -432,7 +434,48 @@ def _mx_gemm_kernel(x_ptr, q_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stri
                  mask=mask)
 
 
+@triton.jit(do_not_specialize=["N", "K"])
+def _mx_dequant_kernel(q_ptr, s_ptr, w_ptr, N, K, stride_qn, stride_sn, stride_wn, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Grid (cdiv(N, BN), cdiv(K, BK)): w[n, k] = float(q[n, k]) * 2 ** (s[n, k // 32] - 127), exact in fp32, rounded
+    once to w's dtype (`mxfp8.dequantize_mx`'s arithmetic: the same bits)."""
+    pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_g = tl.program_id(1) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
+    n_ok = (offs_n < N)[:, None]
+    rows = offs_n.to(tl.int64)[:, None]
+    q = tl.load(q_ptr + rows * stride_qn + offs_k[None, :], mask=n_ok & (offs_k < K)[None, :], other=0.0)
+    s = tl.load(s_ptr + rows * stride_sn + offs_g[None, :], mask=n_ok & (offs_g < K // 32)[None, :], other=127)
+    w = tl.reshape(q.to(tl.float32), [BLOCK_N, BLOCK_K // 32, 32]) * _e8m0(s)[:, :, None]
+    tl.store(w_ptr + rows * stride_wn + offs_k[None, :], tl.reshape(w, [BLOCK_N, BLOCK_K]).to(w_ptr.dtype.element_ty),
+             mask=n_ok & (offs_k < K)[None, :])
+
+
 # ---- host API -----------------------------------------------------------------------------------------
+
+
+# Rows from which `mx_linear` dequantizes the weight into a scratch of x's dtype (one launch: 1 byte read, 2 written
+# per weight) and runs cuBLAS on it: at prompt sizes the GEMM is compute-bound, and cuBLAS's bf16 GEMM outruns
+# the tiled kernel (whose dequantization sits in its MMA loop) by more than the scratch costs. bf16 and fp32 x only:
+# fp16 cannot hold every q * 2 ** e. The scratch is transient (the largest quantized weight of the model in bf16).
+DEQUANT_MIN_T = 1024
+
+
+def mx_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """w [N, K] in `dtype` = dequantize_mx(q, scale, dtype) (bit for bit) in one launch; q float8_e4m3fn [N, K] and
+    scale uint8 [N, K / 32], both contiguous. Graph-capturable (no host sync)."""
+    _check_weight("q", q, scale, "scale", 2, "mx_dequantize")
+    n, k = q.shape
+    if out is None:
+        out = torch.empty(n, k, dtype=dtype, device=q.device)
+    bn, bk = 16, min(512, triton.next_power_of_2(k))
+    _mx_dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+        q, scale, out, n, k, q.stride(0), scale.stride(0), out.stride(0), BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+        **pdl.args(q), **launch_opts())
+    return out
+
 
 
 MAX_TILES = 16384  # output tiles with a one-launch split-K counter (one int32 each: 64 KB per device)
@@ -488,7 +531,8 @@ def mx_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: torch.
     x bf16 / fp16 / fp32 [T, K] (unit column stride), q float8_e4m3fn [N, K], scale uint8 [N, K / 32] (both
     contiguous), K % 32 == 0; out, if given, [T, N] in x.dtype with unit column stride. The path, blocks and
     split are `pick_config`'s (T <= GEMV_MAX_T: the decode GEMV or, where the table says, the tiled GEMM; larger
-    T the tiled GEMM); `config` overrides it (tests, tuning)."""
+    T the tiled GEMM), except from DEQUANT_MIN_T rows of bf16 / fp32 x: `mx_dequantize`, then cuBLAS. `config`
+    overrides the choice (tests, tuning: it always runs the GEMV or the tiled GEMM)."""
     fn = "mx_linear"
     _check_weight("q", q, scale, "scale", 2, fn)
     n, k = q.shape
@@ -502,6 +546,8 @@ def mx_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: torch.
                          f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
     if t == 0:
         return out
+    if config is None and t >= DEQUANT_MIN_T and x.dtype in (torch.bfloat16, torch.float32):
+        return torch.mm(x, mx_dequantize(q, scale, x.dtype).t(), out=out)  # [T, K] @ [K, N]
     cfg = config if config is not None else pick_config(t, n, k)
     if cfg.block_k % MX_BLOCK or cfg.block_k < MX_BLOCK:
         raise ValueError(f"{fn}: {cfg}: block_k must be a multiple of {MX_BLOCK}")
