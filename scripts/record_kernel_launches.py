@@ -242,7 +242,8 @@ def fp8_pass() -> None:
     """The embedded pair with quantization="fp8" (MXFP8 weights, w8a16.py): the decode GEMV / tiled GEMM of
     mx_linear, the per-pair MoE GEMVs at decode and the sorted MXFP8 MoE for prompts; then mx_linear with each
     distinct config of the tuned table (w8a16_configs.json) and the variants the table does not hold yet
-    (fp16 / fp32 activations, ragged K, LEAN split with both sums), and the prompt-size dequantizing launch."""
+    (fp16 / fp32 activations, ragged K, LEAN split with both sums), the activation epilogues and the prompt-size
+    dequantizing launch."""
     import json as _json
 
     from m3eagle import LLM, SamplingParams
@@ -280,6 +281,14 @@ def fp8_pass() -> None:
     w8a16.mx_linear(torch.randn(1, 320, generator=g), q, s, config=C(True, 16, 64, 128, split_k=2, num_stages=3))
     w8a16.mx_linear(torch.randn(5, 320, generator=g).bfloat16(), q, s,
                     config=C(False, 8, 8, 256, split_k=2, lean=True, one_launch=True))
+    # the activation epilogue (a packed [gate; up] weight): the plain GEMV, the tiled GEMM unsplit and split with the
+    # last program's sum, swiglu-oai and silu, bf16 and fp32
+    q, s = quantize_mx(torch.randn(128, 256, generator=g))
+    for t, cfg in ((1, C(False, 1, 16, 256)), (2, C(False, 2, 8, 128)), (12, C(True, 16, 64, 64)),
+                   (1, C(True, 16, 64, 128, split_k=2, one_launch=True, num_stages=3)),
+                   (20, w8a16.pick_config(20, 128, 256))):
+        for act, dt in (("swiglu_oai", torch.bfloat16), ("silu", torch.bfloat16), ("swiglu_oai", torch.float32)):
+            w8a16.mx_linear(torch.randn(t, 256, generator=g).to(dt), q, s, config=cfg, act=act)
     # the dequantizing launch of prompt-sized steps (DEQUANT_MIN_T rows and more): bf16 / fp32 scratch, K past one
     # 512-wide block and a K of one 256-wide block
     for n, k in ((64, 1056), (32, 256)):

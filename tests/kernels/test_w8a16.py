@@ -156,6 +156,44 @@ def test_linear_fp16_never_dequantizes(monkeypatch):
     assert rel_err(mx_linear(x, q, s), x.float() @ dequantize_mx(q, s).T) <= 1e-3 and not deq
 
 
+# configs whose launch applies the activation in its epilogue; the rest run mx_linear, then the activation's launch
+ACT_FUSED = ("gemv", "gemm", "gemm_bk128", "gemm_split")
+ACT_CASES = [(t, name) for t in (1, 3, 17) for name in CONFIGS if not (name.startswith(GEMV) and t > 8)]
+
+
+@pytest.mark.parametrize("act", ["swiglu_oai", "silu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,name", ACT_CASES)
+def test_linear_act_equals_the_two_launches(t, name, dtype, act, monkeypatch):
+    """mx_linear(act=...) on a packed [gate; up] weight has the bits of mx_linear then the activation's own kernel
+    (limit 0.5: the clamps bite), on every path; where the path folds it, no activation launch runs (the lean
+    GEMV contracts FMAs, a 1-column GEMV block has no (gate, up) pair and the two-launch splits sum apart: those
+    keep the second launch)."""
+    from m3eagle.kernels.fused import activation
+
+    q, s = random_weight(3, 66, 96)  # I = 33: a partial column tile
+    x = (torch.randn(t, 96, generator=gen(t)) * 4).to(dtype)
+    y = mx_linear(x, q, s, config=CONFIGS[name])
+    want = activation.swiglu_oai(y, 1.702, 0.5) if act == "swiglu_oai" else activation.silu_mul(*y.chunk(2, -1))
+    kernel = "_swiglu_kernel" if act == "swiglu_oai" else "_silu_mul_kernel"
+    apart = spy_launches(monkeypatch, activation, kernel)
+    got = mx_linear(x, q, s, config=CONFIGS[name], act=act, alpha=1.702, limit=0.5)
+    assert got.shape == (t, 33) and torch.equal(got, want)
+    fused = name in ACT_FUSED or (name == "auto" and t > 8)  # auto at T <= 8 here: a 1-column GEMV block
+    assert len(apart) == (0 if fused else 1), (name, len(apart))
+
+
+def test_linear_act_bad_inputs():
+    q, s = random_weight(1, 33, 64)
+    with pytest.raises(ValueError, match="act='gelu'"):
+        mx_linear(torch.randn(1, 64), q, s, act="gelu")
+    with pytest.raises(ValueError, match="even N"):
+        mx_linear(torch.randn(1, 64), q, s, act="silu")
+    q, s = random_weight(1, 32, 64)
+    with pytest.raises(ValueError, match=r"out must be \[1, 16\]"):
+        mx_linear(torch.randn(1, 64), q, s, act="silu", out=torch.empty(1, 32))
+
+
 def _mutations(s: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"shifted one block": torch.roll(s, 1, dims=1), "transposed": s.T.contiguous(),
             "2**(127-s)": (254 - s.int()).to(torch.uint8)}

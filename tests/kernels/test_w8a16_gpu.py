@@ -1,10 +1,12 @@
-"""The W8A16 prompt path on the GPU: from DEQUANT_MIN_T rows `mx_linear` dequantizes into a bf16 scratch and runs
-cuBLAS. Run through the device tool: `python -m pytest -q -m gpu tests/kernels/test_w8a16_gpu.py`.
+"""`mx_linear` on the GPU: the prompt path (from DEQUANT_MIN_T rows it dequantizes into a bf16 scratch and runs
+cuBLAS) and the activation epilogue. Run through the device tool:
+`python -m pytest -q -m gpu tests/kernels/test_w8a16_gpu.py`.
 
 - its output has the bits of torch.mm on the reference's dequantized weight (the same cuBLAS call), at M3's
   q/k/v width and at a ragged K;
 - captured in a CUDA graph, it replays to the eager bits, with the weight's scale bytes changed between replays
-  (the scratch is rebuilt every call, nothing of the capture's weight is kept).
+  (the scratch is rebuilt every call, nothing of the capture's weight is kept);
+- the activation epilogue at real gate_up shapes has the bits of mx_linear then the activation's kernel.
 """
 
 from __future__ import annotations
@@ -42,3 +44,19 @@ def test_prompt_gemm_graph_replay_equals_eager():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, torch.mm(x, dequantize_mx(q, s, torch.bfloat16).t()))
+
+
+@pytest.mark.parametrize("act", ["swiglu_oai", "silu"])
+@pytest.mark.parametrize("t,n,k", [(1, 24576, 4096), (1, 3072, 4096), (4, 24576, 6144), (64, 6144, 6144)])
+def test_activation_epilogue_equals_the_two_launches(t, n, k, act):
+    """The packed gate_up of m3-8b's dense MLP / shared expert and M3's, at decode and at a small prompt: the
+    activation in mx_linear's epilogue (the table's path: the tiled GEMM split in one launch, or the GEMV) has
+    the bits of mx_linear then the activation's own kernel, compiled for the GPU."""
+    from m3eagle.kernels.fused import activation
+
+    g = torch.Generator(device="cuda").manual_seed(t + n)
+    q, s = quantize_mx(torch.randn(n, k, device="cuda", generator=g) * k ** -0.5)
+    x = (torch.randn(t, k, device="cuda", generator=g) * 4).to(torch.bfloat16)
+    y = w8a16.mx_linear(x, q, s)
+    want = activation.swiglu_oai(y, 1.702, 7.0) if act == "swiglu_oai" else activation.silu_mul(*y.chunk(2, -1))
+    assert torch.equal(w8a16.mx_linear(x, q, s, act=act, alpha=1.702, limit=7.0), want)

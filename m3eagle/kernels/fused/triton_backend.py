@@ -56,8 +56,8 @@ class TritonFused(ReferenceFused):
         self.gemv_max_t = gemv_max_t
 
     def _gemv_takes(self, x, w) -> bool:
-        if isinstance(w, MxWeight):  # MXFP8: mx_linear's own GEMV / GEMM; the activation and folds run apart
-            return False
+        if isinstance(w, MxWeight):  # MXFP8: mx_linear's own GEMV / GEMM (the activation in its epilogue; the
+            return False  # norm / residual folds run apart)
         g = self._gemv
         most = self.gemv_max_t if self.gemv_max_t is not None else (g.MAX_T if x.is_cuda else 0)
         return x.shape[0] <= most and g.supports(x, w) and g.prefers(x.shape[0], w.shape[0], w.shape[1])
@@ -119,12 +119,21 @@ class TritonFused(ReferenceFused):
             return self._gemv.linear_argmax(x, w, cnt, offsets, out, scatter, cfg)[1]
         return self.argmax(self.linear(x, w), offsets, out, scatter)
 
+    def _mx_act(self, x, w) -> bool:
+        """An MXFP8 weight that mx_linear runs here: its activation rides in its epilogue where the path allows."""
+        return isinstance(w, MxWeight) and (x.is_cuda or interpreting())
+
     def linear_silu_mul(self, x, w):
+        if self._mx_act(x, w):
+            return mx_linear(x.contiguous() if x.stride(-1) != 1 else x, w.q, w.scale, act="silu")
         if (cfg := self._act_config(x, w)) is not None:
             return self._gemv.linear_act(x, w, "silu", config=cfg)
         return silu_mul(*self.linear(x, w).chunk(2, -1))
 
     def linear_swiglu_oai(self, x, w, alpha, limit):
+        if self._mx_act(x, w):
+            return mx_linear(x.contiguous() if x.stride(-1) != 1 else x, w.q, w.scale, act="swiglu_oai",
+                             alpha=alpha, limit=limit)
         if (cfg := self._act_config(x, w)) is not None:
             return self._gemv.linear_act(x, w, "swiglu_oai", alpha, limit, cfg)
         return swiglu_oai(self.linear(x, w), alpha, limit)

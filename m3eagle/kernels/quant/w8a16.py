@@ -88,11 +88,11 @@ import triton
 import triton.language as tl
 
 from m3eagle.kernels import pdl
-from m3eagle.kernels.fused.activation import swiglu_oai_f32
+from m3eagle.kernels.fused.activation import silu_mul, silu_mul_f32, swiglu_oai, swiglu_oai_f32
 from m3eagle.kernels.pdl import pdl_wait
 from m3eagle.kernels.quant.mxfp8 import MX_BLOCK
 from m3eagle.kernels.split_counters import SplitCounters
-from m3eagle.kernels.triton_utils import interpreting, launch_opts
+from m3eagle.kernels.triton_utils import interpreting, launch_opts, precise
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GEMV_MAX_T = 8  # rows up to which mx_linear runs the decode GEMV; the tiled GEMM above
@@ -249,11 +249,44 @@ def _dequant_tile(q_ptrs, s_ptrs, k_ok, g_ok, BN: tl.constexpr, BK: tl.constexpr
 
 
 @triton.jit
-def _store_out(acc, offs_t, offs_n, T, N, y_ptr, stride_yt, part_ptr, cnt_ptr, tile, pid_s, SPLIT: tl.constexpr,
-               ONE_LAUNCH: tl.constexpr):
+def _weight_rows(offs_n, N, n_act, ACT: tl.constexpr):
+    """The weight rows that output columns offs_n read, clamped (padding re-reads a real row; its column is dropped
+    at the store). ACT: the columns are interleaved (gate, up) pairs, column c holding feature c // 2's gate (row
+    c // 2) or up (row n_act + c // 2) of the packed [gate; up] weight, so one tile holds both halves of its
+    features and can apply the activation."""
+    if ACT:
+        f = tl.minimum(offs_n // 2, n_act - 1)
+        return (f + (offs_n % 2) * n_act).to(tl.int64)
+    return tl.minimum(offs_n, N - 1).to(tl.int64)
+
+
+@triton.jit
+def _store_act(vals, offs_t, T, y_ptr, stride_yt, col_tile, n_act, alpha, limit, ROWS: tl.constexpr,
+               HALF: tl.constexpr, ACT: tl.constexpr, PRECISE: tl.constexpr):
+    """ACT's store of a tile's final fp32 values vals [ROWS, 2 * HALF] (interleaved gate / up columns): each rounded
+    to y's dtype as mx_linear's own store rounds it, then the activation as its own launch computes it
+    (fused/activation.py's helpers, compiled without contraction), into y[:, col_tile * HALF + i]."""
+    dt = y_ptr.dtype.element_ty
+    g, u = tl.split(tl.reshape(vals, [ROWS, HALF, 2]))  # [ROWS, HALF] each
+    g = g.to(dt).to(tl.float32)
+    u = u.to(dt).to(tl.float32)
+    if ACT == 1:
+        out = silu_mul_f32(g, u, dt, PRECISE)
+    else:
+        out = swiglu_oai_f32(g, u, alpha, limit, dt, PRECISE)
+    cols = col_tile * HALF + tl.arange(0, HALF)
+    tl.store(y_ptr + offs_t.to(tl.int64)[:, None] * stride_yt + cols[None, :], out.to(dt),
+             mask=(offs_t < T)[:, None] & (cols < n_act)[None, :])
+
+
+@triton.jit
+def _store_out(acc, offs_t, offs_n, T, N, y_ptr, stride_yt, part_ptr, cnt_ptr, tile, pid_s, col_tile, n_act, alpha,
+               limit, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr,
+               ACT: tl.constexpr, PRECISE: tl.constexpr):
     """acc [BT, BN] fp32 of rows offs_t, columns offs_n -> y (unsplit), or this split's partial part[pid_s] [T, N];
     ONE_LAUNCH: then the tile's last program to finish (its counter cnt[tile]) sums the S partials in split order
-    into y and zeroes the counter again (for the next launch / graph replay)."""
+    into y and zeroes the counter again (for the next launch / graph replay). ACT: the final values go through
+    `_store_act` (y [T, n_act]) instead; a split ACT launch is always ONE_LAUNCH."""
     mask = (offs_t < T)[:, None] & (offs_n < N)[None, :]
     if SPLIT:
         n_split = tl.num_programs(1)
@@ -267,9 +300,15 @@ def _store_out(acc, offs_t, offs_n, T, N, y_ptr, stride_yt, part_ptr, cnt_ptr, t
                 total = tl.zeros_like(acc)
                 for s in range(n_split):  # split order, whichever program came last: the same bits every call
                     total += tl.load(p_ptrs + s * plane, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.store(y_ptr + offs_t.to(tl.int64)[:, None] * stride_yt + offs_n[None, :],
-                         total.to(y_ptr.dtype.element_ty), mask=mask)
+                if ACT:
+                    _store_act(total, offs_t, T, y_ptr, stride_yt, col_tile, n_act, alpha, limit, ROWS, HALF, ACT,
+                               PRECISE)
+                else:
+                    tl.store(y_ptr + offs_t.to(tl.int64)[:, None] * stride_yt + offs_n[None, :],
+                             total.to(y_ptr.dtype.element_ty), mask=mask)
                 tl.store(cnt_ptr + tile, 0)
+    elif ACT:
+        _store_act(acc, offs_t, T, y_ptr, stride_yt, col_tile, n_act, alpha, limit, ROWS, HALF, ACT, PRECISE)
     else:
         tl.store(y_ptr + offs_t.to(tl.int64)[:, None] * stride_yt + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=mask)
@@ -277,15 +316,17 @@ def _store_out(acc, offs_t, offs_n, T, N, y_ptr, stride_yt, part_ptr, cnt_ptr, t
 
 @triton.jit(do_not_specialize=["T", "k_split"])
 def _mx_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, stride_qn, stride_sn,
-                    stride_yt, k_split, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, LEAN: tl.constexpr, ONE_LAUNCH: tl.constexpr,
-                    PDL: tl.constexpr):
-    """Grid (cdiv(N, BLOCK_N), S): y[:, n-tile] (SPLIT: its partial part[s] [T, N] fp32) over K [s*k_split, +k_split)."""
+                    stride_yt, k_split, n_act, alpha, limit, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, LEAN: tl.constexpr,
+                    ONE_LAUNCH: tl.constexpr, ACT: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+    """Grid (cdiv(N, BLOCK_N), S): y[:, n-tile] (SPLIT: its partial part[s] [T, N] fp32) over K [s*k_split, +k_split).
+    ACT (1 silu, 2 swiglu-oai; not with LEAN, which contracts FMAs): N = 2 * n_act columns of the packed [gate; up]
+    weight, interleaved (`_weight_rows`), y [T, n_act] the activation."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: padding rows re-read row N - 1, the store drops them
+    rows = _weight_rows(offs_n, N, n_act, ACT)  # clamped: padding rows re-read a real row, the store drops them
     offs_t = tl.arange(0, BLOCK_T)
     trow = tl.minimum(offs_t, T - 1).to(tl.int64)
     if LEAN:
@@ -338,7 +379,8 @@ def _mx_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stri
             q_ptrs += BLOCK_K
             s_ptrs += NB
             x_ptrs += BLOCK_K
-    _store_out(acc, offs_t, offs_n, T, N, y_ptr, stride_yt, part_ptr, cnt_ptr, pid_n, pid_s, SPLIT, ONE_LAUNCH)
+    _store_out(acc, offs_t, offs_n, T, N, y_ptr, stride_yt, part_ptr, cnt_ptr, pid_n, pid_s, pid_n, n_act, alpha,
+               limit, SPLIT, ONE_LAUNCH, BLOCK_T, BLOCK_N // 2, ACT, PRECISE)
 
 
 @triton.jit(do_not_specialize=["T", "S"])
@@ -359,11 +401,13 @@ def _split_sum_kernel(part_ptr, y_ptr, T, N, S, stride_yt, BLOCK: tl.constexpr, 
 
 @triton.jit(do_not_specialize=["T", "k_steps"])
 def _mx_gemm_kernel(x_ptr, q_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_xt, stride_qn, stride_sn, stride_yt,
-                    k_steps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    k_steps, n_act, alpha, limit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, GROUP_SCALE: tl.constexpr,
-                    UPCAST_DOT: tl.constexpr, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr, PDL: tl.constexpr):
+                    UPCAST_DOT: tl.constexpr, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr, ACT: tl.constexpr,
+                    PRECISE: tl.constexpr, PDL: tl.constexpr):
     """Grid (cdiv(T, BM) * cdiv(N, BN), S), grouped: y tile [BM, BN] = x [BM, K] @ dequant(q, s)[BN, K]^T, fp32 acc;
-    SPLIT: program (tile, s) covers K [s * k_steps * BK, +k_steps * BK) and stores its partial (`_store_out`)."""
+    SPLIT: program (tile, s) covers K [s * k_steps * BK, +k_steps * BK) and stores its partial (`_store_out`).
+    ACT: as `_mx_gemv_kernel`'s (interleaved gate / up columns, y [T, n_act])."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     NB: tl.constexpr = BLOCK_K // 32
     pid = tl.program_id(0)
@@ -377,7 +421,7 @@ def _mx_gemm_kernel(x_ptr, q_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stri
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_m = tl.minimum(offs_m, T - 1).to(tl.int64)  # clamped, dropped at the store
-    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    rows_n = _weight_rows(offs_n, N, n_act, ACT)
     if SPLIT:  # a whole number of BK steps per split, the start a visible multiple of BK (vector / cp.async loads)
         k0 = tl.program_id(1) * k_steps * BLOCK_K
         k_end = tl.minimum(k0 + k_steps * BLOCK_K, K)
@@ -425,9 +469,9 @@ def _mx_gemm_kernel(x_ptr, q_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stri
             x_ptrs += BLOCK_K
             q_ptrs += BLOCK_K
             s_ptrs += NB
-    if SPLIT:
-        _store_out(acc, offs_m, offs_n, T, N, y_ptr, stride_yt, part_ptr, cnt_ptr, pid, tl.program_id(1), SPLIT,
-                   ONE_LAUNCH)
+    if SPLIT or ACT:
+        _store_out(acc, offs_m, offs_n, T, N, y_ptr, stride_yt, part_ptr, cnt_ptr, pid, tl.program_id(1), pid_n,
+                   n_act, alpha, limit, SPLIT, ONE_LAUNCH, BLOCK_M, BLOCK_N // 2, ACT, PRECISE)
     else:  # as before the split existed (the measured kernels compile unchanged)
         mask = (offs_m < T)[:, None] & (offs_n < N)[None, :]
         tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -524,55 +568,76 @@ def _check_x(fn: str, x: torch.Tensor, k: int, device: torch.device) -> None:
         raise ValueError(f"{fn}: tensors on {device} need a CUDA device or TRITON_INTERPRET=1")
 
 
+ACTS = {"silu": 1, "swiglu_oai": 2}  # mx_linear's `act` -> the kernels' ACT (0: none)
+
+
 def mx_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None,
-              config: MxConfig | None = None) -> torch.Tensor:
+              config: MxConfig | None = None, act: str | None = None, alpha: float = 1.702,
+              limit: float = 7.0) -> torch.Tensor:
     """y [T, N] = x [T, K] @ dequantize_mx(q, scale)^T in x.dtype, fp32 accumulation (F.linear, no bias).
 
     x bf16 / fp16 / fp32 [T, K] (unit column stride), q float8_e4m3fn [N, K], scale uint8 [N, K / 32] (both
     contiguous), K % 32 == 0; out, if given, [T, N] in x.dtype with unit column stride. The path, blocks and
     split are `pick_config`'s (T <= GEMV_MAX_T: the decode GEMV or, where the table says, the tiled GEMM; larger
     T the tiled GEMM), except from DEQUANT_MIN_T rows of bf16 / fp32 x: `mx_dequantize`, then cuBLAS. `config`
-    overrides the choice (tests, tuning: it always runs the GEMV or the tiled GEMM)."""
+    overrides the choice (tests, tuning: it always runs the GEMV or the tiled GEMM).
+
+    act ("silu" / "swiglu_oai", with alpha / limit): q is a packed [gate; up] weight [2I, K] and the result is
+    y [T, I] = silu_mul / swiglu_oai of the product, bit for bit the two launches' (mx_linear, then
+    fused/activation.py's kernel). The GEMV (plain body) and the tiled GEMM apply it in their epilogue, a split
+    one in the tile's last program; the lean GEMV (it contracts FMAs), a two-launch split sum, a column block
+    under 2 and the dequantizing path run the two launches instead."""
     fn = "mx_linear"
     _check_weight("q", q, scale, "scale", 2, fn)
     n, k = q.shape
     _check_x(fn, x, k, q.device)
     t = x.shape[0]
+    if act is not None and (act not in ACTS or n % 2):
+        raise ValueError(f"{fn}: act={act!r} needs one of {sorted(ACTS)} and a packed [gate; up] weight of even N, "
+                         f"got N={n}")
+    n_out = n // 2 if act is not None else n
     if out is None:
-        out = torch.empty(t, n, dtype=x.dtype, device=x.device)
-    elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != (t, n) or out.dtype != x.dtype
-          or out.device != x.device or (out.stride(1) != 1 and n > 1)):
-        raise ValueError(f"{fn}: out must be [{t}, {n}] {x.dtype} on {x.device} with unit column stride, got "
+        out = torch.empty(t, n_out, dtype=x.dtype, device=x.device)
+    elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != (t, n_out) or out.dtype != x.dtype
+          or out.device != x.device or (out.stride(1) != 1 and n_out > 1)):
+        raise ValueError(f"{fn}: out must be [{t}, {n_out}] {x.dtype} on {x.device} with unit column stride, got "
                          f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
     if t == 0:
         return out
-    if config is None and t >= DEQUANT_MIN_T and x.dtype in (torch.bfloat16, torch.float32):
-        return torch.mm(x, mx_dequantize(q, scale, x.dtype).t(), out=out)  # [T, K] @ [K, N]
+    dequant = config is None and t >= DEQUANT_MIN_T and x.dtype in (torch.bfloat16, torch.float32)
     cfg = config if config is not None else pick_config(t, n, k)
     if cfg.block_k % MX_BLOCK or cfg.block_k < MX_BLOCK:
         raise ValueError(f"{fn}: {cfg}: block_k must be a multiple of {MX_BLOCK}")
-    launch = pdl.args(x)
     bk = cfg.block_k
     split = max(1, min(cfg.split_k, triton.cdiv(k, bk)))
     k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk  # a whole number of BLOCK_K steps per split
     split = triton.cdiv(k, k_split)  # e.g. K=320, BLOCK_K=64, 3 splits: 2 of 192 and 128 (no empty third)
     tiles = triton.cdiv(n, cfg.block_n) * (1 if not cfg.use_dot else triton.cdiv(t, cfg.block_m))
     cnt = split_counters(x.device) if split > 1 and cfg.one_launch and tiles <= MAX_TILES else None
+    if act is not None and (dequant or (cfg.lean and not cfg.use_dot) or cfg.block_n < 2
+                            or (split > 1 and cnt is None)):
+        y = mx_linear(x, q, scale, config=config)  # [T, 2I], then the activation's own launch
+        return out.copy_(swiglu_oai(y, alpha, limit) if act == "swiglu_oai" else silu_mul(*y.chunk(2, -1)))
+    if dequant:
+        return torch.mm(x, mx_dequantize(q, scale, x.dtype).t(), out=out)  # [T, K] @ [K, N]
+    launch = pdl.args(x)
     part = torch.empty(split, t, n, dtype=torch.float32, device=x.device) if split > 1 else out  # [S, T, N]
-    common = dict(SPLIT=split > 1, EVEN_K=k % bk == 0, ONE_LAUNCH=cnt is not None, num_warps=cfg.num_warps, **launch)
+    common = dict(SPLIT=split > 1, EVEN_K=k % bk == 0, ONE_LAUNCH=cnt is not None, num_warps=cfg.num_warps,
+                  ACT=ACTS.get(act, 0), PRECISE=act is not None and precise(), **launch)
     cnt = cnt if cnt is not None else out
+    act_args = (n_out, float(alpha), float(limit))
     if not cfg.use_dot:
         # LEAN sums its chunks with FMAs (contraction on: the products' roundings are the GEMV's own, any order)
         opts = {**launch_opts(), "enable_fp_fusion": True} if cfg.lean else launch_opts()
         _mx_gemv_kernel[(tiles, split)](
             x, q, scale, out, part, cnt, t, n, k, x.stride(0), q.stride(0), scale.stride(0), out.stride(0), k_split,
-            BLOCK_T=triton.next_power_of_2(t), BLOCK_N=cfg.block_n, BLOCK_K=bk, LEAN=cfg.lean,
+            *act_args, BLOCK_T=triton.next_power_of_2(t), BLOCK_N=cfg.block_n, BLOCK_K=bk, LEAN=cfg.lean,
             num_stages=cfg.num_stages, **common, **opts)
     else:
         interp = interpreting()
         _mx_gemm_kernel[(tiles, split)](
             x, q, scale, out, part, cnt, t, n, k, x.stride(0), q.stride(0), scale.stride(0), out.stride(0),
-            k_split // bk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
+            k_split // bk, *act_args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
             IEEE=x.dtype == torch.float32, GROUP_SCALE=x.dtype == torch.float16,
             UPCAST_DOT=interp and x.dtype != torch.float32, num_stages=cfg.num_stages, **common, **launch_opts())
     if split > 1 and not common["ONE_LAUNCH"]:  # the partials' ordered sum as a launch of its own
