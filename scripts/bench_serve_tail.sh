@@ -21,6 +21,7 @@
 #                    its warm-up (counts and the lines: what the warm-up missed)
 #   serve_tail_<mode>_server.log  the server's log (its warm-up line says what it covered and how long it took)
 #   serve_tail_<mode>_bench.log   bench-serve's progress and tables
+#   raw/<mode>/<workload>.json    each bench-serve document as it lands (a run cut short keeps what finished)
 # Expected wall time on an H100: about 4 minutes (two startups with warm-up, ~1 min of load).
 #
 # The server needs fastapi, uvicorn, prometheus-client, httpx and xgrammar. A machine without them and without
@@ -59,6 +60,8 @@ bench() {
     --label "embedded K=$k $DEVICE fresh server, $dataset" --json "$TMP/$MODE/$name.json" 2>&1 \
     | tee -a "$OUT/serve_tail_${MODE}_bench.log"
   thread_cpu "$SERVER" "$TMP/$MODE/$name.cpu1"
+  mkdir -p "$OUT/raw/$MODE"
+  cp "$TMP/$MODE/$name.json" "$OUT/raw/$MODE/" 2>/dev/null || true  # kept as it lands: a cut run keeps its workloads
 }
 
 run_mode() {
