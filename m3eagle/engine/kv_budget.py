@@ -2,10 +2,11 @@
 
 On a GPU the pool is sized by device memory, as vLLM's `gpu_memory_utilization` does: of the device's total
 memory, the fraction `gpu_memory_utilization` may be used by this process; what the loaded weights (and
-anything else) already hold is taken off, a reserve for the step's activations, CUDA graphs and library
-workspaces is set aside, and the rest becomes pages -- at most as many as max_num_seqs sequences of
-max_model_len can use. A page holds `page_size` tokens of every pool indexed by the same slots: target K/V
-(this rank's KV heads), index-K on sparse layers, the Eagle3 head's K/V.
+anything else) already hold is taken off, a reserve for the step's activations (an MXFP8 model's prompt steps
+also dequantize one weight at a time), CUDA graphs and library workspaces is set aside, and the rest becomes
+pages -- at most as many as max_num_seqs sequences of max_model_len can use. A page holds `page_size` tokens of
+every pool indexed by the same slots: target K/V (this rank's KV heads), index-K on sparse layers, the Eagle3
+head's K/V.
 
 On a CPU (tests, the embedded model) the pool is sized by request shape: enough for min(max_num_seqs, 16)
 full-length sequences. An explicit `num_pages` always wins. Under tensor parallelism every rank must hold
@@ -19,6 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from m3eagle.kernels.quant.mxfp8 import DEQUANT_MIN_T
 
 log = logging.getLogger("m3eagle")
 
@@ -47,6 +50,19 @@ def activation_reserve(target_cfg: Any, max_num_tokens: int, max_num_seqs: int, 
     return max_num_tokens * per_token + sampled
 
 
+def dequant_scratch(target: Any, num_tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of the W8A16 prompt path's transient copy of a weight: a step of DEQUANT_MIN_T tokens or more
+    dequantizes each 2-D MXFP8 weight in turn into `dtype` for cuBLAS (w8a16.mx_linear), so the largest one is
+    held at a time. 0 for an unquantized model or smaller steps."""
+    if num_tokens < DEQUANT_MIN_T:
+        return 0
+    # every module's 2-D fp8 `weight`: the projections' parameters and the packed q/k/v (PackedLinears)
+    weights = [getattr(m, "weight", None) for m in target.modules()]
+    sizes = [w.numel() for w in weights if isinstance(w, torch.Tensor) and w.dim() == 2
+             and w.dtype == torch.float8_e4m3fn]
+    return max(sizes, default=0) * torch.empty((), dtype=dtype).element_size()
+
+
 def pages_per_seq(cfg: Any, k: int) -> int:
     """Pages one sequence of max_model_len can hold, with room for 2 x (1 + K) speculative positions."""
     return -(-(cfg.max_model_len + 2 * (k + 1)) // cfg.page_size)
@@ -64,11 +80,13 @@ def resolve_num_pages(cfg: Any, target: Any, draft: Any, dtype: torch.dtype, dev
     util = cfg.gpu_memory_utilization
     free, total = mem_info() if mem_info is not None else torch.cuda.mem_get_info(device)
     per_page = bytes_per_slot(target, draft, dtype) * cfg.page_size
-    reserve = FIXED_RESERVE + activation_reserve(target.cfg, cfg.max_num_tokens, cfg.max_num_seqs, k)
+    reserve = (FIXED_RESERVE + activation_reserve(target.cfg, cfg.max_num_tokens, cfg.max_num_seqs, k)
+               + dequant_scratch(target, cfg.max_num_tokens, dtype))
     if cfg.prefill_graphs:  # the graphs' private pool holds a prefill step's activations too (its padding rows'
         # tokens included: the largest bucket holds max_prefill_graph_tokens real ones and a token per row)
-        reserve += activation_reserve(target.cfg, min(cfg.max_prefill_graph_tokens, cfg.max_num_tokens)
-                                      + cfg.max_num_seqs + 1, cfg.max_num_seqs, k)
+        graph_tokens = min(cfg.max_prefill_graph_tokens, cfg.max_num_tokens) + cfg.max_num_seqs + 1
+        reserve += (activation_reserve(target.cfg, graph_tokens, cfg.max_num_seqs, k)
+                    + dequant_scratch(target, graph_tokens, dtype))
     budget = free - (1.0 - util) * total - reserve
     want = 1 + per_seq * cfg.max_num_seqs
     pages = max(0, min(want, int(budget // per_page)))

@@ -71,3 +71,30 @@ def test_bad_utilization_is_refused():
 
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=1.5 must be in \(0, 1\]"):
         LLM(num_draft_tokens=0, device="cpu", gpu_memory_utilization=1.5)
+
+
+def test_an_mxfp8_model_reserves_the_prompt_paths_dequantized_weight():
+    """Prompt steps of DEQUANT_MIN_T tokens or more dequantize one 2-D MXFP8 weight at a time into the activation
+    dtype (w8a16.mx_linear): the reserve holds the largest such copy, once for eager steps and once more for the
+    prefill graphs' pool when their largest bucket reaches the threshold; nothing for smaller steps or a bf16 model."""
+    from m3eagle.engine.kv_budget import dequant_scratch
+    from m3eagle.kernels.quant.mxfp8 import DEQUANT_MIN_T
+    from m3eagle.models.quant import quantize_online
+
+    tcfg, dcfg = geometries.tiny()
+    target = MiniMaxM3(tcfg).to(torch.bfloat16)
+    assert dequant_scratch(target, 4096, torch.bfloat16) == 0  # nothing quantized yet
+    assert quantize_online(target) > 0
+    largest = max(p.numel() for p in target.parameters() if p.dtype == torch.float8_e4m3fn and p.dim() == 2)
+    assert dequant_scratch(target, DEQUANT_MIN_T, torch.bfloat16) == 2 * largest
+    assert dequant_scratch(target, DEQUANT_MIN_T - 1, torch.bfloat16) == 0
+    cfg = EngineConfig(page_size=16, max_num_tokens=DEQUANT_MIN_T, max_num_seqs=4, max_model_len=64,
+                       num_draft_tokens=0, gpu_memory_utilization=0.5)
+    per_page = bytes_per_slot(target, None, torch.bfloat16) * 16
+    reserve = 1 * GiB + activation_reserve(tcfg, DEQUANT_MIN_T, 4, 0) + 2 * largest
+    free, total = 40 * GiB + reserve + 10 * per_page, 80 * GiB
+    assert resolve_num_pages(cfg, target, None, torch.bfloat16, CUDA, 0, mem_info=lambda: (free, total)) == 10
+    assert resolve_num_pages(cfg, target, None, torch.bfloat16, CUDA, 0, mem_info=lambda: (free - 1, total)) == 9
+    pg = dataclasses.replace(cfg, prefill_graphs=True, max_prefill_graph_tokens=DEQUANT_MIN_T)
+    free += activation_reserve(tcfg, DEQUANT_MIN_T + 4 + 1, 4, 0) + 2 * largest
+    assert resolve_num_pages(pg, target, None, torch.bfloat16, CUDA, 0, mem_info=lambda: (free, total)) == 10

@@ -24,6 +24,11 @@ import torch
 MX_BLOCK = 32
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 E8M0_BIAS = 127
+# Rows from which `w8a16.mx_linear` dequantizes a weight into a scratch of x's dtype (one launch: 1 byte read, 2
+# written per weight) and runs cuBLAS on it: at prompt sizes the GEMM is compute-bound, and cuBLAS's bf16 GEMM
+# outruns the tiled kernel (whose dequantization sits in its MMA loop) by more than the scratch costs. bf16 and fp32
+# x only: fp16 cannot hold every q * 2 ** e. The scratch is transient (engine/kv_budget.py reserves room for it).
+DEQUANT_MIN_T = 1024
 
 
 @dataclass(frozen=True)

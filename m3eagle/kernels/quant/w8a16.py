@@ -90,7 +90,7 @@ import triton.language as tl
 from m3eagle.kernels import pdl
 from m3eagle.kernels.fused.activation import silu_mul, silu_mul_f32, swiglu_oai, swiglu_oai_f32
 from m3eagle.kernels.pdl import pdl_wait
-from m3eagle.kernels.quant.mxfp8 import MX_BLOCK
+from m3eagle.kernels.quant.mxfp8 import DEQUANT_MIN_T, MX_BLOCK
 from m3eagle.kernels.split_counters import SplitCounters
 from m3eagle.kernels.triton_utils import interpreting, launch_opts, precise
 
@@ -499,11 +499,6 @@ def _mx_dequant_kernel(q_ptr, s_ptr, w_ptr, N, K, stride_qn, stride_sn, stride_w
 # ---- host API -----------------------------------------------------------------------------------------
 
 
-# Rows from which `mx_linear` dequantizes the weight into a scratch of x's dtype (one launch: 1 byte read, 2 written
-# per weight) and runs cuBLAS on it: at prompt sizes the GEMM is compute-bound, and cuBLAS's bf16 GEMM outruns
-# the tiled kernel (whose dequantization sits in its MMA loop) by more than the scratch costs. bf16 and fp32 x only:
-# fp16 cannot hold every q * 2 ** e. The scratch is transient (the largest quantized weight of the model in bf16).
-DEQUANT_MIN_T = 1024
 
 
 def mx_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
