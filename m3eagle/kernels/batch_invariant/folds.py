@@ -38,31 +38,10 @@ from m3eagle.kernels import pdl
 from m3eagle.kernels.batch_invariant import matmul
 from m3eagle.kernels.batch_invariant.matmul import last_to_arrive, split_ordered_acc, sum_partials, tile_acc, tile_ids
 from m3eagle.kernels.fused import activation
-from m3eagle.kernels.fused.activation import silu_mul_f32, swiglu_oai_f32
+from m3eagle.kernels.fused.activation import ACTS, store_act_tile
 from m3eagle.kernels.fused.argmax import argmax, argmax_outputs
 from m3eagle.kernels.pdl import pdl_wait
 from m3eagle.kernels.triton_utils import interpreting, launch_opts, precise
-
-ACTS = {"silu": 1, "swiglu_oai": 2}  # ACT of `_matmul_act_kernel`
-
-
-@triton.jit
-def _act_store(Y, vals, offs_m, m_ok, pid_n, n_act, stride_ym, alpha, limit, ACT: tl.constexpr,
-               BLOCK_M: tl.constexpr, HALF: tl.constexpr, PRECISE: tl.constexpr):
-    """vals [BM, 2 * HALF] fp32: interleaved (gate, up) sums of activation columns pid_n * HALF + i. Each is
-    rounded to Y's dtype as the plain GEMM stores it, then the activation is computed and stored as its own
-    launch computes it."""
-    dt = Y.dtype.element_ty
-    g, u = tl.split(tl.reshape(vals, [BLOCK_M, HALF, 2]))  # [BM, HALF] each
-    g = g.to(dt).to(tl.float32)
-    u = u.to(dt).to(tl.float32)
-    if ACT == 1:
-        out = silu_mul_f32(g, u, dt, PRECISE)
-    else:
-        out = swiglu_oai_f32(g, u, alpha, limit, dt, PRECISE)
-    cols = pid_n * HALF + tl.arange(0, HALF)
-    ptrs = Y + offs_m[:, None].to(tl.int64) * stride_ym + cols[None, :]  # [BM, HALF]
-    tl.store(ptrs, out.to(dt), mask=m_ok[:, None] & (cols < n_act)[None, :])
 
 
 @triton.jit(do_not_specialize=["M", "stride_xm", "stride_ps", "n_inner"])
@@ -102,10 +81,10 @@ def _matmul_act_kernel(X, W, Y, P, CNT, M, n_act, K, steps_per_split, n_inner, s
         n_split = tl.num_programs(1)
         if last_to_arrive(CNT + pid, n_split):
             total = sum_partials(p_tile, stride_ps, mask, n_split)  # [BM, BN] fp32
-            _act_store(Y, total, offs_m, m_ok, pid_n, n_act, stride_ym, alpha, limit, ACT, BLOCK_M, HALF, PRECISE)
+            store_act_tile(Y, total, offs_m, m_ok, pid_n, n_act, stride_ym, alpha, limit, ACT, BLOCK_M, HALF, PRECISE)
             tl.store(CNT + pid, 0)  # zero for the next launch (matmul._matmul_kernel's reset)
     else:
-        _act_store(Y, acc, offs_m, m_ok, pid_n, n_act, stride_ym, alpha, limit, ACT, BLOCK_M, HALF, PRECISE)
+        store_act_tile(Y, acc, offs_m, m_ok, pid_n, n_act, stride_ym, alpha, limit, ACT, BLOCK_M, HALF, PRECISE)
 
 
 INT64_MIN = tl.constexpr(-(2**63))  # a constexpr: jit code reads no plain globals

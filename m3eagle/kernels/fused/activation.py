@@ -68,6 +68,29 @@ def silu_mul_f32(g, u, dt: tl.constexpr, PRECISE: tl.constexpr):
     return act * u
 
 
+ACTS = {"silu": 1, "swiglu_oai": 2}  # the fused GEMMs' ACT constexpr by activation name (0: none)
+
+
+@triton.jit
+def store_act_tile(Y, vals, offs_m, m_ok, pid_n, n_act, stride_ym, alpha, limit, ACT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, HALF: tl.constexpr, PRECISE: tl.constexpr):
+    """A GEMM epilogue's activation store. vals [BM, 2 * HALF] fp32: interleaved (gate, up) sums of activation
+    columns pid_n * HALF + i. Each is rounded to Y's dtype as the plain GEMM stores it, then the activation
+    (ACT 1 silu, 2 swiglu-oai) is computed and stored as its own launch computes it. Shared by the
+    batch-invariant GEMM's fold (batch_invariant/folds.py) and the W8A16 kernels (quant/w8a16.py)."""
+    dt = Y.dtype.element_ty
+    g, u = tl.split(tl.reshape(vals, [BLOCK_M, HALF, 2]))  # [BM, HALF] each
+    g = g.to(dt).to(tl.float32)
+    u = u.to(dt).to(tl.float32)
+    if ACT == 1:
+        out = silu_mul_f32(g, u, dt, PRECISE)
+    else:
+        out = swiglu_oai_f32(g, u, alpha, limit, dt, PRECISE)
+    cols = pid_n * HALF + tl.arange(0, HALF)
+    ptrs = Y + offs_m[:, None].to(tl.int64) * stride_ym + cols[None, :]  # [BM, HALF]
+    tl.store(ptrs, out.to(dt), mask=m_ok[:, None] & (cols < n_act)[None, :])
+
+
 def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """gate_up [..., 2I] (gate then up) -> [..., I], as reference.swiglu_oai."""
     gu = as_rows(gate_up)

@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from m3eagle.kernels import pdl
-from m3eagle.kernels.fused.activation import silu_mul_f32, swiglu_oai_f32
+from m3eagle.kernels.fused.activation import ACTS, silu_mul_f32, swiglu_oai_f32
 from m3eagle.kernels.fused.argmax import argmax_outputs
 from m3eagle.kernels.fused.norm import rms_rstd, rms_scale
 from m3eagle.kernels.pdl import pdl_wait
@@ -111,7 +111,6 @@ def _store_row(ptr, row, vals, offs_n, T, N, stride):
     tl.store(ptr + row * stride + offs_n, vals.to(ptr.dtype.element_ty), mask=ok)
 
 
-ACTS = {"silu": 1, "swiglu_oai": 2}  # ACT of `_linear_kernel` (0: none)
 
 
 @triton.jit

@@ -88,7 +88,7 @@ import triton
 import triton.language as tl
 
 from m3eagle.kernels import pdl
-from m3eagle.kernels.fused.activation import silu_mul, silu_mul_f32, swiglu_oai, swiglu_oai_f32
+from m3eagle.kernels.fused.activation import ACTS, silu_mul, store_act_tile, swiglu_oai, swiglu_oai_f32
 from m3eagle.kernels.pdl import pdl_wait
 from m3eagle.kernels.quant.mxfp8 import DEQUANT_MIN_T, MX_BLOCK
 from m3eagle.kernels.split_counters import SplitCounters
@@ -261,32 +261,13 @@ def _weight_rows(offs_n, N, n_act, ACT: tl.constexpr):
 
 
 @triton.jit
-def _store_act(vals, offs_t, T, y_ptr, stride_yt, col_tile, n_act, alpha, limit, ROWS: tl.constexpr,
-               HALF: tl.constexpr, ACT: tl.constexpr, PRECISE: tl.constexpr):
-    """ACT's store of a tile's final fp32 values vals [ROWS, 2 * HALF] (interleaved gate / up columns): each rounded
-    to y's dtype as mx_linear's own store rounds it, then the activation as its own launch computes it
-    (fused/activation.py's helpers, compiled without contraction), into y[:, col_tile * HALF + i]."""
-    dt = y_ptr.dtype.element_ty
-    g, u = tl.split(tl.reshape(vals, [ROWS, HALF, 2]))  # [ROWS, HALF] each
-    g = g.to(dt).to(tl.float32)
-    u = u.to(dt).to(tl.float32)
-    if ACT == 1:
-        out = silu_mul_f32(g, u, dt, PRECISE)
-    else:
-        out = swiglu_oai_f32(g, u, alpha, limit, dt, PRECISE)
-    cols = col_tile * HALF + tl.arange(0, HALF)
-    tl.store(y_ptr + offs_t.to(tl.int64)[:, None] * stride_yt + cols[None, :], out.to(dt),
-             mask=(offs_t < T)[:, None] & (cols < n_act)[None, :])
-
-
-@triton.jit
 def _store_out(acc, offs_t, offs_n, T, N, y_ptr, stride_yt, part_ptr, cnt_ptr, tile, pid_s, col_tile, n_act, alpha,
                limit, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr,
                ACT: tl.constexpr, PRECISE: tl.constexpr):
     """acc [BT, BN] fp32 of rows offs_t, columns offs_n -> y (unsplit), or this split's partial part[pid_s] [T, N];
     ONE_LAUNCH: then the tile's last program to finish (its counter cnt[tile]) sums the S partials in split order
     into y and zeroes the counter again (for the next launch / graph replay). ACT: the final values go through
-    `_store_act` (y [T, n_act]) instead; a split ACT launch is always ONE_LAUNCH."""
+    `activation.store_act_tile` (y [T, n_act]) instead; a split ACT launch is always ONE_LAUNCH."""
     mask = (offs_t < T)[:, None] & (offs_n < N)[None, :]
     if SPLIT:
         n_split = tl.num_programs(1)
@@ -301,14 +282,15 @@ def _store_out(acc, offs_t, offs_n, T, N, y_ptr, stride_yt, part_ptr, cnt_ptr, t
                 for s in range(n_split):  # split order, whichever program came last: the same bits every call
                     total += tl.load(p_ptrs + s * plane, mask=mask, other=0.0, cache_modifier=".cg")
                 if ACT:
-                    _store_act(total, offs_t, T, y_ptr, stride_yt, col_tile, n_act, alpha, limit, ROWS, HALF, ACT,
-                               PRECISE)
+                    store_act_tile(y_ptr, total, offs_t, offs_t < T, col_tile, n_act, stride_yt, alpha, limit, ACT,
+                                   ROWS, HALF, PRECISE)
                 else:
                     tl.store(y_ptr + offs_t.to(tl.int64)[:, None] * stride_yt + offs_n[None, :],
                              total.to(y_ptr.dtype.element_ty), mask=mask)
                 tl.store(cnt_ptr + tile, 0)
     elif ACT:
-        _store_act(acc, offs_t, T, y_ptr, stride_yt, col_tile, n_act, alpha, limit, ROWS, HALF, ACT, PRECISE)
+        store_act_tile(y_ptr, acc, offs_t, offs_t < T, col_tile, n_act, stride_yt, alpha, limit, ACT, ROWS, HALF,
+                       PRECISE)
     else:
         tl.store(y_ptr + offs_t.to(tl.int64)[:, None] * stride_yt + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=mask)
@@ -561,9 +543,6 @@ def _check_x(fn: str, x: torch.Tensor, k: int, device: torch.device) -> None:
         raise ValueError(f"{fn}: x must have unit column stride, got strides {x.stride()}")
     if device.type != "cuda" and not interpreting():
         raise ValueError(f"{fn}: tensors on {device} need a CUDA device or TRITON_INTERPRET=1")
-
-
-ACTS = {"silu": 1, "swiglu_oai": 2}  # mx_linear's `act` -> the kernels' ACT (0: none)
 
 
 def mx_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None,
