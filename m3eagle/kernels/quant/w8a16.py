@@ -481,22 +481,17 @@ def _mx_dequant_kernel(q_ptr, s_ptr, w_ptr, N, K, stride_qn, stride_sn, stride_w
 # ---- host API -----------------------------------------------------------------------------------------
 
 
-
-
-def mx_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+def mx_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """w [N, K] in `dtype` = dequantize_mx(q, scale, dtype) (bit for bit) in one launch; q float8_e4m3fn [N, K] and
     scale uint8 [N, K / 32], both contiguous. Graph-capturable (no host sync)."""
     _check_weight("q", q, scale, "scale", 2, "mx_dequantize")
     n, k = q.shape
-    if out is None:
-        out = torch.empty(n, k, dtype=dtype, device=q.device)
+    out = torch.empty(n, k, dtype=dtype, device=q.device)  # [N, K]
     bn, bk = 16, min(512, triton.next_power_of_2(k))
     _mx_dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
         q, scale, out, n, k, q.stride(0), scale.stride(0), out.stride(0), BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
         **pdl.args(q), **launch_opts())
     return out
-
 
 
 MAX_TILES = 16384  # output tiles with a one-launch split-K counter (one int32 each: 64 KB per device)
