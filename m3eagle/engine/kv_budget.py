@@ -60,7 +60,7 @@ def dequant_scratch(target: Any, num_tokens: int, dtype: torch.dtype) -> int:
     weights = [getattr(m, "weight", None) for m in target.modules()]
     sizes = [w.numel() for w in weights if isinstance(w, torch.Tensor) and w.dim() == 2
              and w.dtype == torch.float8_e4m3fn]
-    return max(sizes, default=0) * torch.empty((), dtype=dtype).element_size()
+    return max(sizes, default=0) * dtype.itemsize
 
 
 def pages_per_seq(cfg: Any, k: int) -> int:

@@ -439,3 +439,21 @@ def test_module_layering():
     """kernels/ imports nothing from models / engine and above (lint-imports checks the whole package)."""
     src = open(w8a16.__file__).read()
     assert "m3eagle.models" not in src and "m3eagle.engine" not in src
+
+
+@pytest.mark.parametrize("act", ["swiglu_oai", "silu"])
+def test_triton_fused_runs_mxfp8_gate_up_with_its_activation_in_the_epilogue(act, monkeypatch):
+    """The model's MLP calls `fused.linear_swiglu_oai` / `linear_silu_mul`: with an MXFP8 weight the Triton backend
+    runs mx_linear's epilogue (no activation launch), with the bits of its plain linear then the activation."""
+    from m3eagle.kernels.fused import activation
+    from m3eagle.kernels.fused.triton_backend import TritonFused
+    from m3eagle.kernels.quant.mxfp8 import MxWeight
+
+    fused = TritonFused()
+    q, s = random_weight(4, 64, 96)
+    w, x = MxWeight(q, s), torch.randn(12, 96, generator=gen(6)).bfloat16()  # 12 rows: the tiled GEMM
+    y = fused.linear(x, w)
+    want = activation.swiglu_oai(y, 1.702, 7.0) if act == "swiglu_oai" else activation.silu_mul(*y.chunk(2, -1))
+    apart = spy_launches(monkeypatch, activation, "_swiglu_kernel" if act == "swiglu_oai" else "_silu_mul_kernel")
+    got = fused.linear_swiglu_oai(x, w, 1.702, 7.0) if act == "swiglu_oai" else fused.linear_silu_mul(x, w)
+    assert torch.equal(got, want) and not apart

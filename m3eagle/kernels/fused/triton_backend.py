@@ -62,11 +62,17 @@ class TritonFused(ReferenceFused):
         most = self.gemv_max_t if self.gemv_max_t is not None else (g.MAX_T if x.is_cuda else 0)
         return x.shape[0] <= most and g.supports(x, w) and g.prefers(x.shape[0], w.shape[0], w.shape[1])
 
+    def _mx_linear(self, x, w, **act):
+        """An MXFP8 weight through the W8A16 kernels (CUDA, or the interpreter); None elsewhere (the reference
+        dequantizes). act: mx_linear's activation epilogue."""
+        if not (isinstance(w, MxWeight) and (x.is_cuda or interpreting())):
+            return None
+        return mx_linear(x.contiguous() if x.stride(-1) != 1 else x, w.q, w.scale, **act)
+
     def linear(self, x, w):
         if isinstance(w, MxWeight):
-            if x.is_cuda or interpreting():
-                return mx_linear(x.contiguous() if x.stride(-1) != 1 else x, w.q, w.scale)
-            return super().linear(x, w)
+            y = self._mx_linear(x, w)
+            return y if y is not None else super().linear(x, w)
         if self._gemv_takes(x, w):
             return self._gemv.linear(x, w, counters=self._gemv_counters)
         return torch.nn.functional.linear(x, w)
@@ -119,21 +125,16 @@ class TritonFused(ReferenceFused):
             return self._gemv.linear_argmax(x, w, cnt, offsets, out, scatter, cfg)[1]
         return self.argmax(self.linear(x, w), offsets, out, scatter)
 
-    def _mx_act(self, x, w) -> bool:
-        """An MXFP8 weight that mx_linear runs here: its activation rides in its epilogue where the path allows."""
-        return isinstance(w, MxWeight) and (x.is_cuda or interpreting())
-
     def linear_silu_mul(self, x, w):
-        if self._mx_act(x, w):
-            return mx_linear(x.contiguous() if x.stride(-1) != 1 else x, w.q, w.scale, act="silu")
+        if (y := self._mx_linear(x, w, act="silu")) is not None:
+            return y
         if (cfg := self._act_config(x, w)) is not None:
             return self._gemv.linear_act(x, w, "silu", config=cfg)
         return silu_mul(*self.linear(x, w).chunk(2, -1))
 
     def linear_swiglu_oai(self, x, w, alpha, limit):
-        if self._mx_act(x, w):
-            return mx_linear(x.contiguous() if x.stride(-1) != 1 else x, w.q, w.scale, act="swiglu_oai",
-                             alpha=alpha, limit=limit)
+        if (y := self._mx_linear(x, w, act="swiglu_oai", alpha=alpha, limit=limit)) is not None:
+            return y
         if (cfg := self._act_config(x, w)) is not None:
             return self._gemv.linear_act(x, w, "swiglu_oai", alpha, limit, cfg)
         return swiglu_oai(self.linear(x, w), alpha, limit)
