@@ -23,7 +23,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -63,6 +63,10 @@ from m3eagle.sampling.params import SamplingParams, StructuredOutputsParams
 from m3eagle.sampling.structured import GrammarCompiler, GrammarError
 
 log = logging.getLogger("m3eagle")
+
+
+class WarmupStopped(Exception):
+    """`LLMEngine.warmup` was told to stop (its `should_stop` answered True); the engine is idle and clean."""
 
 
 class RequestError(ValueError):
@@ -386,7 +390,7 @@ class LLMEngine(OutputProcessor):
                                                       structured_outputs=StructuredOutputsParams(json_object=True))))
         return out
 
-    def warmup(self, graphs: bool = True) -> dict[str, Any]:
+    def warmup(self, graphs: bool = True, should_stop: Callable[[], bool] | None = None) -> dict[str, Any]:
         """Do at startup the work a serving step would otherwise do on first use, then forget it (speculation
         counters and step counts restored, every page free again):
 
@@ -397,14 +401,29 @@ class LLMEngine(OutputProcessor):
            variants of steps no prefill graph takes), K + 2 new tokens each, so verify and draft steps run too;
         3. one short request per `warmup_variants` entry, at a short and at the longest chunk length.
 
-        Returns what it ran: shapes, variants, graphs (keys warmed), steps, seconds."""
+        Returns what it ran: shapes, variants, graphs (keys warmed), steps, seconds.
+
+        `should_stop` (a server shutting down while it warms up) is asked before each graph key, prompt batch and
+        variant; when it answers True the warm-up raises WarmupStopped, leaving the engine idle and clean, so the
+        thread that runs it ends within one such item instead of compiling on while the process exits."""
         if not self.is_idle_and_clean():
             raise RuntimeError("warmup() runs on an idle engine only (before any request)")
+
         t0, counters, steps, iters = time.perf_counter(), self.counters.snapshot(), self.num_steps, self.num_iterations
         cache_counts = (self.scheduler.prefix_cache_queries, self.scheduler.prefix_cache_hits)
+
+        def check() -> None:
+            if should_stop is not None and should_stop():
+                self.counters, self.num_steps, self.num_iterations = counters, steps, iters
+                self.scheduler.reset_prefix_cache()
+                self.scheduler.prefix_cache_queries, self.scheduler.prefix_cache_hits = cache_counts
+                raise WarmupStopped("the warm-up was stopped before it finished")
+
         warmed = 0
         if graphs and self.graph_shapes:
-            warmed = sum(self.graphs.warm(b, m) for b, m in self.graphs.warm_keys())
+            for b, m in self.graphs.warm_keys():
+                check()
+                warmed += self.graphs.warm(b, m)
         t_graphs = time.perf_counter() - t0
         shapes = self.warmup_shapes()
         greedy = SamplingParams(temperature=0.0, max_tokens=self.k + 2, ignore_eos=True)
@@ -413,13 +432,16 @@ class LLMEngine(OutputProcessor):
         self.graphs.eager_prefill = True
         try:
             for rows, length in shapes:
+                check()
                 self._warm_batch([(f"{rows}x{length}-{r}", length, greedy) for r in range(rows)])
         finally:
             self.graphs.eager_prefill = False
+        check()
         merges = self._warm_index_merges()
         lengths = sorted({16, max((n for r, n in shapes if r == 1), default=16)})
         variants = []
         for name, sp in self.warmup_variants():
+            check()
             try:
                 self._warm_batch([(f"{name}-{n}", n, sp) for n in lengths])
                 variants.append(name)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from m3eagle.engine.llm_engine import LLMEngine, SpecCounters
+from m3eagle.engine.llm_engine import LLMEngine, SpecCounters, WarmupStopped
 from m3eagle.engine.request import RequestDelta
 from m3eagle.entrypoints.server.metrics import PrefixCacheCounts, RequestTimes, ServerMetrics
 from m3eagle.sampling.params import SamplingParams
@@ -71,6 +71,10 @@ class RequestStream:
     queue: asyncio.Queue[RequestDelta] = field(default_factory=asyncio.Queue)
     times: RequestTimes = field(default_factory=lambda: RequestTimes(time.monotonic()))
     detached: bool = False  # the client went away: deltas are dropped (metrics still count them)
+
+
+# How long a server stopped during its warm-up waits for the engine thread to finish its current warm-up item.
+WARMUP_STOP_S = 120.0
 
 
 class AsyncEngine:
@@ -123,7 +127,11 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, max(0.0, t_end - time.monotonic()))
+            # A thread still warming up ends after its current item (a graph capture or a prompt batch, which may
+            # compile for tens of seconds): wait for it, since a process that exits under a running compile or
+            # capture is aborted by the C++ runtime instead of exiting cleanly.
+            wait = max(0.0, t_end - time.monotonic()) if self.warmed.is_set() else max(timeout, WARMUP_STOP_S)
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, wait)
 
     # ---- requests (asyncio thread) ------------------------------------------------------------
     def add(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None, prefix: str,
@@ -185,7 +193,11 @@ class AsyncEngine:
                 torch.cuda.set_device(eng.device)
             if self._warmup:
                 try:
-                    self.warmup_info = eng.warmup()
+                    self.warmup_info = eng.warmup(should_stop=self._stop.is_set)
+                except WarmupStopped:  # the server is stopping: end here, between two warm-up items
+                    log.info("warm-up stopped: the server is shutting down")
+                    self.warmup_error = "stopped during the warm-up"
+                    return
                 except Exception as e:  # the server cannot promise its latency: it reports and stops
                     log.exception("warm-up failed")
                     self.warmup_error = f"{type(e).__name__}: {e}"
