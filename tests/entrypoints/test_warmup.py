@@ -222,3 +222,41 @@ def test_the_first_streamed_request_imports_nothing():
     doc = json.loads(out.stdout.strip().splitlines()[-1])
     assert doc["status"] == [200, 200]
     assert doc["imported"] == [], f"the first streamed requests imported {doc['imported']}"
+
+
+def test_warmup_stops_between_items_and_leaves_the_engine_clean(small_llm):
+    """`should_stop` is asked before each warm-up item: answering True after the second one ends the warm-up
+    with WarmupStopped, the engine idle, clean and with its counters as before."""
+    from m3eagle.engine.llm_engine import WarmupStopped
+
+    eng = small_llm.engine
+    asked, steps = [], eng.num_steps
+    with pytest.raises(WarmupStopped):
+        eng.warmup(graphs=False, should_stop=lambda: asked.append(1) or len(asked) > 2)
+    assert len(asked) == 3  # two prompt batches ran, the third item was not started
+    assert eng.is_idle_and_clean() and eng.num_steps == steps
+    assert_clean(small_llm)
+
+
+def test_a_server_stopped_during_its_warmup_ends_its_engine_thread(small_llm, monkeypatch):
+    """Stopping a server that is still warming up ends the engine thread after its current item (a process that
+    exits under a running compile or capture is aborted by the C++ runtime), and the engine is reusable."""
+    real, started, items = small_llm.engine.warmup, threading.Event(), []
+
+    def slow_warmup(graphs: bool = True, should_stop=None):
+        def stop_after_start() -> bool:
+            items.append(1)
+            started.set()
+            time.sleep(0.05)  # an item that takes a while: the stop arrives while the warm-up runs
+            return should_stop()
+        return real(graphs=False, should_stop=stop_after_start)
+
+    monkeypatch.setattr(small_llm.engine, "warmup", slow_warmup)
+    server = OpenAIServer(small_llm, log_interval=0, warmup=True)
+    st = ServerThread(server).start()
+    assert started.wait(30)
+    loop = server.engine_loop
+    st.stop()
+    assert not loop.alive and loop.warmup_error == "stopped during the warm-up"
+    assert not loop.warmed.is_set() and len(items) < 20
+    assert small_llm.engine.is_idle_and_clean() and small_llm.engine.owner is None
