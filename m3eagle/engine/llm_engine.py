@@ -401,14 +401,11 @@ class LLMEngine(OutputProcessor):
            variants of steps no prefill graph takes), K + 2 new tokens each, so verify and draft steps run too;
         3. one short request per `warmup_variants` entry, at a short and at the longest chunk length.
 
-        Returns what it ran: shapes, variants, graphs (keys warmed), steps, seconds.
-
-        `should_stop` (a server shutting down while it warms up) is asked before each graph key, prompt batch and
-        variant; when it answers True the warm-up raises WarmupStopped, leaving the engine idle and clean, so the
-        thread that runs it ends within one such item instead of compiling on while the process exits."""
+        Returns what it ran: shapes, variants, graphs (keys warmed), steps, seconds. `should_stop` (a server that
+        stops while warming up) is asked before each graph key, prompt batch and variant: True raises WarmupStopped
+        with the engine idle and clean, so its thread ends within one item, not under a compile at process exit."""
         if not self.is_idle_and_clean():
             raise RuntimeError("warmup() runs on an idle engine only (before any request)")
-
         t0, counters, steps, iters = time.perf_counter(), self.counters.snapshot(), self.num_steps, self.num_iterations
         cache_counts = (self.scheduler.prefix_cache_queries, self.scheduler.prefix_cache_hits)
 
