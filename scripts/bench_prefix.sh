@@ -18,7 +18,8 @@
 # Writes $OUT/prefix.json: {"settings", "m3-mini": {"on": {"prefix", "unique"}, "off": {...}}, "embedded": {"on":
 # {"prefix"}, "off": {...}}, "summary"}; each leaf is bench-serve's JSON (TTFT / TPOT / ITL percentiles, throughput,
 # acceptance, prefix-cache hit rate), also kept as it lands under $OUT/raw/<model>/<on|off>/. Server logs beside it.
-# About 7 minutes on an H100.
+# About 7 minutes on an H100 (with UNIQUE=0 and ONLY=m3-mini give it 450 s: the first server's warm-up compiles
+# every kernel, ~210 s on a fresh Triton cache; the second reuses that cache).
 #
 # The server needs fastapi, uvicorn, prometheus-client, httpx, xgrammar: WHEELS (default wheels/py312) as in
 # bench_serve_tail.sh. A CPU dry run (the embedded pair only: m3-mini is too big for a CPU):
@@ -36,6 +37,7 @@ C=${C:-8}
 EMB_PREFIX_LEN=${EMB_PREFIX_LEN:-1024}
 ONLY=${ONLY:-}  # m3-mini or embedded: run that model only
 UNIQUE=${UNIQUE:-1}  # 0: skip m3-mini's no-sharing workloads (the shared-prefix TTFT alone)
+ATTENTION=${ATTENTION:-auto}  # both m3-mini servers' --attention-backend (triton_sparse_prefill: the tiled prompt kernel)
 READY_TIMEOUT=${READY_TIMEOUT:-600}
 TMP=$(mktemp -d)
 mkdir -p "$OUT"
@@ -80,7 +82,7 @@ if [ "$ONLY" != embedded ]; then
     d="$OUT/raw/m3-mini/$cache"
     mkdir -p "$d"
     serve m3-mini "$cache" $((PREFIX_LEN + SUFFIX_LEN + OUTPUT_LEN + 64)) --load-format dummy --model m3-mini \
-      --num-draft-tokens 3
+      --num-draft-tokens 3 --attention-backend "$ATTENTION"
     bench "$d/prefix.json" prefix "$SUFFIX_LEN" "$PREFIX_LEN" "m3-mini K=3 cache $cache, shared prefix"
     # twice: the first pass meets shapes the shared-prefix workload never ran (whole long prompts); the second is
     # the measured one
@@ -102,11 +104,12 @@ if [ "$ONLY" != m3-mini ]; then
   done
 fi
 
-python - "$OUT/raw" "$OUT/prefix.json" "$PREFIX_LEN" "$SUFFIX_LEN" "$OUTPUT_LEN" "$N" "$C" "$EMB_PREFIX_LEN" "$DEVICE" <<'PY'
+python - "$OUT/raw" "$OUT/prefix.json" "$PREFIX_LEN" "$SUFFIX_LEN" "$OUTPUT_LEN" "$N" "$C" "$EMB_PREFIX_LEN" "$DEVICE" "$ATTENTION" <<'PY'
 import json, pathlib, sys
-tmp, out, pre, suf, outl, n, c, emb, device = sys.argv[1:]
+tmp, out, pre, suf, outl, n, c, emb, device, attention = sys.argv[1:]
 doc = {"settings": {"prefix_len": int(pre), "suffix_len": int(suf), "output_len": int(outl), "num_prompts": int(n),
                     "max_concurrency": int(c), "embedded_prefix_len": int(emb), "device": device,
+                    "m3_mini_attention_backend": attention,
                     "command": "bash scripts/bench_prefix.sh"}}
 for model in ("m3-mini", "embedded"):
     for cache in ("on", "off"):

@@ -115,8 +115,10 @@ def _device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int_in(1), default=16, help="KV page size in tokens")
     p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                    help="overlap scheduler; auto: on for CUDA")
-    p.add_argument("--attention-backend", choices=["auto", "reference", "triton", "batch_invariant"], default="auto",
-                   help="auto: triton on CUDA (batch_invariant under --deterministic), reference on CPU")
+    p.add_argument("--attention-backend", choices=["auto", "reference", "triton", "triton_sparse_prefill",
+                                                   "batch_invariant"], default="auto",
+                   help="auto: triton on CUDA (batch_invariant under --deterministic), reference on CPU; "
+                        "triton_sparse_prefill: triton with sparse prompt rows on the tiled kernel (not yet timed)")
     p.add_argument("--moe-backend", choices=["auto", "reference", "triton", "batch_invariant"], default="auto",
                    help="routed experts; auto: triton (chosen experts only) on CUDA (batch_invariant under "
                         "--deterministic), the dense reference on CPU")

@@ -151,13 +151,18 @@ def test_backend_routes_prompt_steps_to_the_tiled_kernel(monkeypatch):
 def test_only_prompt_steps_of_the_triton_backend_take_it(monkeypatch):
     """Decode / verify-sized steps (widest row < 16) and the batch-invariant backend (determinism mode: its
     own fixed per-token launch) keep `_sparse_attn_kernel`; sparse_prefill_min_q=None (the default, until the
-    kernel is timed on a GPU) turns the tiled one off."""
+    kernel is timed on a GPU) turns the tiled one off; the named backend `triton_sparse_prefill`
+    (`--attention-backend triton_sparse_prefill`) turns it on."""
+    from m3eagle.kernels.attention import backend as attention_backend
+
     calls: list[str] = []
     for mod, fn, tag in ((sparse_prefill, "sparse_prefill_attention", "tiled"),
                          (triton_kernels, "sparse_attention", "per_token")):
         monkeypatch.setattr(mod, fn, lambda q, *a, _tag=tag, **k: calls.append(_tag) or torch.zeros_like(q))
-    on = TritonBackend(sparse_prefill_min_q=sparse_prefill.PREFILL_MIN_Q)
+    on, named = TritonBackend(sparse_prefill_min_q=sparse_prefill.PREFILL_MIN_Q), attention_backend.create(
+        "triton_sparse_prefill")
     for q_lens, backend, want in (([16, 1], on, "tiled"), ([15, 1], on, "per_token"),
+                                  ([16, 1], named, "tiled"), ([15, 1], named, "per_token"),
                                   ([16, 1], TritonBackend(), "per_token"),
                                   ([16, 1], BatchInvariantBackend(), "per_token")):
         s = make_step(42, q_lens, [50, 30], 8, hq=4, hkv=2, hi=2)

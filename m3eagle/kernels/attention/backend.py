@@ -43,6 +43,16 @@ def _triton() -> AttentionBackend:
     return TritonBackend()
 
 
+def _triton_sparse_prefill() -> AttentionBackend:
+    """`triton` with prompt rows of sparse layers on the tiled kernel (sparse_prefill.py): the tokens of a tile
+    share each selected block's load, where the per-token kernel re-reads it per token (a suffix over a cached
+    prefix, a long prompt). Not the default until a GPU benchmark has timed it."""
+    from m3eagle.kernels.attention.sparse_prefill import PREFILL_MIN_Q  # imports triton; only when asked for
+    from m3eagle.kernels.attention.triton_backend import TritonBackend
+
+    return TritonBackend(sparse_prefill_min_q=PREFILL_MIN_Q)
+
+
 def _batch_invariant() -> AttentionBackend:
     from m3eagle.kernels.batch_invariant.attention import BatchInvariantBackend  # imports triton
 
@@ -52,6 +62,7 @@ def _batch_invariant() -> AttentionBackend:
 # Lazy factories: nothing here imports triton, and no module global remembers a choice. Each engine
 # creates its own backend object and hands it to the models with the step's metadata (`meta.ops`).
 _FACTORIES: dict[str, Callable[[], AttentionBackend]] = {"reference": ReferenceBackend, "triton": _triton,
+                                                         "triton_sparse_prefill": _triton_sparse_prefill,
                                                          "batch_invariant": _batch_invariant}
 
 
