@@ -121,8 +121,6 @@ class AsyncEngine:
         if self.warmed.is_set():  # anything added around the HTTP side (while warming: the warm-up's own requests)
             for rid in self.engine.request_ids():
                 self.engine.abort(rid)
-        else:
-            self._stop.set()  # the warm-up ends after its current item (`LLMEngine.warmup(should_stop=...)`)
         self._wake.set()
         t_end = time.monotonic() + timeout
         while self._streams and time.monotonic() < t_end and self.alive:  # the abort deltas come back

@@ -72,6 +72,20 @@ ACTS = {"silu": 1, "swiglu_oai": 2}  # the fused GEMMs' ACT constexpr by activat
 
 
 @triton.jit
+def act_of_sums(g, u, alpha, limit, dt: tl.constexpr, ACT: tl.constexpr, PRECISE: tl.constexpr):
+    """A GEMM epilogue's activation of its fp32 gate / up sums (same shapes): each rounded to dt as the GEMM's own
+    store rounds it, then ACT (1 silu, 2 swiglu-oai) as its own launch computes it (fp32 result; the store rounds).
+    Shared by the tile store below and the decode GEMV's row store (fused/gemv.py)."""
+    g = g.to(dt).to(tl.float32)
+    u = u.to(dt).to(tl.float32)
+    if ACT == 1:
+        out = silu_mul_f32(g, u, dt, PRECISE)
+    else:
+        out = swiglu_oai_f32(g, u, alpha, limit, dt, PRECISE)
+    return out
+
+
+@triton.jit
 def store_act_tile(Y, vals, offs_m, m_ok, pid_n, n_act, stride_ym, alpha, limit, ACT: tl.constexpr,
                    BLOCK_M: tl.constexpr, HALF: tl.constexpr, PRECISE: tl.constexpr):
     """A GEMM epilogue's activation store. vals [BM, 2 * HALF] fp32: interleaved (gate, up) sums of activation
@@ -80,12 +94,7 @@ def store_act_tile(Y, vals, offs_m, m_ok, pid_n, n_act, stride_ym, alpha, limit,
     batch-invariant GEMM's fold (batch_invariant/folds.py) and the W8A16 kernels (quant/w8a16.py)."""
     dt = Y.dtype.element_ty
     g, u = tl.split(tl.reshape(vals, [BLOCK_M, HALF, 2]))  # [BM, HALF] each
-    g = g.to(dt).to(tl.float32)
-    u = u.to(dt).to(tl.float32)
-    if ACT == 1:
-        out = silu_mul_f32(g, u, dt, PRECISE)
-    else:
-        out = swiglu_oai_f32(g, u, alpha, limit, dt, PRECISE)
+    out = act_of_sums(g, u, alpha, limit, dt, ACT, PRECISE)
     cols = pid_n * HALF + tl.arange(0, HALF)
     ptrs = Y + offs_m[:, None].to(tl.int64) * stride_ym + cols[None, :]  # [BM, HALF]
     tl.store(ptrs, out.to(dt), mask=m_ok[:, None] & (cols < n_act)[None, :])

@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from m3eagle.kernels import pdl
-from m3eagle.kernels.fused.activation import ACTS, silu_mul_f32, swiglu_oai_f32
+from m3eagle.kernels.fused.activation import ACTS, act_of_sums
 from m3eagle.kernels.fused.argmax import argmax_outputs
 from m3eagle.kernels.fused.norm import rms_rstd, rms_scale
 from m3eagle.kernels.pdl import pdl_wait
@@ -111,22 +111,15 @@ def _store_row(ptr, row, vals, offs_n, T, N, stride):
     tl.store(ptr + row * stride + offs_n, vals.to(ptr.dtype.element_ty), mask=ok)
 
 
-
-
 @triton.jit
 def _store_act_row(ptr, row, vals, pid_n, T, n_act, stride, alpha, limit, ACT: tl.constexpr, HALF: tl.constexpr,
                    PRECISE: tl.constexpr):
     """ACT's store: vals [2 * HALF] holds interleaved (gate, up) columns of output columns pid_n * HALF + i;
     each is rounded to ptr's dtype as the GEMV's own store would round it, then the activation is stored
-    as its own launch computes it (the shared `silu_mul_f32` / `swiglu_oai_f32`)."""
+    as its own launch computes it (`activation.act_of_sums`)."""
     dt = ptr.dtype.element_ty
     g, u = tl.split(tl.reshape(vals, [HALF, 2]))  # [HALF] each
-    g = g.to(dt).to(tl.float32)
-    u = u.to(dt).to(tl.float32)
-    if ACT == 1:
-        out = silu_mul_f32(g, u, dt, PRECISE)
-    else:
-        out = swiglu_oai_f32(g, u, alpha, limit, dt, PRECISE)
+    out = act_of_sums(g, u, alpha, limit, dt, ACT, PRECISE)
     offs = pid_n * HALF + tl.arange(0, HALF)
     ok = (offs < n_act) & (tl.zeros_like(offs) + row < T)
     tl.store(ptr + row * stride + offs, out.to(dt), mask=ok)
