@@ -247,21 +247,22 @@ class SparseMoE(nn.Module):
                      ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
         """forward_parts after routing (w, idx [T, k] given): the shared expert inside the routed kernels
         when `impl` can and the weights allow it, else the two parts apart."""
-        if getattr(impl, "fuses_shared", False) and self.shared_joinable() and not self.quantized():
-            sh = self.shared_experts
-            out = impl.experts_and_shared(x, w, idx, self.experts.gate_up_proj, self.experts.down_proj,
-                                          sh.gate_up_proj.weight, sh.down_proj.weight, sh.alpha, sh.limit,
+        if getattr(impl, "fuses_shared", False) and self.shared_joinable() and self.quantized() in (0, 4):
+            sh, e = self.shared_experts, self.experts
+            out = impl.experts_and_shared(x, w, idx, weight_of(e, "gate_up_proj"), weight_of(e, "down_proj"),
+                                          weight_of(sh.gate_up_proj), weight_of(sh.down_proj), sh.alpha, sh.limit,
                                           self.routed_scaling_factor)
             if out is not None:  # None: this step's kernels cannot take this shared expert
                 return out, None, 1.0
         return self.experts(x, w, idx, impl), self.shared_experts(x, fused), self.routed_scaling_factor
 
-    def quantized(self) -> bool:
-        """Whether any expert weight is MXFP8: the routed experts then run the W8A16 MoE kernels and the shared
-        expert its own W8A16 GEMMs (the bf16 fused launches take plain weights only)."""
+    def quantized(self) -> int:
+        """How many of the four expert weights (routed gate_up / down, shared gate_up / down) are MXFP8: 0 or 4
+        may run the shared expert in the routed launches (the bf16 kernels, or the W8A16 decode MoE); a mix runs
+        it apart, and any runs no bf16-only fused launch."""
         e, sh = self.experts, self.shared_experts
-        return (is_quantized(e, "gate_up_proj") or is_quantized(e, "down_proj")
-                or is_quantized(sh.gate_up_proj) or is_quantized(sh.down_proj))
+        return (is_quantized(e, "gate_up_proj") + is_quantized(e, "down_proj") + is_quantized(sh.gate_up_proj)
+                + is_quantized(sh.down_proj))
 
     def shared_joinable(self) -> bool:
         """The shared expert may ride in the routed kernels if they can take its shape (the impl decides per

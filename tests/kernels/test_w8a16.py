@@ -381,6 +381,44 @@ def test_moe_bf16():
     assert rel_err(out, ref.float()) <= 3e-2  # bf16 roundings (the interpreter truncates) at three stages
 
 
+def shared_data(seed: int, h: int = 96, s_inter: int = 64):
+    g = gen(seed)
+    s13 = torch.randn(2 * s_inter, h, generator=g) * h ** -0.5
+    s2 = torch.randn(h, s_inter, generator=g) * s_inter ** -0.5
+    return (*quantize_mx(s13), *quantize_mx(s2))
+
+
+def shared_ref(x, wts, ids, q13, s13, q2, s2, shared, scale):
+    """routed * scale + shared on the dequantized weights (the model's sum, as SparseMoE.forward takes it)."""
+    sq13, ss13, sq2, ss2 = shared
+    routed = moe_ref.experts(x, wts, ids, dequantize_mx(q13, s13), dequantize_mx(q2, s2), ALPHA, LIMIT)
+    one = moe_ref.experts(x, torch.ones(x.shape[0], 1), torch.zeros(x.shape[0], 1, dtype=torch.long),
+                          dequantize_mx(sq13, ss13)[None], dequantize_mx(sq2, ss2)[None], ALPHA, LIMIT)
+    return routed * scale + one
+
+
+@pytest.mark.parametrize("t,s_inter", [(1, 64), (3, 96), (5, 32)])
+def test_moe_with_shared_expert(t, s_inter):
+    """The shared expert in the routed launches (wider, as wide and narrower than I = 64): the model's sum
+    routed * routed_scale + shared, in two launches; a scale applied to the shared expert too, or dropped, fails."""
+    x, wts, ids, q13, s13, q2, s2 = moe_data(30 + t, t)
+    shared = shared_data(40 + t, s_inter=s_inter)
+    out = mx_moe_experts(x, wts, ids, q13, s13, q2, s2, ALPHA, LIMIT, shared=shared, routed_scale=2.5)
+    ref = shared_ref(x, wts, ids, q13, s13, q2, s2, shared, 2.5)
+    assert out.shape == ref.shape and rel_err(out, ref) <= 1e-5
+    assert rel_err(out, shared_ref(x, wts, ids, q13, s13, q2, s2, shared, 1.0)) > 1e-2  # the scale is applied
+    plain = mx_moe_experts(x, wts, ids, q13, s13, q2, s2, ALPHA, LIMIT)
+    assert rel_err(out, plain * 2.5) > 1e-2  # the shared expert is there
+
+
+def test_moe_with_shared_expert_bf16():
+    x, wts, ids, q13, s13, q2, s2 = moe_data(12, 2, dtype=torch.bfloat16)
+    shared = shared_data(13)
+    out = mx_moe_experts(x, wts, ids, q13, s13, q2, s2, ALPHA, LIMIT, shared=shared, routed_scale=2.0)
+    ref = shared_ref(x.float(), wts, ids, q13, s13, q2, s2, shared, 2.0)
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) <= 3e-2
+
+
 # ---- bad inputs -----------------------------------------------------------------------------------------
 
 
@@ -433,6 +471,18 @@ def test_moe_bad_inputs(case):
     mutate, exc, msg = MOE_BAD[case]
     with pytest.raises(exc, match=msg):
         mx_moe_experts(**mutate(args), alpha=ALPHA, limit=LIMIT)
+
+
+def test_moe_bad_shared_expert():
+    x, wts, ids, q13, s13, q2, s2 = moe_data(0, 2)
+    sq13, ss13, sq2, ss2 = shared_data(1)
+    with pytest.raises(ValueError, match="shared must be"):
+        mx_moe_experts(x, wts, ids, q13, s13, q2, s2, ALPHA, LIMIT, shared=(sq13, ss13))
+    wrong = shared_data(1, h=64)
+    with pytest.raises(ValueError, match=r"shared expert's s13_q \(128, 64\).*H = 96"):
+        mx_moe_experts(x, wts, ids, q13, s13, q2, s2, ALPHA, LIMIT, shared=wrong)
+    with pytest.raises(TypeError, match="shared s2_q must be a float8_e4m3fn"):
+        mx_moe_experts(x, wts, ids, q13, s13, q2, s2, ALPHA, LIMIT, shared=(sq13, ss13, sq2.float(), ss2))
 
 
 def test_module_layering():

@@ -103,7 +103,16 @@ class TritonMoE:
         x, from the routed kernels' launches: the shared expert is one more expert that every token uses
         (`triton_moe.fused_experts(shared=...)`; any width). All experts, one rank. None where this step
         cannot take it (`triton_moe.shared_fusable`: another dtype, or inner strides the sorted GEMMs cannot
-        index off the direct path): the caller runs the shared expert apart."""
+        index off the direct path): the caller runs the shared expert apart. All four MXFP8 (MxWeights): the
+        decode path's per-pair launches take it (`w8a16.mx_moe_experts(shared=...)`) up to GEMV_MAX_T tokens."""
+        ws = (gate_up_proj, down_proj, shared_gate_up, shared_down)
+        if any(isinstance(w, MxWeight) for w in ws):
+            if not all(isinstance(w, MxWeight) for w in ws) or x.shape[0] > self._w8a16.GEMV_MAX_T:
+                return None  # prompt sizes: the sorted MXFP8 GEMMs take no shared expert yet
+            return self._w8a16.mx_moe_experts(x, weights, idx, gate_up_proj.q, gate_up_proj.scale, down_proj.q,
+                                              down_proj.scale, alpha, limit, routed_scale=routed_scale,
+                                              shared=(shared_gate_up.q, shared_gate_up.scale, shared_down.q,
+                                                      shared_down.scale))
         if not self._mod.shared_fusable(x.shape[0], idx.shape[1], gate_up_proj, down_proj,
                                         (shared_gate_up, shared_down), self.config):
             return None

@@ -641,35 +641,53 @@ def _gemv_rows(x_row_ptr, q_ptrs, s_ptrs, n_k, BLOCK_N: tl.constexpr, BLOCK_K: t
 
 
 @triton.jit(do_not_specialize=["P"])
-def _mx_moe_gate_up_kernel(x_ptr, ids_ptr, q_ptr, s_ptr, act_ptr, P, E, H, I, stride_xt, stride_qe, stride_qn,
-                           stride_se, stride_sn, stride_at, alpha, limit, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISE: tl.constexpr,
-                           PDL: tl.constexpr):
-    """Grid (T * k, cdiv(I, BN)): act[p, n-tile] = swiglu_oai(x[p // k] @ gate_e^T, x[p // k] @ up_e^T), e = ids[p]."""
+def _mx_moe_gate_up_kernel(x_ptr, ids_ptr, q_ptr, s_ptr, act_ptr, sq_ptr, ss_ptr, sact_ptr, P, E, H, I, IS, stride_xt,
+                           stride_qe, stride_qn, stride_se, stride_sn, stride_at, stride_sqn, stride_ssn, stride_sat,
+                           alpha, limit, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           EVEN_K: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+    """Grid (T * k [+ T], cdiv(max(I, IS), BN)): act[p, n-tile] = swiglu_oai(x[p // k] @ gate_e^T, x[p // k] @ up_e^T),
+    e = ids[p]; the programs p = P + t past the routed pairs (a grid with a shared expert) compute the shared
+    expert's sact[t, n-tile] (width IS)."""
     pdl_wait(PDL)
     p = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    e = tl.minimum(tl.maximum(e, 0), E - 1)  # an id outside [0, E): any expert (its weight is zeroed in down)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, I - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     offs_g = tl.arange(0, BLOCK_K // 32)
-    x_row = x_ptr + (p // TOP_K) * stride_xt
-    qg = q_ptr + e * stride_qe + rows[:, None] * stride_qn + offs_k[None, :]
-    sg = s_ptr + e * stride_se + rows[:, None] * stride_sn + offs_g[None, :]
-    g = _gemv_rows(x_row, qg, sg, H, BLOCK_N, BLOCK_K, EVEN_K)
-    u = _gemv_rows(x_row, qg + I * stride_qn, sg + I * stride_sn, H, BLOCK_N, BLOCK_K, EVEN_K)
-    dt = act_ptr.dtype.element_ty
-    out = swiglu_oai_f32(g.to(dt).to(tl.float32), u.to(dt).to(tl.float32), alpha, limit, dt, PRECISE)
-    tl.store(act_ptr + p * stride_at + offs_n, out.to(dt), mask=offs_n < I)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if p >= P:  # the shared expert's pair of token p - P: its own weight, width and output
+        width = IS
+        x_row = x_ptr + (p - P) * stride_xt
+        qg = sq_ptr + tl.minimum(offs_n, IS - 1).to(tl.int64)[:, None] * stride_sqn + offs_k[None, :]
+        sg = ss_ptr + tl.minimum(offs_n, IS - 1).to(tl.int64)[:, None] * stride_ssn + offs_g[None, :]
+        up = IS * stride_sqn
+        up_s = IS * stride_ssn
+        out_ptrs = sact_ptr + (p - P) * stride_sat + offs_n
+    else:
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        e = tl.minimum(tl.maximum(e, 0), E - 1)  # an id outside [0, E): any expert (its weight is zeroed in down)
+        width = I
+        x_row = x_ptr + (p // TOP_K) * stride_xt
+        qg = q_ptr + e * stride_qe + tl.minimum(offs_n, I - 1).to(tl.int64)[:, None] * stride_qn + offs_k[None, :]
+        sg = s_ptr + e * stride_se + tl.minimum(offs_n, I - 1).to(tl.int64)[:, None] * stride_sn + offs_g[None, :]
+        up = I * stride_qn
+        up_s = I * stride_sn
+        out_ptrs = act_ptr + p * stride_at + offs_n
+    if pid_n * BLOCK_N < width:  # the wider of I and IS sets the grid: the other's extra tiles have no rows
+        g = _gemv_rows(x_row, qg, sg, H, BLOCK_N, BLOCK_K, EVEN_K)
+        u = _gemv_rows(x_row, qg + up, sg + up_s, H, BLOCK_N, BLOCK_K, EVEN_K)
+        dt = act_ptr.dtype.element_ty
+        out = swiglu_oai_f32(g.to(dt).to(tl.float32), u.to(dt).to(tl.float32), alpha, limit, dt, PRECISE)
+        tl.store(out_ptrs, out.to(dt), mask=offs_n < width)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _mx_moe_down_kernel(act_ptr, ids_ptr, wts_ptr, q_ptr, s_ptr, out_ptr, T, E, H, I, stride_at, stride_qe, stride_qn,
-                        stride_se, stride_sn, stride_ot, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    """Grid (T, cdiv(H, BN)): out[t, n-tile] = sum_{j = 0..k-1} wts[t, j] * round(act[t*k + j] @ down_e^T)."""
+def _mx_moe_down_kernel(act_ptr, ids_ptr, wts_ptr, q_ptr, s_ptr, out_ptr, sact_ptr, sq_ptr, ss_ptr, T, E, H, I, IS,
+                        routed_scale, stride_at, stride_qe, stride_qn, stride_se, stride_sn, stride_ot, stride_sat,
+                        stride_sqn, stride_ssn, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        EVEN_K: tl.constexpr, EVEN_KS: tl.constexpr, HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
+    """Grid (T, cdiv(H, BN)): out[t, n-tile] = sum_{j = 0..k-1} wts[t, j] * round(act[t*k + j] @ down_e^T). With
+    HAS_SHARED (the direct bf16 kernels' roundings, `moe/direct.py: _down_sum`): each term is rounded again after
+    its weight (wts * routed_scale), and the shared expert's rounded sact[t] @ sdown^T joins the fp32 sum last."""
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -688,21 +706,51 @@ def _mx_moe_down_kernel(act_ptr, ids_ptr, wts_ptr, q_ptr, s_ptr, out_ptr, T, E, 
         qd = q_ptr + e * stride_qe + rows[:, None] * stride_qn + offs_k[None, :]
         sd = s_ptr + e * stride_se + rows[:, None] * stride_sn + offs_g[None, :]
         y = _gemv_rows(act_ptr + p * stride_at, qd, sd, I, BLOCK_N, BLOCK_K, EVEN_K)
-        total += wt * y.to(dt).to(tl.float32)
+        if HAS_SHARED:
+            total += (y.to(dt).to(tl.float32) * (wt * routed_scale)).to(dt).to(tl.float32)
+        else:
+            total += wt * y.to(dt).to(tl.float32)
+    if HAS_SHARED:
+        qd = sq_ptr + rows[:, None] * stride_sqn + offs_k[None, :]
+        sd = ss_ptr + rows[:, None] * stride_ssn + offs_g[None, :]
+        total += _gemv_rows(sact_ptr + t * stride_sat, qd, sd, IS, BLOCK_N, BLOCK_K, EVEN_KS).to(dt).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + offs_n, total.to(dt), mask=offs_n < H)
+
+
+def _check_shared(fn: str, shared: Any, h: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The shared expert's (s13_q, s13_s, s2_q, s2_s), checked: MXFP8 [2I_s, H] and [H, I_s] on the experts' device."""
+    if not (isinstance(shared, tuple) and len(shared) == 4):
+        raise ValueError(f"{fn}: shared must be (s13_q, s13_s, s2_q, s2_s), got {type(shared).__name__}")
+    sq13, ss13, sq2, ss2 = shared
+    _check_weight("shared s13_q", sq13, ss13, "s13_s", 2, fn)
+    _check_weight("shared s2_q", sq2, ss2, "s2_s", 2, fn)
+    two_is, hs = sq13.shape
+    if two_is % 2 or hs != h or tuple(sq2.shape) != (h, two_is // 2):
+        raise ValueError(f"{fn}: the shared expert's s13_q {tuple(sq13.shape)} and s2_q {tuple(sq2.shape)} must be "
+                         f"[2I_s, H] and [H, I_s] with H = {h}")
+    if sq13.device != device or sq2.device != device:
+        raise ValueError(f"{fn}: the shared expert's weights must be on {device}")
+    return sq13, ss13, sq2, ss2
 
 
 def mx_moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13_q: torch.Tensor,
                    w13_s: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, alpha: float, limit: float,
                    out: torch.Tensor | None = None, block_n: int | None = None, block_k: int | None = None,
-                   num_warps: int | None = None) -> torch.Tensor:
+                   num_warps: int | None = None, shared: tuple[torch.Tensor, ...] | None = None,
+                   routed_scale: float = 1.0) -> torch.Tensor:
     """Routed experts with MXFP8 weights: x [T, H] (bf16 / fp16 / fp32), topk_weights [T, k] (float; used in
     fp32), topk_ids [T, k] (integer expert ids), w13_q [E, 2I, H] fp8 (gate rows, then up rows) + w13_s
     [E, 2I, H/32] u8, w2_q [E, H, I] fp8 + w2_s [E, H, I/32] u8 -> [T, H] in x.dtype.
 
     = `moe.reference.experts(x, topk_weights, topk_ids, dequantize_mx(w13_q, w13_s), dequantize_mx(w2_q, w2_s),
     alpha, limit)`, with the reference's roundings (gate_up and down outputs and the activation in x.dtype, the
-    weighted sum in fp32) and the k terms summed in order j = 0..k-1. Ids outside [0, E) contribute zero."""
+    weighted sum in fp32) and the k terms summed in order j = 0..k-1. Ids outside [0, E) contribute zero.
+
+    shared = (s13_q [2I_s, H], s13_s, s2_q [H, I_s], s2_s) (MXFP8; I_s any multiple of 32): a shared expert that
+    every token uses, run in the same two launches (one more gate_up pair per token, one more term in down).
+    Returns routed_scale * experts(...) + shared(x) with the direct bf16 kernels' roundings: each routed term
+    rounded again after its weight (routing weight * routed_scale), the shared output rounded, all summed in
+    fp32 in order (routed j = 0..k-1, then shared) and rounded once."""
     fn = "mx_moe_experts"
     _check_weight("w13_q", w13_q, w13_s, "w13_s", 3, fn)
     _check_weight("w2_q", w2_q, w2_s, "w2_s", 3, fn)
@@ -738,22 +786,30 @@ def mx_moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     ids = topk_ids.contiguous()
     wts = topk_weights.float().contiguous()
     act = torch.empty(t * top_k, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
+    if shared is not None:
+        sq13, ss13, sq2, ss2 = _check_shared(fn, shared, h, w13_q.device)
+        s_inter = sq13.shape[0] // 2
+        sact = torch.empty(t, s_inter, dtype=x.dtype, device=x.device)  # [T, I_s]
+    else:  # placeholders the kernels never read: a grid without the shared pairs has no program that reaches them
+        sq13, ss13, sq2, ss2, s_inter, sact = w13_q[0], w13_s[0], w2_q[0], w2_s[0], inter, act
     _current_view()
     tuned = MOE_TUNED if t <= GEMV_MAX_T else {}  # the table's decode-size winner, else the defaults below
     block_k = block_k or tuned.get("block_k")
     block_n = block_n or tuned.get("block_n")
     num_warps = num_warps or tuned.get("num_warps", 4)
     bk1 = block_k or max(32, min(256, triton.next_power_of_2(h)))
-    bk2 = block_k or max(32, min(256, triton.next_power_of_2(inter)))
+    bk2 = block_k or max(32, min(256, triton.next_power_of_2(max(inter, s_inter))))
     bn1 = block_n or 16
     bn2 = block_n or 16
-    _mx_moe_gate_up_kernel[(t * top_k, triton.cdiv(inter, bn1))](
-        x, ids, w13_q, w13_s, act, t * top_k, e, h, inter, x.stride(0), w13_q.stride(0), w13_q.stride(1),
-        w13_s.stride(0), w13_s.stride(1), act.stride(0), float(alpha), float(limit), TOP_K=top_k, BLOCK_N=bn1,
-        BLOCK_K=bk1, EVEN_K=h % bk1 == 0, PRECISE=not interpreting(), num_warps=num_warps,
-        **pdl.args(x), **launch_opts())
+    pairs = t * top_k + (t if shared is not None else 0)
+    _mx_moe_gate_up_kernel[(pairs, triton.cdiv(max(inter, s_inter), bn1))](
+        x, ids, w13_q, w13_s, act, sq13, ss13, sact, t * top_k, e, h, inter, s_inter, x.stride(0), w13_q.stride(0),
+        w13_q.stride(1), w13_s.stride(0), w13_s.stride(1), act.stride(0), sq13.stride(0), ss13.stride(0),
+        sact.stride(0), float(alpha), float(limit), TOP_K=top_k, BLOCK_N=bn1, BLOCK_K=bk1, EVEN_K=h % bk1 == 0,
+        PRECISE=not interpreting(), num_warps=num_warps, **pdl.args(x), **launch_opts())
     _mx_moe_down_kernel[(t, triton.cdiv(h, bn2))](
-        act, ids, wts, w2_q, w2_s, out, t, e, h, inter, act.stride(0), w2_q.stride(0), w2_q.stride(1),
-        w2_s.stride(0), w2_s.stride(1), out.stride(0), TOP_K=top_k, BLOCK_N=bn2, BLOCK_K=bk2,
-        EVEN_K=inter % bk2 == 0, num_warps=num_warps, **pdl.args(x), **launch_opts())
+        act, ids, wts, w2_q, w2_s, out, sact, sq2, ss2, t, e, h, inter, s_inter, float(routed_scale), act.stride(0),
+        w2_q.stride(0), w2_q.stride(1), w2_s.stride(0), w2_s.stride(1), out.stride(0), sact.stride(0), sq2.stride(0),
+        ss2.stride(0), TOP_K=top_k, BLOCK_N=bn2, BLOCK_K=bk2, EVEN_K=inter % bk2 == 0, EVEN_KS=s_inter % bk2 == 0,
+        HAS_SHARED=shared is not None, num_warps=num_warps, **pdl.args(x), **launch_opts())
     return out
