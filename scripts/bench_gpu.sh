@@ -38,10 +38,13 @@ for t in "${targets[@]}"; do
     mini) run m3-mini --geometry m3-mini --batch-sizes 1,8,32 --compare-hf ;;
     8b) run m3-8b --geometry m3-8b --batch-sizes 1,8,32 ;;
     embedded) run embedded --geometry embedded --batch-sizes 1,32 ;;
-    m3-fp8)  # MiniMax-M3's real layer shapes (its first 4 layers), bf16 vs MXFP8, batch 1
-      run m3-l4-bf16 --geometry m3 --num-layers 4 --batch-sizes 1 --num-draft-tokens 0 --repeats 3 --max-tokens 16
-      run m3-l4-fp8 --geometry m3 --num-layers 4 --batch-sizes 1 --num-draft-tokens 0 --repeats 3 --max-tokens 16 \
-        --quantization fp8 ;;
+    m3-fp8)  # MiniMax-M3's real layer shapes, bf16 vs MXFP8, batch 1: its first 4 layers (3 dense + 1 MoE), then
+      # 6 (two MoE layers more: the step difference / 2 is one MoE layer's, lm_head and sampling cancelled)
+      for l in 4 6; do
+        run m3-l$l-bf16 --geometry m3 --num-layers $l --batch-sizes 1 --num-draft-tokens 0 --repeats 3 --max-tokens 16
+        run m3-l$l-fp8 --geometry m3 --num-layers $l --batch-sizes 1 --num-draft-tokens 0 --repeats 3 --max-tokens 16 \
+          --quantization fp8
+      done ;;
     8b-fp8)
       run m3-8b-b1-bf16 --geometry m3-8b --batch-sizes 1 --num-draft-tokens 0 --repeats 3 --max-tokens 16
       run m3-8b-b1-fp8 --geometry m3-8b --batch-sizes 1 --num-draft-tokens 0 --repeats 3 --max-tokens 16 \
