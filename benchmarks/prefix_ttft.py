@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--max-prefill-graph-tokens", type=int, default=512,
                    help="prompt / mixed steps up to this many tokens replay CUDA graphs (the engine's default: 512)")
+    p.add_argument("--attention-backend", default="auto",
+                   help="LLM(attention_backend=...): auto, triton, or triton_sparse_prefill (the tiled sparse prompt kernel)")
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true", help="profile one more wave per setting (CUDA kernels)")
     args = p.parse_args(argv)
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(model=geo.model, draft=geo.draft if args.k else None, load_format="dummy", device=args.device,
                   num_draft_tokens=args.k, enable_prefix_caching=caching, max_num_seqs=args.concurrency,
                   max_model_len=args.prefix_len + args.suffix_len + args.output_len + 64,
-                  max_prefill_graph_tokens=args.max_prefill_graph_tokens)
+                  max_prefill_graph_tokens=args.max_prefill_graph_tokens, attention_backend=args.attention_backend)
         llm.generate([batches[0][0]], sp, use_tqdm=False)  # the prefix is cached (with caching on)
         wave(llm, batches[0], sp)  # shapes warmed
         waved = [t for b in batches[1:-1] for t in wave(llm, b, sp)]
