@@ -298,6 +298,11 @@ def fp8_pass() -> None:
     # the two-launch sum's 1024-wide blocks (N >= 1024)
     q, s = quantize_mx(torch.randn(1024, 1024, generator=g))
     w8a16.mx_linear(torch.randn(1, 1024, generator=g).bfloat16(), q, s, config=C(False, 1, 8, 512, split_k=2))
+    # the decode MoE without a shared expert (the engine's layers fuse theirs): an expert-parallel rank's launches
+    q13, s13 = quantize_mx(torch.randn(4, 128, 64, generator=g))
+    q2, s2 = quantize_mx(torch.randn(4, 64, 64, generator=g))
+    w8a16.mx_moe_experts(torch.randn(2, 64, generator=g).bfloat16(), torch.rand(2, 2, generator=g),
+                         torch.tensor([[0, 3], [2, 1]]), q13, s13, q2, s2, 1.702, 7.0)
 
 
 def tree_pass() -> None:

@@ -84,3 +84,32 @@ def test_fp8_ops_within_bf16_of_the_dequantized_weights(t):
         assert err <= 2e-2, (name, err)
         checked += 1
     assert checked > 10
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_fp8_moe_with_its_shared_expert_within_bf16_of_the_parts(t):
+    """Each MoE layer of the quantized embedded target at decode sizes: the engine's ops run the shared expert
+    inside the W8A16 MoE's two launches (no part left for the next add + norm), within bf16 rounding of the
+    reference ops' routed * routed_scale + shared on the dequantized weights."""
+    from m3eagle.kernels.ops import make_ops
+    from m3eagle.loader.assets import default_model_paths
+    from m3eagle.loader.checkpoint import load_target
+    from m3eagle.models.layers import SparseMoE
+    from m3eagle.models.quant import quantize_online
+
+    target = load_target(default_model_paths()[0], torch.bfloat16, "cuda")
+    assert quantize_online(target) > 0
+    fast = make_ops(device="cuda")
+    ref = make_ops("reference", "reference", "cuda", "reference")
+    g = torch.Generator(device="cuda").manual_seed(t)
+    layers = [lay.mlp for lay in target.layers if isinstance(lay.mlp, SparseMoE)]
+    assert layers and all(m.quantized() == 4 for m in layers)
+    for moe in layers:
+        x = torch.randn(t, moe.experts.gate_up_proj.shape[2], device="cuda", generator=g).to(torch.bfloat16)
+        w, idx = moe.gate(x)
+        out, rest, scale = moe.expert_parts(x, w, idx, fast.moe, fast.fused)
+        ra, rb, rs = moe.expert_parts(x, w, idx, ref.moe, ref.fused)
+        assert rest is None and scale == 1.0
+        want = (ra.float() * rs + rb.float())
+        err = ((out.float() - want).abs().max() / want.abs().max()).item()
+        assert err <= 2e-2, err
