@@ -3,6 +3,14 @@
 Randomness is counter-based: every draw is a hash of (request seed, token position, purpose).
 So a seeded request reproduces its output whatever else shares its batch, overlap on or off, and the
 sampler needs no per-request generator objects and no host-device sync.
+
+The prefix sums (top-p's mass before a token, the draw's CDF) run on integers: each probability in fixed
+point (`FIXED_BITS` fractional bits, truncated), summed in int64. Integer addition is associative, so a row's
+sums have the same bits whatever scan order a kernel picks -- and a float cumsum's order does depend on the
+batch: torch's CUDA cumsum runs a lone row through CUB's device-wide scan and several rows through a
+row-blocked scan, so a request sampled alone and inside a batch could draw different tokens. A zero
+probability is exactly zero in fixed point, so the CDF is flat across it and the draw never lands there.
+The sort before top-p is stable (tied logits keep vocabulary order), for the same reason.
 """
 
 from __future__ import annotations
@@ -14,6 +22,10 @@ import torch
 _M32 = 0xFFFFFFFF
 # Purposes of a draw, so that accept tests, resamples and draft samples never share random numbers.
 SALT_SAMPLE, SALT_ACCEPT, SALT_DRAFT = 1, 2, 3
+# Fixed-point bits of a probability in the prefix sums: a row of up to 2^18 (262,144) tokens, each at most
+# 2^44 units, sums below 2^62; a token below 2^-44 of the row's largest probability (of its total, for top-p)
+# counts as zero there, at most V * 2^-44 (~1e-8) of the mass.
+FIXED_BITS = 44
 
 
 @dataclass
@@ -80,16 +92,24 @@ def probs_from_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor
         floor = logits.max(-1, keepdim=True).values + torch.log(st.min_p)[:, None]  # log(0) = -inf: off
         logits = logits.masked_fill(logits < floor, float("-inf"))
     v = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     k = torch.where(st.top_k > 0, st.top_k.clamp(max=v), torch.full_like(st.top_k, v))
     ranks = torch.arange(v, device=logits.device)[None, :]
     drop = ranks >= k[:, None]  # top-k in sorted order
     sp = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    # top-p: drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token)
-    drop = drop | ((sp.cumsum(-1) - sp) >= st.top_p[:, None])
+    # top-p: drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token); in fixed
+    # point, so the sum's bits do not depend on the batch (module docstring)
+    q = fixed_point(sp)  # [N, V] int64
+    drop = drop | ((q.cumsum(-1) - q) >= fixed_point(st.top_p)[:, None])
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     out = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
     return torch.softmax(out, dim=-1)
+
+
+def fixed_point(p: torch.Tensor) -> torch.Tensor:
+    """p in [0, 1] (any float dtype) in units of 2^-FIXED_BITS, truncated -> int64 of p's shape; NaN -> 0.
+    In fp32 the scaling by a power of two and the floor are exact."""
+    return torch.nan_to_num(p.float() * float(1 << FIXED_BITS), nan=0.0).floor().to(torch.int64)
 
 
 def sample_from_probs(probs: torch.Tensor, seed: torch.Tensor, position: torch.Tensor, salt: int,
@@ -97,13 +117,16 @@ def sample_from_probs(probs: torch.Tensor, seed: torch.Tensor, position: torch.T
     """One draw per (seed, position) by inverse CDF -> [N] token ids. probs: [N, V], or [1, V] for N draws
     from one shared distribution; any non-negative scale (it need not sum to 1).
 
-    The cumulative sum runs in fp64 over vocab order; the draw is the first id whose CDF exceeds
-    u * total. That id always has probability > 0: CDF[i] > x >= CDF[i-1] means p_i > 0. x is kept
-    strictly below the total (u * total can round up to it), so some id always qualifies."""
-    cdf = probs.double().cumsum(-1)  # [N or 1, V]
+    The cumulative sum runs in int64 over vocab order on the probabilities in fixed point, scaled so the row's
+    largest is 2^FIXED_BITS (any scale in, the same bits out for every batch: module docstring); the draw is
+    the first id whose CDF exceeds floor(u * total). That id always has probability > 0: CDF[i] > x >= CDF[i-1]
+    means its fixed-point value, hence p_i, is > 0. x is kept below the total (u * total can round up to it),
+    so some id always qualifies; a row of zeros or NaNs has total 0 and none does."""
+    probs = probs.float()
+    cdf = fixed_point(probs / probs.amax(-1, keepdim=True)).cumsum(-1)  # [N or 1, V] int64
     total = cdf[:, -1:]  # [N or 1, 1]
-    x = uniform64(seed, position, salt)[:, None] * total  # [N, 1]
-    x = torch.minimum(x, torch.nextafter(total, torch.zeros_like(total)))
+    x = (uniform64(seed, position, salt)[:, None] * total.double()).to(torch.int64)  # [N, 1]: floor (both >= 0)
+    x = torch.minimum(x, total - 1).clamp_(min=0)  # total 0 (no mass): x = 0, which no CDF entry exceeds
     if cdf.shape[0] == 1 and x.shape[0] != 1:
         idx = torch.searchsorted(cdf[0], x[:, 0], right=True)
     else:

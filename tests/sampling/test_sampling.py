@@ -232,6 +232,48 @@ def test_extreme_random_bits_never_reach_0_or_1_nor_a_zero_probability_token(mon
     assert not (u * 1.0 <= 0.0).any()  # an accept test u * q <= p never passes for p = 0
 
 
+def test_prefix_sums_run_on_integers_so_no_scan_order_reaches_the_draw(monkeypatch):
+    """Top-p and the CDF sum in fixed point: a float cumsum anywhere in sampling fails here (torch's CUDA
+    cumsum sums a lone row in another order than a row of a batch, so a float prefix sum made a seeded request's
+    tokens depend on its batch on the GPU). The draws are those of the same rows sampled alone."""
+    g = torch.Generator().manual_seed(3)
+    n, v = 6, 5000
+    logits = torch.randn(n, v, generator=g) * 0.05  # nearly flat: the top-p cut and the CDF carry every token
+    st = SamplingTensors(torch.full((n,), 0.8), torch.zeros(n, dtype=torch.int64), torch.full((n,), 0.95),
+                         torch.arange(n) + 11, torch.zeros(n, dtype=torch.bool))
+    pos = torch.arange(n) * 7
+    real = torch.Tensor.cumsum
+
+    def ints_only(self, *a, **kw):
+        if self.dtype.is_floating_point or kw.get("dtype") in (torch.float32, torch.float64):
+            raise AssertionError(f"a float cumsum ({self.dtype}) in sampling: its bits depend on the scan order")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "cumsum", ints_only)
+    batch, _ = sample(logits, st, pos)
+    rows = (st.temperature, st.top_k, st.top_p, st.seed, st.greedy)
+    alone = [sample(logits[i:i + 1], SamplingTensors(*(t[i:i + 1] for t in rows)), pos[i:i + 1])[0].item()
+             for i in range(n)]
+    assert batch.tolist() == alone
+
+
+def test_fixed_point_keeps_zero_probabilities_out_of_the_draw():
+    """A zero (or NaN-row) probability is exactly zero in fixed point: the CDF is flat across it and no draw
+    lands there; a row with no mass at all falls to the last id (the clamp), as before."""
+    import m3eagle.sampling.sampler as sampler
+
+    n, v = 64, 300
+    p = torch.zeros(n, v)
+    p[:, 1::3] = torch.rand(n, 100, generator=torch.Generator().manual_seed(0))
+    p[0] = 0.0
+    p[1, 5] = float("nan")
+    seed, pos = torch.arange(n), torch.arange(n)
+    tok = sampler.sample_from_probs(p, seed, pos, SALT_SAMPLE)
+    assert tok[0] == v - 1 and tok[1] == v - 1
+    assert (p[torch.arange(2, n), tok[2:]] > 0).all() and (tok[2:] % 3 == 1).all()
+    assert sampler.fixed_point(torch.tensor([0.0, 1.0, 2.0 ** -44, 2.0 ** -45])).tolist() == [0, 2 ** 44, 1, 0]
+
+
 # ------------------------------------------------------------------------------------------------
 # verification
 # ------------------------------------------------------------------------------------------------

@@ -14,11 +14,11 @@ Steps of up to `triton_moe.COMBINE_FUSE_MAX_T` tokens sum in the down launch's l
 on either side of the threshold and the choice may follow the step's size. Decode steps so save one launch per
 layer.
 
-A pair's row is the same chain of MMAs wherever the sort puts it in its expert's row block. `experts_and_shared`
-can run the shared expert in the same launches as one more expert every token uses (its segment of T rows after
-the routed ones, summed after the routed rows in the combine), but the engine does not take it
-(`fuses_shared` is False): on an H100 it broke m3-8b's seeded alone-vs-batch property, so the model runs the
-shared expert apart on the batch-invariant GEMM. Routing is
+A pair's row is the same chain of MMAs wherever the sort puts it in its expert's row block. The shared expert
+rides in the same launches as one more expert every token uses (`experts_and_shared`: its segment of T rows
+after the routed ones, each row the same chain of MMAs at every T, summed after the routed rows in the
+combine), wherever the sorted GEMMs can index its weights -- a property of the weights, never of the step, so
+a layer takes it at every T or at none (the model then runs it apart on the batch-invariant GEMM). Routing is
 the fused ops' (router.py: the router GEMV and the route in one row-local launch). `reference.experts` stays
 the oracle.
 """
@@ -40,11 +40,7 @@ def moe_config(num_experts: int, hidden: int, inter: int, top_k: int, dtype: tor
 
 class BatchInvariantMoE:
     name = "batch_invariant"
-    # The model runs the shared expert apart (the batch-invariant GEMM and activation fold), not inside the routed
-    # launches: with `experts_and_shared` taken, m3-8b's seeded request differed alone and in a batch on an H100
-    # (the first decode token), and with it apart the whole property table held. `experts_and_shared` stays,
-    # held rows-invariant by the CPU tests, until the GPU shows where its bits move.
-    fuses_shared = False
+    fuses_shared = True  # the shared expert rides in the routed launches where its weights allow (`experts_and_shared`)
 
     def __init__(self) -> None:
         from m3eagle.kernels.moe import triton_moe  # imports triton; only when this backend is built
