@@ -1,7 +1,9 @@
 """W8A16 MXFP8 kernels (m3eagle/kernels/quant/w8a16.py) vs bf16 on a CUDA GPU: `mx_linear` against bf16
 F.linear (cuBLAS) and the bf16 decode GEMV (m3eagle/kernels/fused/gemv.py), and the MXFP8 routed MoE as the
 Triton backend runs it (`TritonMoE.experts`: `mx_moe_experts`' per-pair GEMVs at T <= 8, the sorted grouped GEMMs
-`triton_moe.mx_fused_experts` above) against the bf16 Triton MoE (m3eagle/kernels/moe/triton_moe.py).
+`triton_moe.mx_fused_experts` above) against the bf16 Triton MoE (m3eagle/kernels/moe/triton_moe.py); at decode
+sizes also the layer with a shared expert of width I, inside the MoE's launches (`experts_and_shared`, the engine's
+path) and apart (its own gate_up + activation and down GEMMs).
 
     python benchmarks/w8a16.py                         # M3 + m3-8b + m3-mini shapes, T in 1, 2, 4, 8, 2048, + MoE
     python benchmarks/w8a16.py --json w8a16.json       # also write every number to one JSON document
@@ -373,9 +375,29 @@ def tune_moe(args: argparse.Namespace, copy_bw: float) -> list[dict[str, Any]]:
 # ---- MoE ----------------------------------------------------------------------------------------------
 
 
+def shared_moe(impl: Any, fused: Any, x: torch.Tensor, wts: torch.Tensor, ids: torch.Tensor, mx13: Any, mx2: Any,
+               sh13: Any, sh2: Any, alpha: float, limit: float, reps: int, calls: int) -> dict[str, Any]:
+    """A decode MoE layer with its shared expert, as the engine runs it (`experts_and_shared`: one more gate_up pair
+    per token and one more down term in the MoE's two launches) and as it ran before (the routed MoE, then the
+    shared expert's gate_up + activation and down GEMMs, summed as the next add + norm would): us per call, and
+    the two outputs' relative difference (bf16 roundings only)."""
+    def fused_fn(x, a):
+        return impl.experts_and_shared(x, *a, mx13, mx2, sh13, sh2, alpha, limit, 2.0)
+
+    def apart_fn(x, a):
+        shared = fused.linear(fused.linear_swiglu_oai(x, sh13, alpha, limit), sh2)
+        return impl.experts(x, *a, mx13, mx2, alpha, limit) * 2.0 + shared
+
+    one, two = fused_fn(x, (wts, ids)), apart_fn(x, (wts, ids))
+    return {"mx_shared_fused_us": graph_time(fused_fn, x, [(wts, ids)], reps, calls),
+            "mx_shared_apart_us": graph_time(apart_fn, x, [(wts, ids)], reps, calls),
+            "shared_fused_vs_apart_err": ((one.float() - two.float()).abs().max() / two.float().abs().max()).item()}
+
+
 def bench_moe(ts: list[int], args: argparse.Namespace, copy_bw: float) -> list[dict]:
     """The MXFP8 MoE as `TritonMoE.experts` runs it (path by T) against the bf16 Triton MoE through the same backend;
     with --moe-pair-gemv also the per-pair GEMVs at T > 8."""
+    from m3eagle.kernels.fused.triton_backend import TritonFused
     from m3eagle.kernels.moe.backend import TritonMoE
     from m3eagle.kernels.quant import w8a16
     from m3eagle.kernels.quant.mxfp8 import MxWeight, dequantize_mx, quantize_mx
@@ -399,7 +421,10 @@ def bench_moe(ts: list[int], args: argparse.Namespace, copy_bw: float) -> list[d
         except torch.OutOfMemoryError:
             print("bf16 MoE weights do not fit: no bf16 comparison")
     impl = TritonMoE()
+    fused = TritonFused()
     mx13, mx2 = MxWeight(q13, s13), MxWeight(q2, s2)
+    sh13 = MxWeight(*quantize_mx(torch.randn(2 * inter, h, device=dev) * h ** -0.5))  # a shared expert of width I
+    sh2 = MxWeight(*quantize_mx(torch.randn(h, inter, device=dev) * inter ** -0.5))
     rows = []
     for t in ts:
         g = torch.Generator(device=dev).manual_seed(t)
@@ -425,11 +450,14 @@ def bench_moe(ts: list[int], args: argparse.Namespace, copy_bw: float) -> list[d
         if bf is not None:
             row["bf16_moe_us"] = graph_time(lambda x, a: impl.experts(x, *a, bf[0], bf[1], alpha, limit),
                                             x, [(wts, ids)], reps, calls)
+        if t <= w8a16.GEMV_MAX_T:  # the layer's shared expert inside the MoE's two launches vs its own two GEMMs
+            row.update(shared_moe(impl, fused, x, wts, ids, mx13, mx2, sh13, sh2, alpha, limit, reps, calls))
         rows.append(row)
         print(f"MoE E={e} k={k} H={h} I={inter} T={t:<5} mx ({path}) {us:10.1f} us {row['mx_gbs']:7.0f} GB/s "
               f"({row['mx_pct_copy']:4.0f}% copy; {used} experts read) | bf16 triton MoE "
-              f"{row.get('bf16_moe_us', math.nan):10.1f} us | err vs bf16 MoE {row.get('err_vs_bf16_moe', math.nan):.1e}",
-              flush=True)
+              f"{row.get('bf16_moe_us', math.nan):10.1f} us | err vs bf16 MoE {row.get('err_vs_bf16_moe', math.nan):.1e}"
+              + (f" | with its shared expert: inside {row['mx_shared_fused_us']:.1f} us, apart "
+                 f"{row['mx_shared_apart_us']:.1f} us" if "mx_shared_fused_us" in row else ""), flush=True)
     return rows
 
 
