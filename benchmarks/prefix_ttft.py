@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-prefill-graph-tokens", type=int, default=512,
                    help="prompt / mixed steps up to this many tokens replay CUDA graphs (the engine's default: 512)")
     p.add_argument("--attention-backend", default="auto",
-                   help="LLM(attention_backend=...): auto, triton, or triton_sparse_prefill (the tiled sparse prompt kernel)")
+                   help="LLM(attention_backend=...): auto, triton, or triton_sparse_prefill (the tiled sparse "
+                        "prompt kernel)")
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true", help="profile one more wave per setting (CUDA kernels)")
     args = p.parse_args(argv)

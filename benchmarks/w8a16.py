@@ -39,6 +39,7 @@ x.float() @ dequantize_mx(q, s).T (bf16 rounding of y alone gives ~4e-3). On a C
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -335,7 +336,7 @@ def dry_run(shapes: list[dict[str, Any]], ts: list[int]) -> None:
 
 
 def tune_moe(args: argparse.Namespace, copy_bw: float) -> list[dict[str, Any]]:
-    """mx_moe_experts' blocks and warps at T = 1 on M3's experts: every combination, timed."""
+    """mx_moe_experts' blocks, warps and GEMV body (plain / lean) at T = 1 on M3's experts: every combination, timed."""
     from m3eagle.kernels.quant.mxfp8 import quantize_mx
     from m3eagle.kernels.quant.w8a16 import mx_moe_experts
 
@@ -354,18 +355,16 @@ def tune_moe(args: argparse.Namespace, copy_bw: float) -> list[dict[str, Any]]:
                  for _ in range(16)]  # 16 routings: each call reads other experts
     nbytes = k * 3 * h * inter * (1 + 1 / 32) + 2 * h
     rows = []
-    for bn in (8, 16, 32):
-        for bk in (256, 512):
-            for warps in (4, 8):
-                try:
-                    us = graph_time(lambda x, a, bn=bn, bk=bk, w=warps: mx_moe_experts(
-                        x, a[0], a[1], q13, s13, q2, s2, 1.702, 7.0, block_n=bn, block_k=bk, num_warps=w),
-                        x, args_list, max(5, args.replays // 2), args.min_calls)
-                except Exception as ex:
-                    print(f"  moe bn={bn} bk={bk} warps={warps}: {type(ex).__name__}")
-                    continue
-                rows.append({"block_n": bn, "block_k": bk, "num_warps": warps, "us": us,
-                             "pct_copy": 100 * nbytes / us / 1e3 / copy_bw})
+    for bn, bk, warps, lean in itertools.product((8, 16, 32), (256, 512), (4, 8), (False, True)):
+        try:
+            us = graph_time(lambda x, a, bn=bn, bk=bk, w=warps, lean=lean: mx_moe_experts(
+                x, a[0], a[1], q13, s13, q2, s2, 1.702, 7.0, block_n=bn, block_k=bk, num_warps=w, lean=lean),
+                x, args_list, max(5, args.replays // 2), args.min_calls)
+        except Exception as ex:
+            print(f"  moe bn={bn} bk={bk} warps={warps} lean={lean}: {type(ex).__name__}")
+            continue
+        rows.append({"block_n": bn, "block_k": bk, "num_warps": warps, "lean": lean, "us": us,
+                     "pct_copy": 100 * nbytes / us / 1e3 / copy_bw})
     rows.sort(key=lambda r: r["us"])
     for r in rows[:5]:
         print(f"tune MoE T=1: {r}", flush=True)
@@ -512,7 +511,7 @@ def main() -> None:
         doc["tune_moe"] = [] if args.no_tune_moe else tune_moe(args, copy_bw)
         if args.write:
             top = doc["tune_moe"][0] if doc["tune_moe"] else None
-            moe = {k: top[k] for k in ("block_n", "block_k", "num_warps")} if top else None
+            moe = {k: top[k] for k in ("block_n", "block_k", "num_warps", "lean")} if top else None
             write_tuned(best, f"benchmarks/w8a16.py --tune --write on {name}", moe, name)
             print(f"wrote {name}'s section of m3eagle/kernels/quant/w8a16_configs.json")
         if args.tune_only:

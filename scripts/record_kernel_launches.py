@@ -303,6 +303,14 @@ def fp8_pass() -> None:
     q2, s2 = quantize_mx(torch.randn(4, 64, 64, generator=g))
     w8a16.mx_moe_experts(torch.randn(2, 64, generator=g).bfloat16(), torch.rand(2, 2, generator=g),
                          torch.tensor([[0, 3], [2, 1]]), q13, s13, q2, s2, 1.702, 7.0)
+    # the LEAN GEMV body (the tuned table may pick it), without and with a shared expert; K past one 256-wide block
+    q13, s13 = quantize_mx(torch.randn(4, 128, 320, generator=g))
+    q2, s2 = quantize_mx(torch.randn(4, 320, 64, generator=g))
+    sh = (*quantize_mx(torch.randn(128, 320, generator=g)), *quantize_mx(torch.randn(320, 64, generator=g)))
+    for shared in (None, sh):
+        w8a16.mx_moe_experts(torch.randn(1, 320, generator=g).bfloat16(), torch.rand(1, 2, generator=g),
+                             torch.tensor([[1, 2]]), q13, s13, q2, s2, 1.702, 7.0, lean=True, shared=shared,
+                             routed_scale=2.0)
 
 
 def tree_pass() -> None:

@@ -361,15 +361,30 @@ def moe_data(seed: int, t: int, e: int = 4, k: int = 2, h: int = 96, inter: int 
 ALPHA, LIMIT = 1.702, 7.0
 
 
-@pytest.mark.parametrize("t", [1, 3, 8, 17])
-def test_moe_matches_reference(t):
+@pytest.mark.parametrize("t,lean", [(1, False), (3, False), (8, False), (17, False), (1, True), (3, True)])
+def test_moe_matches_reference(t, lean, monkeypatch):
+    """Both GEMV bodies (plain; LEAN, whose launches must really take it) against the reference."""
     x, wts, ids, q13, s13, q2, s2 = moe_data(t, t)
     if t == 3:
         ids[1, 0] = -1  # a pair routed outside [0, E): contributes zero, as in the reference
-    out = mx_moe_experts(x, wts, ids, q13, s13, q2, s2, ALPHA, LIMIT)
+    seen = [spy_launches(monkeypatch, w8a16, name, lambda grid, kw: kw["LEAN"])
+            for name in ("_mx_moe_gate_up_kernel", "_mx_moe_down_kernel")]
+    out = mx_moe_experts(x, wts, ids, q13, s13, q2, s2, ALPHA, LIMIT, lean=lean)
+    assert seen == [[lean], [lean]]
     ref = moe_ref.experts(x, wts, ids, dequantize_mx(q13, s13), dequantize_mx(q2, s2), ALPHA, LIMIT)
     assert out.shape == ref.shape and out.dtype == x.dtype
     assert rel_err(out, ref) <= 1e-5
+
+
+def test_moe_body_follows_the_tables_moe_entry(monkeypatch):
+    """lean=None takes the tuned table's "moe" entry (its "lean" key; absent: the plain body) at decode sizes."""
+    x, wts, ids, q13, s13, q2, s2 = moe_data(5, 2)
+    seen = spy_launches(monkeypatch, w8a16, "_mx_moe_down_kernel", lambda grid, kw: kw["LEAN"])
+    monkeypatch.setitem(w8a16.MOE_TUNED, "lean", True)
+    mx_moe_experts(x, wts, ids, q13, s13, q2, s2, ALPHA, LIMIT)
+    monkeypatch.delitem(w8a16.MOE_TUNED, "lean")
+    mx_moe_experts(x, wts, ids, q13, s13, q2, s2, ALPHA, LIMIT)
+    assert seen == [True, False]
 
 
 def test_moe_bf16():
@@ -397,13 +412,13 @@ def shared_ref(x, wts, ids, q13, s13, q2, s2, shared, scale):
     return routed * scale + one
 
 
-@pytest.mark.parametrize("t,s_inter", [(1, 64), (3, 96), (5, 32)])
-def test_moe_with_shared_expert(t, s_inter):
+@pytest.mark.parametrize("t,s_inter,lean", [(1, 64, False), (3, 96, False), (5, 32, False), (3, 96, True)])
+def test_moe_with_shared_expert(t, s_inter, lean):
     """The shared expert in the routed launches (wider, as wide and narrower than I = 64): the model's sum
     routed * routed_scale + shared, in two launches; a scale applied to the shared expert too, or dropped, fails."""
     x, wts, ids, q13, s13, q2, s2 = moe_data(30 + t, t)
     shared = shared_data(40 + t, s_inter=s_inter)
-    out = mx_moe_experts(x, wts, ids, q13, s13, q2, s2, ALPHA, LIMIT, shared=shared, routed_scale=2.5)
+    out = mx_moe_experts(x, wts, ids, q13, s13, q2, s2, ALPHA, LIMIT, shared=shared, routed_scale=2.5, lean=lean)
     ref = shared_ref(x, wts, ids, q13, s13, q2, s2, shared, 2.5)
     assert out.shape == ref.shape and rel_err(out, ref) <= 1e-5
     assert rel_err(out, shared_ref(x, wts, ids, q13, s13, q2, s2, shared, 1.0)) > 1e-2  # the scale is applied

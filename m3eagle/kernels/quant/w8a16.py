@@ -71,6 +71,8 @@ token p // k and expert ids[p]'s gate rows [n] and up rows [I + n] (gate_up hold
 reference's roundings) -> act [T * k, I] in x.dtype. `_mx_moe_down_kernel` grid (T, cdiv(H, BN)): the token's k
 experts in order j = 0..k-1, each output rounded to x.dtype, times its fp32 routing weight, summed in fp32 in that
 fixed order, rounded once. Pairs whose id is outside [0, E) contribute zero (as the reference's expert_range).
+Both run either GEMV body (`_gemv_rows`: the plain per-step dequantized tile, or with `lean` the decode GEMV's
+LEAN chunks, compiled without contraction here so the activation keeps its bits); the table's "moe" entry picks.
 At prompt sizes each pair re-reads its expert's weights (from L2), so `TritonMoE` runs it only up to GEMV_MAX_T
 tokens; above, `moe/triton_moe.py: mx_fused_experts` sorts the pairs by expert and runs grouped GEMMs on this
 GEMM's dequantizing tile.
@@ -620,45 +622,74 @@ def mx_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: torch.
 
 
 @triton.jit
-def _gemv_rows(x_row_ptr, q_ptrs, s_ptrs, n_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """sum_k dequant(q, s)[n, k] * x[k] over k < n_k for the BLOCK_N rows at q_ptrs / s_ptrs -> [BLOCK_N] fp32."""
-    NB: tl.constexpr = BLOCK_K // 32
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_g = tl.arange(0, NB)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k in range(0, n_k, BLOCK_K):
-        k_ok = (k + offs_k) < n_k
-        g_ok = (k + offs_g * 32) < n_k
-        w = _dequant_tile(q_ptrs, s_ptrs, k_ok[None, :], g_ok[None, :], BLOCK_N, BLOCK_K, EVEN_K)
-        if EVEN_K:
-            x = tl.load(x_row_ptr + k + offs_k).to(tl.float32)
-        else:
-            x = tl.load(x_row_ptr + k + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        acc += w * x[None, :]
-        q_ptrs += BLOCK_K
-        s_ptrs += NB
-    return tl.sum(acc, axis=1)
+def _gemv_rows(x_row_ptr, q_rows, s_rows, n_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+               LEAN: tl.constexpr):
+    """sum_k dequant(q, s)[n, k] * x[k] over k < n_k for the BLOCK_N weight rows whose first weight / first scale
+    are at q_rows / s_rows [BN] (row pointers) -> [BN] fp32. LEAN: the decode GEMV's LEAN body (8-wide chunks, one
+    thread's 8-byte fp8 and 16-byte x loads, summed in-thread and scaled once; one cross-thread reduction after
+    the loop); else each step dequantizes the [BN, BK] tile and reduces it."""
+    if LEAN:
+        NC: tl.constexpr = BLOCK_K // 8
+        offs_c = tl.arange(0, NC)
+        kk = (offs_c * 8)[:, None] + tl.arange(0, 8)[None, :]  # [NC, 8]
+        q_ptrs = q_rows[:, None, None] + kk[None, :, :]  # [BN, NC, 8]
+        s_ptrs = s_rows[:, None] + (offs_c // 4)[None, :]  # [BN, NC]: each chunk's 32-group
+        # x's pointer broadcast over the rows: q's layout, so a thread's rows share one x load (the GEMV's LEAN)
+        x_ptrs = x_row_ptr + (kk[None, :, :] + tl.zeros([BLOCK_N, 1, 1], tl.int32))  # [BN, NC, 8]
+        lacc = tl.zeros([BLOCK_N, NC], dtype=tl.float32)
+        for k in range(0, n_k, BLOCK_K):
+            if EVEN_K:
+                q = tl.load(q_ptrs)
+                sc = _e8m0(tl.load(s_ptrs))
+                x = tl.load(x_ptrs).to(tl.float32)
+            else:
+                c_ok = (k + offs_c * 8) < n_k  # whole chunks in or out (K % 32 == 0)
+                q = tl.load(q_ptrs, mask=c_ok[None, :, None], other=0.0)
+                sc = _e8m0(tl.load(s_ptrs, mask=c_ok[None, :], other=127))
+                x = tl.load(x_ptrs, mask=c_ok[None, :, None], other=0.0).to(tl.float32)
+            lacc += tl.sum(q.to(tl.float32) * x, axis=2) * sc
+            q_ptrs += BLOCK_K
+            s_ptrs += BLOCK_K // 32
+            x_ptrs += BLOCK_K
+        return tl.sum(lacc, axis=1)
+    else:
+        NB: tl.constexpr = BLOCK_K // 32
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_g = tl.arange(0, NB)
+        q_ptrs = q_rows[:, None] + offs_k[None, :]  # [BN, BK]
+        s_ptrs = s_rows[:, None] + offs_g[None, :]  # [BN, NB]
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k in range(0, n_k, BLOCK_K):
+            k_ok = (k + offs_k) < n_k
+            g_ok = (k + offs_g * 32) < n_k
+            w = _dequant_tile(q_ptrs, s_ptrs, k_ok[None, :], g_ok[None, :], BLOCK_N, BLOCK_K, EVEN_K)
+            if EVEN_K:
+                x = tl.load(x_row_ptr + k + offs_k).to(tl.float32)
+            else:
+                x = tl.load(x_row_ptr + k + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            acc += w * x[None, :]
+            q_ptrs += BLOCK_K
+            s_ptrs += NB
+        return tl.sum(acc, axis=1)
 
 
 @triton.jit(do_not_specialize=["P"])
 def _mx_moe_gate_up_kernel(x_ptr, ids_ptr, q_ptr, s_ptr, act_ptr, sq_ptr, ss_ptr, sact_ptr, P, E, H, I, IS, stride_xt,
                            stride_qe, stride_qn, stride_se, stride_sn, stride_at, stride_sqn, stride_ssn, stride_sat,
                            alpha, limit, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           EVEN_K: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+                           EVEN_K: tl.constexpr, PRECISE: tl.constexpr, LEAN: tl.constexpr, PDL: tl.constexpr):
     """Grid (T * k [+ T], cdiv(max(I, IS), BN)): act[p, n-tile] = swiglu_oai(x[p // k] @ gate_e^T, x[p // k] @ up_e^T),
     e = ids[p]; the programs p = P + t past the routed pairs (a grid with a shared expert) compute the shared
     expert's sact[t, n-tile] (width IS)."""
     pdl_wait(PDL)
     p = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_g = tl.arange(0, BLOCK_K // 32)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if p >= P:  # the shared expert's pair of token p - P: its own weight, width and output
         width = IS
         x_row = x_ptr + (p - P) * stride_xt
-        qg = sq_ptr + tl.minimum(offs_n, IS - 1).to(tl.int64)[:, None] * stride_sqn + offs_k[None, :]
-        sg = ss_ptr + tl.minimum(offs_n, IS - 1).to(tl.int64)[:, None] * stride_ssn + offs_g[None, :]
+        qg = sq_ptr + tl.minimum(offs_n, IS - 1).to(tl.int64) * stride_sqn  # [BN] row pointers
+        sg = ss_ptr + tl.minimum(offs_n, IS - 1).to(tl.int64) * stride_ssn
         up = IS * stride_sqn
         up_s = IS * stride_ssn
         out_ptrs = sact_ptr + (p - P) * stride_sat + offs_n
@@ -667,14 +698,14 @@ def _mx_moe_gate_up_kernel(x_ptr, ids_ptr, q_ptr, s_ptr, act_ptr, sq_ptr, ss_ptr
         e = tl.minimum(tl.maximum(e, 0), E - 1)  # an id outside [0, E): any expert (its weight is zeroed in down)
         width = I
         x_row = x_ptr + (p // TOP_K) * stride_xt
-        qg = q_ptr + e * stride_qe + tl.minimum(offs_n, I - 1).to(tl.int64)[:, None] * stride_qn + offs_k[None, :]
-        sg = s_ptr + e * stride_se + tl.minimum(offs_n, I - 1).to(tl.int64)[:, None] * stride_sn + offs_g[None, :]
+        qg = q_ptr + e * stride_qe + tl.minimum(offs_n, I - 1).to(tl.int64) * stride_qn  # [BN] row pointers
+        sg = s_ptr + e * stride_se + tl.minimum(offs_n, I - 1).to(tl.int64) * stride_sn
         up = I * stride_qn
         up_s = I * stride_sn
         out_ptrs = act_ptr + p * stride_at + offs_n
     if pid_n * BLOCK_N < width:  # the wider of I and IS sets the grid: the other's extra tiles have no rows
-        g = _gemv_rows(x_row, qg, sg, H, BLOCK_N, BLOCK_K, EVEN_K)
-        u = _gemv_rows(x_row, qg + up, sg + up_s, H, BLOCK_N, BLOCK_K, EVEN_K)
+        g = _gemv_rows(x_row, qg, sg, H, BLOCK_N, BLOCK_K, EVEN_K, LEAN)
+        u = _gemv_rows(x_row, qg + up, sg + up_s, H, BLOCK_N, BLOCK_K, EVEN_K, LEAN)
         dt = act_ptr.dtype.element_ty
         out = swiglu_oai_f32(g.to(dt).to(tl.float32), u.to(dt).to(tl.float32), alpha, limit, dt, PRECISE)
         tl.store(out_ptrs, out.to(dt), mask=offs_n < width)
@@ -684,7 +715,8 @@ def _mx_moe_gate_up_kernel(x_ptr, ids_ptr, q_ptr, s_ptr, act_ptr, sq_ptr, ss_ptr
 def _mx_moe_down_kernel(act_ptr, ids_ptr, wts_ptr, q_ptr, s_ptr, out_ptr, sact_ptr, sq_ptr, ss_ptr, T, E, H, I, IS,
                         routed_scale, stride_at, stride_qe, stride_qn, stride_se, stride_sn, stride_ot, stride_sat,
                         stride_sqn, stride_ssn, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN_K: tl.constexpr, EVEN_KS: tl.constexpr, HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
+                        EVEN_K: tl.constexpr, EVEN_KS: tl.constexpr, HAS_SHARED: tl.constexpr, LEAN: tl.constexpr,
+                        PDL: tl.constexpr):
     """Grid (T, cdiv(H, BN)): out[t, n-tile] = sum_{j = 0..k-1} wts[t, j] * round(act[t*k + j] @ down_e^T). With
     HAS_SHARED (the direct bf16 kernels' roundings, `moe/direct.py: _down_sum`): each term is rounded again after
     its weight (wts * routed_scale), and the shared expert's rounded sact[t] @ sdown^T joins the fp32 sum last."""
@@ -693,8 +725,6 @@ def _mx_moe_down_kernel(act_ptr, ids_ptr, wts_ptr, q_ptr, s_ptr, out_ptr, sact_p
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, H - 1).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_g = tl.arange(0, BLOCK_K // 32)
     dt = out_ptr.dtype.element_ty
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
@@ -703,17 +733,17 @@ def _mx_moe_down_kernel(act_ptr, ids_ptr, wts_ptr, q_ptr, s_ptr, out_ptr, sact_p
         wt = tl.load(wts_ptr + p).to(tl.float32)
         wt = tl.where((e_raw >= 0) & (e_raw < E), wt, 0.0)
         e = tl.minimum(tl.maximum(e_raw, 0), E - 1)
-        qd = q_ptr + e * stride_qe + rows[:, None] * stride_qn + offs_k[None, :]
-        sd = s_ptr + e * stride_se + rows[:, None] * stride_sn + offs_g[None, :]
-        y = _gemv_rows(act_ptr + p * stride_at, qd, sd, I, BLOCK_N, BLOCK_K, EVEN_K)
+        qd = q_ptr + e * stride_qe + rows * stride_qn  # [BN] row pointers
+        sd = s_ptr + e * stride_se + rows * stride_sn
+        y = _gemv_rows(act_ptr + p * stride_at, qd, sd, I, BLOCK_N, BLOCK_K, EVEN_K, LEAN)
         if HAS_SHARED:
             total += (y.to(dt).to(tl.float32) * (wt * routed_scale)).to(dt).to(tl.float32)
         else:
             total += wt * y.to(dt).to(tl.float32)
     if HAS_SHARED:
-        qd = sq_ptr + rows[:, None] * stride_sqn + offs_k[None, :]
-        sd = ss_ptr + rows[:, None] * stride_ssn + offs_g[None, :]
-        total += _gemv_rows(sact_ptr + t * stride_sat, qd, sd, IS, BLOCK_N, BLOCK_K, EVEN_KS).to(dt).to(tl.float32)
+        y = _gemv_rows(sact_ptr + t * stride_sat, sq_ptr + rows * stride_sqn, ss_ptr + rows * stride_ssn, IS, BLOCK_N,
+                       BLOCK_K, EVEN_KS, LEAN)
+        total += y.to(dt).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + offs_n, total.to(dt), mask=offs_n < H)
 
 
@@ -737,7 +767,7 @@ def mx_moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
                    w13_s: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor, alpha: float, limit: float,
                    out: torch.Tensor | None = None, block_n: int | None = None, block_k: int | None = None,
                    num_warps: int | None = None, shared: tuple[torch.Tensor, ...] | None = None,
-                   routed_scale: float = 1.0) -> torch.Tensor:
+                   routed_scale: float = 1.0, lean: bool | None = None) -> torch.Tensor:
     """Routed experts with MXFP8 weights: x [T, H] (bf16 / fp16 / fp32), topk_weights [T, k] (float; used in
     fp32), topk_ids [T, k] (integer expert ids), w13_q [E, 2I, H] fp8 (gate rows, then up rows) + w13_s
     [E, 2I, H/32] u8, w2_q [E, H, I] fp8 + w2_s [E, H, I/32] u8 -> [T, H] in x.dtype.
@@ -750,7 +780,8 @@ def mx_moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     every token uses, run in the same two launches (one more gate_up pair per token, one more term in down).
     Returns routed_scale * experts(...) + shared(x) with the direct bf16 kernels' roundings: each routed term
     rounded again after its weight (routing weight * routed_scale), the shared output rounded, all summed in
-    fp32 in order (routed j = 0..k-1, then shared) and rounded once."""
+    fp32 in order (routed j = 0..k-1, then shared) and rounded once. lean: the GEMVs' LEAN body (None: the tuned
+    table's "moe" entry, else the plain body); the same sums in another order, within fp32 rounding."""
     fn = "mx_moe_experts"
     _check_weight("w13_q", w13_q, w13_s, "w13_s", 3, fn)
     _check_weight("w2_q", w2_q, w2_s, "w2_s", 3, fn)
@@ -797,6 +828,7 @@ def mx_moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     block_k = block_k or tuned.get("block_k")
     block_n = block_n or tuned.get("block_n")
     num_warps = num_warps or tuned.get("num_warps", 4)
+    lean = bool(tuned.get("lean", False)) if lean is None else lean
     bk1 = block_k or max(32, min(256, triton.next_power_of_2(h)))
     bk2 = block_k or max(32, min(256, triton.next_power_of_2(max(inter, s_inter))))
     bn1 = block_n or 16
@@ -806,10 +838,10 @@ def mx_moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
         x, ids, w13_q, w13_s, act, sq13, ss13, sact, t * top_k, e, h, inter, s_inter, x.stride(0), w13_q.stride(0),
         w13_q.stride(1), w13_s.stride(0), w13_s.stride(1), act.stride(0), sq13.stride(0), ss13.stride(0),
         sact.stride(0), float(alpha), float(limit), TOP_K=top_k, BLOCK_N=bn1, BLOCK_K=bk1, EVEN_K=h % bk1 == 0,
-        PRECISE=not interpreting(), num_warps=num_warps, **pdl.args(x), **launch_opts())
+        PRECISE=not interpreting(), LEAN=lean, num_warps=num_warps, **pdl.args(x), **launch_opts())
     _mx_moe_down_kernel[(t, triton.cdiv(h, bn2))](
         act, ids, wts, w2_q, w2_s, out, sact, sq2, ss2, t, e, h, inter, s_inter, float(routed_scale), act.stride(0),
         w2_q.stride(0), w2_q.stride(1), w2_s.stride(0), w2_s.stride(1), out.stride(0), sact.stride(0), sq2.stride(0),
         ss2.stride(0), TOP_K=top_k, BLOCK_N=bn2, BLOCK_K=bk2, EVEN_K=inter % bk2 == 0, EVEN_KS=s_inter % bk2 == 0,
-        HAS_SHARED=shared is not None, num_warps=num_warps, **pdl.args(x), **launch_opts())
+        HAS_SHARED=shared is not None, LEAN=lean, num_warps=num_warps, **pdl.args(x), **launch_opts())
     return out
