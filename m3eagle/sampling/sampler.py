@@ -109,7 +109,8 @@ def probs_from_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor
 def fixed_point(p: torch.Tensor) -> torch.Tensor:
     """p in [0, 1] (any float dtype) in units of 2^-FIXED_BITS, truncated -> int64 of p's shape; NaN -> 0.
     In fp32 the scaling by a power of two and the floor are exact."""
-    return torch.nan_to_num(p.float() * float(1 << FIXED_BITS), nan=0.0).floor().to(torch.int64)
+    scaled = p.float() * float(1 << FIXED_BITS)  # a new tensor: the in-place steps below leave p alone
+    return scaled.nan_to_num_(nan=0.0).floor_().to(torch.int64)
 
 
 def sample_from_probs(probs: torch.Tensor, seed: torch.Tensor, position: torch.Tensor, salt: int,
