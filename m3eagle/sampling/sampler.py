@@ -26,6 +26,7 @@ SALT_SAMPLE, SALT_ACCEPT, SALT_DRAFT = 1, 2, 3
 # 2^44 units, sums below 2^62; a token below 2^-44 of the row's largest probability (of its total, for top-p)
 # counts as zero there, at most V * 2^-44 (~1e-8) of the mass.
 FIXED_BITS = 44
+MAX_VOCAB = 1 << (62 - FIXED_BITS)
 
 
 @dataclass
@@ -91,7 +92,7 @@ def probs_from_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor
     if st.min_p is not None:
         floor = logits.max(-1, keepdim=True).values + torch.log(st.min_p)[:, None]  # log(0) = -inf: off
         logits = logits.masked_fill(logits < floor, float("-inf"))
-    v = logits.shape[-1]
+    v = _vocab(logits)
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     k = torch.where(st.top_k > 0, st.top_k.clamp(max=v), torch.full_like(st.top_k, v))
     ranks = torch.arange(v, device=logits.device)[None, :]
@@ -104,6 +105,14 @@ def probs_from_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     out = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
     return torch.softmax(out, dim=-1)
+
+
+def _vocab(t: torch.Tensor) -> int:
+    """t's last dim, refused past MAX_VOCAB: the int64 prefix sums of longer rows could overflow."""
+    if t.shape[-1] > MAX_VOCAB:
+        raise ValueError(f"sampling: a vocabulary of {t.shape[-1]} tokens is past the {MAX_VOCAB} the sampler's "
+                         f"int64 fixed-point sums hold (FIXED_BITS = {FIXED_BITS}); lower FIXED_BITS to sample it")
+    return t.shape[-1]
 
 
 def fixed_point(p: torch.Tensor) -> torch.Tensor:
@@ -123,6 +132,7 @@ def sample_from_probs(probs: torch.Tensor, seed: torch.Tensor, position: torch.T
     the first id whose CDF exceeds floor(u * total). That id always has probability > 0: CDF[i] > x >= CDF[i-1]
     means its fixed-point value, hence p_i, is > 0. x is kept below the total (u * total can round up to it),
     so some id always qualifies; a row of zeros or NaNs has total 0 and none does."""
+    _vocab(probs)
     probs = probs.float()
     cdf = fixed_point(probs / probs.amax(-1, keepdim=True)).cumsum(-1)  # [N or 1, V] int64
     total = cdf[:, -1:]  # [N or 1, 1]

@@ -272,6 +272,9 @@ def test_fixed_point_keeps_zero_probabilities_out_of_the_draw():
     assert tok[0] == v - 1 and tok[1] == v - 1
     assert (p[torch.arange(2, n), tok[2:]] > 0).all() and (tok[2:] % 3 == 1).all()
     assert sampler.fixed_point(torch.tensor([0.0, 1.0, 2.0 ** -44, 2.0 ** -45])).tolist() == [0, 2 ** 44, 1, 0]
+    too_wide = torch.zeros(1, sampler.MAX_VOCAB + 1)  # its int64 sums could overflow: refused by name
+    with pytest.raises(ValueError, match="vocabulary of 262145 tokens.*FIXED_BITS"):
+        sampler.sample_from_probs(too_wide, seed[:1], pos[:1], SALT_SAMPLE)
 
 
 # ------------------------------------------------------------------------------------------------
