@@ -4,8 +4,10 @@ with `python -m pytest -q -m gpu tests/sampling/test_sampling_gpu.py`.
 torch's CUDA cumsum scans a one-row tensor with CUB's device-wide scan and several rows with a row-blocked scan;
 with float prefix sums the two orders moved a CDF edge by an ulp, and on nearly flat distributions (random
 weights; top-p keeping most of the vocabulary) a seeded request sampled alone drew another token than in a batch.
-The sampler sums in fixed point; this holds it on the real kernels, with many rows and draws so that a float sum
-would show.
+The sampler sums in fixed point. The condition is forced on the CPU
+(tests/sampling/test_sampling.py::test_prefix_sums_run_on_integers_so_no_scan_order_reaches_the_draw: any float
+cumsum in sampling fails it); this test is the regression check on the real CUDA sort / softmax / scan kernels,
+whose orders the CPU cannot reproduce (flat rows make an order-dependent sum likely to show, not certain).
 """
 
 from __future__ import annotations
