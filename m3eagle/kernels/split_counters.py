@@ -15,11 +15,13 @@ DEFAULT_TILES = 16384  # output tiles (one int32 each: 64 KB per device)
 
 
 class SplitCounters:
-    """int32 [size] counters per device, zero between launches, made on first use and never grown (a graph
-    captured later points at this one live buffer)."""
+    """int32 [size] counters per device (or another integer dtype: the int64 running maxima of a folded argmax),
+    zero between launches, made on first use and never grown (a graph captured later points at this one live
+    buffer)."""
 
-    def __init__(self, size: int = DEFAULT_TILES) -> None:
+    def __init__(self, size: int = DEFAULT_TILES, dtype: torch.dtype = torch.int32) -> None:
         self.size = size
+        self.dtype = dtype
         self._bufs: dict[torch.device, torch.Tensor] = {}
 
     def get(self, device: torch.device | str) -> torch.Tensor | None:
@@ -32,7 +34,7 @@ class SplitCounters:
         if c is None:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 return None
-            c = self._bufs[device] = torch.zeros(self.size, dtype=torch.int32, device=device)
+            c = self._bufs[device] = torch.zeros(self.size, dtype=self.dtype, device=device)
         return c
 
     def __contains__(self, device: torch.device | str) -> bool:

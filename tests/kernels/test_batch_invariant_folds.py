@@ -153,12 +153,14 @@ def test_linear_argmax_equals_two_launches_and_rows_invariant(splits):
     two = folds.linear_argmax_two_launch(x[:3], w, off, scatter=(ref_buf, rows, 2), config=cfg)
     assert _bits_equal(out, two) and _bits_equal(buf, ref_buf)
     assert not matmul.tile_counters(CPU).any()
+    assert not folds.best_keys(CPU).any()
 
 
 def test_linear_argmax_any_arrival(reversed_grid):
     x, w, cfg = _gemm_case(200, 64, torch.float32, 2, seed=8)
     assert _bits_equal(folds.linear_argmax(x[:5], w, config=cfg), folds.linear_argmax_two_launch(x[:5], w, config=cfg))
     assert not matmul.tile_counters(CPU).any()
+    assert not folds.best_keys(CPU).any()
 
 
 # ---- the router ----------------------------------------------------------------------------------------------

@@ -16,9 +16,10 @@ column only), and the split partials are summed in split order by the tile's las
                    activation launch's own code (`activation.silu_mul_f32` / `swiglu_oai_f32`, no FMA
                    contraction) runs on them: bit-equal to `linear_act_two_launch` (linear, then the activation).
     linear_argmax  x [M, K] @ w [V, K]^T ──_matmul_argmax_kernel──► ids [M]
-                   Each tile stores its rows' best (value, column) key (the decode GEMV's order: torch.argmax's
-                   on the rounded logits, lowest column among equals, NaN first); the last of a row block's tiles
-                   to arrive reduces the block's keys. A max of exact keys is the same in any order, so the ids
+                   Each tile folds its rows' best (value, column) key (the decode GEMV's order: torch.argmax's
+                   on the rounded logits, lowest column among equals, NaN first) into a per-row running maximum
+                   with one atomic max; the last of a row block's tiles to arrive takes the maxima (one atomic
+                   exchange that also zeroes them). A max of exact keys is the same in any order, so the ids
                    equal `argmax.argmax(linear(x, w))` whichever tile arrives last. The logits are not stored.
 
 Every launch-shape choice is the plain GEMM's (from the weight's shape), never the row count. A call without
@@ -41,6 +42,7 @@ from m3eagle.kernels.fused import activation
 from m3eagle.kernels.fused.activation import ACTS, store_act_tile
 from m3eagle.kernels.fused.argmax import argmax, argmax_outputs
 from m3eagle.kernels.pdl import pdl_wait
+from m3eagle.kernels.split_counters import SplitCounters
 from m3eagle.kernels.triton_utils import interpreting, launch_opts, precise
 
 
@@ -107,47 +109,42 @@ def _row_keys(vals, offs_n, N, dt: tl.constexpr):
 
 
 @triton.jit
-def _argmax_tile(keys_ptr, CNT, cnt_row, vals, row0, offs_m, m_ok, offs_n, M, N, pid_n, n_tiles, off_ptr, am_ptr,
-                 sc_ptr, sc_rows_ptr, stride_am, stride_sc, col, dt: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_P: tl.constexpr, ROWS: tl.constexpr, HAS_OFF: tl.constexpr, SCATTER: tl.constexpr):
-    """A tile's values are final: store its rows' keys at keys[pid_n, row] ([n_tiles, M] int64); the row
-    block (rows row0..row0 + BM) last tile to arrive (CNT[cnt_row]) reduces every tile's keys of its rows, ROWS
-    rows by BLOCK_P tiles at a time, and stores each row's column (+ off[column]) as `argmax.argmax` does."""
-    tl.store(keys_ptr + pid_n.to(tl.int64) * M + offs_m, _row_keys(vals, offs_n, N, dt), mask=m_ok)
+def _argmax_tile(BEST, CNT, cnt_row, vals, offs_m, m_ok, offs_n, N, n_tiles, off_ptr, am_ptr, sc_ptr, sc_rows_ptr,
+                 stride_am, stride_sc, col, dt: tl.constexpr, HAS_OFF: tl.constexpr, SCATTER: tl.constexpr):
+    """A tile's values are final: fold its rows' best keys into the running maxima BEST[row] ([M] int64, zero
+    between launches) with one atomic max each; the row block's last tile to arrive (CNT[cnt_row]) takes each
+    row's maximum and zeroes it in one atomic exchange, and stores the row's column (+ off[column]) as
+    `argmax.argmax` does. A max of exact keys is the same in any order of arrival, and the block's tail is one
+    exchange of its rows instead of a walk over every tile's keys. The keys are stored with their sign bit
+    flipped and compared unsigned, so that no key (a column past N included) is below the buffer's zero."""
+    key = _row_keys(vals, offs_n, N, dt) ^ INT64_MIN  # [BM] signed order -> unsigned order; INT64_MIN -> 0
+    best_ptr = BEST.to(tl.pointer_type(tl.uint64), bitcast=True) + offs_m
+    tl.atomic_max(best_ptr, key.to(tl.uint64, bitcast=True), mask=m_ok, sem="relaxed", scope="gpu")
     if last_to_arrive(CNT + cnt_row, n_tiles):
-        offs_r = tl.arange(0, ROWS)
-        offs_p = tl.arange(0, BLOCK_P)
-        row_end = tl.minimum(row0 + BLOCK_M, M)
-        for r0 in range(row0, row_end, ROWS):
-            rows = r0 + offs_r  # [ROWS]
-            r_ok = rows < row_end
-            best = tl.full([ROWS], INT64_MIN, tl.int64)
-            for p0 in range(0, n_tiles, BLOCK_P):
-                tiles = p0 + offs_p
-                ptrs = keys_ptr + tiles[None, :].to(tl.int64) * M + rows[:, None]  # [ROWS, BLOCK_P]
-                keys = tl.load(ptrs, mask=r_ok[:, None] & (tiles < n_tiles)[None, :], other=INT64_MIN,
-                               cache_modifier=".cg")
-                best = tl.maximum(best, tl.max(keys, axis=1))
-            ids = (2147483647 - (best & 0xFFFFFFFF)).to(tl.int64)  # [ROWS]
-            if HAS_OFF:
-                ids += tl.load(off_ptr + ids, mask=r_ok, other=0)
-            tl.store(am_ptr + rows.to(tl.int64) * stride_am, ids, mask=r_ok)
-            if SCATTER:
-                dst = tl.load(sc_rows_ptr + rows, mask=r_ok, other=0)
-                tl.store(sc_ptr + dst * stride_sc + col, ids, mask=r_ok)
+        zero = tl.zeros_like(key).to(tl.uint64, bitcast=True)
+        best = tl.atomic_xchg(best_ptr, zero, mask=m_ok, sem="relaxed", scope="gpu")  # [BM], and zero again
+        best = best.to(tl.int64, bitcast=True) ^ INT64_MIN
+        ids = (2147483647 - (best & 0xFFFFFFFF)).to(tl.int64)  # [BM]
+        if HAS_OFF:
+            ids += tl.load(off_ptr + ids, mask=m_ok, other=0)
+        tl.store(am_ptr + offs_m.to(tl.int64) * stride_am, ids, mask=m_ok)
+        if SCATTER:
+            dst = tl.load(sc_rows_ptr + offs_m, mask=m_ok, other=0)
+            tl.store(sc_ptr + dst * stride_sc + col, ids, mask=m_ok)
         tl.store(CNT + cnt_row, 0)  # zero for the next launch
 
 
 @triton.jit(do_not_specialize=["M", "stride_xm", "stride_ps", "stride_am", "stride_sc", "col"])
-def _matmul_argmax_kernel(X, W, KEYS, P, CNT, M, N, K, steps_per_split, stride_xm, stride_wn, stride_ps, stride_pm,
+def _matmul_argmax_kernel(X, W, BEST, P, CNT, M, N, K, steps_per_split, stride_xm, stride_wn, stride_ps, stride_pm,
                           off_ptr, am_ptr, sc_ptr, sc_rows_ptr, stride_am, stride_sc, col, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr,
-                          ROWS: tl.constexpr, HAS_OFF: tl.constexpr, SCATTER: tl.constexpr, DOT_PREC: tl.constexpr,
-                          UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, HAS_OFF: tl.constexpr,
+                          SCATTER: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                          PDL: tl.constexpr):
     """Grid (cdiv(M, BM) * cdiv(N, BN), S): `_matmul_kernel`'s tiles of logits = x @ w^T (rounded to x's dtype,
     as `linear` stores them), then argmax per row instead of the store (`_argmax_tile`). CNT [>= tiles + row blocks] int32,
     zero between launches: CNT[tile] counts a tile's splits, CNT[tiles + row block] the row block's tiles.
-    KEYS [cdiv(N, BN), M] int64; P the split partials [S, M, N] fp32."""
+    BEST [>= M] int64, zero between launches: each row's running maximum key; P the split partials [S, M, N]
+    fp32."""
     pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -170,13 +167,11 @@ def _matmul_argmax_kernel(X, W, KEYS, P, CNT, M, N, K, steps_per_split, stride_x
         if last_to_arrive(CNT + pid, n_split):
             tl.store(CNT + pid, 0)  # this tile's splits are all in: zero for the next launch
             total = sum_partials(p_tile, stride_ps, mask, n_split)  # [BM, BN] fp32
-            _argmax_tile(KEYS, CNT, cnt_row, total, pid_m * BLOCK_M, offs_m, m_ok, offs_n, M, N, pid_n, n_tiles,
-                         off_ptr, am_ptr, sc_ptr, sc_rows_ptr, stride_am, stride_sc, col, X.dtype.element_ty,
-                         BLOCK_M, BLOCK_P, ROWS, HAS_OFF, SCATTER)
+            _argmax_tile(BEST, CNT, cnt_row, total, offs_m, m_ok, offs_n, N, n_tiles, off_ptr, am_ptr, sc_ptr,
+                         sc_rows_ptr, stride_am, stride_sc, col, X.dtype.element_ty, HAS_OFF, SCATTER)
     else:
-        _argmax_tile(KEYS, CNT, cnt_row, acc, pid_m * BLOCK_M, offs_m, m_ok, offs_n, M, N, pid_n, n_tiles, off_ptr,
-                     am_ptr, sc_ptr, sc_rows_ptr, stride_am, stride_sc, col, X.dtype.element_ty, BLOCK_M, BLOCK_P,
-                     ROWS, HAS_OFF, SCATTER)
+        _argmax_tile(BEST, CNT, cnt_row, acc, offs_m, m_ok, offs_n, N, n_tiles, off_ptr, am_ptr, sc_ptr,
+                     sc_rows_ptr, stride_am, stride_sc, col, X.dtype.element_ty, HAS_OFF, SCATTER)
 
 
 def _operands(x: torch.Tensor, w: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,7 +233,15 @@ def linear_act_two_launch(x: torch.Tensor, w: torch.Tensor, act: str, alpha: flo
     return activation.swiglu_oai(y, alpha, limit)
 
 
-ARGMAX_KEYS = 2048  # keys one reduction step of `_argmax_tile` holds (ROWS x BLOCK_P): 16 int64 per thread
+# Rows a folded argmax keeps running maxima for (int64 each, 512 KB per device): more take the two launches.
+ARGMAX_ROWS = 1 << 16
+_BEST = SplitCounters(ARGMAX_ROWS, torch.int64)
+
+
+def best_keys(device: torch.device | str) -> torch.Tensor | None:
+    """The folded argmax's running maxima of `device` (int64 [ARGMAX_ROWS], zero between launches; made and
+    shared as `matmul.tile_counters`, None inside a capture before the first eager call)."""
+    return _BEST.get(device)
 
 
 def linear_argmax(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None = None,
@@ -253,19 +256,18 @@ def linear_argmax(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None
     splits, per_split = matmul.split_plan(k, cfg)
     n_tiles = triton.cdiv(n, cfg.block_n)
     m_blocks = triton.cdiv(m, cfg.block_m)
-    cnt = matmul.tile_counters(x.device) if m_blocks * (n_tiles + 1) <= matmul.MAX_TILES else None
-    if cnt is None or m == 0 or n == 0:
+    fits = m_blocks * (n_tiles + 1) <= matmul.MAX_TILES and m <= ARGMAX_ROWS
+    cnt = matmul.tile_counters(x.device) if fits else None  # [MAX_TILES] int32
+    best = best_keys(x.device) if fits else None  # [ARGMAX_ROWS] int64
+    if cnt is None or best is None or m == 0 or n == 0:
         return linear_argmax_two_launch(x, w, offsets, out, scatter, cfg)
     out, buf, rows, col = argmax_outputs(m, x.device, out, scatter)
-    keys = torch.empty(n_tiles, m, dtype=torch.int64, device=x.device)  # [tiles, M]: each tile's best per row
-    part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else keys  # [S, M, N]
-    block_p = min(triton.next_power_of_2(n_tiles), ARGMAX_KEYS)
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else best  # [S, M, N]
     _matmul_argmax_kernel[(m_blocks * n_tiles, splits)](
-        x, w, keys, part, cnt, m, n, k, per_split, x.stride(0), w.stride(0), part.stride(0) if splits > 1 else 0,
+        x, w, best, part, cnt, m, n, k, per_split, x.stride(0), w.stride(0), part.stride(0) if splits > 1 else 0,
         part.stride(1) if splits > 1 else 0, offsets if offsets is not None else out, out, buf, rows,
         out.stride(0), buf.stride(0), col, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT=splits > 1, BLOCK_P=block_p, ROWS=max(1, min(cfg.block_m, ARGMAX_KEYS // block_p)),
-        HAS_OFF=offsets is not None, SCATTER=scatter is not None, **matmul.dot_args(x.dtype),
+        SPLIT=splits > 1, HAS_OFF=offsets is not None, SCATTER=scatter is not None, **matmul.dot_args(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(x))
     return out
 
