@@ -186,6 +186,18 @@ def test_router_one_launch_equals_two_launches_and_rows_invariant():
     assert torch.equal(full[:, 2:].long(), ref_idx) and (full[:, :2] - ref_w).abs().max() <= 1e-6
 
 
+def test_router_tokens_per_program_change_no_bits():
+    """Programs that take 1, 3 (not dividing T) or 8 tokens each route every token as the two launches do; the
+    default share follows T (one token per program up to 31 tokens, then more)."""
+    x, w, bias = _router_case(11)
+    x = x[:37]  # [37, H]
+    two = router.route_tokens_two_launch(x, w, bias, 2)
+    for per in (1, 3, 8):
+        assert all(_bits_equal(a, b) for a, b in zip(router.route_tokens(x, w, bias, 2, tokens=per), two)), per
+    assert not matmul.tile_counters(CPU).any()
+    assert [router.tokens_per_program(t) for t in (1, 31, 32, 128, 8192)] == [1, 1, 2, 8, 8]
+
+
 def test_router_without_counters_same_bits(monkeypatch):
     """More tokens than the shared counters (or none yet, inside a capture): a zeroed buffer of the call's own,
     the same kernel and bits."""

@@ -179,7 +179,8 @@ def _check_weight_preload(name: str, body: list) -> None:
         return
     _router_program_preloads_rows_only()
     if name.endswith("_router_topk_kernel"):
-        assert not _memory_calls(body[1:]) and _helpers(body[1:]) == ["router_topk_program"], name
+        # a loop over the program's tokens, each one token's program (which waits in its PRELOAD branch)
+        assert not _memory_calls(body[1:]) and _helpers(body[1:]) == ["range", "router_topk_program"], name
         return
     i = next(i for i, st in enumerate(body) if isinstance(st, ast.If) and ast.unparse(st.test) == "pid < n_router")
     assert not _memory_calls(body[1:i + 1]), name  # the router branch only calls the program (checked above)

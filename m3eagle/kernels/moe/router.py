@@ -148,13 +148,15 @@ def router_topk_program(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_p
                    PRECISE, BLOCK_ALL, BLOCK_K, ".cg")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tok"])
 def _router_topk_kernel(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_ptr, hidden, n_exp, stride_x,
-                        stride_w, n_prog, TOP_K: tl.constexpr, PRECISE: tl.constexpr, BLOCK_E: tl.constexpr,
+                        stride_w, n_prog, n_tok, TOP_K: tl.constexpr, PRECISE: tl.constexpr, BLOCK_E: tl.constexpr,
                         BLOCK_H: tl.constexpr, BLOCK_ALL: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PRELOAD: tl.constexpr, PDL: tl.constexpr):
-    """Grid (T, n_prog): the router GEMV of `_router_gemv_kernel` for BLOCK_E experts of one token, then the
-    token's last program to finish routes it (`_route_row`): one launch instead of two. PRELOAD: the expert
+                        PRELOAD: tl.constexpr, TOKENS: tl.constexpr, PDL: tl.constexpr):
+    """Grid (cdiv(T, TOKENS), n_prog): the router GEMV of `_router_gemv_kernel` for BLOCK_E experts of TOKENS
+    consecutive tokens, one token after the other with one token's code, then each token's last program to
+    finish routes it (`_route_row`): one launch instead of two. A token's arithmetic is the same whatever
+    TOKENS is (only how many tokens share a program, and its expert rows in L1, changes). PRELOAD: the expert
     rows are read before the PDL wait (`router_topk_program`).
 
     The last program is found with a per-token counter: each program stores its logits, waits for all of
@@ -164,9 +166,11 @@ def _router_topk_kernel(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_p
     from the same logits as the two-launch path, so it is bit-equal to it."""
     if not PRELOAD:
         pdl_wait(PDL)  # programmatic dependent launch (m3eagle/kernels/pdl.py): before any memory access
-    router_topk_program(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_ptr, tl.program_id(0).to(tl.int64),
-                         tl.program_id(1), hidden, n_exp, stride_x, stride_w, n_prog, TOP_K, PRECISE, BLOCK_E,
-                         BLOCK_H, BLOCK_ALL, BLOCK_K, PRELOAD, PDL)
+    t0 = tl.program_id(0).to(tl.int64) * TOKENS
+    for t in range(t0, tl.minimum(t0 + TOKENS, n_tok)):
+        router_topk_program(x_ptr, w_ptr, lg_ptr, cnt_ptr, bias_ptr, wout_ptr, idx_ptr, t, tl.program_id(1),
+                            hidden, n_exp, stride_x, stride_w, n_prog, TOP_K, PRECISE, BLOCK_E, BLOCK_H, BLOCK_ALL,
+                            BLOCK_K, PRELOAD, PDL)
 
 
 @triton.jit(do_not_specialize=["n_tok"])  # the prompt chunk's length: one compiled variant
@@ -318,10 +322,10 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: i
     n_prog = triton.cdiv(n_exp, block_e)
     launch = pdl.args(x)
     _router_topk_kernel[(t, n_prog)](
-        x, weight, logits, counters, bias, w, idx, hidden, n_exp, x.stride(0), weight.stride(0), n_prog,
+        x, weight, logits, counters, bias, w, idx, hidden, n_exp, x.stride(0), weight.stride(0), n_prog, t,
         TOP_K=k, PRECISE=precise(), BLOCK_E=block_e, BLOCK_H=block_h, BLOCK_ALL=triton.next_power_of_2(n_exp),
-        BLOCK_K=triton.next_power_of_2(k), PRELOAD=router_preload(launch, block_h, hidden), num_warps=warps,
-        **launch_opts(), **launch)
+        BLOCK_K=triton.next_power_of_2(k), PRELOAD=router_preload(launch, block_h, hidden), TOKENS=1,
+        num_warps=warps, **launch_opts(), **launch)
     return w, idx
 
 
