@@ -18,8 +18,8 @@ column only), and the split partials are summed in split order by the tile's las
     linear_argmax  x [M, K] @ w [V, K]^T ──_matmul_argmax_kernel──► ids [M]
                    Each tile folds its rows' best (value, column) key (the decode GEMV's order: torch.argmax's
                    on the rounded logits, lowest column among equals, NaN first) into a per-row running maximum
-                   with one atomic max; the last of a row block's tiles to arrive takes the maxima (one atomic
-                   exchange that also zeroes them). A max of exact keys is the same in any order, so the ids
+                   with one atomic max; the last of a row block's tiles to arrive reads the maxima and zeroes
+                   them. A max of exact keys is the same in any order, so the ids
                    equal `argmax.argmax(linear(x, w))` whichever tile arrives last. The logits are not stored.
 
 Every launch-shape choice is the plain GEMM's (from the weight's shape), never the row count. A call without
@@ -112,17 +112,18 @@ def _row_keys(vals, offs_n, N, dt: tl.constexpr):
 def _argmax_tile(BEST, CNT, cnt_row, vals, offs_m, m_ok, offs_n, N, n_tiles, off_ptr, am_ptr, sc_ptr, sc_rows_ptr,
                  stride_am, stride_sc, col, dt: tl.constexpr, HAS_OFF: tl.constexpr, SCATTER: tl.constexpr):
     """A tile's values are final: fold its rows' best keys into the running maxima BEST[row] ([M] int64, zero
-    between launches) with one atomic max each; the row block's last tile to arrive (CNT[cnt_row]) takes each
-    row's maximum and zeroes it in one atomic exchange, and stores the row's column (+ off[column]) as
-    `argmax.argmax` does. A max of exact keys is the same in any order of arrival, and the block's tail is one
-    exchange of its rows instead of a walk over every tile's keys. The keys are stored with their sign bit
+    between launches) with one atomic max each (idempotent, so a layout that holds a row in two threads may
+    apply it twice); the row block's last tile to arrive (CNT[cnt_row]) reads each row's maximum, zeroes it,
+    and stores the row's column (+ off[column]) as `argmax.argmax` does. A max of exact keys is the same in any
+    order of arrival, and the block's tail is one read of its rows. The keys are stored with their sign bit
     flipped and compared unsigned, so that no key (a column past N included) is below the buffer's zero."""
     key = _row_keys(vals, offs_n, N, dt) ^ INT64_MIN  # [BM] signed order -> unsigned order; INT64_MIN -> 0
     best_ptr = BEST.to(tl.pointer_type(tl.uint64), bitcast=True) + offs_m
     tl.atomic_max(best_ptr, key.to(tl.uint64, bitcast=True), mask=m_ok, sem="relaxed", scope="gpu")
     if last_to_arrive(CNT + cnt_row, n_tiles):
-        zero = tl.zeros_like(key).to(tl.uint64, bitcast=True)
-        best = tl.atomic_xchg(best_ptr, zero, mask=m_ok, sem="relaxed", scope="gpu")  # [BM], and zero again
+        # the other tiles' atomics are visible after the counter's acquire; read them from L2 (.cg), then zero
+        best = tl.load(best_ptr, mask=m_ok, other=0, cache_modifier=".cg")  # [BM] uint64
+        tl.store(best_ptr, tl.zeros_like(best), mask=m_ok)
         best = best.to(tl.int64, bitcast=True) ^ INT64_MIN
         ids = (2147483647 - (best & 0xFFFFFFFF)).to(tl.int64)  # [BM]
         if HAS_OFF:
