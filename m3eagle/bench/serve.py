@@ -76,6 +76,10 @@ DEFINITIONS = {
                    "request queued after tokenizing -> the step that made the first token): count, counts per "
                    "bucket upper bound in ms, and p50 / p90 / p99 interpolated within buckets as Prometheus' "
                    "histogram_quantile does; null when the server exports no such histogram",
+    "server_queue": "as server_ttft, from request_queue_time_seconds: queued -> the first step that scheduled the "
+                    "request (it waited for room)",
+    "server_prefill": "as server_ttft, from request_prefill_time_seconds: the first step that scheduled the "
+                      "request -> its first token. server_queue + server_prefill is the TTFT inside the engine",
     "client": "the load generator: processes (client processes that sent the measured requests), cpu_s (their user + "
               "system seconds over the measured run) and utilization = the busiest process's cpu_s / duration; near "
               "1.0 a client process saturates its core and its latencies include its own queueing",
@@ -381,21 +385,30 @@ def prefix_cache(before: dict[str, float] | None, after: dict[str, float] | None
     return {"queried_tokens": int(q), "hit_tokens": int(h), "hit_rate": h / q if q > 0 else None}
 
 
-TTFT_HISTOGRAM = "time_to_first_token_seconds_bucket"
+TTFT_HISTOGRAM = "time_to_first_token_seconds"
+# The JSON's server-side latency entries and the server histograms they come from (vLLM's names, any prefix):
+# TTFT, and its two parts inside the engine (waiting for room, then the prompt's steps to the first token).
+SERVER_HISTOGRAMS = {"server_ttft": TTFT_HISTOGRAM, "server_queue": "request_queue_time_seconds",
+                     "server_prefill": "request_prefill_time_seconds"}
 
 
-def ttft_buckets(text: str) -> dict[float, float] | None:
-    """The server's TTFT histogram (any prefix): cumulative count per bucket upper bound in seconds (+inf
+def histogram_buckets(text: str, name: str) -> dict[float, float] | None:
+    """The server's histogram `name` (any prefix): cumulative count per bucket upper bound in seconds (+inf
     included), summed over label sets; None when the page holds none (or is not Prometheus text)."""
     samples = _samples(text)
     if samples is None:
         return None
     out: dict[float, float] = {}
     for s in samples:
-        if s.name.endswith(TTFT_HISTOGRAM) and "le" in s.labels:
+        if s.name.endswith(name + "_bucket") and "le" in s.labels:
             le = float(s.labels["le"])
             out[le] = out.get(le, 0.0) + s.value
     return out or None
+
+
+def ttft_buckets(text: str) -> dict[float, float] | None:
+    """The server's TTFT histogram (`histogram_buckets` of time_to_first_token_seconds)."""
+    return histogram_buckets(text, TTFT_HISTOGRAM)
 
 
 def histogram_quantile(q: float, cumulative: list[tuple[float, float]]) -> float | None:
@@ -419,8 +432,9 @@ def histogram_quantile(q: float, cumulative: list[tuple[float, float]]) -> float
 
 
 def server_ttft(before: dict[float, float] | None, after: dict[float, float] | None) -> dict[str, Any] | None:
-    """The measured window's server-side TTFT histogram (after - before): count, per-bucket counts (ms bound ->
-    requests whose TTFT fell in it) and interpolated p50 / p90 / p99 in ms; None without a histogram."""
+    """The measured window of a server-side latency histogram (after - before; TTFT, queue or prefill time):
+    count, per-bucket counts (ms bound -> requests that fell in it) and interpolated p50 / p90 / p99 in ms; None
+    without a histogram."""
     if after is None:
         return None
     before = before or {}
@@ -440,11 +454,14 @@ def server_ttft(before: dict[float, float] | None, after: dict[float, float] | N
 
 
 async def scrape(client: httpx.AsyncClient) -> tuple[dict[str, Any] | None, dict[str, float] | None,
-                                                     dict[float, float] | None]:
-    """(spec_decode counters, prefix-cache counters, TTFT histogram) of the server's /metrics page, each None when
-    absent."""
+                                                     dict[str, dict[float, float] | None]]:
+    """(spec_decode counters, prefix-cache counters, {SERVER_HISTOGRAMS key: histogram}) of the server's /metrics
+    page, each None when absent."""
     status, text = await get_text(client, "/metrics")
-    return (spec_counters(text), prefix_counters(text), ttft_buckets(text)) if status == 200 else (None, None, None)
+    if status != 200:
+        return None, None, dict.fromkeys(SERVER_HISTOGRAMS)
+    return (spec_counters(text), prefix_counters(text),
+            {key: histogram_buckets(text, name) for key, name in SERVER_HISTOGRAMS.items()})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -523,7 +540,7 @@ async def _bench(a: argparse.Namespace) -> dict[str, Any]:
         },
         "acceptance": acceptance(before[0], after[0]),
         "prefix_cache": prefix_cache(before[1], after[1]),
-        "server_ttft": server_ttft(before[2], after[2]),
+        **{key: server_ttft(before[2][key], after[2][key]) for key in SERVER_HISTOGRAMS},
         "client": {"processes": len(cpus), "cpu_s": sum(cpus),
                    "utilization": max(cpus) / duration if duration > 0 else None},
         "errors": sorted({r.error for r in results if r.error})[:10],
@@ -708,10 +725,11 @@ def format_table(doc: dict[str, Any]) -> str:
                      f"per position {per}")
     else:
         lines.append("acceptance: - (the server's /metrics reports no speculative drafts in this window)")
-    st = doc.get("server_ttft")
-    if st:
-        lines.append(f"server TTFT ms (its histogram, {st['count']} requests): p50 {st['p50']:.2f}, p90 "
-                     f"{st['p90']:.2f}, p99 {st['p99']:.2f}")
+    for key, what in (("server_ttft", "TTFT"), ("server_queue", "queue time"), ("server_prefill", "prefill time")):
+        st = doc.get(key)
+        if st:
+            lines.append(f"server {what} ms (its histogram, {st['count']} requests): p50 {st['p50']:.2f}, p90 "
+                         f"{st['p90']:.2f}, p99 {st['p99']:.2f}")
     cl = doc.get("client")
     if cl and cl["utilization"] is not None:
         busy = (" -- the client is saturated: its latencies include its own queueing (more --client-processes)"

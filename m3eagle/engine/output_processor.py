@@ -20,6 +20,7 @@ processed; that step's tokens for it are dropped, so nothing past a stop is ever
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -295,6 +296,10 @@ class OutputProcessor:
             self._append(req, tokens, lps)
         else:
             self._extend(req, tokens, lps)
+        if req.output_token_ids:
+            req.last_token_time = now = time.monotonic()
+            if req.first_token_time is None:
+                req.first_token_time = now
 
     def _may_stop(self, req: Request, tokens: list[int]) -> bool:
         """Whether anything could end the output inside `tokens`: a stop id or EOS among them, the length
@@ -409,7 +414,8 @@ class OutputProcessor:
                 n0, out = req.num_tokens_sent, req.output_token_ids
                 req.num_tokens_sent = n = len(out)
                 deltas.append(RequestDelta(req.request_id, out[n0:], text, None, req.finish_reason,
-                                           len(req.prompt_token_ids), n, req.error, None, req.index))
+                                           len(req.prompt_token_ids), n, req.error, None, req.index,
+                                           req.first_scheduled_time))
                 continue
             if last is None:  # a finished request's output rides on its last delta; only samples of n share an id
                 last = {r.group_id: j for j, r in enumerate(touched) if r.group is not None}
@@ -430,5 +436,5 @@ class OutputProcessor:
         all_done = done and last_of_request and (group is None or group.finished)
         return RequestDelta(req.request_id if group is None else group.request_id, out[n0:], text, lps,
                             req.finish_reason, len(req.prompt_token_ids), n, req.error,
-                            req.to_output() if all_done else None, req.index)
+                            req.to_output() if all_done else None, req.index, req.first_scheduled_time)
 

@@ -5,6 +5,7 @@ back. A delta is the streaming unit: `LLM.generate()` and the HTTP server both c
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,13 +52,25 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Per-request speculation counts: what the draft proposed and what the target kept."""
+    """Per-request speculation counts (what the draft proposed and what the target kept) and timeline (vLLM's
+    RequestMetrics times, in time.monotonic() seconds: differences are what mean something)."""
 
     num_drafted: int = 0  # draft tokens proposed to the target
     num_accepted: int = 0  # of those, accepted
     num_verify_steps: int = 0  # steps in which this request verified drafts
     accepted_per_position: list[int] = field(default_factory=list)  # accepted count at draft position i
     drafted_per_position: list[int] = field(default_factory=list)
+    arrival_time: float | None = None  # add_request queued it
+    first_scheduled_time: float | None = None  # a step first scheduled it (after any wait for room)
+    first_token_time: float | None = None  # its first output token was committed
+    last_token_time: float | None = None  # its latest output token was committed
+
+    @property
+    def time_in_queue(self) -> float | None:
+        """Seconds from arrival to the first step that scheduled it (vLLM's meaning)."""
+        if self.arrival_time is None or self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
 
 
 @dataclass
@@ -94,6 +107,7 @@ class RequestDelta:
     error: str | None = None
     output: RequestOutput | None = None  # the whole result, on the request's finishing delta only
     index: int = 0  # which of the request's n completions
+    first_scheduled_time: float | None = None  # RequestMetrics.first_scheduled_time of this completion
 
     @property
     def finished(self) -> bool:
@@ -187,6 +201,12 @@ class Request:
     page_keys: list[bytes] = field(default_factory=list)
     num_registered: int = 0
     num_cached_tokens: int | None = None
+    # Timeline (time.monotonic() seconds; RequestMetrics): made by add_request, set at the first admission (kept across
+    # preemptions) and the commits of the first / latest output token.
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
     @property
     def num_verify_steps(self) -> int:
@@ -273,12 +293,21 @@ class Request:
         metrics = RequestMetrics(sum(r.num_drafted for r in members), sum(r.num_accepted for r in members),
                                  sum(r.num_verify_steps for r in members),
                                  [sum(x) for x in zip(*(r.accepted_per_position for r in members))],
-                                 [sum(x) for x in zip(*(r.drafted_per_position for r in members))])
+                                 [sum(x) for x in zip(*(r.drafted_per_position for r in members))],
+                                 min(r.arrival_time for r in members), _earliest(r.first_scheduled_time for r in members),
+                                 _earliest(r.first_token_time for r in members),
+                                 max((r.last_token_time for r in members if r.last_token_time is not None),
+                                     default=None))
         first = members[0]
         plp = list(first.prompt_logprobs) if self.params.prompt_logprobs is not None else None
         return RequestOutput(self.group_id, self.prompt, list(self.prompt_token_ids), plp,
                              [r.completion() for r in members], all(r.finished for r in members), metrics,
                              first.num_cached_tokens)
+
+
+def _earliest(times) -> float | None:
+    """The earliest of the times that are set, or None."""
+    return min((t for t in times if t is not None), default=None)
 
 
 @dataclass(eq=False)

@@ -26,6 +26,7 @@ register their pages.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -396,6 +397,8 @@ class Scheduler:
                 self._count_lookup(req, hit)
             self.waiting.popleft()
             req.status = Status.RUNNING
+            if req.first_scheduled_time is None:  # queue time ends at the first admission, not a re-admission
+                req.first_scheduled_time = time.monotonic()
             req.slot = self.free_slots.pop()
             req.pages = req.pages + self.pool.allocate(req.request_id, need)
             self.running.append(req)

@@ -97,6 +97,22 @@ def test_max_num_seqs_limits_concurrency(make_llm, model_dir, prompts, one_shot)
     assert peak[0] <= 2
 
 
+def test_request_metrics_timeline_and_queue_time(make_llm, model_dir, prompts):
+    """Two sequences at a time force the third request to wait until one of the first two has finished: its
+    queue time spans that one's whole generation. Every request's times are in order; n > 1 reports the earliest
+    first scheduling and token and the latest token of its samples."""
+    llm = make_llm(model_dir, max_num_seqs=2)
+    a, b, c = (o.metrics for o in llm.generate(prompts[:3], greedy(NEW)))
+    for m in (a, b, c):
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time
+    first_done = min(a.last_token_time, b.last_token_time)
+    assert c.first_scheduled_time >= first_done  # admitted only once a slot was free
+    assert c.time_in_queue >= first_done - c.arrival_time > 0
+    (o,) = llm.generate(prompts[3], SamplingParams(n=2, max_tokens=NEW, temperature=1.0, seed=3), use_tqdm=False)
+    m = o.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time
+
+
 def test_repeated_generate_calls_reuse_the_engine(make_llm, model_dir, prompts, one_shot):
     llm = make_llm(model_dir, max_num_tokens=16, num_pages=60)
     for _ in range(2):

@@ -415,7 +415,9 @@ def test_metrics(served):
                  "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
                  "spec_decode_num_accepted_tokens_per_pos_total", "time_to_first_token_seconds_bucket",
                  "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
-                 "request_prompt_tokens_bucket", "request_generation_tokens_bucket"):
+                 "request_prompt_tokens_bucket", "request_generation_tokens_bucket",
+                 "request_queue_time_seconds_bucket", "request_prefill_time_seconds_bucket",
+                 "request_decode_time_seconds_bucket", "request_inference_time_seconds_bucket"):
         assert f"m3eagle:{name}" in text, name
     drafts = metric(st, "m3eagle:spec_decode_num_drafts_total")
     drafted = metric(st, "m3eagle:spec_decode_num_draft_tokens_total")
@@ -424,7 +426,16 @@ def test_metrics(served):
     assert drafts > 0 and drafted == 3 * drafts and 0 < accepted <= drafted and sum(per_pos) == accepted
     assert per_pos[0] >= per_pos[1] >= per_pos[2]  # a position is accepted only if the ones before it are
     assert metric(st, "m3eagle:generation_tokens_total") >= metric(st, "m3eagle:request_generation_tokens_sum") > 0
-    assert metric(st, "m3eagle:time_to_first_token_seconds_count") > 0
+    n_ttft = metric(st, "m3eagle:time_to_first_token_seconds_count")
+    assert n_ttft > 0
+    # every request with a first token has its queue and prefill times, which sum to at most its TTFT
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds"):
+        assert metric(st, f"m3eagle:{name}_count") == n_ttft, name
+    assert (metric(st, "m3eagle:request_queue_time_seconds_sum") + metric(st, "m3eagle:request_prefill_time_seconds_sum")
+            <= metric(st, "m3eagle:time_to_first_token_seconds_sum") + 1e-6)
+    # a request aborted before its first token ends (e2e) without a decode phase
+    assert 0 < metric(st, "m3eagle:request_decode_time_seconds_count") <= metric(
+        st, "m3eagle:e2e_request_latency_seconds_count")
     assert metric(st, "m3eagle:kv_cache_usage_perc") == 0
     # a second server in the same process has its own registry
     other = OpenAIServer(st.server.llm, served_model_name="other", log_interval=0)
@@ -584,8 +595,10 @@ def test_bench_serve_against_the_server(served, tmp_path, capsys):
     assert r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"] and r["request_throughput"] > 0
     acc = doc["acceptance"]
     assert acc and 1 <= acc["mean_acceptance_length"] <= 4 and len(acc["per_position"]) == 3
+    for key in ("server_ttft", "server_queue", "server_prefill"):
+        assert doc[key]["count"] == 12 and doc[key]["p50"] is not None, key
     err = capsys.readouterr().err
-    assert "TTFT ms" in err and "acceptance: mean length" in err
+    assert "TTFT ms" in err and "acceptance: mean length" in err and "server queue time ms" in err
     wait_idle(st)
 
 

@@ -20,7 +20,12 @@ Meanings (as vLLM's):
 - inter_token_latency_seconds: between consecutive steps that produced tokens for a request (one
   observation per step, which may carry several tokens under speculation);
 - e2e_request_latency_seconds: arrival to finish; request_prompt_tokens / request_generation_tokens:
-  per finished request.
+  per finished request;
+- request_queue_time_seconds: arrival to the first step that scheduled the request (it waited for room);
+  request_prefill_time_seconds: that step to its first token (its prompt's steps, and under overlap the step
+  that hands the token over); request_decode_time_seconds: first token to finish;
+  request_inference_time_seconds: first scheduled to finish. Queue + prefill is the TTFT the engine sees, so a
+  TTFT far above both is time outside the engine (HTTP, the event loop).
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ class RequestTimes:
     arrival: float
     first: float | None = None
     last: float | None = None
+    scheduled: float | None = None  # the engine's first scheduling of it (RequestDelta.first_scheduled_time)
 
 
 class PrefixCacheCounts(NamedTuple):
@@ -136,6 +142,11 @@ class ServerMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between token-producing steps.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to the first step that scheduled the request.",
+                               TTFT_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds", "First scheduled to the first token.", TTFT_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds", "First token to finish.", E2E_BUCKETS)
+        self.inference = histogram("request_inference_time_seconds", "First scheduled to finish.", E2E_BUCKETS)
         tok_buckets = one_two_five(max_model_len)
         self.req_prompt = histogram("request_prompt_tokens", "Prompt tokens per request.", tok_buckets)
         self.req_generation = histogram("request_generation_tokens", "Generated tokens per request.", tok_buckets)
@@ -152,6 +163,10 @@ class ServerMetrics:
             if times.first is None:
                 times.first = now
                 self.ttft.observe(now - times.arrival)
+                if d.first_scheduled_time is not None:  # the engine's clock is time.monotonic() too
+                    times.scheduled = d.first_scheduled_time
+                    self.queue.observe(max(0.0, times.scheduled - times.arrival))
+                    self.prefill.observe(max(0.0, now - times.scheduled))
                 self.prompt_tokens.inc(d.num_prompt_tokens)
                 self._win.prompt += d.num_prompt_tokens
             else:
@@ -162,6 +177,10 @@ class ServerMetrics:
         if d.finished:
             self.success.get(d.finish_reason, self.success["error"]).inc()
             self.e2e.observe(now - times.arrival)
+            if times.first is not None:
+                self.decode.observe(now - times.first)
+            if times.scheduled is not None:
+                self.inference.observe(now - times.scheduled)
             self.req_prompt.observe(d.num_prompt_tokens)
             self.req_generation.observe(sum(len(c.token_ids) for c in d.output.outputs))  # all n completions
 
