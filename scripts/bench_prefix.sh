@@ -135,6 +135,9 @@ for model, runs in doc.items():
                "failed": r_on["failed"] + r_off["failed"]}
         for k, v in (("mal_on", on), ("mal_off", off)):
             row[k] = v["acceptance"]["mean_acceptance_length"] if v.get("acceptance") else None
+        for part in ("server_ttft", "server_queue", "server_prefill"):  # where the TTFT goes, inside the engine
+            for k, v in (("on", on), ("off", off)):
+                row[f"{part}_p50_ms_{k}"] = (v.get(part) or {}).get("p50")
         summary[f"{model}/{wl}"] = row
 doc["summary"] = summary
 json.dump(doc, open(out, "w"), indent=1)
@@ -143,4 +146,7 @@ for k, r in summary.items():
     print(f"{k:18s} TTFT p50 {r['ttft_p50_ms_off']:8.1f} -> {r['ttft_p50_ms_on']:8.1f} ms ({r['ttft_p50_speedup']:.2f}x)  "
           f"tok/s {r['output_tok_s_off']:8.0f} -> {r['output_tok_s_on']:8.0f} ({r['output_tok_s_ratio']:.3f}x)  "
           f"hit rate {r['hit_rate_on']}  MAL {r['mal_off']} -> {r['mal_on']}  failed {r['failed']}")
+    print(f"{'':18s} server p50 ms off / on: TTFT {r['server_ttft_p50_ms_off']} / {r['server_ttft_p50_ms_on']}, queue "
+          f"{r['server_queue_p50_ms_off']} / {r['server_queue_p50_ms_on']}, prefill {r['server_prefill_p50_ms_off']} / "
+          f"{r['server_prefill_p50_ms_on']}")
 PY

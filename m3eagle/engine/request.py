@@ -60,10 +60,11 @@ class RequestMetrics:
     num_verify_steps: int = 0  # steps in which this request verified drafts
     accepted_per_position: list[int] = field(default_factory=list)  # accepted count at draft position i
     drafted_per_position: list[int] = field(default_factory=list)
-    arrival_time: float | None = None  # add_request queued it
-    first_scheduled_time: float | None = None  # a step first scheduled it (after any wait for room)
-    first_token_time: float | None = None  # its first output token was committed
-    last_token_time: float | None = None  # its latest output token was committed
+    # (compare=False: two runs of the same requests give equal outputs whatever the clock said)
+    arrival_time: float | None = field(default=None, compare=False)  # add_request queued it
+    first_scheduled_time: float | None = field(default=None, compare=False)  # first scheduled (after any wait)
+    first_token_time: float | None = field(default=None, compare=False)  # its first output token was committed
+    last_token_time: float | None = field(default=None, compare=False)  # its latest output token was committed
 
     @property
     def time_in_queue(self) -> float | None:
@@ -107,7 +108,7 @@ class RequestDelta:
     error: str | None = None
     output: RequestOutput | None = None  # the whole result, on the request's finishing delta only
     index: int = 0  # which of the request's n completions
-    first_scheduled_time: float | None = None  # RequestMetrics.first_scheduled_time of this completion
+    first_scheduled_time: float | None = field(default=None, compare=False)  # RequestMetrics' of this completion
 
     @property
     def finished(self) -> bool:
