@@ -21,9 +21,8 @@ import itertools
 import logging
 import random
 import threading
-import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -47,6 +46,7 @@ from m3eagle.engine.output_processor import OutputProcessor, SpecCounters
 from m3eagle.engine.request import (
     Request,
     RequestDelta,
+    RequestError,
     RequestGroup,
     RequestOutput,
     Status,
@@ -55,22 +55,14 @@ from m3eagle.engine.request import (
 from m3eagle.engine.scheduler import NeedSync, ScheduledBatch, Scheduler
 from m3eagle.engine.structured_step import GrammarStep, TreeGrammarStep
 from m3eagle.engine.tree_runner import TreeModelRunner
-from m3eagle.kernels.compile_watch import add_compile_listener
+from m3eagle.engine.warmup import Warmup
 from m3eagle.kernels.ops import Ops, make_ops
 from m3eagle.kvcache.page_pool import PagePool
 from m3eagle.models.layers import pack_projections
-from m3eagle.sampling.params import SamplingParams, StructuredOutputsParams
+from m3eagle.sampling.params import SamplingParams
 from m3eagle.sampling.structured import GrammarCompiler, GrammarError
 
 log = logging.getLogger("m3eagle")
-
-
-class WarmupStopped(Exception):
-    """`LLMEngine.warmup` was told to stop (its `should_stop` answered True); the engine is idle and clean."""
-
-
-class RequestError(ValueError):
-    """A request the engine refuses; the engine keeps serving the others."""
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -196,7 +188,7 @@ class EngineLoad:
     kv_cache_usage: float = 0.0  # fraction of usable KV pages held (0..1)
 
 
-class LLMEngine(OutputProcessor):
+class LLMEngine(OutputProcessor, Warmup):
     """Owns the scheduler, the page pool and the model runner; `step()` is the whole loop body. Its output
     processing (`_process_iteration`, `_deltas`, `_finish`, `_fail`) is inherited from `OutputProcessor`.
 
@@ -348,147 +340,6 @@ class LLMEngine(OutputProcessor):
         self.scheduler.narrow_drafts = narrow_width(tree)
         log.info("draft tree %s: steps of up to %d rows verify the full tree, larger ones its first %d nodes (%s)",
                  tree, value, narrow_width(tree), source)
-
-    # ---- warm-up ------------------------------------------------------------------------------
-    def warmup_shapes(self) -> list[tuple[int, int]]:
-        """(rows, tokens per row) of the warm-up's prompt batches: for each power-of-two step size from 16 up to
-        the step budget (and the budget itself), one row of that length where a sequence can hold it, and as
-        many rows as fit (up to 8) splitting it -- the prompt-chunk shape classes whose Triton tile variants
-        (attention BLOCK_Q, the MoE's per-T-bucket blocks) would otherwise compile on first use, in the middle
-        of serving. The full-budget step is what a burst of arrivals fills (8 prompts of 256 tokens)."""
-        cfg, shapes = self.cfg, []
-        per_row = cfg.max_model_len - self.k - 3
-        sizes, n = [], 16
-        while n < cfg.max_num_tokens:
-            sizes.append(n)
-            n *= 2
-        sizes.append(cfg.max_num_tokens)
-        for n in sizes:
-            if n <= per_row:
-                shapes.append((1, n))
-            rows = max(1, min(8, cfg.max_num_seqs, n // 8))
-            while rows < cfg.max_num_seqs and n // rows > per_row:
-                rows += 1
-            if rows > 1 and n // rows <= per_row:
-                shapes.append((rows, n // rows))
-        return shapes
-
-    def warmup_variants(self) -> list[tuple[str, SamplingParams]]:
-        """The sampling variants the warm-up runs through the engine after the greedy chunk classes: each takes
-        another path through a step (fp32 logits, the sampling and draft-sampling kernels, logprobs, the
-        penalty history, n > 1 samples, prompt logprobs' every-position logits, a grammar's masks)."""
-        k, sampled = self.k + 2, dict(temperature=0.8, top_p=0.9, top_k=40, min_p=0.02, seed=0)
-        out = [("sampled", SamplingParams(max_tokens=k, ignore_eos=True, **sampled)),
-               ("logprobs", SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True, logprobs=5)),
-               ("sampled+logprobs", SamplingParams(max_tokens=k, ignore_eos=True, logprobs=5, **sampled)),
-               ("penalties", SamplingParams(temperature=0.0, max_tokens=k, min_tokens=2, presence_penalty=0.5,
-                                            frequency_penalty=0.5, repetition_penalty=1.1)),
-               ("prompt_logprobs", SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True, prompt_logprobs=2)),
-               ("n=2", SamplingParams(max_tokens=k, ignore_eos=True, n=min(2, self.cfg.max_num_seqs), **sampled))]
-        if self.tokenizer is not None and self.tp.size == 1:  # the grammar compiler is built on first use
-            out.append(("json_object", SamplingParams(temperature=0.0, max_tokens=k,
-                                                      structured_outputs=StructuredOutputsParams(json_object=True))))
-        return out
-
-    def warmup(self, graphs: bool = True, should_stop: Callable[[], bool] | None = None) -> dict[str, Any]:
-        """Do at startup the work a serving step would otherwise do on first use, then forget it (speculation
-        counters and step counts restored, every page free again):
-
-        1. `graphs`: every (bucket, mode) of `GraphRunner.warm_keys` -- each decode / verify bucket in all 8
-           modes, each prefill (rows, tokens) bucket in its 4 (a draft tree's narrow ones too) -- is captured
-           (with graphs off: run once eagerly), which compiles their Triton variants too;
-        2. dummy greedy prompts of every shape of `warmup_shapes`, their prompt steps eager (unpadded: the
-           variants of steps no prefill graph takes), K + 2 new tokens each, so verify and draft steps run too;
-        3. one short request per `warmup_variants` entry, at a short and at the longest chunk length.
-
-        Returns what it ran: shapes, variants, graphs (keys warmed), steps, seconds. `should_stop` (a server that
-        stops while warming up) is asked before each graph key, prompt batch and variant: True raises WarmupStopped
-        with the engine idle and clean, so its thread ends within one item, not under a compile at process exit."""
-        if not self.is_idle_and_clean():
-            raise RuntimeError("warmup() runs on an idle engine only (before any request)")
-        t0, counters, steps, iters = time.perf_counter(), self.counters.snapshot(), self.num_steps, self.num_iterations
-        cache_counts = (self.scheduler.prefix_cache_queries, self.scheduler.prefix_cache_hits)
-
-        def check() -> None:
-            if should_stop is not None and should_stop():
-                self.counters, self.num_steps, self.num_iterations = counters, steps, iters
-                self.scheduler.reset_prefix_cache()
-                self.scheduler.prefix_cache_queries, self.scheduler.prefix_cache_hits = cache_counts
-                raise WarmupStopped("the warm-up was stopped before it finished")
-
-        warmed = 0
-        if graphs and self.graph_shapes:
-            for b, m in self.graphs.warm_keys():
-                check()
-                warmed += self.graphs.warm(b, m)
-        t_graphs = time.perf_counter() - t0
-        shapes = self.warmup_shapes()
-        greedy = SamplingParams(temperature=0.0, max_tokens=self.k + 2, ignore_eos=True)
-        # The prompt shapes run eagerly even where a prefill graph would take them: the captures above compiled
-        # the padded shapes, and a step no graph takes (a constrained row's prompt, penalties) runs unpadded.
-        self.graphs.eager_prefill = True
-        try:
-            for rows, length in shapes:
-                check()
-                self._warm_batch([(f"{rows}x{length}-{r}", length, greedy) for r in range(rows)])
-        finally:
-            self.graphs.eager_prefill = False
-        check()
-        merges = self._warm_index_merges()
-        lengths = sorted({16, max((n for r, n in shapes if r == 1), default=16)})
-        variants = []
-        for name, sp in self.warmup_variants():
-            check()
-            try:
-                self._warm_batch([(f"{name}-{n}", n, sp) for n in lengths])
-                variants.append(name)
-            except (RequestError, ImportError) as e:  # a variant this engine cannot run (no grammar backend)
-                log.info("warm-up: skipped %s (%s)", name, e)
-        info = {"shapes": shapes, "variants": variants, "graphs": warmed, "steps": self.num_steps - steps,
-                "index_merges": merges, "seconds": time.perf_counter() - t0}
-        self.counters, self.num_steps, self.num_iterations = counters, steps, iters
-        sched = self.scheduler
-        sched.reset_prefix_cache()  # dummy prompts: nothing a user would hit, nothing counted
-        sched.prefix_cache_queries, sched.prefix_cache_hits = cache_counts
-        self.graphs.warmed = True
-        if self.device.type == "cuda" and self._unwatch_compiles is None:
-            self._unwatch_compiles = add_compile_listener(self._first_use_compile)
-        log.info("warm-up in %.1f s: %d graph buckets x modes %s in %.1f s (%d captured in all), %d prompt "
-                 "batches (rows x tokens: %s), sampling variants %s", info["seconds"], warmed,
-                 "captured" if self.graphs.use_graphs else "run eagerly", t_graphs, len(self.graphs.graphs),
-                 len(shapes), ", ".join(f"{r}x{n}" for r, n in shapes), ", ".join(variants))
-        return info
-
-    def _warm_index_merges(self) -> int:
-        """Compile the indexer's split-merge variants (one per split-count class, `index_plan.merge_classes`) up to
-        max_model_len: an eager prompt step's row count and contexts pick its split count, so the warm-up's prompt
-        shapes do not reach every class. CUDA with Triton attention only (nothing compiles elsewhere)."""
-        warm = getattr(self.ops.attention, "warm_index_merges", None)
-        if warm is None or not self.index_heads or self.device.type != "cuda":
-            return 0
-        c = self.target_cfg
-        return warm(self.index_heads, c.index_block_size, c.index_topk_blocks, c.index_local_blocks,
-                    self.cfg.max_model_len, self.device)
-
-    def _first_use_compile(self, variant: str) -> None:
-        """A Triton compile after the warm-up: first-use work the warm-up did not cover, paid by a serving step."""
-        self.first_use_compiles += 1
-        log.warning("Triton compiled %s on first use, after the warm-up (its compile delays a serving step)",
-                    variant)
-
-    def _warm_batch(self, reqs: list[tuple[str, int, SamplingParams]]) -> None:
-        """Run dummy prompts (id suffix, length, params) together until they finish. The prefix cache is
-        emptied first: the batches' prompts share prefixes, and a hit would leave their shapes unwarmed."""
-        self.scheduler.reset_prefix_cache()
-        vocab, cap = self.target_cfg.vocab_size, self.cfg.max_model_len - self.k - 3
-        for i, (name, length, sp) in enumerate(reqs):
-            length = max(1, min(length, cap))
-            self.add_request([1 + (i * 7919 + j) % (vocab - 1) for j in range(length)], sp,
-                             request_id=f"warmup-{name}", stream_text=False)
-        while self.has_work() or self.has_output():
-            for d in self.step():
-                if d.finish_reason not in (None, "length", "stop"):
-                    raise RuntimeError(f"warm-up request {d.request_id} ended with {d.finish_reason}: {d.error}")
 
     # ---- requests -----------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -12,6 +12,10 @@ from typing import Any
 from m3eagle.sampling.params import SamplingParams
 
 
+class RequestError(ValueError):
+    """A request the engine refuses; the engine keeps serving the others."""
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

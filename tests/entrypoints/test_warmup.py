@@ -68,6 +68,14 @@ def test_warmup_covers_every_bucket_serving_steps_take(one_thread, monkeypatch):
     assert {b for b, _ in warmed} >= set(gr.buckets) | {(PREFILL, r, t) for t in gr.prefill_buckets
                                                          for r in gr.prefill_rows if 2 <= r <= t}
     assert set(info["variants"]) >= {"sampled", "logprobs", "penalties", "prompt_logprobs", "n=2"}
+    # past the sparse layers' selection bound (a block past top-k x block keys), then a burst of hits on it
+    c, page = eng.target_cfg, eng.cfg.page_size
+    length = (c.index_topk_blocks + 1) * c.index_block_size
+    long = info["long_context"]
+    assert (long["prompt"], long["rows"]) == (length, 4)
+    # each row found the long prompt's pages but (at most) the last, whose KV was final when it was cached
+    assert long["hit_tokens"] % (4 * page) == 0 and long["hit_tokens"] >= 4 * (length // page - 1) * page
+    assert eng.scheduler.prefix_cache_hits == 0  # the warm-up's hits are not counted
     assert eng.num_steps == 0 and eng.counters.num_drafts == 0
     assert_clean(llm)
     # A mixed workload: every keyed step it takes was warmed.
@@ -227,7 +235,7 @@ def test_the_first_streamed_request_imports_nothing():
 def test_warmup_stops_between_items_and_leaves_the_engine_clean(small_llm):
     """`should_stop` is asked before each warm-up item: answering True after the second one ends the warm-up
     with WarmupStopped, the engine idle, clean and with its counters as before."""
-    from m3eagle.engine.llm_engine import WarmupStopped
+    from m3eagle.engine.warmup import WarmupStopped
 
     eng = small_llm.engine
     asked, steps = [], eng.num_steps

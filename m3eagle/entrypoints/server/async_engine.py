@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from m3eagle.engine.llm_engine import LLMEngine, SpecCounters, WarmupStopped
+from m3eagle.engine.llm_engine import LLMEngine, SpecCounters
 from m3eagle.engine.request import RequestDelta
+from m3eagle.engine.warmup import WarmupStopped
 from m3eagle.entrypoints.server.metrics import PrefixCacheCounts, RequestTimes, ServerMetrics
 from m3eagle.sampling.params import SamplingParams
 
