@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Offline benches of the three bench geometries on one GPU (`m3eagle bench`). Run from the repository root:
 #
-#   OUT=<dir> bash scripts/bench_gpu.sh [mini|8b|embedded|m3-fp8|8b-fp8|det|tree|bi-gemm|prefix-ttft|prefix-cost|all]
+#   OUT=<dir> bash scripts/bench_gpu.sh [mini|8b|embedded|m3-fp8|8b-fp8|det|tree|tree-cost|bi-gemm|prefix-ttft|prefix-cost|all]
 #   (default: all)
 #
 # Each run writes $OUT/bench_<name>.json (the JSON document) and $OUT/bench_<name>.log (progress + table);
@@ -11,7 +11,8 @@
 # deterministic mode off, then on (K=3; tok/s and the replayed step of each, to read its cost), ~4-6 min.
 # tree: the embedded pair at batch 1 and 32, chain K=3 against trees 3,4,16 and 6,4,32, all with overlap and
 # decode graphs (trees choose their verify width per batch at startup; 3,4,16 also with the full tree forced at
-# batch 1), and the chain at K = 1, 2, 4, 5, 6, 8 at batch 1 (the best chain is the tree's baseline), ~4-5 min. bi-gemm: the deterministic
+# batch 1), and the chain at K = 1, 2, 4, 5, 6, 8 at batch 1 (the best chain is the tree's baseline), ~4-5 min.
+# tree-cost: m3-mini, the chain K = 3 against the tree 3,2,3 (the same 4 verify rows), batch 1 and 32. bi-gemm: the deterministic
 # GEMM's config sweep on m3-mini's shapes (benchmarks/batch_invariant_gemm.py -> $OUT/bi_gemm.json). prefix-ttft: engine-side TTFT, prefix cache on / off,
 # m3-mini 4,096 shared + 128 own tokens, waves of 8, with prompt graphs up to 512 and up to 2,048 tokens
 # (benchmarks/prefix_ttft.py -> $OUT/prefix_ttft_{512,2048}.json). prefix-cost: m3-mini at batch 1 and 32 (K=3,
@@ -64,6 +65,12 @@ for t in "${targets[@]}"; do
       for k in 1 2 4 5 6 8; do  # the chain sweep at batch 1: the best chain is what a tree must beat
         run embedded-chain-k$k --geometry embedded --batch-sizes 1 --max-tokens 128 --repeats 3 --num-draft-tokens $k
       done ;;
+    tree-cost)  # m3-mini (random weights): a tree's step against the chain's at equal verify rows (3 drafts each:
+      # the chain K = 3, the tree 3,2,3 verified whole at every batch), so the difference is the tree's own work
+      run m3-mini-chain3 --geometry m3-mini --batch-sizes 1,32 --max-tokens 64 --repeats 3 --num-draft-tokens 3 \
+        --overlap on
+      run m3-mini-tree-3-2-3 --geometry m3-mini --batch-sizes 1,32 --max-tokens 64 --repeats 3 --draft-tree 3,2,3 \
+        --overlap on --tree-max-batch 32 ;;
     prefix-cost)
       run m3-mini-cache-on --geometry m3-mini --batch-sizes 1,32 --max-tokens 128 --repeats 5
       run m3-mini-cache-off --geometry m3-mini --batch-sizes 1,32 --max-tokens 128 --repeats 5 \
