@@ -208,10 +208,11 @@ class TreeModelRunner(ModelRunner):
         m, nodes, cand_depth = ((tree.depth, tree.depth, self.chain_depth) if chain
                                 else (tree.max_candidates, tree.nodes, self.cand_depth))
         h_out, h_next = head(shifted, meta.positions, aux, meta, self.draft_cache, True, rows=last_idx)  # [B, H]
-        logits = head.compute_logits(h_out, fused)  # [B, Vd]
+        # the logits in the weights' dtype, made fp32 inside log_softmax's one launch (no cast launch per level)
+        logits = head.compute_logits(h_out, fused, fp32=False)  # [B, Vd]
         if grammar is not None:  # the root's children stay inside the grammar (state after the emitted tokens)
             logits = self._mask_draft(logits, grammar.draft_mask(0, None))
-        logp = torch.log_softmax(logits, -1)  # [B, Vd]
+        logp = torch.log_softmax(logits, -1, dtype=torch.float32)  # [B, Vd]
         # every candidate's score, draft id and parent candidate (-1: the root), creation order: the root's K
         # children, then K*K per level; the expansions and frontiers write their columns
         cand_score = torch.empty(b, m, dtype=logp.dtype, device=logp.device)  # [B, M]
@@ -230,12 +231,12 @@ class TreeModelRunner(ModelRunner):
                                   self.frontier_cols[:kk])
             h_out, h_next = head(front.ids, front.positions, front.hidden, self._frontier_meta(meta, front, length),
                                  self.draft_cache, False)  # [B*K, H]
-            logits = head.compute_logits(h_out, fused).view(b, kk, -1)  # [B, K, Vd]
+            logits = head.compute_logits(h_out, fused, fp32=False).view(b, kk, -1)  # [B, K, Vd]
             if grammar is not None:  # each frontier node's children: the state after its own path (draft ids)
                 f_path = front.tok[..., None] if f_path is None else torch.cat(
                     [f_path.gather(1, front.par[..., None].expand(-1, -1, level - 1)), front.tok[..., None]], -1)
                 logits = self._mask_draft(logits, grammar.frontier_mask(head.draft_to_target(f_path)))
-            logp = torch.log_softmax(logits, -1)  # [B, K, Vd]
+            logp = torch.log_softmax(logits, -1, dtype=torch.float32)  # [B, K, Vd]
             tops.expand_into(front.score, logp, kk, cand_score[:, n_made:n_made + kk * kk],
                              cand_tok[:, n_made:n_made + kk * kk])
             n_made += kk * kk
