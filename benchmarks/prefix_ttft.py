@@ -92,22 +92,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true", help="profile one more wave per setting (CUDA kernels)")
     args = p.parse_args(argv)
     geo = geometries.resolve(args.geometry)
-    rng = random.Random(0)
-    vocab = geo.model.vocab_size
-    prefix = [rng.randrange(vocab) for _ in range(args.prefix_len)]
 
-    def prompts(n: int) -> list[list[int]]:
-        return [prefix + [rng.randrange(vocab) for _ in range(args.suffix_len)] for _ in range(n)]
+    def make_batches(vocab: int) -> list[list[list[int]]]:
+        """Warm-up, measured and profiled waves: one shared prefix + a random suffix per prompt (seed 0)."""
+        rng = random.Random(0)
+        prefix = [rng.randrange(vocab) for _ in range(args.prefix_len)]
+        return [[prefix + [rng.randrange(vocab) for _ in range(args.suffix_len)] for _ in range(args.concurrency)]
+                for _ in range(args.waves + 2)]
 
-    batches = [prompts(args.concurrency) for _ in range(args.waves + 2)]  # warm-up, measured, profiled
+    batches: list[list[list[int]]] | None = None  # made once the first engine says its vocabulary
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     doc: dict[str, Any] = {"command": " ".join(["python", "benchmarks/prefix_ttft.py", *(argv or sys.argv[1:])]),
                            "settings": vars(args), "results": {}}
     for caching in (True, False):
-        llm = LLM(model=geo.model, draft=geo.draft if args.k else None, load_format="dummy", device=args.device,
+        llm = LLM(model=geo.model, draft=geo.draft if args.k else None, load_format=geo.load_format, device=args.device,
                   num_draft_tokens=args.k, enable_prefix_caching=caching, max_num_seqs=args.concurrency,
                   max_model_len=args.prefix_len + args.suffix_len + args.output_len + 64,
                   max_prefill_graph_tokens=args.max_prefill_graph_tokens, attention_backend=args.attention_backend)
+        if batches is None:
+            batches = make_batches(llm.engine.target_cfg.vocab_size)
         llm.generate([batches[0][0]], sp, use_tqdm=False)  # the prefix is cached (with caching on)
         wave(llm, batches[0], sp)  # shapes warmed
         waved = [t for b in batches[1:-1] for t in wave(llm, b, sp)]
