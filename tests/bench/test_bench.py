@@ -340,6 +340,27 @@ def test_msa_step_benchmark_runs_on_cpu():
     assert layer["qkv_rope_with_index_us"] > 0 and layer["indexer_us"] > 0
 
 
+def test_prefix_ttft_benchmark_runs_on_the_embedded_checkpoint(tmp_path):
+    """benchmarks/prefix_ttft.py on the embedded pair (a checkpoint directory, trained weights) on CPU: both
+    cache settings run, the waves hit the cached prefix, and the JSON holds every measured TTFT. It once
+    crashed on any geometry given as a directory."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    out_json = tmp_path / "pttft.json"
+    out = subprocess.run([sys.executable, "benchmarks/prefix_ttft.py", "--geometry", "embedded", "--device", "cpu",
+                          "--prefix-len", "64", "--suffix-len", "8", "--output-len", "2", "--concurrency", "2",
+                          "--waves", "1", "--json", str(out_json)], cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads(out_json.read_text())
+    for setting in ("on", "off"):
+        res = doc["results"][setting]
+        assert len(res["wave_ttft_ms"]) == 2 and len(res["alone_ttft_ms"]) == 2
+        assert all(t > 0 for t in res["wave_ttft_ms"] + res["alone_ttft_ms"])
+    assert doc["speedup"]["wave_p50"] > 0
+
+
 # ---- bench-serve: against a real in-process OpenAI-style server ----------------------------------
 
 
