@@ -32,9 +32,10 @@ interpreter, plus direct calls for the launch shapes no engine run takes):
                  top-k kernels.
 
 Each distinct launch -- module, kernel, argument types, constexpr values, launch options -- is written once as
-JSON (launches differing only in sizes or pointers compile alike and are one record). Re-run it after changing a
-kernel's parameters (the compile test says so when a record no longer matches its kernel) and after adding a
-kernel (add a pass or a direct call that launches it).
+JSON (launches differing only in sizes or pointers compile alike and are one record), merged into the existing file
+(`merge`: a record is dropped only when this run recorded its kernel with other argument names). Re-run it after
+changing a kernel's parameters (the compile test says so when a record no longer matches its kernel) and after
+adding a kernel (add a pass or a direct call that launches it).
 """
 
 from __future__ import annotations
@@ -348,11 +349,33 @@ def run_pass(name: str) -> list[list]:
     return list(records.values())
 
 
+def record_key(rec: list) -> str:
+    return json.dumps(rec, sort_keys=True)
+
+
+def merge(old: list[list], new: list[list]) -> list[list]:
+    """The new launches, plus every old record that can still compile: one is dropped only when the run recorded
+    its kernel with other argument names (the kernel's signature changed). So the records kept by hand (kernels or
+    shapes no pass launches) and launches of passes not run this time survive a re-run. Sorted as written."""
+    sigs: dict[tuple[str, str], set[tuple[str, ...]]] = {}
+    for rec in new:
+        sigs.setdefault((rec[0], rec[1]), set()).add(tuple(rec[2]))
+    out = {record_key(rec): rec for rec in new}
+    for rec in old:
+        seen = sigs.get((rec[0], rec[1]))
+        if seen is None or tuple(rec[2]) in seen:
+            out.setdefault(record_key(rec), rec)
+    return sorted(out.values(), key=lambda r: (r[0], r[1], json.dumps(r[3:], sort_keys=True)))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "data" / "kernel_launches.json")
     ap.add_argument("--passes", default=",".join(PASSES),
-                    help="comma-separated subset of %(default)s (the file written holds only their launches)")
+                    help="comma-separated subset of %(default)s (merged into --out unless --replace)")
+    ap.add_argument("--replace", action="store_true",
+                    help="write only this run's launches (by default the file's other records that still match "
+                         "their kernels' signatures are kept: `merge`)")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                     help="passes run at once, each in its own process (default %(default)s)")
     args = ap.parse_args()
@@ -364,12 +387,13 @@ def main() -> int:
             # the longest pass first, so the others share the second process meanwhile
             for part in pool.map(run_pass, sorted(names, key=lambda n: n != "bf16")):
                 for rec in part:
-                    records.setdefault(json.dumps(rec, sort_keys=True), rec)
+                    records.setdefault(record_key(rec), rec)
     else:
         for name in names:
             for rec in run_pass(name):
-                records.setdefault(json.dumps(rec, sort_keys=True), rec)
-    rows = sorted(records.values(), key=lambda r: (r[0], r[1], json.dumps(r[3:], sort_keys=True)))
+                records.setdefault(record_key(rec), rec)
+    old = [] if args.replace or not args.out.exists() else json.loads(args.out.read_text())
+    rows = merge(old, list(records.values()))
     args.out.write_text(json.dumps(rows, indent=None, separators=(",", ":")).replace("],[", "],\n[") + "\n")
     print(f"{len(rows)} launches of {len({(r[0], r[1]) for r in rows})} kernels -> {args.out}")
     return 0

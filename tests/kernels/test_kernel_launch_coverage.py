@@ -75,3 +75,25 @@ def test_every_record_names_a_kernel_of_the_package():
     """No record of a kernel that was renamed, moved or deleted (re-record after removing one)."""
     gone = sorted(recorded_kernels() - source_kernels())
     assert not gone, f"records of kernels the source no longer defines: {gone}; re-run {RECORD_SCRIPT}"
+
+
+def test_a_rerun_merges_into_the_records_and_drops_only_changed_signatures():
+    """scripts/record_kernel_launches.py merges a run into the file: records no pass launched (kept by hand, or
+    of passes not run) stay; a kernel recorded with other argument names loses its old records, which could no
+    longer compile."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("record_kernel_launches", ROOT / "scripts" /
+                                                  "record_kernel_launches.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    old = [["m.a", "_k1_kernel", ["x", "n"], {"x": "*fp32"}, {"B": 16}, {}],
+           ["m.a", "_k1_kernel", ["x", "n"], {"x": "*fp32"}, {"B": 32}, {}],
+           ["m.b", "_k2_kernel", ["y"], {"y": "*bf16"}, {"B": 8}, {}],
+           ["m.c", "_kept_by_hand_kernel", ["z"], {"z": "*i32"}, {}, {}]]
+    new = [["m.a", "_k1_kernel", ["x", "n", "flag"], {"x": "*fp32"}, {"B": 16}, {}],
+           ["m.b", "_k2_kernel", ["y"], {"y": "*bf16"}, {"B": 64}, {}]]
+    merged = script.merge(old, new)
+    assert merged == [new[0], new[1], old[2], old[3]]  # sorted by module, kernel, then the rest (as JSON)
+    records = json.loads(RECORDS.read_text())
+    assert script.merge(records, records) == records  # the file is what a merge writes
