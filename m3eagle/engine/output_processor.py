@@ -296,10 +296,6 @@ class OutputProcessor:
             self._append(req, tokens, lps)
         else:
             self._extend(req, tokens, lps)
-        if req.output_token_ids:
-            req.last_token_time = now = time.monotonic()
-            if req.first_token_time is None:
-                req.first_token_time = now
 
     def _may_stop(self, req: Request, tokens: list[int]) -> bool:
         """Whether anything could end the output inside `tokens`: a stop id or EOS among them, the length
@@ -403,6 +399,7 @@ class OutputProcessor:
         """One delta per request in `touched` (the requests changed since the last step() returned, in order
         of change)."""
         deltas, last, finished = [], None, Status.FINISHED
+        now = time.monotonic()  # the step's token times (RequestMetrics): one clock read per step, every path
         for i, req in enumerate(touched):
             if req.group is None and req.status is not finished and req.params.logprobs is None:
                 # `_delta` of a running request of its own without logprobs (no output to build)
@@ -413,16 +410,18 @@ class OutputProcessor:
                         text, req.num_text_sent = det.text[req.num_text_sent:end], end
                 n0, out = req.num_tokens_sent, req.output_token_ids
                 req.num_tokens_sent = n = len(out)
+                if n > n0:
+                    _stamp(req, now)
                 deltas.append(RequestDelta(req.request_id, out[n0:], text, None, req.finish_reason,
                                            len(req.prompt_token_ids), n, req.error, None, req.index,
                                            req.first_scheduled_time))
                 continue
             if last is None:  # a finished request's output rides on its last delta; only samples of n share an id
                 last = {r.group_id: j for j, r in enumerate(touched) if r.group is not None}
-            deltas.append(self._delta(req, req.group is None or i == last[req.group_id]))
+            deltas.append(self._delta(req, req.group is None or i == last[req.group_id], now))
         return deltas
 
-    def _delta(self, req: Request, last_of_request: bool = True) -> RequestDelta:
+    def _delta(self, req: Request, last_of_request: bool = True, now: float | None = None) -> RequestDelta:
         """Everything new since the completion's previous delta; text only up to what no stop can still cut."""
         out, det, group = req.output_token_ids, req.detok, req.group
         n0, n, done = req.num_tokens_sent, len(out), req.status is Status.FINISHED
@@ -433,8 +432,16 @@ class OutputProcessor:
             if end > req.num_text_sent:
                 text, req.num_text_sent = det.text[req.num_text_sent:end], end
         req.num_tokens_sent = n
+        if n > n0:
+            _stamp(req, time.monotonic() if now is None else now)
         all_done = done and last_of_request and (group is None or group.finished)
         return RequestDelta(req.request_id if group is None else group.request_id, out[n0:], text, lps,
                             req.finish_reason, len(req.prompt_token_ids), n, req.error,
                             req.to_output() if all_done else None, req.index, req.first_scheduled_time)
 
+
+def _stamp(req: Request, now: float) -> None:
+    """req handed out new tokens in the step that ended at `now`: its latest (and maybe first) token time."""
+    req.last_token_time = now
+    if req.first_token_time is None:
+        req.first_token_time = now

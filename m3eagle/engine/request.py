@@ -67,8 +67,8 @@ class RequestMetrics:
     # (compare=False: two runs of the same requests give equal outputs whatever the clock said)
     arrival_time: float | None = field(default=None, compare=False)  # add_request queued it
     first_scheduled_time: float | None = field(default=None, compare=False)  # first scheduled (after any wait)
-    first_token_time: float | None = field(default=None, compare=False)  # its first output token was committed
-    last_token_time: float | None = field(default=None, compare=False)  # its latest output token was committed
+    first_token_time: float | None = field(default=None, compare=False)  # the step that handed out its first token
+    last_token_time: float | None = field(default=None, compare=False)  # the step that handed out its latest
 
     @property
     def time_in_queue(self) -> float | None:
@@ -207,7 +207,7 @@ class Request:
     num_registered: int = 0
     num_cached_tokens: int | None = None
     # Timeline (time.monotonic() seconds; RequestMetrics): made by add_request, set at the first admission (kept across
-    # preemptions) and the commits of the first / latest output token.
+    # preemptions) and by the steps whose deltas hand out its first / latest output tokens (every output path).
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,23 @@ def test_request_metrics_timeline_and_queue_time(make_llm, model_dir, prompts):
     (o,) = llm.generate(prompts[3], SamplingParams(n=2, max_tokens=NEW, temperature=1.0, seed=3), use_tqdm=False)
     m = o.metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time
+
+
+def test_token_times_follow_every_step_tight_output_path_included(make_llm, model_dir, prompts):
+    """A steady row's tokens take the output processor's tight path (no per-row `_process_row`); the request's
+    token times still move with every step that hands its tokens out, so an abort mid-stream or a request
+    read while running has them current."""
+    llm = make_llm(model_dir)
+    eng = llm.engine
+    req = eng.add_request(list(prompts[1]), greedy(NEW))
+    stamped = 0
+    while eng.has_work() or eng.has_output():
+        t0 = time.monotonic()
+        deltas = eng.step()
+        if any(d.request_id == req.request_id and d.token_ids for d in deltas):
+            assert t0 <= req.last_token_time <= time.monotonic()
+            stamped += 1
+    assert stamped >= 3 and req.first_token_time <= req.last_token_time  # several steps, the steady ones too
 
 
 def test_repeated_generate_calls_reuse_the_engine(make_llm, model_dir, prompts, one_shot):
